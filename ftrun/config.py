@@ -201,10 +201,16 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     script, _ = pick("script")
     if not script:
         raise ConfigError("no training script given; usage: ftrun [OPTIONS] SCRIPT [ARGS]... (see ftrun --help)")
-    if "script" in cli and cli["script"]:
-        args = tuple(cli.get("args") or ())
-    else:
+    # Arguments given on the command line win; without any, the recipe's args
+    # apply unless the command line names a different script than the recipe's.
+    recipe_script = recipe.get("script")
+    same_script = not (cli.get("script") and recipe_script) or os.path.normpath(str(cli["script"])) == os.path.normpath(str(recipe_script))
+    if cli.get("args"):
+        args = tuple(str(a) for a in cli["args"])
+    elif same_script:
         args = tuple(str(a) for a in (recipe.get("args") or ()))
+    else:
+        args = ()
     cfg_kwargs["script"] = str(script)
     cfg_kwargs["script_args"] = args
 

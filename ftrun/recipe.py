@@ -1,14 +1,20 @@
 """Recipes: YAML files holding run options, loaded with yaml.safe_load and checked.
 
-A recipe is a mapping of the keys in ftrun.config.OPTIONS. Loading reports a
-bad recipe as one ConfigError line naming the file, the line and the key.
-This module must never import torch, and never run anything.
+A recipe is a mapping of the keys in ftrun.config.OPTIONS. Values come from
+yaml.safe_load; line numbers come from a second, read-only walk of the
+yaml.compose() node tree, so every bad recipe is reported as ONE ConfigError
+line naming the file, the line and the key (the CLI turns it into exit 2).
+This module must never import torch, never run anything, and never use a YAML
+loader that can build arbitrary Python objects.
 """
 
 from __future__ import annotations
 
+import re
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
@@ -16,45 +22,356 @@ from ftrun.errors import ConfigError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Marks where parse_hook puts its `where` prefix, so its message can be re-prefixed with file:line.
+_WHERE = "\x00recipe\x00"
+
+
+@dataclass
+class Recipe:
+    """A recipe read from disk: safe_load values plus the line of every key."""
+
+    path: Path
+    data: Dict[str, Any]
+    lines: Dict[str, int] = field(default_factory=dict)  # "nproc" or "hook.rank" -> 1-based line
+
+    def line(self, key: str) -> int:
+        return self.lines.get(key) or self.lines.get(key.split(".")[0]) or 1
+
+    def error(self, key: Optional[str], message: str) -> ConfigError:
+        where = f"{self.path}:{self.line(key) if key else 1}"
+        return ConfigError(f"{where}: {key}: {message}" if key else f"{where}: {message}")
+
+
+# ---------------------------------------------------------------------------
+# Finding and reading
+
+
+def bundled_recipes() -> List[Path]:
+    return sorted(RECIPES_DIR.glob("*.yaml"))
+
 
 def find_recipe(name_or_path: str) -> Path:
     """A path as given, else a bundled recipe by name (with or without .yaml)."""
     p = Path(name_or_path)
     if p.exists():
+        if p.is_dir():
+            raise ConfigError(f"recipe {name_or_path!r} is a folder; give a .yaml file or a bundled recipe name")
         return p
-    for cand in (RECIPES_DIR / name_or_path, RECIPES_DIR / f"{name_or_path}.yaml"):
-        if cand.is_file():
-            return cand
-    raise ConfigError(f"recipe {name_or_path!r} not found: no such file, and no bundled recipe of that name (see ftrun recipes)")
+    if "/" not in name_or_path:
+        for cand in (RECIPES_DIR / name_or_path, RECIPES_DIR / f"{name_or_path}.yaml"):
+            if cand.is_file():
+                return cand
+    from ftrun.config import closest
+
+    names = [b.stem for b in bundled_recipes()]
+    hint = closest(Path(name_or_path).stem, names) or (f" (bundled: {', '.join(names)})" if names else "")
+    raise ConfigError(f"recipe {name_or_path!r} not found: no such file, and no bundled recipe of that name{hint}")
+
+
+def read_recipe(path: Path) -> Recipe:
+    """Parse a recipe file: shape and YAML only (no option checks yet)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: recipe file not found") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (a recipe is UTF-8 YAML)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read recipe: {e.strerror or e}") from None
+
+    try:
+        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        # An error at the end of the stream is marked one line past the last; point at the last.
+        line = min(mark.line + 1 if mark else 1, max(1, len(text.splitlines())))
+        near = _key_near(text, line)
+        problem = (e.problem or e.context or "syntax error").strip()
+        raise ConfigError(f"{path}:{line}: invalid YAML{f' near key {near!r}' if near else ''}: {problem}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}:1: invalid YAML: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+    if data is None:
+        raise ConfigError(f"{path}:1: empty recipe; write option: value lines, e.g. 'nproc: 2' (see ftrun recipes)")
+    if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
+        kind = type(data).__name__ if not isinstance(data, list) else "list"
+        raise ConfigError(f"{path}:1: a recipe must be a mapping of option: value lines, not a {kind}")
+
+    recipe = Recipe(path=path, data=data)
+    _collect_lines(recipe, root, prefix="")
+    return recipe
+
+
+def _collect_lines(recipe: Recipe, node: yaml.MappingNode, prefix: str) -> None:
+    """Record each key's line; reject duplicate and non-text keys (safe_load would silently keep the last)."""
+    seen: Dict[str, int] = {}
+    for key_node, value_node in node.value:
+        line = key_node.start_mark.line + 1
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+            shown = getattr(key_node, "value", "?")
+            raise ConfigError(f"{recipe.path}:{line}: key {shown!r}: keys must be option names (text)")
+        name = prefix + key_node.value
+        if name in seen:
+            raise ConfigError(f"{recipe.path}:{line}: {name}: duplicate key (first set on line {seen[name]}); keep one")
+        seen[name] = line
+        recipe.lines[name] = line
+        # Nested keys matter only one level down, for hook parameters and env names.
+        if not prefix and isinstance(value_node, yaml.MappingNode):
+            _collect_lines(recipe, value_node, prefix=name + ".")
+
+
+def _key_near(text: str, line: int) -> Optional[str]:
+    """The top-level key at or above `line` (1-based), to point at the broken entry."""
+    lines = text.splitlines()
+    for i in range(min(line, len(lines)) - 1, -1, -1):
+        m = re.match(r"^([A-Za-z_][\w-]*)\s*:", lines[i])
+        if m:
+            return m.group(1)
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Checking each key
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, (dict, list)):
+        return f"a {'mapping' if isinstance(value, dict) else 'list'}"
+    return repr(value)
+
+
+def check_recipe(recipe: Recipe) -> Dict[str, Any]:
+    """Check every key's type and range on its own; return the mapping build_config takes.
+
+    Cross-key checks (node_rank < nnodes, ...) are left to build_config, since
+    command-line flags may still change the other keys; `ftrun validate` runs
+    them on the recipe as it stands.
+    """
+    from ftrun.config import OPTIONS, closest
+
+    out: Dict[str, Any] = {}
+    for key, value in recipe.data.items():
+        if key not in OPTIONS:
+            dashed = key.replace("-", "_")
+            hint = f" (did you mean {dashed!r}?)" if dashed in OPTIONS else closest(key, OPTIONS)
+            raise recipe.error(key, f"unknown key{hint}")
+        if value is None:
+            continue  # `key:` with no value means "the default", as for a flag not given
+        out[key] = _check_value(recipe, key, value)
+    return out
+
+
+def _check_value(recipe: Recipe, key: str, value: Any) -> Any:
+    from ftrun.config import OPTIONS
+
+    opt = OPTIONS[key]
+    err = recipe.error
+    if key == "nproc":
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise err(key, f"must be a whole number >= 1 or 'auto', not {_describe(value)}")
+        if value < 1:
+            raise err(key, f"must be at least 1, not {value}")
+        return value
+    if key == "ranks":
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(_is_rank(v) for v in value):
+            raise err(key, f"must list ranks >= 0, as '0,1' or [0, 1], not {_describe(value)}")
+        return [int(v) for v in value]
+    if key == "hook":
+        return _check_hook(recipe, value)
+    if key == "env":
+        return _check_env(recipe, value)
+    if key == "args":
+        if not isinstance(value, list):
+            raise err(key, f"must be a list of script arguments, e.g. [--epochs, 3], not {_describe(value)}")
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+                raise err(key, f"each argument must be text or a number (quote {item!r} if you mean the word)")
+        return [str(a) for a in value]
+    if opt.kind is bool:
+        if not isinstance(value, bool):
+            raise err(key, f"must be true or false, not {_describe(value)}")
+        return value
+    if opt.kind in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (opt.kind is int and isinstance(value, float)):
+            kind = "a whole number" if opt.kind is int else "a number"
+            raise err(key, f"must be {kind}, not {_describe(value)}")
+        if value != value:  # NaN passes every comparison below
+            raise err(key, "must be a number, not .nan")
+        if opt.minimum is not None and value < opt.minimum:
+            raise err(key, f"must be >= {opt.minimum:g}, not {value}")
+        if key == "master_port" and value > 65535:
+            raise err(key, f"must be a port number 1..65535, not {value}")
+        return value
+    if opt.kind is str:
+        # A bare number is fine (run_id: 7); true/false or a list is surely a mistake.
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise err(key, f"must be text, not {_describe(value)}")
+        return str(value)
+    return value
+
+
+def _is_rank(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return v >= 0
+    return isinstance(v, str) and v.strip().isdigit()
+
+
+def _check_env(recipe: Recipe, value: Any) -> Dict[str, str]:
+    if not isinstance(value, dict):
+        raise recipe.error("env", f"must be a mapping of NAME: value, not {_describe(value)}")
+    out: Dict[str, str] = {}
+    for name, v in value.items():
+        key = f"env.{name}"
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise recipe.error(key, "not a valid environment variable name (letters, digits and _, not starting with a digit)")
+        # YAML turns yes/no/on/off into booleans: the worker would see 'True'; make the user say what they mean.
+        if isinstance(v, bool):
+            raise recipe.error(key, f"is {v!r} as YAML reads it; quote it (e.g. \"1\" or \"true\") to pass text")
+        if v is None or not isinstance(v, (str, int, float)):
+            raise recipe.error(key, f"must be text or a number, not {_describe(v)}")
+        out[name] = str(v)
+    return out
+
+
+def _check_hook(recipe: Recipe, value: Any) -> Dict[str, Any]:
+    """The hook mapping, checked by ftrun.hookspec.parse_hook, errors placed on their line."""
+    from ftrun.hookspec import parse_hook
+
+    if isinstance(value, str):
+        value = {"name": value}  # `hook: fp16` is shorthand for `hook: {name: fp16}`
+    if not isinstance(value, dict):
+        raise recipe.error("hook", f"must be a hook name or a mapping such as {{name: powersgd, rank: 1}}, not {_describe(value)}")
+    if "name" not in value or value["name"] is None:
+        raise recipe.error("hook", "needs a 'name:' (allreduce, fp16, bf16, powersgd, batched-powersgd, localsgd, noop)")
+    raw = {k: v for k, v in value.items() if v is not None}
+    try:
+        parse_hook(raw, _WHERE)
+    except ConfigError as e:
+        raise _place_hook_error(recipe, raw, str(e)) from None
+    return raw
+
+
+def _place_hook_error(recipe: Recipe, raw: Mapping[str, Any], message: str) -> ConfigError:
+    """Re-prefix a parse_hook message with file:line of the hook key it is about."""
+    body = message
+    if body.startswith(_WHERE):
+        body = body[len(_WHERE):].lstrip(": ")
+    body = body.replace(_WHERE, "recipe")
+    # The key it is about: the earliest hook key the message mentions (as key, key-with-dashes or --flag).
+    best: Tuple[int, Optional[str]] = (len(body) + 1, None)
+    for k in raw:
+        forms = {str(k), str(k).replace("_", "-")}
+        for form in forms:
+            m = re.search(rf"(?<![A-Za-z0-9_]){re.escape(form)}(?![A-Za-z0-9_])", body)
+            if m and m.start() < best[0]:
+                best = (m.start(), str(k))
+    key = best[1] or ("name" if "name" in raw else None)
+    where_key = f"hook.{key}" if key else "hook"
+    line = recipe.lines.get(where_key) or recipe.line("hook")
+    return ConfigError(f"{recipe.path}:{line}: {where_key}: {body}")
+
+
+# ---------------------------------------------------------------------------
+# Entry points
 
 
 def load_recipe(name_or_path: str) -> Tuple[Dict[str, Any], str]:
-    """(mapping, display name) for a recipe file or bundled recipe name."""
-    path = find_recipe(name_or_path)
+    """(checked mapping, display name) for a recipe file or bundled recipe name.
+
+    Raises ConfigError (one line: file, line, key) for anything wrong in the
+    recipe on its own.
+    """
+    recipe = read_recipe(find_recipe(name_or_path))
+    return check_recipe(recipe), str(recipe.path)
+
+
+def validate_recipe(name_or_path: str) -> Tuple[Recipe, Any]:
+    """Every check `ftrun --recipe` would make, with nothing started: (recipe, RunConfig)."""
+    from ftrun.config import OPTIONS, build_config
+
+    recipe = read_recipe(find_recipe(name_or_path))
+    data = check_recipe(recipe)
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping of option: value")
-    return data, str(path)
+        cfg = build_config({"script": data.get("script") or "<script>"}, data, str(recipe.path), check_paths=False)
+    except ConfigError as e:
+        # A cross-key problem: point at the first recipe key the message names.
+        msg = str(e)
+        prefix = f"{recipe.path}: "
+        body = msg[len(prefix):] if msg.startswith(prefix) else msg
+        hits = []
+        for key in data:
+            for form in (key, "--" + key.replace("_", "-")):
+                m = re.search(rf"(?<![A-Za-z0-9_]){re.escape(form)}(?![A-Za-z0-9_])", body)
+                if m:
+                    hits.append((m.start(), key))
+        key = min(hits)[1] if hits else None
+        assert key is None or key in OPTIONS
+        raise recipe.error(key, body) from None
+    return recipe, cfg
 
 
-def recipes_main(name: "str | None") -> int:
-    """`ftrun recipes [NAME]`."""
+def recipe_description(path: Path) -> str:
+    """The recipe's `description:` line, or why it cannot be read (listing never fails)."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return f"(unreadable: {type(e).__name__})"
+    if isinstance(data, dict) and isinstance(data.get("description"), str):
+        return data["description"].strip()
+    return ""
+
+
+def recipes_main(name: Optional[str] = None) -> int:
+    """`ftrun recipes [NAME]`: list the bundled recipes, or print one as written."""
+    from rich.console import Console
+
     if name:
-        print(find_recipe(name).read_text(), end="")
+        path = find_recipe(name)
+        text = path.read_text(encoding="utf-8")
+        if sys.stdout.isatty():
+            from rich.syntax import Syntax
+
+            Console().print(Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
+        else:
+            sys.stdout.write(text)  # as written, so `ftrun recipes X > mine.yaml` makes a copy to edit
         return 0
-    for p in sorted(RECIPES_DIR.glob("*.yaml")):
-        print(p.stem)
+
+    from rich.table import Table
+
+    # Piped output keeps one line per recipe (grep-able); a terminal gets its own width.
+    console = Console(width=None if sys.stdout.isatty() else 400)
+    paths = bundled_recipes()
+    if not paths:
+        console.print(f"no bundled recipes in {RECIPES_DIR}")
+        return 0
+    table = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
+    table.add_column("recipe", style="cyan", no_wrap=True)
+    table.add_column("description")
+    for p in paths:
+        table.add_row(p.stem, recipe_description(p))
+    console.print(table)
+    console.print("[dim]ftrun recipes NAME prints one; ftrun --recipe NAME SCRIPT runs it[/dim]", highlight=False)
     return 0
 
 
 def validate_main(file: str) -> int:
-    """`ftrun validate FILE`: 0 if the recipe is good; a ConfigError otherwise."""
-    from ftrun.config import build_config
+    """`ftrun validate FILE`: exit 0 if the recipe is good; ConfigError (exit 2) otherwise. Starts nothing."""
+    from rich.console import Console
 
-    data, name = load_recipe(file)
-    build_config({"script": data.get("script") or "<script>"}, data, name, check_paths=False)
-    print(f"{name}: ok")
+    recipe, cfg = validate_recipe(file)
+    keys = ", ".join(k for k in recipe.data if k != "description") or "no options"
+    hook = cfg.hook.describe() if cfg.hook is not None else "none"
+    Console(highlight=False, soft_wrap=True).print(f"[green]ok[/green] {recipe.path}: {keys}; hook: {hook}")
     return 0
