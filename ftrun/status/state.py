@@ -15,7 +15,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 class WorkerState(str, enum.Enum):
@@ -91,7 +91,9 @@ class RunStatus:
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "RunStatus":
         d = dict(d)
-        reps = [ReplicaStatus(**r) for r in d.pop("replicas", [])]
+        # Fields this version does not know (a newer supervisor) are dropped, not fatal.
+        rknown = set(ReplicaStatus.__dataclass_fields__)
+        reps = [ReplicaStatus(**{k: v for k, v in r.items() if k in rknown}) for r in d.pop("replicas", [])]
         known = {f for f in cls.__dataclass_fields__}
         return cls(replicas=reps, **{k: v for k, v in d.items() if k in known})
 
@@ -130,6 +132,7 @@ def write_state(path: Path, status: RunStatus) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a leftover tmp file of a recycled pid
         os.write(fd, data.encode())
     finally:
         os.close(fd)
@@ -138,13 +141,24 @@ def write_state(path: Path, status: RunStatus) -> None:
 
 def read_states() -> List[RunStatus]:
     """Every run of this user on this machine that still has a state file."""
+    return [status for _, status in read_state_files()]
+
+
+def read_state_files() -> List[Tuple[Path, RunStatus]]:
+    """(state file, status) of every run of this user on this machine, by start time."""
     root = runs_root()
-    out: List[RunStatus] = []
+    out: List[Tuple[Path, RunStatus]] = []
     if not root.is_dir():
         return out
-    for p in sorted(root.glob("*/state.json")):
+    uid = os.getuid()
+    for p in root.glob("*/state.json"):
         try:
-            out.append(RunStatus.from_dict(json.loads(p.read_text())))
-        except (OSError, ValueError, TypeError):
+            with open(p, "rb") as f:
+                # Only files of our own: a state file planted by someone else is not one of our runs.
+                if os.fstat(f.fileno()).st_uid != uid:
+                    continue
+                out.append((p, RunStatus.from_dict(json.loads(f.read()))))
+        except (OSError, ValueError, TypeError, KeyError):
             continue  # being replaced or from another version: skip rather than fail
+    out.sort(key=lambda ps: (ps[1].started, ps[1].run_id))
     return out

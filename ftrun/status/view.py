@@ -1,24 +1,350 @@
-"""`ftrun status`: read the runs' state files and show them (rich table, --watch, --json).
+"""`ftrun status`: read the runs' state files and show them (rich table, --watch, --json, --clean).
 
-Must never import torch: it runs while training is going on and must be fast.
+Reads only the files the supervisors write (ftrun.status.state); decides by
+itself whether a supervisor is still alive, so a run whose supervisor was
+killed shows as "ended (supervisor gone)" instead of running forever.
+Must never import torch (it runs next to training and must answer in well
+under 0.3 s), never signal or touch a run's processes, and never write
+anything except what --clean removes: ended runs' state files.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Optional
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
-from ftrun.status.state import read_states
+from ftrun.errors import ConfigError
+from ftrun.status.state import RunPhase, RunStatus, read_state_files, runs_root
+
+WATCH_INTERVAL_S = 0.5   # the supervisor rewrites state about this often
+STALE_AFTER_S = 5.0      # a live supervisor that has not written for this long is worth a warning
+PID_REUSE_SLACK_S = 2.0  # /proc start times are coarse (boot time is whole seconds)
+
+GONE = "ended (supervisor gone)"
 
 
-def status_main(run_id: Optional[str] = None, watch: bool = False, as_json: bool = False) -> int:
-    states = [s for s in read_states() if run_id is None or s.run_id == run_id]
-    if as_json:
-        print(json.dumps([s.to_dict() for s in states], indent=2))
+# ---------------------------------------------------------------------------
+# Is the supervisor still there?
+
+
+def _boot_time() -> Optional[float]:
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _pid_start_time(pid: int, boot: Optional[float]) -> Optional[float]:
+    """Wall time `pid` started (Linux /proc), or None where it cannot be known."""
+    if boot is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime; the name may hold spaces
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def supervisor_alive(status: RunStatus, boot: Optional[float] = None) -> bool:
+    """True while the run's supervisor process exists and is the one that started the run."""
+    pid = status.pid
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # someone else's process now has that pid: ours is gone
+    started = _pid_start_time(pid, boot if boot is not None else _boot_time())
+    # A process that started after the run did is a recycled pid, not the supervisor.
+    return started is None or started <= status.started + PID_REUSE_SLACK_S
+
+
+# ---------------------------------------------------------------------------
+# The data shown (the --json output is exactly this)
+
+
+def snapshot(path: Path, status: RunStatus, now: float, boot: Optional[float]) -> Dict[str, Any]:
+    """The state file's data plus what the reader works out: liveness, ages, uptime."""
+    d = status.to_dict()
+    alive = status.phase == RunPhase.ENDED.value or supervisor_alive(status, boot)
+    gone = status.phase != RunPhase.ENDED.value and not alive
+    d["recorded_phase"] = status.phase
+    if gone:
+        d["phase"] = RunPhase.ENDED.value
+        d["exit_summary"] = status.exit_summary or f"supervisor (pid {status.pid}) is gone; its workers went with it"
+    d["supervisor_gone"] = gone
+    d["shown_phase"] = GONE if gone else status.phase
+    end = status.ended if status.phase == RunPhase.ENDED.value and status.ended else (status.updated if gone else now)
+    d["uptime_s"] = round(max(0.0, end - status.started), 3)
+    d["updated_age_s"] = round(max(0.0, now - status.updated), 3)
+    d["state_file"] = str(path)
+    for r in d["replicas"]:
+        hb = r.get("last_heartbeat")
+        r["heartbeat_age_s"] = round(max(0.0, now - hb), 3) if isinstance(hb, (int, float)) else None
+    return d
+
+
+def collect(run_id: Optional[str] = None) -> List[Dict[str, Any]]:
+    """Snapshots of every run (or of `run_id`: exact, else a unique prefix). ConfigError if no such run."""
+    now = time.time()
+    boot = _boot_time()
+    files = read_state_files()
+    if run_id is not None:
+        exact = [(p, s) for p, s in files if s.run_id == run_id]
+        prefixed = [(p, s) for p, s in files if s.run_id.startswith(run_id)]
+        files = exact or (prefixed if len(prefixed) == 1 else [])
+        if not files:
+            raise ConfigError(_no_such_run(run_id, [s.run_id for _, s in read_state_files()]))
+    return [snapshot(p, s, now, boot) for p, s in files]
+
+
+def _no_such_run(run_id: str, known: List[str]) -> str:
+    from ftrun.config import closest
+
+    if not known:
+        return f"no run {run_id!r} on this machine: no ftrun run has state here ({runs_root()})"
+    hint = closest(run_id, known) or f"; runs here: {', '.join(known[:8])}{' ...' if len(known) > 8 else ''}"
+    return f"no run {run_id!r} on this machine{hint}"
+
+
+# ---------------------------------------------------------------------------
+# Rendering for people
+
+STATE_STYLE = {
+    "starting": "cyan", "running": "green", "hung": "bold red", "restarting": "yellow",
+    "recovering": "magenta", "failed": "bold red", "done": "blue", "stopped": "dim",
+}
+
+
+def _age(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if seconds < 3600:
+        m, s = divmod(int(seconds), 60)
+        return f"{m}m{s:02d}s" if m else f"{s}s"
+    h, rem = divmod(int(seconds), 3600)
+    return f"{h}h{rem // 60:02d}m"
+
+
+def _bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _num(x: Optional[float], fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _script_line(run: Dict[str, Any]) -> str:
+    argv = run.get("argv") or []
+    script = run.get("script") or "?"
+    # Show the script and what follows it on the ftrun command line (its own arguments).
+    if script in argv:
+        rest = argv[argv.index(script) + 1:]
+        return " ".join([script] + rest)
+    return script
+
+
+def render_run(run: Dict[str, Any]):
+    """One run: a header line and a table of its replicas."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    ended = run["phase"] == RunPhase.ENDED.value
+    ft = "ft" in str(run.get("policy", "")) or any(r.get("in_quorum") is not None for r in run["replicas"])
+
+    head = Text()
+    head.append(run["run_id"], style="bold")
+    head.append("  ")
+    head.append(_script_line(run), style="cyan")
+    phase_style = "red" if run["supervisor_gone"] or (ended and run.get("exit_code")) else ("blue" if ended else "green")
+    head.append("  ")
+    head.append(run["shown_phase"], style=phase_style)
+    head.append(f"  {'ran' if ended else 'up'} {_age(run['uptime_s'])}")
+    info = Text("  ")
+    info.append(f"hook {run.get('hook') or 'none (allreduce)'}")
+    info.append(f"  policy {run.get('policy')}, max restarts {run.get('max_restarts')}"
+                f"{', group restarts ' + str(run.get('group_restarts')) if run.get('group_restarts') else ''}")
+    info.append(f"  supervisor pid {run.get('pid')}", style="dim")
+    if run.get("nnodes", 1) > 1:
+        info.append(f"  node {run.get('node_rank')} of {run.get('nnodes')}", style="dim")
+    lines: List[Any] = [head, info]
+    if ft and (run.get("quorum_id") is not None or run.get("steps_committed") is not None):
+        lines.append(Text(f"  quorum {_num(run.get('quorum_id'), '{}')}: {_num(run.get('quorum_size'), '{}')} replicas;"
+                          f" steps committed {_num(run.get('steps_committed'), '{}')},"
+                          f" discarded {_num(run.get('steps_discarded'), '{}')}", style="magenta"))
+    if ended:
+        code = run.get("exit_code")
+        summary = run.get("exit_summary") or ""
+        style = "red" if (code or run["supervisor_gone"]) else "blue"
+        lines.append(Text(f"  {'exit ' + str(code) + ': ' if code is not None else ''}{summary}", style=style))
+    elif run["updated_age_s"] > STALE_AFTER_S:
+        lines.append(Text(f"  supervisor has not updated its state for {_age(run['updated_age_s'])}", style="yellow"))
+
+    reps = run["replicas"]
+    gpu = any(r.get("gpu_mem_bytes") is not None for r in reps)
+    table = Table(box=None, pad_edge=False, header_style="bold", padding=(0, 1))
+    cols = ["rank", "pid", "state", "restarts", "step", "steps/s", "heartbeat", "cpu %", "rss"]
+    if gpu:
+        cols.append("gpu mem")
+    if ft:
+        cols += ["quorum", "last heal"]
+    cols.append("last failure")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("state", "last failure", "quorum") else "right",
+                         overflow="fold" if c == "last failure" else "ellipsis")
+    for r in reps:
+        state = r.get("state") or "?"
+        style = STATE_STYLE.get(state, "")
+        if run["supervisor_gone"] and state not in ("done", "failed", "stopped"):
+            state, style = "gone", "dim"  # the workers die with their supervisor; the recorded state is stale
+        live_hb = r.get("heartbeat_age_s") is not None and not ended
+        row = [
+            str(r.get("rank")), _num(r.get("pid"), "{}"), Text(state, style=style),
+            str(r.get("restarts", 0)), str(r.get("step", 0)), _num(r.get("steps_per_s"), "{:.2f}") if not ended else "-",
+            (_age(r["heartbeat_age_s"]) + " ago") if live_hb else "-",
+            _num(r.get("cpu_percent")) if not ended else "-", _bytes(r.get("rss_bytes")) if not ended else "-",
+        ]
+        if gpu:
+            row.append(_bytes(r.get("gpu_mem_bytes")) if not ended else "-")
+        if ft:
+            q = "healing" if r.get("healing") else ("in" if r.get("in_quorum") else ("out" if r.get("in_quorum") is False else "-"))
+            row += [q, _num(r.get("last_heal_s"), "{:.2f}s")]
+        row.append(Text(r.get("last_failure") or "", style="red"))
+        table.add_row(*row)
+    if reps:
+        lines.append(table)
+    return Group(*lines)
+
+
+def render(runs: List[Dict[str, Any]], run_id: Optional[str] = None):
+    from rich.console import Group
+    from rich.text import Text
+
+    if not runs:
+        return Text(f"run {run_id} is gone (its state was removed)" if run_id else "no ftrun run is alive on this machine")
+    parts: List[Any] = []
+    for i, run in enumerate(runs):
+        if i:
+            parts.append(Text(""))
+        parts.append(render_run(run))
+    live = sum(1 for r in runs if r["phase"] != RunPhase.ENDED.value)
+    ended = len(runs) - live
+    if run_id is None:
+        parts.append(Text(""))
+        note = f"{live} run{'s' if live != 1 else ''} alive" if live else "no ftrun run is alive on this machine"
+        if ended:
+            note += f"; {ended} ended (ftrun status --clean removes them)"
+        parts.append(Text(note, style="dim"))
+    return Group(*parts)
+
+
+# ---------------------------------------------------------------------------
+# --clean
+
+
+def clean(run_id: Optional[str] = None) -> List[Tuple[str, Optional[str]]]:
+    """Remove the state of ended runs; [(run_id, folder kept because it holds logs or None)].
+
+    Logs are never removed: they are what explains a failed run. A run folder
+    left empty is removed with its state.
+    """
+    removed: List[Tuple[str, Optional[str]]] = []
+    now, boot = time.time(), _boot_time()
+    for path, status in read_state_files():
+        if run_id is not None and status.run_id != run_id:
+            continue
+        snap = snapshot(path, status, now, boot)
+        if snap["phase"] != RunPhase.ENDED.value:
+            if run_id is not None:
+                raise ConfigError(f"run {run_id!r} is still running (supervisor pid {status.pid}); stop it before --clean")
+            continue
+        folder = path.parent
+        for leftover in [path] + list(folder.glob("state.json.*.tmp")):
+            try:
+                leftover.unlink()
+            except FileNotFoundError:
+                pass
+        try:
+            folder.rmdir()
+            kept = None
+        except OSError:
+            kept = str(folder)  # not empty: logs (or other files) stay
+        removed.append((status.run_id, kept))
+    return removed
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+
+
+def status_main(run_id: Optional[str] = None, watch: bool = False, as_json: bool = False,
+                clean_ended: bool = False) -> int:
+    """`ftrun status [RUN_ID] [--watch] [--json] [--clean]`; a bad RUN_ID is a ConfigError (exit 2)."""
+    if clean_ended:
+        if run_id is not None:
+            collect(run_id)  # the same one-line error for an unknown id
+        removed = clean(run_id)
+        if as_json:
+            print(json.dumps([{"run_id": r, "kept": k} for r, k in removed]))
+            return 0
+        from rich.console import Console
+
+        console = Console(highlight=False, soft_wrap=True)
+        if not removed:
+            console.print("no ended runs to clean")
+        for rid, kept in removed:
+            console.print(f"removed {rid}" + (f" [dim](logs kept in {kept})[/dim]" if kept else ""))
         return 0
-    if not states:
-        print("no ftrun run is alive on this machine")
+
+    runs = collect(run_id)
+    if as_json and not watch:
+        # For scripts: the same data as the table, without loading rich at all (fast path).
+        sys.stdout.write(json.dumps(runs, indent=2) + "\n")
         return 0
-    for s in states:
-        print(s.run_id, s.phase, [(r.rank, r.state, r.restarts, r.step) for r in s.replicas])
+
+    from rich.console import Console
+
+    console = Console()
+    if not watch:
+        console.print(render(runs, run_id))
+        return 0
+
+    from rich.live import Live
+
+    try:
+        with Live(render(runs, run_id), console=console, refresh_per_second=4, transient=False) as live:
+            while True:
+                time.sleep(WATCH_INTERVAL_S)
+                try:
+                    runs = collect(run_id)
+                except ConfigError:
+                    runs = []  # the run was cleaned away while watched: say so, keep watching
+                if as_json:
+                    from rich.text import Text
+
+                    live.update(Text(json.dumps(runs, indent=2)))
+                else:
+                    live.update(render(runs, run_id))
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how --watch ends: not an error
     return 0

@@ -1,0 +1,209 @@
+"""`ftrun status`: hand-written state files under a temp FTRUN_HOME (view, --json, --watch,
+--clean, dead supervisors, file modes, no torch), and a live 4-worker run with a SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftrun.errors import ConfigError
+from ftrun.status.state import ReplicaStatus, RunStatus, read_states, run_dir, runs_root, write_state
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    root = tmp_path / "ftrun-home"
+    monkeypatch.setenv("FTRUN_HOME", str(root))
+    return root
+
+
+@pytest.fixture
+def sup():
+    """A live process standing in for a supervisor (it started before the fake run did)."""
+    p = subprocess.Popen(["sleep", "120"])
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+def ftrun(*args: str, home: Path, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, FTRUN_HOME=str(home), COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "ftrun", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=kw.get("cwd", REPO))
+
+
+def make_run(run_id: str, pid: int, *, started_ago: float = 0.5, phase: str = "running", n: int = 4,
+             ft: bool = False, **kw) -> Path:
+    now = time.time()
+    st = RunStatus(run_id=run_id, script="train.py", argv=["ftrun", "--nproc", str(n), "train.py", "--lr", "0.1"],
+                   started=now - started_ago, pid=pid, hook="powersgd rank=1", max_restarts=1, nproc=n,
+                   policy="replica (ft)" if ft else "group restart", phase=phase, **kw)
+    for i in range(n):
+        st.replicas.append(ReplicaStatus(
+            rank=i, local_rank=i, pid=50000 + i, state="running" if i else "restarting", restarts=0 if i else 1,
+            step=100 + i, steps_per_s=9.5, last_heartbeat=now - 0.3, cpu_percent=97.0, rss_bytes=300 << 20,
+            last_failure=None if i else "SIGKILL (signal 9)",
+            in_quorum=(i != 0) if ft else None, healing=(i == 0) if ft else None, last_heal_s=0.25 if ft else None))
+    if ft:
+        st.quorum_id, st.quorum_size, st.steps_committed, st.steps_discarded = 5, 3, 120, 1
+    path = run_dir(run_id) / "state.json"
+    write_state(path, st)
+    return path
+
+
+def status_json(*args: str, home: Path) -> list:
+    r = ftrun("status", *args, "--json", home=home)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+# ---------------------------------------------------------------------------
+# Views of hand-written state
+
+
+def test_no_runs(home):
+    r = ftrun("status", home=home)
+    assert r.returncode == 0 and "no ftrun run is alive" in r.stdout
+    assert status_json(home=home) == []
+
+
+def test_live_run_table_and_json(home, sup):
+    make_run("ftrun-live1", sup, ft=True)
+    r = ftrun("status", home=home)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    for text in ("ftrun-live1", "train.py --lr 0.1", "running", "powersgd rank=1", "replica (ft)",
+                 "restarting", "SIGKILL (signal 9)", "300.0 MiB", "97.0", "healing", "quorum 5: 3 replicas",
+                 "committed 120", "discarded 1", "1 run alive"):
+        assert text in out, (text, out)
+    [run] = status_json(home=home)
+    assert run["run_id"] == "ftrun-live1" and run["phase"] == "running" and not run["supervisor_gone"]
+    assert [r["rank"] for r in run["replicas"]] == [0, 1, 2, 3]
+    assert run["replicas"][0]["state"] == "restarting" and run["replicas"][0]["restarts"] == 1
+    assert 0 <= run["replicas"][1]["heartbeat_age_s"] < 30 and 0.4 < run["uptime_s"] < 30
+
+
+def test_dead_supervisor_is_ended_supervisor_gone(home):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    make_run("ftrun-gone", dead.pid)
+    # Our own pid, but the run claims to have started long before this process did: a recycled pid.
+    make_run("ftrun-reused", os.getpid(), started_ago=10 * 86400)
+    assert runs_root().is_dir()
+    runs = {r["run_id"]: r for r in status_json(home=home)}
+    for rid in ("ftrun-gone", "ftrun-reused"):
+        assert runs[rid]["phase"] == "ended" and runs[rid]["supervisor_gone"], runs[rid]
+        assert runs[rid]["recorded_phase"] == "running" and runs[rid]["shown_phase"] == "ended (supervisor gone)"
+    r = ftrun("status", home=home)
+    assert r.stdout.count("ended (supervisor gone)") == 2 and "no ftrun run is alive" in r.stdout
+
+
+def test_ended_run_shows_exit_summary(home):
+    make_run("ftrun-ended", 0, phase="ended", exit_code=1, exit_summary="rank 0 exited 1: ValueError: boom",
+             started_ago=30, ended=time.time() - 5)
+    r = ftrun("status", "ftrun-ended", home=home)
+    assert r.returncode == 0 and "ended" in r.stdout and "exit 1: rank 0 exited 1: ValueError: boom" in r.stdout
+    [run] = status_json("ftrun-ended", home=home)
+    assert run["exit_code"] == 1 and not run["supervisor_gone"] and 24 < run["uptime_s"] < 26
+
+
+def test_one_run_by_id_and_unknown_id(home, sup):
+    make_run("ftrun-aaaa1111", sup)
+    make_run("ftrun-bbbb2222", sup)
+    assert [r["run_id"] for r in status_json("ftrun-bbbb2222", home=home)] == ["ftrun-bbbb2222"]
+    assert [r["run_id"] for r in status_json("ftrun-aaaa", home=home)] == ["ftrun-aaaa1111"]  # unique prefix
+    for argv in (["status", "ftrun-cccc"], ["status", "ftrun-cccc", "--json"]):
+        r = ftrun(*argv, home=home)
+        assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r
+        assert "no run 'ftrun-cccc'" in r.stderr
+
+
+def test_unreadable_and_newer_state_files(home):
+    make_run("ftrun-ok", os.getpid())
+    bad = run_dir("ftrun-torn") / "state.json"
+    bad.write_text('{"run_id": "ftrun-torn", ')  # a half-written file never breaks the view
+    newer = json.loads((run_dir("ftrun-ok") / "state.json").read_text())
+    newer["run_id"] = "ftrun-newer"
+    newer["future_field"] = 1
+    newer["replicas"][0]["future_replica_field"] = 2
+    (run_dir("ftrun-newer") / "state.json").write_text(json.dumps(newer))
+    assert sorted(s.run_id for s in read_states()) == ["ftrun-newer", "ftrun-ok"]
+
+
+def test_watch_until_ctrl_c(home, sup):
+    make_run("ftrun-watched", sup)
+    env = dict(os.environ, FTRUN_HOME=str(home), COLUMNS="200")
+    p = subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--watch"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=10)
+    assert p.returncode == 0, err
+    assert "ftrun-watched" in out and "Traceback" not in err
+
+
+def test_clean_removes_ended_runs_only(home, sup):
+    from ftrun.status.view import status_main
+
+    make_run("ftrun-alive", sup)
+    make_run("ftrun-done", 0, phase="ended", exit_code=0, exit_summary="all workers finished", ended=time.time())
+    logs = run_dir("ftrun-done-logs") / "logs"
+    logs.mkdir()
+    (logs / "rank0.log").write_text("keep me\n")
+    make_run("ftrun-done-logs", 0, phase="ended", exit_code=1, ended=time.time())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    make_run("ftrun-gone", dead.pid)
+
+    with pytest.raises(ConfigError, match="still running"):
+        status_main(run_id="ftrun-alive", clean_ended=True)
+    assert status_main(clean_ended=True) == 0
+    assert [s.run_id for s in read_states()] == ["ftrun-alive"]
+    assert not (runs_root() / "ftrun-done").exists() and not (runs_root() / "ftrun-gone").exists()
+    assert (logs / "rank0.log").read_text() == "keep me\n"  # logs are never cleaned away
+    assert status_main(clean_ended=True) == 0  # nothing left to clean is fine
+
+
+def test_files_are_private(home, tmp_path):
+    home.mkdir(mode=0o755)
+    os.chmod(home, 0o755)  # a root made by someone with a loose umask gets tightened
+    old = os.umask(0)  # even with no umask protection at all
+    try:
+        path = make_run("ftrun-private", os.getpid())
+        leftover = path.with_name(path.name + f".{os.getpid()}.tmp")
+        leftover.write_text("{}")
+        os.chmod(leftover, 0o666)  # a stale tmp of a recycled pid must not keep its loose mode
+        path = make_run("ftrun-private", os.getpid())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(home).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert not leftover.exists()
+
+
+def test_status_path_never_imports_torch(home, sup):
+    make_run("ftrun-notorch", sup, ft=True)
+    code = ("import sys, io, contextlib\n"
+            "from ftrun.cli import main\n"
+            "for argv in (['status'], ['status', '--json'], ['status', 'ftrun-notorch']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        try:\n"
+            "            main(argv)\n"
+            "        except SystemExit as e:\n"
+            "            assert e.code == 0, e.code\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, FTRUN_HOME=str(home)),
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]"
