@@ -207,3 +207,87 @@ def test_status_path_never_imports_torch(home, sup):
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ---------------------------------------------------------------------------
+# A live run through the real CLI (needs the supervisor)
+
+needs_supervisor = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("ftrun.supervisor.run") is None, reason="the supervisor has not landed yet")
+
+LOOP = """\
+import os, sys, time
+import torch
+stop = sys.argv[1]
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+while not os.path.exists(stop):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    time.sleep(0.02)
+"""
+
+
+def _wait_for(pred, timeout: float, what: str, poll: float = 0.05):
+    from ftrun.status.view import collect
+
+    deadline = time.time() + timeout
+    runs = []
+    while time.time() < deadline:
+        try:
+            runs = collect()
+        except ConfigError:
+            runs = []
+        if runs and pred(runs[0]):
+            return runs[0]
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(runs)[:2000]}")
+
+
+@needs_supervisor
+def test_live_run_and_sigkill_of_a_worker(home, tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    stop = tmp_path / "stop"
+    env = dict(os.environ, FTRUN_HOME=str(home))
+    sup = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc", "4", "--max-restarts", "1", "--run-id",
+                            "ftrun-live4", "--quiet", str(script), str(stop)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        _wait_for(lambda r: all(x["state"] == "running" and x["step"] > 0 for x in r["replicas"]), 90,
+                  "4 running replicas with steps")
+        [run] = status_json(home=home)  # through the real CLI
+        assert run["run_id"] == "ftrun-live4" and run["phase"] == "running" and run["pid"] == sup.pid
+        assert len(run["replicas"]) == 4 and all(r["pid"] and r["restarts"] == 0 for r in run["replicas"])
+        assert all(r["heartbeat_age_s"] is not None and r["heartbeat_age_s"] < 5 for r in run["replicas"])
+        assert all(r["rss_bytes"] for r in run["replicas"])
+        assert run["policy"] and run["max_restarts"] == 1
+
+        victim = run["replicas"][2]["pid"]
+        t0 = time.time()
+        os.kill(victim, signal.SIGKILL)
+        # Not running any more (restarting/starting), then running again as a new process, restarts up.
+        _wait_for(lambda r: r["replicas"][2]["state"] != "running" or r["replicas"][2]["pid"] != victim, 5,
+                  "rank 2 to leave 'running'", poll=0.005)
+        back = _wait_for(lambda r: r["replicas"][2]["state"] == "running" and r["replicas"][2]["pid"] != victim
+                         and r["replicas"][2]["restarts"] >= 1, 30, "rank 2 running again")
+        elapsed = time.time() - t0
+        assert elapsed < 10, elapsed  # ~0.5 s when the machine is quiet
+        assert "SIGKILL" in (back["replicas"][2]["last_failure"] or "")
+        [run] = status_json("ftrun-live4", home=home)
+        assert run["replicas"][2]["restarts"] >= 1 and run["replicas"][2]["pid"] != victim
+        r = ftrun("status", home=home)
+        assert r.returncode == 0 and "ftrun-live4" in r.stdout and "SIGKILL" in r.stdout
+
+        stop.write_text("")
+        sup.wait(timeout=60)
+        assert sup.returncode == 0, sup.stdout.read()
+        [run] = status_json(home=home)
+        assert run["phase"] == "ended" and run["exit_code"] == 0 and not run["supervisor_gone"]
+        state = Path(run["state_file"])
+        assert stat.S_IMODE(state.stat().st_mode) == 0o600 and stat.S_IMODE(state.parent.stat().st_mode) == 0o700
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
