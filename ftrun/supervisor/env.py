@@ -1,0 +1,60 @@
+"""The environment of each worker: torchrun's variables plus ftrun's own.
+
+Values match what torchrun gives for the same layout, so torchrun scripts,
+Lightning and Accelerate run unmodified (a test compares the two).
+Must never start anything or import torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Mapping
+
+from ftrun.config import RunConfig
+
+
+def common_env(cfg: RunConfig, store_addr: str, store_port: int, base: Mapping[str, str]) -> Dict[str, str]:
+    """Variables every worker of this node shares (also the zygote's environment)."""
+    env = dict(base)
+    env.update(cfg.env)
+    env.update({
+        "WORLD_SIZE": str(cfg.world_size),
+        "LOCAL_WORLD_SIZE": str(cfg.nproc),
+        "GROUP_RANK": str(cfg.node_rank),
+        "GROUP_WORLD_SIZE": str(cfg.nnodes),
+        "ROLE_NAME": "default",
+        "ROLE_WORLD_SIZE": str(cfg.world_size),
+        "MASTER_ADDR": store_addr,
+        "MASTER_PORT": str(store_port),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "TORCHELASTIC_RUN_ID": cfg.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "FTRUN_RUN_ID": cfg.run_id,
+        "FTRUN_STORE": f"{store_addr}:{store_port}",
+        "FTRUN_FT": "1" if cfg.ft else "0",
+        "FTRUN_HOOK": cfg.hook.to_json() if cfg.hook else "",
+    })
+    if cfg.step_timeout:
+        env["FTRUN_STEP_TIMEOUT"] = str(cfg.step_timeout)
+    # torchrun's rule: one thread per worker unless the user chose otherwise.
+    if "OMP_NUM_THREADS" not in base and "OMP_NUM_THREADS" not in cfg.env and cfg.nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def worker_env(common: Mapping[str, str], cfg: RunConfig, local_rank: int, restart_count: int) -> Dict[str, str]:
+    """The full environment of one worker incarnation."""
+    rank = cfg.node_rank * cfg.nproc + local_rank
+    env = dict(common)
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "ROLE_RANK": str(rank),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "FTRUN_REPLICA_ID": str(rank),
+    })
+    return env
+
+
+def base_env() -> Dict[str, str]:
+    return dict(os.environ)

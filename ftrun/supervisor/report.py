@@ -1,0 +1,63 @@
+"""Words for what happened to a worker: exit reasons and the final failure report.
+
+Names the reasons a user meets (killed by a signal, exited with a traceback,
+hung) and prints the report of the first failure with the tail of its stderr
+and where the full log is. Must never decide anything or touch processes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+from rich.text import Text
+
+from ftrun.supervisor.spawn import signal_name
+from ftrun.supervisor.worker import Failure
+
+SIGNAL_HINTS = {
+    "SIGKILL": "often the out-of-memory killer",
+    "SIGSEGV": "segmentation fault",
+    "SIGABRT": "aborted",
+    "SIGBUS": "bus error",
+    "SIGTERM": "terminated",
+}
+
+
+def exit_reason(exit_code: Optional[int], sig: Optional[int], stderr_tail: List[str]) -> str:
+    if sig:
+        name = signal_name(sig)
+        hint = SIGNAL_HINTS.get(name)
+        return f"killed by {name} (signal {sig}{'; ' + hint if hint else ''})"
+    last_error = _last_exception_line(stderr_tail)
+    if last_error:
+        return f"exited {exit_code} with a traceback: {last_error}"
+    return f"exited with code {exit_code}"
+
+
+def _last_exception_line(tail: List[str]) -> Optional[str]:
+    if not any(line.startswith("Traceback") for line in tail):
+        return None
+    for line in reversed(tail):
+        s = line.strip()
+        if s and not s.startswith(("File ", "^", "~")) and not line.startswith(" "):
+            return s[:200]
+    return None
+
+
+def failure_report(failure: Failure, attempts: str) -> Text:
+    """The final report: one headline a person (and grep) can read, then the evidence."""
+    when = time.strftime("%H:%M:%S", time.localtime(failure.when))
+    body = Text()
+    body.append("ftrun: run failed: ", style="bold red")
+    body.append(f"rank {failure.rank}", style="bold")
+    body.append(f" (pid {failure.pid}) failed first at {when}: {failure.reason}\n")
+    body.append(f"ftrun: {attempts}\n")
+    if failure.stderr_tail:
+        body.append("ftrun: last lines of its stderr:\n", style="dim")
+        for line in failure.stderr_tail[-15:]:
+            body.append(f"    {line}\n")
+    if failure.log_path:
+        body.append("ftrun: full log: ", style="dim")
+        body.append(failure.log_path)
+    return body

@@ -1,0 +1,486 @@
+"""The supervisor: start the workers, watch them, restart them, stop them, report.
+
+One event loop on one queue: worker exits (from the spawner, within
+milliseconds), forwarded signals, and a 0.25 s tick that reads progress from
+the store (hang detection, live status). The loop is the only code that
+changes worker states; policies decide, the spawner acts.
+Must never import torch on the main thread before the workers have started.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from ftrun.config import RunConfig
+from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, WorkerState, run_dir, write_state
+from ftrun.supervisor.env import base_env, common_env, worker_env
+from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, open_pipes
+from ftrun.supervisor.report import exit_reason, failure_report
+from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
+from ftrun.supervisor.spawn import Exited, PopenSpawner, Spawned, SpawnerDied, ZygoteSpawner, signal_group
+from ftrun.supervisor.store import RunStore, bind_listener
+from ftrun.supervisor.worker import Failure, Worker, WorkerSpec
+from ftrun.worker.proc import DUMP_STACKS_SIGNAL
+from ftrun.worker.progress import progress_key
+
+TICK_S = 0.25
+HANG_DUMP_GRACE_S = 1.0
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Supervisor:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.events: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.console = ConsoleOut(cfg.quiet, cfg.ranks)
+        self.run_dir = run_dir(cfg.run_id)
+        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else self.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.workers = [Worker(WorkerSpec(lr, cfg.node_rank * cfg.nproc + lr)) for lr in range(cfg.nproc)]
+        self.logs = {w.rank: RankLog(self.log_dir, w.rank) for w in self.workers}
+        self.by_tag: Dict[str, Worker] = {}
+        self.policy = (ReplicaRestartPolicy(cfg.max_restarts, cfg.min_replicas) if cfg.ft
+                       else GroupRestartPolicy(cfg.max_restarts))
+        self.first_failure: Optional[Failure] = None
+        self.started = time.time()
+        self.status = RunStatus(
+            run_id=cfg.run_id, script=cfg.script, argv=list(sys.argv), started=self.started, pid=os.getpid(),
+            hook=cfg.hook.describe() if cfg.hook else None, policy=self.policy.name,
+            max_restarts=cfg.max_restarts, nproc=cfg.nproc, nnodes=cfg.nnodes, node_rank=cfg.node_rank,
+            log_dir=str(self.log_dir),
+        )
+        self.state_path = self.run_dir / "state.json"
+        self._dirty = True
+        self._last_write = 0.0
+        self._last_poll = 0.0
+        self._last_metrics = 0.0
+        self._progress_seen: Dict[int, str] = {}
+        self._procs: Dict[int, object] = {}
+        self.store: Optional[RunStore] = None
+        self._store_announced = False
+
+    # ---------------------------------------------------------------- start
+    def run(self) -> int:
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        cfg = self.cfg
+        host = cfg.master_addr
+        listener = bind_listener("127.0.0.1" if cfg.nnodes == 1 else "0.0.0.0", cfg.master_port)
+        port = listener.getsockname()[1]
+        self.store = RunStore(host, port, listener)
+        self.common = common_env(cfg, host, port, base_env())
+        cwd = os.getcwd()
+        self.cwd = cwd
+        use_zygote = not cfg.no_python and os.environ.get("FTRUN_ZYGOTE", "1") != "0"
+        self.spawner = ZygoteSpawner(self.events, self.common, cwd) if use_zygote else PopenSpawner(self.events)
+        self.use_zygote = use_zygote
+        self._write_state(force=True)
+        self.console.note(
+            f"run {cfg.run_id}: {cfg.nproc} worker{'s' if cfg.nproc != 1 else ''} of {cfg.script}"
+            f"{' (' + self.policy.name + ', ' + str(cfg.max_restarts) + ' restarts)' if cfg.max_restarts else ''}"
+            f"{', hook ' + cfg.hook.describe() if cfg.hook else ''}; logs in {self.log_dir}",
+            style="bold blue")
+        code = 1
+        try:
+            for w in self.workers:
+                self._spawn(w)
+            code = self._loop()
+        finally:
+            self._finish(code)
+        return code
+
+    def _argv(self) -> List[str]:
+        cfg = self.cfg
+        target = (["-m", cfg.script] if cfg.module else [cfg.script]) + list(cfg.script_args)
+        if self.use_zygote:
+            return target
+        if cfg.no_python:
+            return [cfg.script] + list(cfg.script_args)
+        return [sys.executable, "-m", "ftrun.worker.bootstrap"] + target
+
+    def _spawn(self, w: Worker) -> None:
+        env = worker_env(self.common, self.cfg, w.spec.local_rank, w.incarnation)
+        (out_r, out_w), (err_r, err_w) = open_pipes()
+        log = self.logs[w.rank]
+        banner = f"===== ftrun: rank {w.rank}, incarnation {w.incarnation}, {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
+        w.pumps = [Pump(out_r, log.stdout_path, w.rank, self.console, False, banner),
+                   Pump(err_r, log.stderr_path, w.rank, self.console, True, banner)]
+        w.tag = f"{w.rank}.{w.incarnation}.{time.monotonic_ns()}"
+        self.by_tag[w.tag] = w
+        w.pid = None
+        w.state = WorkerState.STARTING if w.incarnation == 0 or not self.cfg.ft else WorkerState.RECOVERING
+        w.started = time.time()
+        w.first_step_seen = False
+        w.last_step_time = None
+        w.last_heartbeat = None
+        w.kill_at = None
+        w.hang_reason = None
+        w.stop_requested = False
+        w.steps_per_s = 0.0
+        if not self.cfg.ft:
+            w.steps = 0  # a new attempt counts its own steps; with --ft the step is global
+        self._progress_seen.pop(w.rank, None)
+        try:
+            self.spawner.spawn(w.tag, self._argv(), env, self.cwd, out_w, err_w)
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        self._dirty = True
+
+    # ---------------------------------------------------------------- loop
+    def _on_signal(self, signum, _frame) -> None:
+        self.events.put(("signal", signum))
+
+    def _next_event(self, timeout: float):
+        try:
+            return self.events.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return None
+
+    def _loop(self) -> int:
+        while True:
+            ev = self._next_event(self._tick_timeout())
+            if ev is not None:
+                result = self._handle(ev)
+                if result is not None:
+                    return result
+            self._tick()
+            if all(w.state in (WorkerState.DONE, WorkerState.FAILED) for w in self.workers):
+                if any(w.state == WorkerState.DONE for w in self.workers) or not self.first_failure:
+                    return 0
+                return self.first_failure.status_code
+
+    def _tick_timeout(self) -> float:
+        now = time.time()
+        deadlines = [w.kill_at for w in self.workers if w.kill_at]
+        nxt = min([self._last_poll + TICK_S] + deadlines)
+        return max(0.0, min(TICK_S, nxt - now))
+
+    def _handle(self, ev) -> Optional[int]:
+        if isinstance(ev, tuple) and ev[0] == "signal":
+            signum = ev[1]
+            self.console.note(f"received {signal.Signals(signum).name}: stopping all workers "
+                              f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
+            self._stop_all(signum, self.cfg.shutdown_timeout)
+            return 128 + signum
+        if isinstance(ev, Spawned):
+            w = self.by_tag.get(ev.tag)
+            if w is not None:
+                w.pid = ev.pid
+                self._dirty = True
+            return None
+        if isinstance(ev, SpawnerDied):
+            if any(w.alive for w in self.workers):
+                self.console.note(f"internal error: {ev.reason}; stopping", style="bold red")
+                self._stop_all(signal.SIGTERM, self.cfg.shutdown_timeout)
+                return 1
+            return None
+        if isinstance(ev, Exited):
+            return self._on_exit(ev)
+        return None
+
+    def _on_exit(self, ev: Exited) -> Optional[int]:
+        w = self.by_tag.pop(ev.tag, None)
+        if w is None or ev.tag != w.tag:
+            return None  # an old incarnation that was already accounted for
+        signal_group(ev.pid, signal.SIGKILL)  # nothing the worker started may outlive it
+        for p in w.pumps:
+            p.done.wait(0.5)
+        w.pid = ev.pid
+        self._dirty = True
+        if w.stop_requested:
+            w.state = WorkerState.STOPPED
+            return None
+        if ev.exit_code == 0 and not w.hang_reason:
+            w.state = WorkerState.DONE
+            return None
+        tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
+        reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
+        failure = Failure(rank=w.rank, pid=ev.pid, exit_code=ev.exit_code, signal=ev.signal, reason=reason,
+                          when=time.time(), stderr_tail=tail, log_path=str(self.logs[w.rank].stderr_path))
+        w.last_failure = failure
+        if self.first_failure is None:
+            self.first_failure = failure
+        return self._on_failure(w, failure)
+
+    def _on_failure(self, w: Worker, failure: Failure) -> Optional[int]:
+        if isinstance(self.policy, GroupRestartPolicy):
+            w.state = WorkerState.FAILED
+            decision = self.policy.on_failure(w.rank)
+            others = [o for o in self.workers if o is not w and o.alive]
+            if decision is Decision.RESTART_GROUP:
+                self.console.note(f"rank {w.rank} (pid {failure.pid}) {failure.reason}; restarting all "
+                                  f"{len(self.workers)} workers (restart {self.policy.restarts} of {self.policy.max_restarts})",
+                                  style="bold yellow")
+                for o in self.workers:
+                    o.state = WorkerState.RESTARTING if o is w or o.alive else o.state
+                self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
+                self._clean_store_for_new_attempt()
+                self.status.group_restarts = self.policy.restarts
+                for o in self.workers:
+                    o.incarnation = self.policy.restarts
+                    o.restarts = self.policy.restarts
+                    self._spawn(o)
+                self.first_failure = None  # a new attempt: its first failure is what counts
+                return None
+            self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
+            return self._give_up(failure)
+        # replica policy (--ft)
+        live_after = sum(1 for o in self.workers if o is not w and o.alive)
+        decision = self.policy.on_failure(w.rank, live_after)
+        if decision is Decision.RESTART_REPLICA:
+            used = self.policy.restarts[w.rank]
+            self.console.note(f"rank {w.rank} (pid {failure.pid}) {failure.reason}; restarting it alone "
+                              f"(restart {used} of {self.policy.max_restarts}); the others keep training",
+                              style="bold yellow")
+            w.state = WorkerState.RESTARTING
+            w.incarnation += 1
+            w.restarts = used
+            self._on_replica_restart(w)
+            self._spawn(w)
+            return None
+        w.state = WorkerState.FAILED
+        if decision is Decision.DROP_REPLICA:
+            self.console.note(f"rank {w.rank} {failure.reason}; its restart budget ({self.policy.max_restarts}) is "
+                              f"spent: carrying on with {live_after} replicas", style="bold red")
+            self._on_replica_dropped(w)
+            return None
+        others = [o for o in self.workers if o is not w and o.alive]
+        self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
+        return self._give_up(failure)
+
+    def _clean_store_for_new_attempt(self) -> None:
+        if self.store is None or not self.store.wait(self.store_timeout()):
+            return
+        try:
+            self.store.clear_worker_keys()
+        except Exception as e:  # the attempt may still work; say why it might not
+            self.console.note(f"could not clear the store between attempts: {e}", style="yellow")
+
+    def store_timeout(self) -> float:
+        return 30.0
+
+    # FT hooks: the quorum keeper overrides these (ftrun.supervisor.quorum).
+    def _on_replica_restart(self, w: Worker) -> None:
+        pass
+
+    def _on_replica_dropped(self, w: Worker) -> None:
+        pass
+
+    def _give_up(self, failure: Failure) -> int:
+        first = self.first_failure or failure
+        attempts = (f"restart budget spent ({self.cfg.max_restarts} restart"
+                    f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
+        self.console.renderable(failure_report(first, attempts))
+        return first.status_code
+
+    # ---------------------------------------------------------------- stopping
+    def _stop_all(self, sig: int, grace: float) -> None:
+        self._stop_workers([w for w in self.workers if w.alive], sig, grace)
+
+    def _stop_workers(self, workers: List[Worker], sig: int, grace: float) -> None:
+        """Signal each worker's group, wait up to `grace`, then SIGKILL; return when all are gone."""
+        pending = {w.tag: w for w in workers if w.alive or w.state == WorkerState.RESTARTING and w.tag in self.by_tag}
+        pending = {t: w for t, w in pending.items() if t in self.by_tag}
+        for w in pending.values():
+            w.stop_requested = True
+            signal_group(w.pid, sig)
+        deadline = time.time() + grace
+        killed = False
+        hard_deadline = deadline + 10.0
+        while pending:
+            now = time.time()
+            if not killed and (now >= deadline or grace == 0):
+                for w in pending.values():
+                    signal_group(w.pid, signal.SIGKILL)
+                killed = True
+            if now >= hard_deadline:
+                if isinstance(self.spawner, ZygoteSpawner):
+                    self.spawner.close()  # workers die with their zygote (parent-death signal)
+                break
+            ev = self._next_event((deadline if not killed else hard_deadline) - now)
+            if ev is None:
+                continue
+            if isinstance(ev, tuple) and ev[0] == "signal":
+                deadline = now  # a second signal: no more grace
+                continue
+            if isinstance(ev, Spawned):
+                w = self.by_tag.get(ev.tag)
+                if w is not None:
+                    w.pid = ev.pid
+                    signal_group(ev.pid, signal.SIGKILL if killed else sig)
+                continue
+            if isinstance(ev, Exited):
+                w = pending.pop(ev.tag, None)
+                self.by_tag.pop(ev.tag, None)
+                signal_group(ev.pid, signal.SIGKILL)
+                if w is not None:
+                    if w.state != WorkerState.RESTARTING:
+                        w.state = WorkerState.STOPPED
+                    for p in w.pumps:
+                        p.done.wait(0.5)
+                continue
+            if isinstance(ev, SpawnerDied):
+                break
+        self._dirty = True
+
+    # ---------------------------------------------------------------- tick
+    def _tick(self) -> None:
+        now = time.time()
+        for w in self.workers:
+            if w.kill_at and now >= w.kill_at:
+                signal_group(w.pid, signal.SIGKILL)
+                w.kill_at = None
+        if now - self._last_poll >= TICK_S * 0.9:
+            self._last_poll = now
+            self._poll_progress(now)
+            if self.cfg.step_timeout:
+                self._check_hangs(now)
+        if now - self._last_metrics >= 1.0:
+            self._last_metrics = now
+            self._sample_metrics()
+            self._dirty = True
+        if self._dirty and now - self._last_write >= 0.05 or now - self._last_write >= 0.5:
+            self._write_state()
+
+    def _poll_progress(self, now: float) -> None:
+        st = self.store
+        if st is None or not st.ready.is_set():
+            return
+        if st.store is None:
+            if not self._store_announced:
+                self._store_announced = True
+                self.console.note(f"could not host the run's store: {st.error}", style="bold red")
+            return
+        if not self._store_announced:
+            self._store_announced = True
+            self._on_store_ready()
+        keys = [progress_key(w.rank) for w in self.workers]
+        try:
+            values = st.multi_get(keys)
+        except Exception:
+            return
+        for w, raw in zip(self.workers, values):
+            text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+            if text == self._progress_seen.get(w.rank):
+                continue
+            self._progress_seen[w.rank] = text
+            parts = text.split()
+            if len(parts) < 5 or int(parts[0]) != w.incarnation or not w.alive:
+                continue
+            steps = int(parts[1])
+            w.last_heartbeat = now
+            if w.state == WorkerState.STARTING:
+                w.state = WorkerState.RUNNING
+                self._dirty = True
+            if steps != w.steps and steps > 0:
+                if w.last_step_time and steps > w.steps:
+                    dt = max(1e-3, now - w.last_step_time)
+                    rate = (steps - w.steps) / dt
+                    w.steps_per_s = rate if w.steps_per_s == 0 else 0.7 * w.steps_per_s + 0.3 * rate
+                w.steps = steps
+                w.last_step_time = now
+                w.first_step_seen = True
+                self._dirty = True
+
+    def _on_store_ready(self) -> None:
+        # Every progress key exists from the start, so multi_get never waits for one.
+        for w in self.workers:
+            try:
+                self.store.store.compare_set(progress_key(w.rank), "", "-1 0 0 0 0")
+            except Exception:
+                pass
+
+    def _check_hangs(self, now: float) -> None:
+        limit = self.cfg.step_timeout
+        for w in self.workers:
+            if w.state not in (WorkerState.RUNNING,) or w.kill_at:
+                continue
+            stalled_step = w.first_step_seen and w.last_step_time and now - w.last_step_time > limit
+            stalled_beat = w.last_heartbeat and now - w.last_heartbeat > limit
+            if not (stalled_step or stalled_beat):
+                continue
+            what = "optimizer step" if stalled_step else "heartbeat"
+            w.hang_reason = f"hung (no {what} for {limit:g} s)"
+            w.state = WorkerState.HUNG
+            self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: dumping its stacks to its log, "
+                              f"then killing it", style="bold red")
+            if w.pid:
+                try:
+                    os.kill(w.pid, DUMP_STACKS_SIGNAL)
+                except OSError:
+                    pass
+            w.kill_at = now + HANG_DUMP_GRACE_S
+            self._dirty = True
+
+    def _sample_metrics(self) -> None:
+        try:
+            import psutil
+        except ImportError:
+            return
+        for w in self.workers:
+            if not w.pid or not w.alive:
+                continue
+            proc = self._procs.get(w.pid)
+            try:
+                if proc is None:
+                    proc = psutil.Process(w.pid)
+                    self._procs[w.pid] = proc
+                    proc.cpu_percent(None)
+                    continue
+                w_cpu = proc.cpu_percent(None)
+                w_rss = proc.memory_info().rss
+                setattr(w, "_cpu", w_cpu)
+                setattr(w, "_rss", w_rss)
+            except (psutil.Error, OSError):
+                self._procs.pop(w.pid, None)
+
+    # ---------------------------------------------------------------- state
+    def _replica_status(self, w: Worker) -> ReplicaStatus:
+        return ReplicaStatus(
+            rank=w.rank, local_rank=w.spec.local_rank, pid=w.pid, state=w.state.value, restarts=w.restarts,
+            step=w.steps, steps_per_s=round(w.steps_per_s, 3), last_heartbeat=w.last_heartbeat,
+            last_step_time=w.last_step_time, cpu_percent=getattr(w, "_cpu", None), rss_bytes=getattr(w, "_rss", None),
+            last_failure=w.last_failure.reason if w.last_failure else None, node_rank=self.cfg.node_rank,
+        )
+
+    def _write_state(self, force: bool = False) -> None:
+        self.status.replicas = [self._replica_status(w) for w in self.workers]
+        try:
+            write_state(self.state_path, self.status)
+        except OSError:
+            pass
+        self._last_write = time.time()
+        self._dirty = False
+
+    def _finish(self, code: int) -> None:
+        leftovers = [w for w in self.workers if w.alive or w.tag in self.by_tag]
+        if leftovers:
+            self._stop_workers(leftovers, signal.SIGKILL, 0)
+        for w in self.workers:
+            for p in w.pumps:
+                p.done.wait(1.0)
+        self.spawner.close()
+        self.status.phase = RunPhase.ENDED.value
+        self.status.exit_code = code
+        self.status.ended = time.time()
+        if code == 0:
+            self.status.exit_summary = "all workers finished"
+        elif self.first_failure is not None:
+            self.status.exit_summary = f"rank {self.first_failure.rank} {self.first_failure.reason}"
+        else:
+            self.status.exit_summary = f"stopped (exit {code})"
+        self._write_state(force=True)
+        if code == 0:
+            self.console.note(f"run {self.cfg.run_id} finished in {time.time() - self.started:.1f} s", style="bold green")
+
+
+def run_supervisor(cfg: RunConfig) -> int:
+    """Run `cfg` to the end; returns ftrun's exit status."""
+    return Supervisor(cfg).run()

@@ -1,0 +1,160 @@
+"""Starting worker processes and learning, within milliseconds, that one has exited.
+
+Two ways to start a worker, one interface:
+- ZygoteSpawner forks workers from a zygote that has imported torch already
+  (python scripts and modules): a start or restart costs milliseconds.
+- PopenSpawner execs each worker (``--no-python``, or FTRUN_ZYGOTE=0).
+Both put every worker in its own session with a parent-death signal and post
+``Exited`` events on the supervisor's queue the moment a worker dies (the
+zygote reaps on SIGCHLD; Popen children have a waiter thread each) — no
+polling. Must never decide policy: it starts, signals and reports, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from ftrun.worker.proc import set_parent_death_signal
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A worker incarnation ended. `tag` is the spawner's handle for it."""
+
+    tag: str
+    pid: int
+    exit_code: Optional[int]   # None when killed by a signal
+    signal: Optional[int]
+
+
+@dataclass(frozen=True)
+class Spawned:
+    tag: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class SpawnerDied:
+    reason: str
+
+
+def _decode_status(status: int):
+    if os.WIFSIGNALED(status):
+        return None, os.WTERMSIG(status)
+    return os.WEXITSTATUS(status), None
+
+
+class ZygoteSpawner:
+    """Forks workers from one pre-warmed zygote process."""
+
+    def __init__(self, events: "queue.Queue", env: Dict[str, str], cwd: str) -> None:
+        self.events = events
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = parent
+        zenv = dict(env)
+        zenv["FTRUN_ZYGOTE_FD"] = str(child.fileno())
+        zenv["FTRUN_SUPERVISOR_PID"] = str(os.getpid())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ftrun.worker.zygote"], env=zenv, cwd=cwd,
+            pass_fds=(child.fileno(),), start_new_session=True, preexec_fn=set_parent_death_signal,
+        )
+        child.close()
+        self.ready = threading.Event()
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name="ftrun-zygote", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                self.events.put(SpawnerDied("the zygote process exited"))
+                return
+            msg = json.loads(data)
+            op = msg.get("op")
+            if op == "ready":
+                self.ready.set()
+            elif op == "spawned":
+                self.events.put(Spawned(msg["tag"], msg["pid"]))
+            elif op == "exit":
+                code, sig = _decode_status(msg["status"])
+                self.events.put(Exited(msg.get("tag") or "", msg["pid"], code, sig))
+
+    def spawn(self, tag: str, argv: List[str], env: Dict[str, str], cwd: str, out_fd: int, err_fd: int) -> None:
+        msg = json.dumps({"op": "spawn", "tag": tag, "argv": argv, "env": env, "cwd": cwd}).encode()
+        with self._lock:
+            socket.send_fds(self.sock, [msg], [out_fd, err_fd])
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        try:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
+
+class PopenSpawner:
+    """Execs each worker as its own program."""
+
+    def __init__(self, events: "queue.Queue") -> None:
+        self.events = events
+        self.ready = threading.Event()
+        self.ready.set()
+
+    def spawn(self, tag: str, argv: List[str], env: Dict[str, str], cwd: str, out_fd: int, err_fd: int) -> None:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out_fd, stderr=err_fd,
+                                start_new_session=True, preexec_fn=set_parent_death_signal)
+        self.events.put(Spawned(tag, proc.pid))
+        threading.Thread(target=self._wait, args=(tag, proc), name=f"ftrun-wait-{tag}", daemon=True).start()
+
+    def _wait(self, tag: str, proc: subprocess.Popen) -> None:
+        rc = proc.wait()
+        code, sig = (rc, None) if rc >= 0 else (None, -rc)
+        self.events.put(Exited(tag, proc.pid, code, sig))
+
+    def close(self) -> None:
+        pass
+
+
+def signal_group(pid: Optional[int], sig: int) -> bool:
+    """Send `sig` to a worker's whole process group (it leads its own session)."""
+    if not pid:
+        return False
+    try:
+        os.killpg(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def group_alive(pid: Optional[int]) -> bool:
+    if not pid:
+        return False
+    try:
+        os.killpg(pid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"

@@ -1,0 +1,82 @@
+"""The run's TCPStore, hosted by the supervisor so it outlives every worker.
+
+The listening socket is bound at once (no torch needed, so the port is known
+and reserved before anything starts); torch is imported and the TCPStore is
+built on that socket in a background thread while the workers start, so
+ftrun never makes workers wait for the supervisor's own torch import.
+Must never be imported by worker code.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any, Dict, List, Optional
+
+STORE_TIMEOUT_S = 60
+
+
+def bind_listener(addr: str, port: Optional[int]) -> socket.socket:
+    """A listening TCP socket on addr:port (port None or 0: a free one)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port or 0))
+    sock.listen(1024)
+    return sock
+
+
+class RunStore:
+    """Hosts (node 0) or joins (other nodes) the run's TCPStore, built off the main thread."""
+
+    def __init__(self, host: str, port: int, listener: Optional[socket.socket]) -> None:
+        self.host = host
+        self.port = port
+        self._listener = listener
+        self.store: Any = None
+        self.error: Optional[BaseException] = None
+        self.ready = threading.Event()
+        self._thread = threading.Thread(target=self._build, name="ftrun-store", daemon=True)
+        self._thread.start()
+
+    def _build(self) -> None:
+        try:
+            import datetime
+
+            import torch.distributed as dist
+
+            timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+            if self._listener is not None:
+                fd = self._listener.detach()  # the TCPStore owns the socket from here on
+                self.store = dist.TCPStore(self.host, self.port, None, True, timeout,
+                                           wait_for_workers=False, master_listen_fd=fd)
+            else:
+                self.store = dist.TCPStore(self.host, self.port, None, False, timeout)
+        except BaseException as e:  # reported by the supervisor loop
+            self.error = e
+        finally:
+            self.ready.set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self.ready.wait(timeout) and self.store is not None
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def multi_get(self, keys: List[str]) -> List[bytes]:
+        return self.store.multi_get(keys)
+
+    def set_many(self, items: Dict[str, str]) -> None:
+        self.store.multi_set(list(items), list(items.values()))
+
+    def clear_worker_keys(self, keep_prefix: str = "ftrun/") -> int:
+        """Delete every key the workers' own rendezvous left behind (gloo/NCCL addresses,
+        barriers), keeping ftrun's. A restarted group must never read the previous
+        attempt's peer addresses: that is how a restart ends in "connectFullMesh
+        failed ... Connection refused" on a port of the dead attempt."""
+        removed = 0
+        for key in self.store.list_keys():
+            if not key.startswith(keep_prefix):
+                self.store.delete_key(key)
+                removed += 1
+        return removed

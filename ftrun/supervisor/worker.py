@@ -1,0 +1,71 @@
+"""One supervised worker: its fixed spec and the record of its current incarnation.
+
+States are explicit (ftrun.status.state.WorkerState); the supervisor loop is
+the only writer. Must never start processes or send signals itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from ftrun.status.state import WorkerState
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    local_rank: int
+    rank: int
+
+
+@dataclass
+class Failure:
+    """Why an incarnation ended badly, as a person should read it."""
+
+    rank: int
+    pid: Optional[int]
+    exit_code: Optional[int]
+    signal: Optional[int]
+    reason: str
+    when: float
+    stderr_tail: List[str] = field(default_factory=list)
+    log_path: Optional[str] = None
+
+    @property
+    def status_code(self) -> int:
+        """What ftrun exits with when this failure ends the run (shell convention for signals)."""
+        if self.signal:
+            return 128 + self.signal
+        return self.exit_code if self.exit_code else 1
+
+
+@dataclass
+class Worker:
+    spec: WorkerSpec
+    state: WorkerState = WorkerState.STARTING
+    incarnation: int = 0          # TORCHELASTIC_RESTART_COUNT of the current process
+    restarts: int = 0             # how many times this worker was restarted
+    tag: str = ""                 # the spawner's handle of the current incarnation
+    pid: Optional[int] = None
+    started: float = field(default_factory=time.time)
+    # progress, from the store
+    steps: int = 0
+    last_step_time: Optional[float] = None
+    first_step_seen: bool = False
+    last_heartbeat: Optional[float] = None
+    steps_per_s: float = 0.0
+    # when hung: SIGKILL deadline after the stack dump was requested
+    kill_at: Optional[float] = None
+    hang_reason: Optional[str] = None
+    stop_requested: bool = False
+    last_failure: Optional[Failure] = None
+    pumps: list = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def alive(self) -> bool:
+        return self.state in (WorkerState.STARTING, WorkerState.RUNNING, WorkerState.HUNG, WorkerState.RECOVERING)

@@ -1,0 +1,116 @@
+"""`python -m ftrun.worker.bootstrap [-m] SCRIPT ARGS...`: run a user's script as a worker.
+
+Reads FTRUN_* from the environment, installs what ftrun adds to a worker
+(progress reports, stack dumps on request, the DDP comm hook), then runs the
+script exactly as `python SCRIPT ARGS` (or `python -m MODULE`) would: same
+sys.argv, sys.path[0], __main__ and exit status.
+Must never change what the script computes, and never import the supervisor.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import runpy
+import sys
+import threading
+import traceback
+from typing import List, Optional
+
+from ftrun.worker.proc import DUMP_STACKS_SIGNAL
+
+
+def _prepare_stdio() -> None:
+    # Lines reach the supervisor's console as they are written, not at exit.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(line_buffering=True)
+        except (AttributeError, ValueError):
+            pass
+
+
+def install() -> None:
+    """Everything ftrun adds inside a worker, before the user's code runs."""
+    _prepare_stdio()
+    faulthandler.register(DUMP_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+    from ftrun.worker import progress
+
+    progress.start_from_env()
+    if os.environ.get("FTRUN_HOOK"):
+        from ftrun.worker.inject import install_from_env
+
+        install_from_env()
+
+
+def _user_traceback(exc: BaseException) -> None:
+    """Print the traceback as `python script.py` would: without ftrun's frames."""
+    tb = exc.__traceback__
+    here = os.path.dirname(os.path.abspath(__file__))
+    while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
+                              or tb.tb_frame.f_code.co_filename.endswith("runpy.py")):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_module = bool(args) and args[0] == "-m"
+    if as_module:
+        args = args[1:]
+    if not args:
+        sys.stderr.write("usage: python -m ftrun.worker.bootstrap [-m] SCRIPT [ARGS...]\n")
+        sys.exit(2)
+    target, script_args = args[0], args[1:]
+    install()
+    code = 0
+    try:
+        if as_module:
+            sys.argv = [target] + script_args
+            sys.path[0:1] = [os.getcwd()]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target] + script_args
+            sys.path[0:1] = [os.path.dirname(os.path.abspath(target))]
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    except KeyboardInterrupt:
+        _user_traceback(sys.exc_info()[1])
+        code = 130
+    except BaseException as exc:  # noqa: BLE001 - the script's own failure, reported as python would
+        _user_traceback(exc)
+        code = 1
+    fast_exit(code)
+
+
+def _exit_status(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    sys.stderr.write(f"{code}\n")
+    return 1
+
+
+def fast_exit(code: int) -> None:
+    """Exit as Python would (non-daemon threads joined, atexit handlers run, streams
+    flushed) but skip tearing down every module: with torch loaded that alone
+    takes about half a second per worker, paid on every exit and restart."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what interpreter exit does first
+    except Exception:
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Process-level settings shared by every worker process, however it was started.
+
+Linux's parent-death signal (so a worker never outlives the process that
+started it) and the signal that asks a worker to dump its Python stacks.
+Must never import torch or anything from the supervisor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+PR_SET_PDEATHSIG = 1
+
+# A realtime signal nobody else uses: SIGUSR1/2 belong to user code (Lightning,
+# SLURM requeue). The bootstrap installs faulthandler on it.
+DUMP_STACKS_SIGNAL = signal.SIGRTMIN + 7
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: nothing to do
+        pass
+
+
+def exit_if_orphaned(expected_parent: int) -> None:
+    """Close the race between fork and prctl: the parent may already be gone."""
+    if os.getppid() != expected_parent:
+        os._exit(1)

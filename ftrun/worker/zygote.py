@@ -1,0 +1,157 @@
+"""The zygote: one process that imports torch once and forks every worker from it.
+
+Importing torch costs about a second of CPU per process; forking a process that
+has already imported it costs milliseconds. So the supervisor starts one
+zygote per node, it imports torch (and the modules the bootstrap needs), then
+forks a worker for each spawn request and reports every child's exit status.
+A restarted worker therefore starts training at once instead of importing
+torch again while its peers are busy.
+
+Rules that keep fork safe: the zygote never runs a torch op (no thread pools,
+no CUDA), never opens a process group, and stays single-threaded. It never
+imports the supervisor. If the supervisor goes away it kills its children and
+exits (and the kernel kills it first with the parent-death signal anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+from typing import Dict, List, Optional
+
+from ftrun.worker.proc import set_parent_death_signal
+
+MAX_MSG = 1 << 20
+
+
+def _send(sock: socket.socket, msg: Dict) -> None:
+    sock.send(json.dumps(msg).encode())
+
+
+def _preimport() -> None:
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.algorithms.ddp_comm_hooks  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+    import torch.optim  # noqa: F401
+
+    import ftrun.worker.bootstrap  # noqa: F401
+
+
+class _Child:
+    """What a forked child must run, returned up to the top level."""
+
+    def __init__(self, argv: List[str]) -> None:
+        self.argv = argv
+
+
+def serve(sock: socket.socket, supervisor_pid: int) -> Optional[_Child]:
+    """The zygote loop. Returns only in a forked child, with what it must run."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    # The supervisor forwards signals to workers itself; Ctrl-C in the terminal
+    # must not kill the zygote before the workers are shut down gracefully.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    children: Dict[int, str] = {}
+    _send(sock, {"op": "ready"})
+    while True:
+        try:
+            readable, _, _ = select.select([sock, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in readable:
+            try:
+                while os.read(wake_r, 512):
+                    pass
+            except BlockingIOError:
+                pass
+            _reap(sock, children)
+        if sock in readable:
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, MAX_MSG, 4)
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                for pid in list(children):
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                os._exit(0)
+            msg = json.loads(data)
+            if msg.get("op") != "spawn":
+                continue
+            pid = os.fork()
+            if pid == 0:
+                return _become_worker(msg, fds, sock, (wake_r, wake_w))
+            children[pid] = msg["tag"]
+            for fd in fds:
+                os.close(fd)
+            _send(sock, {"op": "spawned", "tag": msg["tag"], "pid": pid})
+
+
+def _reap(sock: socket.socket, children: Dict[int, str]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        tag = children.pop(pid, None)
+        _send(sock, {"op": "exit", "pid": pid, "tag": tag, "status": status})
+
+
+def _become_worker(msg: Dict, fds: List[int], sock: socket.socket, wake: tuple) -> _Child:
+    zygote_pid = os.getppid()
+    os.setsid()
+    set_parent_death_signal()
+    if os.getppid() != zygote_pid:
+        os._exit(1)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sock.close()
+    for fd in wake:
+        os.close(fd)
+    out_fd, err_fd = fds[0], fds[1]
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    for fd in fds:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    os.chdir(msg["cwd"])
+    # Forked children share the parent's numpy seed; separate processes would not.
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
+    return _Child(msg["argv"])
+
+
+def main() -> None:
+    fd = int(os.environ.pop("FTRUN_ZYGOTE_FD"))
+    supervisor_pid = int(os.environ.pop("FTRUN_SUPERVISOR_PID"))
+    set_parent_death_signal()
+    if os.getppid() != supervisor_pid:
+        os._exit(1)
+    sock = socket.socket(fileno=fd)
+    _preimport()
+    child = serve(sock, supervisor_pid)
+    if child is None:
+        return
+    from ftrun.worker.bootstrap import main as bootstrap_main
+
+    bootstrap_main(child.argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""A plain torchrun-style DDP training script on synthetic data (no ftrun API).
+
+Runs unchanged under `torchrun --nproc-per-node N` and `ftrun --nproc N`:
+gloo on CPU, nccl with one GPU per LOCAL_RANK when CUDA is there. Used by the
+demo, the tests and the benchmarks; the --fail-*/--hang-* flags inject faults
+on the first attempt only (TORCHELASTIC_RESTART_COUNT == 0), and --ckpt lets
+a restarted group resume where it left off.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--ckpt", default=None, help="checkpoint file: saved every --ckpt-every steps, resumed from")
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--fail-rank", type=int, default=-1)
+    p.add_argument("--fail-step", type=int, default=-1)
+    p.add_argument("--fail-always", action="store_true", help="fail on every attempt, not just the first")
+    p.add_argument("--hang-rank", type=int, default=-1)
+    p.add_argument("--hang-step", type=int, default=-1)
+    p.add_argument("--out", default=None, help="write final parameters of each rank to OUT.rankN.pt")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="pretend each step does more work")
+    p.add_argument("--print-every", type=int, default=10)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device)
+    ddp = DDP(model, device_ids=[device.index] if use_cuda else None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    start = 0
+    if args.ckpt and os.path.exists(args.ckpt):
+        state = torch.load(args.ckpt, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"])
+        print(f"resumed from step {start}", flush=True)
+
+    true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1))
+    for step in range(start, args.steps):
+        g = torch.Generator().manual_seed(step * world + rank)
+        x = torch.randn(args.batch, args.dim, generator=g)
+        y = x @ true_w + 0.01 * torch.randn(args.batch, 1, generator=g)
+        x, y = x.to(device), y.to(device)
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+        if step % args.print_every == 0 or step == args.steps - 1:
+            print(f"step {step} loss {loss.item():.5f}", flush=True)
+        first_attempt = attempt == 0 or args.fail_always
+        if rank == args.fail_rank and step == args.fail_step and first_attempt:
+            raise RuntimeError(f"injected failure at step {step}")
+        if rank == args.hang_rank and step == args.hang_step and attempt == 0:
+            print("hanging now", flush=True)
+            while True:
+                time.sleep(3600)
+        if args.ckpt and (step + 1) % args.ckpt_every == 0:
+            dist.barrier()
+            if rank == 0:
+                tmp = args.ckpt + ".tmp"
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, tmp)
+                os.replace(tmp, args.ckpt)
+            dist.barrier()
+
+    if args.out:
+        torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, f"{args.out}.rank{rank}.pt")
+        with open(f"{args.out}.rank{rank}.json", "w") as f:
+            json.dump({"loss": loss.item(), "steps": args.steps}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

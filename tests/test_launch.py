@@ -1,0 +1,184 @@
+"""The launcher core through the real CLI: training, restarts, failure reports, signals, hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from conftest import SCRIPTS, run_ftrun, start_ftrun
+
+TRAIN = SCRIPTS / "train_ddp.py"
+
+
+def _params(out, world):
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def test_two_workers_train_to_identical_parameters(ftrun_home, tmp_path):
+    out = tmp_path / "p"
+    proc = run_ftrun(["--nproc", 2, TRAIN, "--steps", 30, "--out", out])
+    assert proc.returncode == 0, proc.stderr
+    p0, p1 = _params(out, 2)
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), k
+    # every console line of a worker carries its rank
+    worker_lines = [l for l in proc.stdout.splitlines() if "loss" in l]
+    assert worker_lines and all(l.startswith(("[rank 0]", "[rank 1]")) for l in worker_lines)
+    assert any(l.startswith("[rank 1]") for l in worker_lines)
+    # the loss went down
+    last = json.loads(open(f"{out}.rank0.json").read())["loss"]
+    first = float(worker_lines[0].split()[-1])
+    assert last < first / 4
+
+
+def test_per_rank_logs_and_rank_filter(ftrun_home, tmp_path):
+    logs = tmp_path / "logs"
+    proc = run_ftrun(["--nproc", 2, "--ranks", "1", "--log-dir", logs, TRAIN, "--steps", 5, "--print-every", 1])
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank 0]" not in proc.stdout and "[rank 1] step 4" in proc.stdout
+    for r in (0, 1):
+        assert f"step 4" in (logs / f"rank{r}" / "stdout.log").read_text()
+    quiet = run_ftrun(["--nproc", 2, "--quiet", TRAIN, "--steps", 3])
+    assert quiet.returncode == 0 and "[rank" not in quiet.stdout + quiet.stderr
+    assert "ftrun:" in quiet.stderr
+
+
+def test_failure_restarts_group_and_script_resumes(ftrun_home, tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    out = tmp_path / "p"
+    proc = run_ftrun(["--nproc", 2, "--max-restarts", 2, TRAIN, "--steps", 20, "--ckpt", ckpt,
+                      "--fail-rank", 1, "--fail-step", 12, "--out", out])
+    assert proc.returncode == 0, proc.stderr
+    assert "restarting all 2 workers (restart 1 of 2)" in proc.stderr
+    assert "injected failure at step 12" in proc.stderr
+    assert "resumed from step 10" in proc.stdout
+    p0, p1 = _params(out, 2)
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+def test_budget_spent_exits_with_worker_code_and_reports(ftrun_home, tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise ValueError('bad batch shape')\n"
+        "time.sleep(30)\n")
+    proc = run_ftrun(["--nproc", 2, "--max-restarts", 1, "--shutdown-timeout", 2, script], timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr
+    assert "restart 1 of 1" in err
+    assert "rank 1" in err and "failed first" in err
+    assert "ValueError: bad batch shape" in err
+    assert "full log:" in err
+    # exit code of the script is passed through
+    script.write_text("import os, sys\nsys.exit(7 if os.environ['RANK'] == '0' else 0)\n")
+    proc = run_ftrun(["--nproc", 2, script], timeout=60)
+    assert proc.returncode == 7 and "exited with code 7" in proc.stderr
+
+
+def test_signal_death_is_named(ftrun_home, tmp_path):
+    script = tmp_path / "segv.py"
+    script.write_text("import os, signal\nif os.environ['RANK'] == '0':\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    proc = run_ftrun(["--nproc", 2, script], timeout=60)
+    assert proc.returncode == 128 + 9
+    assert "killed by SIGKILL" in proc.stderr and "out-of-memory" in proc.stderr
+
+
+def _worker_pids(sup_pid: int, n: int, timeout: float = 30.0):
+    """Pids of the processes running the workers (children of the supervisor's zygote)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        procs = [p for p in psutil.Process(sup_pid).children(recursive=True) if p.ppid() != sup_pid]
+        if len(procs) >= n:
+            return procs
+        time.sleep(0.05)
+    raise AssertionError("workers did not start")
+
+
+def _really_alive(procs, timeout: float):
+    """Processes still running after `timeout` (a zombie is dead, merely not reaped by init yet)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    out = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _wait_for_line(proc, needle: str, timeout: float = 60.0) -> str:
+    deadline = time.time() + timeout
+    seen = []
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"{needle!r} never printed; got {''.join(seen)[-2000:]}")
+
+
+def test_sigkill_of_supervisor_leaves_no_worker(ftrun_home):
+    proc = start_ftrun(["--nproc", 2, TRAIN, "--steps", 100000, "--print-every", 50])
+    try:
+        _wait_for_line(proc, "step 50")
+        workers = _worker_pids(proc.pid, 2)
+        everything = psutil.Process(proc.pid).children(recursive=True)
+        assert len(workers) >= 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+        alive = _really_alive(everything, 1.0)
+        assert not alive, f"still alive after 1 s: {[p.pid for p in alive]}"
+    finally:
+        proc.kill()
+
+
+def test_sigint_stops_workers_and_exits_130(ftrun_home, tmp_path):
+    proc = start_ftrun(["--nproc", 2, "--shutdown-timeout", 3, TRAIN, "--steps", 100000, "--print-every", 50])
+    try:
+        _wait_for_line(proc, "step 50")
+        everything = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.time()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(10)
+        took = time.time() - t0
+        assert rc == 130
+        assert took < 3 + 1.5, took
+        assert not _really_alive(everything, 1.0)
+    finally:
+        proc.kill()
+
+
+def test_sigterm_ignored_by_worker_is_killed_after_grace(ftrun_home, tmp_path):
+    script = tmp_path / "stubborn.py"
+    script.write_text("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('ready', flush=True)\ntime.sleep(300)\n")
+    proc = start_ftrun(["--nproc", 1, "--shutdown-timeout", 1, script])
+    try:
+        _wait_for_line(proc, "ready")
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 128 + signal.SIGTERM
+        assert 0.9 < time.time() - t0 < 4
+    finally:
+        proc.kill()
+
+
+def test_hung_worker_is_detected_dumped_and_restarted(ftrun_home, tmp_path):
+    logs = tmp_path / "logs"
+    proc = run_ftrun(["--nproc", 2, "--max-restarts", 1, "--step-timeout", 2, "--log-dir", logs,
+                      TRAIN, "--steps", 40, "--hang-rank", 1, "--hang-step", 5, "--step-sleep", 0.02], timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert "hung (no optimizer step for 2 s)" in proc.stderr
+    assert "restarting all 2 workers" in proc.stderr
+    dump = (logs / "rank1" / "stderr.log").read_text()
+    assert "Thread" in dump and "train_ddp.py" in dump  # faulthandler's stack dump names the script
