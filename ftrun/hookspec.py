@@ -2,6 +2,8 @@
 
 One parser for CLI flags and recipe dicts, one JSON form (carried to workers in
 FTRUN_HOOK), one validator that runs in the launcher before any worker starts.
+The catalogue here (names, parameters, defaults, bounds) is the single source
+of truth; ftrun.worker.hooks turns a spec into torch objects.
 This module must never import torch: the CLI and `ftrun validate` use it.
 """
 
@@ -9,12 +11,64 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ftrun.errors import ConfigError
 
 HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd", "batched-powersgd", "localsgd", "noop")
 WRAP_NAMES = ("fp16", "bf16")
+
+# Hooks whose payload a --wrap may cast to half precision. fp16/bf16 already
+# send half precision and noop sends nothing, so wrapping them means nothing.
+WRAPPABLE = ("allreduce", "powersgd", "batched-powersgd", "localsgd")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One hook parameter: its CLI flag, type, default and lower bound."""
+
+    flag: str
+    kind: type
+    default: Any
+    minimum: Optional[float] = None
+    help: str = ""
+
+
+PARAMS: Dict[str, Param] = {
+    "rank": Param("--rank", int, 1, 1, "matrix approximation rank (1-4 typical; lower = more compression)"),
+    "start_iter": Param("--start-iter", int, 1000, 0, "plain allreduce for this many steps first"),
+    "min_compression_rate": Param("--min-compression-rate", float, 2.0, 0,
+                                  "compress a tensor only if it shrinks at least this much"),
+    "error_feedback": Param("--no-error-feedback", bool, True, None, "carry the compression error to the next step"),
+    "warm_start": Param("--no-warm-start", bool, True, None, "reuse last step's P/Q matrices"),
+    "orthogonalization_epsilon": Param("--orthogonalization-epsilon", float, 0.0, 0,
+                                       "added in orthogonalization to avoid dividing by zero"),
+    "seed": Param("--seed", int, 0, 0, "seed of the random initial Q matrices (same on every rank)"),
+    "batch_same_shape": Param("--batch-same-shape", bool, False, None, "compress same-shape tensors as one batch"),
+    "period": Param("--period", int, None, 1, "average parameters every N steps"),
+}
+
+# Which parameters each hook takes. Every PowerSGDState knob is reachable for
+# powersgd; the batched variant ignores per-tensor knobs, so they are refused.
+HOOK_PARAMS: Dict[str, Tuple[str, ...]] = {
+    "allreduce": (),
+    "fp16": (),
+    "bf16": (),
+    "noop": (),
+    "powersgd": ("rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start",
+                 "orthogonalization_epsilon", "seed", "batch_same_shape"),
+    "batched-powersgd": ("rank", "start_iter", "error_feedback", "warm_start", "orthogonalization_epsilon", "seed"),
+    "localsgd": ("start_iter", "period"),
+}
+REQUIRED: Dict[str, Tuple[str, ...]] = {"localsgd": ("period",)}
+# localsgd: global allreduce only for warm-up; 0 means local SGD from the first step.
+DEFAULT_OVERRIDES: Dict[str, Dict[str, Any]] = {"localsgd": {"start_iter": 0}}
+
+
+def flag(key: str) -> str:
+    """The CLI spelling of a hook parameter, used in every message."""
+    p = PARAMS.get(key)
+    return p.flag if p else key
 
 
 @dataclass(frozen=True)
@@ -33,11 +87,46 @@ class HookSpec:
         d = json.loads(text)
         return cls(name=d["name"], params=dict(d.get("params") or {}), wrap=d.get("wrap"))
 
+    def effective_params(self) -> Dict[str, Any]:
+        """Every parameter this hook takes, with defaults filled in."""
+        out: Dict[str, Any] = {}
+        for key in HOOK_PARAMS.get(self.name, ()):
+            default = DEFAULT_OVERRIDES.get(self.name, {}).get(key, PARAMS[key].default)
+            out[key] = self.params.get(key, default)
+        return out
+
     def describe(self) -> str:
         parts = [self.name] + [f"{k}={v}" for k, v in sorted(self.params.items())]
         if self.wrap:
             parts.append(f"wrap={self.wrap}")
         return " ".join(parts)
+
+    @property
+    def label(self) -> str:
+        """Short name: 'powersgd' or 'powersgd+fp16'."""
+        return self.name + (f"+{self.wrap}" if self.wrap else "")
+
+
+def _check_value(key: str, value: Any, where: str) -> Any:
+    p = PARAMS[key]
+    if p.kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {p.flag} takes true/false, not {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where}: {p.flag} takes a number, not {value!r}")
+    if p.kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise ConfigError(f"{where}: {p.flag} takes a whole number, not {value!r}")
+        value = int(value)
+    else:
+        value = float(value)
+    if p.minimum is not None and value < p.minimum:
+        lo = int(p.minimum) if p.kind is int else p.minimum
+        raise ConfigError(f"{where}: {p.flag} {value} is out of range; use a value >= {lo} ({p.help})")
+    if key == "seed" and value >= 2 ** 32:
+        raise ConfigError(f"{where}: --seed {value} is out of range; use 0 .. {2 ** 32 - 1}")
+    return value
 
 
 def parse_hook(raw: Mapping[str, Any], where: str = "command line") -> HookSpec:
@@ -50,7 +139,39 @@ def parse_hook(raw: Mapping[str, Any], where: str = "command line") -> HookSpec:
     if name not in HOOK_NAMES:
         raise ConfigError(f"{where}: unknown hook {name!r}; known hooks: {', '.join(HOOK_NAMES)}")
     wrap = raw.get("wrap")
-    if wrap is not None and wrap not in WRAP_NAMES:
-        raise ConfigError(f"{where}: unknown --wrap {wrap!r}; use one of {', '.join(WRAP_NAMES)}")
-    params = {k: v for k, v in raw.items() if k not in ("name", "wrap")}
-    return HookSpec(name=name, params=params, wrap=wrap)
+    if wrap is not None:
+        if wrap not in WRAP_NAMES:
+            raise ConfigError(f"{where}: --wrap {wrap!r} is not a known precision; use one of {', '.join(WRAP_NAMES)}")
+        if name not in WRAPPABLE:
+            why = "it sends nothing" if name == "noop" else f"it already sends {name}; drop --wrap"
+            raise ConfigError(f"{where}: --wrap {wrap} cannot wrap hook {name!r} ({why}); "
+                              f"--wrap works with {', '.join(WRAPPABLE)}")
+    takes = HOOK_PARAMS[name]
+    params: Dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in ("name", "wrap") or value is None:
+            continue
+        if key not in PARAMS:
+            raise ConfigError(f"{where}: unknown hook parameter {key!r}; hook {name!r} takes "
+                              f"{', '.join(flag(k) for k in takes) or 'no parameters'}")
+        if key not in takes:
+            fix = (f"hook {name!r} takes {', '.join(flag(k) for k in takes)}" if takes
+                   else f"hook {name!r} takes no parameters")
+            raise ConfigError(f"{where}: {flag(key)} does not apply to hook {name!r}; {fix}")
+        params[key] = _check_value(key, value, where)
+    for key in REQUIRED.get(name, ()):
+        if key not in params:
+            raise ConfigError(f"{where}: hook {name!r} needs {flag(key)} N ({PARAMS[key].help}), "
+                              f"e.g. --hook {name} {flag(key)} 4")
+    spec = HookSpec(name=name, params=params, wrap=wrap)
+    if name in ("powersgd", "batched-powersgd"):
+        eff = spec.effective_params()
+        # torch's PowerSGDState refuses this too, but only inside every worker after
+        # start-up; DDP rebuilds its buckets after step 1, which would invalidate
+        # per-bucket error and P/Q memories taken before.
+        if (eff["error_feedback"] or eff["warm_start"]) and eff["start_iter"] <= 1:
+            raise ConfigError(
+                f"{where}: --start-iter {eff['start_iter']} is too small for {name} with error feedback or warm start "
+                "on (DDP rebuilds its buckets after step 1); use --start-iter 2 or more, "
+                "or add --no-error-feedback --no-warm-start")
+    return spec
