@@ -150,6 +150,14 @@ def test_watch_until_ctrl_c(home, sup):
     out, err = p.communicate(timeout=10)
     assert p.returncode == 0, err
     assert "ftrun-watched" in out and "Traceback" not in err
+    # --watch --json streams one JSON document per line and refresh.
+    p = subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--watch", "--json"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first, second = p.stdout.readline(), p.stdout.readline()
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=10)
+    assert p.returncode == 0
+    assert [r["run_id"] for r in json.loads(first)] == [r["run_id"] for r in json.loads(second)] == ["ftrun-watched"]
 
 
 def test_clean_removes_ended_runs_only(home, sup):

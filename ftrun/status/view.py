@@ -321,6 +321,23 @@ def status_main(run_id: Optional[str] = None, watch: bool = False, as_json: bool
         # For scripts: the same data as the table, without loading rich at all (fast path).
         sys.stdout.write(json.dumps(runs, indent=2) + "\n")
         return 0
+    if as_json:
+        # --watch --json: one compact JSON document per line and refresh, for a consumer to stream.
+        try:
+            while True:
+                sys.stdout.write(json.dumps(runs, separators=(",", ":")) + "\n")
+                sys.stdout.flush()
+                time.sleep(WATCH_INTERVAL_S)
+                try:
+                    runs = collect(run_id)
+                except ConfigError:
+                    runs = []
+        except KeyboardInterrupt:
+            pass
+        except BrokenPipeError:
+            # The reader went away (e.g. `| head`): stop quietly; point stdout at devnull so exit does not complain.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
     from rich.console import Console
 
@@ -339,12 +356,7 @@ def status_main(run_id: Optional[str] = None, watch: bool = False, as_json: bool
                     runs = collect(run_id)
                 except ConfigError:
                     runs = []  # the run was cleaned away while watched: say so, keep watching
-                if as_json:
-                    from rich.text import Text
-
-                    live.update(Text(json.dumps(runs, indent=2)))
-                else:
-                    live.update(render(runs, run_id))
+                live.update(render(runs, run_id))
     except KeyboardInterrupt:
         pass  # Ctrl-C is how --watch ends: not an error
     return 0
