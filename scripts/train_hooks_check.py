@@ -28,6 +28,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="small values give several buckets")
     p.add_argument("--own-hook", action="store_true", help="register torch's fp16_compress_hook in the script")
     p.add_argument("--out", default=None)
+    p.add_argument("--hook-state", action="store_true",
+                   help="with --out, under ftrun: also save ftrun's hook state to OUT.rankN.hook.pt and load it back")
     return p.parse_args()
 
 
@@ -41,6 +43,16 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        # NaN == NaN here: PowerSGD without orthogonalization_epsilon turns an all-zero
+        # gradient (the unused layer) into NaNs, and they round-trip as NaNs.
+        return isinstance(b, torch.Tensor) and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    return a == b
 
 
 def main() -> None:
@@ -73,11 +85,18 @@ def main() -> None:
             "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
         }
         try:  # only under ftrun; the script itself never needs it
-            from ftrun.worker.hooks import current_stats
-
-            report["ftrun"] = current_stats()
+            from ftrun.worker import hooks
         except ImportError:
-            pass
+            hooks = None
+        if hooks is not None:
+            report["ftrun"] = hooks.current_stats()
+            if args.hook_state:
+                path = f"{args.out}.rank{rank}.hook.pt"
+                torch.save(hooks.hook_state_dict(ddp), path)
+                hooks.load_hook_state_dict(ddp, torch.load(path, weights_only=True))
+                report["reloaded_equal"] = _same(hooks.hook_state_dict(ddp), torch.load(path, weights_only=True))
+                hooks.reset_hook_state(ddp)
+                report["after_reset"] = {k: len(v) for k, v in hooks.hook_state_dict(ddp).items() if isinstance(v, dict)}
         with open(f"{args.out}.rank{rank}.json", "w") as f:
             json.dump(report, f)
         torch.save({k: v.detach() for k, v in model.state_dict().items()}, f"{args.out}.rank{rank}.pt")

@@ -199,7 +199,8 @@ class Registration:
         def count(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
             # Sits inside any --wrap, so it sees the dtype that is actually sent.
             buf = bucket.buffer()
-            elsize = buf.element_size()
+            # fp16/bf16 hooks cast inside torch's hook, after this point.
+            elsize = 2 if spec.name in ("fp16", "bf16") else buf.element_size()
             if spec.name == "noop":
                 sent = 0
             elif spec.name in ("powersgd", "batched-powersgd"):
@@ -334,7 +335,9 @@ def register(spec: HookSpec, model: Any, register_fn: Optional[Callable[[Any, Ho
     _registrations.append(reg)
     if spec.name == "localsgd" and not _step_hook_installed:
         # Local SGD without touching the user's optimizer: average after each step.
-        torch.optim.optimizer.register_optimizer_step_post_hook(_on_optimizer_step)
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(_on_optimizer_step)
         _step_hook_installed = True
     if not _atexit_installed:
         atexit.register(_log_at_exit)

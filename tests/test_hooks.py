@@ -1,0 +1,152 @@
+"""Comm hooks end to end through the real CLI: 2 CPU workers, gloo, an unmodified DDP script.
+
+Each run checks that DDP itself names ftrun's hook, that ranks end with identical
+parameters (except noop, which never syncs), that the loss goes down, and that
+the per-rank traffic figures match what the hook sends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, SCRIPTS, run_ftrun
+from ftrun.hookspec import parse_hook
+
+CHECK = SCRIPTS / "train_hooks_check.py"
+STEPS = 17  # localsgd --period 4 --start-iter 4 averages at step 16, the last one
+
+
+def _run(tmp_path, hook_args, script_args=()):
+    out = tmp_path / "r"
+    proc = run_ftrun(["--nproc", 2] + list(hook_args) + [CHECK, "--steps", STEPS, "--out", out] + list(script_args),
+                     timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reports = [json.loads((tmp_path / f"r.rank{r}.json").read_text()) for r in (0, 1)]
+    params = [torch.load(tmp_path / f"r.rank{r}.pt", weights_only=True) for r in (0, 1)]
+    return proc, reports, params
+
+
+def _spec(args):
+    raw = {}
+    it = iter(args)
+    for a in it:
+        key = a.lstrip("-").replace("-", "_")
+        raw["name" if key == "hook" else key] = next(it)
+    for k in ("rank", "start_iter", "period"):
+        if k in raw:
+            raw[k] = int(raw[k])
+    return parse_hook(raw)
+
+
+CASES = [
+    (["--hook", "allreduce"], ()),
+    (["--hook", "fp16"], ()),
+    (["--hook", "bf16"], ()),
+    (["--hook", "noop"], ()),
+    (["--hook", "batched-powersgd", "--rank", "2", "--start-iter", "2", "--wrap", "bf16"], ()),
+    (["--hook", "localsgd", "--period", "4", "--start-iter", "4"], ()),
+    # before and after start_iter, several buckets, find_unused_parameters=True (the gloo race), state export
+    (["--hook", "powersgd", "--rank", "1", "--start-iter", "5", "--wrap", "fp16"],
+     ("--find-unused", "--bucket-cap-mb", "0.005", "--hook-state")),
+]
+
+
+@pytest.mark.parametrize("hook_args,script_args", CASES, ids=[" ".join(c[0][1:]) for c in CASES])
+def test_hook_trains_two_workers(ftrun_home, tmp_path, hook_args, script_args):
+    from ftrun.worker.hooks import comm_hook_name
+
+    spec = _spec(hook_args)
+    proc, reports, params = _run(tmp_path, hook_args, script_args)
+    r0 = reports[0]
+    # DDP's own logging data names ftrun's hook
+    assert r0["comm_hook"] == comm_hook_name(spec) == reports[1]["comm_hook"]
+    assert spec.label in r0["comm_hook"]
+    # each rank said once which hook it registered, and gave figures at exit
+    for r in (0, 1):
+        assert proc.stderr.count(f"[rank {r}] ftrun: rank {r}: registered DDP comm hook {spec.describe()}") == 1
+        assert f"[rank {r}] ftrun: rank {r}: hook {spec.label} step {STEPS}" in proc.stderr
+    # loss goes down
+    losses = r0["losses"]
+    assert sum(losses[-3:]) < 0.7 * sum(losses[:3]), losses
+    same = all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+    assert same == (spec.name != "noop")
+    # traffic figures
+    st = r0["ftrun"]
+    assert st["hook"] == spec.label and st["steps"] == STEPS and not st["overridden"]
+    dense = st["dense_bytes_per_step"]
+    m = st["models"][0]
+    if spec.name == "allreduce":
+        assert st["bytes_per_step"] == dense
+    elif spec.name in ("fp16", "bf16"):
+        assert st["bytes_per_step"] == dense / 2
+    elif spec.name == "noop":
+        assert st["bytes_per_step"] == 0
+    elif spec.name == "localsgd":
+        # 4 steps of allreduce, then no gradients at all; parameters averaged at steps 4, 8, 12, 16
+        assert m["localsgd"]["averaging_bytes"] == 4 * dense
+        assert st["bytes_sent"] == 4 * dense + 4 * dense
+    else:
+        ps = m["powersgd"]
+        assert ps["iter"] == STEPS and ps["compression_rate"] > 3 and ps["numel_before"] > 0
+        half = dense / 2  # --wrap fp16/bf16
+        assert m["last_step_bytes"] < half / 3  # compressing now
+        if spec.name == "powersgd":
+            assert st["bytes_sent"] > 5 * half  # the first 5 steps were plain (fp16) allreduce
+            assert r0["reloaded_equal"] is True
+            assert r0["after_reset"]["error"] == r0["after_reset"]["p"] == 0
+            state = torch.load(tmp_path / "r.rank0.hook.pt", weights_only=True)
+            assert state["iter"] == STEPS and state["error"] and state["p"] and state["q"]
+
+
+def test_script_that_registers_its_own_hook_keeps_it(ftrun_home, tmp_path):
+    proc, reports, params = _run(tmp_path, ["--hook", "powersgd", "--start-iter", "2"], ["--own-hook"])
+    assert all(r["comm_hook"] == "fp16_compress_hook" for r in reports)
+    for r in (0, 1):
+        warn = [l for l in proc.stderr.splitlines() if l.startswith(f"[rank {r}]") and "warning" in l]
+        assert len(warn) == 1 and "fp16_compress_hook" in warn[0] and "powersgd" in warn[0], warn
+    assert "registered DDP comm hook" not in proc.stderr
+    assert reports[0]["ftrun"]["overridden"][0]["script_hook"] == "fp16_compress_hook"
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+
+
+def test_no_hook_means_no_patch(monkeypatch):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ftrun.worker import inject
+
+    before = DDP.__init__
+    for value in (None, "", "  "):
+        if value is None:
+            monkeypatch.delenv("FTRUN_HOOK", raising=False)
+        else:
+            monkeypatch.setenv("FTRUN_HOOK", value)
+        assert inject.install_from_env() is None
+    assert DDP.__init__ is before
+
+
+LIGHTNING_SCRIPT = SCRIPTS / "train_lightning_check.py"
+
+
+def _lightning_available() -> bool:
+    code = "import lightning.pytorch"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=ROOT).returncode == 0
+
+
+@pytest.mark.skipif(not _lightning_available(), reason="lightning is not installed (test-only dependency: "
+                    "pip install lightning \"torch==<installed version>\")")
+def test_lightning_ddp_strategy_gets_the_hook(ftrun_home, tmp_path):
+    out = tmp_path / "l"
+    proc = run_ftrun(["--nproc", 2, "--hook", "fp16", LIGHTNING_SCRIPT, "--out", out], timeout=180,
+                     env={"PL_DISABLE_FORK": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reports = [json.loads(open(f"{out}.rank{r}.json").read()) for r in (0, 1)]
+    assert all(r["comm_hook"] == "ftrun.fp16(fp16_compress_hook)" for r in reports), reports
+    assert reports[0]["checksum"] == reports[1]["checksum"]
+    assert reports[0]["last_loss"] < reports[0]["first_loss"]
+    assert reports[0]["ftrun"]["bytes_per_step"] == reports[0]["ftrun"]["dense_bytes_per_step"] / 2
