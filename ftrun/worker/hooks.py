@@ -126,8 +126,8 @@ def _local_subgroup(pg: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:
     """
     world = dist.get_world_size()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
-    if pg.size() != world or local >= world or world % local:
-        return None
+    if pg.size() != world or local <= 1 or local >= world or world % local:
+        return None  # a one-rank node has nothing to average with; a whole-group node is the group
     ranks = [list(range(n * local, (n + 1) * local)) for n in range(world // local)]
     sub, _ = dist.new_subgroups_by_enumeration(ranks)
     return sub
@@ -295,7 +295,7 @@ class Registration:
         dense = f["dense_bytes_per_step"]
         line = (f"rank {_rank()}: hook {f['hook']} step {f['steps']}: sent {_mb(f['bytes_per_step'])}/step "
                 f"(plain allreduce: {_mb(dense)}/step")
-        if dense and f["bytes_per_step"]:
+        if dense > f["bytes_per_step"] > 0:
             line += f", {dense / f['bytes_per_step']:.1f}x less"
         line += ")"
         if "powersgd" in f:
