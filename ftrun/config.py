@@ -144,6 +144,9 @@ def parse_ranks(value: Any, where: str) -> Optional[Tuple[int, ...]]:
 
 def port_is_free(addr: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As the store's own listener does: connections of an earlier run still in
+        # TIME_WAIT must not make a free port look taken.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr if addr not in ("localhost",) else "127.0.0.1", port))
         except OSError:
@@ -188,11 +191,15 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     where_cli = "command line"
     where_recipe = recipe_name or "recipe"
 
+    slurm = _slurm_layout(cli, recipe)
+
     def pick(key: str) -> Tuple[Any, str]:
         if key in cli and cli[key] is not None:
             return cli[key], where_cli
         if key in recipe and recipe[key] is not None:
             return recipe[key], where_recipe
+        if key in slurm:
+            return slurm[key], "Slurm (SLURM_* variables)"
         return None, "default"
 
     cfg_kwargs: Dict[str, Any] = {}
@@ -250,6 +257,10 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
 
     if cfg_kwargs.get("max_restarts") is None:
         cfg_kwargs["max_restarts"] = DEFAULT_MAX_RESTARTS_FT if cfg_kwargs.get("ft") else DEFAULT_MAX_RESTARTS
+    if not cfg_kwargs.get("run_id") and cfg_kwargs.get("nnodes", 1) > 1 and cfg_kwargs.get("master_port"):
+        # Every node must give its workers the same TORCHELASTIC_RUN_ID, and a
+        # random id would differ per node: derive it from what they share.
+        cfg_kwargs["run_id"] = f"ftrun-port{cfg_kwargs['master_port']}"
     cfg_kwargs["run_id"] = cfg_kwargs.get("run_id") or os.environ.get("FTRUN_RUN_ID_DEFAULT") or new_run_id()
     cfg_kwargs["recipe"] = recipe_name
     cfg = RunConfig(**cfg_kwargs)
@@ -265,6 +276,13 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
         raise ConfigError(f"--run-id {cfg.run_id!r}: use letters, digits, '-', '_' and '.' only")
     if cfg.node_rank >= cfg.nnodes:
         raise ConfigError(f"--node-rank {cfg.node_rank} is out of range for --nnodes {cfg.nnodes}; use 0..{cfg.nnodes - 1}")
+    if cfg.nnodes > 1 and cfg.master_port is None:
+        raise ConfigError(f"--nnodes {cfg.nnodes} needs --master-port: the same port on every node, where node 0's "
+                          f"ftrun hosts the run's store (e.g. --master-port 29500)")
+    if cfg.master_port is not None and cfg.master_port > 65535:
+        raise ConfigError(f"--master-port {cfg.master_port} is not a TCP port; use 1..65535")
+    if cfg.nnodes > 1 and not cfg.master_addr.strip():
+        raise ConfigError("--master-addr is empty; give node 0's address (the same on every node)")
     if cfg.ranks is not None:
         bad = [r for r in cfg.ranks if r >= cfg.world_size]
         if bad:
@@ -291,9 +309,58 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
             raise ConfigError(f"script {cfg.script!r} not found; check the path (relative to {os.getcwd()})")
         if p.is_dir():
             raise ConfigError(f"script {cfg.script!r} is a folder; give the .py file (or -m for a package)")
-    if cfg.master_port is not None and cfg.node_rank == 0 and not port_is_free(_bind_addr(cfg), cfg.master_port):
+    if cfg.nnodes > 1:
+        try:
+            socket.getaddrinfo(cfg.master_addr, cfg.master_port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise ConfigError(f"--master-addr {cfg.master_addr!r}: cannot resolve it on this machine ({e.strerror or e}); "
+                              f"give node 0's address or host name") from None
+    if cfg.master_port is not None and cfg.node_rank == 0 and not port_is_free(store_listen_addr(cfg), cfg.master_port):
         raise ConfigError(f"--master-port {cfg.master_port} is already in use; pick another or leave it out for a free one")
 
 
-def _bind_addr(cfg: RunConfig) -> str:
-    return "127.0.0.1" if cfg.nnodes == 1 else "0.0.0.0"
+def store_listen_addr(cfg: RunConfig) -> str:
+    """Where node 0's store listens: loopback for one node; master_addr's interface for several."""
+    if cfg.nnodes == 1:
+        return "127.0.0.1"
+    return store_bind_addr(cfg.master_addr)
+
+
+def store_bind_addr(master_addr: str) -> str:
+    """The local address the store binds for `master_addr`: that address when it is one of this
+    machine's (so the store is reachable there and nowhere else), else every interface
+    (master_addr names a NAT or load-balancer address, or a name that resolves elsewhere)."""
+    try:
+        infos = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return "0.0.0.0"
+    for family, _, _, _, sockaddr in infos:
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        addr = sockaddr[0]
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr, 0))
+            return addr
+        except OSError:
+            continue
+    return "0.0.0.0"
+
+
+def _slurm_layout(cli: Mapping[str, Any], recipe: Mapping[str, Any]) -> Dict[str, Any]:
+    """Layout defaults from SLURM_* variables, for the keys the user did not give.
+
+    An explicit nnodes of 1 means a one-node run even inside an allocation,
+    and a one-node Slurm step stays a plain local run (loopback store)."""
+    from ftrun.slurm import SlurmError, layout_from_env
+
+    given = cli.get("nnodes") if cli.get("nnodes") is not None else recipe.get("nnodes")
+    if given == 1:
+        return {}
+    try:
+        layout = layout_from_env()
+    except SlurmError as e:
+        raise ConfigError(f"Slurm: {e}") from None
+    if layout.get("nnodes", 1) == 1 and given is None:
+        return {}
+    return layout

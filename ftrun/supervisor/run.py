@@ -17,14 +17,15 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from ftrun.config import RunConfig
+from ftrun.config import RunConfig, store_listen_addr
 from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, WorkerState, run_dir, write_state
 from ftrun.supervisor.env import base_env, common_env, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, open_pipes
+from ftrun.supervisor.nodes import NodeCoordinator, state_dir_name
 from ftrun.supervisor.report import exit_reason, failure_report
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
 from ftrun.supervisor.spawn import Exited, PopenSpawner, Spawned, SpawnerDied, ZygoteSpawner, signal_group
-from ftrun.supervisor.store import RunStore, bind_listener
+from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec
 from ftrun.worker.proc import DUMP_STACKS_SIGNAL
 from ftrun.worker.progress import progress_key
@@ -39,7 +40,7 @@ class Supervisor:
         self.cfg = cfg
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.console = ConsoleOut(cfg.quiet, cfg.ranks)
-        self.run_dir = run_dir(cfg.run_id)
+        self.run_dir = run_dir(state_dir_name(cfg))
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers = [Worker(WorkerSpec(lr, cfg.node_rank * cfg.nproc + lr)) for lr in range(cfg.nproc)]
@@ -64,6 +65,8 @@ class Supervisor:
         self._procs: Dict[int, object] = {}
         self.store: Optional[RunStore] = None
         self._store_announced = False
+        # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
+        self.nodes: Optional[NodeCoordinator] = None
 
     # ---------------------------------------------------------------- start
     def run(self) -> int:
@@ -71,9 +74,10 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         cfg = self.cfg
         host = cfg.master_addr
-        listener = bind_listener("127.0.0.1" if cfg.nnodes == 1 else "0.0.0.0", cfg.master_port)
-        port = listener.getsockname()[1]
-        self.store = RunStore(host, port, listener)
+        self.store = open_run_store(cfg, store_listen_addr(cfg))
+        port = self.store.port
+        if cfg.nnodes > 1:
+            self.nodes = NodeCoordinator(self)
         self.common = common_env(cfg, host, port, base_env())
         cwd = os.getcwd()
         self.cwd = cwd
@@ -86,12 +90,16 @@ class Supervisor:
             f"{' (' + self.policy.name + ', ' + str(cfg.max_restarts) + ' restarts)' if cfg.max_restarts else ''}"
             f"{', hook ' + cfg.hook.describe() if cfg.hook else ''}; logs in {self.log_dir}",
             style="bold blue")
-        code = 1
+        code: Optional[int] = 1
         try:
-            for w in self.workers:
-                self._spawn(w)
-            code = self._loop()
+            # With several nodes, no worker starts anywhere before every node has joined.
+            code = self.nodes.join() if self.nodes is not None else None
+            if code is None:
+                for w in self.workers:
+                    self._spawn(w)
+                code = self._loop()
         finally:
+            code = 1 if code is None else code
             self._finish(code)
         return code
 
@@ -151,6 +159,10 @@ class Supervisor:
                 if result is not None:
                     return result
             self._tick()
+            if self.nodes is not None:
+                result = self.nodes.check()
+                if result is not None:
+                    return result
             if all(w.state in (WorkerState.DONE, WorkerState.FAILED) for w in self.workers):
                 if any(w.state == WorkerState.DONE for w in self.workers) or not self.first_failure:
                     return 0
@@ -211,6 +223,8 @@ class Supervisor:
 
     def _on_failure(self, w: Worker, failure: Failure) -> Optional[int]:
         if isinstance(self.policy, GroupRestartPolicy):
+            if self.nodes is not None:
+                return self.nodes.on_group_failure(w, failure)  # every node restarts together
             w.state = WorkerState.FAILED
             decision = self.policy.on_failure(w.rank)
             others = [o for o in self.workers if o is not w and o.alive]
@@ -452,6 +466,8 @@ class Supervisor:
 
     def _write_state(self, force: bool = False) -> None:
         self.status.replicas = [self._replica_status(w) for w in self.workers]
+        if self.nodes is not None:
+            self.status.replicas = self.nodes.all_replicas(self.status.replicas)
         try:
             write_state(self.state_path, self.status)
         except OSError:
@@ -463,6 +479,8 @@ class Supervisor:
         leftovers = [w for w in self.workers if w.alive or w.tag in self.by_tag]
         if leftovers:
             self._stop_workers(leftovers, signal.SIGKILL, 0)
+        if self.nodes is not None:
+            self.nodes.leave(code)
         for w in self.workers:
             for p in w.pumps:
                 p.done.wait(1.0)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Any, Dict, List, Optional
 
 STORE_TIMEOUT_S = 60
+CLIENT_OP_TIMEOUT_S = 10  # other nodes' ops on node 0's store
 
 
 def bind_listener(addr: str, port: Optional[int]) -> socket.socket:
@@ -26,13 +28,43 @@ def bind_listener(addr: str, port: Optional[int]) -> socket.socket:
     return sock
 
 
+def wait_reachable(host: str, port: int, timeout: float, stop: Optional[threading.Event] = None) -> Optional[str]:
+    """Connect to host:port with plain sockets until it answers or `timeout` runs out.
+
+    torch's TCPStore client retries by itself, but prints a C++ stack trace
+    for every failed try; probing first keeps a node that starts before node 0
+    quiet, and gives a one-line reason when node 0 never answers.
+    Returns None when reachable, else the last error as one line."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+                return None
+        except OSError as e:
+            last = e.strerror or str(e) or type(e).__name__
+        if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+            return last
+        time.sleep(0.2)
+
+
+def open_run_store(cfg: Any, bind_addr: str) -> "RunStore":
+    """Node 0: bind the store's port now and host the store; other nodes: join node 0's store."""
+    if cfg.node_rank == 0:
+        listener = bind_listener(bind_addr, cfg.master_port)
+        return RunStore(cfg.master_addr, listener.getsockname()[1], listener)
+    return RunStore(cfg.master_addr, cfg.master_port, None, connect_timeout=cfg.join_timeout)
+
+
 class RunStore:
     """Hosts (node 0) or joins (other nodes) the run's TCPStore, built off the main thread."""
 
-    def __init__(self, host: str, port: int, listener: Optional[socket.socket]) -> None:
+    def __init__(self, host: str, port: int, listener: Optional[socket.socket],
+                 connect_timeout: float = STORE_TIMEOUT_S) -> None:
         self.host = host
         self.port = port
         self._listener = listener
+        self.connect_timeout = connect_timeout
         self.store: Any = None
         self.error: Optional[BaseException] = None
         self.ready = threading.Event()
@@ -51,7 +83,14 @@ class RunStore:
                 self.store = dist.TCPStore(self.host, self.port, None, True, timeout,
                                            wait_for_workers=False, master_listen_fd=fd)
             else:
+                unreachable = wait_reachable(self.host, self.port, self.connect_timeout)
+                if unreachable is not None:
+                    raise ConnectionError(f"{self.host}:{self.port} did not answer within "
+                                          f"{self.connect_timeout:g} s ({unreachable})")
                 self.store = dist.TCPStore(self.host, self.port, None, False, timeout)
+                # A client op that waits this long means node 0 is gone; the
+                # supervisor must learn that in seconds, not minutes.
+                self.store.set_timeout(datetime.timedelta(seconds=CLIENT_OP_TIMEOUT_S))
         except BaseException as e:  # reported by the supervisor loop
             self.error = e
         finally:

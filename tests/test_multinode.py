@@ -1,0 +1,350 @@
+"""Several machines, one run: two ftrun processes act as two nodes (loopback, or two network namespaces).
+
+Real processes through the real CLI, failures injected with real signals:
+a 2x2 DDP run trains to identical parameters with torchrun's variables, a
+killed worker on node 1 restarts every node, a killed node is noticed by the
+other within seconds, and a node that cannot join says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+import torch
+
+from conftest import FTRUN, ROOT, SCRIPTS, run_ftrun, start_ftrun
+from test_env_contract import CONTRACT
+
+from ftrun.config import store_bind_addr
+from ftrun.slurm import expand_hostlist, first_host, job_port, layout_from_env
+
+TRAIN = SCRIPTS / "train_ddp.py"
+
+# Dumps the worker's environment, then (given training arguments) runs train_ddp.py as __main__.
+WRAP = """
+import json, os, runpy, sys
+out = sys.argv[1]
+with open(os.path.join(out, "env." + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(dict(os.environ), f)
+if len(sys.argv) > 2:
+    sys.argv = [{train!r}] + sys.argv[2:]
+    runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _nodes(port, args, nproc=2, extra=(), env=None, addr="127.0.0.1"):
+    """Start node 1 first (it must wait for node 0), then node 0."""
+    procs = {}
+    for k in (1, 0):
+        procs[k] = start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", addr, "--master-port", port,
+                                "--nproc", nproc, *extra, *args], env=env)
+    return procs
+
+
+def _finish(procs, timeout=60):
+    out = {}
+    for k, p in procs.items():
+        try:
+            o, e = p.communicate(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                p.kill()
+        out[k] = (p.returncode, o, e)
+    return out
+
+
+def _state(home, run_id, k):
+    try:
+        return json.loads((home / f"{run_id}.node{k}" / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_running(home, run_id, k, ranks, min_step=1, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = _state(home, run_id, k)
+        if st:
+            reps = {r["rank"]: r for r in st["replicas"]}
+            if all(r in reps and reps[r]["state"] == "running" and reps[r]["step"] >= min_step for r in ranks):
+                return st
+        time.sleep(0.1)
+    raise AssertionError(f"node {k} never ran ranks {ranks}: {_state(home, run_id, k)}")
+
+
+def _params(out, world):
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _assert_identical(out, world):
+    ps = _params(out, world)
+    for r in range(1, world):
+        for key in ps[0]:
+            assert torch.equal(ps[0][key], ps[r][key]), (r, key)
+
+
+# ----------------------------------------------------------------------------- training together
+
+
+def test_two_nodes_train_together_with_torchruns_env(ftrun_home, tmp_path):
+    wrap = tmp_path / "wrap.py"
+    wrap.write_text(WRAP.format(train=str(TRAIN)))
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    theirs.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+    port = _free_port()
+    res = _finish(_nodes(port, [wrap, ours, "--steps", 12, "--out", tmp_path / "p"],
+                         extra=["--run-id", "mn", "--max-restarts", 1]))
+    for k, (rc, _o, e) in res.items():
+        assert rc == 0, (k, e)
+    assert "all nodes joined run mn" in res[1][2]
+    _assert_identical(tmp_path / "p", 4)
+
+    # torchrun, one per node, same layout: dump only.
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
+    tport = _free_port()
+    tprocs = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "2",
+                                "--max-restarts", "1", "--rdzv-id", "mn", "--master-addr", "127.0.0.1",
+                                "--master-port", str(tport), str(wrap), str(theirs)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in (1, 0)]
+    for p in tprocs:
+        _o, e = p.communicate(timeout=90)
+        assert p.returncode == 0, e
+    for r in range(4):
+        a = json.loads((ours / f"env.{r}.json").read_text())
+        b = json.loads((theirs / f"env.{r}.json").read_text())
+        for key in CONTRACT:
+            if key == "MASTER_PORT":
+                assert a[key] == str(port) and b[key] == str(tport), (r, a[key], b[key])
+                continue
+            assert a.get(key) == b.get(key), (r, key, a.get(key), b.get(key))
+        assert a["FTRUN_STORE"] == f"127.0.0.1:{port}"
+        assert a["FTRUN_REPLICA_ID"] == str(r)
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def _slurm_env(job: str, k: int) -> dict:
+    return {"SLURM_JOB_ID": job, "SLURM_NNODES": "2", "SLURM_NODEID": str(k), "SLURM_NTASKS": "2",
+            "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "SLURM_STEP_ID": "0"}
+
+
+def _free_slurm_job() -> str:
+    for _ in range(50):
+        job = str(4_000_000 + int.from_bytes(os.urandom(2), "little"))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", job_port(job)))
+                return job
+            except OSError:
+                continue
+    pytest.skip("no free port for a fake Slurm job")
+
+
+def test_worker_kill_on_node1_restarts_every_node_under_slurm(ftrun_home, tmp_path):
+    """Layout from SLURM_* only (as under `srun ftrun`); SIGKILL of rank 3 restarts all four ranks."""
+    job = _free_slurm_job()
+    run_id = f"slurm-{job}.0"
+    args = ["--nproc", 2, "--max-restarts", 1, TRAIN, "--steps", 30, "--step-sleep", 0.03, "--out", tmp_path / "p"]
+    procs = {k: start_ftrun(args, env=_slurm_env(job, k)) for k in (1, 0)}
+    try:
+        st = _wait_running(ftrun_home, run_id, 1, [2, 3], min_step=3)
+        # `ftrun status` on node 0 shows every node's replicas.
+        _wait_running(ftrun_home, run_id, 0, [0, 1, 2, 3], min_step=1)
+        view = run_ftrun(["status", "--json", run_id])
+        assert view.returncode == 0, view.stderr
+        runs = [r for r in json.loads(view.stdout) if r["node_rank"] == 0]
+        assert sorted((r["rank"], r["node_rank"]) for r in runs[0]["replicas"]) == [(0, 0), (1, 0), (2, 1), (3, 1)]
+        victim = {r["rank"]: r for r in st["replicas"]}[3]["pid"]
+        os.kill(victim, signal.SIGKILL)
+    except BaseException:
+        for p in procs.values():
+            p.kill()
+        raise
+    res = _finish(procs)
+    for k, (rc, _o, e) in res.items():
+        assert rc == 0, (k, e)
+        assert "rank 3 on node 1 killed by SIGKILL" in e, (k, e)
+        assert "restarting all 4 workers on 2 nodes (restart 1 of 1)" in e, (k, e)
+    _assert_identical(tmp_path / "p", 4)
+    assert json.loads((tmp_path / "p.rank3.json").read_text())["steps"] == 30
+
+
+def _long_run(port, tmp_path, extra=()):
+    return _nodes(port, [TRAIN, "--steps", 10_000, "--step-sleep", 0.05], nproc=1,
+                  extra=["--run-id", "loss", *extra])
+
+
+def test_killed_node1_is_noticed_by_node0(ftrun_home, tmp_path):
+    procs = _long_run(_free_port(), tmp_path)
+    try:
+        _wait_running(ftrun_home, "loss", 0, [0], min_step=2)
+        _wait_running(ftrun_home, "loss", 1, [1], min_step=2)
+        t0 = time.monotonic()
+        procs[1].kill()
+        rc, _o, err = _finish({0: procs[0]}, timeout=30)[0]
+        noticed = time.monotonic() - t0
+    finally:
+        for p in procs.values():
+            p.kill()
+    assert rc != 0
+    assert "node 1 (" in err and "went away (no heartbeat" in err, err
+    assert noticed < 10, noticed  # heartbeats: seconds, not torchrun's minutes
+    print(f"node 0 noticed node 1's death and ended in {noticed:.1f} s")
+
+
+def test_killed_node0_stops_node1_cleanly(ftrun_home, tmp_path):
+    procs = _long_run(_free_port(), tmp_path)
+    try:
+        _wait_running(ftrun_home, "loss", 0, [0], min_step=2)
+        _wait_running(ftrun_home, "loss", 1, [1], min_step=2)
+        family = psutil.Process(procs[1].pid).children(recursive=True)
+        assert len(family) >= 2  # zygote + worker
+        t0 = time.monotonic()
+        procs[0].kill()
+        rc, _o, err = _finish({1: procs[1]}, timeout=30)[1]
+        took = time.monotonic() - t0
+    finally:
+        for p in procs.values():
+            p.kill()
+    assert rc not in (0, None), err
+    assert "node 0 (the run's store at 127.0.0.1:" in err and "went away" in err, err
+    assert took < 15, took
+    time.sleep(0.2)
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "orphans left behind"
+
+
+# ----------------------------------------------------------------------------- joining and bad input
+
+
+def test_join_errors_are_one_line(ftrun_home, tmp_path):
+    script = tmp_path / "noop.py"
+    script.write_text("print('ran')\n")
+    port = _free_port()
+    # a node that never comes: named after the join timeout, nothing started
+    alone = run_ftrun(["--nnodes", 3, "--node-rank", 0, "--master-port", port, "--join-timeout", 1.5, script],
+                      timeout=60)
+    assert alone.returncode == 2 and "nodes 1, 2 of 3 did not join within --join-timeout 1.5 s" in alone.stderr, alone.stderr
+    assert "ran" not in alone.stdout
+    # node 0 unreachable
+    lost = run_ftrun(["--nnodes", 2, "--node-rank", 1, "--master-port", _free_port(), "--join-timeout", 1, script],
+                     timeout=60)
+    assert lost.returncode == 2 and "could not reach node 0's store at 127.0.0.1:" in lost.stderr, lost.stderr
+    assert len([l for l in lost.stderr.splitlines() if l.strip()]) <= 2, lost.stderr  # no C++ stack traces
+    # two nodes claim rank 1: the second is told so
+    port = _free_port()
+    first = start_ftrun(["--nnodes", 3, "--node-rank", 1, "--master-port", port, "--join-timeout", 20, script])
+    zero = start_ftrun(["--nnodes", 3, "--node-rank", 0, "--master-port", port, "--join-timeout", 20, script])
+    try:
+        time.sleep(0.5)
+        dup = run_ftrun(["--nnodes", 3, "--node-rank", 1, "--master-port", port, "--join-timeout", 20, script],
+                        timeout=60)
+        assert dup.returncode == 2 and "node rank 1 is already taken by" in dup.stderr, dup.stderr
+    finally:
+        for p in (first, zero):
+            p.send_signal(signal.SIGINT)
+        for p in (first, zero):
+            p.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nnodes", 2, "--node-rank", 2, "--master-port", 29400], "--node-rank 2 is out of range for --nnodes 2"),
+    (["--nnodes", 0], "--nnodes must be >= 1"),
+    (["--nnodes", 2, "--node-rank", 1], "--nnodes 2 needs --master-port"),
+    (["--nnodes", 2, "--master-port", 29400, "--master-addr", "no-such-host.invalid"], "cannot resolve"),
+])
+def test_bad_layout_is_one_line_exit_2(ftrun_home, args, message):
+    proc = run_ftrun([*args, TRAIN])
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+def test_slurm_layout_parsing():
+    assert expand_hostlist("node[01-03,7],gpu5") == ["node01", "node02", "node03", "node7", "gpu5"]
+    assert expand_hostlist("r[1-2]n[08-09]") == ["r1n08", "r1n09", "r2n08", "r2n09"]
+    assert first_host("node[09-11,2]") == "node09" and first_host("a,b[1-2]") == "a"
+    env = {"SLURM_JOB_ID": "123", "SLURM_NNODES": "3", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "node[09-11]"}
+    got = layout_from_env(env)
+    assert got["nnodes"] == 3 and got["node_rank"] == 2 and got["master_addr"] == "node09"
+    assert got["master_port"] == job_port("123") and got["run_id"] == "slurm-123"
+    assert layout_from_env({}) == {}
+    with pytest.raises(ValueError, match="one ftrun per node"):
+        layout_from_env({**env, "SLURM_NTASKS": "12"})
+
+
+def test_store_listens_on_master_addr_interface_only():
+    assert store_bind_addr("127.0.0.1") == "127.0.0.1"  # a local address: that interface, nothing else
+    assert store_bind_addr("192.0.2.77") == "0.0.0.0"   # not this machine's (NAT, load balancer): all
+
+
+# ----------------------------------------------------------------------------- two network namespaces
+
+
+def _netns_setup(tag: str):
+    """Two namespaces joined by a veth pair: (ns0, ns1, addr0, dev0, dev1), or a reason to skip."""
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return "needs root and iproute2 (ip netns)"
+    ns0, ns1, d0, d1 = f"ft{tag}a", f"ft{tag}b", f"vf{tag}a", f"vf{tag}b"
+    cmds = [
+        ["ip", "netns", "add", ns0], ["ip", "netns", "add", ns1],
+        ["ip", "link", "add", d0, "type", "veth", "peer", "name", d1],
+        ["ip", "link", "set", d0, "netns", ns0], ["ip", "link", "set", d1, "netns", ns1],
+        ["ip", "-n", ns0, "addr", "add", "10.231.7.1/24", "dev", d0],
+        ["ip", "-n", ns1, "addr", "add", "10.231.7.2/24", "dev", d1],
+        ["ip", "-n", ns0, "link", "set", d0, "up"], ["ip", "-n", ns1, "link", "set", d1, "up"],
+        ["ip", "-n", ns0, "link", "set", "lo", "up"], ["ip", "-n", ns1, "link", "set", "lo", "up"],
+    ]
+    for c in cmds:
+        r = subprocess.run(c, capture_output=True, text=True)
+        if r.returncode != 0:
+            _netns_teardown(ns0, ns1)
+            return f"`{' '.join(c)}` failed: {r.stderr.strip()}"
+    return ns0, ns1, "10.231.7.1", d0, d1
+
+
+def _netns_teardown(*names):
+    for ns in names:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_nodes_in_two_network_namespaces(ftrun_home, tmp_path):
+    tag = uuid.uuid4().hex[:4]
+    got = _netns_setup(tag)
+    if isinstance(got, str):
+        pytest.skip(got)
+    ns0, ns1, addr, d0, d1 = got
+    try:
+        port = _free_port()
+        procs = {}
+        for k, ns, dev in ((1, ns1, d1), (0, ns0, d0)):
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=dev)
+            procs[k] = subprocess.Popen(
+                ["ip", "netns", "exec", ns, *FTRUN, "--nnodes", "2", "--node-rank", str(k), "--master-addr", addr,
+                 "--master-port", str(port), "--nproc", "2", "--run-id", "ns", str(TRAIN), "--steps", "10",
+                 "--out", str(tmp_path / "p")],
+                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        res = _finish(procs)
+        for k, (rc, _o, e) in res.items():
+            assert rc == 0, (k, e)
+        assert f"at {addr}:{port}" in res[1][2]
+        _assert_identical(tmp_path / "p", 4)
+    finally:
+        _netns_teardown(ns0, ns1)
