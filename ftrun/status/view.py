@@ -210,8 +210,9 @@ def render_run(run: Dict[str, Any]):
         cols += ["quorum", "last heal"]
     cols.append("last failure")
     for c in cols:
+        # Only the failure column gives way in a narrow terminal; numbers are never cut.
         table.add_column(c, justify="left" if c in ("state", "last failure", "quorum") else "right",
-                         overflow="fold" if c == "last failure" else "ellipsis")
+                         no_wrap=c != "last failure", min_width=12 if c == "last failure" else None)
     for r in reps:
         state = r.get("state") or "?"
         style = STATE_STYLE.get(state, "")
@@ -229,7 +230,8 @@ def render_run(run: Dict[str, Any]):
         if ft:
             q = "healing" if r.get("healing") else ("in" if r.get("in_quorum") else ("out" if r.get("in_quorum") is False else "-"))
             row += [q, _num(r.get("last_heal_s"), "{:.2f}s")]
-        row.append(Text(r.get("last_failure") or "", style="red"))
+        # One line per replica, so --watch stays steady: a long reason is cut (--json has it whole).
+        row.append(Text(r.get("last_failure") or "", style="red", no_wrap=True, overflow="ellipsis"))
         table.add_row(*row)
     if reps:
         lines.append(table)
