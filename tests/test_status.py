@@ -93,6 +93,24 @@ def test_live_run_table_and_json(home, sup):
     assert 0 <= run["replicas"][1]["heartbeat_age_s"] < 30 and 0.4 < run["uptime_s"] < 30
 
 
+def test_multinode_run_shows_node_column(home, sup):
+    from ftrun.status.view import collect, render
+    from rich.console import Console
+
+    path = make_run("ftrun-2nodes", sup, n=4, nnodes=2)
+    data = json.loads(path.read_text())
+    for i, r in enumerate(data["replicas"]):
+        r["node_rank"] = i // 2
+    path.write_text(json.dumps(data))
+    console = Console(width=200, record=True)
+    console.print(render(collect()))
+    lines = console.export_text().splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["node", "rank"])
+    start = lines.index(header) + 1
+    rows = [line.split()[:2] for line in lines[start:start + 4]]
+    assert rows == [["0", "0"], ["0", "1"], ["1", "2"], ["1", "3"]]
+
+
 def test_dead_supervisor_is_ended_supervisor_gone(home):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -203,7 +203,8 @@ def render_run(run: Dict[str, Any]):
     reps = run["replicas"]
     gpu = any(r.get("gpu_mem_bytes") is not None for r in reps)
     table = Table(box=None, pad_edge=False, header_style="bold", padding=(0, 1))
-    cols = ["rank", "pid", "state", "restarts", "step", "steps/s", "heartbeat", "cpu %", "rss"]
+    multinode = (run.get("nnodes") or 1) > 1 or any(r.get("node_rank") for r in reps)
+    cols = (["node"] if multinode else []) + ["rank", "pid", "state", "restarts", "step", "steps/s", "heartbeat", "cpu %", "rss"]
     if gpu:
         cols.append("gpu mem")
     if ft:
@@ -219,7 +220,7 @@ def render_run(run: Dict[str, Any]):
         if run["supervisor_gone"] and state not in ("done", "failed", "stopped"):
             state, style = "gone", "dim"  # the workers die with their supervisor; the recorded state is stale
         live_hb = r.get("heartbeat_age_s") is not None and not ended
-        row = [
+        row = ([str(r.get("node_rank", 0))] if multinode else []) + [
             str(r.get("rank")), _num(r.get("pid"), "{}"), Text(state, style=style),
             str(r.get("restarts", 0)), str(r.get("step", 0)), _num(r.get("steps_per_s"), "{:.2f}") if not ended else "-",
             (_age(r["heartbeat_age_s"]) + " ago") if live_hb else "-",
