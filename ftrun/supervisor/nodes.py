@@ -385,6 +385,13 @@ class NodeCoordinator:
             return [k for k, st in w.states.items() if st is NodeState.LOST
                     or st is NodeState.ENDED and w.finals.get(k) != "0"]
 
+    def _ended_nodes(self) -> List[tuple]:
+        w = self.watch
+        if w is None:
+            return []
+        with w.lock:
+            return [(k, w.finals.get(k)) for k, st in sorted(w.states.items()) if st is NodeState.ENDED]
+
     def _store_lost(self) -> bool:
         w = self.watch
         return w is not None and w.store_state is StoreState.LOST
@@ -430,7 +437,7 @@ class NodeCoordinator:
         for o in sup.workers:
             o.state = WorkerState.RESTARTING if o is w or o.alive else o.state
         sup._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-        code = self._attempt_barrier(n)
+        code = self._attempt_barrier(n, int(info.get("code") or 1))
         if code is not None:
             return code
         self.attempt = n + 1
@@ -442,8 +449,11 @@ class NodeCoordinator:
         sup.first_failure = None
         return None
 
-    def _attempt_barrier(self, n: int) -> Optional[int]:
-        """Every node has stopped attempt n; node 0 has cleaned the store; attempt n+1 may start."""
+    def _attempt_barrier(self, n: int, fail_code: int) -> Optional[int]:
+        """Every node has stopped attempt n; node 0 has cleaned the store; attempt n+1 may start.
+
+        None when attempt n+1 may start; else ftrun's exit status (`fail_code`
+        when the group cannot restart because a node has already ended)."""
         store = self.store
         # Long enough for the slowest node to notice (a beat), stop (grace, then SIGKILL) and report.
         deadline = time.monotonic() + self.cfg.shutdown_timeout + NODE_TIMEOUT_S + 15.0
@@ -463,6 +473,13 @@ class NodeCoordinator:
                 lost = self._lost_nodes()
                 if lost:
                     return self.check() or NODE_LOST
+                ended = self._ended_nodes()
+                if ended:
+                    # Its workers finished before the failure: a restarted group could never be whole.
+                    k, final = ended[0]
+                    self._note(f"{self._node_name(k)} has already ended (exit {final}); the group cannot restart "
+                               f"without it: stopping", style="bold red")
+                    return fail_code
                 if time.monotonic() > deadline:
                     self._note(f"the other nodes did not stop attempt {n} in time; stopping", style="bold red")
                     return NODE_LOST

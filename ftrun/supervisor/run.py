@@ -22,6 +22,7 @@ from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, WorkerState, 
 from ftrun.supervisor.env import base_env, common_env, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, open_pipes
 from ftrun.supervisor.nodes import NodeCoordinator, state_dir_name
+from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.report import exit_reason, failure_report
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
 from ftrun.supervisor.spawn import Exited, PopenSpawner, Spawned, SpawnerDied, ZygoteSpawner, signal_group
@@ -65,6 +66,9 @@ class Supervisor:
         self._procs: Dict[int, object] = {}
         self.store: Optional[RunStore] = None
         self._store_announced = False
+        # --ft: the supervisor keeps the quorum (ftrun.supervisor.quorum).
+        self.quorum: Optional[QuorumKeeper] = None
+        self.tick_s = 0.05 if cfg.ft else TICK_S
         # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
         self.nodes: Optional[NodeCoordinator] = None
 
@@ -76,6 +80,8 @@ class Supervisor:
         host = cfg.master_addr
         self.store = open_run_store(cfg, store_listen_addr(cfg))
         port = self.store.port
+        if cfg.ft:
+            self.quorum = QuorumKeeper(self.store, [w.rank for w in self.workers])
         if cfg.nnodes > 1:
             self.nodes = NodeCoordinator(self)
         self.common = common_env(cfg, host, port, base_env())
@@ -134,6 +140,8 @@ class Supervisor:
         if not self.cfg.ft:
             w.steps = 0  # a new attempt counts its own steps; with --ft the step is global
         self._progress_seen.pop(w.rank, None)
+        if self.quorum is not None:
+            self.quorum.on_spawn(w.rank, w.incarnation)
         try:
             self.spawner.spawn(w.tag, self._argv(), env, self.cwd, out_w, err_w)
         finally:
@@ -171,8 +179,8 @@ class Supervisor:
     def _tick_timeout(self) -> float:
         now = time.time()
         deadlines = [w.kill_at for w in self.workers if w.kill_at]
-        nxt = min([self._last_poll + TICK_S] + deadlines)
-        return max(0.0, min(TICK_S, nxt - now))
+        nxt = min([self._last_poll + self.tick_s] + deadlines)
+        return max(0.0, min(self.tick_s, nxt - now))
 
     def _handle(self, ev) -> Optional[int]:
         if isinstance(ev, tuple) and ev[0] == "signal":
@@ -202,6 +210,9 @@ class Supervisor:
         if w is None or ev.tag != w.tag:
             return None  # an old incarnation that was already accounted for
         signal_group(ev.pid, signal.SIGKILL)  # nothing the worker started may outlive it
+        if self.quorum is not None:
+            # first: the survivors may be waiting for its vote
+            self.quorum.on_exit(w.rank, w.incarnation, finished=ev.exit_code == 0 and not w.hang_reason)
         for p in w.pumps:
             p.done.wait(0.5)
         w.pid = ev.pid
@@ -334,6 +345,8 @@ class Supervisor:
                 w = pending.pop(ev.tag, None)
                 self.by_tag.pop(ev.tag, None)
                 signal_group(ev.pid, signal.SIGKILL)
+                if w is not None and self.quorum is not None:
+                    self.quorum.on_exit(w.rank, w.incarnation)
                 if w is not None:
                     if w.state != WorkerState.RESTARTING:
                         w.state = WorkerState.STOPPED
@@ -351,9 +364,11 @@ class Supervisor:
             if w.kill_at and now >= w.kill_at:
                 signal_group(w.pid, signal.SIGKILL)
                 w.kill_at = None
-        if now - self._last_poll >= TICK_S * 0.9:
+        if now - self._last_poll >= self.tick_s * 0.9:
             self._last_poll = now
             self._poll_progress(now)
+            if self.quorum is not None:
+                self._poll_quorum(now)
             if self.cfg.step_timeout:
                 self._check_hangs(now)
         if now - self._last_metrics >= 1.0:
@@ -390,7 +405,7 @@ class Supervisor:
                 continue
             steps = int(parts[1])
             w.last_heartbeat = now
-            if w.state == WorkerState.STARTING:
+            if w.state == WorkerState.STARTING and self.quorum is None:
                 w.state = WorkerState.RUNNING
                 self._dirty = True
             if steps != w.steps and steps > 0:
@@ -403,7 +418,33 @@ class Supervisor:
                 w.first_step_seen = True
                 self._dirty = True
 
+    def _poll_quorum(self, now: float) -> None:
+        q = self.quorum
+        try:
+            q.poll(now)
+        except Exception as e:  # the store went away: the loop's other checks will say so
+            self.console.note(f"quorum poll failed: {e}", style="yellow")
+            return
+        while q.history:
+            self.console.note(q.history.pop(0), style="cyan")
+        for w in self.workers:
+            if w.state in (WorkerState.RECOVERING, WorkerState.STARTING, WorkerState.RUNNING) and w.alive:
+                if q.replica_fields(w.rank)["in_quorum"] and w.state != WorkerState.RUNNING:
+                    if w.state == WorkerState.RECOVERING and w.last_failure is not None:
+                        took = now - w.last_failure.when
+                        w.rejoin_s = took
+                        self.console.note(f"rank {w.rank} is training again, healed from a peer "
+                                          f"{took:.2f} s after it failed", style="green")
+                    w.state = WorkerState.RUNNING
+                    self._dirty = True
+        if self.status.quorum_id != q.epoch_id or now - self._last_write >= 0.5:
+            for k, v in q.run_fields().items():
+                setattr(self.status, k, v)
+            self._dirty = True
+
     def _on_store_ready(self) -> None:
+        if self.quorum is not None:
+            self.quorum.on_store_ready()
         # Every progress key exists from the start, so multi_get never waits for one.
         for w in self.workers:
             try:
@@ -417,6 +458,9 @@ class Supervisor:
             if w.state not in (WorkerState.RUNNING,) or w.kill_at:
                 continue
             stalled_step = w.first_step_seen and w.last_step_time and now - w.last_step_time > limit
+            if stalled_step and self.quorum is not None:
+                # With --ft every replica stalls while one hangs: blame only the one the others wait for.
+                stalled_step = self.quorum.waited_on(w.rank)
             stalled_beat = w.last_heartbeat and now - w.last_heartbeat > limit
             if not (stalled_step or stalled_beat):
                 continue
@@ -462,6 +506,7 @@ class Supervisor:
             step=w.steps, steps_per_s=round(w.steps_per_s, 3), last_heartbeat=w.last_heartbeat,
             last_step_time=w.last_step_time, cpu_percent=getattr(w, "_cpu", None), rss_bytes=getattr(w, "_rss", None),
             last_failure=w.last_failure.reason if w.last_failure else None, node_rank=self.cfg.node_rank,
+            **(self.quorum.replica_fields(w.rank) if self.quorum is not None else {}),
         )
 
     def _write_state(self, force: bool = False) -> None:

@@ -23,7 +23,10 @@ import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from ftrun.worker.proc import set_parent_death_signal
+PDEATH_SHIM = ("import ctypes, os, sys\n"
+               "ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)\n"
+               "os.getppid() == int(sys.argv[1]) or os._exit(1)\n"
+               "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,11 @@ class ZygoteSpawner:
         zenv = dict(env)
         zenv["FTRUN_ZYGOTE_FD"] = str(child.fileno())
         zenv["FTRUN_SUPERVISOR_PID"] = str(os.getpid())
+        # No preexec_fn: forking a multi-threaded supervisor through Python code is
+        # unsafe; the zygote sets its own parent-death signal first thing.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ftrun.worker.zygote"], env=zenv, cwd=cwd,
-            pass_fds=(child.fileno(),), start_new_session=True, preexec_fn=set_parent_death_signal,
+            pass_fds=(child.fileno(),), start_new_session=True,
         )
         child.close()
         self.ready = threading.Event()
@@ -118,8 +123,10 @@ class PopenSpawner:
         self.ready.set()
 
     def spawn(self, tag: str, argv: List[str], env: Dict[str, str], cwd: str, out_fd: int, err_fd: int) -> None:
-        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=out_fd, stderr=err_fd,
-                                start_new_session=True, preexec_fn=set_parent_death_signal)
+        # A tiny python shim sets the parent-death signal (kept across exec) and
+        # execs the worker: no preexec_fn in a multi-threaded supervisor.
+        shim = [sys.executable, "-S", "-c", PDEATH_SHIM, str(os.getpid())] + list(argv)
+        proc = subprocess.Popen(shim, env=env, cwd=cwd, stdout=out_fd, stderr=err_fd, start_new_session=True)
         self.events.put(Spawned(tag, proc.pid))
         threading.Thread(target=self._wait, args=(tag, proc), name=f"ftrun-wait-{tag}", daemon=True).start()
 

@@ -60,6 +60,7 @@ class Worker:
     hang_reason: Optional[str] = None
     stop_requested: bool = False
     last_failure: Optional[Failure] = None
+    rejoin_s: Optional[float] = None  # --ft: from its last failure to taking part again
     pumps: list = field(default_factory=list)
 
     @property

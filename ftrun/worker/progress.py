@@ -10,6 +10,7 @@ Must never import the supervisor.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -32,6 +33,7 @@ class ProgressReporter:
         self.steps = 0
         self.last_step_time = 0.0
         self.global_step: Optional[int] = None  # set by ftrun.ft, which counts committed steps
+        self.info_provider = None  # ftrun.ft: a callable returning a JSON-able dict for `ftrun status`
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ftrun-progress", daemon=True)
@@ -67,6 +69,8 @@ class ProgressReporter:
             steps = self.global_step if self.global_step is not None else self.steps
             try:
                 store.set(key, f"{self.incarnation} {steps} {self.last_step_time:.3f} {time.time():.3f} {os.getpid()}")
+                if self.info_provider is not None:
+                    store.set(f"ftrun/ft/info/{self.rank}", json.dumps(self.info_provider()))
             except Exception:
                 return  # the supervisor is gone; the parent-death signal ends us
             self._wake.wait(HEARTBEAT_S)

@@ -41,6 +41,21 @@ def _preimport() -> None:
 
     import ftrun.worker.bootstrap  # noqa: F401
 
+    if os.environ.get("FTRUN_FT") == "1":
+        _preimport_ddp()
+
+
+def _preimport_ddp() -> None:
+    """What DDP's constructor imports on first use (torch._dynamo: seconds of CPU).
+
+    With --ft it is imported before the first fork, since every replica builds
+    DDP and restarts must be fast; otherwise the zygote imports it while idle,
+    so that restarted workers start at once without slowing the first start."""
+    import torch._dynamo  # noqa: F401
+
+    import ftrun.worker.ft.manager  # noqa: F401
+    import ftrun.worker.hooks  # noqa: F401
+
 
 class _Child:
     """What a forked child must run, returned up to the top level."""
@@ -61,10 +76,15 @@ def serve(sock: socket.socket, supervisor_pid: int) -> Optional[_Child]:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     children: Dict[int, str] = {}
     _send(sock, {"op": "ready"})
+    warm = os.environ.get("FTRUN_FT") == "1"
     while True:
         try:
-            readable, _, _ = select.select([sock, wake_r], [], [])
+            readable, _, _ = select.select([sock, wake_r], [], [], None if warm else 0.5)
         except InterruptedError:
+            continue
+        if not readable and not warm:
+            warm = True
+            _preimport_ddp()
             continue
         if wake_r in readable:
             try:

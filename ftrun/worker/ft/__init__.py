@@ -1,0 +1,4 @@
+"""Replica fault tolerance inside a worker: membership epochs, votes, healing.
+
+Used through the public API in ``ftrun.ft``. Never imports the supervisor.
+"""

@@ -1,0 +1,69 @@
+"""ftrun's fault-tolerance API for training scripts run with `ftrun --ft`.
+
+A few lines turn a DDP script into one whose replicas survive each other's
+deaths: wrap the model, wrap the optimizer, loop over ftrun's global step,
+register any extra state. Everything else (membership, votes, healing) comes
+from the environment ftrun gives each worker.
+
+    import ftrun.ft as ft
+    model = ft.DistributedDataParallel(model)
+    opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ft.register_state("sched", scheduler)
+    for step in ft.steps(1000):
+        x, y = batch(step, ft.replica_index(), ft.num_replicas())
+        opt.zero_grad(); loss_fn(model(x), y).backward()
+        if opt.step():          # False: the round was discarded, nothing changed
+            scheduler.step()
+
+No init_process_group() is needed. Must never be imported by the launcher.
+"""
+
+from typing import Any, Iterator
+
+import torch
+
+from ftrun.worker.ft.ddp import wrap_model
+from ftrun.worker.ft.manager import manager
+from ftrun.worker.ft.optim import ReplicaOptimizer
+
+__all__ = ["DistributedDataParallel", "Optimizer", "register_state", "steps", "replica_index",
+           "num_replicas", "global_step", "replica_rank"]
+
+
+def DistributedDataParallel(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+    """torch DDP whose gradients are averaged over the replicas alive at each step."""
+    return wrap_model(manager(), module, **kwargs)
+
+
+def Optimizer(optimizer: torch.optim.Optimizer) -> ReplicaOptimizer:
+    """Wrap an optimizer: its step() commits the round on every replica or on none."""
+    return ReplicaOptimizer(manager(), optimizer)
+
+
+def register_state(name: str, obj: Any) -> None:
+    """Send `obj.state_dict()` to restarted replicas too (an LR scheduler, a data sampler...)."""
+    manager().register_state(name, obj)
+
+
+def steps(total: int) -> Iterator[int]:
+    """The global step, from where the run is (a restarted replica resumes there) to `total`."""
+    return manager().steps(total)
+
+
+def replica_index() -> int:
+    """This replica's position among the live replicas (use it to shard data)."""
+    return manager().replica_index
+
+
+def num_replicas() -> int:
+    """How many replicas take part in the current step."""
+    return manager().num_replicas
+
+
+def replica_rank() -> int:
+    """This replica's fixed id (its RANK)."""
+    return manager().rank
+
+
+def global_step() -> int:
+    return manager().step

@@ -1,0 +1,177 @@
+"""The quorum keeper of --ft: the supervisor decides who takes part, and speaks for the dead.
+
+It publishes an epoch (members, and which of them must heal) whenever
+membership changes: when every first replica has asked to join, when a
+restarted replica asks to join, and when a member dies. For a member that
+died it writes "dead" into the votes its peers are waiting for
+(compare_set: a vote the member managed to cast is kept), so the survivors
+decide the round alike and move on without it. Status figures come back
+from the replicas' info keys.
+Must never import torch (it talks to the store through RunStore), and never
+touch processes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Dict, List, Optional, Set, Tuple
+
+from ftrun.worker.ft import keys
+from ftrun.worker.ft.keys import Epoch
+
+FIRST_EPOCH_WAIT_S = 30.0  # how long the first epoch waits for slow first replicas
+
+
+class QuorumKeeper:
+    def __init__(self, store, ranks: List[int]) -> None:
+        self.store = store  # RunStore; its .store is the TCPStore once ready
+        self.ranks = sorted(ranks)
+        self.epoch_id = 0
+        self.members: Dict[int, int] = {}
+        self.healed: Set[Tuple[int, int]] = set()
+        self.pending: Dict[int, int] = {}
+        self.alive: Dict[int, Optional[int]] = {r: 0 for r in ranks}
+        self.info: Dict[int, dict] = {}
+        self.first_join: Optional[float] = None
+        self.ready = False
+        self.history: List[str] = []
+        self._dead_pending: List[Tuple[int, int]] = []
+
+    # ------------------------------------------------------------ store
+    @property
+    def _s(self):
+        return self.store.store
+
+    def on_store_ready(self) -> None:
+        s = self._s
+        s.compare_set(keys.LATEST, "", "0")
+        for r in self.ranks:
+            s.compare_set(keys.round_key(r), "", "-1")
+            s.compare_set(keys.join_key(r), "", "-1")
+            s.compare_set(keys.healed_key(r), "", "-1")
+            s.compare_set(keys.info_key(r), "", "{}")
+            inc = self.alive.get(r)
+            s.set(keys.inc_key(r), "dead" if inc is None else str(inc))
+        self.ready = True
+        for r, k in self._dead_pending:
+            self.on_exit(r, k)
+        self._dead_pending.clear()
+
+    # ------------------------------------------------------------ events from the supervisor
+    def on_spawn(self, rank: int, inc: int) -> None:
+        self.alive[rank] = inc
+        if self.ready:
+            self._s.set(keys.inc_key(rank), str(inc))
+
+    def on_exit(self, rank: int, inc: int, finished: bool = False) -> None:
+        """A replica incarnation died (or finished): take it out and vote for it where it can't."""
+        if self.alive.get(rank) == inc:
+            self.alive[rank] = None
+        if not self.ready:
+            if not finished:
+                self._dead_pending.append((rank, inc))
+            return
+        self.pending.pop(rank, None)
+        if self.members.get(rank) == inc:
+            del self.members[rank]
+            if finished:  # it left the loop with the others: nobody waits for it
+                return
+            if self.members:
+                self._publish(f"rank {rank} left")
+            self._fill_votes(rank)
+        if self.alive.get(rank) is None:
+            self._s.set(keys.inc_key(rank), "dead")
+
+    def _fill_votes(self, rank: int) -> None:
+        s = self._s
+        rounds = [int(v) for v in s.multi_get([keys.round_key(r) for r in self.ranks])]
+        top = max(rounds) if rounds else -1
+        # Survivors wait at most two rounds past the newest vote anyone cast.
+        for rnd in range(max(0, top - 1), top + 3):
+            s.compare_set(keys.vote_key(rnd, rank), "", f"dead {self.epoch_id}")
+
+    # ------------------------------------------------------------ polling
+    def poll(self, now: float) -> None:
+        if not self.ready:
+            return
+        s = self._s
+        n = len(self.ranks)
+        vals = s.multi_get([keys.join_key(r) for r in self.ranks] + [keys.healed_key(r) for r in self.ranks]
+                           + [keys.info_key(r) for r in self.ranks])
+        joins, healed, infos = vals[:n], vals[n:2 * n], vals[2 * n:]
+        for r, j, h, info in zip(self.ranks, joins, healed, infos):
+            inc = self.alive.get(r)
+            if inc is not None and int(j) == inc and r not in self.members and r not in self.pending:
+                self.pending[r] = inc
+                if self.first_join is None:
+                    self.first_join = now
+            if int(h) >= 0:
+                self.healed.add((r, int(h)))
+            try:
+                self.info[r] = json.loads(info)
+            except ValueError:
+                pass
+        if not self.pending:
+            return
+        if self.epoch_id == 0:
+            waiting_for = [r for r in self.ranks if self.alive.get(r) is not None and r not in self.pending]
+            if waiting_for and now - (self.first_join or now) < FIRST_EPOCH_WAIT_S:
+                return
+            self._publish("first replicas joined")
+        else:
+            self._publish(f"rank{'s' if len(self.pending) > 1 else ''} {', '.join(map(str, sorted(self.pending)))} joined")
+
+    def _publish(self, why: str) -> None:
+        s = self._s
+        self.members.update(self.pending)
+        self.pending.clear()
+        holders = [r for r, k in self.members.items() if (r, k) in self.healed]
+        fresh = self.epoch_id == 0 or not holders
+        self.epoch_id += 1
+        members = tuple(sorted(self.members.items()))
+        if fresh:
+            rounds = [int(v) for v in s.multi_get([keys.round_key(r) for r in self.ranks])]
+            src = min(self.members)
+            epoch = Epoch(self.epoch_id, members, tuple(r for r in self.members if r != src), True, max(rounds) + 1)
+            if self.epoch_id > 1:
+                why += "; no replica holding the trained state is left: starting again from the first step"
+        else:
+            epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r not in holders)))
+        s.set(keys.epoch_key(self.epoch_id), epoch.to_json())
+        s.set(keys.LATEST, str(self.epoch_id))
+        self.history.append(f"epoch {self.epoch_id}: {len(members)} replicas ({why})")
+
+    # ------------------------------------------------------------ status and hangs
+    def replica_fields(self, rank: int) -> dict:
+        info = self.info.get(rank) or {}
+        inc = self.alive.get(rank)
+        return {
+            "in_quorum": inc is not None and self.members.get(rank) == inc and (rank, inc) in self.healed,
+            "healing": bool(info.get("healing")) and info.get("inc") == inc,
+            "last_heal_s": info.get("last_heal_s"),
+        }
+
+    def run_fields(self) -> dict:
+        live = [self.info.get(r) or {} for r in self.members]
+        return {
+            "quorum_id": self.epoch_id,
+            "quorum_size": len(self.members),
+            "steps_committed": max((i.get("step", 0) for i in live), default=0),
+            "steps_discarded": max((i.get("discarded", 0) for i in live), default=0),
+        }
+
+    def waited_on(self, rank: int) -> bool:
+        """True if the others of its epoch are waiting for this replica (they voted, it did not)."""
+        mine = self.info.get(rank) or {}
+        if mine.get("phase") not in ("compute",):
+            return False
+        others = [self.info.get(r) or {} for r in self.members if r != rank]
+        return any(o.get("phase") == "vote" and o.get("round", -1) >= mine.get("round", 0) for o in others)
+
+    def global_step(self) -> int:
+        return max((int((self.info.get(r) or {}).get("step", 0)) for r in self.ranks), default=0)
+
+
+def now() -> float:
+    return time.time()

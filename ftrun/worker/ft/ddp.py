@@ -1,0 +1,95 @@
+"""DDP for --ft: torch's DDP on a group of one, with gradients averaged over the live replicas.
+
+Torch's DDP keeps doing what it does well (buckets, overlap with backward);
+its comm hook sends each bucket over the current epoch's group through the
+run's chosen hook (ftrun.worker.hooks), so the average is over exactly the
+replicas that take part. The hook state is rebuilt on every member whenever
+the group changes, so it never silently diverges. A collective that fails
+marks the round failed and hands DDP the local buffer: nothing raises into
+the user's loop.
+Must never import the supervisor.
+"""
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from ftrun.hookspec import HookSpec
+from ftrun.worker.ft.group import local_group
+from ftrun.worker.ft.manager import Manager
+
+
+def _done(t: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
+class ReplicaHook:
+    """The comm hook DDP calls; rebound to each new group by the manager."""
+
+    def __init__(self, mgr: Manager, spec: HookSpec, module: torch.nn.Module) -> None:
+        self.mgr = mgr
+        self.spec = spec
+        self.module = module
+        self.reg: Any = None
+        mgr.on_group_change(self.rebind)
+
+    def rebind(self, pg: Optional[dist.ProcessGroup]) -> None:
+        from ftrun.worker.hooks import Registration
+
+        self.reg = None
+        if pg is None:
+            return
+        self.reg = Registration(self.spec, self.module, pg)
+        state = self.reg.state
+        if hasattr(state, "start_powerSGD_iter"):
+            # Every member starts the fresh state at the same, global, iteration.
+            state.iter = self.mgr.step
+
+    def __call__(self, _state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+        mgr, buf = self.mgr, bucket.buffer()
+        if self.reg is None or not mgr.round_ok:
+            mgr.fail_round()
+            return _done(buf)
+        try:
+            fut = self.reg.hook(self.reg.state, bucket)
+        except Exception as e:  # the group broke while sending: this round is voted down
+            mgr.fail_round(str(e))
+            return _done(buf)
+
+        def guard(f: torch.futures.Future) -> torch.Tensor:
+            try:
+                return f.value()
+            except Exception as e:
+                mgr.fail_round(str(e))
+                return buf
+
+        return fut.then(guard)
+
+
+def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP:
+    mgr.register_model(module)
+    if torch.cuda.is_available() and "device_ids" not in kwargs:
+        kwargs["device_ids"] = [int(os.environ.get("LOCAL_RANK", "0"))]
+    # DDP rebuilds its buckets after the first backward, in the order gradients
+    # became ready. A replica that joins later would run its first step on the
+    # initial layout while its peers use the rebuilt one, and the hook would sum
+    # mismatched slices. With find_unused_parameters DDP never rebuilds, so every
+    # replica keeps the same, initial, layout (a deterministic function of the model).
+    kwargs["find_unused_parameters"] = True
+    ddp = TorchDDP(module, process_group=local_group(), **kwargs)
+    raw = os.environ.get("FTRUN_HOOK")
+    spec = HookSpec.from_json(raw) if raw else HookSpec("allreduce")
+    hook = ReplicaHook(mgr, spec, module)
+
+    def ftrun_ft_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return hook(state, bucket)
+
+    ddp.register_comm_hook(None, ftrun_ft_hook)
+    if mgr.pg is not None:
+        hook.rebind(mgr.pg)
+    return ddp

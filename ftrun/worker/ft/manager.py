@@ -1,0 +1,319 @@
+"""The replica's side of --ft: join, vote on every step, switch epochs, heal from a peer.
+
+A round is one attempt at a step. Each member votes ok/fail for the round in
+the store (with the newest epoch it has seen) and reads every member's vote
+in one round trip; all commit only if every vote is ok, so all members decide
+alike. A member that died never votes: the supervisor, which sees the death
+within milliseconds, writes "dead" for it (compare_set: the first writer wins,
+so a real vote is never overwritten). After a round, members switch to the
+newest epoch any vote named, at the same boundary. A new or restarted
+replica asks to join, is put into an epoch as a healer, and receives the
+model, optimizer and registered state from the epoch's source through the
+store, loaded with weights_only=True, before the round's forward pass.
+Must never raise a collective failure into the user's loop, and never import
+the supervisor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ftrun.worker.ft import keys
+from ftrun.worker.ft.group import build_group
+from ftrun.worker.ft.keys import Epoch
+
+POLL_S = 0.005
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(f"ftrun.ft: {msg}\n")
+    sys.stderr.flush()
+
+
+class Manager:
+    """One per worker process; created by ftrun.ft on first use."""
+
+    def __init__(self) -> None:
+        store_addr = os.environ.get("FTRUN_STORE")
+        if not store_addr or os.environ.get("FTRUN_FT") != "1":
+            raise RuntimeError("ftrun.ft needs to run under `ftrun --ft` (FTRUN_STORE and FTRUN_FT=1 are not set)")
+        host, _, port = store_addr.rpartition(":")
+        timeout = datetime.timedelta(seconds=float(os.environ.get("FTRUN_FT_VOTE_TIMEOUT", "600")))
+        self.store = dist.TCPStore(host, int(port), None, False, timeout)
+        self.rank = int(os.environ["RANK"])
+        self.inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.epoch: Optional[Epoch] = None
+        self.pg: Optional[dist.ProcessGroup] = None
+        self.attempt = 0
+        self.round = 0
+        self.step = 0
+        self.in_sync = False
+        self.round_ok = True
+        self.latest_seen = 0
+        self.target_epoch: Optional[int] = None
+        self.rebuild = False
+        self.finished = False
+        self.committed = 0
+        self.discarded = 0
+        self.heals = 0
+        self.last_heal_s: Optional[float] = None
+        self.phase = "init"
+        self.phase_since = time.time()
+        self.models: List[torch.nn.Module] = []
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self.extras: Dict[str, Any] = {}
+        self.group_listeners: List[Callable[[Optional[dist.ProcessGroup]], None]] = []
+        self._state_written: Optional[str] = None
+        from ftrun.worker import progress
+
+        self._progress = progress.start_from_env()
+        if self._progress is not None:
+            self._progress.info_provider = self.info
+
+    # ------------------------------------------------------------ registration
+    def register_model(self, model: torch.nn.Module) -> None:
+        self.models.append(model)
+
+    def register_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizers.append(opt)
+
+    def register_state(self, name: str, obj: Any) -> None:
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"ftrun.ft.register_state({name!r}, ...): the object needs state_dict() and load_state_dict()")
+        self.extras[name] = obj
+
+    def on_group_change(self, fn: Callable[[Optional[dist.ProcessGroup]], None]) -> None:
+        self.group_listeners.append(fn)
+
+    # ------------------------------------------------------------ info
+    @property
+    def num_replicas(self) -> int:
+        return len(self.epoch.members) if self.epoch else 1
+
+    @property
+    def replica_index(self) -> int:
+        return self.epoch.ranks.index(self.rank) if self.epoch else 0
+
+    def info(self) -> Dict[str, Any]:
+        return {
+            "inc": self.inc, "epoch": self.epoch.id if self.epoch else None,
+            "quorum": self.num_replicas if self.epoch else 0, "in_quorum": self.epoch is not None and self.in_sync,
+            "healing": self.phase == "heal", "step": self.step, "round": self.round,
+            "committed": self.committed, "discarded": self.discarded, "last_heal_s": self.last_heal_s,
+            "phase": self.phase, "phase_since": self.phase_since,
+        }
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.phase_since = time.time()
+
+    # ------------------------------------------------------------ the loop
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the global step until `total` steps are committed (by any replica)."""
+        while True:
+            self.start_round()
+            if self.finished or self.step >= total:
+                break
+            yield self.step
+        if not self.finished:
+            self.store.compare_set(keys.FINISHED, "", str(self.step))
+        self._set_phase("done")
+        if self._progress is not None:
+            self._progress.note_step(self.step)
+
+    def start_round(self) -> None:
+        if self.epoch is None:
+            self._join()
+        elif self.target_epoch is not None or self.rebuild:
+            self._switch(self.target_epoch if self.target_epoch is not None else self.epoch.id)
+        self.round_ok = self.round_ok and self.in_sync
+        self._set_phase("compute")
+
+    def fail_round(self, why: str = "") -> None:
+        """A collective of this round failed: the round will be voted down."""
+        if self.round_ok and why:
+            _log(f"rank {self.rank}: round {self.round} failed ({why.splitlines()[0][:160]})")
+        self.round_ok = False
+
+    def vote(self) -> bool:
+        """Vote on the current round; True if every member voted ok (then the caller steps)."""
+        self._set_phase("vote")
+        ok = self.round_ok and self.in_sync and self.pg is not None
+        me = self.rank
+        self.store.multi_set([keys.vote_key(self.round, me), keys.round_key(me)],
+                             [f"{'ok' if ok else 'fail'} {self.latest_seen}", str(self.round)])
+        wanted = [keys.vote_key(self.round, r) for r in self.epoch.ranks] + [keys.LATEST]
+        values = [v.decode() if isinstance(v, bytes) else str(v) for v in self.store.multi_get(wanted)]
+        votes, self.latest_seen = values[:-1], int(values[-1])
+        commit = all(v.startswith("ok") for v in votes)
+        target = max(int(v.split()[1]) for v in votes)
+        self.round += 1
+        if commit:
+            self.step += 1
+            self.committed += 1
+        else:
+            self.discarded += 1
+            self.rebuild = True  # the group may be broken: every member builds a fresh one
+        if target > self.epoch.id:
+            self.target_epoch = target
+        self.round_ok = True
+        if self._progress is not None:
+            self._progress.note_step(self.step)
+        self._set_phase("commit" if commit else "discard")
+        return commit
+
+    # ------------------------------------------------------------ membership
+    def _join(self) -> None:
+        """Ask the supervisor to take this incarnation in, and wait for an epoch that has it."""
+        self._set_phase("join")
+        t0 = time.time()
+        self.store.set(keys.join_key(self.rank), str(self.inc))
+        while True:
+            if self.store.check([keys.FINISHED]):
+                self.finished = True
+                self.step = int(self.store.get(keys.FINISHED))
+                return
+            latest = int(self.store.get(keys.LATEST)) if self.store.check([keys.LATEST]) else 0
+            if latest > 0:
+                epoch = Epoch.from_json(self.store.get(keys.epoch_key(latest)))
+                if (self.rank, self.inc) in epoch.members:
+                    if epoch.fresh:
+                        self.round = epoch.start_round
+                        break
+                    if self.store.check([keys.start_key(latest)]):
+                        self.round = int(self.store.get(keys.start_key(latest)))
+                        break
+            time.sleep(POLL_S)
+        self.latest_seen = latest
+        self._switch(latest, joining=True)
+        if self.epoch is not None and self.in_sync:
+            _log(f"rank {self.rank} (incarnation {self.inc}) joined epoch {latest} at step {self.step} "
+                 f"after {time.time() - t0:.2f} s")
+
+    def _switch(self, epoch_id: int, joining: bool = False) -> None:
+        epoch = Epoch.from_json(self.store.get(keys.epoch_key(epoch_id)))
+        if (self.rank, self.inc) not in epoch.members:
+            _log(f"rank {self.rank}: left out of epoch {epoch_id}; exiting so that ftrun restarts and heals it")
+            sys.stderr.flush()
+            os._exit(75)
+        changed = self.epoch is None or epoch.id != self.epoch.id
+        if changed:
+            self.attempt = 0
+            if not joining:
+                self.store.compare_set(keys.start_key(epoch.id), "", str(self.round))
+        else:
+            self.attempt += 1
+        self.epoch = epoch
+        self.target_epoch = None
+        self.rebuild = False
+        self._set_phase("group")
+        self.pg = None
+        alive = [v.decode() if isinstance(v, bytes) else str(v)
+                 for v in self.store.multi_get([keys.inc_key(r) for r in epoch.ranks])]
+        gone = [r for r, v in zip(epoch.ranks, alive) if v != str(epoch.incarnation(r))]
+        if gone:  # connecting would wait for the dead until the timeout; the next epoch drops them
+            self.fail_round(f"ranks {gone} of epoch {epoch.id} are already gone")
+            for fn in self.group_listeners:
+                fn(None)
+            return
+        try:
+            self.pg = build_group(self.store, keys.pg_prefix(epoch.id, self.attempt), epoch.ranks.index(self.rank),
+                                  len(epoch.ranks))
+        except Exception as e:  # a member died while we connected: this round fails, the next epoch fixes it
+            self.fail_round(f"could not form the group of epoch {epoch.id}: {e}")
+        if epoch.healers or epoch.fresh:
+            self._heal(epoch)
+        for fn in self.group_listeners:
+            fn(self.pg)
+
+    # ------------------------------------------------------------ healing
+    def _source(self, epoch: Epoch) -> int:
+        holders = [r for r in epoch.ranks if r not in epoch.healers]
+        return min(holders) if holders else min(epoch.ranks)
+
+    def _heal(self, epoch: Epoch) -> None:
+        source = self._source(epoch)
+        key = keys.state_key(epoch.id, self.attempt)
+        if self.rank == source:
+            if self._state_written:
+                try:
+                    self.store.delete_key(self._state_written)
+                except Exception:
+                    pass
+            self.store.set(key, self._capture())
+            self._state_written = key
+            if not self.in_sync:  # a fresh epoch's source: its state is the run's state from now on
+                self.in_sync = True
+                self.store.set(keys.healed_key(self.rank), str(self.inc))
+            return
+        if self.rank not in epoch.healers:
+            return
+        self._set_phase("heal")
+        t0 = time.time()
+        src_inc = str(epoch.incarnation(source))
+        while not self.store.check([key]):
+            alive = self.store.get(keys.inc_key(source)).decode()
+            if alive != src_inc:  # the source died before sending: heal in the next epoch
+                self.fail_round(f"source rank {source} died before sending its state")
+                return
+            time.sleep(POLL_S)
+        blob = self.store.get(key)
+        self._restore(blob)
+        self.in_sync = True
+        self.heals += 1
+        self.last_heal_s = round(time.time() - t0, 4)
+        self.store.set(keys.healed_key(self.rank), str(self.inc))
+
+    def _capture(self) -> bytes:
+        payload = {
+            "round": self.round, "step": self.step,
+            "models": [m.state_dict() for m in self.models],
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
+        }
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        return buf.getvalue()
+
+    def _restore(self, blob: bytes) -> None:
+        device = None
+        for m in self.models:
+            for p in m.parameters():
+                device = p.device
+                break
+        payload = torch.load(io.BytesIO(blob), weights_only=True, map_location=device)
+        if len(payload["models"]) != len(self.models) or len(payload["optimizers"]) != len(self.optimizers):
+            raise RuntimeError("ftrun.ft: this replica registered a different number of models/optimizers than its peer")
+        with torch.no_grad():
+            for m, sd in zip(self.models, payload["models"]):
+                m.load_state_dict(sd)
+        for o, sd in zip(self.optimizers, payload["optimizers"]):
+            o.load_state_dict(sd)
+        for name, sd in payload["extras"].items():
+            if name in self.extras:
+                self.extras[name].load_state_dict(sd)
+        self.round = int(payload["round"])
+        self.step = int(payload["step"])
+
+
+_manager: Optional[Manager] = None
+
+
+def manager() -> Manager:
+    global _manager
+    if _manager is None:
+        _manager = Manager()
+    return _manager
+
+
+def dumps_info(m: Manager) -> str:
+    return json.dumps(m.info())
