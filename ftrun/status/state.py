@@ -55,6 +55,7 @@ class ReplicaStatus:
     in_quorum: Optional[bool] = None
     healing: Optional[bool] = None
     last_heal_s: Optional[float] = None
+    ft_phase: Optional[str] = None      # join, group, heal, send, compute, vote, commit, discard, done
     hook_info: Optional[Dict[str, Any]] = None
 
 

@@ -150,6 +150,7 @@ class QuorumKeeper:
             "in_quorum": inc is not None and self.members.get(rank) == inc and (rank, inc) in self.healed,
             "healing": bool(info.get("healing")) and info.get("inc") == inc,
             "last_heal_s": info.get("last_heal_s"),
+            "ft_phase": info.get("phase") if info.get("inc") == inc else None,
         }
 
     def run_fields(self) -> dict:

@@ -173,6 +173,14 @@ class Supervisor:
                     return result
             if all(w.state in (WorkerState.DONE, WorkerState.FAILED) for w in self.workers):
                 if any(w.state == WorkerState.DONE for w in self.workers) or not self.first_failure:
+                    lost = [w for w in self.workers if w.state == WorkerState.FAILED]
+                    if lost:
+                        done = len(self.workers) - len(lost)
+                        self.console.note(
+                            f"finished with {done} of {len(self.workers)} replicas; "
+                            + "; ".join(f"rank {w.rank} was given up after {w.restarts} restart(s): "
+                                        f"{w.last_failure.reason if w.last_failure else 'failed'}" for w in lost),
+                            style="bold yellow")
                     return 0
                 return self.first_failure.status_code
 

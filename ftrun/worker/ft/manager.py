@@ -244,6 +244,10 @@ class Manager:
         source = self._source(epoch)
         key = keys.state_key(epoch.id, self.attempt)
         if self.rank == source:
+            self._set_phase("send")
+            delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))
+            if delay:  # fault injection for tests: widen the window in which the source can die
+                time.sleep(delay)
             if self._state_written:
                 try:
                     self.store.delete_key(self._state_written)
