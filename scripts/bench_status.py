@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 LOOP = """\
 import os, sys, time
@@ -36,24 +37,36 @@ while not os.path.exists(stop):
 """
 
 
-def time_command(argv: List[str], env: Dict[str, str], repeat: int) -> List[float]:
-    times = []
+def time_command(argv: List[str], env: Dict[str, str], repeat: int) -> Tuple[List[float], List[float]]:
+    """Wall and CPU (user + system) seconds of each call; CPU time hardly depends on other load."""
+    walls, cpus = [], []
     for _ in range(repeat):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         r = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        times.append(time.perf_counter() - t0)
+        walls.append(time.perf_counter() - t0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
         if r.returncode != 0:
             raise SystemExit(f"{' '.join(argv)} exited {r.returncode}: {r.stderr}")
-    return times
+    return walls, cpus
 
 
 def measure(label: str, env: Dict[str, str], repeat: int, rows: List[List[str]]) -> None:
     ftrun = [sys.executable, "-m", "ftrun"]
-    for what, argv in (("status --json", ftrun + ["status", "--json"]), ("status (table)", ftrun + ["status"])):
-        ts = time_command(argv, dict(env, COLUMNS="160"), repeat)
-        rows.append([label, f"`ftrun {what}`", f"{statistics.median(ts) * 1000:.0f}",
-                     f"{min(ts) * 1000:.0f}", f"{max(ts) * 1000:.0f}", str(repeat)])
-        print(f"  {label:28s} ftrun {what:15s} median {statistics.median(ts) * 1000:6.0f} ms", file=sys.stderr)
+    # The same view entered without building the typer CLI (ftrun.status.view.fast_status),
+    # as ftrun.cli.main does when it routes `status` there.
+    fast = [sys.executable, "-c", "import sys; from ftrun.status.view import fast_status; sys.exit(fast_status(sys.argv[1:]))"]
+    for what, argv in (("status --json", ftrun + ["status", "--json"]), ("status", ftrun + ["status"]),
+                       ("status --json` (fast_status, no typer)", fast + ["--json"]),
+                       ("status` (fast_status, no typer)", fast)):
+        ts, cpu = time_command(argv, dict(env, COLUMNS="160"), repeat)
+        shown = f"`ftrun {what}" + ("" if what.endswith(")") else "`")
+        rows.append([label, shown, f"{statistics.median(ts) * 1000:.0f}",
+                     f"{min(ts) * 1000:.0f}", f"{max(ts) * 1000:.0f}", f"{statistics.median(cpu) * 1000:.0f}",
+                     str(repeat)])
+        print(f"  {label:28s} ftrun {what:15s} median {statistics.median(ts) * 1000:6.0f} ms wall, "
+              f"{statistics.median(cpu) * 1000:6.0f} ms CPU", file=sys.stderr)
 
 
 def main() -> None:
@@ -100,10 +113,11 @@ def main() -> None:
                 sup.kill()
                 sup.wait()
 
-    print(f"Machine: {os.cpu_count()} CPU cores, Python {sys.version.split()[0]}; wall time of a fresh "
-          f"`ftrun` process per call (includes interpreter start), {args.repeat} calls each.\n")
-    print("| situation | command | median ms | min ms | max ms | calls |")
-    print("|---|---|---:|---:|---:|---:|")
+    print(f"Machine: {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at the end, Python {sys.version.split()[0]}; wall time of a fresh "
+          f"`ftrun` process per call (includes interpreter start), {args.repeat} calls each; "
+          f"CPU = user + system time of that process.\n")
+    print("| situation | command | median wall ms | min wall ms | max wall ms | median CPU ms | calls |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print("\nSample `ftrun status` output with the run alive:\n")

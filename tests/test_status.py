@@ -317,3 +317,20 @@ def test_live_run_and_sigkill_of_a_worker(home, tmp_path):
         if sup.poll() is None:
             sup.kill()
             sup.wait()
+
+
+def test_fast_status_matches_the_cli(home, sup, capsys):
+    """fast_status (the typer-free route for `ftrun status`) gives what the CLI gives, or defers to it."""
+    from ftrun.status.view import fast_status
+
+    make_run("ftrun-fast", sup)
+    for argv in (["--help"], ["-h"], ["--jsn"], ["a", "b"], ["--watch=1"]):
+        assert fast_status(argv) is None, argv  # help and mistakes: left to the full CLI
+    assert fast_status(["--json", "ftrun-fast"]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    slow = status_json("ftrun-fast", home=home)
+    drop = ("uptime_s", "updated_age_s", "heartbeat_age_s")
+    strip = lambda runs: [{k: v for k, v in r.items() if k not in drop and k != "replicas"} for r in runs]
+    assert strip(fast) == strip(slow) and fast[0]["replicas"][0]["pid"] == slow[0]["replicas"][0]["pid"]
+    with pytest.raises(ConfigError, match="no run 'nope'"):
+        fast_status(["nope"])

@@ -363,3 +363,23 @@ def status_main(run_id: Optional[str] = None, watch: bool = False, as_json: bool
     except KeyboardInterrupt:
         pass  # Ctrl-C is how --watch ends: not an error
     return 0
+
+
+def fast_status(argv: List[str]) -> Optional[int]:
+    """`ftrun status ARGS` without building the typer CLI (typer + pydantic cost ~140 ms of CPU).
+
+    Handles exactly `[RUN_ID] [--watch|-w] [--json] [--clean]`; returns None for anything
+    else (--help, unknown or misspelt flags) so the full CLI answers with its usual help
+    and errors. A bad RUN_ID raises ConfigError, as status_main does.
+    """
+    run_id: Optional[str] = None
+    opts = {"watch": False, "as_json": False, "clean_ended": False}
+    names = {"--watch": "watch", "-w": "watch", "--json": "as_json", "--clean": "clean_ended"}
+    for arg in argv:
+        if arg in names:
+            opts[names[arg]] = True
+        elif arg.startswith("-") or run_id is not None:
+            return None
+        else:
+            run_id = arg
+    return status_main(run_id=run_id, **opts)
