@@ -297,28 +297,51 @@ def load_recipe(name_or_path: str) -> Tuple[Dict[str, Any], str]:
     return check_recipe(recipe), str(recipe.path)
 
 
-def validate_recipe(name_or_path: str) -> Tuple[Recipe, Any]:
-    """Every check `ftrun --recipe` would make, with nothing started: (recipe, RunConfig)."""
-    from ftrun.config import OPTIONS, build_config
+def config_with_recipe(typed: Mapping[str, Any], name_or_path: Optional[str], check_paths: bool = True):
+    """RunConfig from the flags the user typed and an optional recipe (what `ftrun --recipe` runs).
 
+    Like load_recipe + build_config, and a problem that comes from a recipe value
+    (not overridden on the command line) is placed on its line, even when it only
+    shows once the recipe and the command line are merged.
+    """
+    from ftrun.config import build_config
+
+    if not name_or_path:
+        return build_config(typed, None, None, check_paths=check_paths)
     recipe = read_recipe(find_recipe(name_or_path))
     data = check_recipe(recipe)
     try:
-        cfg = build_config({"script": data.get("script") or "<script>"}, data, str(recipe.path), check_paths=False)
+        return build_config(typed, data, str(recipe.path), check_paths=check_paths)
     except ConfigError as e:
-        # A cross-key problem: point at the first recipe key the message names.
-        msg = str(e)
-        prefix = f"{recipe.path}: "
-        body = msg[len(prefix):] if msg.startswith(prefix) else msg
-        hits = []
-        for key in data:
-            for form in (key, "--" + key.replace("_", "-")):
-                m = re.search(rf"(?<![A-Za-z0-9_]){re.escape(form)}(?![A-Za-z0-9_])", body)
-                if m:
-                    hits.append((m.start(), key))
-        key = min(hits)[1] if hits else None
-        assert key is None or key in OPTIONS
-        raise recipe.error(key, body) from None
+        raise _place_config_error(recipe, data, typed, str(e)) from None
+
+
+def _place_config_error(recipe: Recipe, data: Mapping[str, Any], typed: Mapping[str, Any], msg: str) -> ConfigError:
+    """Point a build_config message at the recipe key it names, unless the command line set that key."""
+    if msg.startswith("command line:"):
+        return ConfigError(msg)
+    prefix = f"{recipe.path}: "
+    body = msg[len(prefix):] if msg.startswith(prefix) else msg
+    candidates = [k for k in data if typed.get(k) is None]
+    candidates += [f"hook.{k}" for k in (data.get("hook") or {}) if "hook" in candidates]
+    hits = []
+    for key in candidates:
+        name = key.split(".")[-1]
+        for form in (name, "--" + name.replace("_", "-")):
+            m = re.search(rf"(?<![A-Za-z0-9_]){re.escape(form)}(?![A-Za-z0-9_])", body)
+            if m:
+                hits.append((m.start(), key.count("."), key))
+    if not hits:
+        # Nothing of the recipe's is named: the message stands as build_config wrote it.
+        return ConfigError(msg)
+    return recipe.error(min(hits)[2], body)
+
+
+def validate_recipe(name_or_path: str) -> Tuple[Recipe, Any]:
+    """Every check `ftrun --recipe` would make, with nothing started: (recipe, RunConfig)."""
+    recipe = read_recipe(find_recipe(name_or_path))
+    data = check_recipe(recipe)
+    cfg = config_with_recipe({"script": data.get("script") or "<script>"}, str(recipe.path), check_paths=False)
     return recipe, cfg
 
 

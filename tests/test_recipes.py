@@ -293,3 +293,18 @@ args: [{out}, --from-recipe]
             assert hook["params"]["rank"] == 1 and hook["params"]["start_iter"] == 7  # --rank 1 beat rank 4 only
         else:
             assert not env.get("FTRUN_HOOK")
+
+
+def test_merged_errors_point_at_the_recipe_line_only_for_recipe_values(tmp_path):
+    """A problem that shows only once recipe and CLI merge is placed on the recipe's line when the
+    recipe's value is to blame, and left as a command-line error when the user typed it."""
+    from ftrun.recipe import config_with_recipe
+
+    p = _write(tmp_path, "description: x\nnproc: 2\nranks: 0,3\n")
+    with pytest.raises(ConfigError) as ei:
+        config_with_recipe({"script": "x.py"}, str(p), check_paths=False)
+    assert str(ei.value).startswith(f"{p}:3: ranks: --ranks 3: no such rank"), str(ei.value)
+    assert config_with_recipe({"script": "x.py", "nproc": "4"}, str(p), check_paths=False).ranks == (0, 3)
+    with pytest.raises(ConfigError) as ei:
+        config_with_recipe({"script": "x.py", "nproc": "4", "ranks": "0,9"}, str(p), check_paths=False)
+    assert not str(ei.value).startswith(str(p)) and "--ranks 9" in str(ei.value)
