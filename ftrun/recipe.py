@@ -14,11 +14,14 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
 from ftrun.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ftrun.config import RunConfig
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -297,7 +300,7 @@ def load_recipe(name_or_path: str) -> Tuple[Dict[str, Any], str]:
     return check_recipe(recipe), str(recipe.path)
 
 
-def config_with_recipe(typed: Mapping[str, Any], name_or_path: Optional[str], check_paths: bool = True):
+def config_with_recipe(typed: Mapping[str, Any], name_or_path: Optional[str], check_paths: bool = True) -> "RunConfig":
     """RunConfig from the flags the user typed and an optional recipe (what `ftrun --recipe` runs).
 
     Like load_recipe + build_config, and a problem that comes from a recipe value
@@ -337,7 +340,7 @@ def _place_config_error(recipe: Recipe, data: Mapping[str, Any], typed: Mapping[
     return recipe.error(min(hits)[2], body)
 
 
-def validate_recipe(name_or_path: str) -> Tuple[Recipe, Any]:
+def validate_recipe(name_or_path: str) -> Tuple[Recipe, "RunConfig"]:
     """Every check `ftrun --recipe` would make, with nothing started: (recipe, RunConfig)."""
     recipe = read_recipe(find_recipe(name_or_path))
     data = check_recipe(recipe)

@@ -15,10 +15,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ftrun.errors import ConfigError
 from ftrun.status.state import RunPhase, RunStatus, read_state_files, runs_root
+
+if TYPE_CHECKING:  # rich is imported only when a table is drawn (the --json path skips it)
+    from rich.console import RenderableType
 
 WATCH_INTERVAL_S = 0.5   # the supervisor rewrites state about this often
 STALE_AFTER_S = 5.0      # a live supervisor that has not written for this long is worth a warning
@@ -163,7 +166,7 @@ def _script_line(run: Dict[str, Any]) -> str:
     return script
 
 
-def render_run(run: Dict[str, Any]):
+def render_run(run: Dict[str, Any]) -> "RenderableType":
     """One run: a header line and a table of its replicas."""
     from rich.console import Group
     from rich.table import Table
@@ -239,7 +242,7 @@ def render_run(run: Dict[str, Any]):
     return Group(*lines)
 
 
-def render(runs: List[Dict[str, Any]], run_id: Optional[str] = None):
+def render(runs: List[Dict[str, Any]], run_id: Optional[str] = None) -> "RenderableType":
     from rich.console import Group
     from rich.text import Text
 
