@@ -65,17 +65,18 @@ def test_hook_trains_two_workers(ftrun_home, tmp_path, hook_args, script_args):
     proc, reports, params = _run(tmp_path, hook_args, script_args)
     r0 = reports[0]
     # DDP's own logging data names ftrun's hook
-    assert r0["comm_hook"] == comm_hook_name(spec) == reports[1]["comm_hook"]
+    log = proc.stdout + proc.stderr  # shown with any failure below
+    assert r0["comm_hook"] == comm_hook_name(spec) == reports[1]["comm_hook"], log
     assert spec.label in r0["comm_hook"]
     # each rank said once which hook it registered, and gave figures at exit
     for r in (0, 1):
-        assert proc.stderr.count(f"[rank {r}] ftrun: rank {r}: registered DDP comm hook {spec.describe()}") == 1
-        assert f"[rank {r}] ftrun: rank {r}: hook {spec.label} step {STEPS}" in proc.stderr
+        assert proc.stderr.count(f"[rank {r}] ftrun: rank {r}: registered DDP comm hook {spec.describe()}") == 1, log
+        assert f"[rank {r}] ftrun: rank {r}: hook {spec.label} step {STEPS}" in proc.stderr, log
     # loss goes down
     losses = r0["losses"]
-    assert sum(losses[-3:]) < 0.7 * sum(losses[:3]), losses
+    assert sum(losses[-3:]) < 0.7 * sum(losses[:3]), (losses, log)
     same = all(torch.equal(params[0][k], params[1][k]) for k in params[0])
-    assert same == (spec.name != "noop")
+    assert same == (spec.name != "noop"), log
     # traffic figures
     st = r0["ftrun"]
     assert st["hook"] == spec.label and st["steps"] == STEPS and not st["overridden"]
