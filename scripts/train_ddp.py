@@ -35,6 +35,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write final parameters of each rank to OUT.rankN.pt")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pretend each step does more work")
     p.add_argument("--print-every", type=int, default=10)
+    p.add_argument("--announce", action="store_true",
+                   help="print one line with rank, pid, step and wall time when this process completes its "
+                        "first optimizer step (scripts/bench_chaos.py uses it)")
     return p.parse_args()
 
 
@@ -61,6 +64,7 @@ def main() -> None:
         print(f"resumed from step {start}", flush=True)
 
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1))
+    announced = not args.announce
     for step in range(start, args.steps):
         g = torch.Generator().manual_seed(step * world + rank)
         x = torch.randn(args.batch, args.dim, generator=g)
@@ -70,6 +74,9 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if not announced:
+            announced = True
+            print(f"[announce] rank {rank} pid {os.getpid()} first step {step} t {time.time():.6f}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if step % args.print_every == 0 or step == args.steps - 1:

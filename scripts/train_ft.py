@@ -31,6 +31,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write final parameters to OUT.rankN.pt and stats to OUT.rankN.json")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pretend each step does more work")
     p.add_argument("--print-every", type=int, default=50)
+    p.add_argument("--announce", action="store_true",
+                   help="print one line with rank, pid, step and wall time when this process completes its "
+                        "first committed step (scripts/bench_chaos.py uses it)")
     return p.parse_args()
 
 
@@ -45,6 +48,7 @@ def main() -> None:
 
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1))
     loss = torch.tensor(0.0)
+    announced = not args.announce
     for step in ft.steps(args.steps):                                                    # FT
         i, n = ft.replica_index(), ft.num_replicas()
         g = torch.Generator().manual_seed(step)
@@ -56,6 +60,10 @@ def main() -> None:
         loss.backward()
         if opt.step():
             sched.step()
+            if not announced:
+                announced = True
+                print(f"[announce] rank {ft.replica_rank()} pid {os.getpid()} first step {step} "
+                      f"t {time.time():.6f}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if step % args.print_every == 0:
