@@ -17,7 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SCRIPTS, run_ftrun, start_ftrun
+from conftest import FTRUN, ROOT, SCRIPTS, run_ftrun
+
+
+def start_ftrun(args, env=None):
+    """Start ftrun with its stderr in a file, so a failing test can show it (see _finish)."""
+    import subprocess
+    import tempfile
+
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    err = tempfile.NamedTemporaryFile("w+", prefix="ftrun-err-", suffix=".log", delete=False)
+    proc = subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=err,
+                            text=True, env=full_env, cwd=ROOT)
+    proc.err_path = err.name
+    _RUNNING[:] = [proc]
+    return proc
 
 TRAIN = SCRIPTS / "train_ft.py"
 
@@ -27,6 +42,9 @@ def _state(home: Path, run_id: str):
         return json.loads((home / run_id / "state.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+_RUNNING = []
 
 
 def _wait_replica(home, run_id, rank, pred, timeout=60.0):
@@ -41,17 +59,18 @@ def _wait_replica(home, run_id, rank, pred, timeout=60.0):
                 if r["rank"] == rank and r.get("pid") and pred(r, st):
                     return r
         time.sleep(0.02)
-    raise AssertionError(f"rank {rank} never reached the awaited state; last: {_state(home, run_id)}")
+    tails = "".join(Path(p.err_path).read_text()[-3000:] for p in _RUNNING if hasattr(p, "err_path"))
+    raise AssertionError(f"rank {rank} never reached the awaited state; last: {_state(home, run_id)}\n{tails}")
 
 
 def _finish(proc, timeout=120):
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except Exception:
         proc.kill()
-        out, err = proc.communicate()
-        raise AssertionError(f"ftrun did not finish\n{err[-4000:]}")
-    return proc.returncode, out, err
+        proc.wait()
+        raise AssertionError(f"ftrun did not finish\n{Path(proc.err_path).read_text()[-4000:]}")
+    return proc.returncode, "", Path(proc.err_path).read_text()
 
 
 def _assert_identical(out: Path, world: int):
@@ -211,3 +230,28 @@ def test_two_of_three_die_at_once(ftrun_home, tmp_path):
     _, stats = _assert_identical(out, 3)
     assert stats["step"] == 150
     assert "starting again from the first step" not in err  # rank 1 kept the state
+
+
+def test_two_nodes_replica_heals_across_nodes(ftrun_home, tmp_path):
+    """Two ftrun processes as two nodes: a replica killed on node 1 heals from a peer, bitwise."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "p"
+    procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+                          "--nproc", 2, "--ft", "--run-id", "xn", TRAIN, "--steps", 300, "--step-sleep", 0.02,
+                          "--out", out]) for k in (0, 1)]
+    try:
+        r = _wait_replica(ftrun_home, "xn.node1", 3, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
+        os.kill(r["pid"], signal.SIGKILL)
+        results = [_finish(p) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    assert "rank 3 is training again, healed from a peer" in results[1][2]
+    _, stats = _assert_identical(out, 4)
+    assert stats["step"] == 300

@@ -81,7 +81,9 @@ class Supervisor:
         self.store = open_run_store(cfg, store_listen_addr(cfg))
         port = self.store.port
         if cfg.ft:
-            self.quorum = QuorumKeeper(self.store, [w.rank for w in self.workers])
+            # Node 0 keeps the quorum of every rank; other nodes report to it through the store.
+            self.quorum = QuorumKeeper(self.store, list(range(cfg.world_size)), [w.rank for w in self.workers],
+                                       leader=cfg.node_rank == 0)
         if cfg.nnodes > 1:
             self.nodes = NodeCoordinator(self)
         self.common = common_env(cfg, host, port, base_env())
@@ -253,6 +255,7 @@ class Supervisor:
                                   style="bold yellow")
                 for o in self.workers:
                     o.state = WorkerState.RESTARTING if o is w or o.alive else o.state
+                self._write_state()  # `ftrun status` shows the restart while the group stops
                 self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
                 self._clean_store_for_new_attempt()
                 self.status.group_restarts = self.policy.restarts
@@ -266,6 +269,12 @@ class Supervisor:
             return self._give_up(failure)
         # replica policy (--ft)
         live_after = sum(1 for o in self.workers if o is not w and o.alive)
+        if any(o.state == WorkerState.DONE for o in self.workers):
+            # The others have left the training loop: there is no step left to heal into.
+            w.state = WorkerState.FAILED
+            self.console.note(f"rank {w.rank} {failure.reason} after the others finished; not restarted",
+                              style="yellow")
+            return None
         decision = self.policy.on_failure(w.rank, live_after)
         if decision is Decision.RESTART_REPLICA:
             used = self.policy.restarts[w.rank]
@@ -273,6 +282,7 @@ class Supervisor:
                               f"(restart {used} of {self.policy.max_restarts}); the others keep training",
                               style="bold yellow")
             w.state = WorkerState.RESTARTING
+            self._write_state()  # `ftrun status` shows it restarting, then recovering, then running
             w.incarnation += 1
             w.restarts = used
             self._on_replica_restart(w)
@@ -445,6 +455,14 @@ class Supervisor:
                                           f"{took:.2f} s after it failed", style="green")
                     w.state = WorkerState.RUNNING
                     self._dirty = True
+        if not getattr(self, "_warned_no_ft_api", False):
+            plain = [w.rank for w in self.workers if w.first_step_seen and not q.info.get(w.rank)]
+            if plain:
+                self._warned_no_ft_api = True
+                self.console.note(
+                    f"--ft: rank {plain[0]} trains without ftrun.ft (it never asked to join a quorum), so a failed "
+                    f"replica cannot heal from a peer; wrap the model, optimizer and loop with ftrun.ft "
+                    f"(see scripts/train_ft.py), or drop --ft for group restarts", style="bold yellow")
         if self.status.quorum_id != q.epoch_id or now - self._last_write >= 0.5:
             for k, v in q.run_fields().items():
                 setattr(self.status, k, v)

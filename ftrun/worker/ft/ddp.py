@@ -75,13 +75,14 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
     mgr.register_model(module)
     if torch.cuda.is_available() and "device_ids" not in kwargs:
         kwargs["device_ids"] = [int(os.environ.get("LOCAL_RANK", "0"))]
-    # DDP rebuilds its buckets after the first backward, in the order gradients
-    # became ready. A replica that joins later would run its first step on the
-    # initial layout while its peers use the rebuilt one, and the hook would sum
-    # mismatched slices. With find_unused_parameters DDP never rebuilds, so every
-    # replica keeps the same, initial, layout (a deterministic function of the model).
-    kwargs["find_unused_parameters"] = True
     ddp = TorchDDP(module, process_group=local_group(), **kwargs)
+    # DDP rebuilds its buckets once, at the second forward, in the order the
+    # gradients became ready in the first backward. A replica that joins later
+    # would run its first step on the initial layout while its peers use the
+    # rebuilt one, and the hook would sum mismatched slices. Recording every
+    # parameter now makes that one rebuild use parameter order on every
+    # replica: the same layout everywhere, whenever a replica started.
+    ddp.reducer._push_all_rebuilt_params()
     raw = os.environ.get("FTRUN_HOOK")
     spec = HookSpec.from_json(raw) if raw else HookSpec("allreduce")
     hook = ReplicaHook(mgr, spec, module)

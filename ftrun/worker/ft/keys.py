@@ -23,8 +23,10 @@ def start_key(epoch: int) -> str:
     return f"{PREFIX}start/{epoch}"   # round at which members switched to the epoch
 
 
-def vote_key(round_: int, rank: int) -> str:
-    return f"{PREFIX}vote/{round_}/{rank}"   # "ok E" / "fail E" / "dead E": written once (compare_set)
+def vote_key(round_: int, rank: int, inc: int) -> str:
+    # "ok E" / "fail E" / "dead E". Keyed by incarnation too: the supervisor's "dead"
+    # for a replica's previous life must never be read as its new life's vote.
+    return f"{PREFIX}vote/{round_}/{rank}.{inc}"
 
 
 def round_key(rank: int) -> str:
@@ -39,20 +41,26 @@ def join_key(rank: int) -> str:
     return f"{PREFIX}join/{rank}"     # incarnation that asks to join
 
 
+def entered_key(rank: int) -> str:
+    return f"{PREFIX}entered/{rank}"  # incarnation that has entered an epoch (votes from now on)
+
+
 def healed_key(rank: int) -> str:
     return f"{PREFIX}healed/{rank}"   # incarnation that holds the committed state
 
 
-def state_key(epoch: int, attempt: int = 0) -> str:
-    return f"{PREFIX}state/{epoch}/{attempt}"   # serialized state sent by the epoch's source
+def state_key(epoch: int, round_: int) -> str:
+    return f"{PREFIX}state/{epoch}/{round_}"   # serialized state sent by the epoch's source
 
 
 def info_key(rank: int) -> str:
     return f"{PREFIX}info/{rank}"     # JSON counters for `ftrun status`
 
 
-def pg_prefix(epoch: int, attempt: int) -> str:
-    return f"{PREFIX}pg/{epoch}/{attempt}/"
+def pg_prefix(epoch: int, round_: int) -> str:
+    # Named by the round at which members (re)build it: every member rebuilds at the
+    # same rounds (after a switch or a failed round), so the name needs no counter.
+    return f"{PREFIX}pg/{epoch}/{round_}/"
 
 
 @dataclass(frozen=True)
@@ -63,9 +71,12 @@ class Epoch:
     members: Tuple[Tuple[int, int], ...]
     healers: Tuple[int, ...] = ()
     # No member holds committed state (the first epoch, or every holder died):
-    # the lowest rank's state is sent to the others, from `start_round`.
+    # the lowest rank's state is sent to the others.
     fresh: bool = False
-    start_round: int = 0
+    # Every member is new (no member of the previous epoch is alive): they start at
+    # this round. Otherwise (-1) the continuing members switch by their votes and
+    # write the round into start_key, which is where joiners begin.
+    start_round: int = -1
 
     @property
     def ranks(self) -> List[int]:
@@ -82,4 +93,4 @@ class Epoch:
     def from_json(cls, text) -> "Epoch":
         d = json.loads(text)
         return cls(d["id"], tuple(sorted((int(r), int(k)) for r, k in d["members"])), tuple(d.get("healers", ())),
-                   bool(d.get("fresh", False)), int(d.get("start_round", 0)))
+                   bool(d.get("fresh", False)), int(d.get("start_round", -1)))

@@ -17,6 +17,7 @@ the supervisor.
 from __future__ import annotations
 
 import datetime
+import gc
 import io
 import json
 import os
@@ -53,7 +54,7 @@ class Manager:
         self.inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.epoch: Optional[Epoch] = None
         self.pg: Optional[dist.ProcessGroup] = None
-        self.attempt = 0
+        self.group_round = -1   # the round at which the current group was built
         self.round = 0
         self.step = 0
         self.in_sync = False
@@ -64,6 +65,8 @@ class Manager:
         self.finished = False
         self.committed = 0
         self.discarded = 0
+        self.failed_in_row = 0
+        self._last_failure: Optional[str] = None
         self.heals = 0
         self.last_heal_s: Optional[float] = None
         self.phase = "init"
@@ -141,17 +144,22 @@ class Manager:
     def fail_round(self, why: str = "") -> None:
         """A collective of this round failed: the round will be voted down."""
         if self.round_ok and why:
-            _log(f"rank {self.rank}: round {self.round} failed ({why.splitlines()[0][:160]})")
+            line = why.splitlines()[0][:160]
+            if line != self._last_failure or self.failed_in_row % 100 == 0:
+                _log(f"rank {self.rank}: round {self.round} failed ({line})")
+            self._last_failure = line
         self.round_ok = False
 
     def vote(self) -> bool:
         """Vote on the current round; True if every member voted ok (then the caller steps)."""
         self._set_phase("vote")
         ok = self.round_ok and self.in_sync and self.pg is not None
+        if not ok and self.pg is not None:
+            self._drop_group()
         me = self.rank
-        self.store.multi_set([keys.vote_key(self.round, me), keys.round_key(me)],
+        self.store.multi_set([keys.vote_key(self.round, me, self.inc), keys.round_key(me)],
                              [f"{'ok' if ok else 'fail'} {self.latest_seen}", str(self.round)])
-        wanted = [keys.vote_key(self.round, r) for r in self.epoch.ranks] + [keys.LATEST]
+        wanted = [keys.vote_key(self.round, r, k) for r, k in self.epoch.members] + [keys.LATEST]
         values = [v.decode() if isinstance(v, bytes) else str(v) for v in self.store.multi_get(wanted)]
         votes, self.latest_seen = values[:-1], int(values[-1])
         commit = all(v.startswith("ok") for v in votes)
@@ -160,9 +168,16 @@ class Manager:
         if commit:
             self.step += 1
             self.committed += 1
+            self.failed_in_row = 0
+            self._last_failure = None
         else:
             self.discarded += 1
+            self.failed_in_row += 1
             self.rebuild = True  # the group may be broken: every member builds a fresh one
+            if self.failed_in_row > 3 and target <= self.epoch.id:
+                # Rounds keep failing and no new epoch is in sight: wait a little for the
+                # supervisor to change membership instead of spinning (bounded back-off).
+                time.sleep(min(0.2, 0.005 * 2 ** min(self.failed_in_row - 3, 6)))
         if target > self.epoch.id:
             self.target_epoch = target
         self.round_ok = True
@@ -183,21 +198,33 @@ class Manager:
                 self.step = int(self.store.get(keys.FINISHED))
                 return
             latest = int(self.store.get(keys.LATEST)) if self.store.check([keys.LATEST]) else 0
-            if latest > 0:
-                epoch = Epoch.from_json(self.store.get(keys.epoch_key(latest)))
-                if (self.rank, self.inc) in epoch.members:
-                    if epoch.fresh:
-                        self.round = epoch.start_round
-                        break
-                    if self.store.check([keys.start_key(latest)]):
-                        self.round = int(self.store.get(keys.start_key(latest)))
-                        break
+            found = self._started_epoch_with_me(latest)
+            if found is not None:
+                entering, self.round = found
+                break
             time.sleep(POLL_S)
-        self.latest_seen = latest
-        self._switch(latest, joining=True)
+        self.latest_seen = latest  # the newest epoch: our first vote carries it, so members move on to it
+        self._switch(entering, joining=True)
+        self.store.set(keys.entered_key(self.rank), str(self.inc))
         if self.epoch is not None and self.in_sync:
-            _log(f"rank {self.rank} (incarnation {self.inc}) joined epoch {latest} at step {self.step} "
+            _log(f"rank {self.rank} (incarnation {self.inc}) joined epoch {entering} at step {self.step} "
                  f"after {time.time() - t0:.2f} s")
+
+    def _started_epoch_with_me(self, latest: int):
+        """(epoch, round) of the newest epoch that lists this incarnation and that the
+        others have entered, or None. Not simply the newest epoch: members enter
+        epochs by their votes and may still be in an older one that lists us, and
+        they cannot leave it without our vote."""
+        me = (self.rank, self.inc)
+        for e in range(latest, 0, -1):
+            epoch = Epoch.from_json(self.store.get(keys.epoch_key(e)))
+            if me not in epoch.members:
+                return None  # older epochs were published before we asked to join
+            if epoch.start_round >= 0:
+                return e, epoch.start_round
+            if self.store.check([keys.start_key(e)]):
+                return e, int(self.store.get(keys.start_key(e)))
+        return None
 
     def _switch(self, epoch_id: int, joining: bool = False) -> None:
         epoch = Epoch.from_json(self.store.get(keys.epoch_key(epoch_id)))
@@ -206,12 +233,9 @@ class Manager:
             sys.stderr.flush()
             os._exit(75)
         changed = self.epoch is None or epoch.id != self.epoch.id
-        if changed:
-            self.attempt = 0
-            if not joining:
-                self.store.compare_set(keys.start_key(epoch.id), "", str(self.round))
-        else:
-            self.attempt += 1
+        if changed and not joining:
+            self.store.compare_set(keys.start_key(epoch.id), "", str(self.round))
+        self.group_round = self.round
         self.epoch = epoch
         self.target_epoch = None
         self.rebuild = False
@@ -226,7 +250,7 @@ class Manager:
                 fn(None)
             return
         try:
-            self.pg = build_group(self.store, keys.pg_prefix(epoch.id, self.attempt), epoch.ranks.index(self.rank),
+            self.pg = build_group(self.store, keys.pg_prefix(epoch.id, self.group_round), epoch.ranks.index(self.rank),
                                   len(epoch.ranks))
         except Exception as e:  # a member died while we connected: this round fails, the next epoch fixes it
             self.fail_round(f"could not form the group of epoch {epoch.id}: {e}")
@@ -235,6 +259,16 @@ class Manager:
         for fn in self.group_listeners:
             fn(self.pg)
 
+    def _drop_group(self) -> None:
+        """Close this member's connections at once. Peers still blocked in the failed
+        collective waiting for data from us then fail within milliseconds instead of
+        waiting for gloo's timeout (a ring allreduce leaves live peers waiting on live
+        peers). The group is rebuilt after every failed round anyway."""
+        self.pg = None
+        for fn in self.group_listeners:
+            fn(None)
+        gc.collect()  # hook state holds the group in reference cycles
+
     # ------------------------------------------------------------ healing
     def _source(self, epoch: Epoch) -> int:
         holders = [r for r in epoch.ranks if r not in epoch.healers]
@@ -242,7 +276,7 @@ class Manager:
 
     def _heal(self, epoch: Epoch) -> None:
         source = self._source(epoch)
-        key = keys.state_key(epoch.id, self.attempt)
+        key = keys.state_key(epoch.id, self.group_round)
         if self.rank == source:
             self._set_phase("send")
             delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))
