@@ -17,11 +17,6 @@ import typer
 from ftrun import __version__
 from ftrun.errors import ConfigError
 
-try:  # typer >= 0.20 vendors click
-    from typer._click import exceptions as click_exc
-except ImportError:  # pragma: no cover - older typer
-    from click import exceptions as click_exc  # type: ignore
-
 COMMANDS = ("run", "status", "recipes", "validate")
 
 app = typer.Typer(
@@ -120,11 +115,12 @@ def status_cmd(
     run_id: Optional[str] = typer.Argument(None, help="Show only this run.", show_default=False),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh in place until Ctrl-C."),
     as_json: bool = typer.Option(False, "--json", help="Print the same data as JSON, for scripts."),
+    clean: bool = typer.Option(False, "--clean", help="Remove the state of ended runs (logs are kept)."),
 ) -> None:
     """Live health of every ftrun run of this user on this machine."""
     from ftrun.status.view import status_main
 
-    raise typer.Exit(status_main(run_id=run_id, watch=watch, as_json=as_json))
+    raise typer.Exit(status_main(run_id=run_id, watch=watch, as_json=as_json, clean_ended=clean))
 
 
 @app.command("recipes")
@@ -147,8 +143,10 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
     from ftrun.config import build_config
     from ftrun.recipe import load_recipe
 
-    recipe_data, recipe_name = (load_recipe(recipe) if recipe else (None, None))
-    cfg = build_config(typed, recipe_data, recipe_name)
+    from ftrun.recipe import config_with_recipe
+
+    # Errors that only appear once recipe and flags are merged still point at the recipe's line.
+    cfg = config_with_recipe(typed, recipe)
     from ftrun.supervisor.run import run_supervisor  # no torch at import: the supervisor loads it lazily
 
     code = run_supervisor(cfg)
@@ -172,23 +170,37 @@ def _route(argv: List[str]) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> None:
     """Console entry point: exit 2 with one line for any user mistake."""
     argv = _route(list(sys.argv[1:] if argv is None else argv))
+    if argv[:1] == ["status"]:
+        # `ftrun status` runs while training is going on: skip building the typer app.
+        from ftrun.status.view import fast_status
+
+        try:
+            code = fast_status(argv[1:])
+        except ConfigError as e:
+            _fail(str(e))
+        if code is not None:
+            sys.exit(code)
     command = typer.main.get_command(app)
     try:
         rv = command.main(args=argv, prog_name="ftrun", standalone_mode=False)
     except ConfigError as e:
         _fail(str(e))
-    except click_exc.NoArgsIsHelpError as e:  # type: ignore[attr-defined]
-        print(e.format_message() if hasattr(e, "format_message") else str(e))
-        sys.exit(0)
-    except click_exc.UsageError as e:
-        msg = e.format_message()
-        _fail(f"{msg} (see ftrun --help)")
-    except click_exc.Abort:
-        sys.exit(130)
-    except click_exc.Exit as e:
-        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as e:  # typer's own exceptions (its click is vendored: match by class)
+        kinds = {c.__name__ for c in type(e).__mro__}
+        if "NoArgsIsHelpError" in kinds:
+            print(e.format_message() if hasattr(e, "format_message") else str(e))
+            sys.exit(0)
+        if "UsageError" in kinds:
+            _fail(f"{e.format_message()} (see ftrun --help)")
+        if "Abort" in kinds:
+            sys.exit(130)
+        if "Exit" in kinds:
+            sys.exit(getattr(e, "exit_code", 0))
+        raise
     sys.exit(rv if isinstance(rv, int) else 0)
 
 
