@@ -167,7 +167,11 @@ class QuorumKeeper:
             self.members = dict(epoch.members)
         n = len(self.ranks)
         vals = s.multi_get([keys.healed_key(r) for r in self.ranks] + [keys.info_key(r) for r in self.ranks])
-        for r, h, info in zip(self.ranks, vals[:n], vals[n:]):
+        self._absorb(vals[:n], vals[n:])
+
+    def _absorb(self, healed: List[bytes], infos: List[bytes]) -> None:
+        """Take in the replicas' healed incarnations and status counters."""
+        for r, h, info in zip(self.ranks, healed, infos):
             if int(h) >= 0:
                 self.healed.add((r, int(h)))
             try:
@@ -189,19 +193,13 @@ class QuorumKeeper:
         n = len(self.ranks)
         vals = s.multi_get([keys.join_key(r) for r in self.ranks] + [keys.healed_key(r) for r in self.ranks]
                            + [keys.info_key(r) for r in self.ranks])
-        joins, healed, infos = vals[:n], vals[n:2 * n], vals[2 * n:]
-        for r, j, h, info in zip(self.ranks, joins, healed, infos):
+        self._absorb(vals[n:2 * n], vals[2 * n:])
+        for r, j in zip(self.ranks, vals[:n]):
             inc = self.alive.get(r)
             if inc is not None and int(j) == inc and r not in self.members and r not in self.pending:
                 self.pending[r] = inc
                 if self.first_join is None:
                     self.first_join = now
-            if int(h) >= 0:
-                self.healed.add((r, int(h)))
-            try:
-                self.info[r] = json.loads(info)
-            except ValueError:
-                pass
         if not self.pending:
             return
         if self.epoch_id == 0:
