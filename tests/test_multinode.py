@@ -177,7 +177,9 @@ def test_worker_kill_on_node1_restarts_every_node_under_slurm(ftrun_home, tmp_pa
         deadline = time.time() + 30
         while time.time() < deadline:
             st0 = _state(ftrun_home, run_id, 0)
-            if st0 and st0["group_restarts"] == 1 and sum(r["state"] == "running" for r in st0["replicas"]) == 4:
+            # Node 1's table reaches node 0 through the store a moment later: wait for all four.
+            if st0 and st0["group_restarts"] == 1 and sum(r["state"] == "running" and r["restarts"] == 1
+                                                          for r in st0["replicas"]) == 4:
                 break
             time.sleep(0.1)
         view = run_ftrun(["status", "--json", run_id])
