@@ -140,9 +140,6 @@ def validate_cmd(file: str = typer.Argument(..., help="Recipe file (or bundled n
 
 
 def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
-    from ftrun.config import build_config
-    from ftrun.recipe import load_recipe
-
     from ftrun.recipe import config_with_recipe
 
     # Errors that only appear once recipe and flags are merged still point at the recipe's line.

@@ -33,6 +33,7 @@ from ftrun.worker.progress import progress_key
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
+STORE_READY_TIMEOUT_S = 30.0
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -69,6 +70,7 @@ class Supervisor:
         # --ft: the supervisor keeps the quorum (ftrun.supervisor.quorum).
         self.quorum: Optional[QuorumKeeper] = None
         self.tick_s = 0.05 if cfg.ft else TICK_S
+        self._warned_no_ft_api = False
         # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
         self.nodes: Optional[NodeCoordinator] = None
 
@@ -127,20 +129,11 @@ class Supervisor:
         banner = f"===== ftrun: rank {w.rank}, incarnation {w.incarnation}, {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
         w.pumps = [Pump(out_r, log.stdout_path, w.rank, self.console, False, banner),
                    Pump(err_r, log.stderr_path, w.rank, self.console, True, banner)]
-        w.tag = f"{w.rank}.{w.incarnation}.{time.monotonic_ns()}"
+        # A new attempt counts its own steps; with --ft the step is global.
+        w.begin_incarnation(f"{w.rank}.{w.incarnation}.{time.monotonic_ns()}",
+                            WorkerState.RECOVERING if self.cfg.ft and w.incarnation else WorkerState.STARTING,
+                            keep_steps=self.cfg.ft)
         self.by_tag[w.tag] = w
-        w.pid = None
-        w.state = WorkerState.STARTING if w.incarnation == 0 or not self.cfg.ft else WorkerState.RECOVERING
-        w.started = time.time()
-        w.first_step_seen = False
-        w.last_step_time = None
-        w.last_heartbeat = None
-        w.kill_at = None
-        w.hang_reason = None
-        w.stop_requested = False
-        w.steps_per_s = 0.0
-        if not self.cfg.ft:
-            w.steps = 0  # a new attempt counts its own steps; with --ft the step is global
         self._progress_seen.pop(w.rank, None)
         if self.quorum is not None:
             self.quorum.on_spawn(w.rank, w.incarnation)
@@ -299,15 +292,12 @@ class Supervisor:
         return self._give_up(failure)
 
     def _clean_store_for_new_attempt(self) -> None:
-        if self.store is None or not self.store.wait(self.store_timeout()):
+        if self.store is None or not self.store.wait(STORE_READY_TIMEOUT_S):
             return
         try:
             self.store.clear_worker_keys()
         except Exception as e:  # the attempt may still work; say why it might not
             self.console.note(f"could not clear the store between attempts: {e}", style="yellow")
-
-    def store_timeout(self) -> float:
-        return 30.0
 
     # FT hooks: the quorum keeper overrides these (ftrun.supervisor.quorum).
     def _on_replica_restart(self, w: Worker) -> None:
@@ -455,7 +445,7 @@ class Supervisor:
                                           f"{took:.2f} s after it failed", style="green")
                     w.state = WorkerState.RUNNING
                     self._dirty = True
-        if not getattr(self, "_warned_no_ft_api", False):
+        if not self._warned_no_ft_api:
             plain = [w.rank for w in self.workers if w.first_step_seen and not q.info.get(w.rank)]
             if plain:
                 self._warned_no_ft_api = True
@@ -518,10 +508,8 @@ class Supervisor:
                     self._procs[w.pid] = proc
                     proc.cpu_percent(None)
                     continue
-                w_cpu = proc.cpu_percent(None)
-                w_rss = proc.memory_info().rss
-                setattr(w, "_cpu", w_cpu)
-                setattr(w, "_rss", w_rss)
+                w.cpu_percent = proc.cpu_percent(None)
+                w.rss_bytes = proc.memory_info().rss
             except (psutil.Error, OSError):
                 self._procs.pop(w.pid, None)
 
@@ -530,7 +518,7 @@ class Supervisor:
         return ReplicaStatus(
             rank=w.rank, local_rank=w.spec.local_rank, pid=w.pid, state=w.state.value, restarts=w.restarts,
             step=w.steps, steps_per_s=round(w.steps_per_s, 3), last_heartbeat=w.last_heartbeat,
-            last_step_time=w.last_step_time, cpu_percent=getattr(w, "_cpu", None), rss_bytes=getattr(w, "_rss", None),
+            last_step_time=w.last_step_time, cpu_percent=w.cpu_percent, rss_bytes=w.rss_bytes,
             last_failure=w.last_failure.reason if w.last_failure else None, node_rank=self.cfg.node_rank,
             **(self.quorum.replica_fields(w.rank) if self.quorum is not None else {}),
         )

@@ -59,9 +59,29 @@ class Worker:
     kill_at: Optional[float] = None
     hang_reason: Optional[str] = None
     stop_requested: bool = False
+    cpu_percent: Optional[float] = None   # psutil, sampled once a second
+    rss_bytes: Optional[int] = None
     last_failure: Optional[Failure] = None
     rejoin_s: Optional[float] = None  # --ft: from its last failure to taking part again
     pumps: list = field(default_factory=list)
+
+    def begin_incarnation(self, tag: str, state: WorkerState, keep_steps: bool) -> None:
+        """Forget everything about the previous process of this worker."""
+        self.tag = tag
+        self.state = state
+        self.pid = None
+        self.started = time.time()
+        self.first_step_seen = False
+        self.last_step_time = None
+        self.last_heartbeat = None
+        self.steps_per_s = 0.0
+        self.kill_at = None
+        self.hang_reason = None
+        self.stop_requested = False
+        self.cpu_percent = None
+        self.rss_bytes = None
+        if not keep_steps:
+            self.steps = 0
 
     @property
     def rank(self) -> int:
