@@ -28,6 +28,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=96, help="global batch, split over the live replicas")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--depth", type=int, default=1, help="hidden layers of HIDDEN x HIDDEN after the first")
+    p.add_argument("--optim", choices=["sgd", "adam", "adamw"], default="sgd",
+                   help="sgd (momentum 0.9), or Adam/AdamW (two state tensors per parameter)")
     p.add_argument("--out", default=None, help="write final parameters to OUT.rankN.pt and stats to OUT.rankN.json")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pretend each step does more work")
     p.add_argument("--print-every", type=int, default=50)
@@ -40,13 +43,20 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1))
+    layers = [nn.Linear(args.dim, args.hidden), nn.ReLU()]
+    for _ in range(args.depth - 1):
+        layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(args.hidden, 1))
     ddp = ft.DistributedDataParallel(model)                                              # FT
-    opt = ft.Optimizer(torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9))      # FT
+    if args.optim == "sgd":
+        inner = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    else:
+        inner = (torch.optim.Adam if args.optim == "adam" else torch.optim.AdamW)(ddp.parameters(), lr=args.lr)
+    opt = ft.Optimizer(inner)                                                            # FT
     sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=100, gamma=0.5)
     ft.register_state("sched", sched)                                                    # FT
 
-    true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1))
+    true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1)) / args.dim ** 0.5
     loss = torch.tensor(0.0)
     announced = not args.announce
     for step in ft.steps(args.steps):                                                    # FT

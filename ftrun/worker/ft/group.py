@@ -2,8 +2,11 @@
 
 Backends are built directly on a PrefixStore of the supervisor's TCPStore
 (gloo on CPU, NCCL with GPUs) and wrapped into a ``dist.ProcessGroup`` so that
-torch's comm hooks (PowerSGD included) accept them. A broken group is never
-repaired: the next round gets a fresh one under a fresh prefix.
+torch's comm hooks (PowerSGD included) accept them. Every backend gets
+ftrun's timeout (FTRUN_FT_TIMEOUT, 10 s), never torch's 10-minute default. A
+broken group is never repaired: it is aborted (NCCL: the communicator, so no
+kernel waits on a dead peer) and the next round gets a fresh one under a
+fresh prefix.
 Must never raise a collective error into the user's loop (callers check `ok`).
 """
 
@@ -27,6 +30,7 @@ def build_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.Pr
     pg = dist.ProcessGroup(pstore, rank, size)
     if torch.cuda.is_available():
         opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _timeout()
         backend = dist.ProcessGroupNCCL(pstore, rank, size, opts)
         kind, dev = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
     else:
@@ -36,6 +40,47 @@ def build_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.Pr
     pg._register_backend(dev, kind, backend)
     pg._set_default_backend(kind)
     return pg
+
+
+def group_device() -> torch.device:
+    """Where the tensors a group of build_group() carries must live."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def abort_group(pg: Optional[dist.ProcessGroup]) -> None:
+    """Tear a broken group down at once. On NCCL this aborts the communicator, so no
+    kernel stays queued behind a collective that a dead peer will never finish."""
+    if pg is None:
+        return
+    for dev in ("cuda", "cpu"):
+        try:
+            backend = pg._get_backend(torch.device(dev))
+        except Exception:
+            continue
+        try:
+            backend.abort()
+        except Exception:
+            pass
+
+
+def settle(timeout_s: float) -> bool:
+    """Wait, at most `timeout_s`, for the work queued on this process's GPU stream
+    (the round's NCCL collectives) to finish; False if it did not. Without a GPU
+    collectives complete on the host and there is nothing to wait for."""
+    if not torch.cuda.is_available():
+        return True
+    import time
+
+    ev = torch.cuda.Event()
+    ev.record()
+    deadline = time.monotonic() + timeout_s
+    while not ev.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0002)
+    return True
 
 
 def local_group() -> dist.ProcessGroup:
@@ -52,11 +97,3 @@ def local_group() -> dist.ProcessGroup:
         pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     return pg
 
-
-class EpochGroup:
-    """The current group, or None while it could not be built."""
-
-    def __init__(self) -> None:
-        self.pg: Optional[dist.ProcessGroup] = None
-        self.size = 0
-        self.rank = 0

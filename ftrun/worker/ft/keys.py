@@ -49,8 +49,10 @@ def healed_key(rank: int) -> str:
     return f"{PREFIX}healed/{rank}"   # incarnation that holds the committed state
 
 
-def state_key(epoch: int, round_: int) -> str:
-    return f"{PREFIX}state/{epoch}/{round_}"   # serialized state sent by the epoch's source
+def heal_key(epoch: int, round_: int) -> str:
+    # "ok"/"fail": the source's word that its transfer of the epoch ended (the state
+    # itself goes over the process group, never through the store)
+    return f"{PREFIX}heal/{epoch}/{round_}"
 
 
 def info_key(rank: int) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import io
 import json
 import os
 import sys
@@ -29,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ftrun.worker.ft import keys
-from ftrun.worker.ft.group import build_group
+from ftrun.worker.ft.group import abort_group, build_group, group_device, settle
 from ftrun.worker.ft.keys import Epoch
+from ftrun.worker.ft.transport import receive_state, send_state
 
 POLL_S = 0.005
 
@@ -75,7 +75,11 @@ class Manager:
         self.optimizers: List[torch.optim.Optimizer] = []
         self.extras: Dict[str, Any] = {}
         self.group_listeners: List[Callable[[Optional[dist.ProcessGroup]], None]] = []
-        self._state_written: Optional[str] = None
+        self._heal_written: Optional[str] = None
+        self._tainted = False  # part of a transfer landed in this replica's tensors, and it failed
+        self._chunk = int(float(os.environ.get("FTRUN_FT_CHUNK_MB", "64")) * (1 << 20))
+        self.last_transfer: Optional[Dict[str, Any]] = None
+        self._settle_s = float(os.environ.get("FTRUN_FT_TIMEOUT", "10"))
         from ftrun.worker import progress
 
         self._progress = progress.start_from_env()
@@ -153,6 +157,9 @@ class Manager:
     def vote(self) -> bool:
         """Vote on the current round; True if every member voted ok (then the caller steps)."""
         self._set_phase("vote")
+        if self.pg is not None and not settle(self._settle_s):
+            # NCCL does not fail a collective whose peer died: it would wait forever.
+            self.fail_round(f"the round's collectives did not finish within {self._settle_s:g} s")
         ok = self.round_ok and self.in_sync and self.pg is not None
         if not ok and self.pg is not None:
             self._drop_group()
@@ -240,7 +247,8 @@ class Manager:
         self.target_epoch = None
         self.rebuild = False
         self._set_phase("group")
-        self.pg = None
+        old, self.pg = self.pg, None
+        abort_group(old)
         alive = [v.decode() if isinstance(v, bytes) else str(v)
                  for v in self.store.multi_get([keys.inc_key(r) for r in epoch.ranks])]
         gone = [r for r, v in zip(epoch.ranks, alive) if v != str(epoch.incarnation(r))]
@@ -264,7 +272,8 @@ class Manager:
         collective waiting for data from us then fail within milliseconds instead of
         waiting for gloo's timeout (a ring allreduce leaves live peers waiting on live
         peers). The group is rebuilt after every failed round anyway."""
-        self.pg = None
+        old, self.pg = self.pg, None
+        abort_group(old)
         for fn in self.group_listeners:
             fn(None)
         gc.collect()  # hook state holds the group in reference cycles
@@ -275,65 +284,110 @@ class Manager:
         return min(holders) if holders else min(epoch.ranks)
 
     def _heal(self, epoch: Epoch) -> None:
+        """Move the committed state from the epoch's source to its healers, over a group of
+        just those replicas; the other members wait (bounded by the liveness of the
+        transfer's ends) so their next collective does not time out behind the transfer."""
         source = self._source(epoch)
-        key = keys.state_key(epoch.id, self.group_round)
-        if self.rank == source:
-            self._set_phase("send")
-            delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))
-            if delay:  # fault injection for tests: widen the window in which the source can die
-                time.sleep(delay)
-            if self._state_written:
-                try:
-                    self.store.delete_key(self._state_written)
-                except Exception:
-                    pass
-            self.store.set(key, self._capture())
-            self._state_written = key
+        ends = [source] + [r for r in sorted(epoch.healers) if r != source]
+        done_key = keys.heal_key(epoch.id, self.group_round)
+        if self.rank not in ends:
+            self._await_heal(epoch, ends, done_key)
+            return
+        if self.pg is None:
+            return  # the epoch's group did not form: this round fails and the next epoch retries
+        sending = self.rank == source
+        if sending and self._tainted:
+            _log(f"rank {self.rank}: named the source of a fresh epoch while holding a half-received state; "
+                 f"exiting so that ftrun restarts it clean")
+            os._exit(75)
+        self._set_phase("send" if sending else "heal")
+        t0 = time.time()
+        hpg = None
+        try:
+            hpg = build_group(self.store, keys.pg_prefix(epoch.id, self.group_round) + "heal/",
+                              ends.index(self.rank), len(ends))
+            if sending:
+                stats = send_state(hpg, self._capture(), group_device(), chunk=self._chunk,
+                                   after_first_chunk=self._inject_send_delay)
+            else:
+                payload, stats, in_place = receive_state(hpg, self._local_state(), group_device(), chunk=self._chunk,
+                                                         on_write=self._taint)
+                self._restore(payload, in_place)
+                self._tainted = False
+        except Exception as e:  # an end of the transfer died: this round fails, the next epoch heals again
+            abort_group(hpg)
+            who = "to its healers" if sending else f"from rank {source}"
+            self.fail_round(f"state transfer {who} failed ({str(e).splitlines()[0][:120]}); healing again in the "
+                            f"next epoch")
+            if sending:
+                self._set_heal_done(done_key, "fail")
+            return
+        abort_group(hpg)
+        took = time.time() - t0
+        self.last_transfer = {"bytes": stats.bytes, "s": round(stats.seconds, 4), "gbps": round(stats.gbps, 3),
+                              "in_place": stats.in_place, "allocated": stats.allocated}
+        if sending:
+            self._set_heal_done(done_key, "ok")
             if not self.in_sync:  # a fresh epoch's source: its state is the run's state from now on
                 self.in_sync = True
                 self.store.set(keys.healed_key(self.rank), str(self.inc))
             return
-        if self.rank not in epoch.healers:
-            return
-        self._set_phase("heal")
-        t0 = time.time()
-        src_inc = str(epoch.incarnation(source))
-        while not self.store.check([key]):
-            alive = self.store.get(keys.inc_key(source)).decode()
-            if alive != src_inc:  # the source died before sending: heal in the next epoch
-                self.fail_round(f"source rank {source} died before sending its state")
-                return
-            time.sleep(POLL_S)
-        blob = self.store.get(key)
-        self._restore(blob)
         self.in_sync = True
         self.heals += 1
-        self.last_heal_s = round(time.time() - t0, 4)
+        self.last_heal_s = round(took, 4)
+        _log(f"rank {self.rank}: received {stats.bytes / 1e6:.1f} MB of state from rank {source} in "
+             f"{stats.seconds:.2f} s ({stats.gbps:.2f} GB/s, {stats.in_place} tensors in place)")
         self.store.set(keys.healed_key(self.rank), str(self.inc))
 
-    def _capture(self) -> bytes:
-        payload = {
+    def _set_heal_done(self, key: str, what: str) -> None:
+        if self._heal_written:
+            try:
+                self.store.delete_key(self._heal_written)
+            except Exception:
+                pass
+        self.store.set(key, what)
+        self._heal_written = key
+
+    def _await_heal(self, epoch: Epoch, ends: List[int], done_key: str) -> None:
+        """A member that neither sends nor receives waits for the transfer to end, or for
+        one of its ends to die (then the round fails and the next epoch moves on)."""
+        self._set_phase("heal-wait")
+        watch = [keys.inc_key(r) for r in ends]
+        expected = [str(epoch.incarnation(r)) for r in ends]
+        while not self.store.check([done_key]):
+            alive = [v.decode() if isinstance(v, bytes) else str(v) for v in self.store.multi_get(watch)]
+            if alive != expected:
+                return
+            time.sleep(POLL_S)
+
+    def _inject_send_delay(self) -> None:
+        delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))
+        if delay:  # fault injection for tests: widen the window in which the source can die mid-transfer
+            time.sleep(delay)
+
+    def _taint(self) -> None:
+        self._tainted = True
+
+    def _capture(self) -> Dict[str, Any]:
+        return {
             "round": self.round, "step": self.step,
-            "models": [m.state_dict() for m in self.models],
+            "models": [dict(m.state_dict()) for m in self.models],
             "optimizers": [o.state_dict() for o in self.optimizers],
             "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
         }
-        buf = io.BytesIO()
-        torch.save(payload, buf)
-        return buf.getvalue()
 
-    def _restore(self, blob: bytes) -> None:
-        device = None
-        for m in self.models:
-            for p in m.parameters():
-                device = p.device
-                break
-        payload = torch.load(io.BytesIO(blob), weights_only=True, map_location=device)
+    def _local_state(self) -> Dict[str, Any]:
+        """This replica's own tensors, for the transfer to land in where they fit."""
+        return {"models": [dict(m.state_dict()) for m in self.models],
+                "optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def _restore(self, payload: Dict[str, Any], in_place: set) -> None:
         if len(payload["models"]) != len(self.models) or len(payload["optimizers"]) != len(self.optimizers):
             raise RuntimeError("ftrun.ft: this replica registered a different number of models/optimizers than its peer")
         with torch.no_grad():
-            for m, sd in zip(self.models, payload["models"]):
-                m.load_state_dict(sd)
+            for i, (m, sd) in enumerate(zip(self.models, payload["models"])):
+                if any(("models", i, k) not in in_place for k in sd):
+                    m.load_state_dict(sd)
         for o, sd in zip(self.optimizers, payload["optimizers"]):
             o.load_state_dict(sd)
         for name, sd in payload["extras"].items():

@@ -1,0 +1,258 @@
+"""Training state from one replica to the replicas that heal, over a process group.
+
+The source broadcasts, over a group of itself and the healers, first a small
+skeleton (the state with every tensor replaced by its index, and each
+tensor's shape, dtype and device kind), then the bytes of every tensor:
+large tensors straight from and into their own storage in slices of at most
+`chunk` bytes, small ones packed into one staging buffer of at most `chunk`
+bytes. A healer receives into its own tensors in place wherever it already
+has one of the right shape and dtype (the model's parameters and buffers,
+an optimizer that already has state) and allocates the rest once, at its
+final size: the extra memory on either side is one staging buffer, never a
+second copy of the model. Several healers are served by the same broadcast.
+The skeleton is loaded with weights_only=True.
+Must never put training state in the store, and never import the supervisor.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+CHUNK_BYTES = 64 << 20
+_SLOT = "__ftrun_tensor__"
+
+Path = Tuple[Any, ...]
+
+
+@dataclass
+class TransferStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    in_place: int = 0      # tensors received straight into the healer's own storage
+    allocated: int = 0     # tensors the healer had to allocate (e.g. a fresh optimizer's state)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _flatten(obj: Any, path: Path, out: List[Tuple[Path, torch.Tensor]]) -> Any:
+    """The skeleton of `obj`, with each tensor replaced by a slot naming its index in `out`."""
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+        return {_SLOT: len(out) - 1}
+    if isinstance(obj, dict):
+        return {k: _flatten(v, path + (k,), out) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_flatten(v, path + (i,), out) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+def _fill(skel: Any, tensors: List[torch.Tensor]) -> Any:
+    if isinstance(skel, dict):
+        if len(skel) == 1 and _SLOT in skel:
+            return tensors[skel[_SLOT]]
+        return {k: _fill(v, tensors) for k, v in skel.items()}
+    if isinstance(skel, list):
+        return [_fill(v, tensors) for v in skel]
+    if isinstance(skel, tuple):
+        return tuple(_fill(v, tensors) for v in skel)
+    return skel
+
+
+def _lookup(obj: Any, path: Path) -> Optional[torch.Tensor]:
+    for key in path:
+        try:
+            obj = obj[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.rpartition(".")[2], None)
+    if not isinstance(dtype, torch.dtype):
+        raise RuntimeError(f"ftrun.ft: a peer sent a tensor of unknown dtype {name!r}")
+    return dtype
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's storage (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+class _Channel:
+    """Broadcasts from group rank 0 over `pg`, staging through one buffer on the group's device."""
+
+    def __init__(self, pg: dist.ProcessGroup, device: torch.device, chunk: int) -> None:
+        self.pg, self.device, self.chunk = pg, device, chunk
+        self.staging = torch.empty(chunk, dtype=torch.uint8, device=device)
+        self.sent = 0
+
+    def bcast(self, t: torch.Tensor) -> None:
+        self.pg.broadcast(t, 0).wait()
+        self.sent += t.numel() * t.element_size()
+
+    def bcast_bytes(self, view: torch.Tensor) -> None:
+        """Broadcast a flat uint8 view in slices of at most `chunk` bytes, in place."""
+        for a in range(0, view.numel(), self.chunk):
+            self.bcast(view[a:a + self.chunk])
+
+
+def _direct(t: torch.Tensor, device: torch.device) -> bool:
+    return t.is_contiguous() and t.device == device
+
+
+def send_state(pg: dist.ProcessGroup, state: Any, device: torch.device, chunk: int = CHUNK_BYTES,
+               after_first_chunk: Optional[Callable[[], None]] = None) -> TransferStats:
+    """Broadcast `state` (nested dicts/lists of tensors and plain values) from this rank (0 of `pg`)."""
+    t0 = time.perf_counter()
+    flat: List[Tuple[Path, torch.Tensor]] = []
+    skel = _flatten(state, (), flat)
+    meta = [(str(t.dtype), tuple(t.shape), t.device.type) for _, t in flat]
+    buf = io.BytesIO()
+    torch.save({"skeleton": skel, "meta": meta}, buf)
+    head = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    ch = _Channel(pg, device, chunk)
+    ch.bcast(torch.tensor([head.numel()], dtype=torch.int64, device=device))
+    ch.bcast_bytes(head.to(device))
+    hook = after_first_chunk
+
+    def tick() -> None:
+        nonlocal hook
+        if hook is not None:
+            h, hook = hook, None
+            h()
+
+    used = 0
+    pending: List[torch.Tensor] = []
+
+    def flush() -> None:
+        nonlocal used
+        if used:
+            ch.bcast(ch.staging[:used])
+            tick()
+        used = 0
+        pending.clear()
+
+    for _, t in flat:
+        n = t.numel() * t.element_size()
+        if n == 0:
+            continue
+        if n > chunk // 4 and _direct(t, device):
+            flush()
+            ch.bcast_bytes(_bytes_of(t.detach()))
+            tick()
+            continue
+        src = _bytes_of(t.detach().contiguous())
+        for a in range(0, n, chunk):
+            piece = src[a:a + chunk]
+            if used + piece.numel() > chunk:
+                flush()
+            ch.staging[used:used + piece.numel()].copy_(piece)
+            used += piece.numel()
+    flush()
+    return TransferStats(bytes=ch.sent, seconds=time.perf_counter() - t0)
+
+
+def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk: int = CHUNK_BYTES,
+                  on_write: Optional[Callable[[], None]] = None) -> Tuple[Any, TransferStats, set]:
+    """Receive the state the source broadcasts; tensors land in `local`'s tensors where they fit.
+
+    Returns (state, stats, paths received in place). `on_write` is called before the
+    first byte is written into a tensor of `local` (the caller's model is changed from then on).
+    """
+    t0 = time.perf_counter()
+    ch = _Channel(pg, device, chunk)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    ch.bcast(size)
+    n = int(size.item())
+    if not 0 < n < (1 << 34):
+        raise RuntimeError(f"ftrun.ft: a peer announced a state header of {n} bytes")
+    head = torch.empty(n, dtype=torch.uint8, device=device)
+    ch.bcast_bytes(head)
+    header = torch.load(io.BytesIO(head.cpu().numpy().tobytes()), weights_only=True)
+    skel, meta = header["skeleton"], header["meta"]
+    paths: List[Path] = []
+    _flatten_paths(skel, (), paths, len(meta))
+    stats = TransferStats()
+    in_place = set()
+    tensors: List[torch.Tensor] = []
+    local_cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    for path, (dtype_name, shape, dev_type) in zip(paths, meta):
+        dtype = _dtype(dtype_name)
+        mine = _lookup(local, path)
+        if mine is not None and mine.dtype == dtype and tuple(mine.shape) == tuple(shape) and mine.is_contiguous():
+            tensors.append(mine.detach())
+            in_place.add(path)
+            stats.in_place += 1
+        else:
+            where = local_cuda if dev_type == "cuda" and local_cuda is not None else torch.device("cpu")
+            tensors.append(torch.empty(shape, dtype=dtype, device=where))
+            stats.allocated += 1
+    notified = False
+    used = 0
+    pending: List[Tuple[torch.Tensor, int, int]] = []  # (dest bytes view, offset in staging, length)
+
+    def flush() -> None:
+        nonlocal used, notified
+        if used:
+            ch.bcast(ch.staging[:used])
+            if not notified and on_write is not None:
+                notified = True
+                on_write()
+            for dst, off, length in pending:
+                dst.copy_(ch.staging[off:off + length])
+        used = 0
+        pending.clear()
+
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0:
+            continue
+        if nbytes > chunk // 4 and _direct(t, device):
+            flush()
+            if not notified and on_write is not None:
+                notified = True
+                on_write()
+            ch.bcast_bytes(_bytes_of(t))
+            continue
+        dst = _bytes_of(t)
+        for a in range(0, nbytes, chunk):
+            piece = dst[a:a + chunk]
+            if used + piece.numel() > chunk:
+                flush()
+            pending.append((piece, used, piece.numel()))
+            used += piece.numel()
+    flush()
+    stats.bytes = ch.sent
+    stats.seconds = time.perf_counter() - t0
+    return _fill(skel, tensors), stats, in_place
+
+
+def _flatten_paths(skel: Any, path: Path, out: List[Path], count: int) -> None:
+    """The path of every slot of a skeleton, in slot order (the order the source sent them)."""
+    found: Dict[int, Path] = {}
+
+    def walk(node: Any, p: Path) -> None:
+        if isinstance(node, dict):
+            if len(node) == 1 and _SLOT in node:
+                found[int(node[_SLOT])] = p
+                return
+            for k, v in node.items():
+                walk(v, p + (k,))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, p + (i,))
+
+    walk(skel, path)
+    if sorted(found) != list(range(count)):
+        raise RuntimeError("ftrun.ft: a peer sent a state header whose tensor slots do not match its tensor list")
+    out.extend(found[i] for i in range(count))
