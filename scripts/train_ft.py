@@ -59,6 +59,7 @@ def main() -> None:
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1)) / args.dim ** 0.5
     loss = torch.tensor(0.0)
     announced = not args.announce
+    commits = []  # (global step, wall time) of this process's committed steps
     for step in ft.steps(args.steps):                                                    # FT
         i, n = ft.replica_index(), ft.num_replicas()
         g = torch.Generator().manual_seed(step)
@@ -70,6 +71,7 @@ def main() -> None:
         loss.backward()
         if opt.step():
             sched.step()
+            commits.append((step, time.time()))
             if not announced:
                 announced = True
                 print(f"[announce] rank {ft.replica_rank()} pid {os.getpid()} first step {step} "
@@ -84,7 +86,7 @@ def main() -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{args.out}.rank{rank}.pt")
         torch.save(opt.optimizer.state_dict(), f"{args.out}.rank{rank}.opt.pt")
         with open(f"{args.out}.rank{rank}.json", "w") as f:
-            json.dump({"step": ft.global_step(), "loss": loss.item()}, f)
+            json.dump({"step": ft.global_step(), "loss": loss.item(), "commits": commits}, f)
     print(f"done at step {ft.global_step()}", flush=True)
 
 

@@ -103,6 +103,29 @@ def failure_free(tmp_path_factory):
     return _assert_identical(d / "p", 3)
 
 
+def test_large_model_two_kills_bitwise_identical(ftrun_home, tmp_path):
+    """126 MB of state per replica (10.5M parameters, Adam), 3 replicas, two kills at different
+    moments (one mid-step, one right after the first heal): the state goes over the group, the
+    run finishes, and every replica ends bitwise identical, Adam moments included."""
+    out = tmp_path / "p"
+    run_id = "big"
+    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *BIG, "--steps", 60, "--out", out])
+    try:
+        r = _wait_replica(ftrun_home, run_id, 2, lambda r, st: r["step"] >= 8 and r["state"] == "running", 120)
+        os.kill(r["pid"], signal.SIGKILL)
+        _wait_replica(ftrun_home, run_id, 2, lambda r, st: r["restarts"] == 1 and r["state"] == "running", 120)
+        r = _wait_replica(ftrun_home, run_id, 0, lambda r, st: r["state"] == "running", 120)
+        os.kill(r["pid"], signal.SIGKILL)
+        rc, _, err = _finish(proc, 240)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert err.count("healed from a peer") >= 2, err[-3000:]
+    assert "MB of state from rank" in err
+    _, stats = _assert_identical(out, 3)
+    assert stats["step"] == 60
+
+
 def test_chaos_kills_keep_replicas_identical(ftrun_home, tmp_path, failure_free):
     """Seeded chaos: 6 SIGKILLs of random replicas at random moments, one during a heal."""
     rng = random.Random(1234)
@@ -156,6 +179,10 @@ def test_sigstop_is_detected_by_step_timeout(ftrun_home, tmp_path):
     assert rc == 0, err[-3000:]
     assert "rank 2" in err and "hung (no heartbeat for 1.5 s)" in err
     assert "restarting it alone" in err
+    # Only the stopped replica is blamed: the two that waited for it are never declared hung.
+    final = json.loads((ftrun_home / run_id / "state.json").read_text())
+    assert [r["restarts"] for r in final["replicas"]] == [0, 0, 1], (final["replicas"], err[-3000:])
+    assert err.count(" is hung (") == 1, err[-3000:]
     _assert_identical(out, 3)
 
 
@@ -262,3 +289,36 @@ def test_two_nodes_replica_heals_across_nodes(ftrun_home, tmp_path):
     assert "rank 3 is training again, healed from a peer" in results[1][2]
     _, stats = _assert_identical(out, 4)
     assert stats["step"] == 300
+
+
+def test_node_lost_survivors_keep_committing(ftrun_home, tmp_path):
+    """Two nodes with --ft; node 1's ftrun is SIGKILLed (its workers die with it): node 0 takes
+    node 1's replicas out of the quorum as soon as the node is seen lost, keeps committing
+    steps within seconds, and finishes with its two replicas bitwise identical."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "p"
+    procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+                          "--nproc", 2, "--ft", "--run-id", "lost", TRAIN, "--steps", 400, "--step-sleep", 0.02,
+                          "--out", out], env={"FTRUN_NODE_TIMEOUT": "2"}) for k in (0, 1)]
+    try:
+        _wait_replica(ftrun_home, "lost.node1", 3, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
+        r = _wait_replica(ftrun_home, "lost.node0", 0, lambda r, st: r["step"] >= 30, 60)
+        procs[1].kill()
+        killed_at, step_at_kill = time.time(), r["step"]
+        # Node 0 moves on: a step committed past the kill, within seconds of it.
+        _wait_replica(ftrun_home, "lost.node0", 0, lambda r, st: st["quorum_size"] == 2 and r["step"] > step_at_kill + 5,
+                      30)
+        resumed_s = time.time() - killed_at
+        rc, _, err = _finish(procs[0], 180)
+    finally:
+        for p in procs:
+            p.kill()
+    assert rc == 0, err[-3000:]
+    assert "node 1" in err and "carrying on without its replicas" in err, err[-3000:]
+    assert resumed_s < 15, resumed_s
+    _, stats = _assert_identical(out, 2)
+    assert stats["step"] == 400

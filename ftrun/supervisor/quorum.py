@@ -25,6 +25,7 @@ from ftrun.worker.ft import keys
 from ftrun.worker.ft.keys import Epoch
 
 FIRST_EPOCH_WAIT_S = 30.0  # how long the first epoch waits for slow first replicas
+INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
 EVENTS = keys.PREFIX + "events"  # queue: "<rank> <incarnation> spawn|died|finished" from the other nodes
 
 
@@ -49,6 +50,12 @@ class QuorumKeeper:
         # vote, for as long as some live replica may still be in an epoch that lists them.
         self.dead: Dict[Tuple[int, int], int] = {}
         self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
+        # When each replica's info last changed (by this keeper's clock): a replica whose
+        # reports stopped says nothing true about what it is doing now.
+        self.info_seen: Dict[int, float] = {}
+        self._info_raw: Dict[int, bytes] = {}
+        # Since when the others have been waiting for each replica, continuously.
+        self.waited_since: Dict[int, float] = {}
 
     # ------------------------------------------------------------ store
     @property
@@ -171,13 +178,19 @@ class QuorumKeeper:
 
     def _absorb(self, healed: List[bytes], infos: List[bytes]) -> None:
         """Take in the replicas' healed incarnations and status counters."""
+        now = time.monotonic()
         for r, h, info in zip(self.ranks, healed, infos):
             if int(h) >= 0:
                 self.healed.add((r, int(h)))
+            if info == self._info_raw.get(r):
+                continue
+            self._info_raw[r] = info
+            self.info_seen[r] = now
             try:
                 self.info[r] = json.loads(info)
             except ValueError:
                 pass
+        self._track_waits(now)
 
     def poll(self, now: float) -> None:
         if not self.ready:
@@ -264,13 +277,32 @@ class QuorumKeeper:
             "steps_discarded": max((i.get("discarded", 0) for i in live), default=0),
         }
 
-    def waited_on(self, rank: int) -> bool:
-        """True if the others of its epoch are waiting for this replica (they voted, it did not)."""
+    def _fresh(self, rank: int, now: float) -> bool:
+        return now - self.info_seen.get(rank, -1e9) <= INFO_FRESH_S
+
+    def _waited_on(self, rank: int, now: float) -> bool:
+        """The others of its epoch have voted in its round and it has not: they wait for it.
+        Only replicas that still report count, on both sides: a stopped replica's last report
+        is stale (its heartbeat check catches it), and must not make a waiting peer look hung."""
         mine = self.info.get(rank) or {}
-        if mine.get("phase") not in ("compute",):
+        if rank not in self.members or not self._fresh(rank, now) or mine.get("phase") in ("vote", "done", None):
             return False
-        others = [self.info.get(r) or {} for r in self.members if r != rank]
-        return any(o.get("phase") == "vote" and o.get("round", -1) >= mine.get("round", 0) for o in others)
+        others = [r for r in self.members if r != rank]
+        return bool(others) and any(self._fresh(r, now) and (self.info.get(r) or {}).get("phase") == "vote"
+                                    and (self.info.get(r) or {}).get("round", -1) >= mine.get("round", 0)
+                                    for r in others)
+
+    def _track_waits(self, now: float) -> None:
+        for r in self.ranks:
+            if self._waited_on(r, now):
+                self.waited_since.setdefault(r, now)
+            else:
+                self.waited_since.pop(r, None)
+
+    def waited_for_s(self, rank: int) -> float:
+        """How long the others have been waiting for this replica without a break (0: they are not)."""
+        since = self.waited_since.get(rank)
+        return time.monotonic() - since if since is not None else 0.0
 
     def global_step(self) -> int:
         return max((int((self.info.get(r) or {}).get("step", 0)) for r in self.ranks), default=0)

@@ -470,18 +470,26 @@ class Supervisor:
 
     def _check_hangs(self, now: float) -> None:
         limit = self.cfg.step_timeout
+        live = (WorkerState.RUNNING, WorkerState.RECOVERING, WorkerState.STARTING)
         for w in self.workers:
-            if w.state not in (WorkerState.RUNNING,) or w.kill_at:
+            if w.state not in live or not w.alive or w.kill_at:
                 continue
-            stalled_step = w.first_step_seen and w.last_step_time and now - w.last_step_time > limit
-            if stalled_step and self.quorum is not None:
-                # With --ft every replica stalls while one hangs: blame only the one the others wait for.
-                stalled_step = self.quorum.waited_on(w.rank)
+            if self.quorum is not None:
+                # With --ft every replica stalls while one hangs: only the one the others have
+                # been waiting for all along is hung, never a replica that waits for it.
+                stalled_step = self.quorum.waited_for_s(w.rank) > limit
+            else:
+                stalled_step = (w.state == WorkerState.RUNNING and w.first_step_seen and w.last_step_time
+                                and now - w.last_step_time > limit)
             stalled_beat = w.last_heartbeat and now - w.last_heartbeat > limit
             if not (stalled_step or stalled_beat):
                 continue
-            what = "optimizer step" if stalled_step else "heartbeat"
-            w.hang_reason = f"hung (no {what} for {limit:g} s)"
+            if stalled_beat:
+                w.hang_reason = f"hung (no heartbeat for {limit:g} s)"
+            elif self.quorum is not None:
+                w.hang_reason = f"hung (its peers waited {limit:g} s for its step)"
+            else:
+                w.hang_reason = f"hung (no optimizer step for {limit:g} s)"
             w.state = WorkerState.HUNG
             self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: dumping its stacks to its log, "
                               f"then killing it", style="bold red")
@@ -492,6 +500,16 @@ class Supervisor:
                     pass
             w.kill_at = now + HANG_DUMP_GRACE_S
             self._dirty = True
+
+    def _on_node_lost(self, node: int) -> None:
+        """--ft: a lost node's replicas are dead in the quorum at once (only node 0's keeper decides)."""
+        q = self.quorum
+        if q is None or not q.leader:
+            return
+        for rank in range(node * self.cfg.nproc, (node + 1) * self.cfg.nproc):
+            inc = q.alive.get(rank)
+            if inc is not None:
+                q.on_exit(rank, inc)
 
     def _sample_metrics(self) -> None:
         try:

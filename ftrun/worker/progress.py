@@ -65,12 +65,15 @@ class ProgressReporter:
         except Exception:
             return  # no store, no reports; training itself is unaffected
         key = progress_key(self.rank)
+        beat = 0
         while not self._stop.is_set():
             steps = self.global_step if self.global_step is not None else self.steps
+            beat += 1
             try:
                 store.set(key, f"{self.incarnation} {steps} {self.last_step_time:.3f} {time.time():.3f} {os.getpid()}")
                 if self.info_provider is not None:
-                    store.set(f"ftrun/ft/info/{self.rank}", json.dumps(self.info_provider()))
+                    # "beat" changes every report, so the keeper can tell a live report from a stale one.
+                    store.set(f"ftrun/ft/info/{self.rank}", json.dumps({**self.info_provider(), "beat": beat}))
             except Exception:
                 return  # the supervisor is gone; the parent-death signal ends us
             self._wake.wait(HEARTBEAT_S)
