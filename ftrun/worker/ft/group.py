@@ -30,7 +30,9 @@ def build_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.Pr
     pg = dist.ProcessGroup(pstore, rank, size)
     if torch.cuda.is_available():
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _timeout()
+        # Twice ftrun's own deadline (settle): ftrun aborts a stuck round first, before
+        # NCCL's watchdog would tear the whole process down.
+        opts._timeout = 2 * _timeout()
         backend = dist.ProcessGroupNCCL(pstore, rank, size, opts)
         kind, dev = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
     else:

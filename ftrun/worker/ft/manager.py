@@ -308,10 +308,10 @@ class Manager:
                               ends.index(self.rank), len(ends))
             if sending:
                 stats = send_state(hpg, self._capture(), group_device(), chunk=self._chunk,
-                                   after_first_chunk=self._inject_send_delay)
+                                   after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
             else:
                 payload, stats, in_place = receive_state(hpg, self._local_state(), group_device(), chunk=self._chunk,
-                                                         on_write=self._taint)
+                                                         on_write=self._taint, timeout_s=self._settle_s)
                 self._restore(payload, in_place)
                 self._tainted = False
         except Exception as e:  # an end of the transfer died: this round fails, the next epoch heals again

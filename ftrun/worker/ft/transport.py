@@ -24,6 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ftrun.worker.ft.group import settle
+
 CHUNK_BYTES = 64 << 20
 _SLOT = "__ftrun_tensor__"
 
@@ -110,8 +112,15 @@ def _direct(t: torch.Tensor, device: torch.device) -> bool:
     return t.is_contiguous() and t.device == device
 
 
+def _settled(timeout_s: float) -> None:
+    # On NCCL a broadcast whose peer died never fails: it never finishes. Every host
+    # read of received data, and the end of a transfer, waits with a deadline instead.
+    if not settle(timeout_s):
+        raise RuntimeError(f"the transfer did not finish within {timeout_s:g} s")
+
+
 def send_state(pg: dist.ProcessGroup, state: Any, device: torch.device, chunk: int = CHUNK_BYTES,
-               after_first_chunk: Optional[Callable[[], None]] = None) -> TransferStats:
+               after_first_chunk: Optional[Callable[[], None]] = None, timeout_s: float = 10.0) -> TransferStats:
     """Broadcast `state` (nested dicts/lists of tensors and plain values) from this rank (0 of `pg`)."""
     t0 = time.perf_counter()
     flat: List[Tuple[Path, torch.Tensor]] = []
@@ -159,11 +168,13 @@ def send_state(pg: dist.ProcessGroup, state: Any, device: torch.device, chunk: i
             ch.staging[used:used + piece.numel()].copy_(piece)
             used += piece.numel()
     flush()
+    _settled(timeout_s)
     return TransferStats(bytes=ch.sent, seconds=time.perf_counter() - t0)
 
 
 def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk: int = CHUNK_BYTES,
-                  on_write: Optional[Callable[[], None]] = None) -> Tuple[Any, TransferStats, set]:
+                  on_write: Optional[Callable[[], None]] = None,
+                  timeout_s: float = 10.0) -> Tuple[Any, TransferStats, set]:
     """Receive the state the source broadcasts; tensors land in `local`'s tensors where they fit.
 
     Returns (state, stats, paths received in place). `on_write` is called before the
@@ -173,11 +184,13 @@ def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk
     ch = _Channel(pg, device, chunk)
     size = torch.zeros(1, dtype=torch.int64, device=device)
     ch.bcast(size)
+    _settled(timeout_s)
     n = int(size.item())
     if not 0 < n < (1 << 34):
         raise RuntimeError(f"ftrun.ft: a peer announced a state header of {n} bytes")
     head = torch.empty(n, dtype=torch.uint8, device=device)
     ch.bcast_bytes(head)
+    _settled(timeout_s)
     header = torch.load(io.BytesIO(head.cpu().numpy().tobytes()), weights_only=True)
     skel, meta = header["skeleton"], header["meta"]
     paths: List[Path] = []
@@ -232,6 +245,7 @@ def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk
             pending.append((piece, used, piece.numel()))
             used += piece.numel()
     flush()
+    _settled(timeout_s)
     stats.bytes = ch.sent
     stats.seconds = time.perf_counter() - t0
     return _fill(skel, tensors), stats, in_place

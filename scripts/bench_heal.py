@@ -1,0 +1,208 @@
+"""Heal benchmark: what a SIGKILLed replica costs under `ftrun --ft`, by model size.
+
+    .venv/bin/python scripts/bench_heal.py                       # 1M, 10M, 100M parameters, 3 runs each
+    .venv/bin/python scripts/bench_heal.py --sizes 1M,10M --runs 1   # quicker
+
+For each size: `ftrun --nproc 3 --ft scripts/train_ft.py --optim adamw` (an MLP
+of that many parameters; state = parameters + two AdamW moments = 12 bytes a
+parameter), rank 1 SIGKILLed once the run has committed a few steps; ftrun
+restarts it and it receives the state from a peer over a process group.
+Measured per run:
+
+- back: from the kill to the restarted replica's first committed step (the
+  worker prints `[announce] ... t TIME` on its first committed step).
+- transfer: the transfer's own time and bandwidth, as the healer reports it.
+- survivors' longest step: the longest gap between two committed steps of
+  the surviving replicas while the healer was away (kill -> back), against
+  their median step.
+- supervisor RSS: the ftrun process's peak resident memory (psutil, every
+  20 ms), against its RSS before the first kill.
+- floor: in the same session, one plain `broadcast` of the same number of
+  bytes between two processes over gloo (a fresh receive buffer each time,
+  as the healer's optimizer state is fresh), median of 3.
+
+Medians over --runs runs; a markdown table is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "scripts" / "train_ft.py"
+
+# name -> (dim, hidden, depth, batch, steps before the kill, steps in all)
+SIZES = {
+    "1M": (1024, 1000, 1, 96, 20, 60),
+    "10M": (1024, 2048, 3, 96, 10, 35),
+    "100M": (1024, 4096, 7, 12, 3, 12),
+}
+
+FLOOR = r"""
+import datetime, sys, time, torch, torch.distributed as dist
+rank, port, nbytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, datetime.timedelta(seconds=60))
+pg = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=300))
+src = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else None
+pg.broadcast(torch.zeros(1), 0).wait()
+times = []
+for _ in range(3):
+    t = src if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    pg.barrier().wait()
+    t0 = time.perf_counter()
+    pg.broadcast(t, 0).wait()
+    times.append(time.perf_counter() - t0)
+    del t
+if rank == 1:
+    print(sorted(times)[1])
+"""
+
+
+def params_of(dim: int, hidden: int, depth: int) -> int:
+    return dim * hidden + hidden + (depth - 1) * (hidden * hidden + hidden) + hidden + 1
+
+
+def floor_seconds(nbytes: int) -> float:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", FLOOR, str(r), str(port), str(nbytes)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    return float(outs[1].strip())
+
+
+class RssWatch(threading.Thread):
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.proc = psutil.Process(pid)
+        self.peak = 0
+        self.samples = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                rss = self.proc.memory_info().rss
+            except psutil.Error:
+                return
+            self.peak = max(self.peak, rss)
+            self.samples.append((time.time(), rss))
+            self.stop.wait(0.02)
+
+    def before(self, t: float) -> int:
+        return max((r for when, r in self.samples if when < t), default=0)
+
+
+def one_run(size: str, home: Path) -> dict:
+    dim, hidden, depth, batch, kill_after, steps = SIZES[size]
+    out = Path(tempfile.mkdtemp(prefix=f"heal-{size}-"))
+    run_id = f"heal-{size}-{int(time.time() * 1000)}"
+    env = dict(os.environ, FTRUN_HOME=str(home))
+    cmd = [sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", "--run-id", run_id, str(TRAIN), "--dim", str(dim),
+           "--hidden", str(hidden), "--depth", str(depth), "--batch", str(batch), "--optim", "adamw", "--lr", "0.0005",
+           "--steps", str(steps), "--print-every", "1000", "--announce", "--out", str(out / "p")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    watch = RssWatch(proc.pid)
+    watch.start()
+    state = home / run_id / "state.json"
+    killed_at = None
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            st = json.loads(state.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.02)
+            continue
+        r1 = next(r for r in st["replicas"] if r["rank"] == 1)
+        if r1["step"] >= kill_after and r1["state"] == "running" and r1.get("pid"):
+            os.kill(r1["pid"], signal.SIGKILL)
+            killed_at = time.time()
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=max(1.0, deadline - time.time()))
+    reader.join(5)
+    watch.stop.set()
+    text = "".join(lines)
+    if proc.returncode != 0 or killed_at is None:
+        raise SystemExit(f"bench_heal: run {size} failed (exit {proc.returncode}):\n{text[-3000:]}")
+    back = [float(m.group(1)) for m in re.finditer(r"\[announce\] rank 1 pid \d+ first step \d+ t ([\d.]+)", text)]
+    back_t = [t for t in back if t > killed_at]
+    heal = [m for m in re.finditer(r"\[rank 1\] ftrun\.ft: rank 1: received ([\d.]+) MB of state from rank \d+ in "
+                                   r"([\d.]+) s \(([\d.]+) GB/s", text)]
+    mb, secs, gbps = (float(x) for x in heal[-1].groups())
+    back_at = back_t[0]
+    gaps, all_gaps = [], []
+    for r in (0, 2):
+        commits = json.loads((out / f"p.rank{r}.json").read_text())["commits"]
+        times = [t for _, t in commits]
+        for a, b in zip(times, times[1:]):
+            all_gaps.append(b - a)
+            if b >= killed_at and a <= back_at:
+                gaps.append(b - a)
+    return {
+        "size": size, "params": params_of(dim, hidden, depth), "state_mb": mb, "back_s": back_at - killed_at,
+        "transfer_s": secs, "gbps": gbps, "survivor_max_step_s": max(gaps) if gaps else 0.0,
+        "survivor_median_step_s": statistics.median(all_gaps), "sup_rss_mb": watch.peak / 1e6,
+        "sup_rss_before_mb": watch.before(killed_at) / 1e6,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1M,10M,100M")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="bench-heal-home-"))
+    rows = []
+    for size in args.sizes.split(","):
+        runs = []
+        for i in range(args.runs):
+            r = one_run(size, home)
+            print(f"{size} run {i + 1}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})}",
+                  flush=True)
+            runs.append(r)
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "size"}
+        med["size"] = size
+        med["floor_s"] = statistics.median(floor_seconds(int(med["state_mb"] * 1e6)) for _ in range(1))
+        med["rss_max_mb"] = max(r["sup_rss_mb"] for r in runs)
+        med["runs"] = len(runs)
+        rows.append(med)
+        print(f"{size}: floor {med['floor_s']:.3f} s for {med['state_mb']:.1f} MB", flush=True)
+    load = os.getloadavg()[0]
+    print()
+    print("| model | params | state sent | kill -> training again | transfer | bandwidth | floor (plain broadcast) "
+          "| transfer / floor | survivors' longest step during heal (median step) | supervisor RSS peak (before kill) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for m in rows:
+        print(f"| {m['size']} | {m['params'] / 1e6:.1f}M | {m['state_mb']:.0f} MB | {m['back_s']:.2f} s | "
+              f"{m['transfer_s']:.2f} s | {m['gbps']:.2f} GB/s | {m['floor_s']:.2f} s | "
+              f"{m['transfer_s'] / m['floor_s']:.2f} | {m['survivor_max_step_s']:.2f} s ({m['survivor_median_step_s']:.2f} s) | "
+              f"{m['rss_max_mb']:.0f} MB ({m['sup_rss_before_mb']:.0f} MB) |")
+    print(f"\nmedians of {args.runs} run(s) per size; AdamW, 3 replicas, gloo on CPU; load average {load:.1f}; "
+          f"torch {__import__('torch').__version__}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
