@@ -33,6 +33,7 @@ from ftrun.worker.ft.keys import Epoch
 from ftrun.worker.ft.transport import receive_state, send_state
 
 POLL_S = 0.005
+SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
 
 
 def _log(msg: str) -> None:
@@ -167,7 +168,10 @@ class Manager:
         self.store.multi_set([keys.vote_key(self.round, me, self.inc), keys.round_key(me)],
                              [f"{'ok' if ok else 'fail'} {self.latest_seen}", str(self.round)])
         wanted = [keys.vote_key(self.round, r, k) for r, k in self.epoch.members] + [keys.LATEST]
+        t0 = time.monotonic()
         values = [v.decode() if isinstance(v, bytes) else str(v) for v in self.store.multi_get(wanted)]
+        if time.monotonic() - t0 > SLOW_S:
+            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the votes of round {self.round}")
         votes, self.latest_seen = values[:-1], int(values[-1])
         commit = all(v.startswith("ok") for v in votes)
         target = max(int(v.split()[1]) for v in votes)
@@ -254,14 +258,20 @@ class Manager:
         gone = [r for r, v in zip(epoch.ranks, alive) if v != str(epoch.incarnation(r))]
         if gone:  # connecting would wait for the dead until the timeout; the next epoch drops them
             self.fail_round(f"ranks {gone} of epoch {epoch.id} are already gone")
+            if epoch.healers or epoch.fresh:
+                self._heal(epoch)  # the transfer may still take place, and its ends must say how it went
             for fn in self.group_listeners:
                 fn(None)
             return
+        t0 = time.monotonic()
         try:
             self.pg = build_group(self.store, keys.pg_prefix(epoch.id, self.group_round), epoch.ranks.index(self.rank),
                                   len(epoch.ranks))
         except Exception as e:  # a member died while we connected: this round fails, the next epoch fixes it
             self.fail_round(f"could not form the group of epoch {epoch.id}: {e}")
+        took = time.monotonic() - t0
+        if took > SLOW_S:
+            _log(f"rank {self.rank}: forming the group of epoch {epoch.id} (round {self.group_round}) took {took:.1f} s")
         if epoch.healers or epoch.fresh:
             self._heal(epoch)
         for fn in self.group_listeners:
@@ -293,9 +303,15 @@ class Manager:
         if self.rank not in ends:
             self._await_heal(epoch, ends, done_key)
             return
-        if self.pg is None:
-            return  # the epoch's group did not form: this round fails and the next epoch retries
         sending = self.rank == source
+        alive = [v.decode() if isinstance(v, bytes) else str(v)
+                 for v in self.store.multi_get([keys.inc_key(r) for r in ends])]
+        if alive != [str(epoch.incarnation(r)) for r in ends]:
+            # An end of the transfer is gone: forming its group would wait for it until the timeout.
+            self.fail_round(f"the state transfer of epoch {epoch.id} lost an end before it began")
+            if sending:
+                self._set_heal_done(done_key, "fail")
+            return
         if sending and self._tainted:
             _log(f"rank {self.rank}: named the source of a fresh epoch while holding a half-received state; "
                  f"exiting so that ftrun restarts it clean")
@@ -354,11 +370,14 @@ class Manager:
         self._set_phase("heal-wait")
         watch = [keys.inc_key(r) for r in ends]
         expected = [str(epoch.incarnation(r)) for r in ends]
+        t0 = time.monotonic()
         while not self.store.check([done_key]):
             alive = [v.decode() if isinstance(v, bytes) else str(v) for v in self.store.multi_get(watch)]
             if alive != expected:
                 return
             time.sleep(POLL_S)
+        if time.monotonic() - t0 > SLOW_S:
+            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the state transfer of epoch {epoch.id}")
 
     def _inject_send_delay(self) -> None:
         delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))
