@@ -63,6 +63,10 @@ class Manager:
         self.latest_seen = 0
         self.target_epoch: Optional[int] = None
         self.rebuild = False
+        # The first round after a heal: every member computes it without communicating and
+        # discards it, so the newcomers' DDP records the order in which gradients become
+        # ready and builds the same buckets as its peers (see ft/ddp.py).
+        self.layout_round = False
         self.finished = False
         self.committed = 0
         self.discarded = 0
@@ -157,6 +161,13 @@ class Manager:
 
     def vote(self) -> bool:
         """Vote on the current round; True if every member voted ok (then the caller steps)."""
+        if self.layout_round:
+            # Agreed by all (it follows the same switch): nothing was sent, nothing is voted.
+            self.layout_round = False
+            self.round += 1
+            self.round_ok = True
+            self._set_phase("discard")
+            return False
         self._set_phase("vote")
         if self.pg is not None and not settle(self._settle_s):
             # NCCL does not fail a collective whose peer died: it would wait forever.
@@ -260,6 +271,7 @@ class Manager:
             self.fail_round(f"ranks {gone} of epoch {epoch.id} are already gone")
             if epoch.healers or epoch.fresh:
                 self._heal(epoch)  # the transfer may still take place, and its ends must say how it went
+                self.layout_round = True
             for fn in self.group_listeners:
                 fn(None)
             return
@@ -274,6 +286,7 @@ class Manager:
             _log(f"rank {self.rank}: forming the group of epoch {epoch.id} (round {self.group_round}) took {took:.1f} s")
         if epoch.healers or epoch.fresh:
             self._heal(epoch)
+            self.layout_round = True
         for fn in self.group_listeners:
             fn(self.pg)
 
