@@ -322,3 +322,13 @@ def test_node_lost_survivors_keep_committing(ftrun_home, tmp_path):
     assert resumed_s < 15, resumed_s
     _, stats = _assert_identical(out, 2)
     assert stats["step"] == 400
+
+
+def test_store_does_not_grow_with_steps(ftrun_home):
+    """Keys of finished rounds are collected: the store holds as many keys after 2,000 steps
+    as after 200 (within 20%; before collection it grew by two keys every step)."""
+    proc = run_ftrun(["--nproc", 3, "--ft", ROOT / "tests" / "ft_keys_worker.py", "200,2000"], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if "[keys]" in l)
+    counts = json.loads(line.split("[keys] ", 1)[1])
+    assert counts["2000"] <= 1.2 * counts["200"], counts

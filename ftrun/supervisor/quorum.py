@@ -7,10 +7,12 @@ and deaths to it through a store queue, and read the epochs it publishes.
 It publishes an epoch (members, and which of them must heal) whenever
 membership changes: when every first replica has asked to join, when a
 restarted replica asks to join, and when a member dies. For a member that
-died it writes "dead" into the votes its peers are waiting for
-(compare_set: a vote the member managed to cast is kept), so the survivors
-decide the round alike and move on without it. Status figures come back
-from the replicas' info keys.
+died it adds a failed vote to the counters of the rounds its peers may be
+waiting on (the two after the newest decided round), so those rounds close
+as failed and the survivors move on without it; a round its vote closes, it
+decides. It deletes the keys of finished rounds and old epochs, so the
+store does not grow with the run. Status figures come back from the
+replicas' info keys.
 Must never import torch (it talks to the store through RunStore), and never
 touch processes.
 """
@@ -25,6 +27,7 @@ from ftrun.worker.ft import keys
 from ftrun.worker.ft.keys import Epoch
 
 FIRST_EPOCH_WAIT_S = 30.0  # how long the first epoch waits for slow first replicas
+ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
 INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
 EVENTS = keys.PREFIX + "events"  # queue: "<rank> <incarnation> spawn|died|finished" from the other nodes
 
@@ -45,10 +48,11 @@ class QuorumKeeper:
         self.ready = False
         self.history: List[str] = []
         self._dead_pending: List[Tuple[int, int]] = []
-        # Members that died while listed in an epoch: (rank, incarnation) -> last round
-        # filled with "dead". Filled on every poll up to two rounds past the newest
+        # Members that died while listed in an epoch, and the rounds voted FAIL for them,
+        # kept up to two rounds past the newest decided one on every poll
         # vote, for as long as some live replica may still be in an epoch that lists them.
-        self.dead: Dict[Tuple[int, int], int] = {}
+        self.dead: Dict[Tuple[int, int], Dict[int, int]] = {}  # -> epoch -> last round voted FAIL
+        self._collected_to = -1
         self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
         # When each replica's info last changed (by this keeper's clock): a replica whose
         # reports stopped says nothing true about what it is doing now.
@@ -75,8 +79,8 @@ class QuorumKeeper:
             self._dead_pending.clear()
             return
         s.compare_set(keys.LATEST, "", "0")
+        s.compare_set(keys.TOP, "", "-1")
         for r in self.ranks:
-            s.compare_set(keys.round_key(r), "", "-1")
             s.compare_set(keys.join_key(r), "", "-1")
             s.compare_set(keys.healed_key(r), "", "-1")
             s.compare_set(keys.entered_key(r), "", "-1")
@@ -124,33 +128,70 @@ class QuorumKeeper:
                 return
             if self.members:
                 self._publish(f"rank {rank} left")
-            self._fill_votes(rank, inc)
+            self._fill_votes(rank, inc, self._top())
         if self.alive.get(rank) is None:
             self._s.set(keys.inc_key(rank), "dead")
 
-    def _fill_votes(self, rank: int, inc: int, top: Optional[int] = None) -> None:
-        s = self._s
-        if top is None:
-            top = max(int(v) for v in s.multi_get([keys.round_key(r) for r in self.ranks]))
-        # A live member waits at most two rounds past the newest vote anyone cast.
-        first = self.dead.get((rank, inc), max(-1, top - 2)) + 1
-        for rnd in range(first, top + 3):
-            s.compare_set(keys.vote_key(rnd, rank, inc), "", f"dead {self.epoch_id}")
-        self.dead[(rank, inc)] = max(top + 2, first - 1)
+    def _top(self) -> int:
+        return int(self._s.get(keys.TOP))
 
-    def _refill(self, top: int) -> None:
-        """Keep voting "dead" for dead members some live replica may still wait for."""
-        live_epochs = set()
+    def _fill_votes(self, rank: int, inc: int, top: int) -> None:
+        """Vote FAIL for a dead member in the rounds its peers may be waiting on: the two
+        after the newest decided one (it cannot have voted further), in every epoch that
+        lists it and that live members may still be in or enter."""
+        s = self._s
+        filled = self.dead.setdefault((rank, inc), {})
+        oldest = min(self._live_epochs(), default=0)
+        for e, members in self.epochs.items():
+            if (rank, inc) not in members or e < oldest:
+                continue
+            size = len(members)
+            for rnd in range(max(filled.get(e, top), top) + 1, top + 3):
+                total = s.add(keys.count_key(e, rnd), keys.FAIL_VOTE)
+                if keys.tally(total)[0] == size:  # this closed the round: nobody else will decide it
+                    s.set(keys.decision_key(e, rnd), f"fail {self.epoch_id}")
+                filled[e] = rnd
+
+    def _live_epochs(self) -> Set[int]:
+        live = set()
         for r, inc in self.alive.items():
             info = self.info.get(r) or {}
             if inc is not None and info.get("inc") == inc and info.get("epoch"):
-                live_epochs.add(int(info["epoch"]))
+                live.add(int(info["epoch"]))
+        return live
+
+    def _refill(self, top: int) -> None:
+        """Keep voting FAIL for dead members some live replica may still wait for."""
+        live_epochs = self._live_epochs()
         for member in list(self.dead):
-            if any(member in self.epochs.get(e, ()) for e in live_epochs) or not live_epochs:
-                if self.dead[member] < top + 2:
-                    self._fill_votes(member[0], member[1], top)
-            elif live_epochs and min(live_epochs) > max(e for e, m in self.epochs.items() if member in m):
-                del self.dead[member]
+            newest = max((e for e, m in self.epochs.items() if member in m), default=0)
+            if live_epochs and min(live_epochs) > newest:
+                del self.dead[member]  # every live replica is past every epoch that listed it
+            else:
+                self._fill_votes(member[0], member[1], top)
+
+    def _collect(self, top: int) -> None:
+        """Delete the keys of rounds that every live member is past (counters, decisions,
+        transfer words, group addresses) and of epochs nobody can still be in, so a long
+        run's store stays the same size."""
+        if top - ROUND_KEYS_KEPT <= self._collected_to:
+            return
+        self._collected_to = top - ROUND_KEYS_KEPT
+        oldest = min(self._live_epochs(), default=self.epoch_id) - 2
+        s = self._s
+        for key in s.list_keys():
+            if not key.startswith(keys.PREFIX):
+                continue
+            parts = key[len(keys.PREFIX):].split("/")
+            try:
+                if parts[0] in ("n", "d", "heal") and int(parts[2]) < self._collected_to:
+                    s.delete_key(key)
+                elif parts[0] == "pg" and (int(parts[1]) < oldest or int(parts[2]) < self._collected_to):
+                    s.delete_key(key)
+                elif parts[0] in ("epoch", "start") and int(parts[1]) < oldest:
+                    s.delete_key(key)
+            except (IndexError, ValueError):
+                continue
 
     # ------------------------------------------------------------ polling
     def _drain_events(self) -> None:
@@ -201,8 +242,10 @@ class QuorumKeeper:
             return
         self._drain_events()
         s = self._s
+        top = self._top()
         if self.dead:
-            self._refill(max(int(v) for v in s.multi_get([keys.round_key(r) for r in self.ranks])))
+            self._refill(top)
+        self._collect(top)
         n = len(self.ranks)
         vals = s.multi_get([keys.join_key(r) for r in self.ranks] + [keys.healed_key(r) for r in self.ranks]
                            + [keys.info_key(r) for r in self.ranks])
@@ -241,9 +284,8 @@ class QuorumKeeper:
         self.epoch_id += 1
         members = tuple(sorted(self.members.items()))
         start = -1
-        if not continuing:
-            rounds = [int(v) for v in s.multi_get([keys.round_key(r) for r in self.ranks])]
-            start = max(rounds) + 1
+        if not continuing:  # rounds are numbered across epochs: start after the newest one decided
+            start = self._top() + 1
         if fresh:
             src = min(self.members)
             epoch = Epoch(self.epoch_id, members, tuple(r for r in self.members if r != src), True, start)
@@ -280,21 +322,20 @@ class QuorumKeeper:
     def _fresh(self, rank: int, now: float) -> bool:
         return now - self.info_seen.get(rank, -1e9) <= INFO_FRESH_S
 
-    def _waited_on(self, rank: int, now: float) -> bool:
-        """The others of its epoch have voted in its round and it has not: they wait for it.
-        Only replicas that still report count, on both sides: a stopped replica's last report
-        is stale (its heartbeat check catches it), and must not make a waiting peer look hung."""
-        mine = self.info.get(rank) or {}
-        if rank not in self.members or not self._fresh(rank, now) or mine.get("phase") in ("vote", "done", None):
-            return False
-        others = [r for r in self.members if r != rank]
-        return bool(others) and any(self._fresh(r, now) and (self.info.get(r) or {}).get("phase") == "vote"
-                                    and (self.info.get(r) or {}).get("round", -1) >= mine.get("round", 0)
-                                    for r in others)
-
     def _track_waits(self, now: float) -> None:
+        """A member is waited on when others of its epoch have voted in its round and it has
+        not. Only replicas that still report count, on both sides: a stopped replica's last
+        report is stale (its heartbeat check catches it) and must not make a waiting peer
+        look hung. O(N) per poll: the newest round any fresh member is voting in is enough."""
+        fresh = {r for r in self.members if self._fresh(r, now)}
+        voting = [int((self.info.get(r) or {}).get("round", -1)) for r in fresh
+                  if (self.info.get(r) or {}).get("phase") == "vote"]
+        newest_vote = max(voting, default=None)
         for r in self.ranks:
-            if self._waited_on(r, now):
+            mine = self.info.get(r) or {}
+            waited = (newest_vote is not None and r in fresh and mine.get("phase") not in ("vote", "done", None)
+                      and newest_vote >= int(mine.get("round", 0)))
+            if waited:
                 self.waited_since.setdefault(r, now)
             else:
                 self.waited_since.pop(r, None)

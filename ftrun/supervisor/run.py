@@ -383,7 +383,9 @@ class Supervisor:
             self._last_metrics = now
             self._sample_metrics()
             self._dirty = True
-        if self._dirty and now - self._last_write >= 0.05 or now - self._last_write >= 0.5:
+        # Step counts change every tick with --ft: `ftrun status` needs them a few times a
+        # second, not at the 20 Hz the quorum is polled (each write is a JSON file).
+        if self._dirty and now - self._last_write >= 0.2 or now - self._last_write >= 0.5:
             self._write_state()
 
     def _poll_progress(self, now: float) -> None:

@@ -23,14 +23,26 @@ def start_key(epoch: int) -> str:
     return f"{PREFIX}start/{epoch}"   # round at which members switched to the epoch
 
 
-def vote_key(round_: int, rank: int, inc: int) -> str:
-    # "ok E" / "fail E" / "dead E". Keyed by incarnation too: the supervisor's "dead"
-    # for a replica's previous life must never be read as its new life's vote.
-    return f"{PREFIX}vote/{round_}/{rank}.{inc}"
+# A round's votes are one counter per (epoch, round): each member adds 1 (ok) or
+# FAIL_VOTE (failed); the supervisor adds FAIL_VOTE for a member it saw die. The add
+# that brings the count of votes to the epoch's size closes the round: its author
+# writes the decision, every other member reads it. O(1) store work per member.
+FAIL_VOTE = 1 << 32
+TOP = PREFIX + "top"                  # the newest round whose decision was written (a hint for the keeper)
 
 
-def round_key(rank: int) -> str:
-    return f"{PREFIX}round/{rank}"    # the last round this replica voted in
+def count_key(epoch: int, round_: int) -> str:
+    return f"{PREFIX}n/{epoch}/{round_}"
+
+
+def decision_key(epoch: int, round_: int) -> str:
+    return f"{PREFIX}d/{epoch}/{round_}"  # "commit E" / "fail E": E = the epoch to be in from the next round
+
+
+def tally(total: int) -> Tuple[int, int]:
+    """(votes cast, failed votes) of a round's counter."""
+    fails, oks = divmod(int(total), FAIL_VOTE)
+    return oks + fails, fails
 
 
 def inc_key(rank: int) -> str:

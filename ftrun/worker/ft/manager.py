@@ -1,15 +1,17 @@
 """The replica's side of --ft: join, vote on every step, switch epochs, heal from a peer.
 
-A round is one attempt at a step. Each member votes ok/fail for the round in
-the store (with the newest epoch it has seen) and reads every member's vote
-in one round trip; all commit only if every vote is ok, so all members decide
-alike. A member that died never votes: the supervisor, which sees the death
-within milliseconds, writes "dead" for it (compare_set: the first writer wins,
-so a real vote is never overwritten). After a round, members switch to the
-newest epoch any vote named, at the same boundary. A new or restarted
-replica asks to join, is put into an epoch as a healer, and receives the
-model, optimizer and registered state from the epoch's source through the
-store, loaded with weights_only=True, before the round's forward pass.
+A round is one attempt at a step. Each member adds its vote (ok, or failed)
+to the round's counter in the store, one round trip; the member whose vote
+completes the count writes the decision (commit only if every vote was ok,
+and the newest epoch it has seen), and the others read it, so all members
+decide alike and the store does O(1) work per member. A member that died
+never votes: the supervisor, which sees the death within milliseconds, adds
+a failed vote for it. After a round, members switch to the epoch the
+decision names, at the same boundary; a thread learns of new epochs as they
+are published, so no step asks. A new or restarted replica asks to join, is
+put into an epoch as a healer, and receives the model, optimizer and
+registered state from a peer over a process group (ft/transport.py), before
+the round's forward pass.
 Must never raise a collective failure into the user's loop, and never import
 the supervisor.
 """
@@ -21,13 +23,14 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from ftrun.worker.ft import keys
+from ftrun.worker.ft import keys, vote
 from ftrun.worker.ft.group import abort_group, build_group, group_device, settle
 from ftrun.worker.ft.keys import Epoch
 from ftrun.worker.ft.transport import receive_state, send_state
@@ -81,6 +84,7 @@ class Manager:
         self.extras: Dict[str, Any] = {}
         self.group_listeners: List[Callable[[Optional[dist.ProcessGroup]], None]] = []
         self._heal_written: Optional[str] = None
+        self._watcher: Optional[threading.Thread] = None
         self._tainted = False  # part of a transfer landed in this replica's tensors, and it failed
         self._chunk = int(float(os.environ.get("FTRUN_FT_CHUNK_MB", "64")) * (1 << 20))
         self.last_transfer: Optional[Dict[str, Any]] = None
@@ -175,17 +179,11 @@ class Manager:
         ok = self.round_ok and self.in_sync and self.pg is not None
         if not ok and self.pg is not None:
             self._drop_group()
-        me = self.rank
-        self.store.multi_set([keys.vote_key(self.round, me, self.inc), keys.round_key(me)],
-                             [f"{'ok' if ok else 'fail'} {self.latest_seen}", str(self.round)])
-        wanted = [keys.vote_key(self.round, r, k) for r, k in self.epoch.members] + [keys.LATEST]
         t0 = time.monotonic()
-        values = [v.decode() if isinstance(v, bytes) else str(v) for v in self.store.multi_get(wanted)]
+        commit, target, _ = vote.cast(self.store, self.epoch.id, self.round, len(self.epoch.members), ok,
+                                      self.latest_seen)
         if time.monotonic() - t0 > SLOW_S:
-            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the votes of round {self.round}")
-        votes, self.latest_seen = values[:-1], int(values[-1])
-        commit = all(v.startswith("ok") for v in votes)
-        target = max(int(v.split()[1]) for v in votes)
+            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {self.round}")
         self.round += 1
         if commit:
             self.step += 1
@@ -209,6 +207,22 @@ class Manager:
         return commit
 
     # ------------------------------------------------------------ membership
+    def _watch_epochs(self) -> None:
+        """Learn of each new epoch as the supervisor publishes it, off the training thread
+        (a blocking read of the next epoch's key): the step itself never asks."""
+        host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
+        store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=30))
+        nxt = self.latest_seen + 1
+        while True:
+            try:
+                store.get(keys.epoch_key(nxt))
+            except Exception:  # no new epoch for a while (a timeout), or the supervisor is gone
+                if self.finished:
+                    return
+                continue
+            self.latest_seen = max(self.latest_seen, nxt)
+            nxt += 1
+
     def _join(self) -> None:
         """Ask the supervisor to take this incarnation in, and wait for an epoch that has it."""
         self._set_phase("join")
@@ -225,7 +239,10 @@ class Manager:
                 entering, self.round = found
                 break
             time.sleep(POLL_S)
-        self.latest_seen = latest  # the newest epoch: our first vote carries it, so members move on to it
+        self.latest_seen = latest  # the newest epoch: a round we close names it, so members move on to it
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_epochs, name="ftrun-epochs", daemon=True)
+            self._watcher.start()
         self._switch(entering, joining=True)
         self.store.set(keys.entered_key(self.rank), str(self.inc))
         if self.epoch is not None and self.in_sync:

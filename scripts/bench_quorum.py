@@ -1,0 +1,224 @@
+"""Quorum benchmark: the --ft vote protocol with N replicas and no model, against the real store.
+
+    .venv/bin/python scripts/bench_quorum.py                 # N = 8, 64, 256, 1024
+    .venv/bin/python scripts/bench_quorum.py --sizes 8,64    # quicker
+
+One process hosts the run's TCPStore and the supervisor's quorum keeper
+(ftrun.supervisor.quorum.QuorumKeeper, polled every 50 ms as in a run: joins,
+healed flags, status reports, key collection). N replica clients, spread
+over --procs processes of threads, each with its own store connection, vote
+round after round with ftrun.worker.ft.vote.cast (the code a replica runs
+in opt.step()) and write their status report every 0.25 s as a replica's
+heartbeat does. Measured per N:
+
+- commit latency: per round, from the moment its last vote is cast to the
+  moment the last member knows the decision (median, p99 over rounds): the
+  protocol's own cost, without the lateness of straggling threads; and a
+  member's whole wait (vote to decision, stragglers included), median;
+- rounds per second;
+- store requests per round, by the members (counted at each call; a blocking
+  read is two requests on the wire: wait, then get) and by the keeper;
+- the keeper's CPU time per second of run, and the store's key count at the
+  start and at the end of the rounds (flat when old rounds are collected).
+
+On this 2-core machine the N clients are Python threads sharing two cores
+with the store and the keeper: the figures are an upper bound of what a
+real run (one replica per process, on many machines) sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch.distributed as dist  # noqa: E402
+
+from ftrun.worker.ft import keys, vote  # noqa: E402
+from ftrun.worker.ft.keys import Epoch  # noqa: E402
+
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+class Counting:
+    """A store client that counts the requests it sends."""
+
+    WIRE = {"get": 2, "multi_get": 2}
+
+    def __init__(self, store: dist.TCPStore) -> None:
+        self.store = store
+        self.requests = 0
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.store, name)
+
+        def call(*a, **kw):
+            self.requests += self.WIRE.get(name, 1)
+            return fn(*a, **kw)
+
+        return call
+
+
+class _RunStore:
+    """What the keeper expects of the supervisor's RunStore: the client under `.store`."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+
+
+def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue") -> None:
+    sys.setswitchinterval(0.0002)  # many threads in one process: hand the GIL on quickly
+    lat, requests, span = [], [], []
+    start = threading.Barrier(len(ranks))
+
+    def one(rank: int) -> None:
+        s = Counting(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))
+        mine = []
+        start.wait()
+        began = time.monotonic()
+        next_report = 0.0
+        for rnd in range(rounds):
+            now = time.monotonic()
+            if now >= next_report:  # the heartbeat's status report (ftrun.worker.progress)
+                s.set(keys.info_key(rank), json.dumps({"inc": 0, "epoch": 1, "round": rnd, "phase": "vote",
+                                                       "beat": rnd}))
+                next_report = now + 0.25
+            t0 = time.monotonic()
+            commit, _, _ = vote.cast(s, 1, rnd, size, True, 1)
+            mine.append((t0, time.monotonic()))
+            assert commit
+        lat.append(mine)
+        requests.append(s.requests)
+        span.append((began, time.monotonic()))
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put((lat, sum(requests), min(b for b, _ in span), max(e for _, e in span)))
+
+
+def measure(n: int, rounds: int, procs: int) -> dict:
+    from ftrun.supervisor.quorum import QuorumKeeper
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
+    port = server.port
+    client = Counting(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))
+    keeper = QuorumKeeper(_RunStore(client), list(range(n)))
+    for r in range(n):
+        keeper.on_spawn(r, 0)
+    keeper.on_store_ready()
+    members = tuple((r, 0) for r in range(n))
+    keeper.epoch_id, keeper.members = 1, dict(members)
+    keeper.epochs[1] = set(members)
+    client.set(keys.epoch_key(1), Epoch(1, members, (), False, 0).to_json())
+    client.set(keys.LATEST, "1")
+    client.requests = 0
+    stop = threading.Event()
+    ticks = [0]
+
+    def keep() -> None:
+        while not stop.is_set():
+            keeper.poll(time.time())
+            ticks[0] += 1
+            stop.wait(0.05)
+
+    q: "mp.Queue" = mp.Queue()
+    ctx = mp.get_context("fork")
+    chunks = [list(range(n))[i::procs] for i in range(min(procs, n))]
+    workers = [ctx.Process(target=replicas, args=(port, c, n, rounds, q)) for c in chunks]
+    keys_before = server.num_keys()
+    kt = threading.Thread(target=keep, daemon=True)
+    kt.start()
+    for w in workers:
+        w.start()
+    results = [q.get(timeout=900) for _ in workers]
+    stop.set()
+    kt.join()
+    for w in workers:
+        w.join()
+    keeper.poll(time.time())  # a last collection, as the next tick would do
+    # A round's commit latency: from the moment its last vote was cast to the moment the last
+    # member knew the decision (the protocol's own cost, without the stragglers' lateness).
+    per_member = [m for r in results for m in r[0]]
+    lat = sorted(max(m[k][1] for m in per_member) - max(m[k][0] for m in per_member) for k in range(rounds))
+    wait = sorted(e - b for m in per_member for b, e in m)
+    member_requests = sum(r[1] for r in results)
+    wall = max(r[3] for r in results) - min(r[2] for r in results)  # the rounds themselves, not start-up
+    out = {
+        "n": n, "rounds": rounds, "rounds_per_s": rounds / wall,
+        "median_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * lat[int(0.99 * (len(lat) - 1))],
+        "member_wait_median_ms": 1e3 * statistics.median(wait),
+        "member_requests_per_round": member_requests / rounds,
+        "keeper_requests_per_round": client.requests / rounds, "keeper_ticks": ticks[0],
+        "keys_before": keys_before, "keys_after": server.num_keys(), "wall_s": wall,
+    }
+    return out
+
+
+def keeper_cpu_fraction(n: int, seconds: float) -> float:
+    """The keeper's own CPU per second of wall time, polling N replicas whose reports all
+    change every tick (the worst case: every report is parsed)."""
+    from ftrun.supervisor.quorum import QuorumKeeper
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, TIMEOUT)
+    keeper = QuorumKeeper(_RunStore(client), list(range(n)))
+    for r in range(n):
+        keeper.on_spawn(r, 0)
+    keeper.on_store_ready()
+    members = tuple((r, 0) for r in range(n))
+    keeper.epoch_id, keeper.members = 1, dict(members)
+    keeper.epochs[1] = set(members)
+    writer = dist.TCPStore("127.0.0.1", server.port, None, False, TIMEOUT)
+    spent, t0, beat = 0.0, time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        beat += 1
+        writer.multi_set([keys.info_key(r) for r in range(n)],
+                         [json.dumps({"inc": 0, "epoch": 1, "round": beat, "phase": "compute", "beat": beat})] * n)
+        c = time.thread_time()
+        keeper.poll(time.time())
+        spent += time.thread_time() - c
+        time.sleep(0.05)
+    return spent / (time.monotonic() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="8,64,256,1024")
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    for n in (int(x) for x in args.sizes.split(",")):
+        rounds = max(20, min(400, 20000 // n))
+        row = measure(n, rounds, args.procs)
+        row["keeper_cpu"] = keeper_cpu_fraction(n, 3.0)
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    print()
+    print("| replicas | rounds | commit latency median | p99 | member's wait (median) | rounds/s | store requests per round: members (per member) "
+          "| keeper | keeper CPU | store keys before / after |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['n']} | {r['rounds']} | {r['median_ms']:.2f} ms | {r['p99_ms']:.2f} ms | "
+              f"{r['member_wait_median_ms']:.2f} ms | {r['rounds_per_s']:.0f} | "
+              f"{r['member_requests_per_round']:.0f} ({r['member_requests_per_round'] / r['n']:.2f}) | "
+              f"{r['keeper_requests_per_round']:.1f} | {100 * r['keeper_cpu']:.1f}% | {r['keys_before']} / {r['keys_after']} |")
+    print(f"\n{args.procs} client processes of threads; load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
