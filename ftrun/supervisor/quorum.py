@@ -28,7 +28,8 @@ from ftrun.worker.ft.keys import Epoch
 
 FIRST_EPOCH_WAIT_S = 30.0  # how long the first epoch waits for slow first replicas
 ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
-INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
+INFO_FRESH_S = 1.0
+STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another epoch  # a replica reports every 0.25 s: silent for longer, its last report is stale
 EVENTS = keys.PREFIX + "events"  # queue: "<rank> <incarnation> spawn|died|finished" from the other nodes
 
 
@@ -51,8 +52,11 @@ class QuorumKeeper:
         # Members that died while listed in an epoch, and the rounds voted FAIL for them,
         # kept up to two rounds past the newest decided one on every poll
         # vote, for as long as some live replica may still be in an epoch that lists them.
-        self.dead: Dict[Tuple[int, int], Dict[int, int]] = {}  # -> epoch -> last round voted FAIL
-        self._collected_to = -1
+        self.dead: Dict[Tuple[int, int], Dict[int, Set[int]]] = {}  # -> epoch -> rounds voted FAIL
+        self.starts: Dict[int, int] = {}  # epoch -> start round, for epochs the keeper started afresh
+        self.voting_since: Dict[int, Tuple[Tuple[object, object], float]] = {}
+        self.unstuck: Set[Tuple[int, int, int, int]] = set()
+        self._collected_at = -2
         self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
         # When each replica's info last changed (by this keeper's clock): a replica whose
         # reports stopped says nothing true about what it is doing now.
@@ -135,22 +139,69 @@ class QuorumKeeper:
     def _top(self) -> int:
         return int(self._s.get(keys.TOP))
 
-    def _fill_votes(self, rank: int, inc: int, top: int) -> None:
-        """Vote FAIL for a dead member in the rounds its peers may be waiting on: the two
-        after the newest decided one (it cannot have voted further), in every epoch that
-        lists it and that live members may still be in or enter."""
+    def _fail_vote(self, e: int, rnd: int, top: int) -> None:
+        """Add one failed vote to round `rnd` of epoch `e`; decide the round if it closes it.
+        Always safe: a round commits only if its first votes, as many as members, are all ok."""
         s = self._s
+        total = s.add(keys.count_key(e, rnd), keys.FAIL_VOTE)
+        if keys.tally(total)[0] == len(self.epochs[e]):  # this closed the round: nobody else decides it
+            s.set(keys.decision_key(e, rnd), f"fail {self.epoch_id}")
+            if rnd > top:
+                s.set(keys.TOP, str(rnd))
+
+    def _rounds_of(self, e: int, top: int) -> Set[int]:
+        """Rounds of epoch `e` its live members may be waiting on: the two after the newest
+        decided one, its start, and the round each live member in it last reported."""
+        rounds = {top + 1, top + 2}
+        if self.starts.get(e, -1) >= 0:
+            rounds |= {self.starts[e], self.starts[e] + 1}
+        for r, inc in self.alive.items():
+            info = self.info.get(r) or {}
+            if inc is not None and info.get("inc") == inc and info.get("epoch") == e and "round" in info:
+                rounds |= {int(info["round"]), int(info["round"]) + 1}
+        return rounds
+
+    def _fill_votes(self, rank: int, inc: int, top: int) -> None:
+        """Vote FAIL for a dead member in the rounds its peers may be waiting on, in every
+        epoch that lists it and that live members may still be in or enter."""
         filled = self.dead.setdefault((rank, inc), {})
         oldest = min(self._live_epochs(), default=0)
         for e, members in self.epochs.items():
             if (rank, inc) not in members or e < oldest:
                 continue
-            size = len(members)
-            for rnd in range(max(filled.get(e, top), top) + 1, top + 3):
-                total = s.add(keys.count_key(e, rnd), keys.FAIL_VOTE)
-                if keys.tally(total)[0] == size:  # this closed the round: nobody else will decide it
-                    s.set(keys.decision_key(e, rnd), f"fail {self.epoch_id}")
-                filled[e] = rnd
+            done = filled.setdefault(e, set())
+            for rnd in sorted(self._rounds_of(e, top) - done):
+                self._fail_vote(e, rnd, top)
+                done.add(rnd)
+
+    def _unstick(self, now: float, top: int) -> None:
+        """A member that has waited STUCK_S for a round's decision while another member of
+        its epoch reports being in another epoch would wait forever: that member will never
+        vote there. Vote FAIL in its place (the round fails; everyone moves on)."""
+        for v in self.ranks:
+            info = self.info.get(v) or {}
+            inc = self.alive.get(v)
+            where = (info.get("epoch"), info.get("round"))
+            if (inc is None or info.get("inc") != inc or info.get("phase") != "vote" or not self._fresh(v, now)
+                    or where[0] not in self.epochs):
+                self.voting_since.pop(v, None)
+                continue
+            since = self.voting_since.get(v)
+            if since is None or since[0] != where:
+                self.voting_since[v] = (where, now)
+                continue
+            if now - since[1] < STUCK_S:
+                continue
+            e, rnd = int(where[0]), int(where[1])
+            for m, k in self.epochs[e]:
+                mi = self.info.get(m) or {}
+                elsewhere = (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
+                             and mi.get("epoch") not in (None, e))
+                if elsewhere and (m, k, e, rnd) not in self.unstuck:
+                    self.unstuck.add((m, k, e, rnd))
+                    self._fail_vote(e, rnd, top)
+                    self.history.append(f"rank {m} is in epoch {mi.get('epoch')} while epoch {e} waits for its "
+                                        f"vote in round {rnd}: voted fail in its place")
 
     def _live_epochs(self) -> Set[int]:
         live = set()
@@ -171,27 +222,32 @@ class QuorumKeeper:
                 self._fill_votes(member[0], member[1], top)
 
     def _collect(self, top: int) -> None:
-        """Delete the keys of rounds that every live member is past (counters, decisions,
-        transfer words, group addresses) and of epochs nobody can still be in, so a long
-        run's store stays the same size."""
-        if top - ROUND_KEYS_KEPT <= self._collected_to:
+        """Delete the keys of rounds every live member is past (counters, decisions, transfer
+        words, group addresses) and of epochs nobody can still be in, so a long run's store
+        stays the same size. "Past" is judged per epoch, by the newest round decided in it:
+        rounds are numbered per epoch, and one that restarted afresh may count from anywhere."""
+        if top == self._collected_at:
             return
-        self._collected_to = top - ROUND_KEYS_KEPT
-        oldest = min(self._live_epochs(), default=self.epoch_id) - 2
+        self._collected_at = top
         s = self._s
+        ours = []
+        newest: Dict[int, int] = {}
         for key in s.list_keys():
             if not key.startswith(keys.PREFIX):
                 continue
             parts = key[len(keys.PREFIX):].split("/")
-            try:
-                if parts[0] in ("n", "d", "heal") and int(parts[2]) < self._collected_to:
-                    s.delete_key(key)
-                elif parts[0] == "pg" and (int(parts[1]) < oldest or int(parts[2]) < self._collected_to):
-                    s.delete_key(key)
-                elif parts[0] in ("epoch", "start") and int(parts[1]) < oldest:
-                    s.delete_key(key)
-            except (IndexError, ValueError):
-                continue
+            if parts[0] in ("n", "d", "heal", "pg", "epoch", "start") and len(parts) > 1:
+                try:
+                    nums = (int(parts[1]), int(parts[2]) if parts[0] in ("n", "d", "heal", "pg") else -1)
+                except (IndexError, ValueError):
+                    continue
+                ours.append((key, parts[0], nums))
+                if parts[0] == "d":
+                    newest[nums[0]] = max(newest.get(nums[0], -1), nums[1])
+        oldest = min(self._live_epochs(), default=self.epoch_id) - 2
+        for key, kind, (e, rnd) in ours:
+            if e < oldest or kind in ("n", "d", "heal", "pg") and rnd < newest.get(e, -1) - ROUND_KEYS_KEPT:
+                s.delete_key(key)
 
     # ------------------------------------------------------------ polling
     def _drain_events(self) -> None:
@@ -250,6 +306,7 @@ class QuorumKeeper:
         vals = s.multi_get([keys.join_key(r) for r in self.ranks] + [keys.healed_key(r) for r in self.ranks]
                            + [keys.info_key(r) for r in self.ranks])
         self._absorb(vals[n:2 * n], vals[2 * n:])
+        self._unstick(time.monotonic(), top)
         for r, j in zip(self.ranks, vals[:n]):
             inc = self.alive.get(r)
             if inc is not None and int(j) == inc and r not in self.members and r not in self.pending:
@@ -295,6 +352,7 @@ class QuorumKeeper:
             epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r not in holders)),
                           False, start)
         self.epochs[self.epoch_id] = set(members)
+        self.starts[self.epoch_id] = start
         s.set(keys.epoch_key(self.epoch_id), epoch.to_json())
         s.set(keys.LATEST, str(self.epoch_id))
         self.history.append(f"epoch {self.epoch_id}: {len(members)} replicas ({why})")

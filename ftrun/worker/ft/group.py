@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,38 @@ def build_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.Pr
     pg._register_backend(dev, kind, backend)
     pg._set_default_backend(kind)
     return pg
+
+
+def build_group_watched(store_addr: str, prefix: str, rank: int, size: int,
+                        gone: Callable[[], Optional[str]], poll_s: float = 0.005) -> dist.ProcessGroup:
+    """build_group, given up at once when `gone()` names a reason (a member died), instead of
+    waiting for the formation's timeout. The formation runs on its own thread and its own
+    store connection (a blocked store read holds its connection); a formation given up
+    finishes, or times out, on its own and is dropped."""
+    import threading
+
+    host, _, port = store_addr.rpartition(":")
+    box: dict = {}
+
+    def form() -> None:
+        try:
+            own = dist.TCPStore(host, int(port), None, False, _timeout())
+            box["pg"] = build_group(own, prefix, rank, size)
+        except Exception as e:
+            box["error"] = e
+
+    t = threading.Thread(target=form, name="ftrun-group", daemon=True)
+    t.start()
+    while True:
+        t.join(poll_s)
+        if not t.is_alive():
+            break
+        why = gone()
+        if why:
+            raise RuntimeError(why)
+    if "error" in box:
+        raise box["error"]
+    return box["pg"]
 
 
 def group_device() -> torch.device:

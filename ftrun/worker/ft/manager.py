@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun.worker.ft import keys, vote
-from ftrun.worker.ft.group import abort_group, build_group, group_device, settle
+from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
 from ftrun.worker.ft.keys import Epoch
 from ftrun.worker.ft.transport import receive_state, send_state
 
@@ -211,7 +211,8 @@ class Manager:
         """Learn of each new epoch as the supervisor publishes it, off the training thread
         (a blocking read of the next epoch's key): the step itself never asks."""
         host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
-        store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=30))
+        # A long timeout: waiting is this thread's whole job (and each timeout logs a warning).
+        store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(days=1))
         nxt = self.latest_seen + 1
         while True:
             try:
@@ -272,7 +273,12 @@ class Manager:
             sys.stderr.flush()
             os._exit(75)
         changed = self.epoch is None or epoch.id != self.epoch.id
-        if changed and not joining:
+        if changed and not joining and epoch.start_round >= 0:
+            # An epoch the supervisor started afresh (no member had entered one when it was
+            # published): everyone in it begins at its start round, even a member that was
+            # still on its way into an older epoch then. Rounds are counted per epoch.
+            self.round = epoch.start_round
+        elif changed and not joining:
             self.store.compare_set(keys.start_key(epoch.id), "", str(self.round))
         self.group_round = self.round
         self.epoch = epoch
@@ -281,11 +287,9 @@ class Manager:
         self._set_phase("group")
         old, self.pg = self.pg, None
         abort_group(old)
-        alive = [v.decode() if isinstance(v, bytes) else str(v)
-                 for v in self.store.multi_get([keys.inc_key(r) for r in epoch.ranks])]
-        gone = [r for r, v in zip(epoch.ranks, alive) if v != str(epoch.incarnation(r))]
+        gone = self._gone(epoch, epoch.ranks)
         if gone:  # connecting would wait for the dead until the timeout; the next epoch drops them
-            self.fail_round(f"ranks {gone} of epoch {epoch.id} are already gone")
+            self.fail_round(gone)
             if epoch.healers or epoch.fresh:
                 self._heal(epoch)  # the transfer may still take place, and its ends must say how it went
                 self.layout_round = True
@@ -294,10 +298,9 @@ class Manager:
             return
         t0 = time.monotonic()
         try:
-            self.pg = build_group(self.store, keys.pg_prefix(epoch.id, self.group_round), epoch.ranks.index(self.rank),
-                                  len(epoch.ranks))
+            self.pg = self._form(keys.pg_prefix(epoch.id, self.group_round), epoch, epoch.ranks)
         except Exception as e:  # a member died while we connected: this round fails, the next epoch fixes it
-            self.fail_round(f"could not form the group of epoch {epoch.id}: {e}")
+            self.fail_round(f"could not form the group of epoch {epoch.id}: {str(e).splitlines()[0]}")
         took = time.monotonic() - t0
         if took > SLOW_S:
             _log(f"rank {self.rank}: forming the group of epoch {epoch.id} (round {self.group_round}) took {took:.1f} s")
@@ -306,6 +309,17 @@ class Manager:
             self.layout_round = True
         for fn in self.group_listeners:
             fn(self.pg)
+
+    def _gone(self, epoch: Epoch, ranks: List[int]) -> Optional[str]:
+        alive = [v.decode() if isinstance(v, bytes) else str(v)
+                 for v in self.store.multi_get([keys.inc_key(r) for r in ranks])]
+        gone = [r for r, v in zip(ranks, alive) if v != str(epoch.incarnation(r))]
+        return f"ranks {gone} of epoch {epoch.id} are gone" if gone else None
+
+    def _form(self, prefix: str, epoch: Epoch, ranks: List[int]) -> dist.ProcessGroup:
+        """A group of `ranks` (in that order), given up as soon as one of them dies."""
+        return build_group_watched(os.environ["FTRUN_STORE"], prefix, ranks.index(self.rank), len(ranks),
+                                   lambda: self._gone(epoch, ranks), POLL_S)
 
     def _drop_group(self) -> None:
         """Close this member's connections at once. Peers still blocked in the failed
@@ -334,9 +348,7 @@ class Manager:
             self._await_heal(epoch, ends, done_key)
             return
         sending = self.rank == source
-        alive = [v.decode() if isinstance(v, bytes) else str(v)
-                 for v in self.store.multi_get([keys.inc_key(r) for r in ends])]
-        if alive != [str(epoch.incarnation(r)) for r in ends]:
+        if self._gone(epoch, ends):
             # An end of the transfer is gone: forming its group would wait for it until the timeout.
             self.fail_round(f"the state transfer of epoch {epoch.id} lost an end before it began")
             if sending:
@@ -350,8 +362,7 @@ class Manager:
         t0 = time.time()
         hpg = None
         try:
-            hpg = build_group(self.store, keys.pg_prefix(epoch.id, self.group_round) + "heal/",
-                              ends.index(self.rank), len(ends))
+            hpg = self._form(keys.pg_prefix(epoch.id, self.group_round) + "heal/", epoch, ends)
             if sending:
                 stats = send_state(hpg, self._capture(), group_device(), chunk=self._chunk,
                                    after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
