@@ -230,12 +230,20 @@ def test_validate_never_imports_torch(tmp_path):
 
 
 def test_every_option_is_a_recipe_key():
-    """The recipe checker knows every key of OPTIONS (a new option must not crash it)."""
+    """The recipe checker knows every key of the schema, and each option's own default passes its check."""
     from ftrun.recipe import Recipe, _check_value
 
-    samples = {int: 1, float: 1.0, bool: True, str: "x", dict: None, list: ["a"]}
+    samples = {"hook": {"name": "fp16"}, "env": {"A": "1"}, "args": ["a"], "script": "x.py", "description": "x",
+               "nnodes": "1:2", "rdzv_endpoint": "node0:29400", "rdzv_conf": "join_timeout=5,is_host=1",
+               "signals_to_handle": "SIGTERM,SIGUSR1", "redirects": "0:3,1:1", "tee": 3, "run_id": "r1",
+               "log_dir": "logs", "local_addr": "n1", "logs_specs": "x", "numa_binding": "node",
+               "duplicate_stdout_filters": "a,b", "duplicate_stderr_filters": "a", "ranks": "0",
+               "local_ranks_filter": "0,1", "step_timeout": 5, "max_restarts": 1, "master_port": 29500}
     for key, opt in OPTIONS.items():
-        value = {"hook": {"name": "fp16"}, "env": {"A": "1"}, "ranks": "0"}.get(key, samples[opt.kind])
+        value = samples.get(key, opt.default)
+        assert value is not None, f"no sample for {key}"
+        if isinstance(value, tuple):
+            value = ",".join(map(str, value))
         _check_value(Recipe(Path("t.yaml"), {key: value}, {key: 1}), key, value)
 
 

@@ -22,18 +22,19 @@ def common_env(cfg: RunConfig, store_addr: str, store_port: int, base: Mapping[s
         "LOCAL_WORLD_SIZE": str(cfg.nproc),
         "GROUP_RANK": str(cfg.node_rank),
         "GROUP_WORLD_SIZE": str(cfg.nnodes),
-        "ROLE_NAME": "default",
+        "ROLE_NAME": cfg.role,
         "ROLE_WORLD_SIZE": str(cfg.world_size),
         "MASTER_ADDR": store_addr,
         "MASTER_PORT": str(store_port),
         "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
-        "TORCHELASTIC_RUN_ID": cfg.run_id,
+        "TORCHELASTIC_RUN_ID": cfg.elastic_run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "FTRUN_RUN_ID": cfg.run_id,
         "FTRUN_STORE": f"{store_addr}:{store_port}",
         "FTRUN_FT": "1" if cfg.ft else "0",
         "FTRUN_HOOK": cfg.hook.to_json() if cfg.hook else "",
     })
+    # A pod's RANK/WORLD_SIZE/... describe the node, not a worker: every torchrun variable is ours.
     if cfg.step_timeout:
         env["FTRUN_STEP_TIMEOUT"] = str(cfg.step_timeout)
     # torchrun's rule: one thread per worker unless the user chose otherwise.
@@ -48,11 +49,15 @@ def worker_env(common: Mapping[str, str], cfg: RunConfig, local_rank: int, resta
     env = dict(common)
     env.update({
         "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
+        "LOCAL_RANK": "0" if cfg.virtual_local_rank else str(local_rank),
         "ROLE_RANK": str(rank),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "FTRUN_REPLICA_ID": str(rank),
     })
+    if cfg.virtual_local_rank:
+        # torchrun's virtual local rank: each worker sees only its own device, as device 0.
+        devices = [d.strip() for d in common.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = devices[local_rank] if local_rank < len(devices) else str(local_rank)
     return env
 
 

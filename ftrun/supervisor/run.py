@@ -34,14 +34,18 @@ from ftrun.worker.progress import progress_key
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
 STORE_READY_TIMEOUT_S = 30.0
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def forwarded_signals(cfg: RunConfig) -> List[int]:
+    """torchrun's --signals-to-handle: the signals that stop the workers (sent on to them)."""
+    return [getattr(signal, name) for name in cfg.signals_to_handle]
 
 
 class Supervisor:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.console = ConsoleOut(cfg.quiet, cfg.ranks)
+        self.console = ConsoleOut.for_config(cfg)
         self.run_dir = run_dir(state_dir_name(cfg))
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +80,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------- start
     def run(self) -> int:
-        for sig in FORWARDED_SIGNALS:
+        for sig in forwarded_signals(self.cfg):
             signal.signal(sig, self._on_signal)
         cfg = self.cfg
         host = cfg.master_addr
