@@ -251,8 +251,8 @@ class Option:
 
     @property
     def flag(self) -> str:
-        """The spelling used in messages."""
-        return self.flags[0] if self.flags else self.key
+        """The spelling used in messages: the first long one."""
+        return next((f for f in self.flags if f.startswith("--")), self.key)
 
     def parse(self, value: Any) -> Any:
         try:

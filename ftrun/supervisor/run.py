@@ -14,12 +14,11 @@ import queue
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
 from ftrun.config import RunConfig, store_listen_addr
 from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, WorkerState, run_dir, write_state
-from ftrun.supervisor.env import base_env, common_env, worker_env
+from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, open_pipes
 from ftrun.supervisor.nodes import NodeCoordinator, state_dir_name
 from ftrun.supervisor.quorum import QuorumKeeper
@@ -47,7 +46,7 @@ class Supervisor:
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.console = ConsoleOut.for_config(cfg)
         self.run_dir = run_dir(state_dir_name(cfg))
-        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else self.run_dir / "logs"
+        self.log_dir = log_dir(cfg)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers = [Worker(WorkerSpec(lr, cfg.node_rank * cfg.nproc + lr)) for lr in range(cfg.nproc)]
         self.logs = {w.rank: RankLog(self.log_dir, w.rank) for w in self.workers}
