@@ -147,9 +147,14 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
 
     # Errors that only appear once recipe and flags are merged still point at the recipe's line.
     cfg = config_with_recipe(typed, recipe)
-    from ftrun.supervisor.run import run_supervisor  # no torch at import: the supervisor loads it lazily
+    if cfg.rdzv == "c10d":
+        from ftrun.supervisor.rendezvous import run_c10d
 
-    code = run_supervisor(cfg)
+        code = run_c10d(cfg)
+    else:
+        from ftrun.supervisor.run import run_supervisor  # no torch at import: the supervisor loads it lazily
+
+        code = run_supervisor(cfg)
     # The supervisor loaded torch (for the store); tearing it down at exit costs
     # half a second and does nothing useful once every worker is gone.
     for stream in (sys.stdout, sys.stderr):

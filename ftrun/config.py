@@ -72,6 +72,9 @@ class RunConfig:
     role: str = "default"
     signals_to_handle: Tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     virtual_local_rank: bool = False
+    round: int = 0                        # c10d: the rendezvous round (TORCHELASTIC_RESTART_COUNT counts them)
+    total_restarts: Optional[int] = None  # c10d: the run's budget, when a round runs with none of its own
+    workers_master_addr: Optional[str] = None  # c10d: MASTER_ADDR for the workers (the host's name)
     run_id: str = ""                      # ftrun's name of the run (status, state folder)
     elastic_run_id: str = "none"          # TORCHELASTIC_RUN_ID, as torchrun sets it
     env: Dict[str, str] = field(default_factory=dict)

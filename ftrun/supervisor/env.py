@@ -25,9 +25,9 @@ def common_env(cfg: RunConfig, store_addr: str, store_port: int, base: Mapping[s
         "GROUP_WORLD_SIZE": str(cfg.nnodes),
         "ROLE_NAME": cfg.role,
         "ROLE_WORLD_SIZE": str(cfg.world_size),
-        "MASTER_ADDR": store_addr,
+        "MASTER_ADDR": cfg.workers_master_addr or store_addr,
         "MASTER_PORT": str(store_port),
-        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts if cfg.total_restarts is None else cfg.total_restarts),
         "TORCHELASTIC_RUN_ID": cfg.elastic_run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(cfg.signals_to_handle),
@@ -56,7 +56,7 @@ def worker_env(common: Mapping[str, str], cfg: RunConfig, local_rank: int, resta
         "RANK": str(rank),
         "LOCAL_RANK": "0" if cfg.virtual_local_rank else str(local_rank),
         "ROLE_RANK": str(rank),
-        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count + cfg.round),
         "FTRUN_REPLICA_ID": str(rank),
     })
     if cfg.virtual_local_rank:

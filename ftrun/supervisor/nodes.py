@@ -94,6 +94,14 @@ def go_key(attempt: int) -> str:
 LAYOUT_KEY = PREFIX + "layout"
 
 
+def use_round(n: int) -> None:
+    """Put every node key of this process under rendezvous round n (a c10d run re-forms in new rounds,
+    whose nodes must never read the last round's claims, beats or failures)."""
+    global PREFIX, LAYOUT_KEY
+    PREFIX = f"ftrun/nodes/r{n}/" if n else "ftrun/nodes/"
+    LAYOUT_KEY = PREFIX + "layout"
+
+
 class NodeState(str, enum.Enum):
     RUNNING = "running"   # heartbeating
     ENDED = "ended"       # its ftrun finished and said so (final/K)
@@ -237,6 +245,7 @@ class NodeCoordinator:
         """Sleep up to `timeout` on the supervisor's queue; a forwarded signal returns its exit status."""
         ev = self.sup._next_event(timeout)
         if isinstance(ev, tuple) and ev[0] == "signal":
+            self.sup.stopped_by_signal = ev[1]
             self._note(f"received {signal.Signals(ev[1]).name}: stopping", style="bold yellow")
             return 128 + ev[1]
         return None

@@ -41,8 +41,10 @@ def forwarded_signals(cfg: RunConfig) -> List[int]:
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, store: Optional[RunStore] = None) -> None:
         self.cfg = cfg
+        self._given_store = store  # c10d: the rendezvous already hosts or joined the run's store
+        self.stopped_by_signal: Optional[int] = None
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.console = ConsoleOut.for_config(cfg)
         self.run_dir = run_dir(state_dir_name(cfg))
@@ -83,7 +85,7 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         cfg = self.cfg
         host = cfg.master_addr
-        self.store = open_run_store(cfg, store_listen_addr(cfg))
+        self.store = self._given_store or open_run_store(cfg, store_listen_addr(cfg))
         port = self.store.port
         if cfg.ft:
             # Node 0 keeps the quorum of every rank; other nodes report to it through the store.
@@ -191,6 +193,7 @@ class Supervisor:
     def _handle(self, ev) -> Optional[int]:
         if isinstance(ev, tuple) and ev[0] == "signal":
             signum = ev[1]
+            self.stopped_by_signal = signum
             self.console.note(f"received {signal.Signals(signum).name}: stopping all workers "
                               f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
             self._stop_all(signum, self.cfg.shutdown_timeout)
