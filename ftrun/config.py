@@ -53,8 +53,8 @@ class RunConfig:
     rdzv_host: Optional[bool] = None      # c10d: host the store here (None: if the endpoint is this machine)
     rdzv_conf: Dict[str, str] = field(default_factory=dict)
     last_call_timeout: float = 30.0
-    close_timeout: float = 60.0
-    read_timeout: float = 60.0
+    close_timeout: float = 60.0           # honoured only when --rdzv-conf gives it (nodes.py)
+    read_timeout: float = 60.0            # c10d: store operations of the nodes that join
     local_addr: Optional[str] = None
     join_timeout: float = 120.0
     max_restarts: int = DEFAULT_MAX_RESTARTS

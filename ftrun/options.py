@@ -104,6 +104,8 @@ def _nnodes(value: Any) -> Tuple[int, int]:
         lo, hi = int(parts[0]), int(parts[-1])
     except ValueError:
         raise ValueError(f"must be a number of nodes N or a range MIN:MAX such as 2:4, not {_describe(value)}") from None
+    if len(parts) == 1 and lo < 1:
+        raise ValueError(f"must be >= 1, not {lo}")
     if lo < 1 or hi < lo:
         raise ValueError(f"must have 1 <= MIN <= MAX, not {text}")
     return lo, hi

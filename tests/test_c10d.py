@@ -130,23 +130,6 @@ def test_identical_lines_form_one_run(tmp_path, nodes):
                 assert ours[r][k] == theirs[r][k], (r, k, ours[r][k], theirs[r][k])
 
 
-def test_endpoint_port_zero_on_one_node_picks_a_free_port(tmp_path):
-    procs = _start_nodes_any(tmp_path, "--nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:0")
-    (code, err), = _wait_all(procs)
-    assert code == 0, err
-    d = _dumps(tmp_path / "out", 0)
-    assert sorted(d) == [0, 1] and all(int(x["MASTER_PORT"]) > 0 for x in d.values())
-
-
-def _start_nodes_any(tmp_path, line):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(keys=KEYS + ["MASTER_PORT"]))
-    (tmp_path / "out").mkdir()
-    env = dict(os.environ, DUMP_DIR=str(tmp_path / "out"), FTRUN_HOME=str(tmp_path / "home"))
-    return [subprocess.Popen(LAUNCHERS["ftrun"] + line.split() + [str(script)], cwd=tmp_path, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)]
-
-
 @pytest.mark.parametrize("launcher", ["ftrun", "torchrun"])
 def test_elastic_nodes_reform_after_a_node_is_killed(tmp_path, launcher):
     """--nnodes 2:3 on three nodes; one node is SIGKILLed (with its workers); the other two re-form with

@@ -62,13 +62,6 @@ SHAPES = [
      "StrongResearch/isc-demos tiny_training/run.sh"),
     ("standalone-cpu", "--standalone --nproc_per_node=cpu --nnodes=1 {script}",
      "scout-op/CDVG VisTA run.sh (--nproc_per_node=gpu there; cpu is torchrun's word for this machine)"),
-    ("plain-nproc", "--nproc_per_node 2 {script} --distributed 1",
-     "a common one-node shape: torchrun --nproc_per_node ${NPROC} train.py --distributed 1"),
-    ("slurm-one-node-c10d", "--nnodes 1 --nproc_per_node 2 --rdzv_id 4242 --rdzv_backend c10d "
-     "--rdzv_endpoint localhost:{port} {script}",
-     "Slurm one-node script: --rdzv_id ${id} --rdzv_backend c10d --rdzv_endpoint ${rendezvous_server}:29500"),
-    ("mmagic-launcher", "--standalone --nnodes=1 --nproc-per-node=2 {script} --launcher=pytorch",
-     "OpenMMLab-style dist_train.sh: torchrun --standalone --nnodes=1 --nproc-per-node=2 train.py --launcher=pytorch"),
     ("hf-transformers-example", "--nproc_per_node 2 {script} --model_name_or_path bert-base-cased "
      "--task_name mrpc --do_train --output_dir /tmp/mrpc",
      "huggingface/transformers examples/pytorch README: torchrun --nproc_per_node 8 run_glue.py ..."),
@@ -87,8 +80,6 @@ SHAPES = [
      "argparse's --: torchrun ... -- train.py (arguments that look like options stay the script's)"),
     ("no-python", "--nproc-per-node 2 --no-python {exe} --flag",
      "torch docs, torchrun --no-python: run an executable that is not a python script"),
-    ("no-python-underscore", "--nproc_per_node=2 --no_python {exe}",
-     "torch docs (underscore spelling of --no-python)"),
     ("per-rank-tee", "--nproc-per-node 2 --tee 0:3,1:1 --redirects 1:2 --log-dir {logdir} {script}",
      "torch docs, torchrun --tee/--redirects: per-rank forms such as 0:3,1:1"),
     ("short-tee-redirects", "--nproc_per_node=2 -t 3 -r 3 --log_dir={logdir} {script}",

@@ -542,9 +542,17 @@ class NodeCoordinator:
         w.stop.set()
 
     def _wait_for_others(self) -> None:
-        """Node 0 hosts the store: leaving before the others have ended would strand them."""
+        """Node 0 hosts the store: leaving before the others have ended would strand them.
+
+        --rdzv-conf close_timeout=S bounds the wait (torchrun's time for a run to close);
+        without it node 0 waits as long as the others keep beating."""
         announced = False
+        close = self.cfg.close_timeout if "close_timeout" in self.cfg.rdzv_conf else None
+        deadline = time.monotonic() + close if close is not None else None
         while True:
+            if deadline is not None and time.monotonic() > deadline:
+                self._note(f"other nodes still running after close_timeout={close:g} s; leaving", style="bold red")
+                return
             w = self.watch
             with w.lock:
                 pending = [k for k, st in w.states.items() if st is NodeState.RUNNING]

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
+import queue
 import signal
 import time
 from typing import Any, Optional, Tuple
@@ -36,6 +38,7 @@ from typing import Any, Optional, Tuple
 from ftrun.config import RunConfig, store_listen_addr, store_bind_addr, this_node_name
 from ftrun.supervisor import nodes
 from ftrun.supervisor.logs import ConsoleOut
+from ftrun.supervisor.spawn import ZygoteSpawner
 from ftrun.supervisor.store import RunStore, bind_listener
 
 PREFIX = "ftrun/rdzv/"
@@ -65,11 +68,12 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
     def stop(signum, _frame):
         raise _Stop(signum)
 
-    store, host = None, False
+    store, host, zygote = None, False, None
     code = JOIN_FAILED
     try:
         for s in previous:
             signal.signal(s, stop)
+        zygote = _prewarm(cfg)  # its torch import overlaps the supervisor's own (for the store)
         store, host = _open(cfg, console)
         if store is None:
             return JOIN_FAILED
@@ -77,6 +81,7 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
         while True:
             for s in previous:
                 signal.signal(s, stop)
+            zygote = zygote or _prewarm(cfg)
             formed = _host_round(cfg, store, n, console) if host else _join_round(cfg, store, n, console)
             if isinstance(formed, int):
                 code = formed
@@ -89,7 +94,7 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
                 # with --ft replicas restart inside the round.
                 max_restarts=cfg.max_restarts if cfg.ft else 0)
             nodes.use_round(n)
-            sup = Supervisor(round_cfg, store=store)
+            sup, zygote = Supervisor(round_cfg, store=store, zygote=zygote), None  # the round's now
             code = sup.run()
             if code == 0 or sup.stopped_by_signal or n >= cfg.max_restarts:
                 if code != 0 and not sup.stopped_by_signal and cfg.max_restarts:
@@ -104,6 +109,8 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
         code = 128 + e.signum
         return code
     finally:
+        if zygote is not None:
+            zygote.close()
         for s, h in previous.items():
             signal.signal(s, h)
         if host and store is not None and store.store is not None:
@@ -111,6 +118,17 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
                 store.set(_key("done"), str(code))
             except Exception:
                 pass
+
+
+def _prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
+    """A zygote importing torch while the nodes gather (it forks the round's workers; each gets its full
+    environment with the spawn request, so the layout need not be known yet)."""
+    if cfg.no_python or os.environ.get("FTRUN_ZYGOTE", "1") == "0":
+        return None
+    env = dict(os.environ)
+    env.update(cfg.env)
+    env.update({"FTRUN_RUN_ID": cfg.run_id, "FTRUN_FT": "1" if cfg.ft else "0"})
+    return ZygoteSpawner(queue.SimpleQueue(), env, os.getcwd())
 
 
 def _open(cfg: RunConfig, console: ConsoleOut) -> Tuple[Optional[RunStore], bool]:
@@ -140,6 +158,10 @@ def _open(cfg: RunConfig, console: ConsoleOut) -> Tuple[Optional[RunStore], bool
         _fail(console, f"could not reach the run's store at {where}: {nodes._one_line(store.error)}; start ftrun "
                        f"with the same line on the node at {cfg.master_addr}")
         return None, False
+    if "read_timeout" in cfg.rdzv_conf:
+        import datetime
+
+        store.store.set_timeout(datetime.timedelta(seconds=cfg.read_timeout))
     return store, False
 
 

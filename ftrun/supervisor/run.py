@@ -41,9 +41,13 @@ def forwarded_signals(cfg: RunConfig) -> List[int]:
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig, store: Optional[RunStore] = None) -> None:
+    def __init__(self, cfg: RunConfig, store: Optional[RunStore] = None,
+                 zygote: Optional[ZygoteSpawner] = None) -> None:
         self.cfg = cfg
-        self._given_store = store  # c10d: the rendezvous already hosts or joined the run's store
+        # c10d: the rendezvous already hosts or joined the run's store, and started a zygote
+        # while it waited for the other nodes, so torch's import is not paid after the join.
+        self._given_store = store
+        self._given_zygote = zygote
         self.stopped_by_signal: Optional[int] = None
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.console = ConsoleOut.for_config(cfg)
@@ -97,7 +101,13 @@ class Supervisor:
         cwd = os.getcwd()
         self.cwd = cwd
         use_zygote = not cfg.no_python and os.environ.get("FTRUN_ZYGOTE", "1") != "0"
-        self.spawner = ZygoteSpawner(self.events, self.common, cwd) if use_zygote else PopenSpawner(self.events)
+        if use_zygote and self._given_zygote is not None:
+            self.spawner = self._given_zygote
+            self.spawner.events = self.events  # nothing is posted before the first spawn but "ready"
+        elif use_zygote:
+            self.spawner = ZygoteSpawner(self.events, self.common, cwd)
+        else:
+            self.spawner = PopenSpawner(self.events)
         self.use_zygote = use_zygote
         self._write_state(force=True)
         self.console.note(
