@@ -147,3 +147,12 @@ def test_precedence_command_line_recipe_pet_slurm_default(tmp_path):
     assert cfg.sources["max_restarts"] == "command line" and cfg.sources["master_port"] == "PET_MASTER_PORT"
     cfg = build_config({"script": "x.py"}, {}, None, check_paths=False, environ={})
     assert (cfg.nnodes, cfg.max_restarts, cfg.nproc, cfg.rdzv) == (1, 0, 1, "local")
+
+
+def test_readme_has_every_torchrun_option_in_its_table():
+    """The README's torchrun table is the schema's: one row per torchrun option, as declared."""
+    from ftrun.options import torchrun_table
+
+    readme = (ROOT / "README.md").read_text()
+    for spellings, pet, does in torchrun_table():
+        assert f"| {spellings} | {pet} | {does} |" in readme, spellings

@@ -191,10 +191,12 @@ print("err", os.environ["LOCAL_RANK"], file=sys.stderr, flush=True)
 
 
 def test_redirects_and_tee_per_rank(tmp_path):
-    """--redirects 3 with --tee 0:3,1:1: rank 0 shows both streams, rank 1 only stdout, rank 2 nothing."""
+    """-r 3 with --tee 0:3,1:1,3:3 and --local-ranks-filter 0,1,2: rank 0 shows both streams, rank 1 only
+    stdout, rank 2 nothing (redirected), rank 3 nothing (filtered, teed or not); the files keep everything."""
     script = tmp_path / "shout.py"
     script.write_text(SHOUT)
-    p = subprocess.run([FTRUN, "--nproc-per-node", "3", "-r", "3", "--tee", "0:3,1:1", str(script)],
+    p = subprocess.run([FTRUN, "--nproc-per-node", "4", "-r", "3", "--tee", "0:3,1:1,3:3",
+                        "--local-ranks-filter", "0,1,2", str(script)],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env=dict(os.environ, FTRUN_HOME=str(tmp_path / "home")))
     assert p.returncode == 0, p.stderr
@@ -202,7 +204,7 @@ def test_redirects_and_tee_per_rank(tmp_path):
              for line in text.splitlines() if re.search(r"\] (out|err) \d$", line)}
     assert shown == {("out", "0"), ("err", "0"), ("out", "1")}, (p.stdout, p.stderr)
     logs = sorted((tmp_path / "home").rglob("stderr.log"))
-    assert len(logs) == 3 and all("err" in f.read_text() for f in logs)  # the files have everything
+    assert len(logs) == 4 and all("err" in f.read_text() for f in logs)  # the files have everything
 
 
 def test_pgrep_finds_every_worker_by_script_name(tmp_path):
