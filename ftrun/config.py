@@ -338,7 +338,7 @@ def local_master_addr(local_addr: Optional[str]) -> str:
     return name if store_bind_addr(name) != "0.0.0.0" else "localhost"
 
 
-def _fail(cfg: RunConfig, key: str, message: str) -> ConfigError:
+def _fail(key: str, message: str) -> ConfigError:
     """A cross-key problem, blamed on `key` (a recipe error lands on that key's line)."""
     return ConfigError(message, key=key, problem=message)
 
@@ -346,59 +346,59 @@ def _fail(cfg: RunConfig, key: str, message: str) -> ConfigError:
 def validate(cfg: RunConfig, check_paths: bool = True) -> None:
     """Checks that need the whole config, or the machine (files, ports)."""
     if cfg.module and cfg.no_python:
-        raise _fail(cfg, "module", "-m/--module and --no-python cannot be used together; pick one")
+        raise _fail("module", "-m/--module and --no-python cannot be used together; pick one")
     if not cfg.run_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise _fail(cfg, "run_id", f"--run-id {cfg.run_id!r}: use letters, digits, '-', '_' and '.' only")
+        raise _fail("run_id", f"--run-id {cfg.run_id!r}: use letters, digits, '-', '_' and '.' only")
     if cfg.rdzv == "static" and cfg.node_rank >= cfg.nnodes:
-        raise _fail(cfg, "node_rank", f"--node-rank {cfg.node_rank} is out of range for --nnodes {cfg.nnodes}; "
+        raise _fail("node_rank", f"--node-rank {cfg.node_rank} is out of range for --nnodes {cfg.nnodes}; "
                                       f"use 0..{cfg.nnodes - 1}")
     if cfg.rdzv == "static" and cfg.nnodes > 1 and cfg.master_port is None:
-        raise _fail(cfg, "master_port", f"--nnodes {cfg.nnodes} needs --master-port: the same port on every node, "
+        raise _fail("master_port", f"--nnodes {cfg.nnodes} needs --master-port: the same port on every node, "
                                         f"where node 0's ftrun hosts the run's store (e.g. --master-port 29500), "
                                         f"or --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
     if cfg.rdzv != "local" and not cfg.master_addr.strip():
-        raise _fail(cfg, "master_addr", "--master-addr is empty; give node 0's address (the same on every node)")
+        raise _fail("master_addr", "--master-addr is empty; give node 0's address (the same on every node)")
     if cfg.ranks is not None and cfg.min_nodes == cfg.max_nodes:
         bad = [r for r in cfg.ranks if r >= cfg.world_size]
         if bad:
-            raise _fail(cfg, "ranks", f"--ranks {','.join(map(str, bad))}: no such rank; this run has ranks "
+            raise _fail("ranks", f"--ranks {','.join(map(str, bad))}: no such rank; this run has ranks "
                                       f"0..{cfg.world_size - 1}")
     if cfg.local_ranks_filter is not None:
         bad = [r for r in cfg.local_ranks_filter if r >= cfg.nproc]
         if bad:
-            raise _fail(cfg, "local_ranks_filter", f"--local-ranks-filter {','.join(map(str, bad))}: no such local "
+            raise _fail("local_ranks_filter", f"--local-ranks-filter {','.join(map(str, bad))}: no such local "
                                                    f"rank; this node has local ranks 0..{cfg.nproc - 1}")
     if cfg.ft and cfg.min_nodes == cfg.max_nodes and cfg.min_replicas > cfg.world_size:
-        raise _fail(cfg, "min_replicas", f"--min-replicas {cfg.min_replicas} exceeds the {cfg.world_size} replicas "
+        raise _fail("min_replicas", f"--min-replicas {cfg.min_replicas} exceeds the {cfg.world_size} replicas "
                                          f"of this run; lower it")
     if not check_paths:
         return
     if cfg.module:
         problem = find_module_problem(cfg.script, os.getcwd())
         if problem:
-            raise _fail(cfg, "script", f"-m {cfg.script}: {problem}")
+            raise _fail("script", f"-m {cfg.script}: {problem}")
     elif cfg.no_python:
         import shutil
 
         if shutil.which(cfg.script) is None and not os.access(cfg.script, os.X_OK):
-            raise _fail(cfg, "script", f"--no-python {cfg.script}: not an executable file or a command on PATH")
+            raise _fail("script", f"--no-python {cfg.script}: not an executable file or a command on PATH")
     else:
         p = Path(cfg.script)
         if not p.exists():
-            raise _fail(cfg, "script", f"script {cfg.script!r} not found; check the path (relative to {os.getcwd()})")
+            raise _fail("script", f"script {cfg.script!r} not found; check the path (relative to {os.getcwd()})")
         if p.is_dir():
-            raise _fail(cfg, "script", f"script {cfg.script!r} is a folder; give the .py file (or -m for a package)")
+            raise _fail("script", f"script {cfg.script!r} is a folder; give the .py file (or -m for a package)")
     if cfg.rdzv != "local":
         try:
             socket.getaddrinfo(cfg.master_addr, cfg.master_port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError) as e:
             key = "rdzv_endpoint" if cfg.rdzv == "c10d" else "master_addr"
-            raise _fail(cfg, key, f"{'--rdzv-endpoint' if cfg.rdzv == 'c10d' else '--master-addr'} "
+            raise _fail(key, f"{'--rdzv-endpoint' if cfg.rdzv == 'c10d' else '--master-addr'} "
                                   f"{cfg.master_addr!r}: cannot resolve it on this machine ({e.strerror or e}); "
                                   f"give node 0's address or host name") from None
     if (cfg.master_port is not None and cfg.rdzv != "c10d" and cfg.node_rank == 0
             and not port_is_free(store_listen_addr(cfg), cfg.master_port)):
-        raise _fail(cfg, "master_port", f"--master-port {cfg.master_port} is already in use; pick another or leave "
+        raise _fail("master_port", f"--master-port {cfg.master_port} is already in use; pick another or leave "
                                         f"it out for a free one")
 
 

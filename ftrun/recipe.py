@@ -35,6 +35,7 @@ class Recipe:
     path: Path
     data: Dict[str, Any]
     lines: Dict[str, int] = field(default_factory=dict)  # "nproc" or "hook.rank" -> 1-based line
+    texts: Dict[str, str] = field(default_factory=dict)  # top-level key -> its scalar value as written
 
     def line(self, key: str) -> int:
         return self.lines.get(key) or self.lines.get(key.split(".")[0]) or 1
@@ -118,6 +119,8 @@ def _collect_lines(recipe: Recipe, node: yaml.MappingNode, prefix: str) -> None:
             raise ConfigError(f"{recipe.path}:{line}: {name}: duplicate key (first set on line {seen[name]}); keep one")
         seen[name] = line
         recipe.lines[name] = line
+        if not prefix and isinstance(value_node, yaml.ScalarNode):
+            recipe.texts[name] = value_node.value
         # Nested keys matter only one level down, for hook parameters and env names.
         if not prefix and isinstance(value_node, yaml.MappingNode):
             _collect_lines(recipe, value_node, prefix=name + ".")
@@ -165,6 +168,9 @@ def check_recipe(recipe: Recipe) -> Dict[str, Any]:
             raise recipe.error(key, f"unknown key{hint}")
         if value is None:
             continue  # `key:` with no value means "the default", as for a flag not given
+        if isinstance(value, int) and ":" in recipe.texts.get(key, ""):
+            # YAML 1.1 reads 2:4 as the base-60 number 124; `nnodes: 2:4` means MIN:MAX.
+            value = recipe.texts[key]
         out[key] = _check_value(recipe, key, value)
     return out
 
