@@ -54,7 +54,7 @@ def _listening(port: int) -> bool:
         return False
 
 
-def _start_nodes(launcher, n, line, tmp_path, out, env_extra=None):
+def _start_nodes(launcher, n, line, tmp_path, out, env_extra=None, wait_port=True):
     """n identical command lines; the first is started alone until it hosts the endpoint."""
     out.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "worker.py"
@@ -67,7 +67,7 @@ def _start_nodes(launcher, n, line, tmp_path, out, env_extra=None):
         procs.append(subprocess.Popen(LAUNCHERS[launcher] + line.split() + ["worker.py", "--x", "1"],
                                       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
-        if i == 0:
+        if i == 0 and wait_port:
             deadline = time.monotonic() + 60
             while not _listening(port):
                 assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[1]
@@ -154,3 +154,24 @@ def test_elastic_nodes_reform_after_a_node_is_killed(tmp_path, launcher):
         assert (d["WORLD_SIZE"], d["GROUP_WORLD_SIZE"], d["GROUP_RANK"], d["TORCHELASTIC_RESTART_COUNT"]) == \
             ("2", "2", str(r), "1"), d
         assert d["TORCHELASTIC_MAX_RESTARTS"] == "2" and d["TORCHELASTIC_RUN_ID"] == "el"
+
+
+def test_a_late_node_joins_at_the_next_reformation(tmp_path):
+    """Round 0 forms with two nodes of 2:3; a third node started later waits, and round 1 has all three."""
+    port = _free_port()
+    go = tmp_path / "go"
+    line = (f"--nnodes=2:3 --nproc-per-node=1 --max-restarts=1 --rdzv-backend=c10d "
+            f"--rdzv-endpoint=localhost:{port} --rdzv-conf=last_call_timeout=0.5")
+    out = tmp_path / "out"
+    procs = _start_nodes("ftrun", 2, line, tmp_path, out, env_extra={"WAIT_FOR": str(go)})
+    _wait_for_dumps(out, 2, procs)
+    late = _start_nodes("ftrun", 1, line, tmp_path, out, env_extra={"WAIT_FOR": str(go)}, wait_port=False)[0]
+    for text in late.stderr:  # event: the late node has registered for the next round
+        if "joins at the next re-formation" in text:
+            break
+    go.touch()
+    for code, err in _wait_all(procs + [late]):
+        assert code == 0, err[-3000:]
+    assert sorted(_dumps(out, 0)) == [0, 1]
+    second = _dumps(out, 1)
+    assert sorted(second) == [0, 1, 2] and {d["WORLD_SIZE"] for d in second.values()} == {"3"}

@@ -431,6 +431,14 @@ class NodeCoordinator:
         origin = f"rank {info['rank']} on node {info['node']}"
         decision = sup.policy.on_failure(int(info["rank"]))
         others = [o for o in sup.workers if o is not w and o.alive]
+        if decision is not Decision.RESTART_GROUP and self.cfg.total_restarts is not None \
+                and self.cfg.round < self.cfg.total_restarts:
+            # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
+            self._note(f"{origin} {info['reason']}; ending round {self.cfg.round}: every node stops its workers "
+                       f"and the run re-forms", style="bold yellow")
+            sup._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
+            sup.status.exit_summary = f"{origin} {info['reason']}"
+            return int(info.get("code") or 1)
         if decision is not Decision.RESTART_GROUP:
             if failure is not None and info["node"] == self.me and info["rank"] == failure.rank:
                 sup._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)

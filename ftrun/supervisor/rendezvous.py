@@ -216,7 +216,11 @@ def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) ->
                 return int(code)
             if s.check([_key("round")]):
                 current = int(s.get(_key("round")).decode())
-                n = max(n, current + 1 if s.check([_key(f"{current}/size")]) else current)
+                running = s.check([_key(f"{current}/size")])
+                if running and n <= current:
+                    console.note(f"run {cfg.run_id} is already in round {current}; this node joins at the next "
+                                 f"re-formation", style="yellow")
+                n = max(n, current + 1 if running else current)
                 break
         except Exception as e:
             _fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {nodes._one_line(e)}")
