@@ -16,6 +16,8 @@ import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from ftrun.hookspec import PARAMS, WRAP_NAMES
+
 
 class OptionError(ValueError):
     """A value that does not fit its option: `problem` reads after the option's name."""
@@ -389,28 +391,16 @@ OPTIONS_LIST: Tuple[Option, ...] = (
     _opt("description", (), _text, None, "One line saying what the recipe is for."),
 )
 
-# Hook parameters: checked by ftrun.hookspec; nested under `hook:` in a recipe.
-HOOK_FLAGS: Tuple[Option, ...] = (
-    _opt("rank", ("--rank",), _int, None, "PowerSGD matrix approximation rank.", group="hook", metavar="R"),
-    _opt("start_iter", ("--start-iter",), _int, None, "Iteration at which PowerSGD / local SGD starts.",
-         group="hook", metavar="N"),
-    _opt("min_compression_rate", ("--min-compression-rate",), _float, None,
-         "PowerSGD: compress a tensor only above this rate.", group="hook", metavar="X"),
-    _opt("error_feedback", ("--no-error-feedback",), _bool, None, "PowerSGD: turn error feedback off.",
-         group="hook", is_flag=True),
-    _opt("warm_start", ("--no-warm-start",), _bool, None, "PowerSGD: turn warm start off.", group="hook",
-         is_flag=True),
-    _opt("orthogonalization_epsilon", ("--orthogonalization-epsilon",), _float, None,
-         "PowerSGD: epsilon in orthogonalization.", group="hook", metavar="X"),
-    _opt("seed", ("--seed",), _int, None, "PowerSGD: seed of the random initial matrices.", group="hook",
-         metavar="N"),
-    _opt("batch_same_shape", ("--batch-same-shape",), _bool, None, "PowerSGD: batch tensors of the same shape.",
-         group="hook", is_flag=True),
-    _opt("period", ("--period",), _int, None, "localsgd: average parameters every N steps.", group="hook",
-         metavar="N"),
-    _opt("wrap", ("--wrap",), _text, None, "Compress what the hook sends: fp16 or bf16.", group="hook",
-         metavar="fp16|bf16"),
-)
+# Hook parameters are declared in ftrun.hookspec (its catalogue is their one source); here they
+# only get their command-line form. Values are checked there; recipes nest them under `hook:`.
+_READERS: Dict[type, Callable[[Any], Any]] = {int: _int, float: _float, bool: _bool}
+HOOK_FLAGS: Tuple[Option, ...] = tuple(
+    _opt(key, (p.flag,), _READERS[p.kind], None,
+         ("Turn off: " + p.help if p.flag.startswith("--no-") else p.help[:1].upper() + p.help[1:]) + ".", group="hook",
+         is_flag=p.kind is bool, metavar="" if p.kind is bool else "N" if p.kind is int else "X")
+    for key, p in PARAMS.items()
+) + (_opt("wrap", ("--wrap",), _text, None, f"Compress what the hook sends: {' or '.join(WRAP_NAMES)}.",
+          group="hook", metavar="|".join(WRAP_NAMES)),)
 
 OPTIONS: Dict[str, Option] = {o.key: o for o in OPTIONS_LIST}
 HOOK_OPTIONS: Dict[str, Option] = {o.key: o for o in HOOK_FLAGS}
