@@ -333,7 +333,8 @@ OPTIONS_LIST: Tuple[Option, ...] = (
     _opt("run_path", _both("--run-path"), _bool, False, "Run SCRIPT with runpy.run_path (wins over --no-python).",
          "same (ftrun runs every script with runpy in a worker forked from its zygote)", pet=True, is_flag=True),
     _opt("log_dir", _both("--log-dir"), _text, None, "Folder for per-rank log files. [default: the run's own folder]",
-         "same (per-rank stdout.log and stderr.log, always written)", pet=True, metavar="DIR"),
+         "same folder; ftrun writes DIR/rank<N>/stdout.log and stderr.log, always (torchrun nests a "
+         "sub-folder per run and attempt)", pet=True, metavar="DIR"),
     _opt("redirects", ("-r", "--redirects"), _std, None,
          "Keep these streams off the console (file only): 0-3 or per local rank as 0:3,1:1.",
          "same (logs are always written to files; redirected streams leave the console)", pet=True,
