@@ -175,3 +175,18 @@ def test_a_late_node_joins_at_the_next_reformation(tmp_path):
     assert sorted(_dumps(out, 0)) == [0, 1]
     second = _dumps(out, 1)
     assert sorted(second) == [0, 1, 2] and {d["WORLD_SIZE"] for d in second.values()} == {"3"}
+
+
+def test_waiting_node_stops_on_ctrl_c_and_a_short_join_timeout_is_one_line(tmp_path):
+    port = _free_port()
+    line = f"--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:{port}"
+    (waiting,) = _start_nodes("ftrun", 1, line, tmp_path, tmp_path / "out")  # hosts the store, waits for node 1
+    os.killpg(waiting.pid, signal.SIGINT)
+    (code, err), = _wait_all([waiting], timeout=30)
+    assert code == 130 and "Traceback" not in err, err
+    (alone,) = _start_nodes("ftrun", 1, line + " --rdzv-conf=join_timeout=1", tmp_path, tmp_path / "out")
+    (code, err), = _wait_all([alone], timeout=60)
+    assert code == 2 and err.strip().splitlines() == [
+        "ftrun: error: only 1 of at least 2 nodes joined within --rdzv-conf join_timeout=1; start ftrun with "
+        "the same line on the others"], err
+    assert not list((tmp_path / "out").glob("*.json"))  # nothing was started
