@@ -8,6 +8,7 @@ This module must never import torch at module level: `--help`, `status`,
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from typing import Any, Dict, List, Optional
@@ -16,6 +17,7 @@ import typer
 
 from ftrun import __version__
 from ftrun.errors import ConfigError
+from ftrun.options import HOOK_OPTIONS, NEGATED, OPTIONS, OptionError
 
 COMMANDS = ("run", "status", "recipes", "validate")
 
@@ -45,69 +47,70 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     """Fault-tolerant, torchrun-style launcher for PyTorch distributed training."""
 
 
-HOOK_PARAM_FLAGS = ("rank", "start_iter", "min_compression_rate", "error_feedback", "warm_start",
-                    "orthogonalization_epsilon", "seed", "batch_same_shape", "period")
-
-
-@app.command(
-    "run",
-    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
-)
-def run_cmd(
-    ctx: typer.Context,
-    script: Optional[str] = typer.Argument(None, help="Training script (or module with -m, executable with --no-python).", show_default=False),
-    args: Optional[List[str]] = typer.Argument(None, help="Arguments for the script, passed untouched.", show_default=False),
-    nproc: Optional[str] = typer.Option(None, "--nproc", "--nproc-per-node", "--nproc_per_node", help="Workers on this node: a number, or 'auto' (visible GPUs, else CPU cores). [default: 1]", show_default=False),
-    recipe: Optional[str] = typer.Option(None, "--recipe", help="YAML recipe (file or bundled name); flags on the command line win."),
-    module: Optional[bool] = typer.Option(None, "-m", "--module", help="Run SCRIPT as a module, like python -m.", show_default=False),
-    no_python: Optional[bool] = typer.Option(None, "--no-python", help="Run SCRIPT as an executable, without python.", show_default=False),
-    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts", help="Restart budget: per group, or per replica with --ft. [default: 0, or 3 with --ft]", show_default=False),
-    ft: Optional[bool] = typer.Option(None, "--ft", help="Replica fault tolerance: only a failed replica restarts and heals from a peer.", show_default=False),
-    min_replicas: Optional[int] = typer.Option(None, "--min-replicas", help="With --ft: fewest live replicas that keep training. [default: 1]", show_default=False),
-    hook: Optional[str] = typer.Option(None, "--hook", help="DDP comm hook: allreduce, fp16, bf16, powersgd, batched-powersgd, localsgd, noop.", show_default=False),
-    rank: Optional[int] = typer.Option(None, "--rank", help="PowerSGD matrix approximation rank.", show_default=False),
-    start_iter: Optional[int] = typer.Option(None, "--start-iter", help="Iteration at which PowerSGD / local SGD starts.", show_default=False),
-    min_compression_rate: Optional[float] = typer.Option(None, "--min-compression-rate", help="PowerSGD: compress a tensor only above this rate.", show_default=False),
-    no_error_feedback: Optional[bool] = typer.Option(None, "--no-error-feedback", help="PowerSGD: turn error feedback off.", show_default=False),
-    no_warm_start: Optional[bool] = typer.Option(None, "--no-warm-start", help="PowerSGD: turn warm start off.", show_default=False),
-    orthogonalization_epsilon: Optional[float] = typer.Option(None, "--orthogonalization-epsilon", help="PowerSGD: epsilon in orthogonalization.", show_default=False),
-    seed: Optional[int] = typer.Option(None, "--seed", help="PowerSGD: seed of the random initial matrices.", show_default=False),
-    batch_same_shape: Optional[bool] = typer.Option(None, "--batch-same-shape", help="PowerSGD: batch tensors of the same shape.", show_default=False),
-    period: Optional[int] = typer.Option(None, "--period", help="localsgd: average parameters every N steps.", show_default=False),
-    wrap: Optional[str] = typer.Option(None, "--wrap", help="Compress what the hook sends: fp16 or bf16.", show_default=False),
-    step_timeout: Optional[float] = typer.Option(None, "--step-timeout", help="Seconds without an optimizer step before a replica counts as hung (stacks dumped, killed, restarted). [default: off]", show_default=False),
-    shutdown_timeout: Optional[float] = typer.Option(None, "--shutdown-timeout", help="Grace between SIGTERM and SIGKILL, seconds. [default: 5]", show_default=False),
-    log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Folder for per-rank log files. [default: the run's own folder]", show_default=False),
-    quiet: Optional[bool] = typer.Option(None, "--quiet", "-q", help="Print only ftrun's own lines, not the workers'.", show_default=False),
-    ranks: Optional[str] = typer.Option(None, "--ranks", help="Show only these ranks on the console, e.g. 0,1.", show_default=False),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="Number of machines. [default: 1]", show_default=False),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", "--node_rank", help="This machine's rank. [default: 0]", show_default=False),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", "--master_addr", help="Address of node 0. [default: 127.0.0.1]", show_default=False),
-    master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port", help="Port of the run's store. [default: a free port]", show_default=False),
-    join_timeout: Optional[float] = typer.Option(None, "--join-timeout", help="Seconds to wait for every node. [default: 120]", show_default=False),
-    run_id: Optional[str] = typer.Option(None, "--run-id", "--run_id", help="Name of the run. [default: generated]", show_default=False),
-) -> None:
+def run_cmd(ctx: typer.Context, script: Optional[str] = None, args: Optional[List[str]] = None,
+            recipe: Optional[str] = None, **given: Any) -> None:
     """Start and supervise one worker per device running SCRIPT."""
-    typed: Dict[str, Any] = {
-        "nproc": nproc, "module": module, "no_python": no_python, "max_restarts": max_restarts, "ft": ft,
-        "min_replicas": min_replicas, "step_timeout": step_timeout, "shutdown_timeout": shutdown_timeout,
-        "log_dir": log_dir, "quiet": quiet, "ranks": ranks, "nnodes": nnodes, "node_rank": node_rank,
-        "master_addr": master_addr, "master_port": master_port, "join_timeout": join_timeout, "run_id": run_id,
-    }
-    typed = {k: v for k, v in typed.items() if v is not None}
-    hook_flags = {
-        "name": hook, "rank": rank, "start_iter": start_iter, "min_compression_rate": min_compression_rate,
-        "error_feedback": False if no_error_feedback else None, "warm_start": False if no_warm_start else None,
-        "orthogonalization_epsilon": orthogonalization_epsilon, "seed": seed,
-        "batch_same_shape": batch_same_shape, "period": period, "wrap": wrap,
-    }
-    hook_flags = {k: v for k, v in hook_flags.items() if v is not None}
-    if hook_flags:
-        typed["hook"] = hook_flags
+    typed: Dict[str, Any] = {}
+    hook: Dict[str, Any] = {}
+    for key, value in given.items():
+        if value is None or value is False:
+            continue  # a flag not given (False) is "not typed", so a recipe or PET_ may still set it
+        if key in HOOK_OPTIONS:
+            hook[key] = False if key in NEGATED else _hook_value(key, value)
+        elif key == "hook":
+            hook["name"] = value
+        else:
+            typed[key] = value
+    if hook:
+        typed["hook"] = hook
     if script is not None:
         typed["script"] = script
         typed["args"] = list(args or [])
     launch(typed, recipe)
+
+
+def _hook_value(key: str, value: Any) -> Any:
+    opt = HOOK_OPTIONS[key]
+    try:
+        return opt.parse(value)
+    except OptionError as e:
+        raise ConfigError(f"command line: {opt.flag} {e.problem}", key=key, problem=e.problem) from None
+
+
+def _run_signature() -> inspect.Signature:
+    """run_cmd's parameters, from the options schema: every spelling of every option, as text or flag."""
+    params = [
+        inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+        inspect.Parameter("script", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[str],
+                          default=typer.Argument(None, help="Training script (or module with -m, executable with "
+                                                 "--no-python).", show_default=False, metavar="SCRIPT")),
+        inspect.Parameter("args", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[List[str]],
+                          default=typer.Argument(None, help="Arguments for the script, passed untouched.",
+                                                 show_default=False, metavar="[ARGS]...")),
+        inspect.Parameter("recipe", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[str],
+                          default=typer.Option(None, "--recipe", help="YAML recipe (file or bundled name); flags on "
+                                               "the command line win.", show_default=False)),
+    ]
+    for opt in list(OPTIONS.values()) + list(HOOK_OPTIONS.values()):
+        if not opt.flags:
+            continue
+        pet = f" [env: {opt.pet}]" if opt.pet else ""
+        if opt.is_flag:
+            default = typer.Option(False, *opt.flags, help=opt.help + pet, show_default=False)
+            annotation: Any = bool
+        else:
+            default = typer.Option(None, *opt.flags, help=opt.help + pet, show_default=False,
+                                   metavar=opt.metavar or "VALUE")
+            annotation = Optional[str]
+        params.append(inspect.Parameter(opt.key, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation,
+                                        default=default))
+    return inspect.Signature(params)
+
+
+run_cmd.__signature__ = _run_signature()  # type: ignore[attr-defined]
+run_cmd.__annotations__ = {p.name: p.annotation for p in run_cmd.__signature__.parameters.values()}
+app.command("run", context_settings={"allow_interspersed_args": False,
+                                     "help_option_names": ["-h", "--help"]})(run_cmd)
 
 
 @app.command("status")
@@ -144,9 +147,14 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
 
     # Errors that only appear once recipe and flags are merged still point at the recipe's line.
     cfg = config_with_recipe(typed, recipe)
-    from ftrun.supervisor.run import run_supervisor  # no torch at import: the supervisor loads it lazily
+    if cfg.rdzv == "c10d":
+        from ftrun.supervisor.rendezvous import run_c10d
 
-    code = run_supervisor(cfg)
+        code = run_c10d(cfg)
+    else:
+        from ftrun.supervisor.run import run_supervisor  # no torch at import: the supervisor loads it lazily
+
+        code = run_supervisor(cfg)
     # The supervisor loaded torch (for the store); tearing it down at exit costs
     # half a second and does nothing useful once every worker is gone.
     for stream in (sys.stdout, sys.stderr):

@@ -1,69 +1,35 @@
-"""RunConfig: everything a run needs, from a recipe and the command line, validated.
+"""RunConfig: everything a run needs, from the command line, a recipe, PET_* and Slurm, validated.
 
-The CLI hands over only the options the user actually typed; a recipe (YAML)
-supplies the rest; defaults fill the gaps. Every check that can be made before
-a worker starts is made here and reported as one ConfigError line.
+Every option is declared once in ftrun.options; here the sources are merged
+with one precedence (command line > recipe > PET_* > Slurm > defaults), each
+value is read by its option, torchrun's launch modes are resolved (one node,
+static, c10d) and every check that can be made before a worker starts is made,
+as one ConfigError that carries the key it is about.
 This module must never import torch (the CLI and `ftrun validate` use it).
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib.util
+import importlib.machinery
 import os
 import secrets
 import socket
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ftrun.errors import ConfigError
 from ftrun.hookspec import HookSpec, parse_hook
+from ftrun.options import OPTIONS, NPROC_WORDS, OptionError, pet_values
 
-
-@dataclass(frozen=True)
-class Option:
-    """One run option as a recipe key: its type, bounds and one-line help."""
-
-    key: str
-    kind: type
-    default: Any
-    help: str
-    minimum: Optional[float] = None
-
-
-# The recipe keys, which are also RunConfig's fields. `hook`, `env`, `script`
-# and `args` are structured and checked by their own code below.
-OPTIONS: Dict[str, Option] = {
-    o.key: o
-    for o in (
-        Option("nproc", int, 1, "workers on this node (or 'auto')", 1),
-        Option("max_restarts", int, None, "restart budget (per replica with ft, per group without)", 0),
-        Option("ft", bool, False, "replica fault tolerance: only the failed replica restarts"),
-        Option("min_replicas", int, 1, "with ft: fewest live replicas that keep training", 1),
-        Option("step_timeout", float, None, "seconds without an optimizer step before a replica is hung", 0),
-        Option("shutdown_timeout", float, 5.0, "grace between SIGTERM and SIGKILL, seconds", 0),
-        Option("log_dir", str, None, "folder for per-rank log files"),
-        Option("quiet", bool, False, "print only the supervisor's own lines"),
-        Option("ranks", str, None, "ranks whose lines go to the console, e.g. '0,1'"),
-        Option("module", bool, False, "run the script as a module (python -m)"),
-        Option("no_python", bool, False, "run the script as an executable, not with python"),
-        Option("nnodes", int, 1, "number of machines", 1),
-        Option("node_rank", int, 0, "this machine's rank among nnodes", 0),
-        Option("master_addr", str, "127.0.0.1", "address of node 0 (hosts the run's store)"),
-        Option("master_port", int, None, "port of the run's store (default: a free one)", 1),
-        Option("join_timeout", float, 120.0, "seconds to wait for every node to join", 0),
-        Option("run_id", str, None, "name of the run"),
-        Option("hook", dict, None, "DDP communication hook: {name: ..., <params>, wrap: ...}"),
-        Option("env", dict, None, "extra environment variables for the workers"),
-        Option("script", str, None, "training script (CLI SCRIPT wins)"),
-        Option("args", list, None, "script arguments (CLI arguments win)"),
-        Option("description", str, None, "one line saying what the recipe is for"),
-    )
-}
+__all__ = ["OPTIONS", "RunConfig", "build_config", "validate", "closest"]
 
 DEFAULT_MAX_RESTARTS = 0
 DEFAULT_MAX_RESTARTS_FT = 3
+C10D_DEFAULT_PORT = 29400  # torchrun's port when --rdzv-endpoint names none
+CLI = "command line"
 
 
 @dataclass
@@ -76,9 +42,20 @@ class RunConfig:
     no_python: bool = False
     nproc: int = 1
     nnodes: int = 1
+    min_nodes: int = 1
+    max_nodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
+    # "local" (one node, store on this machine: torchrun's --standalone and its plain
+    # one-node run), "static" (--node-rank per node) or "c10d" (ranks given at join).
+    rdzv: str = "local"
+    rdzv_host: Optional[bool] = None      # c10d: host the store here (None: if the endpoint is this machine)
+    rdzv_conf: Dict[str, str] = field(default_factory=dict)
+    last_call_timeout: float = 30.0
+    close_timeout: float = 60.0           # honoured only when --rdzv-conf gives it (nodes.py)
+    read_timeout: float = 60.0            # c10d: store operations of the nodes that join
+    local_addr: Optional[str] = None
     join_timeout: float = 120.0
     max_restarts: int = DEFAULT_MAX_RESTARTS
     ft: bool = False
@@ -89,9 +66,20 @@ class RunConfig:
     log_dir: Optional[str] = None
     quiet: bool = False
     ranks: Optional[Tuple[int, ...]] = None
-    run_id: str = ""
+    local_ranks_filter: Optional[Tuple[int, ...]] = None
+    redirects: Dict[int, int] = field(default_factory=dict)   # local rank (-1: all) -> torchrun Std
+    tee: Dict[int, int] = field(default_factory=dict)
+    role: str = "default"
+    signals_to_handle: Tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    virtual_local_rank: bool = False
+    round: int = 0                        # c10d: the rendezvous round (TORCHELASTIC_RESTART_COUNT counts them)
+    total_restarts: Optional[int] = None  # c10d: the run's budget, when a round runs with none of its own
+    workers_master_addr: Optional[str] = None  # c10d: MASTER_ADDR for the workers (the host's name)
+    run_id: str = ""                      # ftrun's name of the run (status, state folder)
+    elastic_run_id: str = "none"          # TORCHELASTIC_RUN_ID, as torchrun sets it
     env: Dict[str, str] = field(default_factory=dict)
     recipe: Optional[str] = None
+    sources: Dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # key -> where it came from
 
     @property
     def world_size(self) -> int:
@@ -113,33 +101,27 @@ def visible_device_count() -> int:
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
-def parse_nproc(value: Any, where: str) -> int:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return visible_device_count() or (os.cpu_count() or 1)
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: nproc must be a whole number >= 1 or 'auto', not {value!r}")
+def cpu_count() -> int:
+    """CPUs this process may use (affinity and cgroup sets respected), as torchrun counts them."""
     try:
-        n = int(value)
-        if str(n) != str(value).strip() and not isinstance(value, int):
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: --nproc must be a whole number >= 1 or 'auto', not {value!r}") from None
-    if n < 1:
-        raise ConfigError(f"{where}: --nproc must be at least 1, not {n}")
-    return n
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
-def parse_ranks(value: Any, where: str) -> Optional[Tuple[int, ...]]:
-    if value is None:
-        return None
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    try:
-        ranks = tuple(sorted({int(str(r).strip()) for r in items if str(r).strip()}))
-    except ValueError:
-        raise ConfigError(f"{where}: --ranks takes a comma-separated list of ranks such as 0,1, not {value!r}") from None
-    if any(r < 0 for r in ranks):
-        raise ConfigError(f"{where}: --ranks must list ranks >= 0, not {value!r}")
-    return ranks
+def resolve_nproc(value: Any, where: str) -> int:
+    """torchrun's words for --nproc-per-node, counted without importing torch."""
+    if value not in NPROC_WORDS:
+        return int(value)
+    if value == "cpu":
+        return cpu_count()
+    if value == "auto":
+        return visible_device_count() or cpu_count()
+    gpus = visible_device_count() if value == "gpu" else 0
+    if not gpus:
+        raise ConfigError(f"{where}: --nproc-per-node {value}: no {value.upper()} visible on this machine; "
+                          f"give a number, or cpu / auto", key="nproc")
+    return gpus
 
 
 def port_is_free(addr: str, port: int) -> bool:
@@ -158,54 +140,71 @@ def new_run_id() -> str:
     return "ftrun-" + secrets.token_hex(4)
 
 
-def _check_number(key: str, value: Any, where: str) -> Any:
+def this_node_name(local_addr: Optional[str] = None) -> str:
+    """The address torchrun puts in MASTER_ADDR for a node that hosts the store: --local-addr, else its FQDN."""
+    return local_addr or socket.getfqdn()
+
+
+def _read(key: str, value: Any, source: str) -> Any:
+    """One option's value from one source, or the one-line error saying where it came from."""
     opt = OPTIONS[key]
-    flag = "--" + key.replace("_", "-")
-    if opt.kind is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: {key} must be true or false, not {value!r}")
-        return value
-    if opt.kind in (int, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (opt.kind is int and isinstance(value, float)):
-            kind = "a whole number" if opt.kind is int else "a number"
-            raise ConfigError(f"{where}: {flag} must be {kind}, not {value!r}")
-        if opt.minimum is not None and value < opt.minimum:
-            raise ConfigError(f"{where}: {flag} must be >= {opt.minimum:g}, not {value}")
-        return opt.kind(value)
-    if opt.kind is str:
-        if not isinstance(value, (str, int)) or isinstance(value, bool):
-            raise ConfigError(f"{where}: {key} must be a string, not {value!r}")
-        return str(value)
-    return value
+    try:
+        return opt.parse(value)
+    except OptionError as e:
+        if source == CLI:
+            raise ConfigError(f"{CLI}: {opt.flag} {e.problem}", key=key, problem=e.problem) from None
+        if source.startswith("PET_"):
+            raise ConfigError(f"environment: {source}={value!r} {e.problem}; fix it or unset {source}",
+                              key=key, problem=e.problem) from None
+        raise ConfigError(f"{source}: {key}: {e.problem}", key=key, problem=e.problem) from None
 
 
 def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = None,
-                 recipe_name: Optional[str] = None, check_paths: bool = True) -> RunConfig:
-    """Merge recipe values under CLI values (key by key) and validate the result.
+                 recipe_name: Optional[str] = None, check_paths: bool = True,
+                 environ: Optional[Mapping[str, str]] = None) -> RunConfig:
+    """Merge the sources key by key (command line > recipe > PET_* > Slurm > defaults) and validate.
 
-    `cli` holds only options the user typed (plus `script`/`args` when given);
-    `recipe` is an already-loaded recipe mapping (ftrun.recipe checks its
-    shape and types with line numbers before this is called).
+    `cli` holds only options the user typed (plus `script`/`args` when given),
+    as typed; `recipe` is a recipe mapping already checked key by key by
+    ftrun.recipe; `environ` defaults to os.environ (PET_* and SLURM_* are read
+    from it).
     """
+    environ = os.environ if environ is None else environ
     recipe = dict(recipe or {})
-    where_cli = "command line"
     where_recipe = recipe_name or "recipe"
+    try:
+        pets = pet_values(environ)
+    except OptionError as e:
+        name = OPTIONS[e.key].pet
+        raise ConfigError(f"environment: {name}={environ.get(name)!r} {e.problem}; fix it or unset {name}",
+                          key=e.key, problem=e.problem) from None
+    slurm = _slurm_layout(cli, recipe, pets, environ)
+    sources: Dict[str, str] = {}
 
-    slurm = _slurm_layout(cli, recipe)
-
-    def pick(key: str) -> Tuple[Any, str]:
-        if key in cli and cli[key] is not None:
-            return cli[key], where_cli
-        if key in recipe and recipe[key] is not None:
+    def raw(key: str) -> Tuple[Any, str]:
+        if cli.get(key) is not None:
+            return cli[key], CLI
+        if recipe.get(key) is not None:
             return recipe[key], where_recipe
+        if key in pets:
+            return pets[key]
         if key in slurm:
             return slurm[key], "Slurm (SLURM_* variables)"
+        if key == "shutdown_timeout" and environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+            return environ["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"], "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
         return None, "default"
 
-    cfg_kwargs: Dict[str, Any] = {}
+    def pick(key: str) -> Any:
+        value, source = raw(key)
+        sources[key] = source
+        if value is None:
+            return OPTIONS[key].default
+        return _read(key, value, source)
+
+    kw: Dict[str, Any] = {}
 
     # The script: CLI wins; a recipe may carry one (with args) for `ftrun --recipe X`.
-    script, _ = pick("script")
+    script, _ = raw("script")
     if not script:
         raise ConfigError("no training script given; usage: ftrun [OPTIONS] SCRIPT [ARGS]... (see ftrun --help)")
     # Arguments given on the command line win; without any, the recipe's args
@@ -218,25 +217,25 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
         args = tuple(str(a) for a in (recipe.get("args") or ()))
     else:
         args = ()
-    cfg_kwargs["script"] = str(script)
-    cfg_kwargs["script_args"] = args
+    kw["script"] = str(script)
+    kw["script_args"] = args
 
-    nproc, where = pick("nproc")
-    cfg_kwargs["nproc"] = parse_nproc(1 if nproc is None else nproc, where)
-
-    for key in ("max_restarts", "min_replicas", "step_timeout", "shutdown_timeout", "nnodes", "node_rank",
-                "master_port", "join_timeout", "ft", "quiet", "module", "no_python"):
-        value, where = pick(key)
-        if value is not None:
-            cfg_kwargs[key] = _check_number(key, value, where)
-
-    for key in ("log_dir", "master_addr", "run_id"):
-        value, where = pick(key)
-        if value is not None:
-            cfg_kwargs[key] = _check_number(key, value, where)
-
-    value, where = pick("ranks")
-    cfg_kwargs["ranks"] = parse_ranks(value, where)
+    kw["nproc"] = resolve_nproc(pick("nproc"), sources["nproc"])
+    for key in ("max_restarts", "min_replicas", "step_timeout", "shutdown_timeout", "node_rank", "master_addr",
+                "master_port", "join_timeout", "ft", "quiet", "module", "no_python", "log_dir", "ranks",
+                "local_ranks_filter", "role", "signals_to_handle", "virtual_local_rank", "local_addr"):
+        kw[key] = pick(key)
+    kw["redirects"] = pick("redirects") or {}
+    kw["tee"] = pick("tee") or {}
+    if pick("run_path"):
+        kw["no_python"] = False  # torchrun: --run-path takes precedence over --no-python
+    # Accepted for torchrun; what ftrun does instead is in the README's table.
+    for key in ("monitor_interval", "start_method", "event_log_handler", "duplicate_stdout_filters",
+                "duplicate_stderr_filters", "logs_specs", "numa_binding"):
+        pick(key)
+    kw["min_nodes"], kw["max_nodes"] = pick("nnodes")
+    kw["nnodes"] = kw["max_nodes"]
+    _layout(kw, pick, sources)
 
     # Hook: CLI parameters override the recipe's, key by key.
     hook_raw: Dict[str, Any] = dict(recipe.get("hook") or {})
@@ -245,84 +244,208 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
         hook_raw = {}  # a different hook on the command line replaces the recipe's whole hook
     hook_raw.update(hook_cli)
     if hook_raw:
-        where = where_cli if hook_cli else where_recipe
+        where = CLI if hook_cli else where_recipe
+        sources["hook"] = where
         if "name" not in hook_raw:
             flags = ", ".join("--" + k.replace("_", "-") for k in hook_raw)
-            raise ConfigError(f"{where}: {flags} given without a hook; add --hook NAME (e.g. --hook powersgd)")
-        cfg_kwargs["hook"] = parse_hook(hook_raw, where)
+            raise ConfigError(f"{where}: {flags} given without a hook; add --hook NAME (e.g. --hook powersgd)",
+                              key="hook")
+        kw["hook"] = parse_hook(hook_raw, where)
 
     env = {str(k): str(v) for k, v in (recipe.get("env") or {}).items()}
     env.update({str(k): str(v) for k, v in (cli.get("env") or {}).items()})
-    cfg_kwargs["env"] = env
+    kw["env"] = env
 
-    if cfg_kwargs.get("max_restarts") is None:
-        cfg_kwargs["max_restarts"] = DEFAULT_MAX_RESTARTS_FT if cfg_kwargs.get("ft") else DEFAULT_MAX_RESTARTS
-    if not cfg_kwargs.get("run_id") and cfg_kwargs.get("nnodes", 1) > 1 and cfg_kwargs.get("master_port"):
-        # Every node must give its workers the same TORCHELASTIC_RUN_ID, and a
-        # random id would differ per node: derive it from what they share.
-        cfg_kwargs["run_id"] = f"ftrun-port{cfg_kwargs['master_port']}"
-    cfg_kwargs["run_id"] = cfg_kwargs.get("run_id") or os.environ.get("FTRUN_RUN_ID_DEFAULT") or new_run_id()
-    cfg_kwargs["recipe"] = recipe_name
-    cfg = RunConfig(**cfg_kwargs)
+    if kw.get("max_restarts") is None:
+        kw["max_restarts"] = DEFAULT_MAX_RESTARTS_FT if kw.get("ft") else DEFAULT_MAX_RESTARTS
+    kw["recipe"] = recipe_name
+    kw["sources"] = sources
+    cfg = RunConfig(**kw)
     validate(cfg, check_paths=check_paths)
     return cfg
+
+
+def _layout(kw: Dict[str, Any], pick, sources: Dict[str, str]) -> None:
+    """torchrun's launch modes, resolved as torchrun resolves them (torch.distributed.run.run)."""
+    backend = pick("rdzv_backend")
+    endpoint = pick("rdzv_endpoint")
+    given_id = pick("run_id")
+    conf = pick("rdzv_conf") or {}
+    kw["rdzv_conf"] = conf
+    standalone = pick("standalone")
+    if standalone:
+        if kw["max_nodes"] > 1:
+            raise ConfigError(f"--standalone runs on one node, but --nnodes is {kw['max_nodes']}; for several nodes "
+                              f"use --rdzv-backend c10d --rdzv-endpoint HOST:PORT", key="standalone")
+        backend, endpoint = "c10d", ("localhost", 0)
+    if "join_timeout" in conf and sources.get("join_timeout") == "default":
+        kw["join_timeout"] = float(conf["join_timeout"])
+    for name in ("last_call_timeout", "close_timeout", "read_timeout"):
+        if name in conf:
+            kw[name] = float(conf[name])
+    if "is_host" in conf:
+        kw["rdzv_host"] = conf["is_host"].strip().lower() in ("1", "true", "yes", "on")
+    # TORCHELASTIC_RUN_ID: torchrun gives a fresh uuid where it turns the run into a
+    # one-node c10d run itself (--standalone, or one node without --master-port), else --rdzv-id.
+    elastic_id = given_id or "none"
+    if backend == "static":
+        if kw["min_nodes"] != kw["max_nodes"]:
+            raise ConfigError(f"--nnodes {kw['min_nodes']}:{kw['max_nodes']} is elastic and needs ranks assigned at "
+                              f"join: add --rdzv-backend c10d --rdzv-endpoint HOST:PORT", key="nnodes")
+        if endpoint is not None:
+            # torchrun: a static endpoint stands for --master-addr/--master-port
+            kw["master_addr"], kw["master_port"] = endpoint[0], endpoint[1] or kw["master_port"]
+        if kw["max_nodes"] == 1 and kw["master_port"] is None:
+            kw["rdzv"] = "local"  # torchrun's plain one-node run is a c10d run on localhost:0
+            elastic_id = str(uuid.uuid4())
+        else:
+            kw["rdzv"] = "static"
+    else:
+        if endpoint is None:
+            raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT: the address of the node that "
+                              "hosts the run's store, the same on every node (or --standalone on one node)",
+                              key="rdzv_endpoint")
+        host, port = endpoint[0], C10D_DEFAULT_PORT if endpoint[1] is None else endpoint[1]
+        if standalone:
+            elastic_id = str(uuid.uuid4())
+        if kw["max_nodes"] == 1:
+            kw["rdzv"] = "local"
+            kw["master_port"] = port or None
+        else:
+            if port == 0:
+                raise ConfigError(f"--rdzv-endpoint {host}:0 picks a free port, which only works on one node; give "
+                                  f"every node the same port, e.g. {host}:{C10D_DEFAULT_PORT}", key="rdzv_endpoint")
+            kw["rdzv"] = "c10d"
+            kw["master_addr"], kw["master_port"] = host, port
+    if kw["rdzv"] == "local":
+        kw["node_rank"] = 0
+        kw["nnodes"] = kw["min_nodes"] = kw["max_nodes"] = 1
+        # torchrun's workers meet at the FQDN of the node (its MASTER_ADDR); the store listens there.
+        kw["master_addr"] = local_master_addr(kw.get("local_addr"))
+    kw["elastic_run_id"] = elastic_id
+    # ftrun's own name of the run: given, else one every node derives alike, else a fresh one.
+    if given_id:
+        kw["run_id"] = given_id
+    elif kw["rdzv"] != "local" and kw["max_nodes"] > 1 and kw["master_port"]:
+        kw["run_id"] = f"ftrun-port{kw['master_port']}"
+    else:
+        kw["run_id"] = os.environ.get("FTRUN_RUN_ID_DEFAULT") or new_run_id()
+
+
+def local_master_addr(local_addr: Optional[str]) -> str:
+    """MASTER_ADDR of a one-node run: torchrun's (this node's FQDN) when this machine can listen there."""
+    name = this_node_name(local_addr)
+    return name if store_bind_addr(name) != "0.0.0.0" else "localhost"
+
+
+def _fail(key: str, message: str) -> ConfigError:
+    """A cross-key problem, blamed on `key` (a recipe error lands on that key's line)."""
+    return ConfigError(message, key=key, problem=message)
 
 
 def validate(cfg: RunConfig, check_paths: bool = True) -> None:
     """Checks that need the whole config, or the machine (files, ports)."""
     if cfg.module and cfg.no_python:
-        raise ConfigError("-m/--module and --no-python cannot be used together; pick one")
+        raise _fail("module", "-m/--module and --no-python cannot be used together; pick one")
     if not cfg.run_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise ConfigError(f"--run-id {cfg.run_id!r}: use letters, digits, '-', '_' and '.' only")
-    if cfg.node_rank >= cfg.nnodes:
-        raise ConfigError(f"--node-rank {cfg.node_rank} is out of range for --nnodes {cfg.nnodes}; use 0..{cfg.nnodes - 1}")
-    if cfg.nnodes > 1 and cfg.master_port is None:
-        raise ConfigError(f"--nnodes {cfg.nnodes} needs --master-port: the same port on every node, where node 0's "
-                          f"ftrun hosts the run's store (e.g. --master-port 29500)")
-    if cfg.master_port is not None and cfg.master_port > 65535:
-        raise ConfigError(f"--master-port {cfg.master_port} is not a TCP port; use 1..65535")
-    if cfg.nnodes > 1 and not cfg.master_addr.strip():
-        raise ConfigError("--master-addr is empty; give node 0's address (the same on every node)")
-    if cfg.ranks is not None:
+        raise _fail("run_id", f"--run-id {cfg.run_id!r}: use letters, digits, '-', '_' and '.' only")
+    if cfg.rdzv == "static" and cfg.node_rank >= cfg.nnodes:
+        raise _fail("node_rank", f"--node-rank {cfg.node_rank} is out of range for --nnodes {cfg.nnodes}; "
+                                      f"use 0..{cfg.nnodes - 1}")
+    if cfg.rdzv == "static" and cfg.nnodes > 1 and cfg.master_port is None:
+        raise _fail("master_port", f"--nnodes {cfg.nnodes} needs --master-port: the same port on every node, "
+                                        f"where node 0's ftrun hosts the run's store (e.g. --master-port 29500), "
+                                        f"or --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
+    if cfg.rdzv != "local" and not cfg.master_addr.strip():
+        raise _fail("master_addr", "--master-addr is empty; give node 0's address (the same on every node)")
+    if cfg.ranks is not None and cfg.min_nodes == cfg.max_nodes:
         bad = [r for r in cfg.ranks if r >= cfg.world_size]
         if bad:
-            raise ConfigError(f"--ranks {','.join(map(str, bad))}: no such rank; this run has ranks 0..{cfg.world_size - 1}")
-    if cfg.ft and cfg.min_replicas > cfg.world_size:
-        raise ConfigError(f"--min-replicas {cfg.min_replicas} exceeds the {cfg.world_size} replicas of this run; lower it")
+            raise _fail("ranks", f"--ranks {','.join(map(str, bad))}: no such rank; this run has ranks "
+                                      f"0..{cfg.world_size - 1}")
+    if cfg.local_ranks_filter is not None:
+        bad = [r for r in cfg.local_ranks_filter if r >= cfg.nproc]
+        if bad:
+            raise _fail("local_ranks_filter", f"--local-ranks-filter {','.join(map(str, bad))}: no such local "
+                                                   f"rank; this node has local ranks 0..{cfg.nproc - 1}")
+    if cfg.ft and cfg.min_nodes == cfg.max_nodes and cfg.min_replicas > cfg.world_size:
+        raise _fail("min_replicas", f"--min-replicas {cfg.min_replicas} exceeds the {cfg.world_size} replicas "
+                                         f"of this run; lower it")
     if not check_paths:
         return
     if cfg.module:
-        try:
-            found = importlib.util.find_spec(cfg.script)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
-            raise ConfigError(f"-m {cfg.script}: no module named {cfg.script!r} on the Python path; check the name or install it")
+        problem = find_module_problem(cfg.script, os.getcwd())
+        if problem:
+            raise _fail("script", f"-m {cfg.script}: {problem}")
     elif cfg.no_python:
         import shutil
 
         if shutil.which(cfg.script) is None and not os.access(cfg.script, os.X_OK):
-            raise ConfigError(f"--no-python {cfg.script}: not an executable file or a command on PATH")
+            raise _fail("script", f"--no-python {cfg.script}: not an executable file or a command on PATH")
     else:
         p = Path(cfg.script)
         if not p.exists():
-            raise ConfigError(f"script {cfg.script!r} not found; check the path (relative to {os.getcwd()})")
+            raise _fail("script", f"script {cfg.script!r} not found; check the path (relative to {os.getcwd()})")
         if p.is_dir():
-            raise ConfigError(f"script {cfg.script!r} is a folder; give the .py file (or -m for a package)")
-    if cfg.nnodes > 1:
+            raise _fail("script", f"script {cfg.script!r} is a folder; give the .py file (or -m for a package)")
+    if cfg.rdzv != "local":
         try:
             socket.getaddrinfo(cfg.master_addr, cfg.master_port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError) as e:
-            raise ConfigError(f"--master-addr {cfg.master_addr!r}: cannot resolve it on this machine ({e.strerror or e}); "
-                              f"give node 0's address or host name") from None
-    if cfg.master_port is not None and cfg.node_rank == 0 and not port_is_free(store_listen_addr(cfg), cfg.master_port):
-        raise ConfigError(f"--master-port {cfg.master_port} is already in use; pick another or leave it out for a free one")
+            key = "rdzv_endpoint" if cfg.rdzv == "c10d" else "master_addr"
+            raise _fail(key, f"{'--rdzv-endpoint' if cfg.rdzv == 'c10d' else '--master-addr'} "
+                                  f"{cfg.master_addr!r}: cannot resolve it on this machine ({e.strerror or e}); "
+                                  f"give node 0's address or host name") from None
+    if (cfg.master_port is not None and cfg.rdzv != "c10d" and cfg.node_rank == 0
+            and not port_is_free(store_listen_addr(cfg), cfg.master_port)):
+        raise _fail("master_port", f"--master-port {cfg.master_port} is already in use; pick another or leave "
+                                        f"it out for a free one")
+
+
+def python_path_for(cwd: str) -> list:
+    """The module search path `python -m` would have in `cwd`: cwd first, then PYTHONPATH, then the installation's."""
+    import sys
+
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # sys.path[0] is the supervisor's own script folder (e.g. .venv/bin), not the user's.
+    rest = [p for p in sys.path[1:] if p not in extra]
+    return [cwd] + extra + rest
+
+
+def find_module_problem(name: str, cwd: str) -> Optional[str]:
+    """Why `python -m name` would fail in `cwd`, or None. Imports nothing (no package __init__ runs)."""
+    parts = name.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return f"{name!r} is not a module name (python -m takes a dotted name such as pkg.train, not a path)"
+    path = python_path_for(cwd)
+    spec = None
+    for i, part in enumerate(parts):
+        full = ".".join(parts[: i + 1])
+        spec = importlib.machinery.PathFinder.find_spec(full, path)
+        if spec is None:
+            import sys
+
+            if i == 0 and part in sys.builtin_module_names:
+                return None
+            where = "the Python path" if i == 0 else f"package {'.'.join(parts[:i])!r}"
+            return (f"no module named {full!r} in {where} (searched from {cwd}, as python -m would); "
+                    f"check the name, run from the project's root, or install it")
+        if i < len(parts) - 1:
+            if spec.submodule_search_locations is None:
+                return f"{full!r} is a module, not a package, so it has no {parts[i + 1]!r}"
+            path = list(spec.submodule_search_locations)
+    if spec is not None and spec.submodule_search_locations is not None:
+        main = importlib.machinery.PathFinder.find_spec(name + ".__main__", list(spec.submodule_search_locations))
+        if main is None:
+            return (f"{name!r} is a package without a __main__ module, so python -m cannot run it; "
+                    f"name a module inside it (e.g. -m {name}.train) or add {name.replace('.', '/')}/__main__.py")
+    return None
 
 
 def store_listen_addr(cfg: RunConfig) -> str:
-    """Where node 0's store listens: loopback for one node; master_addr's interface for several."""
-    if cfg.nnodes == 1:
-        return "127.0.0.1"
+    """Where the store listens: where MASTER_ADDR points (one node), master_addr's interface (static)."""
+    if cfg.rdzv == "c10d":
+        return "0.0.0.0"  # as torchrun's store: reachable at this node's FQDN as well as at the endpoint
     return store_bind_addr(cfg.master_addr)
 
 
@@ -347,20 +470,32 @@ def store_bind_addr(master_addr: str) -> str:
     return "0.0.0.0"
 
 
-def _slurm_layout(cli: Mapping[str, Any], recipe: Mapping[str, Any]) -> Dict[str, Any]:
-    """Layout defaults from SLURM_* variables, for the keys the user did not give.
+def _slurm_layout(cli: Mapping[str, Any], recipe: Mapping[str, Any], pets: Mapping[str, Any],
+                  environ: Mapping[str, str]) -> Dict[str, Any]:
+    """Layout defaults from SLURM_* variables, below every other source.
 
     An explicit nnodes of 1 means a one-node run even inside an allocation,
-    and a one-node Slurm step stays a plain local run (loopback store)."""
+    a one-node Slurm step stays a plain local run, and a c10d run takes
+    nothing from Slurm but the node count (its ranks are assigned at join)."""
     from ftrun.slurm import SlurmError, layout_from_env
 
-    given = cli.get("nnodes") if cli.get("nnodes") is not None else recipe.get("nnodes")
-    if given == 1:
+    def given(key: str) -> Any:
+        for src in (cli, recipe):
+            if src.get(key) is not None:
+                return src[key]
+        return pets[key][0] if key in pets else None
+
+    nn = given("nnodes")
+    if nn is not None and str(nn).strip() in ("1", "1:1"):
+        return {}
+    if given("standalone"):
         return {}
     try:
-        layout = layout_from_env()
+        layout = layout_from_env(environ)
     except SlurmError as e:
         raise ConfigError(f"Slurm: {e}") from None
-    if layout.get("nnodes", 1) == 1 and given is None:
+    if layout.get("nnodes", 1) == 1 and nn is None:
         return {}
+    if str(given("rdzv_backend") or "static").strip() == "c10d":
+        return {k: v for k, v in layout.items() if k in ("nnodes",)}
     return layout

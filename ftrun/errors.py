@@ -1,9 +1,13 @@
 """The one error type for a user's mistake (CLI flag, recipe, environment).
 
 A ConfigError carries a single line that names the problem and the fix; the CLI
-prints it and exits 2 before anything is started. Never raise it for a bug in
-ftrun itself, and never let it carry a traceback to the user.
+prints it and exits 2 before anything is started. It may carry the option key
+it is about and where that value came from, so a recipe error is placed on its
+line without parsing the message. Never raise it for a bug in ftrun itself,
+and never let it carry a traceback to the user.
 """
+
+from typing import Optional
 
 
 class ConfigError(Exception):
@@ -11,9 +15,11 @@ class ConfigError(Exception):
 
     exit_code = 2
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, key: Optional[str] = None, problem: Optional[str] = None) -> None:
         super().__init__(message)
         self.message = message
+        self.key = key                          # the option it is about, e.g. "nproc" or "hook.rank"
+        self.problem = problem or message       # the message without its "where:" prefix
 
     def __str__(self) -> str:
         return self.message

@@ -107,25 +107,30 @@ class HookSpec:
         return self.name + (f"+{self.wrap}" if self.wrap else "")
 
 
+def _err(where: str, key: str, problem: str) -> ConfigError:
+    """A hook error that knows its key (a recipe places it on hook.<key>'s line)."""
+    return ConfigError(f"{where}: {problem}" if where else problem, key=key, problem=problem)
+
+
 def _check_value(key: str, value: Any, where: str) -> Any:
     p = PARAMS[key]
     if p.kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: {p.flag} takes true/false, not {value!r}")
+            raise _err(where, key, f"{p.flag} takes true/false, not {value!r}")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{where}: {p.flag} takes a number, not {value!r}")
+        raise _err(where, key, f"{p.flag} takes a number, not {value!r}")
     if p.kind is int:
         if isinstance(value, float) and not value.is_integer():
-            raise ConfigError(f"{where}: {p.flag} takes a whole number, not {value!r}")
+            raise _err(where, key, f"{p.flag} takes a whole number, not {value!r}")
         value = int(value)
     else:
         value = float(value)
     if p.minimum is not None and value < p.minimum:
         lo = int(p.minimum) if p.kind is int else p.minimum
-        raise ConfigError(f"{where}: {p.flag} {value} is out of range; use a value >= {lo} ({p.help})")
+        raise _err(where, key, f"{p.flag} {value} is out of range; use a value >= {lo} ({p.help})")
     if key == "seed" and value >= 2 ** 32:
-        raise ConfigError(f"{where}: --seed {value} is out of range; use 0 .. {2 ** 32 - 1}")
+        raise _err(where, key, f"--seed {value} is out of range; use 0 .. {2 ** 32 - 1}")
     return value
 
 
@@ -137,14 +142,14 @@ def parse_hook(raw: Mapping[str, Any], where: str = "command line") -> HookSpec:
     """
     name = raw.get("name")
     if name not in HOOK_NAMES:
-        raise ConfigError(f"{where}: unknown hook {name!r}; known hooks: {', '.join(HOOK_NAMES)}")
+        raise _err(where, "name", f"unknown hook {name!r}; known hooks: {', '.join(HOOK_NAMES)}")
     wrap = raw.get("wrap")
     if wrap is not None:
         if wrap not in WRAP_NAMES:
-            raise ConfigError(f"{where}: --wrap {wrap!r} is not a known precision; use one of {', '.join(WRAP_NAMES)}")
+            raise _err(where, "wrap", f"--wrap {wrap!r} is not a known precision; use one of {', '.join(WRAP_NAMES)}")
         if name not in WRAPPABLE:
             why = "it sends nothing" if name == "noop" else f"it already sends {name}; drop --wrap"
-            raise ConfigError(f"{where}: --wrap {wrap} cannot wrap hook {name!r} ({why}); "
+            raise _err(where, "wrap", f"--wrap {wrap} cannot wrap hook {name!r} ({why}); "
                               f"--wrap works with {', '.join(WRAPPABLE)}")
     takes = HOOK_PARAMS[name]
     params: Dict[str, Any] = {}
@@ -152,16 +157,16 @@ def parse_hook(raw: Mapping[str, Any], where: str = "command line") -> HookSpec:
         if key in ("name", "wrap") or value is None:
             continue
         if key not in PARAMS:
-            raise ConfigError(f"{where}: unknown hook parameter {key!r}; hook {name!r} takes "
+            raise _err(where, key, f"unknown hook parameter {key!r}; hook {name!r} takes "
                               f"{', '.join(flag(k) for k in takes) or 'no parameters'}")
         if key not in takes:
             fix = (f"hook {name!r} takes {', '.join(flag(k) for k in takes)}" if takes
                    else f"hook {name!r} takes no parameters")
-            raise ConfigError(f"{where}: {flag(key)} does not apply to hook {name!r}; {fix}")
+            raise _err(where, key, f"{flag(key)} does not apply to hook {name!r}; {fix}")
         params[key] = _check_value(key, value, where)
     for key in REQUIRED.get(name, ()):
         if key not in params:
-            raise ConfigError(f"{where}: hook {name!r} needs {flag(key)} N ({PARAMS[key].help}), "
+            raise _err(where, "name", f"hook {name!r} needs {flag(key)} N ({PARAMS[key].help}), "
                               f"e.g. --hook {name} {flag(key)} 4")
     spec = HookSpec(name=name, params=params, wrap=wrap)
     if name in ("powersgd", "batched-powersgd"):
@@ -170,8 +175,8 @@ def parse_hook(raw: Mapping[str, Any], where: str = "command line") -> HookSpec:
         # start-up; DDP rebuilds its buckets after step 1, which would invalidate
         # per-bucket error and P/Q memories taken before.
         if (eff["error_feedback"] or eff["warm_start"]) and eff["start_iter"] <= 1:
-            raise ConfigError(
-                f"{where}: --start-iter {eff['start_iter']} is too small for {name} with error feedback or warm start "
+            raise _err(
+                where, "start_iter", f"--start-iter {eff['start_iter']} is too small for {name} with error feedback or warm start "
                 "on (DDP rebuilds its buckets after step 1); use --start-iter 2 or more, "
                 "or add --no-error-feedback --no-warm-start")
     return spec

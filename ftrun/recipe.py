@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Marks where parse_hook puts its `where` prefix, so its message can be re-prefixed with file:line.
-_WHERE = "\x00recipe\x00"
 
 
 @dataclass
@@ -37,6 +35,7 @@ class Recipe:
     path: Path
     data: Dict[str, Any]
     lines: Dict[str, int] = field(default_factory=dict)  # "nproc" or "hook.rank" -> 1-based line
+    texts: Dict[str, str] = field(default_factory=dict)  # top-level key -> its scalar value as written
 
     def line(self, key: str) -> int:
         return self.lines.get(key) or self.lines.get(key.split(".")[0]) or 1
@@ -120,6 +119,8 @@ def _collect_lines(recipe: Recipe, node: yaml.MappingNode, prefix: str) -> None:
             raise ConfigError(f"{recipe.path}:{line}: {name}: duplicate key (first set on line {seen[name]}); keep one")
         seen[name] = line
         recipe.lines[name] = line
+        if not prefix and isinstance(value_node, yaml.ScalarNode):
+            recipe.texts[name] = value_node.value
         # Nested keys matter only one level down, for hook parameters and env names.
         if not prefix and isinstance(value_node, yaml.MappingNode):
             _collect_lines(recipe, value_node, prefix=name + ".")
@@ -148,47 +149,37 @@ def _describe(value: Any) -> str:
 
 
 def check_recipe(recipe: Recipe) -> Dict[str, Any]:
-    """Check every key's type and range on its own; return the mapping build_config takes.
+    """Check every key's type and range on its own (through ftrun.options); return the mapping build_config takes.
 
     Cross-key checks (node_rank < nnodes, ...) are left to build_config, since
     command-line flags may still change the other keys; `ftrun validate` runs
     them on the recipe as it stands.
     """
-    from ftrun.config import OPTIONS, closest
+    from ftrun.config import closest
+    from ftrun.options import OPTIONS
 
     out: Dict[str, Any] = {}
     for key, value in recipe.data.items():
-        if key not in OPTIONS:
-            dashed = key.replace("-", "_")
-            hint = f" (did you mean {dashed!r}?)" if dashed in OPTIONS else closest(key, OPTIONS)
+        opt = OPTIONS.get(key)
+        if opt is None or not opt.recipe:
+            dashed = key.replace("-", "_").lstrip("_")
+            known = [k for k, o in OPTIONS.items() if o.recipe]
+            hint = f" (did you mean {dashed!r}?)" if dashed in known else closest(key, known)
             raise recipe.error(key, f"unknown key{hint}")
         if value is None:
             continue  # `key:` with no value means "the default", as for a flag not given
+        if isinstance(value, int) and ":" in recipe.texts.get(key, ""):
+            # YAML 1.1 reads 2:4 as the base-60 number 124; `nnodes: 2:4` means MIN:MAX.
+            value = recipe.texts[key]
         out[key] = _check_value(recipe, key, value)
     return out
 
 
 def _check_value(recipe: Recipe, key: str, value: Any) -> Any:
-    from ftrun.config import OPTIONS
+    """The value as written (build_config reads it again, as it reads every source), once it passes its check."""
+    from ftrun.options import OPTIONS, OptionError
 
-    opt = OPTIONS[key]
     err = recipe.error
-    if key == "nproc":
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise err(key, f"must be a whole number >= 1 or 'auto', not {_describe(value)}")
-        if value < 1:
-            raise err(key, f"must be at least 1, not {value}")
-        return value
-    if key == "ranks":
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = [value]
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()]
-        if not isinstance(value, list) or not all(_is_rank(v) for v in value):
-            raise err(key, f"must list ranks >= 0, as '0,1' or [0, 1], not {_describe(value)}")
-        return [int(v) for v in value]
     if key == "hook":
         return _check_hook(recipe, value)
     if key == "env":
@@ -200,35 +191,16 @@ def _check_value(recipe: Recipe, key: str, value: Any) -> Any:
             if isinstance(item, bool) or not isinstance(item, (str, int, float)):
                 raise err(key, f"each argument must be text or a number (quote {item!r} if you mean the word)")
         return [str(a) for a in value]
-    if opt.kind is bool:
-        if not isinstance(value, bool):
-            raise err(key, f"must be true or false, not {_describe(value)}")
-        return value
-    if opt.kind in (int, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (opt.kind is int and isinstance(value, float)):
-            kind = "a whole number" if opt.kind is int else "a number"
-            raise err(key, f"must be {kind}, not {_describe(value)}")
-        if value != value:  # NaN passes every comparison below
-            raise err(key, "must be a number, not .nan")
-        if opt.minimum is not None and value < opt.minimum:
-            raise err(key, f"must be >= {opt.minimum:g}, not {value}")
-        if key == "master_port" and value > 65535:
-            raise err(key, f"must be a port number 1..65535, not {value}")
-        return value
-    if opt.kind is str:
-        # A bare number is fine (run_id: 7); true/false or a list is surely a mistake.
-        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-            raise err(key, f"must be text, not {_describe(value)}")
-        return str(value)
+    opt = OPTIONS[key]
+    if opt.is_flag and not isinstance(value, bool):
+        raise err(key, f"must be true or false, not {_describe(value)}")
+    if isinstance(value, float) and value != value:
+        raise err(key, "must be a number, not .nan")
+    try:
+        opt.parse(value)
+    except OptionError as e:
+        raise err(key, e.problem) from None
     return value
-
-
-def _is_rank(v: Any) -> bool:
-    if isinstance(v, bool):
-        return False
-    if isinstance(v, int):
-        return v >= 0
-    return isinstance(v, str) and v.strip().isdigit()
 
 
 def _check_env(recipe: Recipe, value: Any) -> Dict[str, str]:
@@ -249,7 +221,7 @@ def _check_env(recipe: Recipe, value: Any) -> Dict[str, str]:
 
 
 def _check_hook(recipe: Recipe, value: Any) -> Dict[str, Any]:
-    """The hook mapping, checked by ftrun.hookspec.parse_hook, errors placed on their line."""
+    """The hook mapping, checked by ftrun.hookspec.parse_hook; an error lands on the line of the key it names."""
     from ftrun.hookspec import parse_hook
 
     if isinstance(value, str):
@@ -260,30 +232,16 @@ def _check_hook(recipe: Recipe, value: Any) -> Dict[str, Any]:
         raise recipe.error("hook", "needs a 'name:' (allreduce, fp16, bf16, powersgd, batched-powersgd, localsgd, noop)")
     raw = {k: v for k, v in value.items() if v is not None}
     try:
-        parse_hook(raw, _WHERE)
+        parse_hook(raw, "")
     except ConfigError as e:
-        raise _place_hook_error(recipe, raw, str(e)) from None
+        raise _hook_error(recipe, e) from None
     return raw
 
 
-def _place_hook_error(recipe: Recipe, raw: Mapping[str, Any], message: str) -> ConfigError:
-    """Re-prefix a parse_hook message with file:line of the hook key it is about."""
-    body = message
-    if body.startswith(_WHERE):
-        body = body[len(_WHERE):].lstrip(": ")
-    body = body.replace(_WHERE, "recipe")
-    # The key it is about: the earliest hook key the message mentions (as key, key-with-dashes or --flag).
-    best: Tuple[int, Optional[str]] = (len(body) + 1, None)
-    for k in raw:
-        forms = {str(k), str(k).replace("_", "-")}
-        for form in forms:
-            m = re.search(rf"(?<![A-Za-z0-9_]){re.escape(form)}(?![A-Za-z0-9_])", body)
-            if m and m.start() < best[0]:
-                best = (m.start(), str(k))
-    key = best[1] or ("name" if "name" in raw else None)
-    where_key = f"hook.{key}" if key else "hook"
-    line = recipe.lines.get(where_key) or recipe.line("hook")
-    return ConfigError(f"{recipe.path}:{line}: {where_key}: {body}")
+def _hook_error(recipe: Recipe, e: ConfigError) -> ConfigError:
+    where_key = f"hook.{e.key}" if e.key and f"hook.{e.key}" in recipe.lines else "hook"
+    return ConfigError(f"{recipe.path}:{recipe.line(where_key)}: {where_key}: {e.problem}", key=where_key,
+                       problem=e.problem)
 
 
 # ---------------------------------------------------------------------------
@@ -303,9 +261,9 @@ def load_recipe(name_or_path: str) -> Tuple[Dict[str, Any], str]:
 def config_with_recipe(typed: Mapping[str, Any], name_or_path: Optional[str], check_paths: bool = True) -> "RunConfig":
     """RunConfig from the flags the user typed and an optional recipe (what `ftrun --recipe` runs).
 
-    Like load_recipe + build_config, and a problem that comes from a recipe value
-    (not overridden on the command line) is placed on its line, even when it only
-    shows once the recipe and the command line are merged.
+    Like load_recipe + build_config; a problem whose key took its value from the
+    recipe (even one that shows only once recipe and command line are merged) is
+    placed on that key's line.
     """
     from ftrun.config import build_config
 
@@ -316,28 +274,15 @@ def config_with_recipe(typed: Mapping[str, Any], name_or_path: Optional[str], ch
     try:
         return build_config(typed, data, str(recipe.path), check_paths=check_paths)
     except ConfigError as e:
-        raise _place_config_error(recipe, data, typed, str(e)) from None
+        from ftrun.config import OPTIONS
 
-
-def _place_config_error(recipe: Recipe, data: Mapping[str, Any], typed: Mapping[str, Any], msg: str) -> ConfigError:
-    """Point a build_config message at the recipe key it names, unless the command line set that key."""
-    if msg.startswith("command line:"):
-        return ConfigError(msg)
-    prefix = f"{recipe.path}: "
-    body = msg[len(prefix):] if msg.startswith(prefix) else msg
-    candidates = [k for k in data if typed.get(k) is None]
-    candidates += [f"hook.{k}" for k in (data.get("hook") or {}) if "hook" in candidates]
-    hits = []
-    for key in candidates:
-        name = key.split(".")[-1]
-        for form in (name, "--" + name.replace("_", "-")):
-            m = re.search(rf"(?<![A-Za-z0-9_]){re.escape(form)}(?![A-Za-z0-9_])", body)
-            if m:
-                hits.append((m.start(), key.count("."), key))
-    if not hits:
-        # Nothing of the recipe's is named: the message stands as build_config wrote it.
-        return ConfigError(msg)
-    return recipe.error(min(hits)[2], body)
+        key = e.key or ""
+        if key in OPTIONS:
+            if key in data and typed.get(key) is None:
+                raise recipe.error(key, e.problem) from None
+        elif key and key in (data.get("hook") or {}) and key not in (typed.get("hook") or {}):
+            raise recipe.error(f"hook.{key}", e.problem) from None
+        raise
 
 
 def validate_recipe(name_or_path: str) -> Tuple[Recipe, "RunConfig"]:

@@ -7,7 +7,11 @@
 (b) time from SIGKILL of a worker to the supervisor noticing it (ftrun prints
     `rank N (pid P) killed by SIGKILL` the moment its event loop sees the exit;
     the line's arrival time on the pipe is taken);
-(c) `ftrun --help` wall time against `torchrun --help`.
+(c) `ftrun --help` wall time against `torchrun --help`;
+(d) as (a), with torchrun's most common line: `--standalone --nproc-per-node 2`;
+(e) a two-node c10d run on loopback: two launchers with the same line
+    (`--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint localhost:PORT`),
+    wall time from starting both to both having exited.
 
 Usage: .venv/bin/python scripts/bench_launch.py [--repeats 7] [--markdown]
 Runs are interleaved (ftrun, torchrun, floor, ftrun, ...) so that load from
@@ -36,6 +40,23 @@ INIT = str(ROOT / "scripts" / "init_only.py")
 def timed(cmd, env=None) -> float:
     t0 = time.perf_counter()
     subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, check=True)
+    return time.perf_counter() - t0
+
+
+def two_nodes(launcher, env) -> float:
+    """Two identical c10d lines on loopback, started together; seconds until both have exited."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    line = launcher + ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                       "--rdzv-endpoint", f"localhost:{port}", INIT]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(line, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env) for _ in range(2)]
+    for p in procs:
+        if p.wait() != 0:
+            raise SystemExit(f"{' '.join(line)} exited {p.returncode}")
     return time.perf_counter() - t0
 
 
@@ -98,6 +119,11 @@ def main() -> None:
     torchrun = [str(BIN / "torchrun"), "--nproc-per-node", "2", INIT]
     a = {"ftrun": [], "torchrun": [], "floor": []}
     c = {"ftrun": [], "torchrun": []}
+    d = {"ftrun": [], "torchrun": []}
+    e = {"ftrun": [], "torchrun": []}
+    standalone = {"ftrun": [PY, "-m", "ftrun", "--quiet", "--standalone", "--nproc-per-node", "2", INIT],
+                  "torchrun": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", INIT]}
+    nodes = {"ftrun": [PY, "-m", "ftrun", "--quiet"], "torchrun": [str(BIN / "torchrun")]}
     b = []
     timed(ftrun, env)  # warm the page cache for everyone
     for _ in range(args.repeats):
@@ -107,10 +133,15 @@ def main() -> None:
         c["ftrun"].append(timed([PY, "-m", "ftrun", "--help"], env))
         c["torchrun"].append(timed([str(BIN / "torchrun"), "--help"], env))
         b.append(detection_latency(env))
+        for k in ("ftrun", "torchrun"):
+            d[k].append(timed(standalone[k], env))
+            e[k].append(two_nodes(nodes[k], env))
 
     med = {k: statistics.median(v) for k, v in a.items()}
     medc = {k: statistics.median(v) for k, v in c.items()}
     medb = statistics.median([x for x in b if x == x])
+    medd = {k: statistics.median(v) for k, v in d.items()}
+    mede = {k: statistics.median(v) for k, v in e.items()}
     rows = [
         ("(a) start to exit, 2 workers, import torch + gloo init", f"{med['ftrun']:.2f} s", f"{med['torchrun']:.2f} s",
          f"{med['ftrun'] / med['torchrun']:.2f}", "<= 0.70", f"floor (2 x import torch in parallel): {med['floor']:.2f} s"),
@@ -118,6 +149,11 @@ def main() -> None:
          f"min {min(b) * 1000:.1f} ms, max {max(b) * 1000:.1f} ms"),
         ("(c) --help", f"{medc['ftrun']:.3f} s", f"{medc['torchrun']:.3f} s",
          f"{medc['ftrun'] / medc['torchrun']:.2f}", "< 0.33", ""),
+        ("(d) --standalone, 2 workers, import torch + gloo init", f"{medd['ftrun']:.2f} s",
+         f"{medd['torchrun']:.2f} s", f"{medd['ftrun'] / medd['torchrun']:.2f}", "<= 0.42", ""),
+        ("(e) two c10d nodes on loopback, 1 worker each, formation to exit", f"{mede['ftrun']:.2f} s",
+         f"{mede['torchrun']:.2f} s", f"{mede['ftrun'] / mede['torchrun']:.2f}", "<= 0.42",
+         "same line on both nodes, no --node-rank"),
     ]
     head = ("measure", "ftrun", "torchrun", "ratio", "target", "notes")
     load = os.getloadavg()[0]

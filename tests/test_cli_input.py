@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,94 @@ def test_help_and_version_do_not_import_torch():
 def test_python_dash_m_ftrun_works():
     proc = subprocess.run([sys.executable, "-m", "ftrun", "--version"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout.startswith("ftrun ")
+
+
+@pytest.mark.parametrize("args,env,needles", [
+    (["--rdzv-backend", "etcd", str(TRAIN)], {}, ["etcd", "--rdzv-backend c10d"]),
+    (["--rdzv_backend=etcd-v2", str(TRAIN)], {}, ["etcd-v2", "c10d"]),
+    (["--nnodes", "3:2", str(TRAIN)], {}, ["--nnodes", "MIN <= MAX"]),
+    (["--nnodes", "1:2", str(TRAIN)], {}, ["--nnodes 1:2", "c10d"]),
+    (["--tee", "5", str(TRAIN)], {}, ["--tee", "0:3,1:1"]),
+    (["--rdzv-backend", "c10d", str(TRAIN)], {}, ["--rdzv-endpoint"]),
+    (["--standalone", "--nnodes", "2", str(TRAIN)], {}, ["--standalone", "one node"]),
+    (["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", str(TRAIN)], {},
+     ["localhost:0", "one node"]),
+    (["--nproc-per-node", "gpu", str(TRAIN)], {"CUDA_VISIBLE_DEVICES": ""}, ["gpu", "no GPU"]),
+    ([str(TRAIN)], {"PET_NPROC_PER_NODE": "abc"}, ["PET_NPROC_PER_NODE='abc'", "unset"]),
+    ([str(TRAIN)], {"PET_STANDALONE": "yes"}, ["PET_STANDALONE", "0 or 1"]),
+    (["--signals-to-handle", "SIGNOPE", str(TRAIN)], {}, ["--signals-to-handle", "SIGNOPE"]),
+    (["--local-ranks-filter", "0,4", "--nproc", "2", str(TRAIN)], {}, ["--local-ranks-filter 4", "0..1"]),
+])
+def test_bad_torchrun_input_exits_2_with_one_line(ftrun_home, args, env, needles):
+    proc = run_ftrun(args, timeout=30, env=env)
+    _assert_bad(proc, *needles)
+    assert not ftrun_home.exists() or not any(ftrun_home.iterdir()), "a run was started"
+
+
+def test_module_is_found_from_the_working_directory(ftrun_home, tmp_path):
+    """`-m` looks where python -m looks: the working directory first; a package needs a __main__."""
+    (tmp_path / "proj" / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "proj" / "pkg" / "__init__.py").write_text("raise SystemExit('a package __init__ ran in the launcher')\n")
+    (tmp_path / "proj" / "pkg" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "proj" / "pkg" / "train.py").write_text("print('trained', flush=True)\n")
+    ftrun_bin = [str(Path(sys.executable).parent / "ftrun")]
+    run = lambda *a: subprocess.run(ftrun_bin + list(a), capture_output=True, text=True, timeout=60,  # noqa: E731
+                                    cwd=tmp_path / "proj")
+    _assert_bad(run("-m", "pkg.sub"), "package without a __main__", "pkg.sub.train")
+    _assert_bad(run("-m", "pkg.nope"), "no module named 'pkg.nope'")
+    _assert_bad(run("-m", "pkg/train.py"), "not a module name")
+
+
+def test_every_torchrun_option_is_accepted_with_its_pet_name():
+    """The schema holds every option string of torch's own parser, and the PET_ name torchrun reads for it."""
+    import argparse
+
+    from torch.distributed.run import get_args_parser
+
+    from ftrun.options import HOOK_OPTIONS, OPTIONS
+
+    ours = {f: o for o in list(OPTIONS.values()) + list(HOOK_OPTIONS.values()) for f in o.flags}
+    parser = get_args_parser()
+    seen = 0
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
+            continue
+        for s in action.option_strings:
+            assert s in ours, f"torchrun's {s} is not an ftrun option"
+        opt = ours[action.option_strings[0]]
+        if type(action).__name__ in ("env", "check_env"):
+            assert opt.pet == f"PET_{action.dest.upper()}", (s, opt.pet)
+        seen += 1
+    assert seen >= 30
+
+
+def test_precedence_command_line_recipe_pet_slurm_default(tmp_path):
+    """command line > recipe > PET_* > Slurm > defaults, key by key."""
+    from ftrun.config import build_config
+
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_NTASKS": "2",
+             "SLURM_JOB_NODELIST": "node[01-02]"}
+    pet = {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "pet-host", "PET_MASTER_PORT": "29511",
+           "PET_MAX_RESTARTS": "4", "PET_NPROC_PER_NODE": "3"}
+    cfg = build_config({"script": "x.py"}, {}, None, check_paths=False, environ=slurm)
+    assert (cfg.nnodes, cfg.node_rank, cfg.master_addr, cfg.max_restarts) == (2, 1, "node01", 0)
+    cfg = build_config({"script": "x.py"}, {}, None, check_paths=False, environ={**slurm, **pet})
+    assert (cfg.node_rank, cfg.master_addr, cfg.master_port, cfg.max_restarts, cfg.nproc) == (0, "pet-host", 29511, 4, 3)
+    cfg = build_config({"script": "x.py"}, {"max_restarts": 1, "nproc": 2}, "r.yaml", check_paths=False,
+                       environ={**slurm, **pet})
+    assert (cfg.max_restarts, cfg.nproc, cfg.master_port) == (1, 2, 29511)
+    cfg = build_config({"script": "x.py", "nproc": "1", "max_restarts": "5"}, {"max_restarts": 1}, "r.yaml",
+                       check_paths=False, environ={**slurm, **pet})
+    assert (cfg.max_restarts, cfg.nproc) == (5, 1)
+    assert cfg.sources["max_restarts"] == "command line" and cfg.sources["master_port"] == "PET_MASTER_PORT"
+    cfg = build_config({"script": "x.py"}, {}, None, check_paths=False, environ={})
+    assert (cfg.nnodes, cfg.max_restarts, cfg.nproc, cfg.rdzv) == (1, 0, 1, "local")
+
+
+def test_readme_has_every_torchrun_option_in_its_table():
+    """The README's torchrun table is the schema's: one row per torchrun option, as declared."""
+    from ftrun.options import torchrun_table
+
+    readme = (ROOT / "README.md").read_text()
+    for spellings, pet, does in torchrun_table():
+        assert f"| {spellings} | {pet} | {does} |" in readme, spellings

@@ -121,6 +121,14 @@ def test_round_trip_other_hook_and_script(tmp_path):
     assert cfg.script_args == ("--epochs", "9")
 
 
+def test_torchrun_keys_in_a_recipe(tmp_path):
+    data, name = load_recipe(str(_write(tmp_path, "nnodes: 2:4\nrdzv_backend: c10d\nrdzv_endpoint: node0:29400\n"
+                                                  "rdzv_conf: {last_call_timeout: 5}\ntee: 3\nrole: trainer\n")))
+    cfg = build_config({"script": "x.py"}, data, name, check_paths=False, environ={})
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.rdzv, cfg.master_port) == (2, 4, "c10d", 29400)
+    assert cfg.last_call_timeout == 5 and cfg.tee == {-1: 3} and cfg.role == "trainer"
+
+
 def test_hook_shorthand_and_null_means_default(tmp_path):
     data, name = load_recipe(str(_write(tmp_path, "hook: bf16\nstep_timeout:\nnproc: auto\n")))
     cfg = build_config({"script": "x.py"}, data, name, check_paths=False)
@@ -160,6 +168,10 @@ BAD = {
     "env_type": ("env: [A=1]\n", 1, "env: must be a mapping"),
     "args_type": ("args: --epochs 3\n", 1, "args: must be a list"),
     "cross_key": ("nnodes: 2\nnode_rank: 2\n", 2, "node_rank: --node-rank 2 is out of range"),
+    # YAML 1.1 would read 2:4 as the number 124; it stays MIN:MAX, and static needs c10d for it
+    "elastic_static": ("nproc: 2\nnnodes: 2:4\n", 2, "nnodes: --nnodes 2:4 is elastic"),
+    "etcd": ("rdzv_backend: etcd\n", 1, "rdzv_backend: etcd is not supported"),
+    "tee": ("tee: 0:3,1:9\n", 1, "tee: takes 0-3"),
 }
 
 
@@ -230,12 +242,20 @@ def test_validate_never_imports_torch(tmp_path):
 
 
 def test_every_option_is_a_recipe_key():
-    """The recipe checker knows every key of OPTIONS (a new option must not crash it)."""
+    """The recipe checker knows every key of the schema, and each option's own default passes its check."""
     from ftrun.recipe import Recipe, _check_value
 
-    samples = {int: 1, float: 1.0, bool: True, str: "x", dict: None, list: ["a"]}
+    samples = {"hook": {"name": "fp16"}, "env": {"A": "1"}, "args": ["a"], "script": "x.py", "description": "x",
+               "nnodes": "1:2", "rdzv_endpoint": "node0:29400", "rdzv_conf": "join_timeout=5,is_host=1",
+               "signals_to_handle": "SIGTERM,SIGUSR1", "redirects": "0:3,1:1", "tee": 3, "run_id": "r1",
+               "log_dir": "logs", "local_addr": "n1", "logs_specs": "x", "numa_binding": "node",
+               "duplicate_stdout_filters": "a,b", "duplicate_stderr_filters": "a", "ranks": "0",
+               "local_ranks_filter": "0,1", "step_timeout": 5, "max_restarts": 1, "master_port": 29500}
     for key, opt in OPTIONS.items():
-        value = {"hook": {"name": "fp16"}, "env": {"A": "1"}, "ranks": "0"}.get(key, samples[opt.kind])
+        value = samples.get(key, opt.default)
+        assert value is not None, f"no sample for {key}"
+        if isinstance(value, tuple):
+            value = ",".join(map(str, value))
         _check_value(Recipe(Path("t.yaml"), {key: value}, {key: 1}), key, value)
 
 

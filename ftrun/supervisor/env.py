@@ -8,6 +8,7 @@ Must never start anything or import torch.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Dict, Mapping
 
 from ftrun.config import RunConfig
@@ -22,18 +23,21 @@ def common_env(cfg: RunConfig, store_addr: str, store_port: int, base: Mapping[s
         "LOCAL_WORLD_SIZE": str(cfg.nproc),
         "GROUP_RANK": str(cfg.node_rank),
         "GROUP_WORLD_SIZE": str(cfg.nnodes),
-        "ROLE_NAME": "default",
+        "ROLE_NAME": cfg.role,
         "ROLE_WORLD_SIZE": str(cfg.world_size),
-        "MASTER_ADDR": store_addr,
+        "MASTER_ADDR": cfg.workers_master_addr or store_addr,
         "MASTER_PORT": str(store_port),
-        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
-        "TORCHELASTIC_RUN_ID": cfg.run_id,
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts if cfg.total_restarts is None else cfg.total_restarts),
+        "TORCHELASTIC_RUN_ID": cfg.elastic_run_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(cfg.signals_to_handle),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "FTRUN_RUN_ID": cfg.run_id,
         "FTRUN_STORE": f"{store_addr}:{store_port}",
         "FTRUN_FT": "1" if cfg.ft else "0",
         "FTRUN_HOOK": cfg.hook.to_json() if cfg.hook else "",
     })
+    # A pod's RANK/WORLD_SIZE/... describe the node, not a worker: every torchrun variable is ours.
     if cfg.step_timeout:
         env["FTRUN_STEP_TIMEOUT"] = str(cfg.step_timeout)
     # torchrun's rule: one thread per worker unless the user chose otherwise.
@@ -47,13 +51,27 @@ def worker_env(common: Mapping[str, str], cfg: RunConfig, local_rank: int, resta
     rank = cfg.node_rank * cfg.nproc + local_rank
     env = dict(common)
     env.update({
+        # Where torch.distributed.elastic's @record writes a worker's error, as under torchrun.
+        "TORCHELASTIC_ERROR_FILE": str(log_dir(cfg) / f"rank{rank}" / "error.json"),
         "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
+        "LOCAL_RANK": "0" if cfg.virtual_local_rank else str(local_rank),
         "ROLE_RANK": str(rank),
-        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count + cfg.round),
         "FTRUN_REPLICA_ID": str(rank),
     })
+    if cfg.virtual_local_rank:
+        # torchrun's virtual local rank: each worker sees only its own device, as device 0.
+        devices = [d.strip() for d in common.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = devices[local_rank] if local_rank < len(devices) else str(local_rank)
     return env
+
+
+def log_dir(cfg: RunConfig) -> Path:
+    """The folder of the run's per-rank logs (the supervisor writes them; workers' error files go there too)."""
+    from ftrun.status.state import run_dir
+    from ftrun.supervisor.nodes import state_dir_name
+
+    return Path(cfg.log_dir) if cfg.log_dir else run_dir(state_dir_name(cfg)) / "logs"
 
 
 def base_env() -> Dict[str, str]:

@@ -2,8 +2,8 @@
 
 Each worker incarnation writes into two pipes; a pump thread per pipe copies
 every line to the rank's log file (always, in full) and to the console with a
-coloured ``[rank N]`` prefix (plain when piped), unless --quiet or --ranks
-hides it. The last lines of stderr are kept for the failure report.
+coloured ``[rank N]`` prefix (plain when piped), unless --quiet, --ranks,
+--local-ranks-filter or torchrun's --redirects hide it (--tee keeps it). The last lines of stderr are kept for the failure report.
 Must never block a worker: pumps only read, and the console is shared under a lock.
 """
 
@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Deque, Optional, Sequence
+from typing import Any, Deque, Dict, Optional, Sequence
 
 from rich.console import Console
 from rich.text import Text
@@ -26,15 +26,36 @@ TAIL_LINES = 30
 class ConsoleOut:
     """The supervisor's console: worker lines and ftrun's own lines, thread-safe."""
 
-    def __init__(self, quiet: bool = False, ranks: Optional[Sequence[int]] = None) -> None:
+    def __init__(self, quiet: bool = False, ranks: Optional[Sequence[int]] = None, nproc: int = 1,
+                 local_ranks: Optional[Sequence[int]] = None, hidden: Optional[Dict[int, int]] = None) -> None:
         self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True, markup=False, emoji=False)
         self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True, markup=False, emoji=False)
         self.quiet = quiet
         self.ranks = set(ranks) if ranks is not None else None
+        self.nproc = max(1, nproc)
+        self.local_ranks = set(local_ranks) if local_ranks is not None else None
+        self.hidden = dict(hidden or {})  # local rank (-1: every one) -> torchrun Std bits kept off the console
         self.lock = threading.Lock()
 
-    def shows(self, rank: int) -> bool:
-        return not self.quiet and (self.ranks is None or rank in self.ranks)
+    @classmethod
+    def for_config(cls, cfg: Any) -> "ConsoleOut":
+        # torchrun: --redirects sends a stream to its file only, --tee to file and console;
+        # ftrun always writes the files, so only what is redirected and not teed leaves the console.
+        hidden: Dict[int, int] = {}
+        for lr in set(cfg.redirects) | set(cfg.tee):
+            red = cfg.redirects.get(lr, cfg.redirects.get(-1, 0))
+            tee = cfg.tee.get(lr, cfg.tee.get(-1, 0))
+            hidden[lr] = red & ~tee
+        return cls(cfg.quiet, cfg.ranks, cfg.nproc, cfg.local_ranks_filter, hidden)
+
+    def shows(self, rank: int, stderr: bool = False) -> bool:
+        if self.quiet or (self.ranks is not None and rank not in self.ranks):
+            return False
+        local = rank % self.nproc  # every node runs a contiguous block of nproc ranks
+        if self.local_ranks is not None and local not in self.local_ranks:
+            return False
+        bits = self.hidden.get(local, self.hidden.get(-1, 0))
+        return not bits & (2 if stderr else 1)
 
     def worker_line(self, rank: int, line: str, stderr: bool) -> None:
         prefix = Text(f"[rank {rank}] ", style=COLOURS[rank % len(COLOURS)])
@@ -102,7 +123,7 @@ class Pump:
         line = raw.decode("utf-8", errors="replace").rstrip("\r")
         if self.stderr:
             self.tail.append(line)
-        if self.console.shows(self.rank):
+        if self.console.shows(self.rank, self.stderr):
             self.console.worker_line(self.rank, line, self.stderr)
 
 

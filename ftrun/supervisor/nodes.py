@@ -94,6 +94,14 @@ def go_key(attempt: int) -> str:
 LAYOUT_KEY = PREFIX + "layout"
 
 
+def use_round(n: int) -> None:
+    """Put every node key of this process under rendezvous round n (a c10d run re-forms in new rounds,
+    whose nodes must never read the last round's claims, beats or failures)."""
+    global PREFIX, LAYOUT_KEY
+    PREFIX = f"ftrun/nodes/r{n}/" if n else "ftrun/nodes/"
+    LAYOUT_KEY = PREFIX + "layout"
+
+
 class NodeState(str, enum.Enum):
     RUNNING = "running"   # heartbeating
     ENDED = "ended"       # its ftrun finished and said so (final/K)
@@ -237,6 +245,7 @@ class NodeCoordinator:
         """Sleep up to `timeout` on the supervisor's queue; a forwarded signal returns its exit status."""
         ev = self.sup._next_event(timeout)
         if isinstance(ev, tuple) and ev[0] == "signal":
+            self.sup.stopped_by_signal = ev[1]
             self._note(f"received {signal.Signals(ev[1]).name}: stopping", style="bold yellow")
             return 128 + ev[1]
         return None
@@ -422,6 +431,14 @@ class NodeCoordinator:
         origin = f"rank {info['rank']} on node {info['node']}"
         decision = sup.policy.on_failure(int(info["rank"]))
         others = [o for o in sup.workers if o is not w and o.alive]
+        if decision is not Decision.RESTART_GROUP and self.cfg.total_restarts is not None \
+                and self.cfg.round < self.cfg.total_restarts:
+            # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
+            self._note(f"{origin} {info['reason']}; ending round {self.cfg.round}: every node stops its workers "
+                       f"and the run re-forms", style="bold yellow")
+            sup._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
+            sup.status.exit_summary = f"{origin} {info['reason']}"
+            return int(info.get("code") or 1)
         if decision is not Decision.RESTART_GROUP:
             if failure is not None and info["node"] == self.me and info["rank"] == failure.rank:
                 sup._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
@@ -533,9 +550,17 @@ class NodeCoordinator:
         w.stop.set()
 
     def _wait_for_others(self) -> None:
-        """Node 0 hosts the store: leaving before the others have ended would strand them."""
+        """Node 0 hosts the store: leaving before the others have ended would strand them.
+
+        --rdzv-conf close_timeout=S bounds the wait (torchrun's time for a run to close);
+        without it node 0 waits as long as the others keep beating."""
         announced = False
+        close = self.cfg.close_timeout if "close_timeout" in self.cfg.rdzv_conf else None
+        deadline = time.monotonic() + close if close is not None else None
         while True:
+            if deadline is not None and time.monotonic() > deadline:
+                self._note(f"other nodes still running after close_timeout={close:g} s; leaving", style="bold red")
+                return
             w = self.watch
             with w.lock:
                 pending = [k for k, st in w.states.items() if st is NodeState.RUNNING]

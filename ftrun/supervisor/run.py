@@ -14,12 +14,11 @@ import queue
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional
 
 from ftrun.config import RunConfig, store_listen_addr
 from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, WorkerState, run_dir, write_state
-from ftrun.supervisor.env import base_env, common_env, worker_env
+from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, open_pipes
 from ftrun.supervisor.nodes import NodeCoordinator, state_dir_name
 from ftrun.supervisor.quorum import QuorumKeeper
@@ -34,16 +33,26 @@ from ftrun.worker.progress import progress_key
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
 STORE_READY_TIMEOUT_S = 30.0
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def forwarded_signals(cfg: RunConfig) -> List[int]:
+    """torchrun's --signals-to-handle: the signals that stop the workers (sent on to them)."""
+    return [getattr(signal, name) for name in cfg.signals_to_handle]
 
 
 class Supervisor:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, store: Optional[RunStore] = None,
+                 zygote: Optional[ZygoteSpawner] = None) -> None:
         self.cfg = cfg
+        # c10d: the rendezvous already hosts or joined the run's store, and started a zygote
+        # while it waited for the other nodes, so torch's import is not paid after the join.
+        self._given_store = store
+        self._given_zygote = zygote
+        self.stopped_by_signal: Optional[int] = None
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.console = ConsoleOut(cfg.quiet, cfg.ranks)
+        self.console = ConsoleOut.for_config(cfg)
         self.run_dir = run_dir(state_dir_name(cfg))
-        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else self.run_dir / "logs"
+        self.log_dir = log_dir(cfg)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers = [Worker(WorkerSpec(lr, cfg.node_rank * cfg.nproc + lr)) for lr in range(cfg.nproc)]
         self.logs = {w.rank: RankLog(self.log_dir, w.rank) for w in self.workers}
@@ -76,11 +85,11 @@ class Supervisor:
 
     # ---------------------------------------------------------------- start
     def run(self) -> int:
-        for sig in FORWARDED_SIGNALS:
+        for sig in forwarded_signals(self.cfg):
             signal.signal(sig, self._on_signal)
         cfg = self.cfg
         host = cfg.master_addr
-        self.store = open_run_store(cfg, store_listen_addr(cfg))
+        self.store = self._given_store or open_run_store(cfg, store_listen_addr(cfg))
         port = self.store.port
         if cfg.ft:
             # Node 0 keeps the quorum of every rank; other nodes report to it through the store.
@@ -92,7 +101,13 @@ class Supervisor:
         cwd = os.getcwd()
         self.cwd = cwd
         use_zygote = not cfg.no_python and os.environ.get("FTRUN_ZYGOTE", "1") != "0"
-        self.spawner = ZygoteSpawner(self.events, self.common, cwd) if use_zygote else PopenSpawner(self.events)
+        if use_zygote and self._given_zygote is not None:
+            self.spawner = self._given_zygote
+            self.spawner.events = self.events  # nothing is posted before the first spawn but "ready"
+        elif use_zygote:
+            self.spawner = ZygoteSpawner(self.events, self.common, cwd)
+        else:
+            self.spawner = PopenSpawner(self.events)
         self.use_zygote = use_zygote
         self._write_state(force=True)
         self.console.note(
@@ -188,6 +203,7 @@ class Supervisor:
     def _handle(self, ev) -> Optional[int]:
         if isinstance(ev, tuple) and ev[0] == "signal":
             signum = ev[1]
+            self.stopped_by_signal = signum
             self.console.note(f"received {signal.Signals(signum).name}: stopping all workers "
                               f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
             self._stop_all(signum, self.cfg.shutdown_timeout)

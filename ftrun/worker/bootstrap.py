@@ -18,7 +18,7 @@ import threading
 import traceback
 from typing import List, Optional
 
-from ftrun.worker.proc import DUMP_STACKS_SIGNAL
+from ftrun.worker.proc import DUMP_STACKS_SIGNAL, set_title, worker_title
 
 
 def _prepare_stdio() -> None:
@@ -63,11 +63,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.stderr.write("usage: python -m ftrun.worker.bootstrap [-m] SCRIPT [ARGS...]\n")
         sys.exit(2)
     target, script_args = args[0], args[1:]
+    set_title(worker_title(os.environ.get("RANK", "?"), (["-m"] if as_module else []) + args))
     install()
     code = 0
     try:
         if as_module:
             sys.argv = [target] + script_args
+            # As python -m: the working directory first, so a project's own packages are found.
             sys.path[0:1] = [os.getcwd()]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:

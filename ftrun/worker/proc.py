@@ -1,7 +1,8 @@
 """Process-level settings shared by every worker process, however it was started.
 
 Linux's parent-death signal (so a worker never outlives the process that
-started it) and the signal that asks a worker to dump its Python stacks.
+started it), the signal that asks a worker to dump its Python stacks, and the
+process titles that make workers findable by name in ps, top and pgrep -f.
 Must never import torch or anything from the supervisor.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+from typing import List
 
 PR_SET_PDEATHSIG = 1
 
@@ -31,3 +33,17 @@ def exit_if_orphaned(expected_parent: int) -> None:
     """Close the race between fork and prctl: the parent may already be gone."""
     if os.getppid() != expected_parent:
         os._exit(1)
+
+
+def set_title(title: str) -> None:
+    """What ps, top, pgrep -f and psutil show for this process (best effort: a title is a nicety)."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        return
+    setproctitle(title)
+
+
+def worker_title(rank: str, argv: List[str]) -> str:
+    """`ftrun[rank 3] python train.py --lr 0.1`: the script and arguments as the user typed them."""
+    return f"ftrun[rank {rank}] python {' '.join(argv)}"

@@ -23,7 +23,7 @@ import socket
 import sys
 from typing import Dict, List, Optional
 
-from ftrun.worker.proc import set_parent_death_signal
+from ftrun.worker.proc import set_parent_death_signal, set_title
 
 MAX_MSG = 1 << 20
 
@@ -40,6 +40,11 @@ def _preimport() -> None:
     import torch.optim  # noqa: F401
 
     import ftrun.worker.bootstrap  # noqa: F401
+
+    try:
+        import setproctitle  # noqa: F401  (each worker sets its title right after the fork)
+    except ImportError:
+        pass
 
     if os.environ.get("FTRUN_FT") == "1":
         _preimport_ddp()
@@ -166,6 +171,7 @@ def main() -> None:
     if os.getppid() != supervisor_pid:
         os._exit(1)
     sock = socket.socket(fileno=fd)
+    set_title(f"ftrun zygote {os.environ.get('FTRUN_RUN_ID', '')}".rstrip())
     _preimport()
     child = serve(sock, supervisor_pid)
     if child is None:

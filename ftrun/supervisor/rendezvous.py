@@ -1,0 +1,256 @@
+"""c10d rendezvous: the same command on every node forms one run; node ranks are given at join.
+
+`ftrun --nnodes MIN:MAX --rdzv-backend c10d --rdzv-endpoint HOST:PORT train.py`, typed
+identically on every node. One node hosts the run's store on PORT and is node 0:
+the node at HOST (or the one with is_host=1 in --rdzv-conf; when several
+candidates share a machine, the first to bind the port). The others connect
+and take node ranks 1, 2, ... in the order they arrive.
+
+The run goes in rounds, as torchrun's agent does. The host closes round n when
+MAX nodes are in, or when MIN are in and last_call_timeout has passed without
+the round filling up; a node that arrives after that waits for the next round.
+Each round is one ftrun Supervisor per node with the round's ranks and world
+size (its node keys live under the round's prefix). When a round fails (a
+worker failed, or a node went away) every surviving node comes back for round
+n+1, as long as the restart budget (--max-restarts, counted in rounds, as
+torchrun counts them) allows: the survivors re-form with the new world size,
+and nodes that started late join there.
+
+Store keys (under ftrun/rdzv/): ``round`` (the round being formed),
+``N/arrivals`` (counter: a client's arrival index is its node rank),
+``N/size`` (set by the host when round N closes; 0 when it could not form),
+``master_addr`` (the host's name for the workers' MASTER_ADDR), ``done`` (the run's
+exit status, for nodes still waiting when it ends).
+Must never start a worker itself (each round's Supervisor does) and never
+decide anything a node could not decide alike from the store's keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import queue
+import signal
+import time
+from typing import Any, Optional, Tuple
+
+from ftrun.config import RunConfig, store_listen_addr, store_bind_addr, this_node_name
+from ftrun.supervisor import nodes
+from ftrun.supervisor.logs import ConsoleOut
+from ftrun.supervisor.spawn import ZygoteSpawner
+from ftrun.supervisor.store import RunStore, bind_listener
+
+PREFIX = "ftrun/rdzv/"
+POLL_S = 0.05
+JOIN_FAILED = nodes.JOIN_FAILED
+
+
+def _key(name: str) -> str:
+    return PREFIX + name
+
+
+class _Stop(Exception):
+    """A signal arrived while no Supervisor was running."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
+    """Round after round until the run ends; ftrun's exit status."""
+    from ftrun.supervisor.run import Supervisor
+
+    console = console or ConsoleOut(cfg.quiet)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    def stop(signum, _frame):
+        raise _Stop(signum)
+
+    store, host, zygote = None, False, None
+    code = JOIN_FAILED
+    try:
+        for s in previous:
+            signal.signal(s, stop)
+        zygote = _prewarm(cfg)  # its torch import overlaps the supervisor's own (for the store)
+        store, host = _open(cfg, console)
+        if store is None:
+            return JOIN_FAILED
+        n = 0
+        while True:
+            for s in previous:
+                signal.signal(s, stop)
+            zygote = zygote or _prewarm(cfg)
+            formed = _host_round(cfg, store, n, console) if host else _join_round(cfg, store, n, console)
+            if isinstance(formed, int):
+                code = formed
+                return code
+            n, rank, size, master = formed
+            round_cfg = dataclasses.replace(
+                cfg, node_rank=rank, nnodes=size, round=n, workers_master_addr=master,
+                total_restarts=cfg.max_restarts,
+                # Without --ft a failure ends the round and every node re-forms (torchrun's restart);
+                # with --ft replicas restart inside the round.
+                max_restarts=cfg.max_restarts if cfg.ft else 0)
+            nodes.use_round(n)
+            sup, zygote = Supervisor(round_cfg, store=store, zygote=zygote), None  # the round's now
+            code = sup.run()
+            if code == 0 or sup.stopped_by_signal or n >= cfg.max_restarts:
+                if code != 0 and not sup.stopped_by_signal and cfg.max_restarts:
+                    console.note(f"round {n} failed and the restart budget ({cfg.max_restarts}) is spent; stopping",
+                                 style="bold red")
+                return code
+            console.note(f"round {n} ended (exit {code}); re-forming the run with the nodes that remain "
+                         f"(restart {n + 1} of {cfg.max_restarts})", style="bold yellow")
+            n += 1
+    except _Stop as e:
+        console.note(f"received {signal.Signals(e.signum).name}: stopping", style="bold yellow")
+        code = 128 + e.signum
+        return code
+    finally:
+        if zygote is not None:
+            zygote.close()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if host and store is not None and store.store is not None:
+            try:
+                store.set(_key("done"), str(code))
+            except Exception:
+                pass
+
+
+def _prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
+    """A zygote importing torch while the nodes gather (it forks the round's workers; each gets its full
+    environment with the spawn request, so the layout need not be known yet)."""
+    if cfg.no_python or os.environ.get("FTRUN_ZYGOTE", "1") == "0":
+        return None
+    env = dict(os.environ)
+    env.update(cfg.env)
+    env.update({"FTRUN_RUN_ID": cfg.run_id, "FTRUN_FT": "1" if cfg.ft else "0"})
+    return ZygoteSpawner(queue.SimpleQueue(), env, os.getcwd())
+
+
+def _open(cfg: RunConfig, console: ConsoleOut) -> Tuple[Optional[RunStore], bool]:
+    """Host the store at the endpoint's port if this node should, else connect to it."""
+    where = f"{cfg.master_addr}:{cfg.master_port}"
+    wants = cfg.rdzv_host if cfg.rdzv_host is not None else store_bind_addr(cfg.master_addr) != "0.0.0.0"
+    if wants:
+        try:
+            listener = bind_listener(store_listen_addr(cfg), cfg.master_port)
+        except OSError as e:
+            if cfg.rdzv_host or e.errno != errno.EADDRINUSE:
+                _fail(console, f"cannot host the run's store on port {cfg.master_port} ({e.strerror or e}); "
+                               f"free the port or pick another --rdzv-endpoint port")
+                return None, False
+            # Another ftrun of this run on this machine hosts it already: join it, as torchrun does.
+        else:
+            store = RunStore(cfg.master_addr, listener.getsockname()[1], listener)
+            if not store.wait(60):
+                _fail(console, f"could not start the run's store on {where}: {nodes._one_line(store.error)}")
+                return None, False
+            store.set(_key("master_addr"), this_node_name(cfg.local_addr))
+            return store, True
+    store = RunStore(cfg.master_addr, cfg.master_port, None, connect_timeout=cfg.join_timeout)
+    while not store.ready.wait(POLL_S):
+        pass
+    if store.store is None:
+        _fail(console, f"could not reach the run's store at {where}: {nodes._one_line(store.error)}; start ftrun "
+                       f"with the same line on the node at {cfg.master_addr}")
+        return None, False
+    if "read_timeout" in cfg.rdzv_conf:
+        import datetime
+
+        store.store.set_timeout(datetime.timedelta(seconds=cfg.read_timeout))
+    return store, False
+
+
+def _fail(console: ConsoleOut, text: str) -> None:
+    console.note(f"error: {text}", style="bold red")
+
+
+def _count(store: RunStore, n: int) -> int:
+    return 1 + int(store.store.add(_key(f"{n}/arrivals"), 0))
+
+
+def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) -> Any:
+    """Close round n: (n, 0, size, master_addr) once it has formed, else an exit status."""
+    s = store.store
+    if n > 0:
+        store.clear_worker_keys()  # the last round's gloo/NCCL keys must not be read by the next
+    s.set(_key("round"), str(n))
+    t0 = time.monotonic()
+    deadline = t0 + cfg.join_timeout
+    last_call: Optional[float] = None
+    while True:
+        count = _count(store, n)
+        now = time.monotonic()
+        if count >= cfg.min_nodes and last_call is None:
+            last_call = now + cfg.last_call_timeout
+        if count >= cfg.max_nodes or (last_call is not None and now >= last_call):
+            size = min(count, cfg.max_nodes)
+            break
+        if last_call is None and now > deadline:
+            s.set(_key(f"{n}/size"), "0")
+            _fail(console, f"only {count} of at least {cfg.min_nodes} nodes joined within --rdzv-conf "
+                           f"join_timeout={cfg.join_timeout:g}; start ftrun with the same line on the others")
+            return JOIN_FAILED
+        time.sleep(POLL_S)
+    s.set(_key(f"{n}/size"), str(size))
+    console.note(f"round {n}: {size} node{'s' if size != 1 else ''} formed run {cfg.run_id} at "
+                 f"{cfg.master_addr}:{cfg.master_port} in {time.monotonic() - t0:.1f} s; this node is node 0",
+                 style="bold blue")
+    return n, 0, size, s.get(_key("master_addr")).decode()
+
+
+def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) -> Any:
+    """Join round n (or the next one still open): (n, rank, size, master_addr), else an exit status."""
+    s = store.store
+    t0 = time.monotonic()
+    # A node that starts late enters the round being formed, or the next one if that has closed.
+    while True:
+        try:
+            if s.check([_key("done")]):
+                code = s.get(_key("done")).decode()
+                console.note(f"the run ended (exit {code}) before this node could join it", style="bold yellow")
+                return int(code)
+            if s.check([_key("round")]):
+                current = int(s.get(_key("round")).decode())
+                running = s.check([_key(f"{current}/size")])
+                if running and n <= current:
+                    console.note(f"run {cfg.run_id} is already in round {current}; this node joins at the next "
+                                 f"re-formation", style="yellow")
+                n = max(n, current + 1 if running else current)
+                break
+        except Exception as e:
+            _fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {nodes._one_line(e)}")
+            return nodes.NODE_LOST
+        time.sleep(POLL_S)
+    while True:
+        try:
+            index = int(s.add(_key(f"{n}/arrivals"), 1))
+            while not s.check([_key(f"{n}/size")]):
+                if s.check([_key("done")]):
+                    code = s.get(_key("done")).decode()
+                    console.note(f"the run ended (exit {code}) while this node waited to join", style="bold yellow")
+                    return int(code)
+                time.sleep(POLL_S)
+            size = int(s.get(_key(f"{n}/size")).decode())
+            master = s.get(_key("master_addr")).decode()
+        except Exception as e:
+            _fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {nodes._one_line(e)}")
+            return nodes.NODE_LOST
+        if size == 0:
+            _fail(console, f"round {n} could not form (fewer than {cfg.min_nodes} nodes joined in time)")
+            return JOIN_FAILED
+        if index < size:
+            console.note(f"round {n}: joined run {cfg.run_id} at {cfg.master_addr}:{cfg.master_port} as node "
+                         f"{index} of {size} in {time.monotonic() - t0:.1f} s", style="bold blue")
+            return n, index, size, master
+        if cfg.min_nodes == cfg.max_nodes:
+            _fail(console, f"the run at {cfg.master_addr}:{cfg.master_port} already has its {size} nodes "
+                           f"(--nnodes {cfg.max_nodes}); is this node's line meant for another run?")
+            return JOIN_FAILED
+        console.note(f"round {n} formed without this node ({size} nodes, the most it takes now); waiting for the "
+                     f"next re-formation", style="yellow")
+        n += 1
