@@ -7,6 +7,9 @@ bash scripts/setup.sh
 # its test is skipped (with the reason) when it cannot be installed.
 if [ "${FTRUN_SKIP_LIGHTNING:-0}" != "1" ] && ! .venv/bin/python -c "import lightning" >/dev/null 2>&1; then
   TV=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
-  .venv/bin/python -m pip install -q --disable-pip-version-check lightning "torch==$TV" 2>&1 | grep -v "^WARNING: Location" || echo "test: lightning not installable here; its test will be skipped"
+  # (pip's own status decides; a filter's exit status would say "failed" for a silent success)
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check lightning "torch==$TV" >/tmp/ftrun-pip-lightning.log 2>&1; then
+    echo "test: lightning not installable here ($(tail -n 1 /tmp/ftrun-pip-lightning.log)); its test will be skipped"
+  fi
 fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
