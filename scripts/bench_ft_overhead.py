@@ -32,7 +32,7 @@ MODELS = {
 
 def one(args: list) -> dict:
     env = dict(os.environ, FTRUN_HOME=tempfile.mkdtemp(prefix="bench-ftov-"))
-    out = subprocess.run([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", "--quiet",
+    out = subprocess.run([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft",
                           str(ROOT / "scripts" / "train_ft_vs_ddp.py"), *args], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=900)
     rows = [json.loads(line.split("[result] ", 1)[1]) for line in (out.stdout + out.stderr).splitlines()
