@@ -41,6 +41,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from ftrun.protocol import NodeKeys
 from ftrun.status.state import ReplicaStatus, WorkerState
 from ftrun.supervisor.restart import Decision
 from ftrun.supervisor.worker import Failure, Worker
@@ -56,50 +57,13 @@ POLL_S = 0.05
 JOIN_FAILED = 2
 NODE_LOST = 1
 
-PREFIX = "ftrun/nodes/"
-
-
-def claim_key(k: int) -> str:
-    return f"{PREFIX}claim/{k}"
-
-
-def who_key(k: int) -> str:
-    return f"{PREFIX}who/{k}"
-
-
-def beat_key(k: int) -> str:
-    return f"{PREFIX}beat/{k}"
-
-
-def final_key(k: int) -> str:
-    return f"{PREFIX}final/{k}"
-
-
-def table_key(k: int) -> str:
-    return f"{PREFIX}table/{k}"
-
-
-def fail_key(attempt: int) -> str:
-    return f"{PREFIX}fail/{attempt}"
-
-
-def stopped_key(attempt: int) -> str:
-    return f"{PREFIX}stopped/{attempt}"
-
-
-def go_key(attempt: int) -> str:
-    return f"{PREFIX}go/{attempt}"
-
-
-LAYOUT_KEY = PREFIX + "layout"
+KEYS = NodeKeys()
 
 
 def use_round(n: int) -> None:
-    """Put every node key of this process under rendezvous round n (a c10d run re-forms in new rounds,
-    whose nodes must never read the last round's claims, beats or failures)."""
-    global PREFIX, LAYOUT_KEY
-    PREFIX = f"ftrun/nodes/r{n}/" if n else "ftrun/nodes/"
-    LAYOUT_KEY = PREFIX + "layout"
+    """Put every node key of this process under rendezvous round n (ftrun.protocol.NodeKeys)."""
+    global KEYS
+    KEYS = NodeKeys(n)
 
 
 class NodeState(str, enum.Enum):
@@ -152,14 +116,14 @@ class _Watch(threading.Thread):
         last_change: Dict[int, float] = {k: time.monotonic() for k in c.others}
         while not self.stop.is_set():
             try:
-                store.add(beat_key(c.me), 1)
+                store.add(KEYS.beat(c.me), 1)
                 table = self.local_table
                 if table is not None and table != self._published:
-                    store.set(table_key(c.me), table)
+                    store.set(KEYS.table(c.me), table)
                     self._published = table
                 attempt = c.attempt
-                keys = ([beat_key(k) for k in c.others] + [final_key(k) for k in c.others]
-                        + [table_key(k) for k in c.others] + [fail_key(attempt)])
+                keys = ([KEYS.beat(k) for k in c.others] + [KEYS.final(k) for k in c.others]
+                        + [KEYS.table(k) for k in c.others] + [KEYS.fail(attempt)])
                 values = store.multi_get(keys)
             except Exception as e:
                 if not self.stop.is_set():
@@ -277,15 +241,15 @@ class NodeCoordinator:
         layout = f"{cfg.nnodes} {cfg.nproc} {cfg.run_id}"
         try:
             if self.me == 0:
-                store.set(LAYOUT_KEY, layout)
+                store.set(KEYS.layout, layout)
             else:
-                while not store.check([LAYOUT_KEY]):
+                while not store.check([KEYS.layout]):
                     code = self._wait_signal(POLL_S)
                     if code is not None:
                         return code
                     if time.monotonic() > deadline:
                         return self._join_failed(f"{where} answers but is not an ftrun store of this run")
-                theirs = store.get(LAYOUT_KEY).decode()
+                theirs = store.get(KEYS.layout).decode()
                 if theirs != layout:
                     nn, npr, rid = theirs.split(" ", 2)
                     return self._join_failed(
@@ -293,22 +257,22 @@ class NodeCoordinator:
                         f"--nproc {cfg.nproc} --run-id {cfg.run_id}; every node needs the same three")
             # This node's keys exist before it claims its rank, so the others'
             # multi_get never waits on a key that is not there yet.
-            store.set(beat_key(self.me), "0")
-            store.set(final_key(self.me), "")
-            store.set(table_key(self.me), "[]")
-            store.compare_set(fail_key(0), "", "")
-            if store.add(claim_key(self.me), 1) > 1:
-                holder = store.get(who_key(self.me)).decode() if store.check([who_key(self.me)]) else "another ftrun"
+            store.set(KEYS.beat(self.me), "0")
+            store.set(KEYS.final(self.me), "")
+            store.set(KEYS.table(self.me), "[]")
+            store.compare_set(KEYS.fail(0), "", "")
+            if store.add(KEYS.claim(self.me), 1) > 1:
+                holder = store.get(KEYS.who(self.me)).decode() if store.check([KEYS.who(self.me)]) else "another ftrun"
                 return self._join_failed(
                     f"node rank {self.me} is already taken by {holder}; give each node its own --node-rank "
                     f"(0..{cfg.nnodes - 1})")
-            store.set(who_key(self.me), f"{socket.gethostname()} pid {os.getpid()}")
-            claims = [claim_key(k) for k in range(self.nnodes)]
+            store.set(KEYS.who(self.me), f"{socket.gethostname()} pid {os.getpid()}")
+            claims = [KEYS.claim(k) for k in range(self.nnodes)]
             while True:
                 if store.check(claims):
                     break
                 if time.monotonic() > deadline:
-                    missing = [str(k) for k in range(self.nnodes) if not store.check([claim_key(k)])]
+                    missing = [str(k) for k in range(self.nnodes) if not store.check([KEYS.claim(k)])]
                     hint = (" (under Slurm: start ftrun with srun, one task per node)"
                             if os.environ.get("SLURM_JOB_ID") else "")
                     return self._join_failed(
@@ -319,8 +283,8 @@ class NodeCoordinator:
                 if code is not None:
                     return code
             for k in self.others:
-                if store.check([who_key(k)]):
-                    self.who[k] = store.get(who_key(k)).decode()
+                if store.check([KEYS.who(k)]):
+                    self.who[k] = store.get(KEYS.who(k)).decode()
         except Exception as e:  # node 0 went away while we joined
             return self._join_failed(f"lost node 0's store at {where} while joining: {_one_line(e)}")
         self.watch = _Watch(self)
@@ -419,7 +383,7 @@ class NodeCoordinator:
                 mine = json.dumps({"node": self.me, "rank": failure.rank, "reason": failure.reason,
                                    "code": failure.status_code})
                 # The first failure of the attempt wins on every node; later ones are its echoes.
-                first = self.store.compare_set(fail_key(n), "", mine).decode()
+                first = self.store.compare_set(KEYS.fail(n), "", mine).decode()
             else:
                 first = remote or ""
             info = json.loads(first)
@@ -475,15 +439,15 @@ class NodeCoordinator:
         # Long enough for the slowest node to notice (a beat), stop (grace, then SIGKILL) and report.
         deadline = time.monotonic() + self.cfg.shutdown_timeout + NODE_TIMEOUT_S + 15.0
         try:
-            store.add(stopped_key(n), 1)
+            store.add(KEYS.stopped(n), 1)
             while True:
                 if self.me == 0:
-                    if store.add(stopped_key(n), 0) >= self.nnodes:
+                    if store.add(KEYS.stopped(n), 0) >= self.nnodes:
                         self.sup._clean_store_for_new_attempt()
-                        store.compare_set(fail_key(n + 1), "", "")
-                        store.set(go_key(n + 1), "1")
+                        store.compare_set(KEYS.fail(n + 1), "", "")
+                        store.set(KEYS.go(n + 1), "1")
                         return None
-                elif store.check([go_key(n + 1)]):
+                elif store.check([KEYS.go(n + 1)]):
                     return None
                 if self._store_lost():
                     return self._store_gone(self.watch.store_error if self.watch else "")
@@ -542,7 +506,7 @@ class NodeCoordinator:
             return
         try:
             if not self._store_lost():
-                self.store.set(final_key(self.me), str(code))
+                self.store.set(KEYS.final(self.me), str(code))
         except Exception:
             pass
         if self.me == 0:

@@ -27,8 +27,7 @@ from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestar
 from ftrun.supervisor.spawn import Exited, PopenSpawner, Spawned, SpawnerDied, ZygoteSpawner, signal_group
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec
-from ftrun.worker.proc import DUMP_STACKS_SIGNAL
-from ftrun.worker.progress import progress_key
+from ftrun.protocol import DUMP_STACKS_SIGNAL, progress_key
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -109,7 +108,7 @@ class Supervisor:
         else:
             self.spawner = PopenSpawner(self.events)
         self.use_zygote = use_zygote
-        self._write_state(force=True)
+        self._write_state()
         self.console.note(
             f"run {cfg.run_id}: {cfg.nproc} worker{'s' if cfg.nproc != 1 else ''} of {cfg.script}"
             f"{' (' + self.policy.name + ', ' + str(cfg.max_restarts) + ' restarts)' if cfg.max_restarts else ''}"
@@ -559,7 +558,7 @@ class Supervisor:
             **(self.quorum.replica_fields(w.rank) if self.quorum is not None else {}),
         )
 
-    def _write_state(self, force: bool = False) -> None:
+    def _write_state(self) -> None:
         self.status.replicas = [self._replica_status(w) for w in self.workers]
         if self.nodes is not None:
             self.status.replicas = self.nodes.all_replicas(self.status.replicas)
@@ -589,7 +588,7 @@ class Supervisor:
             self.status.exit_summary = f"rank {self.first_failure.rank} {self.first_failure.reason}"
         else:
             self.status.exit_summary = f"stopped (exit {code})"
-        self._write_state(force=True)
+        self._write_state()
         if code == 0:
             self.console.note(f"run {self.cfg.run_id} finished in {time.time() - self.started:.1f} s", style="bold green")
 
