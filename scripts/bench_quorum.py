@@ -43,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch.distributed as dist  # noqa: E402
 
-from ftrun.worker.ft import keys, vote  # noqa: E402
-from ftrun.worker.ft.keys import Epoch  # noqa: E402
+from ftrun import protocol as keys  # noqa: E402
+from ftrun.worker.ft import vote  # noqa: E402
+from ftrun.protocol import Epoch  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=120)
 

@@ -20,12 +20,13 @@ agree on is a key under ``ftrun/nodes/``:
 - status: each node publishes its replica table to ``table/K``; every node's
   state file carries all of them, so `ftrun status` on any node shows the run.
 
-With --ft the replica policy and the quorum keeper handle failures; this
-module then only reports lost and ended nodes to ``Supervisor._on_node_lost``
-when the keeper defines it, and otherwise carries on.
-Must never start or signal a worker itself (the supervisor does, through its
-own methods), never decide a restart from local knowledge alone, and never
-import torch at module level (the store it uses is built off the CLI path).
+It is a source of events and a set of agreements for the supervisor's one
+loop (ftrun.supervisor.run): `check()` reports what happened to the other
+nodes and the store as a NodeEvent, `first_failure()` and
+`attempt_barrier()` carry out the cross-node agreements of a group restart;
+the loop decides and acts. Must never start, stop or signal a worker, never
+decide a restart, never hold the Supervisor, and never import torch at module
+level (the store it uses is built off the CLI path).
 """
 
 from __future__ import annotations
@@ -38,15 +39,14 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional
 
-from ftrun.status.state import ReplicaStatus, WorkerState
-from ftrun.supervisor.restart import Decision
-from ftrun.supervisor.worker import Failure, Worker
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ftrun.supervisor.run import Supervisor
+from ftrun.protocol import NodeKeys
+from ftrun.status.state import ReplicaStatus
+from ftrun.supervisor.logs import ConsoleOut
+from ftrun.supervisor.store import RunStore
+from ftrun.supervisor.worker import Failure
 
 BEAT_S = 0.25
 NODE_TIMEOUT_S = float(os.environ.get("FTRUN_NODE_TIMEOUT", "3"))
@@ -56,56 +56,31 @@ POLL_S = 0.05
 JOIN_FAILED = 2
 NODE_LOST = 1
 
-PREFIX = "ftrun/nodes/"
-
-
-def claim_key(k: int) -> str:
-    return f"{PREFIX}claim/{k}"
-
-
-def who_key(k: int) -> str:
-    return f"{PREFIX}who/{k}"
-
-
-def beat_key(k: int) -> str:
-    return f"{PREFIX}beat/{k}"
-
-
-def final_key(k: int) -> str:
-    return f"{PREFIX}final/{k}"
-
-
-def table_key(k: int) -> str:
-    return f"{PREFIX}table/{k}"
-
-
-def fail_key(attempt: int) -> str:
-    return f"{PREFIX}fail/{attempt}"
-
-
-def stopped_key(attempt: int) -> str:
-    return f"{PREFIX}stopped/{attempt}"
-
-
-def go_key(attempt: int) -> str:
-    return f"{PREFIX}go/{attempt}"
-
-
-LAYOUT_KEY = PREFIX + "layout"
+KEYS = NodeKeys()
 
 
 def use_round(n: int) -> None:
-    """Put every node key of this process under rendezvous round n (a c10d run re-forms in new rounds,
-    whose nodes must never read the last round's claims, beats or failures)."""
-    global PREFIX, LAYOUT_KEY
-    PREFIX = f"ftrun/nodes/r{n}/" if n else "ftrun/nodes/"
-    LAYOUT_KEY = PREFIX + "layout"
+    """Put every node key of this process under rendezvous round n (ftrun.protocol.NodeKeys)."""
+    global KEYS
+    KEYS = NodeKeys(n)
 
 
 class NodeState(str, enum.Enum):
     RUNNING = "running"   # heartbeating
     ENDED = "ended"       # its ftrun finished and said so (final/K)
     LOST = "lost"         # no heartbeat for NODE_TIMEOUT_S and no final word
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """What check() saw. kind: "store_gone" (node 0 went away), "node_lost" (node `node`
+    went away or ended in failure; `text` says which), "remote_failure" (another node's
+    first failure of the current attempt, `info` as agreed in the store)."""
+
+    kind: str
+    text: str = ""
+    node: int = -1
+    info: Optional[Dict[str, Any]] = None
 
 
 class StoreState(str, enum.Enum):
@@ -152,14 +127,14 @@ class _Watch(threading.Thread):
         last_change: Dict[int, float] = {k: time.monotonic() for k in c.others}
         while not self.stop.is_set():
             try:
-                store.add(beat_key(c.me), 1)
+                store.add(KEYS.beat(c.me), 1)
                 table = self.local_table
                 if table is not None and table != self._published:
-                    store.set(table_key(c.me), table)
+                    store.set(KEYS.table(c.me), table)
                     self._published = table
                 attempt = c.attempt
-                keys = ([beat_key(k) for k in c.others] + [final_key(k) for k in c.others]
-                        + [table_key(k) for k in c.others] + [fail_key(attempt)])
+                keys = ([KEYS.beat(k) for k in c.others] + [KEYS.final(k) for k in c.others]
+                        + [KEYS.table(k) for k in c.others] + [KEYS.fail(attempt)])
                 values = store.multi_get(keys)
             except Exception as e:
                 if not self.stop.is_set():
@@ -212,11 +187,18 @@ def _one_line(e: BaseException) -> str:
 
 
 class NodeCoordinator:
-    """This node's side of a multi-node run; the Supervisor calls it from a few places."""
+    """This node's side of a multi-node run: an event source and the agreements between nodes.
 
-    def __init__(self, sup: "Supervisor") -> None:
-        self.sup = sup
-        cfg = sup.cfg
+    `wake` posts an event to the supervisor's queue (its loop then calls check());
+    `signalled` says whether a signal asked the run to stop (waits here end at once)."""
+
+    def __init__(self, cfg: Any, run_store: RunStore, console: ConsoleOut, wake: Callable[[], None],
+                 signalled: Callable[[float], Optional[int]]) -> None:
+        self.run_store = run_store
+        self.console = console
+        self._wake = wake
+        self._signalled = signalled
+        self.summary = ""  # the one line a failed join ended with
         self.cfg = cfg
         self.me = cfg.node_rank
         self.nnodes = cfg.nnodes
@@ -231,23 +213,22 @@ class NodeCoordinator:
 
     # ------------------------------------------------------------ helpers
     def wake(self) -> None:
-        """Wake the supervisor's loop (an unknown event is ignored there; the tick then calls check())."""
-        self.sup.events.put(("nodes", None))
+        self._wake()
 
     @property
     def store(self) -> Any:
-        return self.sup.store.store
+        return self.run_store.store
 
     def _note(self, text: str, style: str = "bold yellow") -> None:
-        self.sup.console.note(text, style=style)
+        self.console.note(text, style=style)
 
     def _wait_signal(self, timeout: float) -> Optional[int]:
-        """Sleep up to `timeout` on the supervisor's queue; a forwarded signal returns its exit status."""
-        ev = self.sup._next_event(timeout)
-        if isinstance(ev, tuple) and ev[0] == "signal":
-            self.sup.stopped_by_signal = ev[1]
-            self._note(f"received {signal.Signals(ev[1]).name}: stopping", style="bold yellow")
-            return 128 + ev[1]
+        """Wait up to `timeout` (a poll interval of a store wait); a signal that asks the run
+        to stop ends it at once with that signal's exit status."""
+        signum = self._signalled(timeout)
+        if signum is not None:
+            self._note(f"received {signal.Signals(signum).name}: stopping", style="bold yellow")
+            return 128 + signum
         return None
 
     def _node_name(self, k: int) -> str:
@@ -261,12 +242,12 @@ class NodeCoordinator:
         t0 = time.monotonic()
         deadline = t0 + cfg.join_timeout
         where = f"{self.host}:{self.port}"
-        while not self.sup.store.ready.is_set():
+        while not self.run_store.ready.is_set():
             code = self._wait_signal(POLL_S)
             if code is not None:
                 return code
-        if self.sup.store.store is None:
-            err = self.sup.store.error
+        if self.run_store.store is None:
+            err = self.run_store.error
             if self.me == 0:
                 return self._join_failed(f"node 0 could not host the run's store on {where}: {_one_line(err)}")
             return self._join_failed(
@@ -277,15 +258,15 @@ class NodeCoordinator:
         layout = f"{cfg.nnodes} {cfg.nproc} {cfg.run_id}"
         try:
             if self.me == 0:
-                store.set(LAYOUT_KEY, layout)
+                store.set(KEYS.layout, layout)
             else:
-                while not store.check([LAYOUT_KEY]):
+                while not store.check([KEYS.layout]):
                     code = self._wait_signal(POLL_S)
                     if code is not None:
                         return code
                     if time.monotonic() > deadline:
                         return self._join_failed(f"{where} answers but is not an ftrun store of this run")
-                theirs = store.get(LAYOUT_KEY).decode()
+                theirs = store.get(KEYS.layout).decode()
                 if theirs != layout:
                     nn, npr, rid = theirs.split(" ", 2)
                     return self._join_failed(
@@ -293,22 +274,22 @@ class NodeCoordinator:
                         f"--nproc {cfg.nproc} --run-id {cfg.run_id}; every node needs the same three")
             # This node's keys exist before it claims its rank, so the others'
             # multi_get never waits on a key that is not there yet.
-            store.set(beat_key(self.me), "0")
-            store.set(final_key(self.me), "")
-            store.set(table_key(self.me), "[]")
-            store.compare_set(fail_key(0), "", "")
-            if store.add(claim_key(self.me), 1) > 1:
-                holder = store.get(who_key(self.me)).decode() if store.check([who_key(self.me)]) else "another ftrun"
+            store.set(KEYS.beat(self.me), "0")
+            store.set(KEYS.final(self.me), "")
+            store.set(KEYS.table(self.me), "[]")
+            store.compare_set(KEYS.fail(0), "", "")
+            if store.add(KEYS.claim(self.me), 1) > 1:
+                holder = store.get(KEYS.who(self.me)).decode() if store.check([KEYS.who(self.me)]) else "another ftrun"
                 return self._join_failed(
                     f"node rank {self.me} is already taken by {holder}; give each node its own --node-rank "
                     f"(0..{cfg.nnodes - 1})")
-            store.set(who_key(self.me), f"{socket.gethostname()} pid {os.getpid()}")
-            claims = [claim_key(k) for k in range(self.nnodes)]
+            store.set(KEYS.who(self.me), f"{socket.gethostname()} pid {os.getpid()}")
+            claims = [KEYS.claim(k) for k in range(self.nnodes)]
             while True:
                 if store.check(claims):
                     break
                 if time.monotonic() > deadline:
-                    missing = [str(k) for k in range(self.nnodes) if not store.check([claim_key(k)])]
+                    missing = [str(k) for k in range(self.nnodes) if not store.check([KEYS.claim(k)])]
                     hint = (" (under Slurm: start ftrun with srun, one task per node)"
                             if os.environ.get("SLURM_JOB_ID") else "")
                     return self._join_failed(
@@ -319,8 +300,8 @@ class NodeCoordinator:
                 if code is not None:
                     return code
             for k in self.others:
-                if store.check([who_key(k)]):
-                    self.who[k] = store.get(who_key(k)).decode()
+                if store.check([KEYS.who(k)]):
+                    self.who[k] = store.get(KEYS.who(k)).decode()
         except Exception as e:  # node 0 went away while we joined
             return self._join_failed(f"lost node 0's store at {where} while joining: {_one_line(e)}")
         self.watch = _Watch(self)
@@ -332,13 +313,13 @@ class NodeCoordinator:
 
     def _join_failed(self, text: str) -> int:
         # One line, as for any bad input: nothing was started.
-        self.sup.console.note(f"error: {text}", style="bold red")
-        self.sup.status.exit_summary = text
+        self.console.note(f"error: {text}", style="bold red")
+        self.summary = text
         return JOIN_FAILED
 
     # ------------------------------------------------------------ watching (every tick)
-    def check(self) -> Optional[int]:
-        """After each tick: act on a lost store, lost or ended nodes, and other nodes' failures."""
+    def check(self) -> Optional[NodeEvent]:
+        """After each tick: what happened to the store, the other nodes, and their failures."""
         w = self.watch
         if w is None:
             return None
@@ -349,11 +330,14 @@ class NodeCoordinator:
             silent = dict(w.silent_s)
             fail = w.fail.get(self.attempt)
         if store_state is StoreState.LOST:
-            return self._store_gone(store_error)
+            return self.store_gone(store_error)
         # Another node's failure first: a node that gave up on it also ends, and
         # its end must not be reported as the cause.
         if fail and not self.cfg.ft and self._handled_attempt < self.attempt:
-            return self.on_group_failure(None, None, fail)
+            try:
+                return NodeEvent("remote_failure", info=json.loads(fail))
+            except ValueError:
+                return NodeEvent("remote_failure", info={"node": -1, "rank": -1, "reason": "failed", "code": 1})
         for k, st in states.items():
             if st is NodeState.RUNNING or self._reported.get(k) is st:
                 continue
@@ -362,29 +346,13 @@ class NodeCoordinator:
                 continue  # its workers finished; ours are finishing too
             what = (f"went away (no heartbeat for {silent.get(k, NODE_TIMEOUT_S):.1f} s)" if st is NodeState.LOST
                     else f"ended (exit {finals.get(k)})")
-            if self.cfg.ft:
-                hook = getattr(self.sup, "_on_node_lost", None)
-                self._note(f"{self._node_name(k)} {what}; carrying on without its replicas (--ft)")
-                if hook is not None:
-                    hook(k)
-                continue
-            self._note(f"{self._node_name(k)} {what}; stopping this node's workers "
-                       f"(without --ft the run needs every node)", style="bold red")
-            self.sup.status.exit_summary = f"node {k} {what}"
-            self.sup._stop_all(signal.SIGTERM, self.cfg.shutdown_timeout)
-            return NODE_LOST
+            return NodeEvent("node_lost", f"{self._node_name(k)} {what}", node=k)
         return None
 
-    def _store_gone(self, why: str) -> int:
-        where = f"{self.host}:{self.port}"
-        live = [w for w in self.sup.workers if w.alive]
-        self._note(f"node 0 (the run's store at {where}) went away ({why}); stopping this node's "
-                   f"{len(live)} worker{'s' if len(live) != 1 else ''}", style="bold red")
-        self.sup.status.exit_summary = f"node 0 (the run's store) went away"
-        self.sup._stop_all(signal.SIGTERM, self.cfg.shutdown_timeout)
+    def store_gone(self, why: str) -> NodeEvent:
         if self.watch is not None:
             self.watch.stop.set()
-        return NODE_LOST
+        return NodeEvent("store_gone", f"node 0 (the run's store at {self.host}:{self.port}) went away ({why})")
 
     def _lost_nodes(self) -> List[int]:
         w = self.watch
@@ -406,87 +374,53 @@ class NodeCoordinator:
         return w is not None and w.store_state is StoreState.LOST
 
     # ------------------------------------------------------------ group restarts
-    def on_group_failure(self, w: Optional[Worker], failure: Optional[Failure],
-                         remote: Optional[str] = None) -> Optional[int]:
-        """A failure in attempt N, here (w, failure) or on another node (remote): the same decision everywhere."""
-        sup = self.sup
-        n = self.attempt
-        self._handled_attempt = n
-        if w is not None:
-            w.state = WorkerState.FAILED
+    def first_failure(self, failure: Optional[Failure], remote: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """The first failure of the current attempt, the same on every node: this node's
+        (`failure`, written with compare_set: the first writer wins) or another node's
+        (`remote`, already agreed). Raises if the store is unreachable."""
+        self._handled_attempt = self.attempt
+        if failure is None:
+            return remote or {"node": -1, "rank": -1, "reason": "failed", "code": 1}
+        mine = json.dumps({"node": self.me, "rank": failure.rank, "reason": failure.reason,
+                           "code": failure.status_code})
+        return json.loads(self.store.compare_set(KEYS.fail(self.attempt), "", mine).decode())
+
+    def store_reachable(self) -> bool:
         try:
-            if failure is not None:
-                mine = json.dumps({"node": self.me, "rank": failure.rank, "reason": failure.reason,
-                                   "code": failure.status_code})
-                # The first failure of the attempt wins on every node; later ones are its echoes.
-                first = self.store.compare_set(fail_key(n), "", mine).decode()
-            else:
-                first = remote or ""
-            info = json.loads(first)
-        except Exception as e:
-            if failure is not None and not self._store_reachable():
-                return self._store_gone(_one_line(e))
-            info = {"node": self.me, "rank": failure.rank if failure else -1,
-                    "reason": failure.reason if failure else "failed", "code": failure.status_code if failure else 1}
-        origin = f"rank {info['rank']} on node {info['node']}"
-        decision = sup.policy.on_failure(int(info["rank"]))
-        others = [o for o in sup.workers if o is not w and o.alive]
-        if decision is not Decision.RESTART_GROUP and self.cfg.total_restarts is not None \
-                and self.cfg.round < self.cfg.total_restarts:
-            # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
-            self._note(f"{origin} {info['reason']}; ending round {self.cfg.round}: every node stops its workers "
-                       f"and the run re-forms", style="bold yellow")
-            sup._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-            sup.status.exit_summary = f"{origin} {info['reason']}"
-            return int(info.get("code") or 1)
-        if decision is not Decision.RESTART_GROUP:
-            if failure is not None and info["node"] == self.me and info["rank"] == failure.rank:
-                sup._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-                return sup._give_up(failure)
-            self._note(f"{origin} {info['reason']}; restart budget spent ({self.cfg.max_restarts} restart"
-                       f"{'s' if self.cfg.max_restarts != 1 else ''}); stopping this node's workers",
-                       style="bold red")
-            sup._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-            sup.status.exit_summary = f"{origin} {info['reason']}"
-            return int(info.get("code") or 1)
-        self._note(f"{origin} {info['reason']}; restarting all {self.cfg.world_size} workers on {self.nnodes} nodes "
-                   f"(restart {sup.policy.restarts} of {sup.policy.max_restarts})")
-        for o in sup.workers:
-            o.state = WorkerState.RESTARTING if o is w or o.alive else o.state
-        sup._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-        code = self._attempt_barrier(n, int(info.get("code") or 1))
-        if code is not None:
-            return code
-        self.attempt = n + 1
-        sup.status.group_restarts = sup.policy.restarts
-        for o in sup.workers:
-            o.incarnation = sup.policy.restarts
-            o.restarts = sup.policy.restarts
-            sup._spawn(o)
-        sup.first_failure = None
-        return None
+            with socket.create_connection((self.host, self.port), timeout=1.0):
+                return True
+        except OSError:
+            return False
 
-    def _attempt_barrier(self, n: int, fail_code: int) -> Optional[int]:
-        """Every node has stopped attempt n; node 0 has cleaned the store; attempt n+1 may start.
+    def attempt_barrier(self, fail_code: int) -> Optional[NodeEvent | int]:
+        """After this node stopped its workers of the current attempt n: wait until every node
+        has; node 0 then clears the workers' keys and lets attempt n+1 start.
 
-        None when attempt n+1 may start; else ftrun's exit status (`fail_code`
-        when the group cannot restart because a node has already ended)."""
+        None when attempt n+1 may start (the coordinator is then in it); else ftrun's
+        exit status (`fail_code` when a node has already ended) or the NodeEvent that
+        ended the wait (a lost node, the store gone)."""
+        n = self.attempt
         store = self.store
         # Long enough for the slowest node to notice (a beat), stop (grace, then SIGKILL) and report.
         deadline = time.monotonic() + self.cfg.shutdown_timeout + NODE_TIMEOUT_S + 15.0
         try:
-            store.add(stopped_key(n), 1)
+            store.add(KEYS.stopped(n), 1)
             while True:
                 if self.me == 0:
-                    if store.add(stopped_key(n), 0) >= self.nnodes:
-                        self.sup._clean_store_for_new_attempt()
-                        store.compare_set(fail_key(n + 1), "", "")
-                        store.set(go_key(n + 1), "1")
+                    if store.add(KEYS.stopped(n), 0) >= self.nnodes:
+                        try:
+                            self.run_store.clear_worker_keys()
+                        except Exception as e:  # the attempt may still work; say why it might not
+                            self._note(f"could not clear the store between attempts: {e}")
+                        store.compare_set(KEYS.fail(n + 1), "", "")
+                        store.set(KEYS.go(n + 1), "1")
+                        self.attempt = n + 1
                         return None
-                elif store.check([go_key(n + 1)]):
+                elif store.check([KEYS.go(n + 1)]):
+                    self.attempt = n + 1
                     return None
                 if self._store_lost():
-                    return self._store_gone(self.watch.store_error if self.watch else "")
+                    return self.store_gone(self.watch.store_error if self.watch else "")
                 lost = self._lost_nodes()
                 if lost:
                     return self.check() or NODE_LOST
@@ -504,14 +438,7 @@ class NodeCoordinator:
                 if code is not None:
                     return code
         except Exception as e:
-            return self._store_gone(_one_line(e))
-
-    def _store_reachable(self) -> bool:
-        try:
-            with socket.create_connection((self.host, self.port), timeout=1.0):
-                return True
-        except OSError:
-            return False
+            return self.store_gone(_one_line(e))
 
     # ------------------------------------------------------------ status
     def all_replicas(self, local: List[ReplicaStatus]) -> List[ReplicaStatus]:
@@ -542,7 +469,7 @@ class NodeCoordinator:
             return
         try:
             if not self._store_lost():
-                self.store.set(final_key(self.me), str(code))
+                self.store.set(KEYS.final(self.me), str(code))
         except Exception:
             pass
         if self.me == 0:

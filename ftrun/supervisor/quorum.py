@@ -23,14 +23,13 @@ import json
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
-from ftrun.worker.ft import keys
-from ftrun.worker.ft.keys import Epoch
+from ftrun import protocol as keys
+from ftrun.protocol import EVENTS, Epoch
 
 FIRST_EPOCH_WAIT_S = 30.0  # how long the first epoch waits for slow first replicas
 ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
-INFO_FRESH_S = 1.0
-STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another epoch  # a replica reports every 0.25 s: silent for longer, its last report is stale
-EVENTS = keys.PREFIX + "events"  # queue: "<rank> <incarnation> spawn|died|finished" from the other nodes
+INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
+STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another epoch
 
 
 class QuorumKeeper:

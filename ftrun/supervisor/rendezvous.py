@@ -36,18 +36,18 @@ import time
 from typing import Any, Optional, Tuple
 
 from ftrun.config import RunConfig, store_listen_addr, store_bind_addr, this_node_name
+from ftrun.protocol import RDZV
 from ftrun.supervisor import nodes
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.spawn import ZygoteSpawner
 from ftrun.supervisor.store import RunStore, bind_listener
 
-PREFIX = "ftrun/rdzv/"
 POLL_S = 0.05
 JOIN_FAILED = nodes.JOIN_FAILED
 
 
 def _key(name: str) -> str:
-    return PREFIX + name
+    return RDZV + name
 
 
 class _Stop(Exception):

@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -20,15 +21,15 @@ from ftrun.config import RunConfig, store_listen_addr
 from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, WorkerState, run_dir, write_state
 from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, open_pipes
-from ftrun.supervisor.nodes import NodeCoordinator, state_dir_name
+from ftrun.supervisor.nodes import NODE_LOST, NodeCoordinator, NodeEvent, state_dir_name
+from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.report import exit_reason, failure_report
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
 from ftrun.supervisor.spawn import Exited, PopenSpawner, Spawned, SpawnerDied, ZygoteSpawner, signal_group
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec
-from ftrun.worker.proc import DUMP_STACKS_SIGNAL
-from ftrun.worker.progress import progress_key
+from ftrun.protocol import DUMP_STACKS_SIGNAL, progress_key
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -49,6 +50,7 @@ class Supervisor:
         self._given_store = store
         self._given_zygote = zygote
         self.stopped_by_signal: Optional[int] = None
+        self._signal_seen = threading.Event()
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.console = ConsoleOut.for_config(cfg)
         self.run_dir = run_dir(state_dir_name(cfg))
@@ -96,7 +98,8 @@ class Supervisor:
             self.quorum = QuorumKeeper(self.store, list(range(cfg.world_size)), [w.rank for w in self.workers],
                                        leader=cfg.node_rank == 0)
         if cfg.nnodes > 1:
-            self.nodes = NodeCoordinator(self)
+            self.nodes = NodeCoordinator(cfg, self.store, self.console, lambda: self.events.put(("nodes", None)),
+                                         self._signalled)
         self.common = common_env(cfg, host, port, base_env())
         cwd = os.getcwd()
         self.cwd = cwd
@@ -109,7 +112,7 @@ class Supervisor:
         else:
             self.spawner = PopenSpawner(self.events)
         self.use_zygote = use_zygote
-        self._write_state(force=True)
+        self._write_state()
         self.console.note(
             f"run {cfg.run_id}: {cfg.nproc} worker{'s' if cfg.nproc != 1 else ''} of {cfg.script}"
             f"{' (' + self.policy.name + ', ' + str(cfg.max_restarts) + ' restarts)' if cfg.max_restarts else ''}"
@@ -119,6 +122,8 @@ class Supervisor:
         try:
             # With several nodes, no worker starts anywhere before every node has joined.
             code = self.nodes.join() if self.nodes is not None else None
+            if code is not None and self.nodes.summary:
+                self.status.exit_summary = self.nodes.summary
             if code is None:
                 for w in self.workers:
                     self._spawn(w)
@@ -161,7 +166,15 @@ class Supervisor:
 
     # ---------------------------------------------------------------- loop
     def _on_signal(self, signum, _frame) -> None:
+        self.stopped_by_signal = signum
+        self._signal_seen.set()
         self.events.put(("signal", signum))
+
+    def _signalled(self, timeout: float) -> Optional[int]:
+        """For waits outside the loop (nodes joining, restart barriers): wait up to `timeout`;
+        the stopping signal if one came. The loop's own queue is left alone."""
+        self._signal_seen.wait(timeout)
+        return self.stopped_by_signal
 
     def _next_event(self, timeout: float):
         try:
@@ -178,7 +191,8 @@ class Supervisor:
                     return result
             self._tick()
             if self.nodes is not None:
-                result = self.nodes.check()
+                event = self.nodes.check()
+                result = self._on_node_event(event) if event is not None else None
                 if result is not None:
                     return result
             if all(w.state in (WorkerState.DONE, WorkerState.FAILED) for w in self.workers):
@@ -253,29 +267,7 @@ class Supervisor:
 
     def _on_failure(self, w: Worker, failure: Failure) -> Optional[int]:
         if isinstance(self.policy, GroupRestartPolicy):
-            if self.nodes is not None:
-                return self.nodes.on_group_failure(w, failure)  # every node restarts together
-            w.state = WorkerState.FAILED
-            decision = self.policy.on_failure(w.rank)
-            others = [o for o in self.workers if o is not w and o.alive]
-            if decision is Decision.RESTART_GROUP:
-                self.console.note(f"rank {w.rank} (pid {failure.pid}) {failure.reason}; restarting all "
-                                  f"{len(self.workers)} workers (restart {self.policy.restarts} of {self.policy.max_restarts})",
-                                  style="bold yellow")
-                for o in self.workers:
-                    o.state = WorkerState.RESTARTING if o is w or o.alive else o.state
-                self._write_state()  # `ftrun status` shows the restart while the group stops
-                self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-                self._clean_store_for_new_attempt()
-                self.status.group_restarts = self.policy.restarts
-                for o in self.workers:
-                    o.incarnation = self.policy.restarts
-                    o.restarts = self.policy.restarts
-                    self._spawn(o)
-                self.first_failure = None  # a new attempt: its first failure is what counts
-                return None
-            self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-            return self._give_up(failure)
+            return self._group_failure(w, failure)
         # replica policy (--ft)
         live_after = sum(1 for o in self.workers if o is not w and o.alive)
         if any(o.state == WorkerState.DONE for o in self.workers):
@@ -306,6 +298,87 @@ class Supervisor:
         others = [o for o in self.workers if o is not w and o.alive]
         self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
         return self._give_up(failure)
+
+    def _group_failure(self, w: Optional[Worker], failure: Optional[Failure],
+                       remote: Optional[dict] = None) -> Optional[int]:
+        """Without --ft: a failure here (w, failure) or on another node (remote) stops every
+        worker; the group restarts while the budget lasts. With several nodes the first
+        failure of the attempt is agreed in the store, so every node decides alike."""
+        if w is not None:
+            w.state = WorkerState.FAILED
+        info = {"node": self.cfg.node_rank, "rank": failure.rank if failure else -1,
+                "reason": failure.reason if failure else "failed", "code": failure.status_code if failure else 1}
+        if self.nodes is not None:
+            try:
+                info = self.nodes.first_failure(failure, remote)
+            except Exception as e:
+                if failure is not None and not self.nodes.store_reachable():
+                    return self._on_node_event(self.nodes.store_gone(nodes_one_line(e)))
+        code = int(info.get("code") or 1)
+        here = self.nodes is None or (failure is not None and info["node"] == self.cfg.node_rank
+                                      and info["rank"] == failure.rank)
+        origin = (f"rank {info['rank']} on node {info['node']}" if self.nodes is not None
+                  else f"rank {info['rank']} (pid {failure.pid})" if failure is not None else f"rank {info['rank']}")
+        others = [o for o in self.workers if o is not w and o.alive]
+        decision = self.policy.on_failure(int(info["rank"]))
+        if decision is not Decision.RESTART_GROUP:
+            if self.nodes is not None and self.cfg.total_restarts is not None \
+                    and self.cfg.round < self.cfg.total_restarts:
+                # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
+                self.console.note(f"{origin} {info['reason']}; ending round {self.cfg.round}: every node stops its "
+                                  f"workers and the run re-forms", style="bold yellow")
+                self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
+                self.status.exit_summary = f"{origin} {info['reason']}"
+                return code
+            self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
+            if here and failure is not None:
+                return self._give_up(failure)
+            self.console.note(f"{origin} {info['reason']}; restart budget spent ({self.cfg.max_restarts} restart"
+                              f"{'s' if self.cfg.max_restarts != 1 else ''}); stopping this node's workers",
+                              style="bold red")
+            self.status.exit_summary = f"{origin} {info['reason']}"
+            return code
+        where = "" if self.nodes is None else f" on {self.cfg.nnodes} nodes"
+        self.console.note(f"{origin} {info['reason']}; restarting all {self.cfg.world_size} workers{where} "
+                          f"(restart {self.policy.restarts} of {self.policy.max_restarts})", style="bold yellow")
+        for o in self.workers:
+            o.state = WorkerState.RESTARTING if o is w or o.alive else o.state
+        self._write_state()  # `ftrun status` shows the restart while the group stops
+        self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
+        if self.nodes is not None:
+            waited = self.nodes.attempt_barrier(code)
+            if isinstance(waited, NodeEvent):
+                return self._on_node_event(waited)
+            if waited is not None:
+                return waited
+        else:
+            self._clean_store_for_new_attempt()
+        self.status.group_restarts = self.policy.restarts
+        for o in self.workers:
+            o.incarnation = self.policy.restarts
+            o.restarts = self.policy.restarts
+            self._spawn(o)
+        self.first_failure = None  # a new attempt: its first failure is what counts
+        return None
+
+    def _on_node_event(self, ev: NodeEvent) -> Optional[int]:
+        """What the other nodes' coordinator saw: the store gone, a node lost, another node's failure."""
+        if ev.kind == "remote_failure":
+            return self._group_failure(None, None, ev.info)
+        live = [w for w in self.workers if w.alive]
+        if ev.kind == "node_lost" and self.cfg.ft:
+            self.console.note(f"{ev.text}; carrying on without its replicas (--ft)", style="bold yellow")
+            self._on_node_lost(ev.node)
+            return None
+        if ev.kind == "node_lost":
+            self.console.note(f"{ev.text}; stopping this node's workers (without --ft the run needs every node)",
+                              style="bold red")
+        else:
+            self.console.note(f"{ev.text}; stopping this node's {len(live)} worker{'s' if len(live) != 1 else ''}",
+                              style="bold red")
+        self.status.exit_summary = ev.text if ev.kind == "node_lost" else "node 0 (the run's store) went away"
+        self._stop_all(signal.SIGTERM, self.cfg.shutdown_timeout)
+        return NODE_LOST
 
     def _clean_store_for_new_attempt(self) -> None:
         if self.store is None or not self.store.wait(STORE_READY_TIMEOUT_S):
@@ -559,7 +632,7 @@ class Supervisor:
             **(self.quorum.replica_fields(w.rank) if self.quorum is not None else {}),
         )
 
-    def _write_state(self, force: bool = False) -> None:
+    def _write_state(self) -> None:
         self.status.replicas = [self._replica_status(w) for w in self.workers]
         if self.nodes is not None:
             self.status.replicas = self.nodes.all_replicas(self.status.replicas)
@@ -589,7 +662,7 @@ class Supervisor:
             self.status.exit_summary = f"rank {self.first_failure.rank} {self.first_failure.reason}"
         else:
             self.status.exit_summary = f"stopped (exit {code})"
-        self._write_state(force=True)
+        self._write_state()
         if code == 0:
             self.console.note(f"run {self.cfg.run_id} finished in {time.time() - self.started:.1f} s", style="bold green")
 

@@ -105,9 +105,6 @@ class RunStore:
     def multi_get(self, keys: List[str]) -> List[bytes]:
         return self.store.multi_get(keys)
 
-    def set_many(self, items: Dict[str, str]) -> None:
-        self.store.multi_set(list(items), list(items.values()))
-
     def clear_worker_keys(self, keep_prefix: str = "ftrun/") -> int:
         """Delete every key the workers' own rendezvous left behind (gloo/NCCL addresses,
         barriers), keeping ftrun's. A restarted group must never read the previous

@@ -15,9 +15,7 @@ from typing import List
 
 PR_SET_PDEATHSIG = 1
 
-# A realtime signal nobody else uses: SIGUSR1/2 belong to user code (Lightning,
-# SLURM requeue). The bootstrap installs faulthandler on it.
-DUMP_STACKS_SIGNAL = signal.SIGRTMIN + 7
+from ftrun.protocol import DUMP_STACKS_SIGNAL  # noqa: F401  (the bootstrap installs faulthandler on it)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:

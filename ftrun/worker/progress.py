@@ -16,11 +16,7 @@ import threading
 import time
 from typing import Optional
 
-HEARTBEAT_S = 0.25
-
-
-def progress_key(rank: int) -> str:
-    return f"ftrun/progress/{rank}"
+from ftrun.protocol import HEARTBEAT_S, info_key, progress_key
 
 
 class ProgressReporter:
@@ -73,7 +69,7 @@ class ProgressReporter:
                 store.set(key, f"{self.incarnation} {steps} {self.last_step_time:.3f} {time.time():.3f} {os.getpid()}")
                 if self.info_provider is not None:
                     # "beat" changes every report, so the keeper can tell a live report from a stale one.
-                    store.set(f"ftrun/ft/info/{self.rank}", json.dumps({**self.info_provider(), "beat": beat}))
+                    store.set(info_key(self.rank), json.dumps({**self.info_provider(), "beat": beat}))
             except Exception:
                 return  # the supervisor is gone; the parent-death signal ends us
             self._wake.wait(HEARTBEAT_S)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import os
 import sys
 import threading
@@ -30,9 +29,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from ftrun.worker.ft import keys, vote
+from ftrun import protocol as keys
+from ftrun.worker.ft import vote
 from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
-from ftrun.worker.ft.keys import Epoch
+from ftrun.protocol import Epoch
 from ftrun.worker.ft.transport import receive_state, send_state
 
 POLL_S = 0.005
@@ -125,7 +125,8 @@ class Manager:
             "quorum": self.num_replicas if self.epoch else 0, "in_quorum": self.epoch is not None and self.in_sync,
             "healing": self.phase == "heal", "step": self.step, "round": self.round,
             "committed": self.committed, "discarded": self.discarded, "last_heal_s": self.last_heal_s,
-            "phase": self.phase, "phase_since": self.phase_since,
+            "phase": self.phase, "phase_since": self.phase_since, "heals": self.heals,
+            "last_transfer": self.last_transfer,
         }
 
     def _set_phase(self, phase: str) -> None:
@@ -465,7 +466,3 @@ def manager() -> Manager:
     if _manager is None:
         _manager = Manager()
     return _manager
-
-
-def dumps_info(m: Manager) -> str:
-    return json.dumps(m.info())

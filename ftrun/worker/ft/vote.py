@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Tuple
 
-from ftrun.worker.ft import keys
+from ftrun import protocol as keys
 
 
 def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int) -> Tuple[bool, int, bool]:

@@ -1,15 +1,71 @@
-"""Names of the store keys of the --ft protocol, shared by workers and the supervisor.
+"""Every store key and payload that ftrun's processes share: the one vocabulary of the house.
 
-One place for the protocol's vocabulary, so both sides cannot drift apart.
-Must never import torch (the supervisor imports it on its torch-free path).
+Supervisors (one per node) and workers talk only through the run's TCPStore
+(and, for bulk data, process groups). Every key any of them writes or reads
+is named here, with what its value holds, so the two sides cannot drift
+apart and a key's meaning is in one place. Must never import torch (the
+supervisor imports it on its torch-free path) nor anything of ftrun's.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import dataclass
 from typing import List, Tuple
 
+# ---------------------------------------------------------------- workers -> supervisor: progress
+# "<incarnation> <steps> <last step time> <now> <pid>", rewritten by every worker's
+# heartbeat thread every HEARTBEAT_S (ftrun/worker/progress.py).
+HEARTBEAT_S = 0.25
+
+
+def progress_key(rank: int) -> str:
+    return f"ftrun/progress/{rank}"
+
+
+# A realtime signal nobody else uses (SIGUSR1/2 belong to user code: Lightning, SLURM
+# requeue): a worker dumps its Python stacks to its log when it gets it.
+DUMP_STACKS_SIGNAL = signal.SIGRTMIN + 7
+
+# ---------------------------------------------------------------- supervisors of several nodes
+class NodeKeys:
+    """The keys the supervisors of several nodes agree through, under rendezvous round `rnd`
+    (a c10d run re-forms in rounds, whose nodes must never read an earlier round's claims,
+    beats or failures)."""
+
+    def __init__(self, rnd: int = 0) -> None:
+        self.prefix = f"ftrun/nodes/r{rnd}/" if rnd else "ftrun/nodes/"
+        self.layout = self.prefix + "layout"       # the job's node layout once formed
+
+    def claim(self, k: int) -> str:
+        return f"{self.prefix}claim/{k}"          # counter: how many ftruns claimed node rank k
+
+    def who(self, k: int) -> str:
+        return f"{self.prefix}who/{k}"            # host and pid of node k's ftrun
+
+    def beat(self, k: int) -> str:
+        return f"{self.prefix}beat/{k}"           # counter bumped by node k every beat
+
+    def final(self, k: int) -> str:
+        return f"{self.prefix}final/{k}"          # node k's exit status, once it ended
+
+    def table(self, k: int) -> str:
+        return f"{self.prefix}table/{k}"          # node k's replica table (JSON) for `ftrun status`
+
+    def fail(self, attempt: int) -> str:
+        return f"{self.prefix}fail/{attempt}"     # first failure of a group attempt (JSON; compare_set)
+
+    def stopped(self, attempt: int) -> str:
+        return f"{self.prefix}stopped/{attempt}"  # counter: nodes that stopped their workers after it
+
+    def go(self, attempt: int) -> str:
+        return f"{self.prefix}go/{attempt}"       # node 0's word that attempt+1 may start
+
+
+RDZV = "ftrun/rdzv/"                     # c10d rendezvous (ftrun/supervisor/rendezvous.py)
+
+# ---------------------------------------------------------------- --ft: quorum, votes, heals
 PREFIX = "ftrun/ft/"
 LATEST = PREFIX + "latest"            # id of the newest published epoch
 FINISHED = PREFIX + "finished"        # set by members that left the loop: the final global step
@@ -65,6 +121,9 @@ def heal_key(epoch: int, round_: int) -> str:
     # "ok"/"fail": the source's word that its transfer of the epoch ended (the state
     # itself goes over the process group, never through the store)
     return f"{PREFIX}heal/{epoch}/{round_}"
+
+
+EVENTS = PREFIX + "events"            # queue: "<rank> <incarnation> spawn|died|finished" from other nodes
 
 
 def info_key(rank: int) -> str:
