@@ -27,6 +27,7 @@ from ftrun import protocol as keys
 from ftrun.protocol import EVENTS, Epoch
 
 FIRST_EPOCH_WAIT_S = 30.0  # how long the first epoch waits for slow first replicas
+COLLECT_EVERY_S = 0.25  # one list_keys per status report: a few dozen keys of rounds in flight at most
 ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
 INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
 STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another epoch
@@ -56,6 +57,7 @@ class QuorumKeeper:
         self.voting_since: Dict[int, Tuple[Tuple[object, object], float]] = {}
         self.unstuck: Set[Tuple[int, int, int, int]] = set()
         self._collected_at = -2
+        self._collected_when = 0.0
         self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
         # When each replica's info last changed (by this keeper's clock): a replica whose
         # reports stopped says nothing true about what it is doing now.
@@ -225,9 +227,10 @@ class QuorumKeeper:
         words, group addresses) and of epochs nobody can still be in, so a long run's store
         stays the same size. "Past" is judged per epoch, by the newest round decided in it:
         rounds are numbered per epoch, and one that restarted afresh may count from anywhere."""
-        if top == self._collected_at:
+        now = time.monotonic()
+        if top == self._collected_at or now - self._collected_when < COLLECT_EVERY_S:
             return
-        self._collected_at = top
+        self._collected_at, self._collected_when = top, now
         s = self._s
         ours = []
         newest: Dict[int, int] = {}
