@@ -332,3 +332,15 @@ def test_store_does_not_grow_with_steps(ftrun_home):
     line = next(l for l in proc.stdout.splitlines() if "[keys]" in l)
     counts = json.loads(line.split("[keys] ", 1)[1])
     assert counts["2000"] <= 1.2 * counts["200"], counts
+
+
+def test_healer_that_cannot_take_the_state_is_given_up(ftrun_home):
+    """A restarted replica whose model differs from its peers' says so in one line and exits;
+    it is never retried in a loop, and the others finish without it."""
+    proc = run_ftrun(["--nproc", 3, "--ft", "--max-restarts", 1, ROOT / "tests" / "ft_mismatch_worker.py", 300],
+                     timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1: cannot take the state of rank 0: Error(s) in loading state_dict" in proc.stderr
+    assert "size mismatch" in proc.stderr, proc.stderr[-3000:]
+    assert "finished with 2 of 3 replicas" in proc.stderr
+    assert proc.stderr.count("cannot take the state") == 1, proc.stderr[-3000:]

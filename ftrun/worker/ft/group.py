@@ -21,7 +21,11 @@ import torch.distributed as dist
 
 
 def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("FTRUN_FT_TIMEOUT", "10")))
+    try:
+        seconds = float(os.environ.get("FTRUN_FT_TIMEOUT", "10"))
+    except ValueError:
+        seconds = 10.0
+    return datetime.timedelta(seconds=seconds if 0.5 <= seconds <= 3600 else 10.0)  # nan fails both tests
 
 
 def build_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.ProcessGroup:

@@ -33,7 +33,7 @@ from ftrun import protocol as keys
 from ftrun.worker.ft import vote
 from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
 from ftrun.protocol import Epoch
-from ftrun.worker.ft.transport import receive_state, send_state
+from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
 
 POLL_S = 0.005
 SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
@@ -42,6 +42,22 @@ SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
 def _log(msg: str) -> None:
     sys.stderr.write(f"ftrun.ft: {msg}\n")
     sys.stderr.flush()
+
+
+def _env_number(name: str, default: float, lo: float, hi: float) -> float:
+    """A tuning knob from the environment; a value that is not a number in [lo, hi] is
+    replaced by the default, with one line saying so (never a crash in the middle of a run)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not lo <= value <= hi:  # also false for nan
+        _log(f"{name}={raw!r} is not a number between {lo:g} and {hi:g}; using {default:g}")
+        return default
+    return value
 
 
 class Manager:
@@ -86,9 +102,9 @@ class Manager:
         self._heal_written: Optional[str] = None
         self._watcher: Optional[threading.Thread] = None
         self._tainted = False  # part of a transfer landed in this replica's tensors, and it failed
-        self._chunk = int(float(os.environ.get("FTRUN_FT_CHUNK_MB", "64")) * (1 << 20))
+        self._chunk = int(_env_number("FTRUN_FT_CHUNK_MB", 64, 1, 4096) * (1 << 20))
         self.last_transfer: Optional[Dict[str, Any]] = None
-        self._settle_s = float(os.environ.get("FTRUN_FT_TIMEOUT", "10"))
+        self._settle_s = _env_number("FTRUN_FT_TIMEOUT", 10, 0.5, 3600)
         from ftrun.worker import progress
 
         self._progress = progress.start_from_env()
@@ -372,6 +388,14 @@ class Manager:
                                                          on_write=self._taint, timeout_s=self._settle_s)
                 self._restore(payload, in_place)
                 self._tainted = False
+        except StateMismatch as e:
+            # Not a failure of the transfer: this replica's model, optimizer or registered state
+            # differ from its peers'. Retrying would fail the same way; the supervisor's budget
+            # decides what happens to a replica that exits.
+            _log(f"rank {self.rank}: cannot take the state of rank {source}: {e}. This replica's model, optimizer "
+                 f"or ft.register_state() objects differ from its peers'; exiting")
+            sys.stderr.flush()
+            os._exit(1)
         except Exception as e:  # an end of the transfer died: this round fails, the next epoch heals again
             abort_group(hpg)
             who = "to its healers" if sending else f"from rank {source}"
@@ -444,16 +468,21 @@ class Manager:
 
     def _restore(self, payload: Dict[str, Any], in_place: set) -> None:
         if len(payload["models"]) != len(self.models) or len(payload["optimizers"]) != len(self.optimizers):
-            raise RuntimeError("ftrun.ft: this replica registered a different number of models/optimizers than its peer")
-        with torch.no_grad():
-            for i, (m, sd) in enumerate(zip(self.models, payload["models"])):
-                if any(("models", i, k) not in in_place for k in sd):
-                    m.load_state_dict(sd)
-        for o, sd in zip(self.optimizers, payload["optimizers"]):
-            o.load_state_dict(sd)
-        for name, sd in payload["extras"].items():
-            if name in self.extras:
-                self.extras[name].load_state_dict(sd)
+            raise StateMismatch(f"its peer has {len(payload['models'])} model(s) and {len(payload['optimizers'])} "
+                                f"optimizer(s), this replica {len(self.models)} and {len(self.optimizers)}")
+        try:
+            with torch.no_grad():
+                for i, (m, sd) in enumerate(zip(self.models, payload["models"])):
+                    if any(("models", i, k) not in in_place for k in sd):
+                        m.load_state_dict(sd)
+            for o, sd in zip(self.optimizers, payload["optimizers"]):
+                o.load_state_dict(sd)
+            for name, sd in payload["extras"].items():
+                if name in self.extras:
+                    self.extras[name].load_state_dict(sd)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+            raise StateMismatch(" ".join(lines[:2])[:300]) from None
         self.round = int(payload["round"])
         self.step = int(payload["step"])
 

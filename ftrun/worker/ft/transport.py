@@ -32,6 +32,11 @@ _SLOT = "__ftrun_tensor__"
 Path = Tuple[Any, ...]
 
 
+class StateMismatch(RuntimeError):
+    """The state a peer sent cannot be taken here (its header does not load, or its tensors
+    do not fit this replica's model and optimizer): no retry will change that."""
+
+
 @dataclass
 class TransferStats:
     bytes: int = 0
@@ -81,7 +86,7 @@ def _lookup(obj: Any, path: Path) -> Optional[torch.Tensor]:
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.rpartition(".")[2], None)
     if not isinstance(dtype, torch.dtype):
-        raise RuntimeError(f"ftrun.ft: a peer sent a tensor of unknown dtype {name!r}")
+        raise StateMismatch(f"a peer sent a tensor of unknown dtype {name!r}")
     return dtype
 
 
@@ -191,7 +196,11 @@ def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk
     head = torch.empty(n, dtype=torch.uint8, device=device)
     ch.bcast_bytes(head)
     _settled(timeout_s)
-    header = torch.load(io.BytesIO(head.cpu().numpy().tobytes()), weights_only=True)
+    try:
+        header = torch.load(io.BytesIO(head.cpu().numpy().tobytes()), weights_only=True)
+    except Exception as e:  # weights_only refused it, or it is not a torch.save stream at all
+        raise StateMismatch(f"the state header a peer sent does not load with weights_only=True: "
+                            f"{str(e).splitlines()[0][:200]}") from None
     skel, meta = header["skeleton"], header["meta"]
     paths: List[Path] = []
     _flatten_paths(skel, (), paths, len(meta))
@@ -268,5 +277,5 @@ def _flatten_paths(skel: Any, path: Path, out: List[Path], count: int) -> None:
 
     walk(skel, path)
     if sorted(found) != list(range(count)):
-        raise RuntimeError("ftrun.ft: a peer sent a state header whose tensor slots do not match its tensor list")
+        raise StateMismatch("a peer sent a state header whose tensor slots do not match its tensor list")
     out.extend(found[i] for i in range(count))
