@@ -330,9 +330,9 @@ def _layout(kw: Dict[str, Any], pick, sources: Dict[str, str], check_paths: bool
             raise ConfigError(f"--node-rank {kw['node_rank']} on a one-node run (--nnodes 1): the only node is "
                               f"node 0; drop --node-rank or give --nnodes N", key="node_rank")
         if check_paths and sources.get("master_addr") != "default":
-            _check_master_addr_is_here(str(kw["master_addr"]), "--master-addr")
+            _check_master_addr_is_here(str(kw["master_addr"]), "--master-addr", sources["master_addr"])
         if check_paths and endpoint is not None and sources.get("rdzv_endpoint") != "default":
-            _check_master_addr_is_here(str(endpoint[0]), "--rdzv-endpoint")
+            _check_master_addr_is_here(str(endpoint[0]), "--rdzv-endpoint", sources["rdzv_endpoint"])
         kw["node_rank"] = 0
         kw["nnodes"] = kw["min_nodes"] = kw["max_nodes"] = 1
         # torchrun's workers meet at the FQDN of the node (its MASTER_ADDR); the store listens there.
@@ -368,7 +368,7 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
         raise _fail("module", "-m/--module and --no-python cannot be used together; pick one")
     if not RUN_ID_RE.fullmatch(cfg.run_id):
         shown = cfg.run_id if len(cfg.run_id) <= 40 else cfg.run_id[:40] + f"... ({len(cfg.run_id)} characters)"
-        raise _fail("run_id", f"--run-id {shown!r}: use 1 to 128 ASCII letters, digits, '-', '_' and '.', starting "
+        raise _fail("run_id", f"--run-id {shown!r}{_from(cfg.sources.get('run_id', CLI))}: use 1 to 128 ASCII letters, digits, '-', '_' and '.', starting "
                               f"with a letter or digit (it names the run's folder)")
     _check_ignored_options(cfg)
     if cfg.rdzv == "static" and cfg.node_rank >= cfg.nnodes:
@@ -415,7 +415,8 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
                                         f"it out for a free one")
     if cfg.rdzv == "static" and cfg.nnodes == 1 and (cfg.sources.get("master_addr") != "default"
                                                      or cfg.sources.get("rdzv_endpoint") != "default"):
-        _check_master_addr_is_here(cfg.master_addr, "--master-addr")
+        key = "master_addr" if cfg.sources.get("master_addr") != "default" else "rdzv_endpoint"
+        _check_master_addr_is_here(cfg.master_addr, "--master-addr", cfg.sources.get(key, CLI))
     if cfg.rdzv != "c10d":
         # c10d: node ranks (and so the run's folder here) are known only after the join.
         _check_no_live_twin(cfg)
@@ -600,14 +601,16 @@ def _check_compiles(path: str, what: str) -> None:
         source = Path(path).read_bytes()
     except OSError as e:
         raise _fail("script", f"{what} {path}: cannot be read ({e.strerror or e})") from None
+    if b"\0" in source:  # a binary: Python would refuse it in every worker
+        raise _fail("script", f"{what} {path} is not Python source (it holds null bytes); run an executable "
+                              f"with --no-python")
     try:
         compile(source, path, "exec", dont_inherit=True)
-    except SyntaxError as e:
-        raise _fail("script", f"{e.filename or path}:{e.lineno or 1}: {type(e).__name__}: {e.msg}; fix the "
-                              f"script (every worker would fail at start, on every restart)") from None
-    except ValueError as e:  # null bytes: not a Python source file at all
-        raise _fail("script", f"{what} {path} is not Python source ({e}); run an executable with "
-                              f"--no-python") from None
+    except (SyntaxError, ValueError) as e:
+        line = getattr(e, "lineno", None) or 1
+        msg = getattr(e, "msg", None) or str(e)
+        raise _fail("script", f"{getattr(e, 'filename', None) or path}:{line}: {type(e).__name__}: {msg}; fix "
+                              f"the script (every worker would fail at start, on every restart)") from None
 
 
 def max_workers() -> Tuple[int, str]:
@@ -697,8 +700,9 @@ def _check_no_live_twin(cfg: RunConfig) -> None:
                               f"{pid}); give another --run-id, or stop that run first")
 
 
-def is_local_address(host: str) -> bool:
-    """True if `host` resolves to an address of this machine (loopback, any, or one of its interfaces)."""
+def is_local_address(host: str) -> Optional[bool]:
+    """True if `host` resolves to an address of this machine (loopback, any, or one of its interfaces),
+    False if it resolves elsewhere, None if it does not resolve."""
     import ipaddress
 
     import psutil
@@ -706,7 +710,7 @@ def is_local_address(host: str) -> bool:
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError, OSError):
-        return False
+        return None
     mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
             if a.family in (socket.AF_INET, socket.AF_INET6)}
     for family, _, _, _, sockaddr in infos:
@@ -719,10 +723,19 @@ def is_local_address(host: str) -> bool:
     return False
 
 
-def _check_master_addr_is_here(host: str, flag: str) -> None:
+def _from(source: str) -> str:
+    """' (from PET_MASTER_ADDR)' for a value that did not come from the command line."""
+    return "" if source in (CLI, "default") else f" (from {source})"
+
+
+def _check_master_addr_is_here(host: str, flag: str, source: str) -> None:
     """One node hosts its own store: an address elsewhere would leave the workers waiting for minutes."""
-    if not is_local_address(host):
-        key = "rdzv_endpoint" if flag == "--rdzv-endpoint" else "master_addr"
-        raise _fail(key, f"{flag} {host} is not an address of this machine, but this is a one-node run, whose "
-                         f"store runs here; drop {flag} (or give this machine's address), or give --nnodes N for "
-                         f"several machines")
+    key = "rdzv_endpoint" if flag == "--rdzv-endpoint" else "master_addr"
+    here = is_local_address(host)
+    if here is None:
+        raise _fail(key, f"{flag} {host}{_from(source)} does not resolve on this machine; this is a one-node run, "
+                         f"whose store runs here: drop {flag}, or give --nnodes N for several machines")
+    if not here:
+        raise _fail(key, f"{flag} {host}{_from(source)} is not an address of this machine, but this is a one-node "
+                         f"run, whose store runs here; drop {flag} (or give this machine's address), or give "
+                         f"--nnodes N for several machines")
