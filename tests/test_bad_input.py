@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import signal
 import socket
 import subprocess
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SCRIPTS, run_ftrun, start_ftrun
+from conftest import FTRUN, ROOT, SCRIPTS, run_ftrun, start_ftrun
 
 TRAIN = SCRIPTS / "train_ddp.py"
 LONG_ID = "r" * 300
@@ -266,6 +268,24 @@ def test_pyproject_states_the_torch_floor():
 
 
 # --------------------------------------------------------------------------- 8. damaged state files
+def _read_until(fd: int, needle: bytes, timeout: float) -> str:
+    """What a terminal showed until `needle` appeared (or `timeout` passed)."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while needle not in buf and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the other end closed
+            break
+        if not chunk:
+            break
+        buf += chunk
+    return buf.decode(errors="replace")
+
+
 def _state(run_id: str, sup_pid: int, **over) -> dict:
     now = time.time()
     d = {"run_id": run_id, "script": "train.py", "argv": ["ftrun", "train.py"], "started": now - 1, "pid": sup_pid,
@@ -314,16 +334,24 @@ def test_status_with_damaged_state_files(ftrun_home):
         r = run_ftrun(["status", "bad-started"], timeout=30)
         assert r.returncode == 0 and "unreadable" in r.stdout and "yesterday" in r.stdout, r
 
-        # --watch (table and JSON): a refresh or two, then Ctrl-C, never a traceback.
-        for extra in ([], ["--json"]):
-            p = start_ftrun(["status", "--watch"] + extra)
-            out = ""
-            deadline = time.monotonic() + 30
-            while "bad-torn" not in out and time.monotonic() < deadline:
-                out += p.stdout.readline()
+        # --watch as a person sees it (a terminal: rich redraws in place) and as JSON lines: Ctrl-C ends it.
+        master, slave = pty.openpty()
+        p = subprocess.Popen(FTRUN + ["status", "--watch"], stdout=slave, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, COLUMNS="300", LINES="200"))
+        os.close(slave)
+        try:
+            out = _read_until(master, b"bad-torn", 30)
+        finally:
             p.send_signal(signal.SIGINT)
-            rest, err = p.communicate(timeout=30)
-            assert "bad-torn" in out and p.returncode == 0 and "Traceback" not in err, (out, err)
+            err = p.communicate(timeout=30)[1]
+            os.close(master)
+        assert "bad-torn" in out and "unreadable" in out and p.returncode == 0 and "Traceback" not in err, (out, err)
+        p = start_ftrun(["status", "--watch", "--json"])
+        first = json.loads(p.stdout.readline())
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=30)[1]
+        assert p.returncode == 0 and "Traceback" not in err, err
+        assert {x["run_id"] for x in first if x["phase"] == "unreadable"} == set(damaged) | {"bad-dir"}
     finally:
         sup.kill()
         sup.wait()
