@@ -4,21 +4,23 @@ Every option is declared once in ftrun.options; here the sources are merged
 with one precedence (command line > recipe > PET_* > Slurm > defaults), each
 value is read by its option, torchrun's launch modes are resolved (one node,
 static, c10d) and every check that can be made before a worker starts is made,
-as one ConfigError that carries the key it is about.
-This module must never import torch (the CLI and `ftrun validate` use it).
+as one ConfigError that carries the key it is about: bad values, options that
+would do nothing, and what this machine cannot do (folders, addresses, ports,
+the script's syntax, worker count, torch's version, a live run of the same id).
+This module must never import torch (the CLI and `ftrun validate` use it), and
+never write, start or run anything: it only looks.
 """
 
 from __future__ import annotations
 
 import difflib
-import errno
 import importlib.machinery
 import os
 import re
-import stat
-import sys
 import secrets
 import socket
+import stat
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -368,8 +370,9 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
         raise _fail("module", "-m/--module and --no-python cannot be used together; pick one")
     if not RUN_ID_RE.fullmatch(cfg.run_id):
         shown = cfg.run_id if len(cfg.run_id) <= 40 else cfg.run_id[:40] + f"... ({len(cfg.run_id)} characters)"
-        raise _fail("run_id", f"--run-id {shown!r}{_from(cfg.sources.get('run_id', CLI))}: use 1 to 128 ASCII letters, digits, '-', '_' and '.', starting "
-                              f"with a letter or digit (it names the run's folder)")
+        raise _fail("run_id", f"--run-id {shown!r}{_from(cfg.sources.get('run_id', CLI))}: use 1 to 128 ASCII "
+                              f"letters, digits, '-', '_' and '.', starting with a letter or digit (it names the "
+                              f"run's folder)")
     _check_ignored_options(cfg)
     if cfg.rdzv == "static" and cfg.node_rank >= cfg.nnodes:
         raise _fail("node_rank", f"--node-rank {cfg.node_rank} is out of range for --nnodes {cfg.nnodes}; "
