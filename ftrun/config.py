@@ -4,8 +4,11 @@ Every option is declared once in ftrun.options; here the sources are merged
 with one precedence (command line > recipe > PET_* > Slurm > defaults), each
 value is read by its option, torchrun's launch modes are resolved (one node,
 static, c10d) and every check that can be made before a worker starts is made,
-as one ConfigError that carries the key it is about.
-This module must never import torch (the CLI and `ftrun validate` use it).
+as one ConfigError that carries the key it is about: bad values, options that
+would do nothing, and what this machine cannot do (folders, addresses, ports,
+the script's syntax, worker count, torch's version, a live run of the same id).
+This module must never import torch (the CLI and `ftrun validate` use it), and
+never write, start or run anything: it only looks.
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from __future__ import annotations
 import difflib
 import importlib.machinery
 import os
+import re
 import secrets
 import socket
+import stat
+import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,13 +167,15 @@ def _read(key: str, value: Any, source: str) -> Any:
 
 def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = None,
                  recipe_name: Optional[str] = None, check_paths: bool = True,
-                 environ: Optional[Mapping[str, str]] = None) -> RunConfig:
+                 environ: Optional[Mapping[str, str]] = None, check_script: bool = True) -> RunConfig:
     """Merge the sources key by key (command line > recipe > PET_* > Slurm > defaults) and validate.
 
     `cli` holds only options the user typed (plus `script`/`args` when given),
     as typed; `recipe` is a recipe mapping already checked key by key by
     ftrun.recipe; `environ` defaults to os.environ (PET_* and SLURM_* are read
-    from it).
+    from it). check_paths=False skips every check that looks at the machine
+    (files, ports, addresses, processes); check_script=False skips only the
+    script's (`ftrun validate` of a recipe that names none).
     """
     environ = os.environ if environ is None else environ
     recipe = dict(recipe or {})
@@ -235,7 +243,7 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
         pick(key)
     kw["min_nodes"], kw["max_nodes"] = pick("nnodes")
     kw["nnodes"] = kw["max_nodes"]
-    _layout(kw, pick, sources)
+    _layout(kw, pick, sources, check_paths)
 
     # Hook: CLI parameters override the recipe's, key by key.
     hook_raw: Dict[str, Any] = dict(recipe.get("hook") or {})
@@ -261,11 +269,11 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     kw["recipe"] = recipe_name
     kw["sources"] = sources
     cfg = RunConfig(**kw)
-    validate(cfg, check_paths=check_paths)
+    validate(cfg, check_paths=check_paths, check_script=check_script)
     return cfg
 
 
-def _layout(kw: Dict[str, Any], pick, sources: Dict[str, str]) -> None:
+def _layout(kw: Dict[str, Any], pick, sources: Dict[str, str], check_paths: bool = True) -> None:
     """torchrun's launch modes, resolved as torchrun resolves them (torch.distributed.run.run)."""
     backend = pick("rdzv_backend")
     endpoint = pick("rdzv_endpoint")
@@ -318,6 +326,15 @@ def _layout(kw: Dict[str, Any], pick, sources: Dict[str, str]) -> None:
             kw["rdzv"] = "c10d"
             kw["master_addr"], kw["master_port"] = host, port
     if kw["rdzv"] == "local":
+        # One node: torchrun ignores these; a value given for them is a mistake that would
+        # otherwise pass unnoticed (or, for an address elsewhere, hang the workers).
+        if sources.get("node_rank") != "default" and kw["node_rank"] != 0:
+            raise ConfigError(f"--node-rank {kw['node_rank']} on a one-node run (--nnodes 1): the only node is "
+                              f"node 0; drop --node-rank or give --nnodes N", key="node_rank")
+        if check_paths and sources.get("master_addr") != "default":
+            _check_master_addr_is_here(str(kw["master_addr"]), "--master-addr", sources["master_addr"])
+        if check_paths and endpoint is not None and sources.get("rdzv_endpoint") != "default":
+            _check_master_addr_is_here(str(endpoint[0]), "--rdzv-endpoint", sources["rdzv_endpoint"])
         kw["node_rank"] = 0
         kw["nnodes"] = kw["min_nodes"] = kw["max_nodes"] = 1
         # torchrun's workers meet at the FQDN of the node (its MASTER_ADDR); the store listens there.
@@ -343,12 +360,20 @@ def _fail(key: str, message: str) -> ConfigError:
     return ConfigError(message, key=key, problem=message)
 
 
-def validate(cfg: RunConfig, check_paths: bool = True) -> None:
-    """Checks that need the whole config, or the machine (files, ports)."""
+# A run id names a folder (plus ".nodeK"): ASCII, no path separators, well under NAME_MAX.
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True) -> None:
+    """Checks that need the whole config, or the machine (files, ports, addresses, processes)."""
     if cfg.module and cfg.no_python:
         raise _fail("module", "-m/--module and --no-python cannot be used together; pick one")
-    if not cfg.run_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise _fail("run_id", f"--run-id {cfg.run_id!r}: use letters, digits, '-', '_' and '.' only")
+    if not RUN_ID_RE.fullmatch(cfg.run_id):
+        shown = cfg.run_id if len(cfg.run_id) <= 40 else cfg.run_id[:40] + f"... ({len(cfg.run_id)} characters)"
+        raise _fail("run_id", f"--run-id {shown!r}{_from(cfg.sources.get('run_id', CLI))}: use 1 to 128 ASCII "
+                              f"letters, digits, '-', '_' and '.', starting with a letter or digit (it names the "
+                              f"run's folder)")
+    _check_ignored_options(cfg)
     if cfg.rdzv == "static" and cfg.node_rank >= cfg.nnodes:
         raise _fail("node_rank", f"--node-rank {cfg.node_rank} is out of range for --nnodes {cfg.nnodes}; "
                                       f"use 0..{cfg.nnodes - 1}")
@@ -358,7 +383,8 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
                                         f"or --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
     if cfg.rdzv != "local" and not cfg.master_addr.strip():
         raise _fail("master_addr", "--master-addr is empty; give node 0's address (the same on every node)")
-    if cfg.ranks is not None and cfg.min_nodes == cfg.max_nodes:
+    if cfg.ranks is not None:
+        # An elastic run has at most max_nodes * nproc ranks.
         bad = [r for r in cfg.ranks if r >= cfg.world_size]
         if bad:
             raise _fail("ranks", f"--ranks {','.join(map(str, bad))}: no such rank; this run has ranks "
@@ -373,21 +399,11 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
                                          f"of this run; lower it")
     if not check_paths:
         return
-    if cfg.module:
-        problem = find_module_problem(cfg.script, os.getcwd())
-        if problem:
-            raise _fail("script", f"-m {cfg.script}: {problem}")
-    elif cfg.no_python:
-        import shutil
-
-        if shutil.which(cfg.script) is None and not os.access(cfg.script, os.X_OK):
-            raise _fail("script", f"--no-python {cfg.script}: not an executable file or a command on PATH")
-    else:
-        p = Path(cfg.script)
-        if not p.exists():
-            raise _fail("script", f"script {cfg.script!r} not found; check the path (relative to {os.getcwd()})")
-        if p.is_dir():
-            raise _fail("script", f"script {cfg.script!r} is a folder; give the .py file (or -m for a package)")
+    _check_torch()
+    if check_script:
+        _check_script(cfg)
+    _check_nproc_fits(cfg)
+    _check_folders(cfg)
     if cfg.rdzv != "local":
         try:
             socket.getaddrinfo(cfg.master_addr, cfg.master_port, type=socket.SOCK_STREAM)
@@ -400,46 +416,52 @@ def validate(cfg: RunConfig, check_paths: bool = True) -> None:
             and not port_is_free(store_listen_addr(cfg), cfg.master_port)):
         raise _fail("master_port", f"--master-port {cfg.master_port} is already in use; pick another or leave "
                                         f"it out for a free one")
+    if cfg.rdzv == "static" and cfg.nnodes == 1 and (cfg.sources.get("master_addr") != "default"
+                                                     or cfg.sources.get("rdzv_endpoint") != "default"):
+        key = "master_addr" if cfg.sources.get("master_addr") != "default" else "rdzv_endpoint"
+        _check_master_addr_is_here(cfg.master_addr, "--master-addr", cfg.sources.get(key, CLI))
+    if cfg.rdzv != "c10d":
+        # c10d: node ranks (and so the run's folder here) are known only after the join.
+        _check_no_live_twin(cfg)
 
 
 def python_path_for(cwd: str) -> list:
     """The module search path `python -m` would have in `cwd`: cwd first, then PYTHONPATH, then the installation's."""
-    import sys
-
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     # sys.path[0] is the supervisor's own script folder (e.g. .venv/bin), not the user's.
     rest = [p for p in sys.path[1:] if p not in extra]
     return [cwd] + extra + rest
 
 
-def find_module_problem(name: str, cwd: str) -> Optional[str]:
-    """Why `python -m name` would fail in `cwd`, or None. Imports nothing (no package __init__ runs)."""
+def find_module(name: str, cwd: str) -> Tuple[Optional[str], Optional[str]]:
+    """(why `python -m name` would fail in `cwd` or None, the file it would run or None).
+
+    Imports nothing (no package __init__ runs)."""
     parts = name.split(".")
     if not all(p.isidentifier() for p in parts):
-        return f"{name!r} is not a module name (python -m takes a dotted name such as pkg.train, not a path)"
+        return f"{name!r} is not a module name (python -m takes a dotted name such as pkg.train, not a path)", None
     path = python_path_for(cwd)
     spec = None
     for i, part in enumerate(parts):
         full = ".".join(parts[: i + 1])
         spec = importlib.machinery.PathFinder.find_spec(full, path)
         if spec is None:
-            import sys
-
             if i == 0 and part in sys.builtin_module_names:
-                return None
+                return None, None
             where = "the Python path" if i == 0 else f"package {'.'.join(parts[:i])!r}"
             return (f"no module named {full!r} in {where} (searched from {cwd}, as python -m would); "
-                    f"check the name, run from the project's root, or install it")
+                    f"check the name, run from the project's root, or install it"), None
         if i < len(parts) - 1:
             if spec.submodule_search_locations is None:
-                return f"{full!r} is a module, not a package, so it has no {parts[i + 1]!r}"
+                return f"{full!r} is a module, not a package, so it has no {parts[i + 1]!r}", None
             path = list(spec.submodule_search_locations)
     if spec is not None and spec.submodule_search_locations is not None:
         main = importlib.machinery.PathFinder.find_spec(name + ".__main__", list(spec.submodule_search_locations))
         if main is None:
             return (f"{name!r} is a package without a __main__ module, so python -m cannot run it; "
-                    f"name a module inside it (e.g. -m {name}.train) or add {name.replace('.', '/')}/__main__.py")
-    return None
+                    f"name a module inside it (e.g. -m {name}.train) or add {name.replace('.', '/')}/__main__.py"), None
+        return None, main.origin
+    return None, spec.origin if spec is not None else None
 
 
 def store_listen_addr(cfg: RunConfig) -> str:
@@ -499,3 +521,224 @@ def _slurm_layout(cli: Mapping[str, Any], recipe: Mapping[str, Any], pets: Mappi
     if str(given("rdzv_backend") or "static").strip() == "c10d":
         return {k: v for k, v in layout.items() if k in ("nnodes",)}
     return layout
+
+
+# --------------------------------------------------------------------------- checks of the machine
+# Each raises one ConfigError naming the problem and the fix; none writes, starts or imports torch.
+
+TORCH_FLOOR = (2, 10)  # TCPStore.list_keys (torch 2.10); queue_push/queue_pop and libuv master_listen_fd: 2.8
+WORKERS_PER_CPU = 8                # more workers than this per usable core is oversubscription, not training
+WORKER_MEMORY_BYTES = 100 << 20    # the least a worker needs beyond what it shares with its zygote
+
+
+def _check_ignored_options(cfg: RunConfig) -> None:
+    """Options that would do nothing in this run: say so instead of ignoring them."""
+    given = lambda key: cfg.sources.get(key, "default") != "default"  # noqa: E731
+    if cfg.no_python and cfg.hook is not None:
+        raise _fail("hook", f"--hook {cfg.hook.name} does nothing with --no-python: hooks are put into the DDP "
+                            f"model by ftrun's Python bootstrap; run a Python script, or drop --hook")
+    if cfg.no_python and cfg.step_timeout:
+        raise _fail("step_timeout", "--step-timeout does nothing with --no-python: optimizer steps are counted by "
+                                    "ftrun's Python bootstrap; run a Python script, or drop --step-timeout")
+    if given("min_replicas") and not cfg.ft:
+        raise _fail("min_replicas", f"--min-replicas {cfg.min_replicas} applies only to --ft runs; add --ft, or "
+                                    f"drop --min-replicas")
+    if cfg.quiet:
+        for key, flag in (("ranks", "--ranks"), ("local_ranks_filter", "--local-ranks-filter"), ("tee", "--tee")):
+            if given(key) and getattr(cfg, key):
+                raise _fail(key, f"{flag} picks workers' console output, but --quiet shows none; drop one of them")
+    for key, flag in (("redirects", "--redirects"), ("tee", "--tee")):
+        bad = sorted(r for r in getattr(cfg, key) if r >= cfg.nproc)
+        if bad:
+            raise _fail(key, f"{flag} names local rank {','.join(map(str, bad))}, which this node does not have; "
+                             f"it has local ranks 0..{cfg.nproc - 1}")
+
+
+def _check_torch() -> None:
+    """The installed torch is new enough, read from its metadata (importing torch here would cost seconds)."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        raise ConfigError(f"torch is not installed in this Python ({sys.executable}); "
+                          f"install torch>={'.'.join(map(str, TORCH_FLOOR))}") from None
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    if m and (int(m.group(1)), int(m.group(2))) < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise ConfigError(f"torch {version} is too old: ftrun needs torch>={floor} (TCPStore queues and list_keys); "
+                          f"upgrade torch")
+
+
+def _check_script(cfg: RunConfig) -> None:
+    """The script exists and compiles, so a typo fails once here, not in every worker on every restart."""
+    if cfg.module:
+        problem, origin = find_module(cfg.script, os.getcwd())
+        if problem:
+            raise _fail("script", f"-m {cfg.script}: {problem}")
+        if origin and origin.endswith(".py"):
+            _check_compiles(origin, f"-m {cfg.script}")
+        return
+    if cfg.no_python:
+        import shutil
+
+        if shutil.which(cfg.script) is None and not os.access(cfg.script, os.X_OK):
+            raise _fail("script", f"--no-python {cfg.script}: not an executable file or a command on PATH")
+        return
+    p = Path(cfg.script)
+    try:
+        is_dir = p.is_dir()
+        exists = is_dir or p.exists()
+    except OSError as e:  # a name too long for the file system, a loop of links
+        raise _fail("script", f"script {cfg.script[:80]!r}: {e.strerror or e}; check the path") from None
+    if not exists:
+        raise _fail("script", f"script {cfg.script!r} not found; check the path (relative to {os.getcwd()})")
+    if is_dir:
+        raise _fail("script", f"script {cfg.script!r} is a folder; give the .py file (or -m for a package)")
+    _check_compiles(cfg.script, "script")
+
+
+def _check_compiles(path: str, what: str) -> None:
+    # compile() only: nothing of the script runs in the launcher.
+    try:
+        source = Path(path).read_bytes()
+    except OSError as e:
+        raise _fail("script", f"{what} {path}: cannot be read ({e.strerror or e})") from None
+    if b"\0" in source:  # a binary: Python would refuse it in every worker
+        raise _fail("script", f"{what} {path} is not Python source (it holds null bytes); run an executable "
+                              f"with --no-python")
+    try:
+        compile(source, path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as e:
+        line = getattr(e, "lineno", None) or 1
+        msg = getattr(e, "msg", None) or str(e)
+        raise _fail("script", f"{getattr(e, 'filename', None) or path}:{line}: {type(e).__name__}: {msg}; fix "
+                              f"the script (every worker would fail at start, on every restart)") from None
+
+
+def max_workers() -> Tuple[int, str]:
+    """How many workers this machine can run, and the rule that sets it."""
+    import psutil
+
+    cpus = cpu_count()
+    limits = [(WORKERS_PER_CPU * cpus, f"{WORKERS_PER_CPU} per usable CPU core, {cpus} here")]
+    avail = psutil.virtual_memory().available
+    limits.append((int(avail // WORKER_MEMORY_BYTES),
+                   f"{WORKER_MEMORY_BYTES >> 20} MiB each, {avail / (1 << 30):.1f} GiB of memory available"))
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    # RLIMIT_NPROC does not bind root; unlimited needs no count.
+    if os.geteuid() != 0 and soft != resource.RLIM_INFINITY:
+        uid = os.getuid()
+        mine = sum(1 for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid)
+        # the supervisor and its zygote count too
+        limits.append((max(0, soft - mine - 2), f"ulimit -u {soft}, {mine} processes of yours running"))
+    return min(limits)
+
+
+def _check_nproc_fits(cfg: RunConfig) -> None:
+    limit, why = max_workers()
+    if cfg.nproc > limit:
+        raise _fail("nproc", f"--nproc {cfg.nproc} is more workers than this machine can run: at most {limit} "
+                             f"({why}); lower --nproc")
+
+
+def folder_problem(path: str) -> Optional[str]:
+    """Why ftrun could not create and write folder `path`, or None. Looks only; creates nothing."""
+    target = os.path.abspath(path)
+    if any(len(part.encode()) > 255 for part in target.split(os.sep)):
+        return "has a name longer than 255 bytes, which no Linux file system takes"
+    p = target
+    while True:
+        try:
+            st = os.stat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            parent = os.path.dirname(p)
+            if parent == p:
+                return "cannot be created"
+            p = parent
+            continue
+        except OSError as e:
+            return f"cannot be used ({e.strerror or e})"
+        break
+    if not stat.S_ISDIR(st.st_mode):
+        return "is a file, not a folder" if p == target else f"cannot be created: {p} is a file"
+    if not os.access(p, os.W_OK | os.X_OK):
+        err = "read-only file system" if _read_only(p) else "no permission"
+        return (f"is not writable ({err})" if p == target else f"cannot be created in {p} ({err})")
+    return None
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def _check_folders(cfg: RunConfig) -> None:
+    """The folders the run writes: its state (and default logs) under the runs folder, and --log-dir."""
+    from ftrun.status.state import runs_root
+
+    root = str(runs_root())
+    problem = folder_problem(root)
+    if problem:
+        where = "FTRUN_HOME" if os.environ.get("FTRUN_HOME") else "ftrun's runs folder"
+        raise ConfigError(f"{where} {root} {problem}; set FTRUN_HOME to a folder you can write", key="log_dir")
+    if cfg.log_dir:
+        problem = folder_problem(cfg.log_dir)
+        if problem:
+            raise _fail("log_dir", f"--log-dir {cfg.log_dir} {problem}; give a folder you can write")
+
+
+def _check_no_live_twin(cfg: RunConfig) -> None:
+    """Two live runs with one run id would share their state file and logs: refuse the second."""
+    from ftrun.status.state import live_supervisor, run_folder_name, runs_root
+
+    folder = runs_root() / run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank)
+    pid = live_supervisor(folder / "state.json")
+    if pid is not None and pid != os.getpid():
+        raise _fail("run_id", f"--run-id {cfg.run_id}: a run of that name is already running here (supervisor pid "
+                              f"{pid}); give another --run-id, or stop that run first")
+
+
+def is_local_address(host: str) -> Optional[bool]:
+    """True if `host` resolves to an address of this machine (loopback, any, or one of its interfaces),
+    False if it resolves elsewhere, None if it does not resolve."""
+    import ipaddress
+
+    import psutil
+
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, OSError):
+        return None
+    mine = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}
+    for family, _, _, _, sockaddr in infos:
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        addr = str(sockaddr[0]).split("%")[0]
+        ip = ipaddress.ip_address(addr)
+        if ip.is_loopback or ip.is_unspecified or addr in mine:
+            return True
+    return False
+
+
+def _from(source: str) -> str:
+    """' (from PET_MASTER_ADDR)' for a value that did not come from the command line."""
+    return "" if source in (CLI, "default") else f" (from {source})"
+
+
+def _check_master_addr_is_here(host: str, flag: str, source: str) -> None:
+    """One node hosts its own store: an address elsewhere would leave the workers waiting for minutes."""
+    key = "rdzv_endpoint" if flag == "--rdzv-endpoint" else "master_addr"
+    here = is_local_address(host)
+    if here is None:
+        raise _fail(key, f"{flag} {host}{_from(source)} does not resolve on this machine; this is a one-node run, "
+                         f"whose store runs here: drop {flag}, or give --nnodes N for several machines")
+    if not here:
+        raise _fail(key, f"{flag} {host}{_from(source)} is not an address of this machine, but this is a one-node "
+                         f"run, whose store runs here; drop {flag} (or give this machine's address), or give "
+                         f"--nnodes N for several machines")

@@ -10,6 +10,7 @@ This module must never import torch: the CLI and `ftrun validate` use it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional, Tuple
 
@@ -126,6 +127,8 @@ def _check_value(key: str, value: Any, where: str) -> Any:
         value = int(value)
     else:
         value = float(value)
+        if not math.isfinite(value):
+            raise _err(where, key, f"{p.flag} takes a finite number, not {value!r}")
     if p.minimum is not None and value < p.minimum:
         lo = int(p.minimum) if p.kind is int else p.minimum
         raise _err(where, key, f"{p.flag} {value} is out of range; use a value >= {lo} ({p.help})")

@@ -59,7 +59,49 @@ def _float(value: Any) -> float:
         raise ValueError(f"must be a number, not {_describe(value)}") from None
     if f != f:
         raise ValueError("must be a number, not NaN")
+    if f in (float("inf"), float("-inf")):
+        raise ValueError(f"must be a finite number, not {'-' if f < 0 else ''}infinity")
     return f
+
+
+# Timeouts beyond a week are typos, and beyond threading.TIMEOUT_MAX they crash a wait.
+MAX_SECONDS = 7 * 24 * 3600.0
+# Counts beyond this overflow the C ints torch and the workers read them into (TORCHELASTIC_MAX_RESTARTS, ...).
+MAX_COUNT = 1_000_000
+
+
+def _seconds(value: Any) -> float:
+    """A duration in seconds: finite, 0 .. MAX_SECONDS."""
+    f = _float(value)
+    if f < 0:
+        raise ValueError(f"must be >= 0 seconds, not {f:g}")
+    if f > MAX_SECONDS:
+        raise ValueError(f"must be at most {MAX_SECONDS:g} seconds (a week), not {f:g}")
+    return f
+
+
+# Progress is reported every 0.25 s: a shorter step timeout would call every healthy replica hung.
+MIN_STEP_TIMEOUT_S = 1.0
+
+
+def _step_timeout(value: Any) -> float:
+    f = _seconds(value)
+    if 0 < f < MIN_STEP_TIMEOUT_S:
+        raise ValueError(f"must be 0 (off) or at least {MIN_STEP_TIMEOUT_S:g} second (progress is reported every "
+                         f"0.25 s), not {f:g}")
+    return f
+
+
+def _count(lo: int) -> Callable[[Any], int]:
+    """A whole number lo .. MAX_COUNT."""
+    def read(value: Any) -> int:
+        n = _int(value)
+        if n < lo:
+            raise ValueError(f"must be >= {lo}, not {n}")
+        if n > MAX_COUNT:
+            raise ValueError(f"must be at most {MAX_COUNT}, not {n}")
+        return n
+    return read
 
 
 def _bool(value: Any) -> bool:
@@ -93,7 +135,12 @@ def _nproc(value: Any) -> Any:
                          f"not {_describe(value)}") from None
     if n < 1:
         raise ValueError(f"must be at least 1, not {n}")
+    if n > MAX_COUNT:
+        raise ValueError(f"must be at most {MAX_COUNT}, not {n}")
     return n
+
+
+MAX_NODES = 65536
 
 
 def _nnodes(value: Any) -> Tuple[int, int]:
@@ -110,6 +157,8 @@ def _nnodes(value: Any) -> Tuple[int, int]:
         raise ValueError(f"must be >= 1, not {lo}")
     if lo < 1 or hi < lo:
         raise ValueError(f"must have 1 <= MIN <= MAX, not {text}")
+    if hi > MAX_NODES:
+        raise ValueError(f"must be at most {MAX_NODES} nodes, not {hi}")
     return lo, hi
 
 
@@ -180,8 +229,10 @@ def _rdzv_conf(value: Any) -> Dict[str, str]:
     out = dict(pairs)
     for k, v in out.items():
         if k.endswith("timeout") or k == "keep_alive_interval":
-            if _float(v) < 0:
-                raise ValueError(f"{k}={v}: a timeout must be >= 0")
+            try:
+                _seconds(v)
+            except ValueError as e:
+                raise ValueError(f"{k}={v}: {e}") from None
         if k == "is_host":
             _bool(v)
     return out
@@ -217,15 +268,6 @@ def _rdzv_backend(value: Any) -> str:
     if text not in ("static", "c10d"):
         raise ValueError(f"must be static or c10d, not {_describe(value)}")
     return text
-
-
-def _min(reader: Callable[[Any], Any], lo: float) -> Callable[[Any], Any]:
-    def read(value: Any) -> Any:
-        v = reader(value)
-        if v < lo:
-            raise ValueError(f"must be >= {lo:g}, not {v:g}")
-        return v
-    return read
 
 
 def _str_list(value: Any) -> Tuple[str, ...]:
@@ -312,10 +354,10 @@ OPTIONS_LIST: Tuple[Option, ...] = (
          pet=True, metavar="K=V,..."),
     _opt("standalone", ("--standalone",), _bool, False, "One node, store on a free local port (as torchrun).",
          "same", pet=True, is_flag=True),
-    _opt("max_restarts", _both("--max-restarts"), _min(_int, 0), None,
+    _opt("max_restarts", _both("--max-restarts"), _count(0), None,
          "Restart budget: per group, or per replica with --ft. [default: 0, or 3 with --ft]",
          "same (per replica with --ft)", pet=True, metavar="N"),
-    _opt("monitor_interval", _both("--monitor-interval"), _min(_float, 0), 0.1,
+    _opt("monitor_interval", _both("--monitor-interval"), _seconds, 0.1,
          "Accepted for torchrun; ftrun sees exits at once, without polling.",
          "accepted; not needed: worker exits are seen within milliseconds (no polling)", pet=True, metavar="S"),
     _opt("start_method", _both("--start-method"), _choice("spawn", "fork", "forkserver"), "spawn",
@@ -350,7 +392,7 @@ OPTIONS_LIST: Tuple[Option, ...] = (
     _opt("duplicate_stderr_filters", _both("--duplicate-stderr-filters"), _str_list, None,
          "Accepted for torchrun: grep the per-rank log files instead.",
          "accepted; every line is in the per-rank log files", pet=True, metavar="A,B"),
-    _opt("node_rank", _both("--node-rank"), _min(_int, 0), 0, "This machine's rank (static). [default: 0]",
+    _opt("node_rank", _both("--node-rank"), _count(0), 0, "This machine's rank (static). [default: 0]",
          "same (static); with c10d ranks are assigned at join, as torchrun does", pet=True, metavar="K"),
     _opt("master_addr", _both("--master-addr"), _text, "127.0.0.1", "Address of node 0 (static). [default: 127.0.0.1]",
          "same", pet=True, metavar="HOST"),
@@ -366,7 +408,7 @@ OPTIONS_LIST: Tuple[Option, ...] = (
     _opt("signals_to_handle", _both("--signals-to-handle"), _signals, ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"),
          "Signals forwarded to the workers. [default: SIGTERM,SIGINT,SIGHUP,SIGQUIT]", "same", pet=True,
          metavar="SIGS"),
-    _opt("shutdown_timeout", _both("--shutdown-timeout"), _min(_float, 0), 5.0,
+    _opt("shutdown_timeout", _both("--shutdown-timeout"), _seconds, 5.0,
          "Grace between SIGTERM and SIGKILL, seconds. [default: 5]",
          "same; default 5 s, not 30 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT is read too)", pet=True, metavar="S"),
     _opt("virtual_local_rank", _both("--virtual-local-rank"), _bool, False,
@@ -374,15 +416,16 @@ OPTIONS_LIST: Tuple[Option, ...] = (
     # ---- ftrun's own
     _opt("ft", ("--ft",), _bool, False, "Replica fault tolerance: only a failed replica restarts and heals from a peer.",
          is_flag=True),
-    _opt("min_replicas", ("--min-replicas",), _min(_int, 1), 1, "With --ft: fewest live replicas that keep training.",
+    _opt("min_replicas", ("--min-replicas",), _count(1), 1, "With --ft: fewest live replicas that keep training.",
          metavar="N"),
-    _opt("step_timeout", ("--step-timeout",), _min(_float, 0), None,
-         "Seconds without an optimizer step before a replica counts as hung (stacks dumped, killed, restarted).",
+    _opt("step_timeout", ("--step-timeout",), _step_timeout, None,
+         "Seconds without an optimizer step before a replica counts as hung (stacks dumped, killed, restarted); "
+         "0: off.",
          metavar="S"),
     _opt("quiet", ("--quiet", "-q"), _bool, False, "Print only ftrun's own lines, not the workers'.", is_flag=True),
     _opt("ranks", ("--ranks",), _ranks, None, "Show only these global ranks on the console, e.g. 0,1.",
          metavar="0,1"),
-    _opt("join_timeout", ("--join-timeout",), _min(_float, 0), 120.0,
+    _opt("join_timeout", ("--join-timeout",), _seconds, 120.0,
          "Seconds to wait for every node (also --rdzv-conf join_timeout=S). [default: 120]", metavar="S"),
     _opt("hook", ("--hook",), _text, None,
          "DDP comm hook: allreduce, fp16, bf16, powersgd, batched-powersgd, localsgd, noop.", metavar="NAME"),

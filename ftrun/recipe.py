@@ -258,7 +258,8 @@ def load_recipe(name_or_path: str) -> Tuple[Dict[str, Any], str]:
     return check_recipe(recipe), str(recipe.path)
 
 
-def config_with_recipe(typed: Mapping[str, Any], name_or_path: Optional[str], check_paths: bool = True) -> "RunConfig":
+def config_with_recipe(typed: Mapping[str, Any], name_or_path: Optional[str], check_paths: bool = True,
+                       check_script: bool = True) -> "RunConfig":
     """RunConfig from the flags the user typed and an optional recipe (what `ftrun --recipe` runs).
 
     Like load_recipe + build_config; a problem whose key took its value from the
@@ -268,11 +269,11 @@ def config_with_recipe(typed: Mapping[str, Any], name_or_path: Optional[str], ch
     from ftrun.config import build_config
 
     if not name_or_path:
-        return build_config(typed, None, None, check_paths=check_paths)
+        return build_config(typed, None, None, check_paths=check_paths, check_script=check_script)
     recipe = read_recipe(find_recipe(name_or_path))
     data = check_recipe(recipe)
     try:
-        return build_config(typed, data, str(recipe.path), check_paths=check_paths)
+        return build_config(typed, data, str(recipe.path), check_paths=check_paths, check_script=check_script)
     except ConfigError as e:
         from ftrun.config import OPTIONS
 
@@ -286,10 +287,16 @@ def config_with_recipe(typed: Mapping[str, Any], name_or_path: Optional[str], ch
 
 
 def validate_recipe(name_or_path: str) -> Tuple[Recipe, "RunConfig"]:
-    """Every check `ftrun --recipe` would make, with nothing started: (recipe, RunConfig)."""
+    """Every check `ftrun --recipe` would make here, with nothing started: (recipe, RunConfig).
+
+    That includes the machine (folders, addresses, ports, torch, a live run of the same id) and,
+    when the recipe names a script, the script (found from the working directory and compiled,
+    as a run would); a recipe without one is checked for everything else."""
     recipe = read_recipe(find_recipe(name_or_path))
     data = check_recipe(recipe)
-    cfg = config_with_recipe({"script": data.get("script") or "<script>"}, str(recipe.path), check_paths=False)
+    script = data.get("script")
+    # The recipe's own script is taken from the recipe, so a problem with it lands on its line.
+    cfg = config_with_recipe({} if script else {"script": "<script>"}, str(recipe.path), check_script=bool(script))
     return recipe, cfg
 
 

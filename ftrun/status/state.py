@@ -8,11 +8,14 @@ This module must never import torch, and never write outside the runs folder.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
+import math
 import os
 import tempfile
 import time
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -31,7 +34,6 @@ class WorkerState(str, enum.Enum):
 
 class RunPhase(str, enum.Enum):
     RUNNING = "running"
-    STOPPING = "stopping"
     ENDED = "ended"
 
 
@@ -48,7 +50,6 @@ class ReplicaStatus:
     last_step_time: Optional[float] = None
     cpu_percent: Optional[float] = None
     rss_bytes: Optional[int] = None
-    gpu_mem_bytes: Optional[int] = None
     last_failure: Optional[str] = None
     node_rank: int = 0
     # --ft only
@@ -56,7 +57,6 @@ class ReplicaStatus:
     healing: Optional[bool] = None
     last_heal_s: Optional[float] = None
     ft_phase: Optional[str] = None      # join, group, heal, send, compute, vote, commit, discard, done
-    hook_info: Optional[Dict[str, Any]] = None
 
 
 @dataclass
@@ -90,13 +90,67 @@ class RunStatus:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> "RunStatus":
-        d = dict(d)
-        # Fields this version does not know (a newer supervisor) are dropped, not fatal.
-        rknown = set(ReplicaStatus.__dataclass_fields__)
-        reps = [ReplicaStatus(**{k: v for k, v in r.items() if k in rknown}) for r in d.pop("replicas", [])]
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(replicas=reps, **{k: v for k, v in d.items() if k in known})
+    def from_dict(cls, d: Any) -> "RunStatus":
+        """A RunStatus from a state file's JSON; ValueError naming the first field that is not what it should be.
+
+        Fields this version does not know (a newer supervisor) are dropped, not fatal."""
+        if not isinstance(d, dict):
+            raise ValueError(f"holds {type(d).__name__}, not a run's state")
+        reps = d.get("replicas", [])
+        if not isinstance(reps, list):
+            raise ValueError(f"'replicas' is {_shown(reps)}, not a list")
+        replicas = []
+        for i, r in enumerate(reps):
+            if not isinstance(r, dict):
+                raise ValueError(f"replicas[{i}] is {_shown(r)}, not a mapping")
+            replicas.append(ReplicaStatus(**_checked(ReplicaStatus, r, f"replicas[{i}].")))
+        fields = _checked(cls, {k: v for k, v in d.items() if k != "replicas"}, "")
+        return cls(replicas=replicas, **fields)
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Does a JSON value fit a field's type hint (Optional, int, float, str, bool, List[str], Dict)?"""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is typing.Union:
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        # JSON has one number type; NaN and infinity would make every age and rate meaningless.
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _checked(cls: Any, d: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    out: Dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"'{prefix}{f.name}' is missing")
+            continue
+        if f.name != "replicas" and not _fits(d[f.name], hints[f.name]):
+            raise ValueError(f"'{prefix}{f.name}' is {_shown(d[f.name])}, which is not a valid {f.name}")
+        out[f.name] = d[f.name]
+    return out
 
 
 def runs_root() -> Path:
@@ -140,26 +194,70 @@ def write_state(path: Path, status: RunStatus) -> None:
     os.replace(tmp, path)
 
 
+def run_folder_name(run_id: str, nnodes: int, node_rank: int) -> str:
+    """A run's folder name on this machine: per node, so two nodes on one machine keep apart."""
+    return run_id if nnodes == 1 else f"{run_id}.node{node_rank}"
+
+
+def live_supervisor(path: Path) -> Optional[int]:
+    """The pid of the live supervisor that writes state file `path`, or None (no file, ended, gone, unreadable)."""
+    import psutil
+
+    try:
+        status = RunStatus.from_dict(json.loads(path.read_bytes()))
+    except (OSError, ValueError, TypeError):
+        return None
+    if status.phase == RunPhase.ENDED.value or status.pid <= 0:
+        return None
+    try:
+        proc = psutil.Process(status.pid)
+        # A process younger than the run is a recycled pid, not its supervisor (2 s: coarse clocks).
+        return status.pid if proc.create_time() <= status.started + 2.0 else None
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
 def read_states() -> List[RunStatus]:
-    """Every run of this user on this machine that still has a state file."""
+    """Every run of this user on this machine that still has a readable state file."""
     return [status for _, status in read_state_files()]
 
 
 def read_state_files() -> List[Tuple[Path, RunStatus]]:
-    """(state file, status) of every run of this user on this machine, by start time."""
+    """(state file, status) of every run with a readable state file, by start time."""
+    return scan_state_files()[0]
+
+
+def scan_state_files() -> Tuple[List[Tuple[Path, RunStatus]], List[Tuple[Path, str]]]:
+    """([(state file, status)] by start time, [(state file, why it cannot be read)]) of this user's runs here.
+
+    Files are replaced atomically, so one that does not parse is damaged, not half-written: it is
+    reported, never skipped in silence and never allowed to break the view."""
     root = runs_root()
-    out: List[Tuple[Path, RunStatus]] = []
+    good: List[Tuple[Path, RunStatus]] = []
+    bad: List[Tuple[Path, str]] = []
     if not root.is_dir():
-        return out
+        return good, bad
     uid = os.getuid()
-    for p in root.glob("*/state.json"):
+    for p in sorted(root.glob("*/state.json")):
         try:
             with open(p, "rb") as f:
                 # Only files of our own: a state file planted by someone else is not one of our runs.
                 if os.fstat(f.fileno()).st_uid != uid:
                     continue
-                out.append((p, RunStatus.from_dict(json.loads(f.read()))))
-        except (OSError, ValueError, TypeError, KeyError):
-            continue  # being replaced or from another version: skip rather than fail
-    out.sort(key=lambda ps: (ps[1].started, ps[1].run_id))
-    return out
+                raw = f.read()
+        except IsADirectoryError:
+            bad.append((p, "is a folder, not a file"))
+            continue
+        except OSError as e:
+            bad.append((p, f"cannot be read ({e.strerror or e})"))
+            continue
+        try:
+            good.append((p, RunStatus.from_dict(json.loads(raw))))
+        except UnicodeDecodeError:
+            bad.append((p, "is not text"))
+        except json.JSONDecodeError as e:
+            bad.append((p, f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"))
+        except (ValueError, TypeError) as e:
+            bad.append((p, str(e)))
+    good.sort(key=lambda ps: (ps[1].started, ps[1].run_id))
+    return good, bad

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ftrun.errors import ConfigError
-from ftrun.status.state import RunPhase, RunStatus, read_state_files, runs_root
+from ftrun.status.state import RunPhase, RunStatus, read_state_files, runs_root, scan_state_files
 
 if TYPE_CHECKING:  # rich is imported only when a table is drawn (the --json path skips it)
     from rich.console import RenderableType
@@ -26,6 +26,10 @@ if TYPE_CHECKING:  # rich is imported only when a table is drawn (the --json pat
 WATCH_INTERVAL_S = 0.5   # the supervisor rewrites state about this often
 STALE_AFTER_S = 5.0      # a live supervisor that has not written for this long is worth a warning
 PID_REUSE_SLACK_S = 2.0  # /proc start times are coarse (boot time is whole seconds)
+# Workers beat every 0.25 s and the supervisor records a beat within ~0.5 s: a running rank
+# whose beat is older than this is not progressing (stopped, swapped out, stuck in a syscall).
+STALLED_AFTER_S = 3.0
+UNREADABLE = "unreadable"
 
 GONE = "ended (supervisor gone)"
 
@@ -93,24 +97,41 @@ def snapshot(path: Path, status: RunStatus, now: float, boot: Optional[float]) -
     d["uptime_s"] = round(max(0.0, end - status.started), 3)
     d["updated_age_s"] = round(max(0.0, now - status.updated), 3)
     d["state_file"] = str(path)
+    live = not gone and status.phase != RunPhase.ENDED.value
     for r in d["replicas"]:
         hb = r.get("last_heartbeat")
         r["heartbeat_age_s"] = round(max(0.0, now - hb), 3) if isinstance(hb, (int, float)) else None
+        r["recorded_state"] = r["state"]
+        if live and r["state"] == "running" and r["heartbeat_age_s"] is not None \
+                and r["heartbeat_age_s"] > STALLED_AFTER_S:
+            r["state"] = "stalled"
     return d
+
+
+def unreadable(path: Path, problem: str) -> Dict[str, Any]:
+    """What is shown for a state file that cannot be read: its folder's name and why, no guesses."""
+    return {"run_id": path.parent.name, "phase": UNREADABLE, "shown_phase": UNREADABLE, "state_file": str(path),
+            "problem": f"state file {path} {problem}", "replicas": []}
 
 
 def collect(run_id: Optional[str] = None) -> List[Dict[str, Any]]:
     """Snapshots of every run (or of `run_id`: exact, else a unique prefix). ConfigError if no such run."""
     now = time.time()
     boot = _boot_time()
-    files = read_state_files()
+    files, bad = scan_state_files()
     if run_id is not None:
+        known = [s.run_id for _, s in files] + [p.parent.name for p, _ in bad]
         exact = [(p, s) for p, s in files if s.run_id == run_id]
         prefixed = [(p, s) for p, s in files if s.run_id.startswith(run_id)]
-        files = exact or (prefixed if len(prefixed) == 1 else [])
-        if not files:
-            raise ConfigError(_no_such_run(run_id, [s.run_id for _, s in read_state_files()]))
-    return [snapshot(p, s, now, boot) for p, s in files]
+        bad_exact = [(p, why) for p, why in bad if p.parent.name == run_id]
+        bad_prefixed = [(p, why) for p, why in bad if p.parent.name.startswith(run_id)]
+        if exact or bad_exact:
+            files, bad = exact, bad_exact
+        elif len(prefixed) + len(bad_prefixed) == 1:
+            files, bad = prefixed, bad_prefixed
+        else:
+            raise ConfigError(_no_such_run(run_id, known))
+    return [snapshot(p, s, now, boot) for p, s in files] + [unreadable(p, why) for p, why in bad]
 
 
 def _no_such_run(run_id: str, known: List[str]) -> str:
@@ -127,7 +148,7 @@ def _no_such_run(run_id: str, known: List[str]) -> str:
 
 STATE_STYLE = {
     "starting": "cyan", "running": "green", "hung": "bold red", "restarting": "yellow",
-    "recovering": "magenta", "failed": "bold red", "done": "blue", "stopped": "dim",
+    "recovering": "magenta", "failed": "bold red", "done": "blue", "stopped": "dim", "stalled": "bold yellow",
 }
 
 
@@ -172,6 +193,12 @@ def render_run(run: Dict[str, Any]) -> "RenderableType":
     from rich.table import Table
     from rich.text import Text
 
+    if run["phase"] == UNREADABLE:
+        line = Text()
+        line.append(run["run_id"], style="bold")
+        line.append(f"  {UNREADABLE}: ", style="bold red")
+        line.append(run["problem"])
+        return line
     ended = run["phase"] == RunPhase.ENDED.value
     ft = "ft" in str(run.get("policy", "")) or any(r.get("in_quorum") is not None for r in run["replicas"])
 
@@ -204,12 +231,9 @@ def render_run(run: Dict[str, Any]) -> "RenderableType":
         lines.append(Text(f"  supervisor has not updated its state for {_age(run['updated_age_s'])}", style="yellow"))
 
     reps = run["replicas"]
-    gpu = any(r.get("gpu_mem_bytes") is not None for r in reps)
     table = Table(box=None, pad_edge=False, header_style="bold", padding=(0, 1))
     multinode = (run.get("nnodes") or 1) > 1 or any(r.get("node_rank") for r in reps)
     cols = (["node"] if multinode else []) + ["rank", "pid", "state", "restarts", "step", "steps/s", "heartbeat", "cpu %", "rss"]
-    if gpu:
-        cols.append("gpu mem")
     if ft:
         cols += ["quorum", "last heal"]
     cols.append("last failure")
@@ -229,8 +253,6 @@ def render_run(run: Dict[str, Any]) -> "RenderableType":
             (_age(r["heartbeat_age_s"]) + " ago") if live_hb else "-",
             _num(r.get("cpu_percent")) if not ended else "-", _bytes(r.get("rss_bytes")) if not ended else "-",
         ]
-        if gpu:
-            row.append(_bytes(r.get("gpu_mem_bytes")) if not ended else "-")
         if ft:
             q = "healing" if r.get("healing") else ("in" if r.get("in_quorum") else ("out" if r.get("in_quorum") is False else "-"))
             row += [q, _num(r.get("last_heal_s"), "{:.2f}s")]
@@ -253,13 +275,16 @@ def render(runs: List[Dict[str, Any]], run_id: Optional[str] = None) -> "Rendera
         if i:
             parts.append(Text(""))
         parts.append(render_run(run))
-    live = sum(1 for r in runs if r["phase"] != RunPhase.ENDED.value)
-    ended = len(runs) - live
+    live = sum(1 for r in runs if r["phase"] not in (RunPhase.ENDED.value, UNREADABLE))
+    ended = sum(1 for r in runs if r["phase"] == RunPhase.ENDED.value)
+    broken = len(runs) - live - ended
     if run_id is None:
         parts.append(Text(""))
         note = f"{live} run{'s' if live != 1 else ''} alive" if live else "no ftrun run is alive on this machine"
         if ended:
             note += f"; {ended} ended (ftrun status --clean removes them)"
+        if broken:
+            note += f"; {broken} unreadable (remove a state file by hand once no run uses it)"
         parts.append(Text(note, style="dim"))
     return Group(*parts)
 
