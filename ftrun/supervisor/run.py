@@ -431,6 +431,7 @@ class Supervisor:
                 continue
             steps = int(parts[1])
             w.last_heartbeat = now
+            w.note_activity(parts, now)
             if w.state == WorkerState.STARTING and self.quorum is None:
                 w.state = WorkerState.RUNNING
                 self._dirty = True
@@ -498,7 +499,7 @@ class Supervisor:
                 stalled_step = self.quorum.waited_for_s(w.rank) > limit
             else:
                 stalled_step = (w.state == WorkerState.RUNNING and w.first_step_seen and w.last_step_time
-                                and now - w.last_step_time > limit)
+                                and w.since_progress(now) > limit)
             stalled_beat = w.last_heartbeat and now - w.last_heartbeat > limit
             if not (stalled_step or stalled_beat):
                 continue
@@ -507,7 +508,7 @@ class Supervisor:
             elif self.quorum is not None:
                 w.hang_reason = f"hung (its peers waited {limit:g} s for its step)"
             else:
-                w.hang_reason = f"hung (no optimizer step for {limit:g} s)"
+                w.hang_reason = f"hung (no optimizer step or other progress for {limit:g} s)"
             w.state = WorkerState.HUNG
             self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: dumping its stacks to its log, "
                               f"then killing it", style="bold red")

@@ -1,0 +1,60 @@
+"""Failures that used to be quiet: each one now ends the run promptly, or not at all, and says why."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import run_ftrun
+
+PROGRESS = """\
+import sys, time, torch
+mode, seconds = sys.argv[1], float(sys.argv[2])
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def step():
+    opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step()
+for _ in range(3):
+    step()
+end = time.time() + seconds
+if mode == "train":        # optimizer steps all along
+    while time.time() < end:
+        step(); time.sleep(0.01)
+elif mode == "eval":       # a long evaluation: forward passes, no optimizer step
+    with torch.no_grad():
+        while time.time() < end:
+            model(torch.randn(4, 8)); time.sleep(0.01)
+elif mode == "hang":       # no progress of any kind
+    while time.time() < end:
+        time.sleep(0.1)
+print("done", flush=True)
+"""
+
+
+@pytest.fixture
+def progress_script(tmp_path):
+    path = tmp_path / "progress.py"
+    path.write_text(PROGRESS)
+    return path
+
+
+def test_heartbeat_survives_store_errors(ftrun_home, progress_script):
+    # Writes 4-6 of the heartbeat fail: the reporter used to stop for good, and the
+    # healthy worker was killed as hung once --step-timeout passed.
+    proc = run_ftrun(["--nproc", 1, "--step-timeout", 1.5, progress_script, "train", 3.5],
+                     env={"FTRUN_INJECT_PROGRESS_FAIL": "4:3"}, timeout=90)
+    assert "injected store error" in proc.stderr and "retrying" in proc.stderr  # the fault did happen
+    assert proc.returncode == 0, proc.stderr
+    assert "hung" not in proc.stderr
+    assert "done" in proc.stdout
+
+
+def test_long_evaluation_is_progress_a_real_hang_is_not(ftrun_home, progress_script):
+    ok = run_ftrun(["--nproc", 1, "--step-timeout", 1.5, progress_script, "eval", 3.5], timeout=90)
+    assert ok.returncode == 0, ok.stderr
+    assert "hung" not in ok.stderr
+    hung = run_ftrun(["--nproc", 1, "--step-timeout", 1.5, progress_script, "hang", 30], timeout=90)
+    assert hung.returncode != 0
+    assert "hung (no optimizer step or other progress for 1.5 s)" in hung.stderr
+    assert "done" not in hung.stdout
