@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 
+import psutil
 import pytest
 
-from conftest import run_ftrun
+from conftest import really_alive, run_ftrun, start_ftrun, wait_for_line
 
 PROGRESS = """\
 import sys, time, torch
@@ -58,3 +59,39 @@ def test_long_evaluation_is_progress_a_real_hang_is_not(ftrun_home, progress_scr
     assert hung.returncode != 0
     assert "hung (no optimizer step or other progress for 1.5 s)" in hung.stderr
     assert "done" not in hung.stdout
+
+
+def test_malformed_zygote_message_is_reported_once_and_skipped(ftrun_home, tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("import os\nprint('hello from', os.environ['RANK'], flush=True)\n")
+    # The zygote sends garbage before its first exit report: the reader used to die on it,
+    # and the supervisor then waited forever for exits it would never hear of.
+    proc = run_ftrun(["--nproc", 2, script], env={"FTRUN_INJECT_ZYGOTE_GARBAGE": "1"}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("ignored a malformed message from the zygote") == 1, proc.stderr
+    assert "finished" in proc.stderr
+
+
+def test_sigkill_of_the_zygote_ends_the_run_at_once(ftrun_home, tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text("import os, time\nprint('ready', os.environ['RANK'], flush=True)\ntime.sleep(300)\n")
+    proc = start_ftrun(["--nproc", 2, script])
+    try:
+        wait_for_line(proc, "ready")
+        wait_for_line(proc, "ready")
+        zygotes = [p for p in psutil.Process(proc.pid).children() if "ftrun zygote" in " ".join(p.cmdline())]
+        assert len(zygotes) == 1
+        workers = zygotes[0].children()
+        assert len(workers) == 2
+        t0 = time.time()
+        zygotes[0].kill()
+        rc = proc.wait(30)
+        took = time.time() - t0
+        err = proc.stderr.read()
+        assert rc == 1, err
+        assert took < 5, (took, err)
+        assert f"the zygote (pid {zygotes[0].pid}) was killed by SIGKILL; workers lost with it: rank 0, 1" in err
+        assert not really_alive(workers, 2.0)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -24,7 +24,8 @@ from ftrun.supervisor.nodes import NodeCoordinator, state_dir_name
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.report import exit_reason, failure_report
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
-from ftrun.supervisor.spawn import Exited, PopenSpawner, Spawned, SpawnerDied, ZygoteSpawner, signal_group
+from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner,
+                                   signal_group)
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec
 from ftrun.worker.proc import DUMP_STACKS_SIGNAL
@@ -214,9 +215,14 @@ class Supervisor:
                 w.pid = ev.pid
                 self._dirty = True
             return None
+        if isinstance(ev, SpawnerWarning):
+            self.console.note(ev.message, style="yellow")
+            return None
         if isinstance(ev, SpawnerDied):
             if any(w.alive for w in self.workers):
-                self.console.note(f"internal error: {ev.reason}; stopping", style="bold red")
+                lost = ", ".join(str(w.rank) for w in self.workers if w.tag in ev.lost) or "none"
+                self.console.note(f"internal error: {ev.reason}; workers lost with it: rank {lost}; stopping",
+                                  style="bold red")
                 self._stop_all(signal.SIGTERM, self.cfg.shutdown_timeout)
                 return 1
             return None
