@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import psutil
@@ -95,3 +96,28 @@ def test_sigkill_of_the_zygote_ends_the_run_at_once(ftrun_home, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+LEAVER = """\
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time; os.setsid(); "
+                          "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('set', flush=True); time.sleep(600)"],
+                         stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "set"
+print("grandchild", child.pid, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["zygote", "no-python"])
+def test_a_grandchild_that_escapes_its_session_is_killed_at_the_end(ftrun_home, tmp_path, how):
+    script = tmp_path / "leaver.py"
+    script.write_text(LEAVER)
+    args = ["--nproc", 1, script] if how == "zygote" else ["--nproc", 1, "--no-python", sys.executable, script]
+    proc = run_ftrun(args, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pid = int(next(l for l in proc.stdout.splitlines() if "grandchild" in l).split()[-1])
+    try:
+        p = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return  # killed and reaped
+    assert not really_alive([p], 5.0), f"pid {pid} outlived the run: {p.cmdline()} (parent {p.ppid()})"

@@ -7,7 +7,9 @@ Two ways to start a worker, one interface:
 Both put every worker in its own session with a parent-death signal and post
 ``Exited`` events on the supervisor's queue the moment a worker dies (the
 zygote reaps on SIGCHLD; Popen children have a waiter thread each) — no
-polling. Must never decide policy: it starts, signals and reports, nothing else.
+polling. The supervisor (and the zygote) are child subreapers: a process a worker
+started and left behind (setsid, SIGTERM ignored) is reparented to them, not to
+init, and close() kills it when the run ends. Must never decide policy: it starts, signals and reports, nothing else.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import psutil
+
+from ftrun.worker.proc import become_subreaper
 
 PDEATH_SHIM = ("import ctypes, os, sys\n"
                "ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)\n"
@@ -74,6 +78,7 @@ class ZygoteSpawner:
 
     def __init__(self, events: "queue.Queue", env: Dict[str, str], cwd: str) -> None:
         self.events = events
+        become_subreaper()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = parent
         zenv = dict(env)
@@ -160,6 +165,7 @@ class ZygoteSpawner:
             self.proc.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             pass
+        kill_orphans()
 
 
 class PopenSpawner:
@@ -167,6 +173,7 @@ class PopenSpawner:
 
     def __init__(self, events: "queue.Queue") -> None:
         self.events = events
+        become_subreaper()
         self.ready = threading.Event()
         self.ready.set()
 
@@ -184,7 +191,24 @@ class PopenSpawner:
         self.events.put(Exited(tag, proc.pid, code, sig))
 
     def close(self) -> None:
-        pass
+        kill_orphans()
+
+
+def kill_orphans(timeout: float = 5.0) -> List[int]:
+    """SIGKILL every process still below the supervisor once its workers are gone: what workers
+    left behind was reparented here (subreaper). Call only when no worker or zygote should live.
+    Returns their pids."""
+    try:
+        left = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=timeout)  # reaps them: they are our children now
+    return [p.pid for p in left]
 
 
 def signal_group(pid: Optional[int], sig: int) -> bool:

@@ -23,7 +23,7 @@ import socket
 import sys
 from typing import Dict, List, Optional
 
-from ftrun.worker.proc import set_parent_death_signal, set_title
+from ftrun.worker.proc import become_subreaper, set_parent_death_signal, set_title
 
 MAX_MSG = 1 << 20
 # Fault injection for tests: send one malformed message before the first exit report.
@@ -176,6 +176,9 @@ def main() -> None:
     set_parent_death_signal()
     if os.getppid() != supervisor_pid:
         os._exit(1)
+    # What a worker leaves behind comes to the zygote, which reaps it when it ends; at the
+    # zygote's own end it goes on to the supervisor (a subreaper too), which kills it.
+    become_subreaper()
     sock = socket.socket(fileno=fd)
     set_title(f"ftrun zygote {os.environ.get('FTRUN_RUN_ID', '')}".rstrip())
     _preimport()
