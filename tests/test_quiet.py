@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -120,4 +121,28 @@ def test_a_grandchild_that_escapes_its_session_is_killed_at_the_end(ftrun_home, 
         p = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return  # killed and reaped
-    assert not really_alive([p], 5.0), f"pid {pid} outlived the run: {p.cmdline()} (parent {p.ppid()})"
+    alive = really_alive([p], 5.0)
+    for q in alive:
+        q.kill()  # no test run may leave it behind either
+    assert not alive, f"pid {pid} outlived the run"
+
+
+EARLY = """\
+import datetime, os, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+t = torch.ones(4)
+dist.all_reduce(t)
+if dist.get_rank() == 1:
+    raise SystemExit(0)   # a rank that leaves while its peers still need it
+dist.all_reduce(t)        # rank 0: fails once rank 1 is gone
+"""
+
+
+def test_report_names_the_rank_that_left_early(ftrun_home, tmp_path):
+    script = tmp_path / "early.py"
+    script.write_text(EARLY)
+    proc = run_ftrun(["--nproc", 2, script], timeout=90)
+    assert proc.returncode != 0
+    report = proc.stderr[proc.stderr.index("run failed:"):]
+    assert re.search(r"run failed: rank 1 \(pid \d+\) exited 0 at [\d:.]+ while its peers were still running; "
+                     r"the failure that followed is rank 0 \(pid \d+\) at [\d:.]+: exited 1", report), report

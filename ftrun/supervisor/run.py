@@ -247,6 +247,7 @@ class Supervisor:
             return None
         if ev.exit_code == 0 and not w.hang_reason:
             w.state = WorkerState.DONE
+            w.finished_at = time.time()
             return None
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
         reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
@@ -332,7 +333,7 @@ class Supervisor:
         first = self.first_failure or failure
         attempts = (f"restart budget spent ({self.cfg.max_restarts} restart"
                     f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
-        self.console.renderable(failure_report(first, attempts))
+        self.console.renderable(failure_report(first, attempts, self.workers))
         return first.status_code
 
     # ---------------------------------------------------------------- stopping
