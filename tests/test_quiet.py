@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 import sys
+import subprocess
 import time
 
 import psutil
 import pytest
 
-from conftest import really_alive, run_ftrun, start_ftrun, wait_for_line
+from conftest import FTRUN, really_alive, run_ftrun, start_ftrun, wait_for_line
 
 PROGRESS = """\
 import sys, time, torch
@@ -146,3 +147,19 @@ def test_report_names_the_rank_that_left_early(ftrun_home, tmp_path):
     report = proc.stderr[proc.stderr.index("run failed:"):]
     assert re.search(r"run failed: rank 1 \(pid \d+\) exited 0 at [\d:.]+ while its peers were still running; "
                      r"the failure that followed is rank 0 \(pid \d+\) at [\d:.]+: exited 1", report), report
+
+
+def test_report_is_the_last_thing_printed_after_buffered_output(ftrun_home, tmp_path):
+    script = tmp_path / "chatty.py"
+    script.write_text("for i in range(20000):\n    print('line', i)\nraise RuntimeError('boom')\n")
+    out = tmp_path / "slurm.out"
+    with open(out, "w") as f:  # as under Slurm: stdout and stderr into one file
+        rc = subprocess.run(FTRUN + ["--nproc", "1", str(script)], stdout=f, stderr=subprocess.STDOUT,
+                            timeout=120).returncode
+    assert rc == 1
+    lines = out.read_text().splitlines()
+    assert lines.count("[rank 0] line 19999") == 1
+    headline = next(i for i, l in enumerate(lines) if "run failed:" in l)
+    assert not [l for l in lines[headline:] if l.startswith("[rank 0] line")], "worker lines after the report"
+    assert "RuntimeError: boom" in lines[headline - 1] or "RuntimeError: boom" in "\n".join(lines[headline:])
+    assert lines[-1].startswith("ftrun: full log:")

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 from ftrun.config import RunConfig, store_listen_addr
 from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, WorkerState, run_dir, write_state
 from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
-from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, open_pipes
+from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
 from ftrun.supervisor.nodes import NodeCoordinator, state_dir_name
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.report import exit_reason, failure_report
@@ -333,6 +333,7 @@ class Supervisor:
         first = self.first_failure or failure
         attempts = (f"restart budget spent ({self.cfg.max_restarts} restart"
                     f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
+        drain([p for w in self.workers for p in w.pumps])  # the report comes after the workers' lines
         self.console.renderable(failure_report(first, attempts, self.workers))
         return first.status_code
 
