@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 HEARTBEAT_S = 0.25
@@ -59,6 +60,9 @@ class ProgressReporter:
 
         register_optimizer_step_post_hook(self._on_step)
         register_module_forward_hook(self._on_forward)
+        # torch.compile(module) warns that global hooks fire once more for its wrapper: for a
+        # counter of progress that is harmless, and the user did not register this hook.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         torch.save = self._counted(torch.save)
         torch.load = self._counted(torch.load)
         self._thread.start()
