@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 # ---------------------------------------------------------------- workers -> supervisor: progress
-# "<incarnation> <steps> <last step time> <now> <pid>", rewritten by every worker's
-# heartbeat thread every HEARTBEAT_S (ftrun/worker/progress.py).
+# "<incarnation> <steps> <last step time> <now> <pid> <activity>", rewritten by every
+# worker's heartbeat thread every HEARTBEAT_S (ftrun/worker/progress.py); activity
+# counts other progress (forward passes, torch.save/load) for --step-timeout.
 HEARTBEAT_S = 0.25
 
 

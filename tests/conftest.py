@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,3 +41,37 @@ def start_ftrun(args, env=None, cwd=None, **kw) -> subprocess.Popen:
     full_env.update(env or {})
     return subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=full_env, cwd=cwd or ROOT, **kw)
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str:
+    """Read `proc`'s stdout until a line containing `needle` (the event a test waits for)."""
+    deadline = time.time() + timeout
+    seen = []
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"{needle!r} never printed; got {''.join(seen)[-2000:]}")
+
+
+def really_alive(procs, timeout: float) -> list:
+    """Processes still running after `timeout` (a zombie is dead, merely not reaped by init yet)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    out = []
+    for p in alive:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
+
 BIN = Path(sys.executable).parent
 LAUNCHERS = {"ftrun": [str(BIN / "ftrun")], "torchrun": [str(BIN / "torchrun")]}
 KEYS = ("RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE ROLE_NAME ROLE_RANK "
@@ -38,12 +40,6 @@ if n == "0" and os.environ.get("WAIT_FOR"):
         time.sleep(0.05)
     sys.exit(1)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening(port: int) -> bool:
@@ -106,7 +102,7 @@ def _wait_for_dumps(out: Path, count: int, procs, timeout=90):
 
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_identical_lines_form_one_run(tmp_path, nodes):
-    port = {k: _free_port() for k in LAUNCHERS}
+    port = {k: free_port() for k in LAUNCHERS}
     results = {}
     for launcher in (["ftrun", "torchrun"] if nodes == 2 else ["ftrun"]):
         line = (f"--nnodes={nodes} --nproc-per-node=2 --rdzv-id=job5 --rdzv-backend=c10d "
@@ -134,7 +130,7 @@ def test_identical_lines_form_one_run(tmp_path, nodes):
 def test_elastic_nodes_reform_after_a_node_is_killed(tmp_path, launcher):
     """--nnodes 2:3 on three nodes; one node is SIGKILLed (with its workers); the other two re-form with
     world size 2 and finish, as torchrun's do."""
-    port = _free_port()
+    port = free_port()
     go = tmp_path / "go"
     line = (f"--nnodes=2:3 --nproc-per-node=1 --max-restarts=2 --rdzv-id=el --rdzv-backend=c10d "
             f"--rdzv-endpoint=localhost:{port} --rdzv-conf=last_call_timeout=1")
@@ -158,7 +154,7 @@ def test_elastic_nodes_reform_after_a_node_is_killed(tmp_path, launcher):
 
 def test_a_late_node_joins_at_the_next_reformation(tmp_path):
     """Round 0 forms with two nodes of 2:3; a third node started later waits, and round 1 has all three."""
-    port = _free_port()
+    port = free_port()
     go = tmp_path / "go"
     line = (f"--nnodes=2:3 --nproc-per-node=1 --max-restarts=1 --rdzv-backend=c10d "
             f"--rdzv-endpoint=localhost:{port} --rdzv-conf=last_call_timeout=0.5")
@@ -178,7 +174,7 @@ def test_a_late_node_joins_at_the_next_reformation(tmp_path):
 
 
 def test_waiting_node_stops_on_ctrl_c_and_a_short_join_timeout_is_one_line(tmp_path):
-    port = _free_port()
+    port = free_port()
     line = f"--nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=localhost:{port}"
     (waiting,) = _start_nodes("ftrun", 1, line, tmp_path, tmp_path / "out")  # hosts the store, waits for node 1
     os.killpg(waiting.pid, signal.SIGINT)

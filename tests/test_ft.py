@@ -133,7 +133,7 @@ def test_chaos_kills_keep_replicas_identical(ftrun_home, tmp_path, failure_free)
     run_id = "chaos"
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 10, "--run-id", run_id, TRAIN,
                         "--steps", 240, "--step-sleep", 0.02, "--out", out])
-    kills = 0
+    killed = []  # pids, in order
     try:
         _wait_replica(ftrun_home, run_id, 0, lambda r, st: r["step"] >= 10)
         for i in range(6):
@@ -141,19 +141,21 @@ def test_chaos_kills_keep_replicas_identical(ftrun_home, tmp_path, failure_free)
             time.sleep(rng.uniform(0.05, 0.4))
             r = _wait_replica(ftrun_home, run_id, victim, lambda r, st: r["state"] == "running")
             os.kill(r["pid"], signal.SIGKILL)
-            kills += 1
+            killed.append(r["pid"])
             if i == 2:
                 # Kill a replica again while it is rejoining: once it is back, before it has
                 # taken part in a step (during its heal or right after it).
                 r = _wait_replica(ftrun_home, run_id, victim,
                                   lambda r, st: r["restarts"] >= 1 and r["state"] in ("recovering", "running"))
                 os.kill(r["pid"], signal.SIGKILL)
-                kills += 1
+                killed.append(r["pid"])
         rc, _, err = _finish(proc)
     finally:
         proc.kill()
     assert rc == 0, err[-4000:]
-    assert kills >= 7
+    # every kill happened, and ftrun saw each one as what it was
+    assert len(set(killed)) == 7, killed
+    assert [pid for pid in killed if f"(pid {pid}) killed by SIGKILL" not in err] == [], err[-3000:]
     assert err.count("restarting it alone") >= 6, err[-3000:]
     assert "healed from a peer" in err
     ref_params, ref_stats = failure_free

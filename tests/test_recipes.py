@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import run_ftrun
+
 from ftrun.config import OPTIONS, build_config
 from ftrun.errors import ConfigError
 from ftrun.hookspec import parse_hook
@@ -23,9 +25,7 @@ EXPECTED_BUNDLED = {"ddp", "fp16", "bf16", "powersgd", "powersgd-r4-fp16", "loca
 
 
 def ftrun(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "ftrun", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_ftrun(args, timeout=timeout, env=env, cwd=cwd)
 
 
 # ---------------------------------------------------------------------------

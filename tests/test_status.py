@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
 import signal
 import stat
 import subprocess
@@ -13,6 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import run_ftrun
 
 from ftrun.errors import ConfigError
 from ftrun.status.state import ReplicaStatus, RunStatus, read_states, run_dir, runs_root, write_state
@@ -37,9 +41,7 @@ def sup():
 
 
 def ftrun(*args: str, home: Path, timeout: float = 30, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, FTRUN_HOME=str(home), COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "ftrun", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=kw.get("cwd", REPO))
+    return run_ftrun(args, timeout=timeout, env={"FTRUN_HOME": str(home), "COLUMNS": "200"}, cwd=kw.get("cwd", REPO))
 
 
 def make_run(run_id: str, pid: int, *, started_ago: float = 0.5, phase: str = "running", n: int = 4,
@@ -161,13 +163,23 @@ def test_unreadable_and_newer_state_files(home):
 def test_watch_until_ctrl_c(home, sup):
     make_run("ftrun-watched", sup)
     env = dict(os.environ, FTRUN_HOME=str(home), COLUMNS="200")
+    # On a terminal (a pty), so the live view draws frames: Ctrl-C comes once the first one is on screen.
+    master, slave = pty.openpty()
     p = subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--watch"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=10)
+                         stdout=slave, stderr=subprocess.PIPE, text=True)
+    os.close(slave)
+    screen, deadline = b"", time.time() + 30
+    try:
+        while b"ftrun-watched" not in screen and select.select([master], [], [], max(0.0, deadline - time.time()))[0]:
+            screen += os.read(master, 65536)
+        assert b"ftrun-watched" in screen, screen[-2000:]
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=10)
+    finally:
+        p.kill()
+        os.close(master)
     assert p.returncode == 0, err
-    assert "ftrun-watched" in out and "Traceback" not in err
+    assert "Traceback" not in err
     # --watch --json streams one JSON document per line and refresh.
     p = subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--watch", "--json"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import stat
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import ROOT
+from conftest import free_port
 
 BIN = Path(sys.executable).parent
 FTRUN = str(BIN / "ftrun")  # the console script, as users run it (its sys.path[0] is .venv/bin, not the cwd)
@@ -103,12 +102,6 @@ SHAPES = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """A project root with the dump script as a file, a package module and an executable."""
@@ -125,7 +118,7 @@ def project(tmp_path_factory):
 
 
 def _start(launcher: str, shape: str, project: Path, out: Path, home: Path):
-    port = _free_port()
+    port = free_port()
     logdir = out.parent / (out.name + "-logs")
     words = shape.format(script="train.py", exe="./dump_exe", abs=str(project / "train.py"), port=port,
                          logdir=logdir)
@@ -135,7 +128,7 @@ def _start(launcher: str, shape: str, project: Path, out: Path, home: Path):
     if argv[0] == "PYTHON-M":
         cmd = [sys.executable, "-m", "torch.distributed.run" if launcher == "torchrun" else "ftrun"] + argv[1:]
     elif argv[0] == "PET":
-        pod = _free_port()
+        pod = free_port()
         env.update(PET_NNODES="1", PET_NPROC_PER_NODE="2", PET_NODE_RANK="0", PET_MASTER_ADDR="localhost",
                    PET_MASTER_PORT=str(port), RANK="3", WORLD_SIZE="8", MASTER_ADDR="pod-0",
                    MASTER_PORT=str(pod), LOCAL_RANK="5")

@@ -3,7 +3,8 @@
 Each worker incarnation writes into two pipes; a pump thread per pipe copies
 every line to the rank's log file (always, in full) and to the console with a
 coloured ``[rank N]`` prefix (plain when piped), unless --quiet, --ranks,
---local-ranks-filter or torchrun's --redirects hide it (--tee keeps it). The last lines of stderr are kept for the failure report.
+--local-ranks-filter or torchrun's --redirects hide it (--tee keeps it). The last lines of stderr are kept for the failure report,
+which is printed after drain(): the workers' buffered lines come first.
 Must never block a worker: pumps only read, and the console is shared under a lock.
 """
 
@@ -13,6 +14,7 @@ import collections
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Deque, Dict, Optional, Sequence
 
@@ -21,6 +23,7 @@ from rich.text import Text
 
 COLOURS = ("cyan", "green", "magenta", "yellow", "blue", "bright_red", "bright_cyan", "bright_green")
 TAIL_LINES = 30
+DRAIN_S = 5.0
 
 
 class ConsoleOut:
@@ -57,9 +60,13 @@ class ConsoleOut:
         bits = self.hidden.get(local, self.hidden.get(-1, 0))
         return not bits & (2 if stderr else 1)
 
-    def worker_line(self, rank: int, line: str, stderr: bool) -> None:
-        prefix = Text(f"[rank {rank}] ", style=COLOURS[rank % len(COLOURS)])
-        text = prefix + Text(line)
+    def worker_lines(self, rank: int, lines: Sequence[str], stderr: bool) -> None:
+        """Several lines of one worker in one write: a chatty worker must not fall far behind."""
+        style = COLOURS[rank % len(COLOURS)]
+        text = Text()
+        for i, line in enumerate(lines):
+            text.append(f"[rank {rank}] ", style=style)
+            text.append(line + ("\n" if i < len(lines) - 1 else ""))
         with self.lock:
             (self.err if stderr else self.out).print(text)
 
@@ -113,18 +120,26 @@ class Pump:
                 f.write(chunk)
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
-                for raw in lines:
-                    self._line(raw)
+                if lines:
+                    self._lines(lines)
             if pending:
-                self._line(pending)
+                self._lines([pending])
         self.done.set()
 
-    def _line(self, raw: bytes) -> None:
-        line = raw.decode("utf-8", errors="replace").rstrip("\r")
+    def _lines(self, raws: Sequence[bytes]) -> None:
+        lines = [raw.decode("utf-8", errors="replace").rstrip("\r") for raw in raws]
         if self.stderr:
-            self.tail.append(line)
+            self.tail.extend(lines)
         if self.console.shows(self.rank, self.stderr):
-            self.console.worker_line(self.rank, line, self.stderr)
+            self.console.worker_lines(self.rank, lines, self.stderr)
+
+
+def drain(pumps: Sequence["Pump"], timeout: float = DRAIN_S) -> None:
+    """Wait until every pump has copied what its worker wrote (bounded: a process a worker
+    left behind may hold its pipe open), so a final report comes after the workers' lines."""
+    deadline = time.monotonic() + timeout
+    for p in pumps:
+        p.done.wait(max(0.0, deadline - time.monotonic()))
 
 
 def open_pipes():

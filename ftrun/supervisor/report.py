@@ -8,12 +8,13 @@ and where the full log is. Must never decide anything or touch processes.
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from rich.text import Text
 
 from ftrun.supervisor.spawn import signal_name
-from ftrun.supervisor.worker import Failure
+from ftrun.status.state import WorkerState
+from ftrun.supervisor.worker import Failure, Worker
 
 SIGNAL_HINTS = {
     "SIGKILL": "often the out-of-memory killer",
@@ -45,13 +46,23 @@ def _last_exception_line(tail: List[str]) -> Optional[str]:
     return None
 
 
-def failure_report(failure: Failure, attempts: str) -> Text:
-    """The final report: one headline a person (and grep) can read, then the evidence."""
-    when = time.strftime("%H:%M:%S", time.localtime(failure.when))
+def failure_report(failure: Failure, attempts: str, workers: Sequence[Worker] = ()) -> Text:
+    """The final report: one headline a person (and grep) can read, then the evidence.
+
+    A rank that exited 0 while its peers still needed it is named first: the peers'
+    errors that follow ("connection closed") are its consequence, not the cause."""
     body = Text()
     body.append("ftrun: run failed: ", style="bold red")
+    early = sorted((w for w in workers if w.state == WorkerState.DONE and w.finished_at
+                    and w.finished_at <= failure.when and w.rank != failure.rank), key=lambda w: w.finished_at)
+    for w in early:
+        body.append(f"rank {w.rank}", style="bold")
+        body.append(f" (pid {w.pid}) exited 0 at {_clock(w.finished_at)} while its peers were still running; ")
+    if early:
+        body.append("the failure that followed is ")
     body.append(f"rank {failure.rank}", style="bold")
-    body.append(f" (pid {failure.pid}) failed first at {when}: {failure.reason}\n")
+    body.append(f" (pid {failure.pid}) {'at' if early else 'failed first at'} {_clock(failure.when)}: "
+                f"{failure.reason}\n")
     body.append(f"ftrun: {attempts}\n")
     if failure.stderr_tail:
         body.append("ftrun: last lines of its stderr:\n", style="dim")
@@ -61,3 +72,7 @@ def failure_report(failure: Failure, attempts: str) -> Text:
         body.append("ftrun: full log: ", style="dim")
         body.append(failure.log_path)
     return body
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"

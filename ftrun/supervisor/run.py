@@ -20,13 +20,14 @@ from typing import Dict, List, Optional
 from ftrun.config import RunConfig, store_listen_addr
 from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, WorkerState, run_dir, write_state
 from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
-from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, open_pipes
+from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
 from ftrun.supervisor.nodes import NODE_LOST, NodeCoordinator, NodeEvent, state_dir_name
 from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.report import exit_reason, failure_report
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
-from ftrun.supervisor.spawn import Exited, PopenSpawner, Spawned, SpawnerDied, ZygoteSpawner, signal_group
+from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner,
+                                   signal_group)
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec
 from ftrun.protocol import DUMP_STACKS_SIGNAL, progress_key
@@ -229,9 +230,14 @@ class Supervisor:
                 w.pid = ev.pid
                 self._dirty = True
             return None
+        if isinstance(ev, SpawnerWarning):
+            self.console.note(ev.message, style="yellow")
+            return None
         if isinstance(ev, SpawnerDied):
             if any(w.alive for w in self.workers):
-                self.console.note(f"internal error: {ev.reason}; stopping", style="bold red")
+                lost = ", ".join(str(w.rank) for w in self.workers if w.tag in ev.lost) or "none"
+                self.console.note(f"internal error: {ev.reason}; workers lost with it: rank {lost}; stopping",
+                                  style="bold red")
                 self._stop_all(signal.SIGTERM, self.cfg.shutdown_timeout)
                 return 1
             return None
@@ -256,6 +262,7 @@ class Supervisor:
             return None
         if ev.exit_code == 0 and not w.hang_reason:
             w.state = WorkerState.DONE
+            w.finished_at = time.time()
             return None
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
         reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
@@ -400,7 +407,8 @@ class Supervisor:
         first = self.first_failure or failure
         attempts = (f"restart budget spent ({self.cfg.max_restarts} restart"
                     f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
-        self.console.renderable(failure_report(first, attempts))
+        drain([p for w in self.workers for p in w.pumps])  # the report comes after the workers' lines
+        self.console.renderable(failure_report(first, attempts, self.workers))
         return first.status_code
 
     # ---------------------------------------------------------------- stopping
@@ -509,6 +517,7 @@ class Supervisor:
                 continue
             steps = int(parts[1])
             w.last_heartbeat = now
+            w.note_activity(parts, now)
             if w.state == WorkerState.STARTING and self.quorum is None:
                 w.state = WorkerState.RUNNING
                 self._dirty = True
@@ -576,7 +585,7 @@ class Supervisor:
                 stalled_step = self.quorum.waited_for_s(w.rank) > limit
             else:
                 stalled_step = (w.state == WorkerState.RUNNING and w.first_step_seen and w.last_step_time
-                                and now - w.last_step_time > limit)
+                                and w.since_progress(now) > limit)
             stalled_beat = w.last_heartbeat and now - w.last_heartbeat > limit
             if not (stalled_step or stalled_beat):
                 continue
@@ -585,7 +594,7 @@ class Supervisor:
             elif self.quorum is not None:
                 w.hang_reason = f"hung (its peers waited {limit:g} s for its step)"
             else:
-                w.hang_reason = f"hung (no optimizer step for {limit:g} s)"
+                w.hang_reason = f"hung (no optimizer step or other progress for {limit:g} s)"
             w.state = WorkerState.HUNG
             self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: dumping its stacks to its log, "
                               f"then killing it", style="bold red")

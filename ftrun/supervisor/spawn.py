@@ -7,7 +7,9 @@ Two ways to start a worker, one interface:
 Both put every worker in its own session with a parent-death signal and post
 ``Exited`` events on the supervisor's queue the moment a worker dies (the
 zygote reaps on SIGCHLD; Popen children have a waiter thread each) — no
-polling. Must never decide policy: it starts, signals and reports, nothing else.
+polling. The supervisor (and the zygote) are child subreapers: a process a worker
+started and left behind (setsid, SIGTERM ignored) is reparented to them, not to
+init, and close() kills it when the run ends. Must never decide policy: it starts, signals and reports, nothing else.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
+
+import psutil
+
+from ftrun.worker.proc import become_subreaper
 
 PDEATH_SHIM = ("import ctypes, os, sys\n"
                "ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)\n"
@@ -47,7 +53,18 @@ class Spawned:
 
 @dataclass(frozen=True)
 class SpawnerDied:
+    """The spawner can start no more workers; `lost` are the tags of workers that died with it
+    (each is also reported as Exited, after this event)."""
+
     reason: str
+    lost: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SpawnerWarning:
+    """Something the supervisor should say, that changes nothing (e.g. a malformed message was skipped)."""
+
+    message: str
 
 
 def _decode_status(status: int):
@@ -61,6 +78,7 @@ class ZygoteSpawner:
 
     def __init__(self, events: "queue.Queue", env: Dict[str, str], cwd: str) -> None:
         self.events = events
+        become_subreaper()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = parent
         zenv = dict(env)
@@ -75,27 +93,62 @@ class ZygoteSpawner:
         child.close()
         self.ready = threading.Event()
         self._lock = threading.Lock()
+        self._live: Dict[str, Optional[psutil.Process]] = {}  # tag -> worker, written by the reader only
         self._reader = threading.Thread(target=self._read, name="ftrun-zygote", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
+        warned = False
         while True:
             try:
                 data = self.sock.recv(1 << 16)
             except OSError:
                 data = b""
             if not data:
-                self.events.put(SpawnerDied("the zygote process exited"))
+                self._zygote_gone()
                 return
-            msg = json.loads(data)
-            op = msg.get("op")
-            if op == "ready":
-                self.ready.set()
-            elif op == "spawned":
-                self.events.put(Spawned(msg["tag"], msg["pid"]))
-            elif op == "exit":
-                code, sig = _decode_status(msg["status"])
-                self.events.put(Exited(msg.get("tag") or "", msg["pid"], code, sig))
+            try:
+                msg = json.loads(data)
+                op = msg.get("op")
+                if op == "ready":
+                    self.ready.set()
+                elif op == "spawned":
+                    self._track(msg["tag"], msg["pid"])
+                    self.events.put(Spawned(msg["tag"], msg["pid"]))
+                elif op == "exit":
+                    self._live.pop(msg.get("tag") or "", None)
+                    code, sig = _decode_status(msg["status"])
+                    self.events.put(Exited(msg.get("tag") or "", msg["pid"], code, sig))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                # One bad message must not blind the supervisor to every later exit.
+                if not warned:
+                    warned = True
+                    self.events.put(SpawnerWarning(f"ignored a malformed message from the zygote "
+                                                   f"({type(e).__name__}: {e}): {data[:120]!r}"))
+
+    def _track(self, tag: str, pid: int) -> None:
+        try:
+            self._live[tag] = psutil.Process(pid)
+        except psutil.Error:
+            self._live[tag] = None  # already gone: its exit report follows
+
+    def _zygote_gone(self) -> None:
+        """The zygote died: its workers die with it (parent-death signal) and nobody reaps them
+        for us, so report each one as lost here, at once, instead of waiting for exits that never come."""
+        try:
+            status = self.proc.wait(timeout=5)
+            how = f"was killed by {signal_name(-status)}" if status < 0 else f"exited with code {status}"
+        except subprocess.TimeoutExpired:
+            how = "closed its socket"
+        lost = dict(self._live)
+        self._live.clear()
+        self.events.put(SpawnerDied(f"the zygote (pid {self.proc.pid}) {how}", tuple(lost)))
+        procs = [p for p in lost.values() if p is not None]
+        for p in procs:
+            signal_group(p.pid, signal.SIGKILL)  # the parent-death signal did it already; make sure
+        psutil.wait_procs(procs, timeout=5)
+        for tag, p in lost.items():
+            self.events.put(Exited(tag, p.pid if p is not None else 0, None, signal.SIGKILL))
 
     def spawn(self, tag: str, argv: List[str], env: Dict[str, str], cwd: str, out_fd: int, err_fd: int) -> None:
         msg = json.dumps({"op": "spawn", "tag": tag, "argv": argv, "env": env, "cwd": cwd}).encode()
@@ -112,6 +165,7 @@ class ZygoteSpawner:
             self.proc.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):
             pass
+        kill_orphans()
 
 
 class PopenSpawner:
@@ -119,6 +173,7 @@ class PopenSpawner:
 
     def __init__(self, events: "queue.Queue") -> None:
         self.events = events
+        become_subreaper()
         self.ready = threading.Event()
         self.ready.set()
 
@@ -136,7 +191,24 @@ class PopenSpawner:
         self.events.put(Exited(tag, proc.pid, code, sig))
 
     def close(self) -> None:
-        pass
+        kill_orphans()
+
+
+def kill_orphans(timeout: float = 5.0) -> List[int]:
+    """SIGKILL every process still below the supervisor once its workers are gone: what workers
+    left behind was reparented here (subreaper). Call only when no worker or zygote should live.
+    Returns their pids."""
+    try:
+        left = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=timeout)  # reaps them: they are our children now
+    return [p.pid for p in left]
 
 
 def signal_group(pid: Optional[int], sig: int) -> bool:

@@ -53,6 +53,9 @@ class Worker:
     steps: int = 0
     last_step_time: Optional[float] = None
     first_step_seen: bool = False
+    last_activity: Optional[float] = None   # forward passes, torch.save/load: progress that is not a step
+    finished_at: Optional[float] = None     # when this incarnation exited 0
+    _activity_seen: str = ""
     last_heartbeat: Optional[float] = None
     steps_per_s: float = 0.0
     # when hung: SIGKILL deadline after the stack dump was requested
@@ -73,6 +76,9 @@ class Worker:
         self.started = time.time()
         self.first_step_seen = False
         self.last_step_time = None
+        self.last_activity = None
+        self.finished_at = None
+        self._activity_seen = ""
         self.last_heartbeat = None
         self.steps_per_s = 0.0
         self.kill_at = None
@@ -82,6 +88,16 @@ class Worker:
         self.rss_bytes = None
         if not keep_steps:
             self.steps = 0
+
+    def note_activity(self, fields: List[str], now: float) -> None:
+        """Read the progress report's activity count (6th field): a change is progress."""
+        if len(fields) > 5 and fields[5] != self._activity_seen:
+            self._activity_seen = fields[5]
+            self.last_activity = now
+
+    def since_progress(self, now: float) -> float:
+        """Seconds since the last optimizer step or other progress (forward pass, save, load)."""
+        return now - max(self.last_step_time or 0.0, self.last_activity or 0.0)
 
     @property
     def rank(self) -> int:

@@ -1,7 +1,7 @@
 """Process-level settings shared by every worker process, however it was started.
 
 Linux's parent-death signal (so a worker never outlives the process that
-started it), the signal that asks a worker to dump its Python stacks, and the
+started it), the child subreaper (so what a worker leaves behind stays under ftrun), the signal that asks a worker to dump its Python stacks, and the
 process titles that make workers findable by name in ps, top and pgrep -f.
 Must never import torch or anything from the supervisor.
 """
@@ -14,6 +14,7 @@ import signal
 from typing import List
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 
 from ftrun.protocol import DUMP_STACKS_SIGNAL  # noqa: F401  (the bootstrap installs faulthandler on it)
 
@@ -24,6 +25,16 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: nothing to do
+        pass
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (a worker's child that called setsid() and outlived it) are
+    reparented to this process instead of init, so they stay findable and killable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans go to init, as before
         pass
 
 

@@ -1,26 +1,39 @@
-"""Progress reports from inside a worker: heartbeats and optimizer steps, via the store.
+"""Progress reports from inside a worker: heartbeats, optimizer steps and other progress, via the store.
 
 A global optimizer step hook counts steps with no change to the user's script;
-a daemon thread writes `incarnation steps last_step_time now` to the
-supervisor's store every HEARTBEAT_S (and at once after the first step), so
-the supervisor can show live health and spot a hung rank.
-Must never block or slow the training loop: the hook only bumps a counter.
+a global module forward hook and wrappers of torch.save/torch.load count other
+progress (evaluation, checkpoints), so a long evaluation or save is not taken
+for a hang. A daemon thread writes
+`incarnation steps last_step_time now pid activity` to the supervisor's store
+every HEARTBEAT_S (and at once after the first step), so the supervisor can
+show live health and spot a hung rank. A store error does not end the reports:
+the thread reconnects with a bounded back-off and keeps beating.
+Must never block or slow the training loop: the hooks only bump counters.
 Must never import the supervisor.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
 import threading
 import time
-from typing import Optional
+import warnings
+from typing import Any, Callable, Optional
 
 from ftrun.protocol import HEARTBEAT_S, info_key, progress_key
 
+RECONNECT_MAX_S = 1.0       # back-off cap between reconnects to the store
+RECONNECT_TIMEOUT_S = 5.0   # one connection attempt; the first one may wait for the store longer
+# Fault injection for tests: "START:COUNT" makes store writes number START..START+COUNT-1 fail.
+INJECT_ENV = "FTRUN_INJECT_PROGRESS_FAIL"
+
+
 
 class ProgressReporter:
-    """Counts optimizer steps and reports them, with a heartbeat, to the store."""
+    """Counts optimizer steps and other progress and reports them, with a heartbeat, to the store."""
 
     def __init__(self, host: str, port: int, rank: int, incarnation: int) -> None:
         self.host, self.port = host, port
@@ -28,52 +41,113 @@ class ProgressReporter:
         self.incarnation = incarnation
         self.steps = 0
         self.last_step_time = 0.0
+        self.activity = 0           # forward passes and torch.save/torch.load calls
+        self.busy = 0               # torch.save/torch.load calls running now: progress while they last
         self.global_step: Optional[int] = None  # set by ftrun.ft, which counts committed steps
         self.info_provider = None  # ftrun.ft: a callable returning a JSON-able dict for `ftrun status`
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._writes = 0
+        self._inject = _parse_inject(os.environ.get(INJECT_ENV, ""))
         self._thread = threading.Thread(target=self._loop, name="ftrun-progress", daemon=True)
 
     def start(self) -> None:
+        import torch
+        from torch.nn.modules.module import register_module_forward_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         register_optimizer_step_post_hook(self._on_step)
+        register_module_forward_hook(self._on_forward)
+        # torch.compile(module) warns that global hooks fire once more for its wrapper: for a
+        # counter of progress that is harmless, and the user did not register this hook.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        torch.save = self._counted(torch.save)
+        torch.load = self._counted(torch.load)
         self._thread.start()
 
-    def _on_step(self, *_args) -> None:
+    def _on_step(self, *_args: Any) -> None:
         self.steps += 1
         self.last_step_time = time.time()
         if self.steps == 1:
             self._wake.set()
+
+    def _on_forward(self, *_args: Any) -> None:
+        # Called after every module's forward: one integer add, nothing else.
+        self.activity += 1
+
+    def _counted(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.busy += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy -= 1
+                self.activity += 1
+        return wrapper
 
     def note_step(self, step: int) -> None:
         """For ftrun.ft: the global step just committed."""
         self.global_step = step
         self.last_step_time = time.time()
 
-    def _loop(self) -> None:
+    def _connect(self, timeout_s: float):
         import datetime
 
         import torch.distributed as dist
 
-        try:
-            store = dist.TCPStore(self.host, self.port, None, False, datetime.timedelta(seconds=60))
-        except Exception:
-            return  # no store, no reports; training itself is unaffected
-        key = progress_key(self.rank)
+        return dist.TCPStore(self.host, self.port, None, False, datetime.timedelta(seconds=timeout_s))
+
+    def _write(self, store, beat: int) -> None:
+        self._writes += 1
+        start, count = self._inject
+        if start <= self._writes < start + count:
+            raise RuntimeError(f"injected store error ({INJECT_ENV}, write {self._writes})")
+        steps = self.global_step if self.global_step is not None else self.steps
+        if self.busy:
+            self.activity += 1  # a save or load that takes long is progress while it runs
+        store.set(progress_key(self.rank), f"{self.incarnation} {steps} {self.last_step_time:.3f} "
+                                           f"{time.time():.3f} {os.getpid()} {self.activity}")
+        if self.info_provider is not None:
+            # "beat" changes every report, so the keeper can tell a live report from a stale one.
+            store.set(info_key(self.rank), json.dumps({**self.info_provider(), "beat": beat}))
+
+    def _loop(self) -> None:
+        parent = os.getppid()
+        store = None
+        timeout_s = 60.0
+        backoff = 0.0
         beat = 0
+        reported = False
         while not self._stop.is_set():
-            steps = self.global_step if self.global_step is not None else self.steps
-            beat += 1
             try:
-                store.set(key, f"{self.incarnation} {steps} {self.last_step_time:.3f} {time.time():.3f} {os.getpid()}")
-                if self.info_provider is not None:
-                    # "beat" changes every report, so the keeper can tell a live report from a stale one.
-                    store.set(info_key(self.rank), json.dumps({**self.info_provider(), "beat": beat}))
-            except Exception:
-                return  # the supervisor is gone; the parent-death signal ends us
+                if store is None:
+                    store = self._connect(timeout_s)
+                    timeout_s = RECONNECT_TIMEOUT_S
+                beat += 1
+                self._write(store, beat)
+                backoff = 0.0
+            except Exception as e:  # noqa: BLE001 - any store error: reconnect and go on beating
+                store = None
+                if os.getppid() != parent:
+                    return  # our parent is gone: the parent-death signal ends this process anyway
+                if not reported:  # once per process: a flapping store must not flood the log
+                    reported = True
+                    sys.stderr.write(f"ftrun: rank {self.rank}: progress report failed ({e}); "
+                                     "reconnecting to the store and retrying\n")
+                backoff = min(RECONNECT_MAX_S, max(0.05, backoff * 2))
+                self._stop.wait(backoff)
+                continue
             self._wake.wait(HEARTBEAT_S)
             self._wake.clear()
+
+
+def _parse_inject(text: str) -> tuple:
+    start, _, count = text.partition(":")
+    try:
+        return int(start), int(count or 1)
+    except ValueError:
+        return 0, 0
 
 
 _reporter: Optional[ProgressReporter] = None

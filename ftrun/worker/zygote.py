@@ -23,9 +23,11 @@ import socket
 import sys
 from typing import Dict, List, Optional
 
-from ftrun.worker.proc import set_parent_death_signal, set_title
+from ftrun.worker.proc import become_subreaper, set_parent_death_signal, set_title
 
 MAX_MSG = 1 << 20
+# Fault injection for tests: send one malformed message before the first exit report.
+INJECT_GARBAGE_ENV = "FTRUN_INJECT_ZYGOTE_GARBAGE"
 
 
 def _send(sock: socket.socket, msg: Dict) -> None:
@@ -133,6 +135,10 @@ def _reap(sock: socket.socket, children: Dict[int, str]) -> None:
         if pid == 0:
             return
         tag = children.pop(pid, None)
+        if tag is None:
+            continue  # an orphan this subreaper adopted: not a worker, nobody to tell
+        if os.environ.pop(INJECT_GARBAGE_ENV, "") == "1":
+            sock.send(b"{not json")  # fault injection for tests: the supervisor must skip it and go on
         _send(sock, {"op": "exit", "pid": pid, "tag": tag, "status": status})
 
 
@@ -170,6 +176,9 @@ def main() -> None:
     set_parent_death_signal()
     if os.getppid() != supervisor_pid:
         os._exit(1)
+    # What a worker leaves behind comes to the zygote, which reaps it when it ends; at the
+    # zygote's own end it goes on to the supervisor (a subreaper too), which kills it.
+    become_subreaper()
     sock = socket.socket(fileno=fd)
     set_title(f"ftrun zygote {os.environ.get('FTRUN_RUN_ID', '')}".rstrip())
     _preimport()
