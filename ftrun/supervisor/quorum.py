@@ -146,9 +146,21 @@ class QuorumKeeper:
         s = self._s
         total = s.add(keys.count_key(e, rnd), keys.FAIL_VOTE)
         if keys.tally(total)[0] == len(self.epochs[e]):  # this closed the round: nobody else decides it
-            s.set(keys.decision_key(e, rnd), f"fail {self.epoch_id}")
-            if rnd > top:
-                s.set(keys.TOP, str(rnd))
+            self._decide_failed(e, rnd, top)
+
+    def _decide_failed(self, e: int, rnd: int, top: int) -> None:
+        s = self._s
+        s.compare_set(keys.decision_key(e, rnd), "", f"fail {self.epoch_id}")
+        if rnd > top:
+            s.set(keys.TOP, str(rnd))
+
+    def _close_orphaned(self, e: int, rnd: int, top: int) -> None:
+        """A round every member voted in but nobody decided: its closer died between its vote
+        and its decision. Decide it as failed (compare_set: a decision already written stands)."""
+        s = self._s
+        if keys.tally(s.add(keys.count_key(e, rnd), 0))[0] >= len(self.epochs[e]) \
+                and not s.check([keys.decision_key(e, rnd)]):
+            self._decide_failed(e, rnd, top)
 
     def _rounds_of(self, e: int, top: int) -> Set[int]:
         """Rounds of epoch `e` its live members may be waiting on: the two after the newest
@@ -171,9 +183,12 @@ class QuorumKeeper:
             if (rank, inc) not in members or e < oldest:
                 continue
             done = filled.setdefault(e, set())
-            for rnd in sorted(self._rounds_of(e, top) - done):
+            rounds = self._rounds_of(e, top)
+            for rnd in sorted(rounds - done):
                 self._fail_vote(e, rnd, top)
                 done.add(rnd)
+            for rnd in sorted(rounds & done):
+                self._close_orphaned(e, rnd, top)
 
     def _unstick(self, now: float, top: int) -> None:
         """A member that has waited STUCK_S for a round's decision while another member of
