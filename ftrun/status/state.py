@@ -21,17 +21,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 
-class WorkerState(str, enum.Enum):
-    STARTING = "starting"      # spawned, no heartbeat yet
-    RUNNING = "running"        # heartbeating
-    HUNG = "hung"              # no optimizer step for --step-timeout: being killed
-    RESTARTING = "restarting"  # died, a new incarnation is about to start
-    RECOVERING = "recovering"  # with --ft: restarted and receiving state from a peer
-    FAILED = "failed"          # died and will not be restarted
-    DONE = "done"              # exited 0
-    STOPPED = "stopped"        # stopped by ftrun (shutdown, group restart)
-
-
 class RunPhase(str, enum.Enum):
     RUNNING = "running"
     ENDED = "ended"
@@ -42,7 +31,7 @@ class ReplicaStatus:
     rank: int
     local_rank: int
     pid: Optional[int] = None
-    state: str = WorkerState.STARTING.value
+    state: str = "starting"  # a WorkerState value (ftrun.supervisor.worker)
     restarts: int = 0
     step: int = 0                       # optimizer steps taken (or global step with --ft)
     steps_per_s: float = 0.0

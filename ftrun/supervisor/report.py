@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 from rich.text import Text
 
 from ftrun.supervisor.spawn import signal_name
-from ftrun.status.state import WorkerState
+from ftrun.supervisor.worker import WorkerState
 from ftrun.supervisor.worker import Failure, Worker
 
 SIGNAL_HINTS = {

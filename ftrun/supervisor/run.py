@@ -18,7 +18,7 @@ import time
 from typing import Dict, List, Optional
 
 from ftrun.config import RunConfig, store_listen_addr
-from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, WorkerState, run_dir, write_state
+from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, run_dir, write_state
 from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
 from ftrun.supervisor.nodes import NODE_LOST, NodeCoordinator, NodeEvent, state_dir_name
@@ -29,7 +29,7 @@ from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestar
 from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner,
                                    signal_group)
 from ftrun.supervisor.store import RunStore, open_run_store
-from ftrun.supervisor.worker import Failure, Worker, WorkerSpec
+from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
 from ftrun.protocol import DUMP_STACKS_SIGNAL, progress_key
 
 TICK_S = 0.25

@@ -1,16 +1,28 @@
 """One supervised worker: its fixed spec and the record of its current incarnation.
 
-States are explicit (ftrun.status.state.WorkerState); the supervisor loop is
+States are explicit (WorkerState, below); the supervisor loop is
 the only writer. Must never start processes or send signals itself.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ftrun.status.state import WorkerState
+
+class WorkerState(str, enum.Enum):
+    """A worker process's life, as the supervisor's loop moves it (and `ftrun status` shows it)."""
+
+    STARTING = "starting"      # spawned, no heartbeat yet
+    RUNNING = "running"        # heartbeating
+    HUNG = "hung"              # no optimizer step for --step-timeout: being killed
+    RESTARTING = "restarting"  # died, a new incarnation is about to start
+    RECOVERING = "recovering"  # with --ft: restarted and receiving state from a peer
+    FAILED = "failed"          # died and will not be restarted
+    DONE = "done"              # exited 0
+    STOPPED = "stopped"        # stopped by ftrun (shutdown, group restart)
 
 
 @dataclass(frozen=True)
