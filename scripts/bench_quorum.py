@@ -109,12 +109,12 @@ def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue") ->
     out.put((lat, sum(requests), min(b for b, _ in span), max(e for _, e in span)))
 
 
-def measure(n: int, rounds: int, procs: int) -> dict:
+def _keeper(n: int):
+    """A store server, a counting client and the supervisor's keeper with N members in epoch 1."""
     from ftrun.supervisor.quorum import QuorumKeeper
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
-    port = server.port
-    client = Counting(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))
+    client = Counting(dist.TCPStore("127.0.0.1", server.port, None, False, TIMEOUT))
     keeper = QuorumKeeper(_RunStore(client), list(range(n)))
     for r in range(n):
         keeper.on_spawn(r, 0)
@@ -122,6 +122,13 @@ def measure(n: int, rounds: int, procs: int) -> dict:
     members = tuple((r, 0) for r in range(n))
     keeper.epoch_id, keeper.members = 1, dict(members)
     keeper.epochs[1] = set(members)
+    return server, client, keeper
+
+
+def measure(n: int, rounds: int, procs: int) -> dict:
+    server, client, keeper = _keeper(n)
+    port = server.port
+    members = tuple((r, 0) for r in range(n))
     client.set(keys.epoch_key(1), Epoch(1, members, (), False, 0).to_json())
     client.set(keys.LATEST, "1")
     client.requests = 0
@@ -148,7 +155,8 @@ def measure(n: int, rounds: int, procs: int) -> dict:
     kt.join()
     for w in workers:
         w.join()
-    keeper.poll(time.time())  # a last collection, as the next tick would do
+    keeper._collected_when = 0.0  # a last collection now, as the next period's poll would do
+    keeper.poll(time.time())
     # A round's commit latency: from the moment its last vote was cast to the moment the last
     # member knew the decision (the protocol's own cost, without the stragglers' lateness).
     per_member = [m for r in results for m in r[0]]
@@ -170,17 +178,7 @@ def measure(n: int, rounds: int, procs: int) -> dict:
 def keeper_cpu_fraction(n: int, seconds: float) -> float:
     """The keeper's own CPU per second of wall time, polling N replicas whose reports all
     change every tick (the worst case: every report is parsed)."""
-    from ftrun.supervisor.quorum import QuorumKeeper
-
-    server = dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", server.port, None, False, TIMEOUT)
-    keeper = QuorumKeeper(_RunStore(client), list(range(n)))
-    for r in range(n):
-        keeper.on_spawn(r, 0)
-    keeper.on_store_ready()
-    members = tuple((r, 0) for r in range(n))
-    keeper.epoch_id, keeper.members = 1, dict(members)
-    keeper.epochs[1] = set(members)
+    server, _, keeper = _keeper(n)
     writer = dist.TCPStore("127.0.0.1", server.port, None, False, TIMEOUT)
     spent, t0, beat = 0.0, time.monotonic(), 0
     while time.monotonic() - t0 < seconds:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FTRUN, ROOT, SCRIPTS, run_ftrun
+from conftest import FTRUN, ROOT, SCRIPTS, free_port, run_ftrun
 
 
 def start_ftrun(args, env=None):
@@ -270,11 +270,7 @@ def test_two_of_three_die_at_once(ftrun_home, tmp_path):
 
 def test_two_nodes_replica_heals_across_nodes(ftrun_home, tmp_path):
     """Two ftrun processes as two nodes: a replica killed on node 1 heals from a peer, bitwise."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "p"
     procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                           "--nproc", 2, "--ft", "--run-id", "xn", TRAIN, "--steps", 300, "--step-sleep", 0.02,
@@ -297,11 +293,7 @@ def test_node_lost_survivors_keep_committing(ftrun_home, tmp_path):
     """Two nodes with --ft; node 1's ftrun is SIGKILLed (its workers die with it): node 0 takes
     node 1's replicas out of the quorum as soon as the node is seen lost, keeps committing
     steps within seconds, and finishes with its two replicas bitwise identical."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "p"
     procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                           "--nproc", 2, "--ft", "--run-id", "lost", TRAIN, "--steps", 400, "--step-sleep", 0.02,
