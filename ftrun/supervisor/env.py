@@ -69,9 +69,9 @@ def worker_env(common: Mapping[str, str], cfg: RunConfig, local_rank: int, resta
 def log_dir(cfg: RunConfig) -> Path:
     """The folder of the run's per-rank logs (the supervisor writes them; workers' error files go there too)."""
     from ftrun.status.state import run_dir
-    from ftrun.supervisor.nodes import state_dir_name
+    from ftrun.status.state import run_folder_name
 
-    return Path(cfg.log_dir) if cfg.log_dir else run_dir(state_dir_name(cfg)) / "logs"
+    return Path(cfg.log_dir) if cfg.log_dir else run_dir(run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank)) / "logs"
 
 
 def base_env() -> Dict[str, str]:

@@ -88,11 +88,6 @@ class StoreState(str, enum.Enum):
     LOST = "lost"         # node 0 (the store) went away
 
 
-def state_dir_name(cfg: Any) -> str:
-    """The run's folder name on this machine: per node, so two nodes on one machine keep apart."""
-    return cfg.run_id if cfg.nnodes == 1 else f"{cfg.run_id}.node{cfg.node_rank}"
-
-
 class _Watch(threading.Thread):
     """Heartbeats for this node, and the other nodes' beats, final words, tables and failures.
 

@@ -18,10 +18,10 @@ import time
 from typing import Dict, List, Optional
 
 from ftrun.config import RunConfig, store_listen_addr
-from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, run_dir, write_state
+from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, run_dir, run_folder_name, write_state
 from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
-from ftrun.supervisor.nodes import NODE_LOST, NodeCoordinator, NodeEvent, state_dir_name
+from ftrun.supervisor.nodes import NODE_LOST, NodeCoordinator, NodeEvent
 from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.report import exit_reason, failure_report
@@ -54,7 +54,7 @@ class Supervisor:
         self._signal_seen = threading.Event()
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.console = ConsoleOut.for_config(cfg)
-        self.run_dir = run_dir(state_dir_name(cfg))
+        self.run_dir = run_dir(run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank))
         self.log_dir = log_dir(cfg)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.workers = [Worker(WorkerSpec(lr, cfg.node_rank * cfg.nproc + lr)) for lr in range(cfg.nproc)]

@@ -52,7 +52,8 @@ class TransferStats:
 def _flatten(obj: Any, path: Path, out: List[Tuple[Path, torch.Tensor]]) -> Any:
     """The skeleton of `obj`, with each tensor replaced by a slot naming its index in `out`."""
     if isinstance(obj, torch.Tensor):
-        out.append((path, obj))
+        # Sparse (or other non-strided) tensors travel dense: bytes are sent, not layouts.
+        out.append((path, obj if obj.layout == torch.strided else obj.to_dense()))
         return {_SLOT: len(out) - 1}
     if isinstance(obj, dict):
         return {k: _flatten(v, path + (k,), out) for k, v in obj.items()}
