@@ -75,3 +75,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# A worker that takes optimizer steps until the file named by its argument exists:
+# a live run for tests of `ftrun status` and of refusing a second run with the same id.
+STEP_LOOP = """\
+import os, sys, time
+import torch
+stop = sys.argv[1]
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+while not os.path.exists(stop):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    time.sleep(0.02)
+"""

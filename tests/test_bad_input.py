@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FTRUN, ROOT, SCRIPTS, run_ftrun, start_ftrun
+from conftest import FTRUN, ROOT, SCRIPTS, STEP_LOOP, run_ftrun, start_ftrun
 
 TRAIN = SCRIPTS / "train_ddp.py"
 LONG_ID = "r" * 300
@@ -380,18 +380,6 @@ def test_status_with_damaged_state_files(ftrun_home):
 
 
 # --------------------------------------------------------------------------- 9 and 2: a live run
-LOOP = """\
-import os, sys, time
-import torch
-stop = sys.argv[1]
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-while not os.path.exists(stop):
-    opt.zero_grad()
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    time.sleep(0.02)
-"""
 
 
 def _status(run_id: str) -> dict:
@@ -416,7 +404,7 @@ def _wait(pred, timeout: float, what: str, run_id: str) -> dict:
 
 def test_stalled_rank_and_a_second_run_of_the_same_id(ftrun_home, tmp_path):
     script = tmp_path / "loop.py"
-    script.write_text(LOOP)
+    script.write_text(STEP_LOOP)
     stop = tmp_path / "stop"
     sup = start_ftrun(["--nproc", "2", "--run-id", "twin", "--quiet", script, stop], cwd=tmp_path)
     stopped = None

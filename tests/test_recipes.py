@@ -262,8 +262,6 @@ def test_every_option_is_a_recipe_key():
 # ---------------------------------------------------------------------------
 # End to end: the workers really get the merged env and hook (needs the supervisor)
 
-needs_supervisor = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("ftrun.supervisor.run") is None, reason="the supervisor has not landed yet")
 
 DUMP_ENV = """\
 import json, os, sys
@@ -281,7 +279,6 @@ hook:
 """
 
 
-@needs_supervisor
 @pytest.mark.parametrize("with_hook", [False, True], ids=["env", "env+hook"])
 def test_recipe_and_cli_override_reach_the_workers(tmp_path, with_hook):
     if with_hook and __import__("importlib").util.find_spec("ftrun.worker.inject") is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ftrun
+from conftest import STEP_LOOP, run_ftrun
 
 from ftrun.errors import ConfigError
 from ftrun.status.state import ReplicaStatus, RunStatus, read_states, run_dir, runs_root, write_state
@@ -250,21 +250,7 @@ def test_status_path_never_imports_torch(home, sup):
 # ---------------------------------------------------------------------------
 # A live run through the real CLI (needs the supervisor)
 
-needs_supervisor = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("ftrun.supervisor.run") is None, reason="the supervisor has not landed yet")
 
-LOOP = """\
-import os, sys, time
-import torch
-stop = sys.argv[1]
-model = torch.nn.Linear(4, 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.01)
-while not os.path.exists(stop):
-    opt.zero_grad()
-    model(torch.ones(2, 4)).sum().backward()
-    opt.step()
-    time.sleep(0.02)
-"""
 
 
 def _wait_for(pred, timeout: float, what: str, poll: float = 0.05):
@@ -283,10 +269,9 @@ def _wait_for(pred, timeout: float, what: str, poll: float = 0.05):
     raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(runs)[:2000]}")
 
 
-@needs_supervisor
 def test_live_run_and_sigkill_of_a_worker(home, tmp_path):
     script = tmp_path / "loop.py"
-    script.write_text(LOOP)
+    script.write_text(STEP_LOOP)
     stop = tmp_path / "stop"
     env = dict(os.environ, FTRUN_HOME=str(home))
     sup = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc", "4", "--max-restarts", "1", "--run-id",
