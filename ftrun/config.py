@@ -81,6 +81,8 @@ class RunConfig:
     round: int = 0                        # c10d: the rendezvous round (TORCHELASTIC_RESTART_COUNT counts them)
     total_restarts: Optional[int] = None  # c10d: the run's budget, when a round runs with none of its own
     workers_master_addr: Optional[str] = None  # c10d: MASTER_ADDR for the workers (the host's name)
+    # c10d --ft: this node joined a running round late; the nodes in the run when node 0 took it in
+    nodes_live: Optional[Tuple[int, ...]] = None
     run_id: str = ""                      # ftrun's name of the run (status, state folder)
     elastic_run_id: str = "none"          # TORCHELASTIC_RUN_ID, as torchrun sets it
     env: Dict[str, str] = field(default_factory=dict)
@@ -90,6 +92,11 @@ class RunConfig:
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes
+
+    @property
+    def admits_late(self) -> bool:
+        """--ft on an elastic c10d run: a node that comes while the run trains joins it at once."""
+        return self.ft and self.rdzv == "c10d" and self.min_nodes != self.max_nodes
 
 
 def closest(word: str, choices) -> str:

@@ -63,8 +63,22 @@ class NodeKeys:
     def go(self, attempt: int) -> str:
         return f"{self.prefix}go/{attempt}"       # node 0's word that attempt+1 may start
 
+    @property
+    def live(self) -> str:
+        # JSON list of the node ranks in the run, as node 0 sees it; under --ft on an elastic
+        # c10d run it grows when node 0 admits a late node and shrinks when one is lost.
+        return self.prefix + "live"
+
 
 RDZV = "ftrun/rdzv/"                     # c10d rendezvous (ftrun/supervisor/rendezvous.py)
+
+
+def rdzv_arrivals(rnd: int) -> str:
+    return f"{RDZV}{rnd}/arrivals"       # counter: a joining node's arrival index is its node rank
+
+
+def rdzv_admit(rnd: int, node: int) -> str:
+    return f"{RDZV}{rnd}/admit/{node}"   # --ft: node 0 took late node `node` into running round `rnd`
 
 # ---------------------------------------------------------------- --ft: quorum, votes, heals
 PREFIX = "ftrun/ft/"

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def start_ftrun(args, env=None):
 TRAIN = SCRIPTS / "train_ft.py"
 # 10.5M parameters with Adam: 126 MB of model and optimizer state per replica.
 BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr", 0.001]
+# 1.3M parameters with Adam (16 MB of state): heals that take a moment, in tests about membership.
+MID = ["--dim", 256, "--hidden", 512, "--depth", 5, "--optim", "adam", "--lr", 0.001]
 
 
 def _state(home: Path, run_id: str):
@@ -75,10 +78,14 @@ def _finish(proc, timeout=120):
     return proc.returncode, "", Path(proc.err_path).read_text()
 
 
-def _assert_identical(out: Path, world: int):
-    params = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]
-    opts = [torch.load(f"{out}.rank{r}.opt.pt", weights_only=True) for r in range(world)]
-    for r in range(1, world):
+def _assert_identical(out: Path, world):
+    """Replicas 0..world-1 (or the ranks listed) ended with the same parameters, optimizer and step."""
+    ranks = list(range(world)) if isinstance(world, int) else list(world)
+    params = {r: torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in ranks}
+    opts = {r: torch.load(f"{out}.rank{r}.opt.pt", weights_only=True) for r in ranks}
+    first = ranks[0]
+    params[0], opts[0] = params[first], opts[first]
+    for r in ranks[1:]:
         for k in params[0]:
             assert torch.equal(params[0][k], params[r][k]), f"rank {r} parameter {k} differs"
         assert opts[0]["state"].keys() == opts[r]["state"].keys(), f"rank {r} optimizer state differs"
@@ -88,9 +95,9 @@ def _assert_identical(out: Path, world: int):
                 same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
                 assert same, f"rank {r} optimizer state {idx}.{name} differs"
         assert opts[0]["param_groups"][0]["lr"] == opts[r]["param_groups"][0]["lr"]
-    steps = [json.loads(Path(f"{out}.rank{r}.json").read_text())["step"] for r in range(world)]
+    steps = [json.loads(Path(f"{out}.rank{r}.json").read_text())["step"] for r in ranks]
     assert len(set(steps)) == 1, steps
-    return params[0], json.loads(Path(f"{out}.rank0.json").read_text())
+    return params[first], json.loads(Path(f"{out}.rank{first}.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +322,85 @@ def test_node_lost_survivors_keep_committing(ftrun_home, tmp_path):
     assert "node 1" in err and "carrying on without its replicas" in err, err[-3000:]
     assert resumed_s < 15, resumed_s
     _, stats = _assert_identical(out, 2)
+    assert stats["step"] == 400
+
+
+def _c10d_node(port, nnodes, run_id, out, steps, extra=()):
+    """One node of a c10d run; the first of a run returns once it hosts the endpoint (node 0)."""
+    proc = _c10d_start(port, nnodes, run_id, out, steps, extra)
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, Path(proc.err_path).read_text()[-3000:]
+            time.sleep(0.05)
+
+
+def _c10d_start(port, nnodes, run_id, out, steps, extra=()):
+    return start_ftrun(["--nnodes", nnodes, "--nproc-per-node", 1, "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        f"localhost:{port}", "--rdzv-conf", "last_call_timeout=0.5", "--ft", "--run-id", run_id,
+                        TRAIN, "--steps", steps, "--step-sleep", 0.02, "--out", out, *MID, *extra],
+                       env={"FTRUN_NODE_TIMEOUT": "2"})
+
+
+def _wait_text(proc, text, timeout=60.0):
+    """Wait until ftrun's stderr (a file) says `text`: the event the test waits for."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if text in Path(proc.err_path).read_text():
+            return
+        assert proc.poll() is None, Path(proc.err_path).read_text()[-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"never said {text!r}:\n{Path(proc.err_path).read_text()[-3000:]}")
+
+
+def test_late_node_joins_a_running_ft_run(ftrun_home, tmp_path):
+    """--ft, --nnodes 1:2, c10d: the first node trains alone; a node started later joins the running
+    run at once (no re-formation, node 0 never stops), its replica heals from a peer, and both
+    finish bitwise identical (Adam state included)."""
+    port = free_port()
+    out = tmp_path / "p"
+    procs = [_c10d_node(port, "1:2", "lj", out, 300)]
+    try:
+        _wait_replica(ftrun_home, "lj", 0, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120)
+        procs.append(_c10d_node(port, "1:2", "lj", out, 300))
+        _wait_text(procs[0], "node 1 joins the running run")
+        results = [_finish(p, 180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    assert "re-forming" not in results[0][2] and "restarting" not in results[0][2], results[0][2][-3000:]
+    assert "heal from a peer" in results[1][2], results[1][2][-3000:]
+    _, stats = _assert_identical(out, [0, 1])
+    assert stats["step"] == 300
+
+
+def test_a_lost_nodes_place_goes_to_a_waiting_node(ftrun_home, tmp_path):
+    """--ft, --nnodes 1:2, c10d: two nodes train; a third waits for a place; node 1 is SIGKILLed
+    (workers and all); node 0 carries on, then takes the waiting node in, whose replica heals and
+    finishes bitwise identical with rank 0."""
+    port = free_port()
+    out = tmp_path / "p"
+    procs = [_c10d_node(port, "1:2", "wq", out, 400)]
+    try:
+        procs.append(_c10d_node(port, "1:2", "wq", out, 400))
+        _wait_text(procs[0], "2 replicas")  # an epoch with both (formed together, or node 1 joined late)
+        procs.append(_c10d_node(port, "1:2", "wq", out, 400))
+        _wait_text(procs[0], "waits for a place")
+        procs[1].kill()
+        _wait_text(procs[0], "node 2 joins the running run", 60)
+        results = [_finish(procs[0], 180), _finish(procs[2], 180)]
+    finally:
+        for p in procs:
+            p.kill()
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    assert "carrying on without its replicas" in results[0][2]
+    _, stats = _assert_identical(out, [0, 2])
     assert stats["step"] == 400
 
 

@@ -42,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from ftrun.protocol import NodeKeys
+from ftrun.protocol import NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.status.state import ReplicaStatus
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.store import RunStore
@@ -75,7 +75,9 @@ class NodeState(str, enum.Enum):
 class NodeEvent:
     """What check() saw. kind: "store_gone" (node 0 went away), "node_lost" (node `node`
     went away or ended in failure; `text` says which), "remote_failure" (another node's
-    first failure of the current attempt, `info` as agreed in the store)."""
+    first failure of the current attempt, `info` as agreed in the store); with --ft on an
+    elastic c10d run, "node_waiting" (node 0: late node `node` asks to join the running
+    round) and "node_joined" (node 0 took late node `node` in)."""
 
     kind: str
     text: str = ""
@@ -108,6 +110,8 @@ class _Watch(threading.Thread):
         self.silent_s: Dict[int, float] = {}
         self.local_table: Optional[str] = None
         self._published: Optional[str] = None
+        self.joined: List[int] = []   # late nodes seen in the live list, not yet reported
+        self.arrived = 0              # node 0: arrivals at the round (node ranks 1..arrived-1 asked in)
 
     def run(self) -> None:
         c = self.coord
@@ -121,6 +125,7 @@ class _Watch(threading.Thread):
         last_value: Dict[int, bytes] = {}
         last_change: Dict[int, float] = {k: time.monotonic() for k in c.others}
         while not self.stop.is_set():
+            others = list(c.others)
             try:
                 store.add(KEYS.beat(c.me), 1)
                 table = self.local_table
@@ -128,18 +133,20 @@ class _Watch(threading.Thread):
                     store.set(KEYS.table(c.me), table)
                     self._published = table
                 attempt = c.attempt
-                keys = ([KEYS.beat(k) for k in c.others] + [KEYS.final(k) for k in c.others]
-                        + [KEYS.table(k) for k in c.others] + [KEYS.fail(attempt)])
+                keys = ([KEYS.beat(k) for k in others] + [KEYS.final(k) for k in others]
+                        + [KEYS.table(k) for k in others] + [KEYS.fail(attempt), KEYS.live])
                 values = store.multi_get(keys)
+                # node 0 alone: how many nodes asked to join the round (--ft takes late nodes in)
+                arrived = 1 + int(store.add(c.arrivals_key, 0)) if c.arrivals_key else 0
             except Exception as e:
                 if not self.stop.is_set():
                     self._lose_store(e)
                 return
             now = time.monotonic()
-            n = len(c.others)
+            n = len(others)
             changed = False
             with self.lock:
-                for i, k in enumerate(c.others):
+                for i, k in enumerate(others):
                     beat, final, table_raw = values[i], values[n + i], values[2 * n + i]
                     if beat != last_value.get(k):
                         last_value[k] = beat
@@ -160,9 +167,19 @@ class _Watch(threading.Thread):
                     if new is not old:
                         self.states[k] = new
                         changed = True
-                fail = values[-1]
+                fail = values[-2]
                 if fail and attempt not in self.fail:
                     self.fail[attempt] = fail.decode(errors="replace")
+                    changed = True
+                for k in _node_list(values[-1]):
+                    if k != c.me and k not in self.states:  # node 0 took a late node in
+                        self.states[k] = NodeState.RUNNING
+                        last_change[k] = now
+                        c.others.append(k)
+                        self.joined.append(k)
+                        changed = True
+                if arrived > self.arrived:
+                    self.arrived = arrived
                     changed = True
             if changed:
                 c.wake()
@@ -173,6 +190,13 @@ class _Watch(threading.Thread):
             self.store_state = StoreState.LOST
             self.store_error = _one_line(e)
         self.coord.wake()
+
+
+def _node_list(raw: bytes) -> List[int]:
+    try:
+        return [int(k) for k in json.loads(raw or b"[]")]
+    except (ValueError, TypeError):
+        return []
 
 
 def _one_line(e: BaseException) -> str:
@@ -197,7 +221,6 @@ class NodeCoordinator:
         self.cfg = cfg
         self.me = cfg.node_rank
         self.nnodes = cfg.nnodes
-        self.others = [k for k in range(cfg.nnodes) if k != cfg.node_rank]
         self.host = cfg.master_addr
         self.port = cfg.master_port
         self.attempt = 0
@@ -205,6 +228,14 @@ class NodeCoordinator:
         self._reported: Dict[int, NodeState] = {}
         self.watch: Optional[_Watch] = None
         self.who: Dict[int, str] = {}
+        # --ft on an elastic c10d run: nodes may join the running round. `live` is the run's
+        # node list as node 0 keeps it; node 0 watches the round's arrivals for late nodes.
+        self.late = cfg.nodes_live is not None
+        self.live: List[int] = list(cfg.nodes_live) if self.late else list(range(cfg.nnodes))
+        self.others = [k for k in self.live if k != cfg.node_rank]
+        self.arrivals_key = rdzv_arrivals(cfg.round) if cfg.admits_late and self.me == 0 else ""
+        self._next_arrival = cfg.nnodes
+        self.waiting: List[int] = []  # node 0: late nodes waiting for a place (the run has max nodes)
 
     # ------------------------------------------------------------ helpers
     def wake(self) -> None:
@@ -250,9 +281,12 @@ class NodeCoordinator:
                 f"check that node 0's ftrun runs with --master-port {self.port} and that {self.host} "
                 f"is node 0's address as seen from this machine")
         store = self.store
+        if self.late:
+            return self._join_late(t0, where)
         layout = f"{cfg.nnodes} {cfg.nproc} {cfg.run_id}"
         try:
             if self.me == 0:
+                store.set(KEYS.live, json.dumps(self.live))
                 store.set(KEYS.layout, layout)
             else:
                 while not store.check([KEYS.layout]):
@@ -306,6 +340,26 @@ class NodeCoordinator:
                    f"of {cfg.world_size} start here", style="bold blue")
         return None
 
+    def _join_late(self, t0: float, where: str) -> Optional[int]:
+        """A node node 0 took into a running --ft round (ftrun.supervisor.rendezvous): the
+        others are already training, so there is no barrier; its replicas join the quorum and heal."""
+        cfg = self.cfg
+        try:
+            self.store.set(KEYS.beat(self.me), "0")
+            self.store.add(KEYS.claim(self.me), 1)
+            for k in self.others:
+                if self.store.check([KEYS.who(k)]):
+                    self.who[k] = self.store.get(KEYS.who(k)).decode()
+        except Exception as e:
+            return self._join_failed(f"lost node 0's store at {where} while joining: {_one_line(e)}")
+        self.watch = _Watch(self)
+        self.watch.start()
+        self._note(f"node {self.me}: joined the running run {cfg.run_id} at {where} in {time.monotonic() - t0:.1f} s "
+                   f"beside node{'s' if len(self.others) > 1 else ''} {', '.join(map(str, self.others))}; ranks "
+                   f"{self.me * cfg.nproc}..{(self.me + 1) * cfg.nproc - 1} start here and heal from a peer",
+                   style="bold blue")
+        return None
+
     def _join_failed(self, text: str) -> int:
         # One line, as for any bad input: nothing was started.
         self.console.note(f"error: {text}", style="bold red")
@@ -324,6 +378,8 @@ class NodeCoordinator:
             finals = dict(w.finals)
             silent = dict(w.silent_s)
             fail = w.fail.get(self.attempt)
+            joined = w.joined.pop(0) if w.joined else None
+            arrived = w.arrived
         if store_state is StoreState.LOST:
             return self.store_gone(store_error)
         # Another node's failure first: a node that gave up on it also ends, and
@@ -333,6 +389,19 @@ class NodeCoordinator:
                 return NodeEvent("remote_failure", info=json.loads(fail))
             except ValueError:
                 return NodeEvent("remote_failure", info={"node": -1, "rank": -1, "reason": "failed", "code": 1})
+        if joined is not None:
+            self._learn_who(joined)
+            return NodeEvent("node_joined", f"{self._node_name(joined)} joined the running run", node=joined)
+        if arrived > self._next_arrival:
+            k = self._next_arrival
+            try:
+                ready = self.store.check([KEYS.who(k)])  # it wrote its keys: the others may read them
+            except Exception as e:
+                return self.store_gone(_one_line(e))
+            if ready:
+                self._next_arrival += 1
+                self._learn_who(k)
+                return NodeEvent("node_waiting", f"{self._node_name(k)} asks to join the running run", node=k)
         for k, st in states.items():
             if st is NodeState.RUNNING or self._reported.get(k) is st:
                 continue
@@ -343,6 +412,34 @@ class NodeCoordinator:
                     else f"ended (exit {finals.get(k)})")
             return NodeEvent("node_lost", f"{self._node_name(k)} {what}", node=k)
         return None
+
+    def _learn_who(self, k: int) -> None:
+        try:
+            if self.store.check([KEYS.who(k)]):
+                self.who[k] = self.store.get(KEYS.who(k)).decode()
+        except Exception:
+            pass  # only a name for messages; the watch reports a lost store
+
+    # ------------------------------------------------------------ late nodes (node 0, --ft, elastic c10d)
+    def admit(self, k: int) -> None:
+        """Take late node k into the running round: the others learn of it from the live list,
+        it learns from its admit key. The agent decided there is a place for it."""
+        w = self.watch
+        with w.lock:
+            w.states[k] = NodeState.RUNNING  # before it is in `others`: the watch reads both
+        self.others.append(k)
+        self.live.append(k)
+        self.store.set(KEYS.live, json.dumps(self.live))
+        self.store.set(rdzv_admit(self.cfg.round, k), "1")
+
+    def drop(self, k: int) -> None:
+        """A lost node leaves the live list (a late node admitted next is not told to wait for it)."""
+        if k in self.live:
+            self.live.remove(k)
+            try:
+                self.store.set(KEYS.live, json.dumps(self.live))
+            except Exception:
+                pass  # the watch reports a lost store
 
     def store_gone(self, why: str) -> NodeEvent:
         if self.watch is not None:

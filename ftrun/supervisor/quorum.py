@@ -100,6 +100,22 @@ class QuorumKeeper:
             self.on_exit(r, k)
         self._dead_pending.clear()
 
+    def add_ranks(self, ranks: List[int]) -> None:
+        """A node joined the running run (elastic c10d): its replicas become ranks of the quorum.
+        The leader creates their keys first: every poll reads them all at once."""
+        new = [r for r in ranks if r not in self.ranks]
+        if self.leader and self.ready:
+            s = self._s
+            for r in new:
+                s.compare_set(keys.join_key(r), "", "-1")
+                s.compare_set(keys.healed_key(r), "", "-1")
+                s.compare_set(keys.entered_key(r), "", "-1")
+                s.compare_set(keys.info_key(r), "", "{}")
+                s.compare_set(keys.inc_key(r), "", "0")
+        for r in new:
+            self.alive.setdefault(r, 0)
+        self.ranks = sorted(self.ranks + new)
+
     # ------------------------------------------------------------ events from the supervisor
     def _report(self, rank: int, inc: int, what: str) -> None:
         """A follower node tells the leader about its replica."""
@@ -372,7 +388,7 @@ class QuorumKeeper:
         self.starts[self.epoch_id] = start
         s.set(keys.epoch_key(self.epoch_id), epoch.to_json())
         s.set(keys.LATEST, str(self.epoch_id))
-        self.history.append(f"epoch {self.epoch_id}: {len(members)} replicas ({why})")
+        self.history.append(f"epoch {self.epoch_id}: {len(members)} replica{'s' if len(members) != 1 else ''} ({why})")
 
     # ------------------------------------------------------------ status and hangs
     def replica_fields(self, rank: int) -> dict:

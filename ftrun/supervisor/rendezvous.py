@@ -16,6 +16,12 @@ n+1, as long as the restart budget (--max-restarts, counted in rounds, as
 torchrun counts them) allows: the survivors re-form with the new world size,
 and nodes that started late join there.
 
+With --ft on an elastic run (MIN < MAX) the run does not wait for a re-formation
+to grow: a node that comes while a round trains asks node 0 to take it in
+(``N/admit/K``); node 0's agent does so while fewer than MAX nodes run, and the
+new node's replicas join the quorum and heal from a peer. A lost node's place
+goes to the next node waiting.
+
 Store keys (under ftrun/rdzv/): ``round`` (the round being formed),
 ``N/arrivals`` (counter: a client's arrival index is its node rank),
 ``N/size`` (set by the host when round N closes; 0 when it could not form),
@@ -29,14 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 import queue
 import signal
+import socket
 import time
 from typing import Any, Optional, Tuple
 
 from ftrun.config import RunConfig, store_listen_addr, store_bind_addr, this_node_name
-from ftrun.protocol import RDZV
+from ftrun.protocol import RDZV, NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.supervisor import nodes
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.spawn import ZygoteSpawner
@@ -86,9 +94,9 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
             if isinstance(formed, int):
                 code = formed
                 return code
-            n, rank, size, master = formed
+            n, rank, size, master, live = formed
             round_cfg = dataclasses.replace(
-                cfg, node_rank=rank, nnodes=size, round=n, workers_master_addr=master,
+                cfg, node_rank=rank, nnodes=size, round=n, workers_master_addr=master, nodes_live=live,
                 total_restarts=cfg.max_restarts,
                 # Without --ft a failure ends the round and every node re-forms (torchrun's restart);
                 # with --ft replicas restart inside the round.
@@ -170,7 +178,7 @@ def _fail(console: ConsoleOut, text: str) -> None:
 
 
 def _count(store: RunStore, n: int) -> int:
-    return 1 + int(store.store.add(_key(f"{n}/arrivals"), 0))
+    return 1 + int(store.store.add(rdzv_arrivals(n), 0))
 
 
 def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) -> Any:
@@ -200,57 +208,109 @@ def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) ->
     console.note(f"round {n}: {size} node{'s' if size != 1 else ''} formed run {cfg.run_id} at "
                  f"{cfg.master_addr}:{cfg.master_port} in {time.monotonic() - t0:.1f} s; this node is node 0",
                  style="bold blue")
-    return n, 0, size, s.get(_key("master_addr")).decode()
+    return n, 0, size, s.get(_key("master_addr")).decode(), None
 
 
 def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) -> Any:
-    """Join round n (or the next one still open): (n, rank, size, master_addr), else an exit status."""
+    """Join round n (or the next one still open): (n, rank, size, master_addr, live), else an exit
+    status. `live` is None for a node that formed the round, else the nodes it joined (--ft, late)."""
     s = store.store
     t0 = time.monotonic()
-    # A node that starts late enters the round being formed, or the next one if that has closed.
+    try:
+        while True:
+            # A node that starts late enters the round being formed; with --ft on an elastic run it
+            # joins a running round at once, else it waits for the next re-formation.
+            current, running = _current_round(s, console)
+            if current is None:
+                return running  # the run ended: its exit status
+            if running and cfg.admits_late and n <= current:
+                formed = _join_running(cfg, s, current, None, t0, console)
+                if formed is not None:
+                    return formed
+                continue  # the round ended while this node waited: the next one
+            if running and n <= current:
+                console.note(f"run {cfg.run_id} is already in round {current}; this node joins at the next "
+                             f"re-formation", style="yellow")
+            n = max(n, current + 1 if running else current)
+            formed = _join_forming(cfg, s, n, t0, console)
+            if formed is not None:
+                return formed
+            n += 1
+    except Exception as e:
+        _fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {nodes._one_line(e)}")
+        return nodes.NODE_LOST
+
+
+def _current_round(s: Any, console: ConsoleOut) -> Tuple[Optional[int], Any]:
+    """(round being formed or run, whether it is running), or (None, exit status) once the run ended."""
     while True:
-        try:
-            if s.check([_key("done")]):
-                code = s.get(_key("done")).decode()
-                console.note(f"the run ended (exit {code}) before this node could join it", style="bold yellow")
-                return int(code)
-            if s.check([_key("round")]):
-                current = int(s.get(_key("round")).decode())
-                running = s.check([_key(f"{current}/size")])
-                if running and n <= current:
-                    console.note(f"run {cfg.run_id} is already in round {current}; this node joins at the next "
-                                 f"re-formation", style="yellow")
-                n = max(n, current + 1 if running else current)
-                break
-        except Exception as e:
-            _fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {nodes._one_line(e)}")
-            return nodes.NODE_LOST
+        if s.check([_key("done")]):
+            code = s.get(_key("done")).decode()
+            console.note(f"the run ended (exit {code}) before this node could join it", style="bold yellow")
+            return None, int(code)
+        if s.check([_key("round")]):
+            current = int(s.get(_key("round")).decode())
+            return current, s.check([_key(f"{current}/size")])
         time.sleep(POLL_S)
-    while True:
-        try:
-            index = int(s.add(_key(f"{n}/arrivals"), 1))
-            while not s.check([_key(f"{n}/size")]):
-                if s.check([_key("done")]):
-                    code = s.get(_key("done")).decode()
-                    console.note(f"the run ended (exit {code}) while this node waited to join", style="bold yellow")
-                    return int(code)
-                time.sleep(POLL_S)
-            size = int(s.get(_key(f"{n}/size")).decode())
-            master = s.get(_key("master_addr")).decode()
-        except Exception as e:
-            _fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {nodes._one_line(e)}")
-            return nodes.NODE_LOST
-        if size == 0:
-            _fail(console, f"round {n} could not form (fewer than {cfg.min_nodes} nodes joined in time)")
-            return JOIN_FAILED
-        if index < size:
-            console.note(f"round {n}: joined run {cfg.run_id} at {cfg.master_addr}:{cfg.master_port} as node "
-                         f"{index} of {size} in {time.monotonic() - t0:.1f} s", style="bold blue")
-            return n, index, size, master
-        if cfg.min_nodes == cfg.max_nodes:
-            _fail(console, f"the run at {cfg.master_addr}:{cfg.master_port} already has its {size} nodes "
-                           f"(--nnodes {cfg.max_nodes}); is this node's line meant for another run?")
-            return JOIN_FAILED
-        console.note(f"round {n} formed without this node ({size} nodes, the most it takes now); waiting for the "
-                     f"next re-formation", style="yellow")
-        n += 1
+
+
+def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut) -> Any:
+    """Arrive at round n while it forms: the round, an exit status, or None when it formed
+    without this node (the caller tries the next)."""
+    index = int(s.add(rdzv_arrivals(n), 1))
+    while not s.check([_key(f"{n}/size")]):
+        if s.check([_key("done")]):
+            code = s.get(_key("done")).decode()
+            console.note(f"the run ended (exit {code}) while this node waited to join", style="bold yellow")
+            return int(code)
+        time.sleep(POLL_S)
+    size = int(s.get(_key(f"{n}/size")).decode())
+    if size == 0:
+        _fail(console, f"round {n} could not form (fewer than {cfg.min_nodes} nodes joined in time)")
+        return JOIN_FAILED
+    if index < size:
+        console.note(f"round {n}: joined run {cfg.run_id} at {cfg.master_addr}:{cfg.master_port} as node "
+                     f"{index} of {size} in {time.monotonic() - t0:.1f} s", style="bold blue")
+        return n, index, size, s.get(_key("master_addr")).decode(), None
+    if cfg.min_nodes == cfg.max_nodes:
+        _fail(console, f"the run at {cfg.master_addr}:{cfg.master_port} already has its {size} nodes "
+                       f"(--nnodes {cfg.max_nodes}); is this node's line meant for another run?")
+        return JOIN_FAILED
+    if cfg.admits_late:
+        return _join_running(cfg, s, n, index, t0, console)
+    console.note(f"round {n} formed without this node ({size} nodes, the most it takes now); waiting for the "
+                 f"next re-formation", style="yellow")
+    return None
+
+
+def _join_running(cfg: RunConfig, s: Any, n: int, index: Optional[int], t0: float, console: ConsoleOut) -> Any:
+    """--ft on an elastic run: ask node 0 to take this node into running round n, and wait
+    until it does (a place is free: fewer than MAX nodes run). The round, an exit status,
+    or None when round n ended first (the caller joins the next)."""
+    keys = NodeKeys(n)
+    if index is None:
+        index = int(s.add(rdzv_arrivals(n), 1))
+    # Its keys exist before node 0 reads them (node 0 waits for `who`, written last).
+    s.set(keys.beat(index), "0")
+    s.set(keys.final(index), "")
+    s.set(keys.table(index), "[]")
+    s.set(keys.who(index), f"{socket.gethostname()} pid {os.getpid()}")
+    console.note(f"run {cfg.run_id} is training (round {n}); asking to join it now (--ft: this node's replicas "
+                 f"heal from a peer)", style="yellow")
+    told = False
+    while not s.check([rdzv_admit(n, index)]):
+        if s.check([_key("done")]):
+            code = s.get(_key("done")).decode()
+            console.note(f"the run ended (exit {code}) while this node waited to join", style="bold yellow")
+            return int(code)
+        if int(s.get(_key("round")).decode()) != n:
+            return None
+        if not told and time.monotonic() - t0 > 5 * nodes.BEAT_S + 1.0:
+            told = True
+            console.note(f"waiting for a place: the run has its {cfg.max_nodes} nodes (--nnodes "
+                         f"{cfg.min_nodes}:{cfg.max_nodes}); this node joins when one leaves", style="yellow")
+        time.sleep(POLL_S)
+    live = tuple(int(k) for k in json.loads(s.get(keys.live)))
+    console.note(f"round {n}: joined run {cfg.run_id} at {cfg.master_addr}:{cfg.master_port} as node {index} "
+                 f"in {time.monotonic() - t0:.1f} s", style="bold blue")
+    return n, index, max(live) + 1, s.get(_key("master_addr")).decode(), live

@@ -86,6 +86,7 @@ class Supervisor:
         self._warned_no_ft_api = False
         # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
         self.nodes: Optional[NodeCoordinator] = None
+        self._told_full = False
 
     # ---------------------------------------------------------------- start
     def run(self) -> int:
@@ -95,11 +96,7 @@ class Supervisor:
         host = cfg.master_addr
         self.store = self._given_store or open_run_store(cfg, store_listen_addr(cfg))
         port = self.store.port
-        if cfg.ft:
-            # Node 0 keeps the quorum of every rank; other nodes report to it through the store.
-            self.quorum = QuorumKeeper(self.store, list(range(cfg.world_size)), [w.rank for w in self.workers],
-                                       leader=cfg.node_rank == 0)
-        if cfg.nnodes > 1:
+        if cfg.nnodes > 1 or cfg.admits_late:  # alone, an elastic --ft run still takes late nodes in
             self.nodes = NodeCoordinator(cfg, self.store, self.console, lambda: self.events.put(("nodes", None)),
                                          self._signalled)
         self.common = common_env(cfg, host, port, base_env())
@@ -126,6 +123,11 @@ class Supervisor:
             code = self.nodes.join() if self.nodes is not None else None
             if code is not None and self.nodes.summary:
                 self.status.exit_summary = self.nodes.summary
+            if code is None and cfg.ft:
+                # Node 0 keeps the quorum of every rank; other nodes report to it through the store.
+                live = self.nodes.live if self.nodes is not None else [0]
+                self.quorum = QuorumKeeper(self.store, [r for k in live for r in self._node_ranks(k)],
+                                           [w.rank for w in self.workers], leader=cfg.node_rank == 0)
             if code is None:
                 for w in self.workers:
                     self._spawn(w)
@@ -369,14 +371,45 @@ class Supervisor:
         self.first_failure = None  # a new attempt: its first failure is what counts
         return None
 
+    def _node_ranks(self, k: int) -> List[int]:
+        return list(range(k * self.cfg.nproc, (k + 1) * self.cfg.nproc))
+
+    def _admit_waiting(self) -> None:
+        """Node 0, --ft on an elastic run: late nodes take free places, first come first served."""
+        nodes = self.nodes
+        while nodes.waiting and len(nodes.live) < self.cfg.max_nodes:
+            k = nodes.waiting.pop(0)
+            self.quorum.add_ranks(self._node_ranks(k))  # their keys exist before anyone reads them
+            nodes.admit(k)
+            self.console.note(f"node {k} joins the running run ({len(nodes.live)} of at most {self.cfg.max_nodes} "
+                              f"nodes); its replicas heal from a peer", style="bold cyan")
+        if nodes.waiting and not self._told_full:
+            self._told_full = True
+            self.console.note(f"node{'s' if len(nodes.waiting) > 1 else ''} {', '.join(map(str, nodes.waiting))} "
+                              f"wait{'s' if len(nodes.waiting) == 1 else ''} for a place: the run has its "
+                              f"{self.cfg.max_nodes} nodes", style="yellow")
+
     def _on_node_event(self, ev: NodeEvent) -> Optional[int]:
         """What the other nodes' coordinator saw: the store gone, a node lost, another node's failure."""
         if ev.kind == "remote_failure":
             return self._group_failure(None, None, ev.info)
         live = [w for w in self.workers if w.alive]
+        if ev.kind == "node_waiting":
+            self.nodes.waiting.append(ev.node)
+            self._admit_waiting()
+            return None
+        if ev.kind == "node_joined":
+            if self.quorum is not None:
+                self.quorum.add_ranks(self._node_ranks(ev.node))
+            self.console.note(f"{ev.text}; its replicas heal from a peer", style="cyan")
+            return None
         if ev.kind == "node_lost" and self.cfg.ft:
             self.console.note(f"{ev.text}; carrying on without its replicas (--ft)", style="bold yellow")
             self._on_node_lost(ev.node)
+            if self.cfg.admits_late and self.cfg.node_rank == 0:
+                self.nodes.drop(ev.node)
+                self._told_full = False
+                self._admit_waiting()
             return None
         if ev.kind == "node_lost":
             self.console.note(f"{ev.text}; stopping this node's workers (without --ft the run needs every node)",
