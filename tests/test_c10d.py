@@ -180,6 +180,15 @@ def test_waiting_node_stops_on_ctrl_c_and_a_short_join_timeout_is_one_line(tmp_p
     os.killpg(waiting.pid, signal.SIGINT)
     (code, err), = _wait_all([waiting], timeout=30)
     assert code == 130 and "Traceback" not in err, err
+    host, joining = _start_nodes("ftrun", 2, line.replace("--nnodes=2", "--nnodes=3"), tmp_path, tmp_path / "out")
+    for text in joining.stderr:  # event: node 1 waits in the store for the round to fill
+        if "waiting for the round to form" in text:
+            break
+    os.killpg(joining.pid, signal.SIGINT)  # a node that joins, not the host: it says why it stops
+    (code, err), = _wait_all([joining], timeout=30)
+    assert code == 130 and "Traceback" not in err and "lost the run's store" not in err, err
+    os.killpg(host.pid, signal.SIGINT)
+    _wait_all([host], timeout=30)
     (alone,) = _start_nodes("ftrun", 1, line + " --rdzv-conf=join_timeout=1", tmp_path, tmp_path / "out")
     (code, err), = _wait_all([alone], timeout=60)
     assert code == 2 and err.strip().splitlines() == [

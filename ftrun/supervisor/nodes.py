@@ -396,9 +396,12 @@ class NodeCoordinator:
             k = self._next_arrival
             try:
                 ready = self.store.check([KEYS.who(k)])  # it wrote its keys: the others may read them
+                withdrawn = ready and bool(self.store.get(KEYS.final(k)))  # stopped while it waited
             except Exception as e:
                 return self.store_gone(_one_line(e))
-            if ready:
+            if withdrawn:
+                self._next_arrival += 1
+            elif ready:
                 self._next_arrival += 1
                 self._learn_who(k)
                 return NodeEvent("node_waiting", f"{self._node_name(k)} asks to join the running run", node=k)
@@ -431,6 +434,13 @@ class NodeCoordinator:
         self.live.append(k)
         self.store.set(KEYS.live, json.dumps(self.live))
         self.store.set(rdzv_admit(self.cfg.round, k), "1")
+
+    def still_waiting(self, k: int) -> bool:
+        """Whether late node k still waits for a place (it withdraws when stopped or when the round ends)."""
+        try:
+            return not self.store.get(KEYS.final(k))
+        except Exception:
+            return False
 
     def drop(self, k: int) -> None:
         """A lost node leaves the live list (a late node admitted next is not told to wait for it)."""

@@ -117,6 +117,8 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
         code = 128 + e.signum
         return code
     finally:
+        for s in previous:  # the stop is under way: a second signal must not cut the clean-up short
+            signal.signal(s, signal.SIG_IGN)
         if zygote is not None:
             zygote.close()
         for s, h in previous.items():
@@ -236,6 +238,8 @@ def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) ->
             if formed is not None:
                 return formed
             n += 1
+    except _Stop:
+        raise
     except Exception as e:
         _fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {nodes._one_line(e)}")
         return nodes.NODE_LOST
@@ -258,6 +262,7 @@ def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut
     """Arrive at round n while it forms: the round, an exit status, or None when it formed
     without this node (the caller tries the next)."""
     index = int(s.add(rdzv_arrivals(n), 1))
+    console.note(f"round {n}: arrived as node {index}; waiting for the round to form", style="dim")
     while not s.check([_key(f"{n}/size")]):
         if s.check([_key("done")]):
             code = s.get(_key("done")).decode()
@@ -288,6 +293,16 @@ def _join_running(cfg: RunConfig, s: Any, n: int, index: Optional[int], t0: floa
     until it does (a place is free: fewer than MAX nodes run). The round, an exit status,
     or None when round n ended first (the caller joins the next)."""
     keys = NodeKeys(n)
+    while not s.check([keys.layout]):  # node 0 writes it as its round starts
+        if int(s.get(_key("round")).decode()) != n or s.check([_key("done")]):
+            return None
+        time.sleep(POLL_S)
+    _, nproc, run_id = s.get(keys.layout).decode().split(" ", 2)
+    if (int(nproc), run_id) != (cfg.nproc, cfg.run_id):
+        _fail(console, f"the run at {cfg.master_addr}:{cfg.master_port} runs --nproc-per-node {nproc} --run-id "
+                       f"{run_id}, this node --nproc-per-node {cfg.nproc} --run-id {cfg.run_id}; every node needs "
+                       f"the same line")
+        return JOIN_FAILED
     if index is None:
         index = int(s.add(rdzv_arrivals(n), 1))
     # Its keys exist before node 0 reads them (node 0 waits for `who`, written last).
@@ -298,18 +313,23 @@ def _join_running(cfg: RunConfig, s: Any, n: int, index: Optional[int], t0: floa
     console.note(f"run {cfg.run_id} is training (round {n}); asking to join it now (--ft: this node's replicas "
                  f"heal from a peer)", style="yellow")
     told = False
-    while not s.check([rdzv_admit(n, index)]):
-        if s.check([_key("done")]):
-            code = s.get(_key("done")).decode()
-            console.note(f"the run ended (exit {code}) while this node waited to join", style="bold yellow")
-            return int(code)
-        if int(s.get(_key("round")).decode()) != n:
-            return None
-        if not told and time.monotonic() - t0 > 5 * nodes.BEAT_S + 1.0:
-            told = True
-            console.note(f"waiting for a place: the run has its {cfg.max_nodes} nodes (--nnodes "
-                         f"{cfg.min_nodes}:{cfg.max_nodes}); this node joins when one leaves", style="yellow")
-        time.sleep(POLL_S)
+    try:
+        while not s.check([rdzv_admit(n, index)]):
+            if s.check([_key("done")]):
+                code = s.get(_key("done")).decode()
+                console.note(f"the run ended (exit {code}) while this node waited to join", style="bold yellow")
+                return int(code)
+            if int(s.get(_key("round")).decode()) != n:
+                s.set(keys.final(index), "withdrawn")
+                return None
+            if not told and time.monotonic() - t0 > 5 * nodes.BEAT_S + 1.0:
+                told = True
+                console.note(f"waiting for a place: the run has its {cfg.max_nodes} nodes (--nnodes "
+                             f"{cfg.min_nodes}:{cfg.max_nodes}); this node joins when one leaves", style="yellow")
+            time.sleep(POLL_S)
+    except _Stop:
+        s.set(keys.final(index), "withdrawn")  # node 0 must not take in a node that left
+        raise
     live = tuple(int(k) for k in json.loads(s.get(keys.live)))
     console.note(f"round {n}: joined run {cfg.run_id} at {cfg.master_addr}:{cfg.master_port} as node {index} "
                  f"in {time.monotonic() - t0:.1f} s", style="bold blue")

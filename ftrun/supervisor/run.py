@@ -379,6 +379,8 @@ class Supervisor:
         nodes = self.nodes
         while nodes.waiting and len(nodes.live) < self.cfg.max_nodes:
             k = nodes.waiting.pop(0)
+            if not nodes.still_waiting(k):
+                continue
             self.quorum.add_ranks(self._node_ranks(k))  # their keys exist before anyone reads them
             nodes.admit(k)
             self.console.note(f"node {k} joins the running run ({len(nodes.live)} of at most {self.cfg.max_nodes} "
