@@ -527,8 +527,8 @@ class Supervisor:
         st = self.stopping
         if st.pending and time.time() >= st.give_up_at:
             ranks = ", ".join(str(w.rank) for w in st.pending.values())
-            self.console.note(f"rank {ranks} still not gone {KILL_WAIT_S:g} s after SIGKILL; no longer waiting",
-                              style="bold red")
+            self.console.note(f"rank {ranks} still running {KILL_WAIT_S:g} s past the grace, SIGKILL notwithstanding; "
+                              f"no longer waiting", style="bold red")
             if isinstance(self.spawner, ZygoteSpawner):
                 self.spawner.close()  # workers die with their zygote (parent-death signal)
                 if st.then is AfterStop.RESTART_GROUP:
