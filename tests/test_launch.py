@@ -156,3 +156,73 @@ def test_hung_worker_is_detected_dumped_and_restarted(ftrun_home, tmp_path):
     assert "restarting all 2 workers" in proc.stderr
     dump = (logs / "rank1" / "stderr.log").read_text()
     assert "Thread" in dump and "train_ddp.py" in dump  # faulthandler's stack dump names the script
+
+
+# Every rank says which stopping signal it got and carries on (only SIGKILL ends it), except
+# with "fail": then rank 1 of the first attempt fails once rank 0 is ready. A later attempt
+# writes when it started and exits 0.
+STUBBORN = """\
+import os, signal, sys, time
+mode, mark = sys.argv[1], sys.argv[2]
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if attempt:
+    with open(os.path.join(mark, f"attempt{attempt}.rank{rank}"), "w") as f:
+        f.write(repr(time.time()))
+    sys.exit(0)
+if mode == "fail" and rank == 1:
+    deadline = time.time() + 60
+    while not os.path.exists(os.path.join(mark, "ready0")) and time.time() < deadline:
+        time.sleep(0.01)
+    with open(os.path.join(mark, "failed"), "w") as f:
+        f.write(repr(time.time()))
+    sys.exit(3)
+for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda s, _f: print(f"got {signal.Signals(s).name}", flush=True))
+open(os.path.join(mark, f"ready{rank}"), "w").close()
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def test_group_restart_kills_a_worker_that_ignores_sigterm_after_the_grace(ftrun_home, tmp_path):
+    """The group's stop is a state of the agent's loop: the grace ends in SIGKILL, then the restart goes on."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    grace = 1.5
+    proc = run_ftrun(["--nproc", 2, "--max-restarts", 1, "--shutdown-timeout", grace, script, "fail", tmp_path],
+                     timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "restarting all 2 workers (restart 1 of 1)" in proc.stderr
+    assert "[rank 0] got SIGTERM" in proc.stdout
+    failed = float((tmp_path / "failed").read_text())
+    restarted = min(float((tmp_path / f"attempt1.rank{r}").read_text()) for r in (0, 1))
+    assert grace <= restarted - failed < grace + 8, restarted - failed
+
+
+@pytest.mark.parametrize("mode", ["stop", "fail"])
+def test_a_signal_during_the_grace_kills_at_once(ftrun_home, tmp_path, mode):
+    """A second SIGINT while the workers stop (mode "stop"), or a SIGINT while the group stops to
+    restart (mode "fail"), SIGKILLs them now instead of after the grace; no attempt follows."""
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    proc = start_ftrun(["--nproc", 2, "--max-restarts", 1, "--shutdown-timeout", 60, script, mode, tmp_path])
+    try:
+        if mode == "stop":
+            wait_for_line(proc, "ready")
+            wait_for_line(proc, "ready")
+            proc.send_signal(signal.SIGINT)
+            wait_for_line(proc, "got SIGINT")  # the stop has begun: its grace is 60 s
+        else:
+            wait_for_line(proc, "got SIGTERM")  # rank 1 failed, the group is stopping to restart
+        everything = psutil.Process(proc.pid).children(recursive=True)
+        t0 = time.time()
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=30)[1]
+        assert proc.returncode == 130, err
+        assert time.time() - t0 < 10
+        assert not really_alive(everything, 1.0)
+        assert not list(tmp_path.glob("attempt1.*"))
+        assert "received SIGINT: no more grace, killing the workers now" in err or mode == "fail", err
+        assert "received SIGINT: no restart; no more grace" in err or mode == "stop", err
+    finally:
+        proc.kill()

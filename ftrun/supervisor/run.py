@@ -3,18 +3,26 @@
 One event loop on one queue: worker exits (from the spawner, within
 milliseconds), forwarded signals, and a 0.25 s tick that reads progress from
 the store (hang detection, live status). The loop is the only code that
-changes worker states; policies decide, the spawner acts.
-Must never import torch on the main thread before the workers have started.
+changes worker states and the only consumer of the queue; policies decide,
+the spawner acts. Stopping is a state of the loop, not a wait of its own:
+the workers are signalled, the loop goes on taking events (their exits, a
+second signal that ends the grace) and enforcing the SIGKILL deadline, and
+once the last of them has exited it carries out what the stop was for (end
+the run, report the failure, restart the group).
+Must never import torch on the main thread before the workers have started,
+and never wait on the queue outside the loop.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import queue
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from ftrun.config import RunConfig, store_listen_addr
@@ -35,6 +43,31 @@ from ftrun.protocol import DUMP_STACKS_SIGNAL, progress_key
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
 STORE_READY_TIMEOUT_S = 30.0
+# After SIGKILL a process is gone within milliseconds unless the kernel holds it (uninterruptible
+# I/O); past this much longer the stop stops waiting for it.
+KILL_WAIT_S = 10.0
+
+
+class AfterStop(enum.Enum):
+    """What the loop does once every worker being stopped has exited."""
+
+    EXIT = "end the run"                                 # with Stopping.code
+    REPORT = "end the run with the failure report"       # of Stopping.failure
+    RESTART_GROUP = "start the next attempt"             # once every node has stopped (attempt_barrier)
+
+
+@dataclass
+class Stopping:
+    """The agent's stopping state: the workers signalled and not yet exited, and what comes next.
+
+    Each worker's SIGKILL deadline is its own `kill_at` (the tick enforces it)."""
+
+    pending: Dict[str, Worker]    # spawner tag -> worker whose exit has not been seen
+    sig: int                      # the signal they were sent (a late-started one gets it too)
+    then: AfterStop
+    code: int                     # EXIT: ftrun's exit status; RESTART_GROUP: the failure's, for the barrier
+    give_up_at: float             # grace + KILL_WAIT_S: the rest are counted as gone
+    failure: Optional[Failure] = None  # REPORT
 
 
 def forwarded_signals(cfg: RunConfig) -> List[int]:
@@ -52,6 +85,7 @@ class Supervisor:
         self._given_zygote = zygote
         self.stopped_by_signal: Optional[int] = None
         self._signal_seen = threading.Event()
+        self.stopping: Optional[Stopping] = None
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.console = ConsoleOut.for_config(cfg)
         self.run_dir = run_dir(run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank))
@@ -188,84 +222,121 @@ class Supervisor:
 
     def _loop(self) -> int:
         while True:
-            ev = self._next_event(self._tick_timeout())
-            if ev is not None:
-                result = self._handle(ev)
-                if result is not None:
-                    return result
-            self._tick()
-            if self.nodes is not None:
-                event = self.nodes.check()
-                result = self._on_node_event(event) if event is not None else None
-                if result is not None:
-                    return result
-            if all(w.state in (WorkerState.DONE, WorkerState.FAILED) for w in self.workers):
-                if any(w.state == WorkerState.DONE for w in self.workers) or not self.first_failure:
-                    lost = [w for w in self.workers if w.state == WorkerState.FAILED]
-                    if lost:
-                        done = len(self.workers) - len(lost)
-                        self.console.note(
-                            f"finished with {done} of {len(self.workers)} replicas; "
-                            + "; ".join(f"rank {w.rank} was given up after {w.restarts} restart(s): "
-                                        f"{w.last_failure.reason if w.last_failure else 'failed'}" for w in lost),
-                            style="bold yellow")
-                    return 0
-                return self.first_failure.status_code
+            result = self._step()
+            if result is not None:
+                return result
+
+    def _step(self) -> Optional[int]:
+        """One turn of the loop: at most one event, the tick, then what the turn leads to;
+        ftrun's exit status once the run is over."""
+        ev = self._next_event(self._tick_timeout())
+        if ev is not None:
+            self._handle(ev)
+        self._tick()
+        # While workers stop, the other nodes wait: a restart's barrier notices a lost
+        # node, and a run that ends has nothing left to decide.
+        if self.stopping is None and self.nodes is not None:
+            event = self.nodes.check()
+            if event is not None:
+                self._on_node_event(event)
+        if self.stopping is not None:
+            return self._advance_stop()
+        if all(w.state in (WorkerState.DONE, WorkerState.FAILED) for w in self.workers):
+            if any(w.state == WorkerState.DONE for w in self.workers) or not self.first_failure:
+                lost = [w for w in self.workers if w.state == WorkerState.FAILED]
+                if lost:
+                    done = len(self.workers) - len(lost)
+                    self.console.note(
+                        f"finished with {done} of {len(self.workers)} replicas; "
+                        + "; ".join(f"rank {w.rank} was given up after {w.restarts} restart(s): "
+                                    f"{w.last_failure.reason if w.last_failure else 'failed'}" for w in lost),
+                        style="bold yellow")
+                return 0
+            return self.first_failure.status_code
+        return None
 
     def _tick_timeout(self) -> float:
         now = time.time()
         deadlines = [w.kill_at for w in self.workers if w.kill_at]
+        if self.stopping is not None:
+            deadlines.append(self.stopping.give_up_at)
         nxt = min([self._last_poll + self.tick_s] + deadlines)
         return max(0.0, min(self.tick_s, nxt - now))
 
-    def _handle(self, ev) -> Optional[int]:
+    def _handle(self, ev) -> None:
         if isinstance(ev, tuple) and ev[0] == "signal":
-            signum = ev[1]
-            self.stopped_by_signal = signum
-            self.console.note(f"received {signal.Signals(signum).name}: stopping all workers "
-                              f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
-            self._stop_all(signum, self.cfg.shutdown_timeout)
-            return 128 + signum
-        if isinstance(ev, Spawned):
+            self._on_stop_signal(ev[1])
+        elif isinstance(ev, Spawned):
             w = self.by_tag.get(ev.tag)
             if w is not None:
                 w.pid = ev.pid
                 self._dirty = True
-            return None
-        if isinstance(ev, SpawnerWarning):
+                if w.stop_requested:
+                    # Asked to stop before its process existed; past the grace it gets SIGKILL.
+                    signal_group(ev.pid, self.stopping.sig if self.stopping and w.kill_at else signal.SIGKILL)
+        elif isinstance(ev, SpawnerWarning):
             self.console.note(ev.message, style="yellow")
-            return None
-        if isinstance(ev, SpawnerDied):
-            if any(w.alive for w in self.workers):
-                lost = ", ".join(str(w.rank) for w in self.workers if w.tag in ev.lost) or "none"
-                self.console.note(f"internal error: {ev.reason}; workers lost with it: rank {lost}; stopping",
-                                  style="bold red")
-                self._stop_all(signal.SIGTERM, self.cfg.shutdown_timeout)
-                return 1
-            return None
-        if isinstance(ev, Exited):
-            return self._on_exit(ev)
-        return None
+        elif isinstance(ev, SpawnerDied):
+            self._on_spawner_died(ev)
+        elif isinstance(ev, Exited):
+            self._on_exit(ev)
 
-    def _on_exit(self, ev: Exited) -> Optional[int]:
-        w = self.by_tag.pop(ev.tag, None)
+    def _on_stop_signal(self, signum: int) -> None:
+        self.stopped_by_signal = signum
+        name = signal.Signals(signum).name
+        st = self.stopping
+        if st is None:
+            self.console.note(f"received {name}: stopping all workers "
+                              f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
+            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, 128 + signum)
+            return
+        # Already stopping: the signal ends the grace, and asks for no new attempt.
+        instead = ""
+        if st.then is AfterStop.RESTART_GROUP:
+            st.then, st.code, instead = AfterStop.EXIT, 128 + signum, "no restart; "
+        self.console.note(f"received {name}: {instead}no more grace, killing the workers now", style="bold yellow")
+        self._kill_stopping_now()
+
+    def _on_spawner_died(self, ev: SpawnerDied) -> None:
+        st = self.stopping
+        if st is None and not any(w.alive for w in self.workers):
+            return
+        if st is None:
+            lost = ", ".join(str(w.rank) for w in self.workers if w.tag in ev.lost) or "none"
+            self.console.note(f"internal error: {ev.reason}; workers lost with it: rank {lost}; stopping",
+                              style="bold red")
+            self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, 1)
+            return
+        # Mid-stop: the workers being stopped died with it (parent-death signal; the spawner
+        # SIGKILLs what is left), and one whose start was still in flight will never report.
+        if st.then is AfterStop.RESTART_GROUP:
+            self.console.note(f"internal error: {ev.reason}; no worker can be started: stopping", style="bold red")
+            st.then, st.code = AfterStop.EXIT, 1
+        for w in list(st.pending.values()):
+            self._stopped(w)
+
+    def _on_exit(self, ev: Exited) -> None:
+        w = self.by_tag.get(ev.tag)
         if w is None or ev.tag != w.tag:
-            return None  # an old incarnation that was already accounted for
+            self.by_tag.pop(ev.tag, None)
+            return  # an old incarnation that was already accounted for
         signal_group(ev.pid, signal.SIGKILL)  # nothing the worker started may outlive it
+        w.pid = ev.pid
+        if w.stop_requested:
+            self._stopped(w)
+            return
+        self.by_tag.pop(ev.tag)
+        w.kill_at = None
         if self.quorum is not None:
             # first: the survivors may be waiting for its vote
             self.quorum.on_exit(w.rank, w.incarnation, finished=ev.exit_code == 0 and not w.hang_reason)
         for p in w.pumps:
             p.done.wait(0.5)
-        w.pid = ev.pid
         self._dirty = True
-        if w.stop_requested:
-            w.state = WorkerState.STOPPED
-            return None
         if ev.exit_code == 0 and not w.hang_reason:
             w.state = WorkerState.DONE
             w.finished_at = time.time()
-            return None
+            return
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
         reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
         failure = Failure(rank=w.rank, pid=ev.pid, exit_code=ev.exit_code, signal=ev.signal, reason=reason,
@@ -273,11 +344,12 @@ class Supervisor:
         w.last_failure = failure
         if self.first_failure is None:
             self.first_failure = failure
-        return self._on_failure(w, failure)
+        self._on_failure(w, failure)
 
-    def _on_failure(self, w: Worker, failure: Failure) -> Optional[int]:
+    def _on_failure(self, w: Worker, failure: Failure) -> None:
         if isinstance(self.policy, GroupRestartPolicy):
-            return self._group_failure(w, failure)
+            self._group_failure(w, failure)
+            return
         # replica policy (--ft)
         live_after = sum(1 for o in self.workers if o is not w and o.alive)
         if any(o.state == WorkerState.DONE for o in self.workers):
@@ -285,7 +357,7 @@ class Supervisor:
             w.state = WorkerState.FAILED
             self.console.note(f"rank {w.rank} {failure.reason} after the others finished; not restarted",
                               style="yellow")
-            return None
+            return
         decision = self.policy.on_failure(w.rank, live_after)
         if decision is Decision.RESTART_REPLICA:
             used = self.policy.restarts[w.rank]
@@ -298,19 +370,17 @@ class Supervisor:
             w.restarts = used
             self._on_replica_restart(w)
             self._spawn(w)
-            return None
+            return
         w.state = WorkerState.FAILED
         if decision is Decision.DROP_REPLICA:
             self.console.note(f"rank {w.rank} {failure.reason}; its restart budget ({self.policy.max_restarts}) is "
                               f"spent: carrying on with {live_after} replicas", style="bold red")
             self._on_replica_dropped(w)
-            return None
-        others = [o for o in self.workers if o is not w and o.alive]
-        self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-        return self._give_up(failure)
+            return
+        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.REPORT, failure.status_code, failure)
 
     def _group_failure(self, w: Optional[Worker], failure: Optional[Failure],
-                       remote: Optional[dict] = None) -> Optional[int]:
+                       remote: Optional[dict] = None) -> None:
         """Without --ft: a failure here (w, failure) or on another node (remote) stops every
         worker; the group restarts while the budget lasts. With several nodes the first
         failure of the attempt is agreed in the store, so every node decides alike."""
@@ -323,42 +393,47 @@ class Supervisor:
                 info = self.nodes.first_failure(failure, remote)
             except Exception as e:
                 if failure is not None and not self.nodes.store_reachable():
-                    return self._on_node_event(self.nodes.store_gone(nodes_one_line(e)))
+                    self._on_node_event(self.nodes.store_gone(nodes_one_line(e)))
+                    return
         code = int(info.get("code") or 1)
         here = self.nodes is None or (failure is not None and info["node"] == self.cfg.node_rank
                                       and info["rank"] == failure.rank)
         origin = (f"rank {info['rank']} on node {info['node']}" if self.nodes is not None
                   else f"rank {info['rank']} (pid {failure.pid})" if failure is not None else f"rank {info['rank']}")
-        others = [o for o in self.workers if o is not w and o.alive]
         decision = self.policy.on_failure(int(info["rank"]))
+        grace = self.cfg.shutdown_timeout
         if decision is not Decision.RESTART_GROUP:
+            self.status.exit_summary = f"{origin} {info['reason']}"
             if self.nodes is not None and self.cfg.total_restarts is not None \
                     and self.cfg.round < self.cfg.total_restarts:
                 # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
                 self.console.note(f"{origin} {info['reason']}; ending round {self.cfg.round}: every node stops its "
                                   f"workers and the run re-forms", style="bold yellow")
-                self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-                self.status.exit_summary = f"{origin} {info['reason']}"
-                return code
-            self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
-            if here and failure is not None:
-                return self._give_up(failure)
-            self.console.note(f"{origin} {info['reason']}; restart budget spent ({self.cfg.max_restarts} restart"
-                              f"{'s' if self.cfg.max_restarts != 1 else ''}); stopping this node's workers",
-                              style="bold red")
-            self.status.exit_summary = f"{origin} {info['reason']}"
-            return code
+                self._begin_stop(signal.SIGTERM, grace, AfterStop.EXIT, code)
+            elif here and failure is not None:
+                self._begin_stop(signal.SIGTERM, grace, AfterStop.REPORT, code, failure)
+            else:
+                self.console.note(f"{origin} {info['reason']}; restart budget spent ({self.cfg.max_restarts} restart"
+                                  f"{'s' if self.cfg.max_restarts != 1 else ''}); stopping this node's workers",
+                                  style="bold red")
+                self._begin_stop(signal.SIGTERM, grace, AfterStop.EXIT, code)
+            return
         where = "" if self.nodes is None else f" on {self.cfg.nnodes} nodes"
         self.console.note(f"{origin} {info['reason']}; restarting all {self.cfg.world_size} workers{where} "
                           f"(restart {self.policy.restarts} of {self.policy.max_restarts})", style="bold yellow")
         for o in self.workers:
             o.state = WorkerState.RESTARTING if o is w or o.alive else o.state
         self._write_state()  # `ftrun status` shows the restart while the group stops
-        self._stop_workers(others, signal.SIGTERM, self.cfg.shutdown_timeout)
+        self._begin_stop(signal.SIGTERM, grace, AfterStop.RESTART_GROUP, code)
+
+    def _restart_group(self, code: int) -> Optional[int]:
+        """Every worker of this node has stopped: start the next attempt once every node has
+        (`code`: the failure's status, for a node that ended meanwhile); else ftrun's exit status."""
         if self.nodes is not None:
             waited = self.nodes.attempt_barrier(code)
             if isinstance(waited, NodeEvent):
-                return self._on_node_event(waited)
+                self._on_node_event(waited)
+                return None
             if waited is not None:
                 return waited
         else:
@@ -391,20 +466,21 @@ class Supervisor:
                               f"wait{'s' if len(nodes.waiting) == 1 else ''} for a place: the run has its "
                               f"{self.cfg.max_nodes} nodes", style="yellow")
 
-    def _on_node_event(self, ev: NodeEvent) -> Optional[int]:
+    def _on_node_event(self, ev: NodeEvent) -> None:
         """What the other nodes' coordinator saw: the store gone, a node lost, another node's failure."""
         if ev.kind == "remote_failure":
-            return self._group_failure(None, None, ev.info)
+            self._group_failure(None, None, ev.info)
+            return
         live = [w for w in self.workers if w.alive]
         if ev.kind == "node_waiting":
             self.nodes.waiting.append(ev.node)
             self._admit_waiting()
-            return None
+            return
         if ev.kind == "node_joined":
             if self.quorum is not None:
                 self.quorum.add_ranks(self._node_ranks(ev.node))
             self.console.note(f"{ev.text}; its replicas heal from a peer", style="cyan")
-            return None
+            return
         if ev.kind == "node_lost" and self.cfg.ft:
             self.console.note(f"{ev.text}; carrying on without its replicas (--ft)", style="bold yellow")
             self._on_node_lost(ev.node)
@@ -412,7 +488,7 @@ class Supervisor:
                 self.nodes.drop(ev.node)
                 self._told_full = False
                 self._admit_waiting()
-            return None
+            return
         if ev.kind == "node_lost":
             self.console.note(f"{ev.text}; stopping this node's workers (without --ft the run needs every node)",
                               style="bold red")
@@ -420,8 +496,7 @@ class Supervisor:
             self.console.note(f"{ev.text}; stopping this node's {len(live)} worker{'s' if len(live) != 1 else ''}",
                               style="bold red")
         self.status.exit_summary = ev.text if ev.kind == "node_lost" else "node 0 (the run's store) went away"
-        self._stop_all(signal.SIGTERM, self.cfg.shutdown_timeout)
-        return NODE_LOST
+        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, NODE_LOST)
 
     def _clean_store_for_new_attempt(self) -> None:
         if self.store is None or not self.store.wait(STORE_READY_TIMEOUT_S):
@@ -447,56 +522,62 @@ class Supervisor:
         return first.status_code
 
     # ---------------------------------------------------------------- stopping
-    def _stop_all(self, sig: int, grace: float) -> None:
-        self._stop_workers([w for w in self.workers if w.alive], sig, grace)
-
-    def _stop_workers(self, workers: List[Worker], sig: int, grace: float) -> None:
-        """Signal each worker's group, wait up to `grace`, then SIGKILL; return when all are gone."""
-        pending = {w.tag: w for w in workers if w.alive or w.state == WorkerState.RESTARTING and w.tag in self.by_tag}
-        pending = {t: w for t, w in pending.items() if t in self.by_tag}
+    def _begin_stop(self, sig: int, grace: float, then: AfterStop, code: int,
+                    failure: Optional[Failure] = None) -> None:
+        """Enter the stopping state: `sig` to every worker that still has a process (a stop is
+        always the whole node's), SIGKILL after `grace`; the loop does `then` once all have exited."""
+        now = time.time()
+        pending = {w.tag: w for w in self.workers if self.by_tag.get(w.tag) is w}
         for w in pending.values():
             w.stop_requested = True
             signal_group(w.pid, sig)
-        deadline = time.time() + grace
-        killed = False
-        hard_deadline = deadline + 10.0
-        while pending:
-            now = time.time()
-            if not killed and (now >= deadline or grace == 0):
-                for w in pending.values():
-                    signal_group(w.pid, signal.SIGKILL)
-                killed = True
-            if now >= hard_deadline:
-                if isinstance(self.spawner, ZygoteSpawner):
-                    self.spawner.close()  # workers die with their zygote (parent-death signal)
-                break
-            ev = self._next_event((deadline if not killed else hard_deadline) - now)
-            if ev is None:
-                continue
-            if isinstance(ev, tuple) and ev[0] == "signal":
-                deadline = now  # a second signal: no more grace
-                continue
-            if isinstance(ev, Spawned):
-                w = self.by_tag.get(ev.tag)
-                if w is not None:
-                    w.pid = ev.pid
-                    signal_group(ev.pid, signal.SIGKILL if killed else sig)
-                continue
-            if isinstance(ev, Exited):
-                w = pending.pop(ev.tag, None)
-                self.by_tag.pop(ev.tag, None)
-                signal_group(ev.pid, signal.SIGKILL)
-                if w is not None and self.quorum is not None:
-                    self.quorum.on_exit(w.rank, w.incarnation)
-                if w is not None:
-                    if w.state != WorkerState.RESTARTING:
-                        w.state = WorkerState.STOPPED
-                    for p in w.pumps:
-                        p.done.wait(0.5)
-                continue
-            if isinstance(ev, SpawnerDied):
-                break
+            if sig != signal.SIGKILL:
+                w.kill_at = now + grace if w.kill_at is None else min(w.kill_at, now + grace)
+        self.stopping = Stopping(pending, sig, then, code, now + grace + KILL_WAIT_S, failure)
         self._dirty = True
+
+    def _kill_stopping_now(self) -> None:
+        """End the grace: SIGKILL every worker being stopped (one not started yet gets it once it is)."""
+        for w in self.stopping.pending.values():
+            signal_group(w.pid, signal.SIGKILL)
+            w.kill_at = None
+
+    def _stopped(self, w: Worker) -> None:
+        """A worker being stopped is gone (its exit seen, or counted as gone)."""
+        self.by_tag.pop(w.tag, None)
+        if self.stopping is not None:
+            self.stopping.pending.pop(w.tag, None)
+        w.kill_at = None
+        if w.state != WorkerState.RESTARTING:
+            w.state = WorkerState.STOPPED
+        if self.quorum is not None:
+            self.quorum.on_exit(w.rank, w.incarnation)
+        for p in w.pumps:
+            p.done.wait(0.5)
+        self._dirty = True
+
+    def _advance_stop(self) -> Optional[int]:
+        """After each turn while stopping: once the last worker is gone, do what the stop was
+        for; ftrun's exit status when that ends the run."""
+        st = self.stopping
+        if st.pending and time.time() >= st.give_up_at:
+            ranks = ", ".join(str(w.rank) for w in st.pending.values())
+            self.console.note(f"rank {ranks} still running {KILL_WAIT_S:g} s past the grace, SIGKILL notwithstanding; "
+                              f"no longer waiting", style="bold red")
+            if isinstance(self.spawner, ZygoteSpawner):
+                self.spawner.close()  # workers die with their zygote (parent-death signal)
+                if st.then is AfterStop.RESTART_GROUP:
+                    st.then, st.code = AfterStop.EXIT, 1  # no zygote, no new attempt
+            for w in list(st.pending.values()):
+                self._stopped(w)
+        if st.pending:
+            return None
+        self.stopping = None
+        if st.then is AfterStop.RESTART_GROUP:
+            return self._restart_group(st.code)
+        if st.then is AfterStop.REPORT:
+            return self._give_up(st.failure)
+        return st.code
 
     # ---------------------------------------------------------------- tick
     def _tick(self) -> None:
@@ -505,8 +586,12 @@ class Supervisor:
             if w.kill_at and now >= w.kill_at:
                 signal_group(w.pid, signal.SIGKILL)
                 w.kill_at = None
-        if now - self._last_poll >= self.tick_s * 0.9:
+        poll = now - self._last_poll >= self.tick_s * 0.9
+        if poll:
             self._last_poll = now
+        # While workers stop nothing is read from the store: it may be what went away (a
+        # read would then hold up the SIGKILL deadlines), and no decision waits on progress.
+        if poll and self.stopping is None:
             # Progress and hangs a few times a second; with --ft the quorum (joins, failed
             # votes for the dead) every tick. Every store read here takes CPU from the workers.
             if now - self._last_progress >= TICK_S * 0.9:
@@ -693,9 +778,15 @@ class Supervisor:
         self._dirty = False
 
     def _finish(self, code: int) -> None:
-        leftovers = [w for w in self.workers if w.alive or w.tag in self.by_tag]
-        if leftovers:
-            self._stop_workers(leftovers, signal.SIGKILL, 0)
+        # Nothing may outlive ftrun: whatever still runs (the loop was left by an error, or a
+        # stop is under way) is killed now, by the same stopping state the loop drives.
+        if self.stopping is not None:
+            self.stopping.then, self.stopping.code = AfterStop.EXIT, code
+            self._kill_stopping_now()
+        elif any(self.by_tag.get(w.tag) is w for w in self.workers):
+            self._begin_stop(signal.SIGKILL, 0.0, AfterStop.EXIT, code)
+        while self.stopping is not None:
+            self._step()
         if self.nodes is not None:
             self.nodes.leave(code)
         for w in self.workers:
