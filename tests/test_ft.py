@@ -373,7 +373,7 @@ def test_late_node_joins_a_running_ft_run(ftrun_home, tmp_path):
             p.kill()
     for rc, _, err in results:
         assert rc == 0, err[-3000:]
-    assert "re-forming" not in results[0][2] and "restarting" not in results[0][2], results[0][2][-3000:]
+    assert "ending round" not in results[0][2] and "restarting" not in results[0][2], results[0][2][-3000:]
     assert "heal from a peer" in results[1][2], results[1][2][-3000:]
     _, stats = _assert_identical(out, [0, 1])
     assert stats["step"] == 300

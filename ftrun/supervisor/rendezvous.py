@@ -6,15 +6,17 @@ the node at HOST (or the one with is_host=1 in --rdzv-conf; when several
 candidates share a machine, the first to bind the port). The others connect
 and take node ranks 1, 2, ... in the order they arrive.
 
-The run goes in rounds, as torchrun's agent does. The host closes round n when
+The run goes in rounds, as torchrun's agent does; the round's agent (its
+Supervisor) alone decides whether a round that ends is followed by another
+(`Supervisor.reform`); this module only forms them. The host closes round n when
 MAX nodes are in, or when MIN are in and last_call_timeout has passed without
 the round filling up; a node that arrives after that waits for the next round.
 Each round is one ftrun Supervisor per node with the round's ranks and world
-size (its node keys live under the round's prefix). When a round fails (a
-worker failed, or a node went away) every surviving node comes back for round
-n+1, as long as the restart budget (--max-restarts, counted in rounds, as
-torchrun counts them) allows: the survivors re-form with the new world size,
-and nodes that started late join there.
+size (its node keys live under the round's prefix). Without --ft, when a round
+fails (a worker failed, or a node went away) every surviving node comes back
+for round n+1, as long as the restart budget (--max-restarts, counted in
+rounds, as torchrun counts them) allows: the survivors re-form with the new
+world size, and nodes that started late join there.
 
 With --ft on an elastic run (MIN < MAX) the run does not wait for a re-formation
 to grow: a node that comes while a round trains asks node 0 to take it in
@@ -104,13 +106,8 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
             nodes.use_round(n)
             sup, zygote = Supervisor(round_cfg, store=store, zygote=zygote), None  # the round's now
             code = sup.run()
-            if code == 0 or sup.stopped_by_signal or n >= cfg.max_restarts:
-                if code != 0 and not sup.stopped_by_signal and cfg.max_restarts:
-                    console.note(f"round {n} failed and the restart budget ({cfg.max_restarts}) is spent; stopping",
-                                 style="bold red")
+            if not sup.reform:  # the round's agent decided: the run is over
                 return code
-            console.note(f"round {n} ended (exit {code}); re-forming the run with the nodes that remain "
-                         f"(restart {n + 1} of {cfg.max_restarts})", style="bold yellow")
             n += 1
     except _Stop as e:
         console.note(f"received {signal.Signals(e.signum).name}: stopping", style="bold yellow")

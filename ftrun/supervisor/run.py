@@ -121,6 +121,9 @@ class Supervisor:
         # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
         self.nodes: Optional[NodeCoordinator] = None
         self._told_full = False
+        # c10d without --ft: the agent ended this round so that the nodes re-form the run
+        # (ftrun.supervisor.rendezvous runs the next round only when this says so).
+        self.reform = False
 
     # ---------------------------------------------------------------- start
     def run(self) -> int:
@@ -404,17 +407,19 @@ class Supervisor:
         grace = self.cfg.shutdown_timeout
         if decision is not Decision.RESTART_GROUP:
             self.status.exit_summary = f"{origin} {info['reason']}"
-            if self.nodes is not None and self.cfg.total_restarts is not None \
-                    and self.cfg.round < self.cfg.total_restarts:
+            if self._can_reform():
                 # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
+                self.reform = True
                 self.console.note(f"{origin} {info['reason']}; ending round {self.cfg.round}: every node stops its "
-                                  f"workers and the run re-forms", style="bold yellow")
+                                  f"workers and the run re-forms (restart {self.cfg.round + 1} of "
+                                  f"{self.cfg.total_restarts})", style="bold yellow")
                 self._begin_stop(signal.SIGTERM, grace, AfterStop.EXIT, code)
             elif here and failure is not None:
                 self._begin_stop(signal.SIGTERM, grace, AfterStop.REPORT, code, failure)
             else:
-                self.console.note(f"{origin} {info['reason']}; restart budget spent ({self.cfg.max_restarts} restart"
-                                  f"{'s' if self.cfg.max_restarts != 1 else ''}); stopping this node's workers",
+                budget = self.cfg.max_restarts if self.cfg.total_restarts is None else self.cfg.total_restarts
+                self.console.note(f"{origin} {info['reason']}; restart budget spent ({budget} restart"
+                                  f"{'s' if budget != 1 else ''}); stopping this node's workers",
                                   style="bold red")
                 self._begin_stop(signal.SIGTERM, grace, AfterStop.EXIT, code)
             return
@@ -489,7 +494,11 @@ class Supervisor:
                 self._told_full = False
                 self._admit_waiting()
             return
-        if ev.kind == "node_lost":
+        if ev.kind == "node_lost" and self._can_reform():
+            self.reform = True
+            self.console.note(f"{ev.text}; ending round {self.cfg.round}: the nodes that remain re-form the run "
+                              f"(restart {self.cfg.round + 1} of {self.cfg.total_restarts})", style="bold yellow")
+        elif ev.kind == "node_lost":
             self.console.note(f"{ev.text}; stopping this node's workers (without --ft the run needs every node)",
                               style="bold red")
         else:
@@ -497,6 +506,11 @@ class Supervisor:
                               style="bold red")
         self.status.exit_summary = ev.text if ev.kind == "node_lost" else "node 0 (the run's store) went away"
         self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, NODE_LOST)
+
+    def _can_reform(self) -> bool:
+        """c10d without --ft: torchrun's restart is a new round of the rendezvous, within its budget."""
+        return (self.cfg.rdzv == "c10d" and not self.cfg.ft and self.cfg.total_restarts is not None
+                and self.cfg.round < self.cfg.total_restarts)
 
     def _clean_store_for_new_attempt(self) -> None:
         if self.store is None or not self.store.wait(STORE_READY_TIMEOUT_S):
