@@ -17,6 +17,11 @@ agree on is a key under ``ftrun/nodes/``:
   and, its policy counting the same attempts, makes the same decision. Every
   node stops its workers and bumps ``stopped/N``; node 0 then clears the
   workers' keys and sets ``go/N+1``; all start attempt N+1 together.
+- late nodes (--ft on an elastic c10d run): node 0 keeps the run's node list
+  in ``live``; it sees late nodes arrive at the round (the rendezvous
+  counter), reports each as "node_waiting", and carries out the agent's
+  admission (admit(): the node's admit key, a longer ``live``). Every other
+  node reports a node new in ``live`` as "node_joined" and watches it too.
 - status: each node publishes its replica table to ``table/K``; every node's
   state file carries all of them, so `ftrun status` on any node shows the run.
 
