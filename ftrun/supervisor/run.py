@@ -20,7 +20,6 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -84,7 +83,6 @@ class Supervisor:
         self._given_store = store
         self._given_zygote = zygote
         self.stopped_by_signal: Optional[int] = None
-        self._signal_seen = threading.Event()
         self.stopping: Optional[Stopping] = None
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.console = ConsoleOut.for_config(cfg)
@@ -207,14 +205,17 @@ class Supervisor:
 
     # ---------------------------------------------------------------- loop
     def _on_signal(self, signum, _frame) -> None:
+        # A handler runs between any two bytecodes of the main thread, which may hold a lock
+        # at that moment: only an attribute write and SimpleQueue.put (documented reentrant)
+        # are safe here. threading.Event.set() deadlocked when the signal came inside Event.wait.
         self.stopped_by_signal = signum
-        self._signal_seen.set()
         self.events.put(("signal", signum))
 
     def _signalled(self, timeout: float) -> Optional[int]:
-        """For waits outside the loop (nodes joining, restart barriers): wait up to `timeout`;
-        the stopping signal if one came. The loop's own queue is left alone."""
-        self._signal_seen.wait(timeout)
+        """For waits outside the loop (nodes joining, restart barriers): wait up to `timeout`
+        (a poll interval); the stopping signal if one came. The loop's own queue is left alone."""
+        if self.stopped_by_signal is None:
+            time.sleep(timeout)
         return self.stopped_by_signal
 
     def _next_event(self, timeout: float):
