@@ -147,6 +147,9 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
 
     # Errors that only appear once recipe and flags are merged still point at the recipe's line.
     cfg = config_with_recipe(typed, recipe)
+    from ftrun.supervisor.env import quiet_torch_warnings
+
+    quiet_torch_warnings()  # before the supervisor imports torch; workers keep the user's environment
     if cfg.rdzv == "c10d":
         from ftrun.supervisor.rendezvous import run_c10d
 

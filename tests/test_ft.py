@@ -325,6 +325,26 @@ def test_node_lost_survivors_keep_committing(ftrun_home, tmp_path):
     assert stats["step"] == 400
 
 
+def test_node0_lost_under_ft_is_one_line_on_the_others(ftrun_home, tmp_path):
+    """--ft on two nodes, node 0 (the store) SIGKILLed: node 1 stops its replicas and exits 1
+    saying so in one line; its supervisor prints no traceback and no C++ store warnings (its
+    workers keep the user's environment, so theirs are theirs)."""
+    port = free_port()
+    procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+                          "--nproc", 1, "--ft", "--run-id", "z0", TRAIN, "--steps", 5000, "--step-sleep", 0.02])
+             for k in (0, 1)]
+    try:
+        _wait_replica(ftrun_home, "z0.node1", 1, lambda r, st: r["step"] >= 10 and r["state"] == "running", 120)
+        procs[0].kill()
+        rc, _, err = _finish(procs[1], 60)
+    finally:
+        for p in procs:
+            p.kill()
+    ours = [line for line in err.splitlines() if not line.startswith("[rank")]
+    assert rc == 1 and any("node 0 (the run's store" in line and "went away" in line for line in ours), err[-3000:]
+    assert not any("Traceback" in line or "TCPStore.cpp" in line for line in ours), "\n".join(ours)[-3000:]
+
+
 def _c10d_node(port, nnodes, run_id, out, steps, extra=()):
     """One node of a c10d run; the first of a run returns once it hosts the endpoint (node 0)."""
     proc = _c10d_start(port, nnodes, run_id, out, steps, extra)

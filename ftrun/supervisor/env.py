@@ -74,5 +74,17 @@ def log_dir(cfg: RunConfig) -> Path:
     return Path(cfg.log_dir) if cfg.log_dir else run_dir(run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank)) / "logs"
 
 
+# The user's environment as ftrun found it: what the supervisor sets for itself afterwards
+# (quiet_torch_warnings) must never reach a worker.
+_USER_ENV = dict(os.environ)
+
+
 def base_env() -> Dict[str, str]:
-    return dict(os.environ)
+    return dict(_USER_ENV)
+
+
+def quiet_torch_warnings() -> None:
+    """The supervisor's own torch (its store client and server) logs C++ warnings with stack
+    frames when a peer goes away; ftrun says that in one line. Errors still show. Only this
+    process: base_env() is the environment from before, and the user's own setting wins."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -118,10 +118,16 @@ class QuorumKeeper:
 
     # ------------------------------------------------------------ events from the supervisor
     def _report(self, rank: int, inc: int, what: str) -> None:
-        """A follower node tells the leader about its replica."""
-        if what == "spawn":
-            self._s.set(keys.inc_key(rank), str(inc))
-        self._s.queue_push(EVENTS, f"{rank} {inc} {what}")
+        """A follower node tells the leader about its replica. Node 0 may be gone (the nodes'
+        watch reports that, and the agent stops): the word is then lost, not raised."""
+        try:
+            if what == "spawn":
+                self._s.set(keys.inc_key(rank), str(inc))
+            self._s.queue_push(EVENTS, f"{rank} {inc} {what}")
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            self.history.append(f"could not tell node 0 that rank {rank} {what if what != 'spawn' else 'started'} "
+                                f"({first})")
 
     def on_spawn(self, rank: int, inc: int) -> None:
         self.alive[rank] = inc

@@ -48,6 +48,7 @@ from typing import Any, Optional, Tuple
 from ftrun.config import RunConfig, store_listen_addr, store_bind_addr, this_node_name
 from ftrun.protocol import RDZV, NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.supervisor import nodes
+from ftrun.supervisor.env import base_env
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.spawn import ZygoteSpawner
 from ftrun.supervisor.store import RunStore, bind_listener
@@ -132,7 +133,7 @@ def _prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
     environment with the spawn request, so the layout need not be known yet)."""
     if cfg.no_python or os.environ.get("FTRUN_ZYGOTE", "1") == "0":
         return None
-    env = dict(os.environ)
+    env = base_env()
     env.update(cfg.env)
     env.update({"FTRUN_RUN_ID": cfg.run_id, "FTRUN_FT": "1" if cfg.ft else "0"})
     return ZygoteSpawner(queue.SimpleQueue(), env, os.getcwd())

@@ -119,6 +119,7 @@ class Supervisor:
         # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
         self.nodes: Optional[NodeCoordinator] = None
         self._told_full = False
+        self._quorum_failing = False  # said once until a poll works again
         # c10d without --ft: the agent ended this round so that the nodes re-form the run
         # (ftrun.supervisor.rendezvous runs the next round only when this says so).
         self.reform = False
@@ -671,8 +672,11 @@ class Supervisor:
         try:
             q.poll(now)
         except Exception as e:  # the store went away: the loop's other checks will say so
-            self.console.note(f"quorum poll failed: {e}", style="yellow")
+            if not self._quorum_failing:
+                self._quorum_failing = True
+                self.console.note(f"quorum poll failed: {nodes_one_line(e)}", style="yellow")
             return
+        self._quorum_failing = False
         while q.history:
             self.console.note(q.history.pop(0), style="cyan")
         for w in self.workers:
