@@ -299,7 +299,10 @@ class Supervisor:
         instead = ""
         if st.then is AfterStop.RESTART_GROUP:
             st.then, st.code, instead = AfterStop.EXIT, 128 + signum, "no restart; "
-        self.console.note(f"received {name}: {instead}no more grace, killing the workers now", style="bold yellow")
+        in_grace = any(w.kill_at for w in st.pending.values())
+        if in_grace or instead:
+            self.console.note(f"received {name}: {instead}{'no more grace, killing the workers now' if in_grace else ''}"
+                              .rstrip("; "), style="bold yellow")
         self._kill_stopping_now()
 
     def _on_spawner_died(self, ev: SpawnerDied) -> None:
