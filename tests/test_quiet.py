@@ -64,29 +64,6 @@ def test_long_evaluation_is_progress_a_real_hang_is_not(ftrun_home, progress_scr
     assert "done" not in hung.stdout
 
 
-# Exits 0 when the hooks ftrun installed for hang detection are what the argument says
-# ("on" or "off"); the optimizer step hook is there either way.
-HOOKS = """\
-import sys, torch
-from torch.nn.modules.module import _global_forward_hooks
-from torch.optim.optimizer import _global_optimizer_post_hooks
-counting = bool(_global_forward_hooks) or hasattr(torch.save, "__wrapped__") or hasattr(torch.load, "__wrapped__")
-print("forward hooks", len(_global_forward_hooks), "step hooks", len(_global_optimizer_post_hooks), flush=True)
-sys.exit(0 if counting == (sys.argv[1] == "on") and _global_optimizer_post_hooks else 1)
-"""
-
-
-def test_forward_hook_only_when_hangs_are_watched(ftrun_home, tmp_path):
-    """Every module call would pay for the global forward hook: it (and the torch.save/load
-    wrappers) count progress for --step-timeout only, so without it they are not installed."""
-    script = tmp_path / "hooks.py"
-    script.write_text(HOOKS)
-    off = run_ftrun(["--nproc", 1, script, "off"], timeout=60)
-    assert off.returncode == 0, off.stdout + off.stderr
-    on = run_ftrun(["--nproc", 1, "--step-timeout", 60, script, "on"], timeout=60)
-    assert on.returncode == 0, on.stdout + on.stderr
-
-
 def test_malformed_zygote_message_is_reported_once_and_skipped(ftrun_home, tmp_path):
     script = tmp_path / "hello.py"
     script.write_text("import os\nprint('hello from', os.environ['RANK'], flush=True)\n")

@@ -1,11 +1,9 @@
 """Progress reports from inside a worker: heartbeats, optimizer steps and other progress, via the store.
 
-A global optimizer step hook counts steps with no change to the user's script
-(`ftrun status` shows them). Only when hangs are watched (FTRUN_STEP_TIMEOUT,
-from --step-timeout), a global module forward hook and wrappers of
-torch.save/torch.load count other progress (evaluation, checkpoints), so a long
-evaluation or save is not taken for a hang; without it no module call pays for
-a hook. A daemon thread writes
+A global optimizer step hook counts steps with no change to the user's script;
+a global module forward hook and wrappers of torch.save/torch.load count other
+progress (evaluation, checkpoints), so a long evaluation or save is not taken
+for a hang. A daemon thread writes
 `incarnation steps last_step_time now pid activity` to the supervisor's store
 every HEARTBEAT_S (and at once after the first step), so the supervisor can
 show live health and spot a hung rank. A store error does not end the reports:
@@ -37,9 +35,8 @@ INJECT_ENV = "FTRUN_INJECT_PROGRESS_FAIL"
 class ProgressReporter:
     """Counts optimizer steps and other progress and reports them, with a heartbeat, to the store."""
 
-    def __init__(self, host: str, port: int, rank: int, incarnation: int, count_activity: bool = False) -> None:
+    def __init__(self, host: str, port: int, rank: int, incarnation: int) -> None:
         self.host, self.port = host, port
-        self.count_activity = count_activity  # forward passes, saves and loads: for hang detection only
         self.rank = rank
         self.incarnation = incarnation
         self.steps = 0
@@ -60,13 +57,12 @@ class ProgressReporter:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         register_optimizer_step_post_hook(self._on_step)
-        if self.count_activity:
-            register_module_forward_hook(self._on_forward)
-            # torch.compile(module) warns that global hooks fire once more for its wrapper: for a
-            # counter of progress that is harmless, and the user did not register this hook.
-            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-            torch.save = self._counted(torch.save)
-            torch.load = self._counted(torch.load)
+        register_module_forward_hook(self._on_forward)
+        # torch.compile(module) warns that global hooks fire once more for its wrapper: for a
+        # counter of progress that is harmless, and the user did not register this hook.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        torch.save = self._counted(torch.save)
+        torch.load = self._counted(torch.load)
         self._thread.start()
 
     def _on_step(self, *_args: Any) -> None:
@@ -146,14 +142,6 @@ class ProgressReporter:
             self._wake.clear()
 
 
-def _watching_hangs() -> bool:
-    """Whether the supervisor watches for hangs (it sets FTRUN_STEP_TIMEOUT only with --step-timeout)."""
-    try:
-        return float(os.environ.get("FTRUN_STEP_TIMEOUT") or 0) > 0
-    except ValueError:
-        return False
-
-
 def _parse_inject(text: str) -> tuple:
     start, _, count = text.partition(":")
     try:
@@ -173,8 +161,7 @@ def start_from_env() -> Optional[ProgressReporter]:
         return _reporter
     host, _, port = store.rpartition(":")
     _reporter = ProgressReporter(host, int(port), int(os.environ.get("RANK", "0")),
-                                 int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                                 count_activity=_watching_hangs())
+                                 int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     _reporter.start()
     return _reporter
 
