@@ -349,8 +349,7 @@ class NodeCoordinator:
         """A node node 0 took into a running --ft round (ftrun.supervisor.rendezvous): the
         others are already training, so there is no barrier; its replicas join the quorum and heal."""
         cfg = self.cfg
-        try:
-            self.store.set(KEYS.beat(self.me), "0")
+        try:  # its beat, final, table and who keys were written when it asked in
             self.store.add(KEYS.claim(self.me), 1)
             for k in self.others:
                 if self.store.check([KEYS.who(k)]):
@@ -401,15 +400,13 @@ class NodeCoordinator:
             k = self._next_arrival
             try:
                 ready = self.store.check([KEYS.who(k)])  # it wrote its keys: the others may read them
-                withdrawn = ready and bool(self.store.get(KEYS.final(k)))  # stopped while it waited
             except Exception as e:
                 return self.store_gone(_one_line(e))
-            if withdrawn:
+            if ready:
                 self._next_arrival += 1
-            elif ready:
-                self._next_arrival += 1
-                self._learn_who(k)
-                return NodeEvent("node_waiting", f"{self._node_name(k)} asks to join the running run", node=k)
+                if self.still_waiting(k):  # not withdrawn (stopped) already
+                    self._learn_who(k)
+                    return NodeEvent("node_waiting", f"{self._node_name(k)} asks to join the running run", node=k)
         for k, st in states.items():
             if st is NodeState.RUNNING or self._reported.get(k) is st:
                 continue
