@@ -66,6 +66,7 @@ class RunConfig:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     ft: bool = False
     min_replicas: int = 1
+    replica_size: int = 1
     hook: Optional[HookSpec] = None
     step_timeout: Optional[float] = None
     shutdown_timeout: float = 5.0
@@ -236,7 +237,7 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     kw["script_args"] = args
 
     kw["nproc"] = resolve_nproc(pick("nproc"), sources["nproc"])
-    for key in ("max_restarts", "min_replicas", "step_timeout", "shutdown_timeout", "node_rank", "master_addr",
+    for key in ("max_restarts", "min_replicas", "replica_size", "step_timeout", "shutdown_timeout", "node_rank", "master_addr",
                 "master_port", "join_timeout", "ft", "quiet", "module", "no_python", "log_dir", "ranks",
                 "local_ranks_filter", "role", "signals_to_handle", "virtual_local_rank", "local_addr"):
         kw[key] = pick(key)
@@ -401,8 +402,11 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
         if bad:
             raise _fail("local_ranks_filter", f"--local-ranks-filter {','.join(map(str, bad))}: no such local "
                                                    f"rank; this node has local ranks 0..{cfg.nproc - 1}")
-    if cfg.ft and cfg.min_nodes == cfg.max_nodes and cfg.min_replicas > cfg.world_size:
-        raise _fail("min_replicas", f"--min-replicas {cfg.min_replicas} exceeds the {cfg.world_size} replicas "
+    if cfg.ft and cfg.replica_size > 1:
+        _check_replica_size(cfg)
+    replicas = cfg.world_size // cfg.replica_size
+    if cfg.ft and cfg.min_nodes == cfg.max_nodes and cfg.min_replicas > replicas:
+        raise _fail("min_replicas", f"--min-replicas {cfg.min_replicas} exceeds the {replicas} replicas "
                                          f"of this run; lower it")
     if not check_paths:
         return
@@ -538,6 +542,26 @@ WORKERS_PER_CPU = 8                # more workers than this per usable core is o
 WORKER_MEMORY_BYTES = 100 << 20    # the least a worker needs beyond what it shares with its zygote
 
 
+# What a sharded replica's cross-replica reduce can do: average, optionally in half precision.
+# PowerSGD, local SGD and noop are DDP hooks (they need DDP's buckets and its optimizer loop).
+SHARDED_HOOKS = ("allreduce", "fp16", "bf16")
+
+
+def _check_replica_size(cfg: RunConfig) -> None:
+    """--replica-size K > 1: K workers of one node shard each replica, so K divides the node's workers."""
+    k = cfg.replica_size
+    if cfg.nproc % k:
+        spans = k % cfg.nproc == 0
+        raise _fail("replica_size", f"--replica-size {k} does not divide the {cfg.nproc} workers of a node"
+                    + ("; a replica spanning several nodes is not supported yet: use one replica per node "
+                       f"(--replica-size {cfg.nproc}) or smaller" if spans else
+                       f"; pick a divisor of {cfg.nproc} (replicas never span nodes)"))
+    if cfg.hook is not None and cfg.hook.name not in SHARDED_HOOKS:
+        raise _fail("hook", f"--hook {cfg.hook.name} needs DDP's buckets, but a replica of {k} workers shards the "
+                            f"model (FSDP2); use --hook {', '.join(SHARDED_HOOKS)} (optionally --wrap fp16|bf16), "
+                            f"or --replica-size 1")
+
+
 def _check_ignored_options(cfg: RunConfig) -> None:
     """Options that would do nothing in this run: say so instead of ignoring them."""
     given = lambda key: cfg.sources.get(key, "default") != "default"  # noqa: E731
@@ -547,6 +571,9 @@ def _check_ignored_options(cfg: RunConfig) -> None:
     if cfg.no_python and cfg.step_timeout:
         raise _fail("step_timeout", "--step-timeout does nothing with --no-python: optimizer steps are counted by "
                                     "ftrun's Python bootstrap; run a Python script, or drop --step-timeout")
+    if given("replica_size") and not cfg.ft:
+        raise _fail("replica_size", f"--replica-size {cfg.replica_size} applies only to --ft runs (a replica is a "
+                                    f"unit that fails, restarts and heals alone); add --ft, or drop --replica-size")
     if given("min_replicas") and not cfg.ft:
         raise _fail("min_replicas", f"--min-replicas {cfg.min_replicas} applies only to --ft runs; add --ft, or "
                                     f"drop --min-replicas")

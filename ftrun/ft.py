@@ -15,24 +15,54 @@ from the environment ftrun gives each worker.
         if opt.step():          # False: the round was discarded, nothing changed
             scheduler.step()
 
+A replica may also be K workers sharding the model (`ftrun --ft --replica-size K`):
+
+    mesh = ft.device_mesh()               # this replica's K workers
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model = ft.replicate(model)           # averaged over the live replicas, healed shard by shard
+
 No init_process_group() is needed. Must never be imported by the launcher.
 """
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from ftrun.worker.ft.ddp import wrap_model
 from ftrun.worker.ft.manager import manager
 from ftrun.worker.ft.optim import ReplicaOptimizer
 
 __all__ = ["DistributedDataParallel", "Optimizer", "register_state", "steps", "replica_index",
-           "num_replicas", "global_step", "replica_rank"]
+           "num_replicas", "global_step", "replica_rank", "replicate", "device_mesh"]
 
 
 def DistributedDataParallel(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     """torch DDP whose gradients are averaged over the replicas alive at each step."""
     return wrap_model(manager(), module, **kwargs)
+
+
+def replicate(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+    """Average `module`'s gradients over the live replicas and register it for heals: a
+    fully_shard-ed model (FSDP2 over device_mesh()) shard by shard, a plain one under DDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        if kwargs:
+            raise TypeError(f"ftrun.ft.replicate(): a fully_shard-ed model takes no options, not {sorted(kwargs)}")
+        from ftrun.worker.ft.sharded import replicate_sharded
+
+        return replicate_sharded(manager(), module)
+    return wrap_model(manager(), module, **kwargs)
+
+
+def device_mesh(mesh_shape: Optional[Tuple[int, ...]] = None,
+                mesh_dim_names: Optional[Tuple[str, ...]] = None) -> DeviceMesh:
+    """This replica's own workers (--replica-size K of them) as a DeviceMesh to fully_shard over;
+    1-D by default, or `mesh_shape` (e.g. (2, 4) with names ("dp_shard", "tp")) multiplying to K."""
+    return manager().device_mesh(mesh_shape, mesh_dim_names)
 
 
 def Optimizer(optimizer: torch.optim.Optimizer) -> ReplicaOptimizer:
@@ -61,8 +91,9 @@ def num_replicas() -> int:
 
 
 def replica_rank() -> int:
-    """This replica's fixed id (its RANK)."""
-    return manager().rank
+    """This replica's fixed id (RANK // --replica-size; its RANK when a replica is one worker).
+    A worker's place inside its replica is device_mesh().get_local_rank() of its size."""
+    return manager().replica
 
 
 def global_step() -> int:

@@ -418,6 +418,9 @@ OPTIONS_LIST: Tuple[Option, ...] = (
          is_flag=True),
     _opt("min_replicas", ("--min-replicas",), _count(1), 1, "With --ft: fewest live replicas that keep training.",
          metavar="N"),
+    _opt("replica_size", _both("--replica-size"), _count(1), 1,
+         "With --ft: workers per replica; they shard the model (FSDP2 over ft.device_mesh()). [default: 1]",
+         metavar="K"),
     _opt("step_timeout", ("--step-timeout",), _step_timeout, None,
          "Seconds without an optimizer step before a replica counts as hung (stacks dumped, killed, restarted); "
          "0: off.",

@@ -36,6 +36,7 @@ def common_env(cfg: RunConfig, store_addr: str, store_port: int, base: Mapping[s
         "FTRUN_STORE": f"{store_addr}:{store_port}",
         "FTRUN_FT": "1" if cfg.ft else "0",
         "FTRUN_HOOK": cfg.hook.to_json() if cfg.hook else "",
+        "FTRUN_REPLICA_SIZE": str(cfg.replica_size),
     })
     # A pod's RANK/WORLD_SIZE/... describe the node, not a worker: every torchrun variable is ours.
     if cfg.step_timeout:
@@ -57,7 +58,8 @@ def worker_env(common: Mapping[str, str], cfg: RunConfig, local_rank: int, resta
         "LOCAL_RANK": "0" if cfg.virtual_local_rank else str(local_rank),
         "ROLE_RANK": str(rank),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count + cfg.round),
-        "FTRUN_REPLICA_ID": str(rank),
+        # --ft: replica j is the workers of global ranks jK .. jK+K-1 (K = --replica-size).
+        "FTRUN_REPLICA_ID": str(rank // cfg.replica_size),
     })
     if cfg.virtual_local_rank:
         # torchrun's virtual local rank: each worker sees only its own device, as device 0.

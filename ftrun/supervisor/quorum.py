@@ -4,6 +4,12 @@ On several machines node 0's keeper (the leader) keeps the quorum of every
 global rank; the other nodes' keepers only report their replicas' births
 and deaths to it through a store queue, and read the epochs it publishes.
 
+Members are workers (global ranks). With --replica-size K a replica is the
+K workers of ranks jK .. jK+K-1: it is admitted only once all K have asked to
+join with the same incarnation, it leaves as a whole when any of them dies
+(the supervisor kills the others), and it heals as a whole (all K ranks are
+healers, or none).
+
 It publishes an epoch (members, and which of them must heal) whenever
 membership changes: when every first replica has asked to join, when a
 restarted replica asks to join, and when a member dies. For a member that
@@ -34,8 +40,10 @@ STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in an
 
 
 class QuorumKeeper:
-    def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True) -> None:
+    def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True,
+                 replica_size: int = 1) -> None:
         self.store = store  # RunStore; its .store is the TCPStore once ready
+        self.k = replica_size
         self.ranks = sorted(ranks)              # every replica of the run (all nodes)
         self.local = set(local_ranks if local_ranks is not None else ranks)
         self.leader = leader
@@ -148,16 +156,31 @@ class QuorumKeeper:
         if not self.leader and rank in self.local:
             self._report(rank, inc, "finished" if finished else "died")
             return
-        self.pending.pop(rank, None)
+        mates = self._mates(rank)
+        for m in mates:  # a replica joins whole: one worker less and it waits for its next incarnation
+            self.pending.pop(m, None)
         if self.members.get(rank) == inc:
-            del self.members[rank]
             if finished:  # it left the loop with the others: nobody waits for it
+                del self.members[rank]
                 return
+            # The replica leaves whole: its other workers are being killed and its shard groups
+            # are broken, so nobody may wait for any of them.
+            leaving = {m: self.members.pop(m) for m in mates if m in self.members}
             if self.members:
-                self._publish(f"rank {rank} left")
-            self._fill_votes(rank, inc, self._top())
+                self._publish(f"rank {rank} left" if self.k == 1 else
+                              f"replica {rank // self.k} left (rank {rank} of ranks {mates[0]}-{mates[-1]})")
+            top = self._top()
+            for m, k in leaving.items():
+                if m != rank:
+                    self._s.set(keys.inc_key(m), "dead")  # peers forming a group with it give up now
+                self._fill_votes(m, k, top)
         if self.alive.get(rank) is None:
             self._s.set(keys.inc_key(rank), "dead")
+
+    def _mates(self, rank: int) -> List[int]:
+        """The ranks of `rank`'s replica, itself included."""
+        first = rank - rank % self.k
+        return list(range(first, first + self.k))
 
     def _top(self) -> int:
         return int(self._s.get(keys.TOP))
@@ -346,9 +369,14 @@ class QuorumKeeper:
                            + [keys.info_key(r) for r in self.ranks])
         self._absorb(vals[n:2 * n], vals[2 * n:])
         self._unstick(time.monotonic(), top)
+        asked: Dict[int, int] = {}
         for r, j in zip(self.ranks, vals[:n]):
             inc = self.alive.get(r)
             if inc is not None and int(j) == inc and r not in self.members and r not in self.pending:
+                asked[r] = inc
+        for r, inc in asked.items():
+            # A replica is admitted whole: every one of its workers asked, as the same incarnation.
+            if all(asked.get(m) == inc for m in self._mates(r)):
                 self.pending[r] = inc
                 if self.first_join is None:
                     self.first_join = now
@@ -375,7 +403,9 @@ class QuorumKeeper:
         for r, h in zip(self.members, healed):
             if int(h) >= 0:
                 self.healed.add((r, int(h)))
-        holders = [r for r, k in self.members.items() if (r, k) in self.healed]
+        # A replica holds the state only if every one of its workers holds its shard of it.
+        holders = [r for r in self.members
+                   if all((m, self.members.get(m)) in self.healed for m in self._mates(r))]
         fresh = self.epoch_id == 0 or not holders
         self.epoch_id += 1
         members = tuple(sorted(self.members.items()))
@@ -383,8 +413,9 @@ class QuorumKeeper:
         if not continuing:  # rounds are numbered across epochs: start after the newest one decided
             start = self._top() + 1
         if fresh:
-            src = min(self.members)
-            epoch = Epoch(self.epoch_id, members, tuple(r for r in self.members if r != src), True, start)
+            src = min(self.members) // self.k  # the lowest replica sends its state, shard by shard
+            epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r // self.k != src)),
+                          True, start)
             if self.epoch_id > 1:
                 why += "; no replica holding the trained state is left: starting again from the first step"
         else:
@@ -394,7 +425,9 @@ class QuorumKeeper:
         self.starts[self.epoch_id] = start
         s.set(keys.epoch_key(self.epoch_id), epoch.to_json())
         s.set(keys.LATEST, str(self.epoch_id))
-        self.history.append(f"epoch {self.epoch_id}: {len(members)} replica{'s' if len(members) != 1 else ''} ({why})")
+        n = len(members) // self.k
+        shape = f" of {self.k} workers" if self.k > 1 else ""
+        self.history.append(f"epoch {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why})")
 
     # ------------------------------------------------------------ status and hangs
     def replica_fields(self, rank: int) -> dict:

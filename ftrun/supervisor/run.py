@@ -94,6 +94,9 @@ class Supervisor:
         self.by_tag: Dict[str, Worker] = {}
         self.policy = (ReplicaRestartPolicy(cfg.max_restarts, cfg.min_replicas) if cfg.ft
                        else GroupRestartPolicy(cfg.max_restarts))
+        # --ft: a replica is `k` workers (global ranks jk .. jk+k-1) that fail, stop and restart as one.
+        self.k = cfg.replica_size if cfg.ft else 1
+        self.respawning: Dict[int, bool] = {}  # replica -> restart pending until its last worker is gone
         self.first_failure: Optional[Failure] = None
         self.started = time.time()
         self.status = RunStatus(
@@ -163,7 +166,8 @@ class Supervisor:
                 # Node 0 keeps the quorum of every rank; other nodes report to it through the store.
                 live = self.nodes.live if self.nodes is not None else [0]
                 self.quorum = QuorumKeeper(self.store, [r for k in live for r in self._node_ranks(k)],
-                                           [w.rank for w in self.workers], leader=cfg.node_rank == 0)
+                                           [w.rank for w in self.workers], leader=cfg.node_rank == 0,
+                                           replica_size=self.k)
             if code is None:
                 for w in self.workers:
                     self._spawn(w)
@@ -358,34 +362,67 @@ class Supervisor:
         if isinstance(self.policy, GroupRestartPolicy):
             self._group_failure(w, failure)
             return
-        # replica policy (--ft)
-        live_after = sum(1 for o in self.workers if o is not w and o.alive)
+        # replica policy (--ft): the failed worker's replica fails as a unit
+        rep = w.rank // self.k
+        mates = [o for o in self._replica(rep) if o is not w]
+        live_after = len({o.rank // self.k for o in self.workers if o.alive and o.rank // self.k != rep})
+        who = f"rank {w.rank}" if self.k == 1 else f"rank {w.rank} of replica {rep}"
         if any(o.state == WorkerState.DONE for o in self.workers):
             # The others have left the training loop: there is no step left to heal into.
             w.state = WorkerState.FAILED
-            self.console.note(f"rank {w.rank} {failure.reason} after the others finished; not restarted",
+            self._stop_mates(mates, WorkerState.FAILED)
+            self.console.note(f"{who} {failure.reason} after the others finished; not restarted",
                               style="yellow")
             return
-        decision = self.policy.on_failure(w.rank, live_after)
+        decision = self.policy.on_failure(rep, live_after)
         if decision is Decision.RESTART_REPLICA:
-            used = self.policy.restarts[w.rank]
-            self.console.note(f"rank {w.rank} (pid {failure.pid}) {failure.reason}; restarting it alone "
+            used = self.policy.restarts[rep]
+            alone = ("it alone" if self.k == 1 else
+                     f"its replica ({self.k} workers, ranks {rep * self.k}-{rep * self.k + self.k - 1}) alone")
+            self.console.note(f"{who} (pid {failure.pid}) {failure.reason}; restarting {alone} "
                               f"(restart {used} of {self.policy.max_restarts}); the others keep training",
                               style="bold yellow")
             w.state = WorkerState.RESTARTING
+            self._stop_mates(mates, WorkerState.RESTARTING)
+            for o in [w] + mates:
+                o.restarts = used
             self._write_state()  # `ftrun status` shows it restarting, then recovering, then running
-            w.incarnation += 1
-            w.restarts = used
-            self._on_replica_restart(w)
-            self._spawn(w)
+            self.respawning[rep] = True
+            self._respawn_replicas()
             return
         w.state = WorkerState.FAILED
+        self._stop_mates(mates, WorkerState.FAILED)
         if decision is Decision.DROP_REPLICA:
-            self.console.note(f"rank {w.rank} {failure.reason}; its restart budget ({self.policy.max_restarts}) is "
+            self.console.note(f"{who} {failure.reason}; its restart budget ({self.policy.max_restarts}) is "
                               f"spent: carrying on with {live_after} replicas", style="bold red")
-            self._on_replica_dropped(w)
             return
         self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.REPORT, failure.status_code, failure)
+
+    def _replica(self, rep: int) -> List[Worker]:
+        return [o for o in self.workers if o.rank // self.k == rep]
+
+    def _stop_mates(self, mates: List[Worker], state: WorkerState) -> None:
+        """The other workers of a failed replica: SIGKILL at once (nothing of theirs is worth a
+        grace, and a collective with their dead peer would hold them, NCCL included)."""
+        for o in mates:
+            if self.by_tag.get(o.tag) is o:
+                o.state = state
+                o.stop_requested = True  # its exit is a stop, not a failure of its own
+                signal_group(o.pid, signal.SIGKILL)  # one not started yet gets it once it is
+            elif o.alive:
+                o.state = state
+
+    def _respawn_replicas(self) -> None:
+        """Start every replica whose restart waits, once the last of its old processes is gone."""
+        if self.stopping is not None:
+            return
+        for rep in [r for r in self.respawning if not any(self.by_tag.get(o.tag) is o for o in self._replica(r))]:
+            del self.respawning[rep]
+            workers = self._replica(rep)
+            inc = max(o.incarnation for o in workers) + 1  # one incarnation for the whole replica
+            for o in workers:
+                o.incarnation = inc
+                self._spawn(o)
 
     def _group_failure(self, w: Optional[Worker], failure: Optional[Failure],
                        remote: Optional[dict] = None) -> None:
@@ -525,13 +562,6 @@ class Supervisor:
         except Exception as e:  # the attempt may still work; say why it might not
             self.console.note(f"could not clear the store between attempts: {e}", style="yellow")
 
-    # FT hooks: the quorum keeper overrides these (ftrun.supervisor.quorum).
-    def _on_replica_restart(self, w: Worker) -> None:
-        pass
-
-    def _on_replica_dropped(self, w: Worker) -> None:
-        pass
-
     def _give_up(self, failure: Failure) -> int:
         first = self.first_failure or failure
         attempts = (f"restart budget spent ({self.cfg.max_restarts} restart"
@@ -567,13 +597,15 @@ class Supervisor:
         if self.stopping is not None:
             self.stopping.pending.pop(w.tag, None)
         w.kill_at = None
-        if w.state != WorkerState.RESTARTING:
+        if w.state not in (WorkerState.RESTARTING, WorkerState.FAILED):
             w.state = WorkerState.STOPPED
         if self.quorum is not None:
             self.quorum.on_exit(w.rank, w.incarnation)
         for p in w.pumps:
             p.done.wait(0.5)
         self._dirty = True
+        if self.respawning:
+            self._respawn_replicas()
 
     def _advance_stop(self) -> Optional[int]:
         """After each turn while stopping: once the last worker is gone, do what the stop was

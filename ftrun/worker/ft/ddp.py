@@ -74,7 +74,12 @@ class ReplicaHook:
 
 
 def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP:
+    if mgr.k > 1:
+        raise TypeError(f"ftrun.ft: with --replica-size {mgr.k} each replica's {mgr.k} workers shard the model: "
+                        f"fully_shard(...) its blocks and root over ft.device_mesh(), then ft.replicate(model) "
+                        f"(DDP replicates a whole model per worker: use --replica-size 1 for that)")
     mgr.register_model(module)
+    mgr.uses_ddp = True
     if torch.cuda.is_available() and "device_ids" not in kwargs:
         kwargs["device_ids"] = [int(os.environ.get("LOCAL_RANK", "0"))]
     ddp = TorchDDP(module, process_group=local_group(), **kwargs)

@@ -12,6 +12,12 @@ are published, so no step asks. A new or restarted replica asks to join, is
 put into an epoch as a healer, and receives the model, optimizer and
 registered state from a peer over a process group (ft/transport.py), before
 the round's forward pass.
+
+With --replica-size K a replica is K workers sharding the model (FSDP2 over
+the replica's own group, `device_mesh()`). Every worker is a member and
+votes; worker j of each live replica forms the epoch's group of shard index
+j, over which its gradient shard is averaged (ft/sharded.py) and its shard
+of the state is healed, from worker j of one source replica.
 Must never raise a collective failure into the user's loop, and never import
 the supervisor.
 """
@@ -20,11 +26,12 @@ from __future__ import annotations
 
 import datetime
 import gc
+import math
 import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +40,7 @@ from ftrun import protocol as keys
 from ftrun.worker.ft import vote
 from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
 from ftrun.protocol import Epoch
+from ftrun.worker.ft.state import ReplicaState
 from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
 
 POLL_S = 0.005
@@ -72,6 +80,10 @@ class Manager:
         self.store = dist.TCPStore(host, int(port), None, False, timeout)
         self.rank = int(os.environ["RANK"])
         self.inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.k = max(1, int(os.environ.get("FTRUN_REPLICA_SIZE", "1")))
+        self.replica, self.shard = divmod(self.rank, self.k)
+        self.mesh: Any = None  # the replica's own DeviceMesh (device_mesh())
+        self.uses_ddp = False  # a layout round follows each heal only for DDP's buckets (ft/ddp.py)
         self.epoch: Optional[Epoch] = None
         self.pg: Optional[dist.ProcessGroup] = None
         self.group_round = -1   # the round at which the current group was built
@@ -95,9 +107,7 @@ class Manager:
         self.last_heal_s: Optional[float] = None
         self.phase = "init"
         self.phase_since = time.time()
-        self.models: List[torch.nn.Module] = []
-        self.optimizers: List[torch.optim.Optimizer] = []
-        self.extras: Dict[str, Any] = {}
+        self.state = ReplicaState()  # what a heal moves (ft/state.py)
         self.group_listeners: List[Callable[[Optional[dist.ProcessGroup]], None]] = []
         self._heal_written: Optional[str] = None
         self._watcher: Optional[threading.Thread] = None
@@ -113,15 +123,13 @@ class Manager:
 
     # ------------------------------------------------------------ registration
     def register_model(self, model: torch.nn.Module) -> None:
-        self.models.append(model)
+        self.state.add_model(model)
 
     def register_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        self.optimizers.append(opt)
+        self.state.add_optimizer(opt)
 
     def register_state(self, name: str, obj: Any) -> None:
-        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-            raise TypeError(f"ftrun.ft.register_state({name!r}, ...): the object needs state_dict() and load_state_dict()")
-        self.extras[name] = obj
+        self.state.add_extra(name, obj)
 
     def on_group_change(self, fn: Callable[[Optional[dist.ProcessGroup]], None]) -> None:
         self.group_listeners.append(fn)
@@ -129,11 +137,47 @@ class Manager:
     # ------------------------------------------------------------ info
     @property
     def num_replicas(self) -> int:
-        return len(self.epoch.members) if self.epoch else 1
+        return len(self.epoch.members) // self.k if self.epoch else 1
 
     @property
     def replica_index(self) -> int:
-        return self.epoch.ranks.index(self.rank) if self.epoch else 0
+        return sorted({r // self.k for r in self.epoch.ranks}).index(self.replica) if self.epoch else 0
+
+    def _shard_ranks(self, epoch: Epoch) -> List[int]:
+        """Worker `shard` of every replica of the epoch: the ranks of this worker's group."""
+        return [r for r in epoch.ranks if r % self.k == self.shard]
+
+    def _shard_key(self, key: str) -> str:
+        return key if self.k == 1 else f"{key.rstrip('/')}/{self.shard}" + ("/" if key.endswith("/") else "")
+
+    # ------------------------------------------------------------ the replica's own workers
+    def device_mesh(self, mesh_shape: Optional[Tuple[int, ...]] = None,
+                    mesh_dim_names: Optional[Tuple[str, ...]] = None) -> Any:
+        """The replica's K workers as a DeviceMesh, over a default process group of just them,
+        built once per incarnation (a replica restarts whole, so it never needs rebuilding)."""
+        if self.mesh is not None:
+            return self.mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(mesh_shape) if mesh_shape else (self.k,)
+        if any(not isinstance(n, int) or n < 1 for n in shape) or math.prod(shape) != self.k:
+            raise ValueError(f"ftrun.ft.device_mesh({shape}): the shape must multiply to the replica's "
+                             f"{self.k} workers (--replica-size {self.k})")
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if dist.is_initialized():
+            if dist.get_world_size() != self.k:
+                raise RuntimeError(
+                    f"ftrun.ft.device_mesh(): a process group of {dist.get_world_size()} workers is already "
+                    f"initialized; under --ft the default group must be this replica's {self.k} workers. "
+                    f"Drop the script's init_process_group() call: ftrun.ft.device_mesh() makes it")
+        else:
+            store = dist.PrefixStore(f"{keys.PREFIX}replica/{self.replica}/{self.inc}/", self.store)
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=self.shard,
+                                    world_size=self.k)
+        self.mesh = init_device_mesh("cuda" if cuda else "cpu", shape, mesh_dim_names=mesh_dim_names)
+        return self.mesh
 
     def info(self) -> Dict[str, Any]:
         return {
@@ -309,13 +353,14 @@ class Manager:
             self.fail_round(gone)
             if epoch.healers or epoch.fresh:
                 self._heal(epoch)  # the transfer may still take place, and its ends must say how it went
-                self.layout_round = True
+                self.layout_round = self.uses_ddp
             for fn in self.group_listeners:
                 fn(None)
             return
         t0 = time.monotonic()
         try:
-            self.pg = self._form(keys.pg_prefix(epoch.id, self.group_round), epoch, epoch.ranks)
+            self.pg = self._form(self._shard_key(keys.pg_prefix(epoch.id, self.group_round)), epoch,
+                                 self._shard_ranks(epoch))
         except Exception as e:  # a member died while we connected: this round fails, the next epoch fixes it
             self.fail_round(f"could not form the group of epoch {epoch.id}: {str(e).splitlines()[0]}")
         took = time.monotonic() - t0
@@ -323,7 +368,7 @@ class Manager:
             _log(f"rank {self.rank}: forming the group of epoch {epoch.id} (round {self.group_round}) took {took:.1f} s")
         if epoch.healers or epoch.fresh:
             self._heal(epoch)
-            self.layout_round = True
+            self.layout_round = self.uses_ddp
         for fn in self.group_listeners:
             fn(self.pg)
 
@@ -351,16 +396,18 @@ class Manager:
 
     # ------------------------------------------------------------ healing
     def _source(self, epoch: Epoch) -> int:
+        """This worker's source: its own shard index in the lowest replica holding the state
+        (one source replica for every shard, so all shards come from the same step)."""
         holders = [r for r in epoch.ranks if r not in epoch.healers]
-        return min(holders) if holders else min(epoch.ranks)
+        return (min(holders or epoch.ranks) // self.k) * self.k + self.shard
 
     def _heal(self, epoch: Epoch) -> None:
         """Move the committed state from the epoch's source to its healers, over a group of
         just those replicas; the other members wait (bounded by the liveness of the
         transfer's ends) so their next collective does not time out behind the transfer."""
         source = self._source(epoch)
-        ends = [source] + [r for r in sorted(epoch.healers) if r != source]
-        done_key = keys.heal_key(epoch.id, self.group_round)
+        ends = [source] + [r for r in sorted(epoch.healers) if r != source and r % self.k == self.shard]
+        done_key = self._shard_key(keys.heal_key(epoch.id, self.group_round))
         if self.rank not in ends:
             self._await_heal(epoch, ends, done_key)
             return
@@ -379,14 +426,14 @@ class Manager:
         t0 = time.time()
         hpg = None
         try:
-            hpg = self._form(keys.pg_prefix(epoch.id, self.group_round) + "heal/", epoch, ends)
+            hpg = self._form(self._shard_key(keys.pg_prefix(epoch.id, self.group_round) + "heal/"), epoch, ends)
             if sending:
-                stats = send_state(hpg, self._capture(), group_device(), chunk=self._chunk,
+                stats = send_state(hpg, self.state.capture(self.round, self.step), group_device(), chunk=self._chunk,
                                    after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
             else:
-                payload, stats, in_place = receive_state(hpg, self._local_state(), group_device(), chunk=self._chunk,
+                payload, stats, in_place = receive_state(hpg, self.state.targets(), group_device(), chunk=self._chunk,
                                                          on_write=self._taint, timeout_s=self._settle_s)
-                self._restore(payload, in_place)
+                self.round, self.step = self.state.restore(payload, in_place)
                 self._tainted = False
         except StateMismatch as e:
             # Not a failure of the transfer: this replica's model, optimizer or registered state
@@ -452,39 +499,6 @@ class Manager:
 
     def _taint(self) -> None:
         self._tainted = True
-
-    def _capture(self) -> Dict[str, Any]:
-        return {
-            "round": self.round, "step": self.step,
-            "models": [dict(m.state_dict()) for m in self.models],
-            "optimizers": [o.state_dict() for o in self.optimizers],
-            "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
-        }
-
-    def _local_state(self) -> Dict[str, Any]:
-        """This replica's own tensors, for the transfer to land in where they fit."""
-        return {"models": [dict(m.state_dict()) for m in self.models],
-                "optimizers": [o.state_dict() for o in self.optimizers]}
-
-    def _restore(self, payload: Dict[str, Any], in_place: set) -> None:
-        if len(payload["models"]) != len(self.models) or len(payload["optimizers"]) != len(self.optimizers):
-            raise StateMismatch(f"its peer has {len(payload['models'])} model(s) and {len(payload['optimizers'])} "
-                                f"optimizer(s), this replica {len(self.models)} and {len(self.optimizers)}")
-        try:
-            with torch.no_grad():
-                for i, (m, sd) in enumerate(zip(self.models, payload["models"])):
-                    if any(("models", i, k) not in in_place for k in sd):
-                        m.load_state_dict(sd)
-            for o, sd in zip(self.optimizers, payload["optimizers"]):
-                o.load_state_dict(sd)
-            for name, sd in payload["extras"].items():
-                if name in self.extras:
-                    self.extras[name].load_state_dict(sd)
-        except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-            raise StateMismatch(" ".join(lines[:2])[:300]) from None
-        self.round = int(payload["round"])
-        self.step = int(payload["step"])
 
 
 _manager: Optional[Manager] = None

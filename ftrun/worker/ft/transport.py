@@ -10,6 +10,8 @@ has one of the right shape and dtype (the model's parameters and buffers,
 an optimizer that already has state) and allocates the rest once, at its
 final size: the extra memory on either side is one staging buffer, never a
 second copy of the model. Several healers are served by the same broadcast.
+A DTensor (a shard of a sharded replica) travels as its local tensor: each
+worker sends and receives its own shard, into the healer's own shard.
 The skeleton is loaded with weights_only=True.
 Must never put training state in the store, and never import the supervisor.
 """
@@ -49,9 +51,20 @@ class TransferStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (its storage, not a copy); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
 def _flatten(obj: Any, path: Path, out: List[Tuple[Path, torch.Tensor]]) -> Any:
     """The skeleton of `obj`, with each tensor replaced by a slot naming its index in `out`."""
     if isinstance(obj, torch.Tensor):
+        obj = _local(obj)
         # Sparse (or other non-strided) tensors travel dense: bytes are sent, not layouts.
         out.append((path, obj if obj.layout == torch.strided else obj.to_dense()))
         return {_SLOT: len(out) - 1}
@@ -81,7 +94,7 @@ def _lookup(obj: Any, path: Path) -> Optional[torch.Tensor]:
             obj = obj[key]
         except (KeyError, IndexError, TypeError):
             return None
-    return obj if isinstance(obj, torch.Tensor) else None
+    return _local(obj) if isinstance(obj, torch.Tensor) else None
 
 
 def _dtype(name: str) -> torch.dtype:

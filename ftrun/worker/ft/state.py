@@ -1,0 +1,154 @@
+"""What a heal moves: a replica's registered models, optimizers and extra state.
+
+`capture()` is the state the source sends; `targets()` is the healer's own
+tensors for the transfer to land in; `restore()` takes in what arrived. For
+a sharded replica (FSDP2: DTensor parameters and optimizer state) each
+worker moves its own shard (the transport sends a DTensor's local tensor),
+and everything must land in place: a healer's optimizer state is first
+created at its final shapes (a step with zero gradients and a learning rate
+of 0, as torch.distributed.checkpoint does), so no tensor is allocated and
+no DTensor is rebuilt. A state that does not fit this replica (another
+model, optimizer, mesh or replica size) raises StateMismatch.
+Must never communicate, and never import the supervisor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Set, Tuple
+
+import torch
+
+from ftrun.worker.ft.transport import StateMismatch
+
+Path = Tuple[Any, ...]
+
+
+class ReplicaState:
+    def __init__(self) -> None:
+        self.models: List[torch.nn.Module] = []
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self.extras: Dict[str, Any] = {}
+        self.sharded = False  # some model holds DTensor shards (FSDP2)
+
+    def add_model(self, model: torch.nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.models.append(model)
+        self.sharded = self.sharded or any(isinstance(p, DTensor) for p in model.parameters())
+
+    def add_optimizer(self, opt: torch.optim.Optimizer) -> None:
+        self.optimizers.append(opt)
+
+    def add_extra(self, name: str, obj: Any) -> None:
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"ftrun.ft.register_state({name!r}, ...): the object needs state_dict() and load_state_dict()")
+        self.extras[name] = obj
+
+    def capture(self, round_: int, step: int) -> Dict[str, Any]:
+        return {
+            "round": round_, "step": step,
+            "models": [dict(m.state_dict()) for m in self.models],
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
+        }
+
+    def targets(self) -> Dict[str, Any]:
+        """This replica's own tensors, for the transfer to land in where they fit."""
+        if self.sharded:
+            for o in self.optimizers:
+                _create_optimizer_state(o)
+        return {"models": [dict(m.state_dict()) for m in self.models],
+                "optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def restore(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int]:
+        """Load what arrived; returns the (round, step) it was captured at."""
+        if len(payload["models"]) != len(self.models) or len(payload["optimizers"]) != len(self.optimizers):
+            raise StateMismatch(f"its peer has {len(payload['models'])} model(s) and {len(payload['optimizers'])} "
+                                f"optimizer(s), this replica {len(self.models)} and {len(self.optimizers)}")
+        try:
+            with torch.no_grad():
+                for i, (m, sd) in enumerate(zip(self.models, payload["models"])):
+                    if any(("models", i, k) not in in_place for k in sd):
+                        self._refuse_if_sharded(("models", i), sd, in_place)
+                        m.load_state_dict(sd)
+            for i, (o, sd) in enumerate(zip(self.optimizers, payload["optimizers"])):
+                if self.sharded:
+                    self._refuse_if_sharded(("optimizers", i), sd, in_place)
+                    _load_hyperparameters(o, sd)
+                else:
+                    o.load_state_dict(sd)
+            for name, sd in payload["extras"].items():
+                if name in self.extras:
+                    self.extras[name].load_state_dict(sd)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+            raise StateMismatch(" ".join(lines[:2])[:300]) from None
+        return int(payload["round"]), int(payload["step"])
+
+    def _refuse_if_sharded(self, root: Path, sd: Any, in_place: Set[Path]) -> None:
+        """A shard must land in this worker's own shard tensors: one that does not fit means a
+        different model, optimizer, mesh or replica size, never something to load."""
+        if not self.sharded:
+            return
+        missing = [p for p in _tensor_paths(sd, root) if p not in in_place]
+        if missing:
+            where = "/".join(str(x) for x in missing[0])
+            raise StateMismatch(f"{len(missing)} tensor(s) of its shard do not fit this worker's shard (first: "
+                                f"{where}); the model, optimizer, mesh or --replica-size differ")
+
+
+def _tensor_paths(obj: Any, path: Path) -> List[Path]:
+    if isinstance(obj, torch.Tensor):
+        return [path]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _tensor_paths(v, path + (k,))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in _tensor_paths(v, path + (i,))]
+    return []
+
+
+def _load_hyperparameters(opt: torch.optim.Optimizer, sd: Dict[str, Any]) -> None:
+    """Every state tensor arrived in place: what is left are the param groups' settings
+    (a scheduler's learning rate, ...)."""
+    groups = sd.get("param_groups", [])
+    if len(groups) != len(opt.param_groups):
+        raise StateMismatch(f"its peer's optimizer has {len(groups)} param group(s), this one "
+                            f"{len(opt.param_groups)}")
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for index, p in enumerate(params):
+        if index not in sd.get("state", {}):
+            # State this worker created to receive in place that the source does not have
+            # (no step taken yet): a state that is not there is the state to have.
+            opt.state.pop(p, None)
+    for mine, theirs in zip(opt.param_groups, groups):
+        if len(theirs.get("params", ())) != len(mine["params"]):
+            raise StateMismatch("its peer's optimizer groups hold other parameters than this one's")
+        for key, value in theirs.items():
+            if key == "params":
+                continue
+            if isinstance(mine.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                mine[key].copy_(value)
+            else:
+                mine[key] = value
+
+
+def _create_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state tensors (DTensors, for sharded parameters) at their
+    final shapes without changing a parameter: one step on zero gradients with lr 0."""
+    if opt.state:
+        return
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    saved = [(g, g["lr"]) for g in opt.param_groups]
+    with torch.no_grad():
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for g, lr in saved:
+            g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        try:
+            opt.step()
+        finally:
+            for g, lr in saved:
+                g["lr"] = lr
+            for p in params:
+                p.grad = None

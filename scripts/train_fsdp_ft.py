@@ -1,0 +1,146 @@
+"""A sharded training script with ftrun's fault-tolerance API: FSDP2 inside each replica.
+
+    ftrun --nproc 4 --ft --replica-size 2 scripts/train_fsdp_ft.py
+
+Each replica is --replica-size workers that shard the model between them
+(`fully_shard` over `ft.device_mesh()`); gradients are averaged across the
+live replicas shard by shard, and a replica that dies restarts as a whole
+and receives its shards from worker j of a live replica. Five lines differ
+from a plain FSDP2 script, marked FT. No init_process_group, no checkpoint.
+
+Data: step s, replica i of n, worker j of k in its replica reads piece
+i*k + j of the n*k pieces of batch s, so the live workers always cover the
+whole batch. With --hsdp-reference the same script trains with plain torch
+HSDP (no ftrun.ft, a 2-D replicate x shard mesh over every worker, run it
+under ftrun without --ft or torchrun) on the same data, for comparison.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch", type=int, default=32, help="global batch, split over every live worker")
+    p.add_argument("--dim", type=int, default=128, help="width of the residual stream")
+    p.add_argument("--hidden", type=int, default=512, help="width inside each block")
+    p.add_argument("--blocks", type=int, default=4, help="MLP blocks, each sharded on its own")
+    p.add_argument("--out", default=None,
+                   help="write this worker's shards (parameters, optimizer state) to OUT.rankN.pt and its "
+                        "losses and commits to OUT.rankN.json")
+    p.add_argument("--print-every", type=int, default=20)
+    p.add_argument("--announce", action="store_true",
+                   help="print one line when this process completes its first committed step")
+    p.add_argument("--hsdp-reference", type=int, default=0, metavar="K",
+                   help="plain torch HSDP instead of ftrun.ft: replicas of K workers, no fault tolerance")
+    return p.parse_args()
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int, hidden: int, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(blocks))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def batch(step: int, piece: int, pieces: int, args: argparse.Namespace):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(args.batch, args.dim, generator=g)
+    y = x[:, :1] * 0.5 + x[:, 1:2].sin() + 0.01 * torch.randn(args.batch, 1, generator=g)
+    return x.chunk(pieces)[piece], y.chunk(pieces)[piece]
+
+
+def main() -> None:
+    args = parse()
+    torch.manual_seed(0)
+    model = Net(args.dim, args.hidden, args.blocks)
+    if args.hsdp_reference:
+        import itertools
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        k = args.hsdp_reference
+        dist.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (dist.get_world_size() // k, k), mesh_dim_names=("replicate", "shard"))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        loop = itertools.takewhile(lambda s: s < args.steps, itertools.count())
+        replica, replicas = mesh.get_local_rank("replicate"), mesh.size(0)
+        j = mesh.get_local_rank("shard")
+        ft = None
+    else:
+        import ftrun.ft as ft
+
+        mesh = ft.device_mesh()                                                          # FT
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model = ft.replicate(model)                                                      # FT
+        opt = ft.Optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))           # FT
+        loop = ft.steps(args.steps)                                                      # FT
+        k, j = mesh.size(), mesh.get_local_rank()
+
+    losses, commits = [], []
+    announced = not args.announce
+    for step in loop:
+        if ft is not None:
+            replica, replicas = ft.replica_index(), ft.num_replicas()                    # FT
+        x, y = batch(step, replica * k + j, replicas * k, args)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        committed = opt.step()
+        if ft is None or committed:
+            losses.append((step, loss.item()))
+            commits.append((step, time.time()))
+            if not announced:
+                announced = True
+                print(f"[announce] rank {os.environ['RANK']} pid {os.getpid()} first step {step} "
+                      f"t {time.time():.6f}", flush=True)
+        if step % args.print_every == 0:
+            print(f"step {step} loss {loss.item():.5f} replicas {replicas}", flush=True)
+
+    rank = int(os.environ["RANK"])
+    if args.out:
+        inner = opt if ft is None else opt.optimizer
+        shards = {"model": {n: p.to_local().detach().clone() if hasattr(p, "to_local") else p.detach().clone()
+                            for n, p in model.state_dict().items()},
+                  "optim": {i: {n: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+                                for n, v in s.items()} for i, s in inner.state_dict()["state"].items()}}
+        torch.save(shards, f"{args.out}.rank{rank}.pt")
+        with open(f"{args.out}.rank{rank}.json", "w") as f:
+            json.dump({"step": ft.global_step() if ft else args.steps, "losses": losses, "commits": commits}, f)
+    print(f"done at step {ft.global_step() if ft else args.steps}", flush=True)
+    if ft is None:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
