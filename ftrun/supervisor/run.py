@@ -720,7 +720,9 @@ class Supervisor:
                     if w.state == WorkerState.RECOVERING and w.last_failure is not None:
                         took = now - w.last_failure.when
                         w.rejoin_s = took
-                        self.console.note(f"rank {w.rank} is training again, healed from a peer "
+                        who = (f"rank {w.rank}" if self.k == 1 else
+                               f"replica {w.rank // self.k} (rank {w.rank} failed)")
+                        self.console.note(f"{who} is training again, healed from a peer "
                                           f"{took:.2f} s after it failed", style="green")
                     w.state = WorkerState.RUNNING
                     self._dirty = True
@@ -750,8 +752,13 @@ class Supervisor:
     def _check_hangs(self, now: float) -> None:
         limit = self.cfg.step_timeout
         live = (WorkerState.RUNNING, WorkerState.RECOVERING, WorkerState.STARTING)
-        for w in self.workers:
-            if w.state not in live or not w.alive or w.kill_at:
+        # A replica of several workers hangs as one: its other workers wait for the hung one inside
+        # the replica's own collectives. One culprit per replica is killed (the replica restarts
+        # whole): a worker whose heartbeat stopped (stopped, or frozen) before one that only waits.
+        order = sorted(self.workers, key=lambda o: not (o.last_heartbeat and now - o.last_heartbeat > limit))
+        named = {o.rank // self.k for o in self.workers if o.kill_at or o.state == WorkerState.HUNG}
+        for w in order:
+            if w.state not in live or not w.alive or w.kill_at or w.rank // self.k in named:
                 continue
             if self.quorum is not None:
                 # With --ft every replica stalls while one hangs: only the one the others have
@@ -770,6 +777,7 @@ class Supervisor:
             else:
                 w.hang_reason = f"hung (no optimizer step or other progress for {limit:g} s)"
             w.state = WorkerState.HUNG
+            named.add(w.rank // self.k)
             self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: dumping its stacks to its log, "
                               f"then killing it", style="bold red")
             if w.pid:
