@@ -77,6 +77,11 @@ def replicate_sharded(mgr: Manager, model: torch.nn.Module) -> torch.nn.Module:
         # Sum inside the replica and let FSDP2 divide by its size after our hook; the hook
         # divides by the live replicas. Set on every FSDP module: each has its own param group.
         m.set_force_sum_reduction_for_comms(True)
-        m.set_all_reduce_hook(hook)
+        try:
+            m.set_all_reduce_hook(hook)
+        except ValueError as e:  # several param groups in one module: per-parameter meshes
+            raise TypeError(f"ftrun.ft.replicate(): {type(m).__name__} has several FSDP parameter groups "
+                            f"(per-parameter meshes); ftrun averages one group per module across replicas "
+                            f"({str(e).splitlines()[0][:120]})") from None
     mgr.register_model(model)
     return model

@@ -1,0 +1,197 @@
+"""Sharded replicas benchmark: `ftrun --ft --replica-size 2` against plain torch HSDP, and its heals.
+
+    .venv/bin/python scripts/bench_fsdp_ft.py                    # the README's table (about 10 minutes)
+    .venv/bin/python scripts/bench_fsdp_ft.py --repeats 1 --heal-sizes 10M   # quicker
+
+Always 2 replicas x 2 workers (4 processes), gloo on CPU, scripts/train_fsdp_ft.py
+(MLP blocks, AdamW; state = 12 bytes a parameter).
+
+- throughput: failure-free committed steps per second of the same script,
+  `ftrun --ft --replica-size 2` against plain torch HSDP (`fully_shard` on a
+  2 x 2 replicate x shard mesh, the script's --hsdp-reference mode, started by
+  torchrun), run in turn (A B A B ...), steps/s from the script's own commit
+  times after a warm-up; the ratio is taken pair by pair, median quoted.
+- heal: rank 1 (of replica 0) SIGKILLed after a few steps; ftrun kills rank 0
+  too and restarts replica 0, whose two workers each receive their shard from
+  the same shard of replica 1, in parallel. "back" is from the kill to the
+  restarted replica's first committed step (both workers' `[announce]`
+  lines); "transfer" the slower of the two shard transfers, as the healers
+  report it in their logs; the floor is, in the same session, a plain gloo
+  broadcast of the same bytes per shard, both shards' pairs at once
+  (4 processes), median of 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "scripts" / "train_fsdp_ft.py"
+
+# name -> (dim, hidden, blocks, batch, steps before the kill, steps in all)
+SIZES = {
+    "10M": (1024, 2560, 2, 16, 6, 16),
+    "20M": (1024, 5120, 2, 16, 6, 16),
+    "100M": (2048, 12288, 2, 8, 3, 7),
+}
+
+FLOOR = r"""
+import datetime, sys, time, torch, torch.distributed as dist
+rank, port, nbytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+pair, me = divmod(rank, 2)          # two pairs, one per shard, broadcasting at once
+store = dist.PrefixStore(f"pair{pair}/", dist.TCPStore("127.0.0.1", port, 4, rank == 0,
+                                                       datetime.timedelta(seconds=60)))
+pg = dist.ProcessGroupGloo(store, me, 2, datetime.timedelta(seconds=600))
+src = torch.ones(nbytes, dtype=torch.uint8) if me == 0 else None
+pg.broadcast(torch.zeros(1), 0).wait()
+times = []
+for _ in range(3):
+    t = src if me == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    pg.barrier().wait()
+    t0 = time.perf_counter()
+    pg.broadcast(t, 0).wait()
+    times.append(time.perf_counter() - t0)
+    del t
+if me == 1:
+    print(sorted(times)[1])
+"""
+
+
+def params_of(dim: int, hidden: int, blocks: int) -> int:
+    return blocks * (2 * dim + dim * hidden + hidden + hidden * dim + dim) + dim + 1
+
+
+def _args(size: str, steps: int) -> list:
+    dim, hidden, blocks, batch, _, _ = SIZES[size]
+    return ["--dim", str(dim), "--hidden", str(hidden), "--blocks", str(blocks), "--batch", str(batch),
+            "--steps", str(steps), "--print-every", "100000"]
+
+
+def _run(cmd: list, env: dict, timeout: float = 1200) -> str:
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    if p.returncode != 0:
+        raise SystemExit(f"bench_fsdp_ft: {' '.join(cmd[:8])}... exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p.stdout + p.stderr
+
+
+def steps_per_s(out: Path, warmup: int) -> float:
+    commits = json.loads(Path(f"{out}.rank0.json").read_text())["commits"][warmup:]
+    return (len(commits) - 1) / (commits[-1][1] - commits[0][1])
+
+
+def throughput(size: str, steps: int, warmup: int, home: Path) -> tuple:
+    env = dict(os.environ, FTRUN_HOME=str(home))
+    d = Path(tempfile.mkdtemp(prefix="bench-fsdp-"))
+    _run([sys.executable, "-m", "ftrun", "--nproc", "4", "--ft", "--replica-size", "2", str(TRAIN),
+          *_args(size, steps), "--out", str(d / "ft")], env)
+    ours = steps_per_s(d / "ft", warmup)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(TRAIN),
+          *_args(size, steps), "--hsdp-reference", "2", "--out", str(d / "hsdp")], env)
+    return ours, steps_per_s(d / "hsdp", warmup)
+
+
+def floor_seconds(nbytes: int) -> float:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", FLOOR, str(r), str(port), str(nbytes)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for r in range(4)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    return max(float(o) for o in outs if o.strip())
+
+
+def heal(size: str, home: Path) -> dict:
+    _, _, _, _, kill_after, steps = SIZES[size]
+    out = Path(tempfile.mkdtemp(prefix=f"bench-fsdp-heal-{size}-"))
+    run_id = f"fsdp-heal-{size}-{int(time.time() * 1000)}"
+    env = dict(os.environ, FTRUN_HOME=str(home))
+    cmd = [sys.executable, "-m", "ftrun", "--nproc", "4", "--ft", "--replica-size", "2", "--run-id", run_id,
+           str(TRAIN), *_args(size, steps), "--announce", "--out", str(out / "p")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    state = home / run_id / "state.json"
+    killed_at = None
+    deadline = time.time() + 1200
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            st = json.loads(state.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.02)
+            continue
+        r1 = next(r for r in st["replicas"] if r["rank"] == 1)
+        if r1["step"] >= kill_after and r1["state"] == "running" and r1.get("pid"):
+            os.kill(r1["pid"], signal.SIGKILL)
+            killed_at = time.time()
+            break
+        time.sleep(0.02)
+    text = proc.communicate(timeout=max(1.0, deadline - time.time()))[0]
+    if proc.returncode != 0 or killed_at is None:
+        raise SystemExit(f"bench_fsdp_ft: heal run {size} failed (exit {proc.returncode}):\n{text[-3000:]}")
+    back = [float(t) for r, t in re.findall(r"\[announce\] rank ([01]) pid \d+ first step \d+ t ([\d.]+)", text)
+            if float(t) > killed_at]
+    transfers = []
+    for r in (0, 1):
+        log = (home / run_id / "logs" / f"rank{r}" / "stderr.log").read_text()
+        found = re.findall(r"received ([\d.]+) MB of state from rank \d+ in ([\d.]+) s", log)
+        transfers.append(tuple(float(x) for x in found[-1]))
+    mb = max(m for m, _ in transfers)
+    return {"size": size, "params": params_of(*SIZES[size][:3]), "shard_mb": mb, "back_s": max(back) - killed_at,
+            "transfer_s": max(s for _, s in transfers)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--throughput-size", default="20M")
+    ap.add_argument("--heal-sizes", default="10M,20M,100M")
+    args = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="bench-fsdp-home-"))
+    size = args.throughput_size
+    pairs = []
+    for i in range(args.repeats):
+        ours, ref = throughput(size, 24, 4, home)
+        pairs.append((ours, ref))
+        print(f"throughput {size} run {i + 1}: ft {ours:.2f} steps/s, plain HSDP {ref:.2f} steps/s, "
+              f"ratio {ours / ref:.3f}", flush=True)
+    heals = []
+    for s in args.heal_sizes.split(","):
+        runs = [heal(s, home) for _ in range(args.repeats)]
+        for r in runs:
+            print(f"heal {s}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})}",
+                  flush=True)
+        med = {k: statistics.median(r[k] for r in runs) for k in ("shard_mb", "back_s", "transfer_s", "params")}
+        med["size"] = s
+        med["floor_s"] = statistics.median(floor_seconds(int(med["shard_mb"] * 1e6)) for _ in range(1))
+        heals.append(med)
+    print()
+    print("| measure | ftrun --ft --replica-size 2 | reference | ratio | target |")
+    print("|---|---:|---:|---:|---|")
+    ours = statistics.median(p[0] for p in pairs)
+    ref = statistics.median(p[1] for p in pairs)
+    ratio = statistics.median(p[0] / p[1] for p in pairs)
+    print(f"| failure-free steps/s, {params_of(*SIZES[size][:3]) / 1e6:.0f}M params | {ours:.2f} | "
+          f"{ref:.2f} (plain torch HSDP) | {ratio:.2f} | >= 0.90 |")
+    for m in heals:
+        p = f"{m['params'] / 1e6:.0f}M params"
+        print(f"| heal transfer, {p} ({m['shard_mb']:.0f} MB per shard, 2 shards at once) | {m['transfer_s']:.2f} s | "
+              f"{m['floor_s']:.2f} s (plain broadcast) | {m['transfer_s'] / m['floor_s']:.2f} | "
+              f"{'<= 2 at 100M' if m['size'] == '100M' else '-'} |")
+        print(f"| kill -> replica's first step again, {p} | {m['back_s']:.2f} s | - | - | "
+              f"{'<= 5 s at 20M' if m['size'] == '20M' else '-'} |")
+    print(f"\nmedians of {args.repeats} run(s); 2 replicas x 2 workers, AdamW, gloo on CPU, {os.cpu_count()} cores; "
+          f"load average {os.getloadavg()[0]:.1f}; torch {__import__('torch').__version__}")
+
+
+if __name__ == "__main__":
+    main()
