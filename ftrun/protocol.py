@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import signal
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 # ---------------------------------------------------------------- workers -> supervisor: progress
 # "<incarnation> <steps> <last step time> <now> <pid> <activity>", rewritten by every
@@ -132,10 +132,11 @@ def healed_key(rank: int) -> str:
     return f"{PREFIX}healed/{rank}"   # incarnation that holds the committed state
 
 
-def heal_key(epoch: int, round_: int) -> str:
+def heal_key(epoch: int, round_: int, shard: Optional[int] = None) -> str:
     # "ok"/"fail": the source's word that its transfer of the epoch ended (the state
-    # itself goes over the process group, never through the store)
-    return f"{PREFIX}heal/{epoch}/{round_}"
+    # itself goes over the process group, never through the store); one per shard index
+    # when replicas are sharded (--replica-size > 1)
+    return f"{PREFIX}heal/{epoch}/{round_}" + (f"/{shard}" if shard is not None else "")
 
 
 EVENTS = PREFIX + "events"            # queue: "<rank> <incarnation> spawn|died|finished" from other nodes
@@ -145,10 +146,15 @@ def info_key(rank: int) -> str:
     return f"{PREFIX}info/{rank}"     # JSON counters for `ftrun status`
 
 
-def pg_prefix(epoch: int, round_: int) -> str:
+def pg_prefix(epoch: int, round_: int, shard: Optional[int] = None) -> str:
     # Named by the round at which members (re)build it: every member rebuilds at the
     # same rounds (after a switch or a failed round), so the name needs no counter.
-    return f"{PREFIX}pg/{epoch}/{round_}/"
+    # Sharded replicas: one group per shard index (worker j of every replica).
+    return f"{PREFIX}pg/{epoch}/{round_}/" + (f"{shard}/" if shard is not None else "")
+
+
+def replica_prefix(replica: int, incarnation: int) -> str:
+    return f"{PREFIX}replica/{replica}/{incarnation}/"  # a sharded replica's own default group
 
 
 @dataclass(frozen=True)

@@ -306,6 +306,15 @@ class QuorumKeeper:
                 ours.append((key, parts[0], nums))
                 if parts[0] == "d":
                     newest[nums[0]] = max(newest.get(nums[0], -1), nums[1])
+            elif parts[0] == "replica" and len(parts) > 2:
+                # A sharded replica's own group of an earlier incarnation: nobody uses it again.
+                try:
+                    rep, inc = int(parts[1]), int(parts[2])
+                except ValueError:
+                    continue
+                now_inc = self.alive.get(rep * self.k)
+                if now_inc is not None and inc < now_inc:
+                    s.delete_key(key)
         oldest = min(self._live_epochs(), default=self.epoch_id) - 2
         for key, kind, (e, rnd) in ours:
             if e < oldest or kind in ("n", "d", "heal", "pg") and rnd < newest.get(e, -1) - ROUND_KEYS_KEPT:

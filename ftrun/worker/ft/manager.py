@@ -147,8 +147,10 @@ class Manager:
         """Worker `shard` of every replica of the epoch: the ranks of this worker's group."""
         return [r for r in epoch.ranks if r % self.k == self.shard]
 
-    def _shard_key(self, key: str) -> str:
-        return key if self.k == 1 else f"{key.rstrip('/')}/{self.shard}" + ("/" if key.endswith("/") else "")
+    @property
+    def _shard_id(self) -> Optional[int]:
+        """The shard index that names this worker's groups and keys (none for whole replicas)."""
+        return self.shard if self.k > 1 else None
 
     # ------------------------------------------------------------ the replica's own workers
     def device_mesh(self, mesh_shape: Optional[Tuple[int, ...]] = None,
@@ -173,7 +175,7 @@ class Manager:
                     f"initialized; under --ft the default group must be this replica's {self.k} workers. "
                     f"Drop the script's init_process_group() call: ftrun.ft.device_mesh() makes it")
         else:
-            store = dist.PrefixStore(f"{keys.PREFIX}replica/{self.replica}/{self.inc}/", self.store)
+            store = dist.PrefixStore(keys.replica_prefix(self.replica, self.inc), self.store)
             dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=self.shard,
                                     world_size=self.k)
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", shape, mesh_dim_names=mesh_dim_names)
@@ -359,7 +361,7 @@ class Manager:
             return
         t0 = time.monotonic()
         try:
-            self.pg = self._form(self._shard_key(keys.pg_prefix(epoch.id, self.group_round)), epoch,
+            self.pg = self._form(keys.pg_prefix(epoch.id, self.group_round, self._shard_id), epoch,
                                  self._shard_ranks(epoch))
         except Exception as e:  # a member died while we connected: this round fails, the next epoch fixes it
             self.fail_round(f"could not form the group of epoch {epoch.id}: {str(e).splitlines()[0]}")
@@ -407,7 +409,7 @@ class Manager:
         transfer's ends) so their next collective does not time out behind the transfer."""
         source = self._source(epoch)
         ends = [source] + [r for r in sorted(epoch.healers) if r != source and r % self.k == self.shard]
-        done_key = self._shard_key(keys.heal_key(epoch.id, self.group_round))
+        done_key = keys.heal_key(epoch.id, self.group_round, self._shard_id)
         if self.rank not in ends:
             self._await_heal(epoch, ends, done_key)
             return
@@ -426,7 +428,7 @@ class Manager:
         t0 = time.time()
         hpg = None
         try:
-            hpg = self._form(self._shard_key(keys.pg_prefix(epoch.id, self.group_round) + "heal/"), epoch, ends)
+            hpg = self._form(keys.pg_prefix(epoch.id, self.group_round, self._shard_id) + "heal/", epoch, ends)
             if sending:
                 stats = send_state(hpg, self.state.capture(self.round, self.step), group_device(), chunk=self._chunk,
                                    after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
