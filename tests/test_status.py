@@ -331,3 +331,63 @@ def test_fast_status_matches_the_cli(home, sup, capsys):
     assert strip(fast) == strip(slow) and fast[0]["replicas"][0]["pid"] == slow[0]["replicas"][0]["pid"]
     with pytest.raises(ConfigError, match="no run 'nope'"):
         fast_status(["nope"])
+
+
+
+# Counts its own committed steps: one line "global step, wall time" per commit, written as it
+# happens, and nothing after the loop, so the process exits right after its last step.
+FT_COUNT = """\
+import os, sys, time, torch
+import ftrun.ft as ft
+model = ft.DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+log = open(sys.argv[2] + "." + os.environ["RANK"], "w", buffering=1)
+for step in ft.steps(int(sys.argv[1])):
+    opt.zero_grad()
+    model(torch.ones(4, 8)).sum().backward()
+    if opt.step():
+        log.write(f"{ft.global_step()} {time.time():.6f}\\n")
+"""
+
+
+def test_ft_figures_follow_the_scripts_own_count(home, tmp_path):
+    """`ftrun status` of a real --ft run, during and after it: steps committed and each replica's
+    step are what the script itself counted (its committed steps, with their times), discarded
+    is 0 in a run with no failure, and the ended run shows every replica at the last step."""
+    # Steps every few ms, so a replica whose last report were a beat (0.25 s) old would end
+    # dozens of steps short of the end.
+    steps, counts = 1500, tmp_path / "count"
+    script = tmp_path / "count.py"
+    script.write_text(FT_COUNT)
+    env = dict(os.environ, FTRUN_HOME=str(home))
+    sup = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", "--run-id", "ftrun-figures",
+                            "--quiet", str(script), str(steps), str(counts)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        _wait_for(lambda r: min(x["step"] for x in r["replicas"]) >= 600, 90, "every replica past step 600")
+        [live] = status_json("ftrun-figures", home=home)  # through the real CLI, while the run trains
+        assert sup.wait(timeout=120) == 0, sup.stdout.read()
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    assert live["phase"] == "running", live
+    commits = [(int(a), float(b)) for a, b in (line.split() for line in Path(f"{counts}.0").read_text().splitlines())]
+
+    def committed_by(t: float) -> int:
+        return max((s for s, when in commits if when <= t), default=0)
+
+    # The state is a snapshot taken at `updated`, of reports at most a few beats old.
+    at = live["updated"]
+    low, high = committed_by(at - 1.5), committed_by(at + 0.05)
+    assert low >= 50, (low, at, commits[:3])  # the run was well under way: a 0 cannot pass
+    assert low <= live["steps_committed"] <= high, (live["steps_committed"], low, high)
+    assert all(low <= r["step"] <= high for r in live["replicas"]), ([r["step"] for r in live["replicas"]], low, high)
+    assert live["steps_discarded"] == 0 and live["quorum_size"] == 3, live
+    [ended] = status_json("ftrun-figures", home=home)
+    assert ended["phase"] == "ended" and ended["exit_code"] == 0, ended
+    assert [s for s, _ in commits] == list(range(1, steps + 1))  # the script's own count: every step, once
+    assert ended["steps_committed"] == steps and ended["steps_discarded"] == 0, ended
+    assert [r["step"] for r in ended["replicas"]] == [steps] * 3, ended["replicas"]
+    r = ftrun("status", "ftrun-figures", home=home)
+    assert r.returncode == 0 and f"steps committed {steps}, discarded 0" in r.stdout, r.stdout
