@@ -114,6 +114,7 @@ def test_numbers_in_recipes_and_validate(ftrun_home, tmp_path, key, value, needl
     ("PET_MAX_RESTARTS", "1e9", "whole number"), ("PET_SHUTDOWN_TIMEOUT", "nan", "NaN"),
     ("PET_MONITOR_INTERVAL", "inf", "finite"), ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "-inf", "finite"),
     ("PET_RDZV_ID", "../x", "PET_RDZV_ID"), ("PET_NODE_RANK", "2", "--node-rank 2"),
+    ("FTRUN_VERBOSE", "yes", "FTRUN_VERBOSE='yes' must be 0 or 1"),
 ])
 def test_numbers_and_names_from_the_environment(ftrun_home, var, value, needle):
     _assert_bad(run_ftrun([TRAIN], timeout=30, env={var: value}), needle)
@@ -154,6 +155,7 @@ def test_paths_ftrun_must_write(ftrun_home, tmp_path):
     (["--hook", "fp16", "--period", "4", TRAIN], ["--period", "does not apply"]),
     (["--quiet", "--ranks", "0", TRAIN], ["--ranks", "--quiet"]),
     (["--quiet", "--local-ranks-filter", "0", TRAIN], ["--local-ranks-filter", "--quiet"]),
+    (["--quiet", "--verbose", TRAIN], ["--verbose", "--quiet"]),
     (["--tee", "3:3", "--nproc", "2", TRAIN], ["--tee", "local rank 3", "0..1"]),
     (["--redirects", "0:1,2:1", "--nproc", "2", TRAIN], ["--redirects", "local rank 2"]),
     (["--ranks", "5", "--nproc", "2", TRAIN], ["--ranks 5", "0..1"]),
