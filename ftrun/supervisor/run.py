@@ -805,10 +805,13 @@ class Supervisor:
         """Take in the report each worker writes as it exits (ftrun.worker.progress), so the
         ended run's state says where every replica stopped, not where it was a beat earlier."""
         st = self.store
-        if st is None or st.store is None:
-            return
+        if st is None or st.store is None or not self._store_announced:
+            return  # the keys were never created: a read would wait for them (for minutes)
+        wanted = [progress_key(w.rank) for w in self.workers]
         try:
-            values = st.multi_get([progress_key(w.rank) for w in self.workers])
+            if not st.store.check(wanted):
+                return
+            values = st.multi_get(wanted)
         except Exception:  # the store (node 0's) is gone: the last figures read stand
             return
         for w, raw in zip(self.workers, values):
