@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FTRUN, ROOT, SCRIPTS, STEP_LOOP, run_ftrun, start_ftrun
+from conftest import FTRUN, ROOT, SCRIPTS, STEP_LOOP, run_ftrun, start_ftrun, wait_for_line
 
 TRAIN = SCRIPTS / "train_ddp.py"
 LONG_ID = "r" * 300
@@ -241,6 +241,7 @@ def test_one_node_master_addr_of_this_machine_runs(ftrun_home, tmp_path):
 
 
 # --------------------------------------------------------------------------- 6. a script that cannot compile
+@pytest.mark.quick
 def test_script_that_cannot_compile(ftrun_home, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\n\nprint('x'\nx = 1\n")
@@ -371,7 +372,7 @@ def test_status_with_damaged_state_files(ftrun_home):
             os.close(master)
         assert "bad-torn" in out and "unreadable" in out and p.returncode == 0 and "Traceback" not in err, (out, err)
         p = start_ftrun(["status", "--watch", "--json"])
-        first = json.loads(p.stdout.readline())
+        first = json.loads(wait_for_line(p, '"run_id"', 30))
         p.send_signal(signal.SIGINT)
         err = p.communicate(timeout=30)[1]
         assert p.returncode == 0 and "Traceback" not in err, err

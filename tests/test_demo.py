@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, SCRIPTS
 
 
+@pytest.mark.quick
 def test_demo_shows_a_replica_die_heal_and_the_others_go_on(ftrun_home):
     proc = subprocess.run([sys.executable, str(SCRIPTS / "demo_ft.py"), "--steps", "300", "--kill-at", "100"],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)

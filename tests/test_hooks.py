@@ -58,7 +58,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("hook_args,script_args", CASES, ids=[" ".join(c[0][1:]) for c in CASES])
+# The last case (PowerSGD before and after start_iter, with everything) is in the quick tier.
+@pytest.mark.parametrize("hook_args,script_args", [
+    pytest.param(*c, id=" ".join(c[0][1:]), marks=pytest.mark.quick if c is CASES[-1] else ()) for c in CASES])
 def test_hook_trains_two_workers(ftrun_home, tmp_path, hook_args, script_args):
     from ftrun.worker.hooks import comm_hook_name
 

@@ -156,7 +156,11 @@ def _finish(launcher: str, started, out: Path):
     return dumps, port
 
 
-@pytest.mark.parametrize("name,shape,source", SHAPES, ids=[s[0] for s in SHAPES])
+QUICK = ("dash-dash-after-module",)  # the quick tier's line: --standalone, -m, and a --
+
+
+@pytest.mark.parametrize("name,shape,source", [
+    pytest.param(*s, id=s[0], marks=pytest.mark.quick if s[0] in QUICK else ()) for s in SHAPES])
 def test_same_as_torchrun(project, tmp_path, name, shape, source):
     # Both at once: the table is long, and neither launcher may depend on the other being idle.
     t = _start("torchrun", shape, project, tmp_path / "t", tmp_path / "home")
