@@ -65,8 +65,20 @@ def run_cmd(ctx: typer.Context, script: Optional[str] = None, args: Optional[Lis
         typed["hook"] = hook
     if script is not None:
         typed["script"] = script
-        typed["args"] = list(args or [])
+        typed["args"] = _script_args(ctx, list(args or []))
     launch(typed, recipe)
+
+
+def _script_args(ctx: typer.Context, args: List[str]) -> List[str]:
+    """The script's arguments as torchrun passes them: its argparse takes the command line's
+    first `--` as the end of the launcher's options, so a `--` right after SCRIPT (when no `--`
+    came before it) is dropped (`-m pkg.train -- --depth=26` gives `--depth=26`), and every
+    later one is the script's. click keeps it, so the raw command line decides."""
+    if args[:1] != ["--"]:
+        return args
+    argv = (ctx.obj or {}).get("argv")
+    before = argv[:len(argv) - len(args) - 1] if argv is not None else []
+    return args if "--" in before else args[1:]
 
 
 def _hook_value(key: str, value: Any) -> Any:
@@ -190,7 +202,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             sys.exit(code)
     command = typer.main.get_command(app)
     try:
-        rv = command.main(args=argv, prog_name="ftrun", standalone_mode=False)
+        rv = command.main(args=argv, prog_name="ftrun", standalone_mode=False, obj={"argv": argv})
     except ConfigError as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -72,6 +72,7 @@ class RunConfig:
     shutdown_timeout: float = 5.0
     log_dir: Optional[str] = None
     quiet: bool = False
+    verbose: bool = False
     ranks: Optional[Tuple[int, ...]] = None
     local_ranks_filter: Optional[Tuple[int, ...]] = None
     redirects: Dict[int, int] = field(default_factory=dict)   # local rank (-1: all) -> torchrun Std
@@ -237,8 +238,9 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     kw["script_args"] = args
 
     kw["nproc"] = resolve_nproc(pick("nproc"), sources["nproc"])
-    for key in ("max_restarts", "min_replicas", "replica_size", "step_timeout", "shutdown_timeout", "node_rank", "master_addr",
-                "master_port", "join_timeout", "ft", "quiet", "module", "no_python", "log_dir", "ranks",
+    for key in ("max_restarts", "min_replicas", "replica_size", "step_timeout", "shutdown_timeout", "node_rank",
+                "master_addr", "master_port", "join_timeout", "ft", "quiet", "verbose", "module", "no_python",
+                "log_dir", "ranks",
                 "local_ranks_filter", "role", "signals_to_handle", "virtual_local_rank", "local_addr"):
         kw[key] = pick(key)
     kw["redirects"] = pick("redirects") or {}
@@ -577,6 +579,9 @@ def _check_ignored_options(cfg: RunConfig) -> None:
     if given("min_replicas") and not cfg.ft:
         raise _fail("min_replicas", f"--min-replicas {cfg.min_replicas} applies only to --ft runs; add --ft, or "
                                     f"drop --min-replicas")
+    if cfg.quiet and cfg.verbose and cfg.sources.get("verbose") != "FTRUN_VERBOSE":  # the variable: --quiet wins
+        raise _fail("verbose", "--verbose adds ftrun's per-rank lines to the workers' console output, but --quiet "
+                               "shows none of it; drop one of them")
     if cfg.quiet:
         for key, flag in (("ranks", "--ranks"), ("local_ranks_filter", "--local-ranks-filter"), ("tee", "--tee")):
             if given(key) and getattr(cfg, key):

@@ -426,6 +426,9 @@ OPTIONS_LIST: Tuple[Option, ...] = (
          "0: off.",
          metavar="S"),
     _opt("quiet", ("--quiet", "-q"), _bool, False, "Print only ftrun's own lines, not the workers'.", is_flag=True),
+    _opt("verbose", ("--verbose",), _bool, False,
+         "Also print ftrun's per-rank lines (joins, state transfers, traffic every 100 steps); by default they "
+         "go to the log files only.", pet="FTRUN_VERBOSE", is_flag=True),
     _opt("ranks", ("--ranks",), _ranks, None, "Show only these global ranks on the console, e.g. 0,1.",
          metavar="0,1"),
     _opt("join_timeout", ("--join-timeout",), _seconds, 120.0,

@@ -114,9 +114,11 @@ def one_run(size: str, home: Path) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"heal-{size}-"))
     run_id = f"heal-{size}-{int(time.time() * 1000)}"
     env = dict(os.environ, FTRUN_HOME=str(home))
-    cmd = [sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", "--run-id", run_id, str(TRAIN), "--dim", str(dim),
-           "--hidden", str(hidden), "--depth", str(depth), "--batch", str(batch), "--optim", "adamw", "--lr", "0.0005",
-           "--steps", str(steps), "--print-every", "1000", "--announce", "--out", str(out / "p")]
+    # --verbose: the heal's own line (MB received, seconds) is read from the console below.
+    cmd = [sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", "--verbose", "--run-id", run_id, str(TRAIN),
+           "--dim", str(dim), "--hidden", str(hidden), "--depth", str(depth), "--batch", str(batch),
+           "--optim", "adamw", "--lr", "0.0005", "--steps", str(steps), "--print-every", "1000", "--announce",
+           "--out", str(out / "p")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     lines = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and train the bundled example on 4 CPU workers under ftrun.
+# Set up (scripts/setup.sh), then show what --ft is for: 3 replicas of the bundled example
+# (scripts/train_ft.py) train; one is killed with SIGKILL mid-run; it restarts alone and heals
+# from a peer while the others keep training; all end bitwise identical (scripts/demo_ft.py
+# runs it, finds the replica's pid with `ftrun status --json`, and checks each claim).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/ftrun --nproc 4 scripts/train_ddp.py --steps 200 --print-every 50 "$@"
+exec .venv/bin/python scripts/demo_ft.py "$@"

@@ -11,7 +11,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
-  "$VPY" -m pip install -q --disable-pip-version-check "${FTRUN_TORCH:-torch==2.13.0}" 2>&1 | grep -v "^WARNING: Location" || true
+  # numpy with torch: torch warns "Failed to initialize NumPy" when it is first imported without it.
+  "$VPY" -m pip install -q --disable-pip-version-check "${FTRUN_TORCH:-torch==2.13.0}" numpy 2>&1 | grep -v "^WARNING: Location" || true
   "$VPY" -c "import torch" || { echo "setup: could not install ${FTRUN_TORCH:-torch==2.13.0}; install torch into .venv yourself and rerun" >&2; exit 1; }
 fi
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true

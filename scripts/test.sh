@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the whole test suite. Extra arguments go to pytest.
+# --quick: only the quick tier (tests marked `quick`: one or two fast tests of every area,
+# under 2 minutes on 2 cores), for everyday work; the whole suite is what CI runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+quick=0
+args=()
+for a in "$@"; do
+  if [ "$a" = "--quick" ]; then quick=1; else args+=("$a"); fi
+done
 bash scripts/setup.sh
+if [ "$quick" = 1 ]; then
+  exec .venv/bin/python -m pytest -q -p no:cacheprovider -m quick tests ${args[@]+"${args[@]}"}
+fi
 # Lightning is a test-only dependency, installed without ever changing torch;
 # its test is skipped (with the reason) when it cannot be installed.
 if [ "${FTRUN_SKIP_LIGHTNING:-0}" != "1" ] && ! .venv/bin/python -c "import lightning" >/dev/null 2>&1; then
@@ -12,4 +22,4 @@ if [ "${FTRUN_SKIP_LIGHTNING:-0}" != "1" ] && ! .venv/bin/python -c "import ligh
     echo "test: lightning not installable here ($(tail -n 1 /tmp/ftrun-pip-lightning.log)); its test will be skipped"
   fi
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider tests ${args[@]+"${args[@]}"}

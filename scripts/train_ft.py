@@ -11,6 +11,7 @@ replicas alive at a step always cover the whole batch between them.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -88,6 +89,12 @@ def main() -> None:
         with open(f"{args.out}.rank{rank}.json", "w") as f:
             json.dump({"step": ft.global_step(), "loss": loss.item(), "commits": commits}, f)
     print(f"done at step {ft.global_step()}", flush=True)
+    # Bitwise: replicas that stayed identical print the same digest (scripts/demo.sh compares them).
+    digest = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    print(f"parameters sha256 {digest.hexdigest()[:16]}", flush=True)
 
 
 if __name__ == "__main__":

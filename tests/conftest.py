@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -43,18 +44,50 @@ def start_ftrun(args, env=None, cwd=None, **kw) -> subprocess.Popen:
                             text=True, env=full_env, cwd=cwd or ROOT, **kw)
 
 
-def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str:
-    """Read `proc`'s stdout until a line containing `needle` (the event a test waits for)."""
-    deadline = time.time() + timeout
+class _Lines:
+    """The lines of one pipe of a child, read with a deadline: select() on the pipe, never a
+    readline() that would block past any deadline while the child prints nothing."""
+
+    def __init__(self, stream) -> None:
+        self.fd = stream.fileno()
+        self.buf = b""
+        self.closed = False
+
+    def next(self, deadline: float):
+        """The next line, '' once the pipe is closed, None at the deadline."""
+        while b"\n" not in self.buf:
+            if self.closed:
+                line, self.buf = self.buf, b""
+                return line.decode(errors="replace")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if select.select([self.fd], [], [], left)[0]:
+                chunk = os.read(self.fd, 65536)
+                self.buf += chunk
+                self.closed = not chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode(errors="replace") + "\n"
+
+
+def wait_for_line(proc: subprocess.Popen, needle: str, timeout: float = 60.0, stream: str = "stdout") -> str:
+    """Read `proc`'s stdout (or stderr) until a line containing `needle` (the event a test waits
+    for). Fails, saying what it read, at the deadline or if the pipe closes first. Later reads of
+    that pipe go on from the line after `needle` (use this function for them, or communicate())."""
+    readers = proc.__dict__.setdefault("_ftrun_lines", {})
+    lines = readers.setdefault(stream, _Lines(getattr(proc, stream)))
+    deadline = time.monotonic() + timeout
     seen = []
-    while time.time() < deadline:
-        line = proc.stdout.readline()
+    while True:
+        line = lines.next(deadline)
+        if line is None:
+            raise AssertionError(f"{needle!r} not printed within {timeout:g} s; got {''.join(seen)[-2000:]}")
         if not line:
-            break
+            raise AssertionError(f"{needle!r} never printed (the {stream} of pid {proc.pid} closed); "
+                                 f"got {''.join(seen)[-2000:]}")
         seen.append(line)
         if needle in line:
             return line
-    raise AssertionError(f"{needle!r} never printed; got {''.join(seen)[-2000:]}")
 
 
 def really_alive(procs, timeout: float) -> list:

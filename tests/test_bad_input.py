@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FTRUN, ROOT, SCRIPTS, STEP_LOOP, run_ftrun, start_ftrun
+from conftest import FTRUN, ROOT, SCRIPTS, STEP_LOOP, run_ftrun, start_ftrun, wait_for_line
 
 TRAIN = SCRIPTS / "train_ddp.py"
 LONG_ID = "r" * 300
@@ -114,6 +114,7 @@ def test_numbers_in_recipes_and_validate(ftrun_home, tmp_path, key, value, needl
     ("PET_MAX_RESTARTS", "1e9", "whole number"), ("PET_SHUTDOWN_TIMEOUT", "nan", "NaN"),
     ("PET_MONITOR_INTERVAL", "inf", "finite"), ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "-inf", "finite"),
     ("PET_RDZV_ID", "../x", "PET_RDZV_ID"), ("PET_NODE_RANK", "2", "--node-rank 2"),
+    ("FTRUN_VERBOSE", "yes", "FTRUN_VERBOSE='yes' must be 0 or 1"),
 ])
 def test_numbers_and_names_from_the_environment(ftrun_home, var, value, needle):
     _assert_bad(run_ftrun([TRAIN], timeout=30, env={var: value}), needle)
@@ -154,6 +155,7 @@ def test_paths_ftrun_must_write(ftrun_home, tmp_path):
     (["--hook", "fp16", "--period", "4", TRAIN], ["--period", "does not apply"]),
     (["--quiet", "--ranks", "0", TRAIN], ["--ranks", "--quiet"]),
     (["--quiet", "--local-ranks-filter", "0", TRAIN], ["--local-ranks-filter", "--quiet"]),
+    (["--quiet", "--verbose", TRAIN], ["--verbose", "--quiet"]),
     (["--tee", "3:3", "--nproc", "2", TRAIN], ["--tee", "local rank 3", "0..1"]),
     (["--redirects", "0:1,2:1", "--nproc", "2", TRAIN], ["--redirects", "local rank 2"]),
     (["--ranks", "5", "--nproc", "2", TRAIN], ["--ranks 5", "0..1"]),
@@ -239,6 +241,7 @@ def test_one_node_master_addr_of_this_machine_runs(ftrun_home, tmp_path):
 
 
 # --------------------------------------------------------------------------- 6. a script that cannot compile
+@pytest.mark.quick
 def test_script_that_cannot_compile(ftrun_home, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\n\nprint('x'\nx = 1\n")
@@ -369,7 +372,7 @@ def test_status_with_damaged_state_files(ftrun_home):
             os.close(master)
         assert "bad-torn" in out and "unreadable" in out and p.returncode == 0 and "Traceback" not in err, (out, err)
         p = start_ftrun(["status", "--watch", "--json"])
-        first = json.loads(p.stdout.readline())
+        first = json.loads(wait_for_line(p, '"run_id"', 30))
         p.send_signal(signal.SIGINT)
         err = p.communicate(timeout=30)[1]
         assert p.returncode == 0 and "Traceback" not in err, err

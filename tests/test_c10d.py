@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, wait_for_line
 
 BIN = Path(sys.executable).parent
 LAUNCHERS = {"ftrun": [str(BIN / "ftrun")], "torchrun": [str(BIN / "torchrun")]}
@@ -100,7 +100,7 @@ def _wait_for_dumps(out: Path, count: int, procs, timeout=90):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("nodes", [2, 3])
+@pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.quick)])
 def test_identical_lines_form_one_run(tmp_path, nodes):
     port = {k: free_port() for k in LAUNCHERS}
     results = {}
@@ -162,9 +162,7 @@ def test_a_late_node_joins_at_the_next_reformation(tmp_path):
     procs = _start_nodes("ftrun", 2, line, tmp_path, out, env_extra={"WAIT_FOR": str(go)})
     _wait_for_dumps(out, 2, procs)
     late = _start_nodes("ftrun", 1, line, tmp_path, out, env_extra={"WAIT_FOR": str(go)}, wait_port=False)[0]
-    for text in late.stderr:  # event: the late node has registered for the next round
-        if "joins at the next re-formation" in text:
-            break
+    wait_for_line(late, "joins at the next re-formation", stream="stderr")  # registered for the next round
     go.touch()
     for code, err in _wait_all(procs + [late]):
         assert code == 0, err[-3000:]
@@ -181,9 +179,7 @@ def test_waiting_node_stops_on_ctrl_c_and_a_short_join_timeout_is_one_line(tmp_p
     (code, err), = _wait_all([waiting], timeout=30)
     assert code == 130 and "Traceback" not in err, err
     host, joining = _start_nodes("ftrun", 2, line.replace("--nnodes=2", "--nnodes=3"), tmp_path, tmp_path / "out")
-    for text in joining.stderr:  # event: node 1 waits in the store for the round to fill
-        if "waiting for the round to form" in text:
-            break
+    wait_for_line(joining, "waiting for the round to form", stream="stderr")  # node 1 waits for the round to fill
     os.killpg(joining.pid, signal.SIGINT)  # a node that joins, not the host: it says why it stops
     (code, err), = _wait_all([joining], timeout=30)
     assert code == 130 and "Traceback" not in err and "lost the run's store" not in err, err

@@ -37,6 +37,7 @@ def _assert_bad(proc, *needles):
     (["--ranks", "0,9", "--nproc", "2", str(TRAIN)], ["--ranks", "0..1"]),
     (["--nproc", "2"], ["no training script"]),
 ])
+@pytest.mark.quick
 def test_bad_input_exits_2_with_one_line(ftrun_home, args, needles):
     proc = run_ftrun(args, timeout=30)
     _assert_bad(proc, *needles)
@@ -52,6 +53,7 @@ def test_port_in_use(ftrun_home):
     _assert_bad(proc, f"--master-port {port}", "in use")
 
 
+@pytest.mark.quick
 def test_help_and_version_do_not_import_torch():
     code = ("import sys\nfrom ftrun.cli import main\n"
             "for argv in (['--help'], ['run', '--help'], ['--version'], ['status'], ['recipes']):\n"

@@ -14,6 +14,7 @@ from ftrun.hookspec import HOOK_NAMES, HOOK_PARAMS, HookSpec, parse_hook
 TRAIN = SCRIPTS / "train_hooks_check.py"
 
 
+@pytest.mark.quick
 def test_every_hook_round_trips_through_json():
     for name in HOOK_NAMES:
         raw = {"name": name, "period": 4} if name == "localsgd" else {"name": name}
@@ -46,6 +47,7 @@ def test_every_hook_round_trips_through_json():
     ({"name": "powersgd", "rank": 1.5}, ["--rank", "whole number"]),
     ({"name": "powersgd", "frobs": 1}, ["unknown hook parameter 'frobs'"]),
 ])
+@pytest.mark.quick
 def test_bad_hook_input_is_one_line(raw, needles):
     with pytest.raises(ConfigError) as e:
         parse_hook(raw)

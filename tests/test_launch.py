@@ -49,6 +49,7 @@ def test_per_rank_logs_and_rank_filter(ftrun_home, tmp_path):
     assert "ftrun:" in quiet.stderr
 
 
+@pytest.mark.quick
 def test_failure_restarts_group_and_script_resumes(ftrun_home, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     out = tmp_path / "p"

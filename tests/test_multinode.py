@@ -169,12 +169,13 @@ def test_worker_kill_on_node1_restarts_every_node_under_slurm(ftrun_home, tmp_pa
         os.kill({r["rank"]: r for r in st["replicas"]}[3]["pid"], signal.SIGKILL)
         # `ftrun status` on node 0 shows every node's replicas, here those of the restarted attempt.
         deadline = time.time() + 30
-        while time.time() < deadline:
+        while True:
             st0 = _state(ftrun_home, run_id, 0)
             # Node 1's table reaches node 0 through the store a moment later: wait for all four.
             if st0 and st0["group_restarts"] == 1 and sum(r["state"] == "running" and r["restarts"] == 1
                                                           for r in st0["replicas"]) == 4:
                 break
+            assert time.time() < deadline, f"node 0 never showed the 4 restarted ranks running: {st0}"
             time.sleep(0.1)
         view = run_ftrun(["status", "--json", run_id])
         assert view.returncode == 0, view.stderr
@@ -255,8 +256,10 @@ def test_join_errors_are_one_line(ftrun_home, tmp_path):
     try:
         a_out, a_err = alone.communicate(timeout=60)
         _l_out, l_err = lost.communicate(timeout=60)
+        # Wait for the node that is told "taken" to exit (the other keeps waiting for node 2).
         deadline = time.time() + 60
-        while time.time() < deadline and all(p.poll() is None for p in pair[:2]):
+        while all(p.poll() is None for p in pair[:2]):
+            assert time.time() < deadline, "neither node claiming rank 1 was refused within 60 s"
             time.sleep(0.05)
     finally:
         for p in pair + [alone, lost]:
@@ -282,11 +285,13 @@ def test_join_errors_are_one_line(ftrun_home, tmp_path):
     (["--nnodes", 2, "--node-rank", 1], "--nnodes 2 needs --master-port"),
     (["--nnodes", 2, "--master-port", 29400, "--master-addr", "no-such-host.invalid"], "cannot resolve"),
 ])
+@pytest.mark.quick
 def test_bad_layout_is_one_line_exit_2(ftrun_home, args, message):
     proc = run_ftrun([*args, TRAIN])
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.quick
 def test_slurm_layout_parsing():
     assert expand_hostlist("node[01-03,7],gpu5") == ["node01", "node02", "node03", "node7", "gpu5"]
     assert expand_hostlist("r[1-2]n[08-09]") == ["r1n08", "r1n09", "r2n08", "r2n09"]

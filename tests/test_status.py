@@ -16,10 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import STEP_LOOP, run_ftrun
+from conftest import STEP_LOOP, run_ftrun, wait_for_line
 
 from ftrun.errors import ConfigError
 from ftrun.status.state import ReplicaStatus, RunStatus, read_states, run_dir, runs_root, write_state
+from ftrun.supervisor.report import exit_reason
+from ftrun.supervisor.restart import GroupRestartPolicy, ReplicaRestartPolicy
+from ftrun.supervisor.worker import WorkerState
+
+# What the supervisor really writes into a state file (not look-alikes a view could match by luck).
+FT_POLICY, GROUP_POLICY = ReplicaRestartPolicy(1, 1).name, GroupRestartPolicy(1).name
+SIGKILLED = exit_reason(None, signal.SIGKILL, [])
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,12 +56,12 @@ def make_run(run_id: str, pid: int, *, started_ago: float = 0.5, phase: str = "r
     now = time.time()
     st = RunStatus(run_id=run_id, script="train.py", argv=["ftrun", "--nproc", str(n), "train.py", "--lr", "0.1"],
                    started=now - started_ago, pid=pid, hook="powersgd rank=1", max_restarts=1, nproc=n,
-                   policy="replica (ft)" if ft else "group restart", phase=phase, **kw)
+                   policy=FT_POLICY if ft else GROUP_POLICY, phase=phase, **kw)
     for i in range(n):
         st.replicas.append(ReplicaStatus(
-            rank=i, local_rank=i, pid=50000 + i, state="running" if i else "restarting", restarts=0 if i else 1,
-            step=100 + i, steps_per_s=9.5, last_heartbeat=now - 0.3, cpu_percent=97.0, rss_bytes=300 << 20,
-            last_failure=None if i else "SIGKILL (signal 9)",
+            rank=i, local_rank=i, pid=50000 + i, state=(WorkerState.RUNNING if i else WorkerState.RESTARTING).value,
+            restarts=0 if i else 1, step=100 + i, steps_per_s=9.5, last_heartbeat=now - 0.3, cpu_percent=97.0,
+            rss_bytes=300 << 20, last_failure=None if i else SIGKILLED,
             in_quorum=(i != 0) if ft else None, healing=(i == 0) if ft else None, last_heal_s=0.25 if ft else None))
     if ft:
         st.quorum_id, st.quorum_size, st.steps_committed, st.steps_discarded = 5, 3, 120, 1
@@ -79,13 +86,14 @@ def test_no_runs(home):
     assert status_json(home=home) == []
 
 
+@pytest.mark.quick
 def test_live_run_table_and_json(home, sup):
     make_run("ftrun-live1", sup, ft=True)
     r = ftrun("status", home=home)
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    for text in ("ftrun-live1", "train.py --lr 0.1", "running", "powersgd rank=1", "replica (ft)",
-                 "restarting", "SIGKILL (signal 9)", "300.0 MiB", "97.0", "healing", "quorum 5: 3 replicas",
+    for text in ("ftrun-live1", "train.py --lr 0.1", "running", "powersgd rank=1", f"policy {FT_POLICY},",
+                 "restarting", "killed by SIGKILL (signal 9", "300.0 MiB", "97.0", "healing", "quorum 5: 3 replicas",
                  "committed 120", "discarded 1", "1 run alive"):
         assert text in out, (text, out)
     [run] = status_json(home=home)
@@ -183,7 +191,7 @@ def test_watch_until_ctrl_c(home, sup):
     # --watch --json streams one JSON document per line and refresh.
     p = subprocess.Popen([sys.executable, "-m", "ftrun", "status", "--watch", "--json"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first, second = p.stdout.readline(), p.stdout.readline()
+    first, second = wait_for_line(p, "ftrun-watched", 30), wait_for_line(p, "ftrun-watched", 30)
     p.send_signal(signal.SIGINT)
     p.communicate(timeout=10)
     assert p.returncode == 0
@@ -285,7 +293,7 @@ def test_live_run_and_sigkill_of_a_worker(home, tmp_path):
         assert len(run["replicas"]) == 4 and all(r["pid"] and r["restarts"] == 0 for r in run["replicas"])
         assert all(r["heartbeat_age_s"] is not None and r["heartbeat_age_s"] < 5 for r in run["replicas"])
         assert all(r["rss_bytes"] for r in run["replicas"])
-        assert run["policy"] and run["max_restarts"] == 1
+        assert run["policy"] == GROUP_POLICY and run["max_restarts"] == 1
 
         victim = run["replicas"][2]["pid"]
         t0 = time.time()
@@ -331,3 +339,64 @@ def test_fast_status_matches_the_cli(home, sup, capsys):
     assert strip(fast) == strip(slow) and fast[0]["replicas"][0]["pid"] == slow[0]["replicas"][0]["pid"]
     with pytest.raises(ConfigError, match="no run 'nope'"):
         fast_status(["nope"])
+
+
+
+# Counts its own committed steps: one line "global step, wall time" per commit, written as it
+# happens, and nothing after the loop, so the process exits right after its last step.
+FT_COUNT = """\
+import os, sys, time, torch
+import ftrun.ft as ft
+model = ft.DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+log = open(sys.argv[2] + "." + os.environ["RANK"], "w", buffering=1)
+for step in ft.steps(int(sys.argv[1])):
+    opt.zero_grad()
+    model(torch.ones(4, 8)).sum().backward()
+    if opt.step():
+        log.write(f"{ft.global_step()} {time.time():.6f}\\n")
+"""
+
+
+@pytest.mark.quick
+def test_ft_figures_follow_the_scripts_own_count(home, tmp_path):
+    """`ftrun status` of a real --ft run, during and after it: steps committed and each replica's
+    step are what the script itself counted (its committed steps, with their times), discarded
+    is 0 in a run with no failure, and the ended run shows every replica at the last step."""
+    # Steps every few ms, so a replica whose last report were a beat (0.25 s) old would end
+    # dozens of steps short of the end.
+    steps, counts = 1500, tmp_path / "count"
+    script = tmp_path / "count.py"
+    script.write_text(FT_COUNT)
+    env = dict(os.environ, FTRUN_HOME=str(home))
+    sup = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", "--run-id", "ftrun-figures",
+                            "--quiet", str(script), str(steps), str(counts)],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        _wait_for(lambda r: min(x["step"] for x in r["replicas"]) >= 600, 90, "every replica past step 600")
+        [live] = status_json("ftrun-figures", home=home)  # through the real CLI, while the run trains
+        assert sup.wait(timeout=120) == 0, sup.stdout.read()
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()
+    assert live["phase"] == "running", live
+    commits = [(int(a), float(b)) for a, b in (line.split() for line in Path(f"{counts}.0").read_text().splitlines())]
+
+    def committed_by(t: float) -> int:
+        return max((s for s, when in commits if when <= t), default=0)
+
+    # The state is a snapshot taken at `updated`, of reports at most a few beats old.
+    at = live["updated"]
+    low, high = committed_by(at - 1.5), committed_by(at + 0.05)
+    assert low >= 50, (low, at, commits[:3])  # the run was well under way: a 0 cannot pass
+    assert low <= live["steps_committed"] <= high, (live["steps_committed"], low, high)
+    assert all(low <= r["step"] <= high for r in live["replicas"]), ([r["step"] for r in live["replicas"]], low, high)
+    assert live["steps_discarded"] == 0 and live["quorum_size"] == 3, live
+    [ended] = status_json("ftrun-figures", home=home)
+    assert ended["phase"] == "ended" and ended["exit_code"] == 0, ended
+    assert [s for s, _ in commits] == list(range(1, steps + 1))  # the script's own count: every step, once
+    assert ended["steps_committed"] == steps and ended["steps_discarded"] == 0, ended
+    assert [r["step"] for r in ended["replicas"]] == [steps] * 3, ended["replicas"]
+    r = ftrun("status", "ftrun-figures", home=home)
+    assert r.returncode == 0 and f"steps committed {steps}, discarded 0" in r.stdout, r.stdout

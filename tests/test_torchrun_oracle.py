@@ -77,6 +77,10 @@ SHAPES = [
      "facebookresearch/deit README: torchrun --nproc_per_node=4 --master_port=... main.py --data-path"),
     ("dash-dash", "--nproc-per-node 2 -- {script} -- --after",
      "argparse's --: torchrun ... -- train.py (arguments that look like options stay the script's)"),
+    ("dash-dash-after-module", "--standalone --nproc_per_node=2 -m pkg.train -- --depth=26",
+     "issue 18: a -- after the module ends torchrun's options; the script gets ['--depth=26']"),
+    ("dash-dash-after-script", "--nproc-per-node 2 {script} -- -- --x",
+     "argparse's --: the first -- after the script is torchrun's, a second one is the script's"),
     ("no-python", "--nproc-per-node 2 --no-python {exe} --flag",
      "torch docs, torchrun --no-python: run an executable that is not a python script"),
     ("per-rank-tee", "--nproc-per-node 2 --tee 0:3,1:1 --redirects 1:2 --log-dir {logdir} {script}",
@@ -152,7 +156,11 @@ def _finish(launcher: str, started, out: Path):
     return dumps, port
 
 
-@pytest.mark.parametrize("name,shape,source", SHAPES, ids=[s[0] for s in SHAPES])
+QUICK = ("dash-dash-after-module",)  # the quick tier's line: --standalone, -m, and a --
+
+
+@pytest.mark.parametrize("name,shape,source", [
+    pytest.param(*s, id=s[0], marks=pytest.mark.quick if s[0] in QUICK else ()) for s in SHAPES])
 def test_same_as_torchrun(project, tmp_path, name, shape, source):
     # Both at once: the table is long, and neither launcher may depend on the other being idle.
     t = _start("torchrun", shape, project, tmp_path / "t", tmp_path / "home")

@@ -3,8 +3,12 @@
 Each worker incarnation writes into two pipes; a pump thread per pipe copies
 every line to the rank's log file (always, in full) and to the console with a
 coloured ``[rank N]`` prefix (plain when piped), unless --quiet, --ranks,
---local-ranks-filter or torchrun's --redirects hide it (--tee keeps it). The last lines of stderr are kept for the failure report,
-which is printed after drain(): the workers' buffered lines come first.
+--local-ranks-filter or torchrun's --redirects hide it (--tee keeps it).
+ftrun's own per-rank chatter in a worker's stderr (joins, state transfers,
+traffic figures: `chatter()`) stays in the log file unless --verbose; the
+script's own lines are never held back. The last lines of stderr are kept for
+the failure report, which is printed after drain(): the workers' buffered
+lines come first.
 Must never block a worker: pumps only read, and the console is shared under a lock.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import sys
 import threading
 import time
@@ -25,12 +30,33 @@ COLOURS = ("cyan", "green", "magenta", "yellow", "blue", "bright_red", "bright_c
 TAIL_LINES = 30
 DRAIN_S = 5.0
 
+# What ftrun's worker-side code writes into a worker's stderr. ftrun.ft's lines (joins, state
+# received, groups formed, slow waits) are for the log file, unless they say something went
+# wrong; the hooks' traffic lines are for the log file, except the figures at exit of one rank
+# per node; which hook was registered is said by that rank too.
+FT_PREFIX = "ftrun.ft: "
+FT_TROUBLE = re.compile(r"\b(fail(s|ed|ure)?|error|cannot|exiting|not a number)\b", re.IGNORECASE)
+HOOK_LINE = re.compile(r"ftrun: rank \d+: (?:(registered DDP comm hook )|hook \S+ step \d+: .*?( \(at exit\))?$)")
+
+
+def chatter(line: str, speaker: bool) -> bool:
+    """Is this stderr line of a worker ftrun's own per-rank chatter, kept off the console by
+    default? `speaker`: the worker is its node's local rank 0, the one that says what every
+    rank would say alike (the hook registered, traffic figures at exit)."""
+    if line.startswith(FT_PREFIX):
+        return not FT_TROUBLE.search(line)
+    m = HOOK_LINE.match(line)
+    if m is None:
+        return False
+    return not (speaker and (m.group(1) or m.group(2)))
+
 
 class ConsoleOut:
     """The supervisor's console: worker lines and ftrun's own lines, thread-safe."""
 
     def __init__(self, quiet: bool = False, ranks: Optional[Sequence[int]] = None, nproc: int = 1,
-                 local_ranks: Optional[Sequence[int]] = None, hidden: Optional[Dict[int, int]] = None) -> None:
+                 local_ranks: Optional[Sequence[int]] = None, hidden: Optional[Dict[int, int]] = None,
+                 verbose: bool = False) -> None:
         self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True, markup=False, emoji=False)
         self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True, markup=False, emoji=False)
         self.quiet = quiet
@@ -38,6 +64,7 @@ class ConsoleOut:
         self.nproc = max(1, nproc)
         self.local_ranks = set(local_ranks) if local_ranks is not None else None
         self.hidden = dict(hidden or {})  # local rank (-1: every one) -> torchrun Std bits kept off the console
+        self.verbose = verbose  # ftrun's per-rank chatter on the console too (--verbose, FTRUN_VERBOSE=1)
         self.lock = threading.Lock()
 
     @classmethod
@@ -49,7 +76,7 @@ class ConsoleOut:
             red = cfg.redirects.get(lr, cfg.redirects.get(-1, 0))
             tee = cfg.tee.get(lr, cfg.tee.get(-1, 0))
             hidden[lr] = red & ~tee
-        return cls(cfg.quiet, cfg.ranks, cfg.nproc, cfg.local_ranks_filter, hidden)
+        return cls(cfg.quiet, cfg.ranks, cfg.nproc, cfg.local_ranks_filter, hidden, cfg.verbose)
 
     def shows(self, rank: int, stderr: bool = False) -> bool:
         if self.quiet or (self.ranks is not None and rank not in self.ranks):
@@ -130,7 +157,12 @@ class Pump:
         lines = [raw.decode("utf-8", errors="replace").rstrip("\r") for raw in raws]
         if self.stderr:
             self.tail.extend(lines)
-        if self.console.shows(self.rank, self.stderr):
+        if not self.console.shows(self.rank, self.stderr):
+            return
+        if self.stderr and not self.console.verbose:
+            speaker = self.rank % self.console.nproc == 0
+            lines = [line for line in lines if not chatter(line, speaker)]
+        if lines:
             self.console.worker_lines(self.rank, lines, self.stderr)
 
 

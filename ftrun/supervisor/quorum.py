@@ -450,12 +450,18 @@ class QuorumKeeper:
         }
 
     def run_fields(self) -> dict:
-        live = [self.info.get(r) or {} for r in self.members]
+        """The run's figures for `ftrun status`. From every replica's last report, not only the
+        members': after the run (or while a replica heals) the members may be few or none, and
+        a replica's last report still holds the steps it saw. Committed steps are the global
+        step (the furthest replica's); discarded rounds are counted by each incarnation, so the
+        longest-lived replica's count is the run's (a lower bound once every first replica
+        has been restarted)."""
+        reports = [self.info.get(r) or {} for r in self.ranks]
         return {
             "quorum_id": self.epoch_id,
             "quorum_size": len(self.members),
-            "steps_committed": max((i.get("step", 0) for i in live), default=0),
-            "steps_discarded": max((i.get("discarded", 0) for i in live), default=0),
+            "steps_committed": max((int(i.get("step", 0)) for i in reports), default=0),
+            "steps_discarded": max((int(i.get("discarded", 0)) for i in reports), default=0),
         }
 
     def _fresh(self, rank: int, now: float) -> bool:

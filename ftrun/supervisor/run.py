@@ -734,10 +734,8 @@ class Supervisor:
                     f"--ft: rank {plain[0]} trains without ftrun.ft (it never asked to join a quorum), so a failed "
                     f"replica cannot heal from a peer; wrap the model, optimizer and loop with ftrun.ft "
                     f"(see scripts/train_ft.py), or drop --ft for group restarts", style="bold yellow")
-        if self.status.quorum_id != q.epoch_id or now - self._last_write >= 0.5:
-            for k, v in q.run_fields().items():
-                setattr(self.status, k, v)
-            self._dirty = True
+        if self.status.quorum_id != q.epoch_id:
+            self._dirty = True  # the run's figures are taken at every write (_write_state)
 
     def _on_store_ready(self) -> None:
         if self.quorum is not None:
@@ -829,6 +827,10 @@ class Supervisor:
         )
 
     def _write_state(self) -> None:
+        if self.quorum is not None:
+            # Every write, not only when the epoch changes: the figures move with every step.
+            for k, v in self.quorum.run_fields().items():
+                setattr(self.status, k, v)
         self.status.replicas = [self._replica_status(w) for w in self.workers]
         if self.nodes is not None:
             self.status.replicas = self.nodes.all_replicas(self.status.replicas)
@@ -838,6 +840,29 @@ class Supervisor:
             pass
         self._last_write = time.time()
         self._dirty = False
+
+    def _read_last_reports(self) -> None:
+        """Take in the report each worker writes as it exits (ftrun.worker.progress), so the
+        ended run's state says where every replica stopped, not where it was a beat earlier."""
+        st = self.store
+        if st is None or st.store is None or not self._store_announced:
+            return  # the keys were never created: a read would wait for them (for minutes)
+        wanted = [progress_key(w.rank) for w in self.workers]
+        try:
+            if not st.store.check(wanted):
+                return
+            values = st.multi_get(wanted)
+        except Exception:  # the store (node 0's) is gone: the last figures read stand
+            return
+        for w, raw in zip(self.workers, values):
+            parts = (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split()
+            if len(parts) >= 5 and int(parts[0]) == w.incarnation and int(parts[1]) > 0:
+                w.steps = int(parts[1])
+        if self.quorum is not None:
+            try:
+                self.quorum.poll(time.time())  # the replicas' last info: the run's final figures
+            except Exception:
+                pass
 
     def _finish(self, code: int) -> None:
         # Nothing may outlive ftrun: whatever still runs (the loop was left by an error, or a
@@ -855,6 +880,7 @@ class Supervisor:
             for p in w.pumps:
                 p.done.wait(1.0)
         self.spawner.close()
+        self._read_last_reports()
         self.status.phase = RunPhase.ENDED.value
         self.status.exit_code = code
         self.status.ended = time.time()

@@ -4,8 +4,10 @@ Builds every hook of the catalogue from torch's own
 `torch.distributed.algorithms.ddp_comm_hooks` and adds only what torch lacks
 on CPU/gloo (bf16 without NCCL, a batched PowerSGD that compresses, a local
 SGD subgroup built without CUDA, collectives issued in a deterministic order).
-Also keeps per-rank traffic figures (`current_stats()`) and exports, imports
-and resets hook state for the fault-tolerance code.
+Also keeps per-rank traffic figures (`current_stats()`; one line every
+LOG_EVERY steps and one at exit, totals across every registration a model had,
+so --ft's rebuilt hooks add up) and exports, imports and resets hook state for
+the fault-tolerance code.
 
 Runs inside a training process. Must never change gradients beyond what the
 chosen torch hook does, never import the supervisor, and never run a
@@ -180,15 +182,30 @@ def _compressing(spec: HookSpec, state: Any) -> bool:
     return spec.name in ("powersgd", "batched-powersgd") and state.iter >= state.start_powerSGD_iter
 
 
+# The newest registration of each model, by id(model), kept past the model's end for the
+# figures at exit. --ft builds a fresh one on every group change: it takes over its
+# predecessor's Stats, so the figures are the model's, not the group's, and the old
+# registration (and its hook state) can go.
+_newest: Dict[int, "Registration"] = {}
+
+
 class Registration:
     """ftrun's hook on one DDP model: spec, state, the callable DDP runs, figures."""
 
     def __init__(self, spec: HookSpec, model: torch.nn.Module, pg: Optional[dist.ProcessGroup]) -> None:
+        global _atexit_installed
         self.spec = spec
         self.group = pg if pg is not None else dist.group.WORLD
         self.state, self.torch_hook, self.extras = build(spec, pg)
         self.name = comm_hook_name(spec)
-        self.stats = Stats()
+        before = _newest.get(id(model))
+        same = before is not None and before.model_ref() is model  # not a new model at a freed one's address
+        self.stats = before.stats if same else Stats()
+        self.stats.step_bytes = 0  # a step the old group left half-sent is not this group's
+        _newest[id(model)] = self
+        if not _atexit_installed:
+            atexit.register(_log_at_exit)
+            _atexit_installed = True
         self.model_ref = weakref.ref(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.hook = self._compose()
@@ -329,7 +346,7 @@ def register(spec: HookSpec, model: Any, register_fn: Optional[Callable[[Any, Ho
     `register_fn(state, hook)` defaults to `model.register_comm_hook`; the
     injector passes torch's original method so its own patch is bypassed.
     """
-    global _step_hook_installed, _atexit_installed
+    global _step_hook_installed
     reg = Registration(spec, model, getattr(model, "process_group", None))
     (register_fn or model.register_comm_hook)(reg.state, reg.hook)
     _registrations.append(reg)
@@ -339,9 +356,6 @@ def register(spec: HookSpec, model: Any, register_fn: Optional[Callable[[Any, Ho
 
         register_optimizer_step_post_hook(_on_optimizer_step)
         _step_hook_installed = True
-    if not _atexit_installed:
-        atexit.register(_log_at_exit)
-        _atexit_installed = True
     return reg
 
 
@@ -350,7 +364,8 @@ def note_overridden(spec: HookSpec, script_hook: str) -> None:
 
 
 def _log_at_exit() -> None:
-    for reg in _registrations:
+    # Every rank writes it to its log; the console shows one rank's (ftrun.supervisor.logs).
+    for reg in list(_newest.values()):
         if reg.stats.steps:
             _log(reg.figures_line() + " (at exit)")
 

@@ -5,8 +5,9 @@ a global module forward hook and wrappers of torch.save/torch.load count other
 progress (evaluation, checkpoints), so a long evaluation or save is not taken
 for a hang. A daemon thread writes
 `incarnation steps last_step_time now pid activity` to the supervisor's store
-every HEARTBEAT_S (and at once after the first step), so the supervisor can
-show live health and spot a hung rank. A store error does not end the reports:
+every HEARTBEAT_S (and at once after the first step, and once more as the
+worker exits), so the supervisor can show live health, spot a hung rank, and
+record where each worker stopped. A store error does not end the reports:
 the thread reconnects with a bounded back-off and keeps beating.
 Must never block or slow the training loop: the hooks only bump counters.
 Must never import the supervisor.
@@ -14,6 +15,7 @@ Must never import the supervisor.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -27,6 +29,7 @@ from ftrun.protocol import HEARTBEAT_S, info_key, progress_key
 
 RECONNECT_MAX_S = 1.0       # back-off cap between reconnects to the store
 RECONNECT_TIMEOUT_S = 5.0   # one connection attempt; the first one may wait for the store longer
+FINAL_REPORT_S = 2.0        # how long an exiting worker waits for its last report to reach the store
 # Fault injection for tests: "START:COUNT" makes store writes number START..START+COUNT-1 fail.
 INJECT_ENV = "FTRUN_INJECT_PROGRESS_FAIL"
 
@@ -64,6 +67,15 @@ class ProgressReporter:
         torch.save = self._counted(torch.save)
         torch.load = self._counted(torch.load)
         self._thread.start()
+        atexit.register(self.stop)
+
+    def stop(self, timeout: float = FINAL_REPORT_S) -> None:
+        """Write one last report and end the reports (at exit). Without it the store keeps a
+        report up to HEARTBEAT_S old: an ended run would show its replicas steps short of the end."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def _on_step(self, *_args: Any) -> None:
         self.steps += 1
@@ -119,7 +131,8 @@ class ProgressReporter:
         backoff = 0.0
         beat = 0
         reported = False
-        while not self._stop.is_set():
+        while True:
+            last = self._stop.is_set()  # stopping: this report is the last one, written or not
             try:
                 if store is None:
                     store = self._connect(timeout_s)
@@ -129,7 +142,7 @@ class ProgressReporter:
                 backoff = 0.0
             except Exception as e:  # noqa: BLE001 - any store error: reconnect and go on beating
                 store = None
-                if os.getppid() != parent:
+                if last or os.getppid() != parent:
                     return  # our parent is gone: the parent-death signal ends this process anyway
                 if not reported:  # once per process: a flapping store must not flood the log
                     reported = True
@@ -138,6 +151,8 @@ class ProgressReporter:
                 backoff = min(RECONNECT_MAX_S, max(0.05, backoff * 2))
                 self._stop.wait(backoff)
                 continue
+            if last:
+                return
             self._wake.wait(HEARTBEAT_S)
             self._wake.clear()
 
