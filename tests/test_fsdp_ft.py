@@ -152,6 +152,7 @@ def test_3x2_source_killed_mid_transfer(ftrun_home, tmp_path):
     _assert_shards_identical(out, 3, 2)
 
 
+@pytest.mark.quick
 def test_failure_free_equals_plain_hsdp(ftrun_home, tmp_path):
     """The exact average: --ft --replica-size 2 and plain torch HSDP (a 2-D replicate x shard mesh,
     same data and seeds) give the same losses over 50 steps and the same final shards."""
@@ -234,6 +235,7 @@ def test_restarted_replica_with_another_layout_says_why(ftrun_home, tmp_path):
     assert "Traceback" not in "\n".join(l for l in proc.stderr.splitlines() if "cannot take the state" in l)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     (["--nproc", 3, "--ft", "--replica-size", 2], "does not divide the 3 workers"),
     (["--nproc", 2, "--ft", "--replica-size", 4], "spanning several nodes is not supported"),
