@@ -182,11 +182,12 @@ def _compressing(spec: HookSpec, state: Any) -> bool:
     return spec.name in ("powersgd", "batched-powersgd") and state.iter >= state.start_powerSGD_iter
 
 
-# The newest registration of each model, by id(model), kept past the model's end for the
-# figures at exit. --ft builds a fresh one on every group change: it takes over its
-# predecessor's Stats, so the figures are the model's, not the group's, and the old
-# registration (and its hook state) can go.
-_newest: Dict[int, "Registration"] = {}
+# Per model (by id): the model, its newest registration and their Stats. --ft builds a fresh
+# registration on every group change; it takes over its predecessor's Stats, so the figures
+# are the model's, not one group's. Only weak references to the registration: it holds its
+# process group, and a dropped group must be freed when --ft drops it (its peers learn from
+# the closed connections), not kept alive for the figures at exit.
+_newest: Dict[int, Tuple["weakref.ref[torch.nn.Module]", "weakref.ref[Registration]", "Stats"]] = {}
 
 
 class Registration:
@@ -199,10 +200,10 @@ class Registration:
         self.state, self.torch_hook, self.extras = build(spec, pg)
         self.name = comm_hook_name(spec)
         before = _newest.get(id(model))
-        same = before is not None and before.model_ref() is model  # not a new model at a freed one's address
-        self.stats = before.stats if same else Stats()
+        same = before is not None and before[0]() is model  # not a new model at a freed one's address
+        self.stats = before[2] if same else Stats()
         self.stats.step_bytes = 0  # a step the old group left half-sent is not this group's
-        _newest[id(model)] = self
+        _newest[id(model)] = (weakref.ref(model), weakref.ref(self), self.stats)
         if not _atexit_installed:
             atexit.register(_log_at_exit)
             _atexit_installed = True
@@ -365,8 +366,10 @@ def note_overridden(spec: HookSpec, script_hook: str) -> None:
 
 def _log_at_exit() -> None:
     # Every rank writes it to its log; the console shows one rank's (ftrun.supervisor.logs).
-    for reg in list(_newest.values()):
-        if reg.stats.steps:
+    # A plain DDP's registration lives in _registrations; --ft's newest one in its replica hook.
+    for _, ref, stats in list(_newest.values()):
+        reg = ref()
+        if reg is not None and stats.steps:
             _log(reg.figures_line() + " (at exit)")
 
 
