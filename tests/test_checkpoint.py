@@ -1,0 +1,257 @@
+"""Durable checkpoints under --ft (--checkpoint-dir), through the real CLI, with real SIGKILLs.
+
+Every process of a run (supervisor, zygote, workers) is killed at once, and
+the same command run again resumes from the newest complete checkpoint and
+ends bitwise equal to a run that was never killed; a checkpoint killed while
+it was being written is never loaded; a sharded replica's checkpoint loads at
+another replica count; damaged and foreign checkpoints are one line each;
+losing node 0 under --ft ends the other node with the requeue status.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from conftest import FTRUN, ROOT, SCRIPTS, free_port, really_alive, run_ftrun
+
+TRAIN = SCRIPTS / "train_ft.py"
+FSDP = SCRIPTS / "train_fsdp_ft.py"
+# 10.5M parameters with Adam: 126 MB of model and optimizer state per replica.
+BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr", 0.001]
+
+
+def _start(args, env=None) -> subprocess.Popen:
+    """ftrun in the background, its stderr in a file (read with _err)."""
+    import os
+
+    full = dict(os.environ)
+    full.update(env or {})
+    err = tempfile.NamedTemporaryFile("w+", prefix="ftrun-ck-", suffix=".log", delete=False)
+    proc = subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=err, text=True,
+                            env=full, cwd=ROOT)
+    proc.err_path = err.name
+    return proc
+
+
+def _err(proc) -> str:
+    return Path(proc.err_path).read_text()
+
+
+def _wait_for(pred, proc, what: str, timeout: float = 90.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"ftrun ended (exit {proc.returncode}) before {what}\n{_err(proc)[-3000:]}")
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"never saw {what}\n{_err(proc)[-3000:]}")
+
+
+def _kill_everything(proc) -> None:
+    """SIGKILL the supervisor, its zygote and every worker at the same moment."""
+    root = psutil.Process(proc.pid)
+    family = [root] + root.children(recursive=True)
+    assert len(family) >= 3, family  # supervisor, zygote, workers
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    assert not really_alive(family, 10.0), "a process of the killed run survived"
+
+
+def _complete(d: Path):
+    return sorted(int(p.name.split("-")[1]) for p in d.glob("step-*"))
+
+
+def _final_state(out: Path, ranks):
+    return {r: (torch.load(f"{out}.rank{r}.pt", weights_only=True),
+                torch.load(f"{out}.rank{r}.opt.pt", weights_only=True),
+                json.loads(Path(f"{out}.rank{r}.json").read_text())) for r in ranks}
+
+
+def _assert_bitwise(ref, got) -> None:
+    for r in ref:
+        (p0, o0, j0), (p1, o1, j1) = ref[r], got[r]
+        assert j0["step"] == j1["step"], (r, j0["step"], j1["step"])
+        for k in p0:
+            assert torch.equal(p0[k], p1[k]), f"rank {r}: parameter {k} differs from the uninterrupted run"
+        assert o0["state"].keys() == o1["state"].keys()
+        for idx, st in o0["state"].items():
+            for name, value in st.items():
+                assert torch.equal(value, o1["state"][idx][name]), f"rank {r}: optimizer {idx}.{name} differs"
+        assert o0["param_groups"] == o1["param_groups"], r
+        assert j0["sched"] == j1["sched"], (r, j0["sched"], j1["sched"])
+
+
+def test_everything_killed_resumes_bitwise(ftrun_home, tmp_path):
+    """126 MB of state per replica, 3 replicas. The first run is killed whole while the
+    checkpoint of step 8 is written (held open by fault injection: its .metadata is there,
+    it is not published): the next run resumes from step 4, never from the partial one. That
+    run is killed whole right after it published step 8, between two saves; the third
+    resumes from step 8 and ends bitwise equal to an uninterrupted run of the same command
+    (parameters, Adam moments, scheduler, step)."""
+    def cmd(d, out):
+        return ["--nproc", 3, "--ft", "--run-id", "ck", "--checkpoint-dir", d, "--checkpoint-every", 4,
+                TRAIN, *BIG, "--steps", 12, "--print-every", 100, "--out", out]
+
+    ref_dir, d = tmp_path / "ref-ck", tmp_path / "ck"
+    ref = run_ftrun(cmd(ref_dir, tmp_path / "ref"), timeout=180, env={"FTRUN_HOME": str(tmp_path / "ref-home")})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert _complete(ref_dir) == [8, 12], _complete(ref_dir)
+    size = json.loads((ref_dir / "step-12" / "ftrun.json").read_text())["bytes"]
+    assert size > 100e6, size
+
+    first = _start(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "8:120"})
+    _wait_for(lambda: (d / ".step-8.partial" / ".metadata").exists() and (d / "step-4").is_dir(), first,
+              "the checkpoint of step 8 written but not published")
+    _kill_everything(first)
+    assert _complete(d) == [4] and (d / ".step-8.partial" / ".metadata").exists()
+
+    second = _start(cmd(d, tmp_path / "out"))
+    _wait_for(lambda: (d / "step-8").is_dir(), second, "the checkpoint of step 8 published")
+    _kill_everything(second)
+    assert f"resumed from checkpoint {d}/step-4 at step 4" in _err(second), _err(second)[-3000:]
+    newest = _complete(d)[-1]
+    assert newest == 8, _complete(d)
+
+    third = run_ftrun(cmd(d, tmp_path / "out"), timeout=180)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert third.stderr.count("resumed from checkpoint") == 1, third.stderr
+    assert f"resumed from checkpoint {d}/step-8 at step 8" in third.stderr, third.stderr[-3000:]
+    assert "resuming from the newest checkpoint" not in third.stderr  # a first epoch, not a loss of every holder
+    _assert_bitwise(_final_state(tmp_path / "ref", range(3)), _final_state(tmp_path / "out", range(3)))
+
+    assert _complete(d) == [8, 12] and not list(d.glob(".step-*")), list(d.iterdir())
+    state = json.loads((ftrun_home / "ck" / "state.json").read_text())
+    assert state["checkpoint"]["step"] == 12 and state["checkpoint"]["path"] == str(d / "step-12"), state
+    view = run_ftrun(["status", "ck"], timeout=30)
+    assert "checkpoint step 12" in view.stdout, view.stdout
+
+
+def test_sharded_replicas_resume_at_another_replica_count(ftrun_home, tmp_path):
+    """2 replicas x 2 workers (FSDP2) write their shards in parallel; 1 replica x 2 resumes
+    from that checkpoint with every shard exactly as written (parameters and AdamW state)."""
+    d = tmp_path / "ck"
+    common = ["--ft", "--replica-size", 2, "--checkpoint-dir", d, "--checkpoint-every", 10]
+    two = run_ftrun(["--nproc", 4, *common, FSDP, "--steps", 20, "--print-every", 100, "--out", tmp_path / "two"],
+                    timeout=180)
+    assert two.returncode == 0, two.stderr[-3000:]
+    files = sorted(p.name for p in (d / "step-20").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "ftrun.json"], files  # one file per worker
+    one = run_ftrun(["--nproc", 2, *common, FSDP, "--steps", 20, "--print-every", 100, "--out", tmp_path / "one"],
+                    timeout=180)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert f"resumed from checkpoint {d}/step-20 at step 20" in one.stderr, one.stderr[-3000:]
+    for r in range(2):
+        a = torch.load(f"{tmp_path / 'two'}.rank{r}.pt", weights_only=True)
+        b = torch.load(f"{tmp_path / 'one'}.rank{r}.pt", weights_only=True)
+        for k in a["model"]:
+            assert torch.equal(a["model"][k], b["model"][k]), (r, k)
+        for i, st in a["optim"].items():
+            for n, v in st.items():
+                assert torch.equal(v, b["optim"][i][n]), (r, i, n)
+        assert json.loads(Path(f"{tmp_path / 'one'}.rank{r}.json").read_text())["step"] == 20
+
+
+def test_damaged_and_foreign_checkpoints_are_one_line(ftrun_home, tmp_path):
+    d = tmp_path / "ck"
+    base = ["--nproc", 1, "--ft", "--checkpoint-dir", d, "--checkpoint-every", 5, "--checkpoint-keep", 3]
+    made = run_ftrun([*base, TRAIN, "--optim", "adam", "--steps", 15], timeout=120)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert _complete(d) == [5, 10, 15]
+    (d / "step-15" / ".metadata").write_bytes(b"not a pickle")
+    data = d / "step-10" / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+
+    resumed = run_ftrun([*base, TRAIN, "--optim", "adam", "--steps", 20], timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    damaged = [line for line in resumed.stderr.splitlines() if "is damaged" in line]
+    assert len(damaged) == 2, resumed.stderr
+    assert f"{d}/step-15 is damaged (.metadata cannot be read" in damaged[0], damaged
+    assert f"{d}/step-10 is damaged (__0_0.distcp is truncated" in damaged[1], damaged
+    assert f"resumed from checkpoint {d}/step-5 at step 5" in resumed.stderr, resumed.stderr[-2000:]
+
+    for extra, needle in ((["--hidden", 128, "--optim", "adam"],
+                           "model tensor model.0.weight is [64, 32] in the checkpoint, [128, 32] in this run"),
+                          (["--optim", "sgd"], "optimizer entry optim.state.0.weight.momentum_buffer")):
+        t0 = time.monotonic()
+        foreign = run_ftrun(["-q", "--nproc", 2, *base[2:], TRAIN, *extra, "--steps", 30], timeout=120)
+        took = time.monotonic() - t0
+        assert foreign.returncode == 2, (foreign.returncode, foreign.stderr[-2000:])
+        lines = [line for line in foreign.stderr.splitlines() if "does not fit this run" in line]
+        assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("ftrun: rank 0: checkpoint "), \
+            foreign.stderr
+        assert "restarting" not in foreign.stderr and "Traceback" not in foreign.stderr, foreign.stderr
+        assert took < 60, took
+    assert _complete(d) == [10, 15, 20]  # a foreign run writes nothing
+
+
+def _assert_bad(proc, *needles):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ftrun: error:"), proc.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_checkpoint_options_bad_input(ftrun_home, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    cases = [
+        (["--checkpoint-dir", tmp_path / "ck"], ["--checkpoint-dir", "only to --ft runs"]),
+        (["--ft", "--checkpoint-every", 5], ["--checkpoint-every 5", "without --checkpoint-dir"]),
+        (["--ft", "--checkpoint_keep=3"], ["--checkpoint-keep 3", "without --checkpoint-dir"]),
+        (["--ft", "--checkpoint-dir", a_file], [f"--checkpoint-dir {a_file} is a file"]),
+        (["--ft", "--checkpoint_dir", a_file / "ck"], ["cannot be created", f"{a_file} is a file"]),
+        (["--ft", "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 0], ["--checkpoint-every", ">= 1"]),
+        (["--ft", "--checkpoint-dir=" + str(tmp_path / "ck"), "--checkpoint-keep", "two"],
+         ["--checkpoint-keep", "whole number"]),
+    ]
+    for args, needles in cases:
+        _assert_bad(run_ftrun(["--nproc", 2, *args, script], timeout=30), *needles)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"nproc: 2\nft: true\ncheckpoint_dir: {a_file}\ncheckpoint_every: 10\n")
+    _assert_bad(run_ftrun(["validate", recipe], timeout=30), "checkpoint_dir", "is a file")
+    recipe.write_text(f"nproc: 2\nft: true\ncheckpoint_dir: {tmp_path / 'ck'}\ncheckpoint_every: 10\n")
+    ok = run_ftrun(["validate", recipe], timeout=30)
+    assert ok.returncode == 0 and "checkpoint_dir" in ok.stdout, ok
+    assert not (tmp_path / "ck").exists(), "validate created the checkpoint folder"
+    assert not ftrun_home.exists() or not any(ftrun_home.iterdir()), "a run was started"
+
+
+def test_store_node_lost_under_ft_exits_for_requeue(ftrun_home, tmp_path):
+    """Two nodes, --ft: node 0 (the run's store) SIGKILLed; node 1 ends in one line with
+    the documented requeue status (200) and leaves nothing behind."""
+    port = free_port()
+    procs = {}
+    for k in (1, 0):
+        procs[k] = _start(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+                           "--nproc", 1, "--ft", "--run-id", "lost", "--checkpoint-dir", tmp_path / "ck",
+                           "--checkpoint-every", 5, TRAIN, "--steps", 100_000, "--step-sleep", 0.02])
+    try:
+        _wait_for(lambda: (tmp_path / "ck" / "step-5").is_dir(), procs[1], "a first checkpoint")
+        family = psutil.Process(procs[1].pid).children(recursive=True)
+        _kill_everything(procs[0])
+        procs[1].wait(timeout=30)
+    finally:
+        for p in procs.values():
+            p.kill()
+    err = _err(procs[1])
+    assert procs[1].returncode == 200, (procs[1].returncode, err[-3000:])
+    assert "node 0 (the run's store at 127.0.0.1:" in err and f"exit 200: requeue the job to resume from {tmp_path / 'ck'}" \
+        in err, err[-3000:]
+    assert not really_alive(family, 10.0), "orphans left behind"
