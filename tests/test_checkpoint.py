@@ -96,47 +96,47 @@ def _assert_bitwise(ref, got) -> None:
 
 def test_everything_killed_resumes_bitwise(ftrun_home, tmp_path):
     """126 MB of state per replica, 3 replicas. The first run is killed whole while the
-    checkpoint of step 8 is written (held open by fault injection: its .metadata is there,
-    it is not published): the next run resumes from step 4, never from the partial one. That
-    run is killed whole right after it published step 8, between two saves; the third
-    resumes from step 8 and ends bitwise equal to an uninterrupted run of the same command
+    checkpoint of step 6 is written (held open by fault injection: its .metadata is there,
+    it is not published): the next run resumes from step 3, never from the partial one. That
+    run is killed whole right after it published step 6, between two saves; the third
+    resumes from step 6 and ends bitwise equal to an uninterrupted run of the same command
     (parameters, Adam moments, scheduler, step)."""
     def cmd(d, out):
-        return ["--nproc", 3, "--ft", "--run-id", "ck", "--checkpoint-dir", d, "--checkpoint-every", 4,
-                TRAIN, *BIG, "--steps", 12, "--print-every", 100, "--out", out]
+        return ["--nproc", 3, "--ft", "--run-id", "ck", "--checkpoint-dir", d, "--checkpoint-every", 3,
+                TRAIN, *BIG, "--steps", 9, "--print-every", 100, "--out", out]
 
     ref_dir, d = tmp_path / "ref-ck", tmp_path / "ck"
-    ref = run_ftrun(cmd(ref_dir, tmp_path / "ref"), timeout=180, env={"FTRUN_HOME": str(tmp_path / "ref-home")})
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    assert _complete(ref_dir) == [8, 12], _complete(ref_dir)
-    size = json.loads((ref_dir / "step-12" / "ftrun.json").read_text())["bytes"]
-    assert size > 100e6, size
-
-    first = _start(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "8:120"})
-    _wait_for(lambda: (d / ".step-8.partial" / ".metadata").exists() and (d / "step-4").is_dir(), first,
-              "the checkpoint of step 8 written but not published")
+    # The uninterrupted run goes on beside the others (a run mostly waits while it starts).
+    ref = _start(cmd(ref_dir, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")})
+    first = _start(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "6:120"})
+    _wait_for(lambda: (d / ".step-6.partial" / ".metadata").exists() and (d / "step-3").is_dir(), first,
+              "the checkpoint of step 6 written but not published")
     _kill_everything(first)
-    assert _complete(d) == [4] and (d / ".step-8.partial" / ".metadata").exists()
+    assert _complete(d) == [3] and (d / ".step-6.partial" / ".metadata").exists()
 
     second = _start(cmd(d, tmp_path / "out"))
-    _wait_for(lambda: (d / "step-8").is_dir(), second, "the checkpoint of step 8 published")
+    _wait_for(lambda: (d / "step-6").is_dir(), second, "the checkpoint of step 6 published")
     _kill_everything(second)
-    assert f"resumed from checkpoint {d}/step-4 at step 4" in _err(second), _err(second)[-3000:]
+    assert f"resumed from checkpoint {d}/step-3 at step 3" in _err(second), _err(second)[-3000:]
     newest = _complete(d)[-1]
-    assert newest == 8, _complete(d)
+    assert newest == 6, _complete(d)
 
     third = run_ftrun(cmd(d, tmp_path / "out"), timeout=180)
+    assert ref.wait(timeout=180) == 0, _err(ref)[-3000:]
+    assert _complete(ref_dir) == [6, 9], _complete(ref_dir)
+    size = json.loads((ref_dir / "step-9" / "ftrun.json").read_text())["bytes"]
+    assert size > 100e6, size
     assert third.returncode == 0, third.stderr[-3000:]
     assert third.stderr.count("resumed from checkpoint") == 1, third.stderr
-    assert f"resumed from checkpoint {d}/step-8 at step 8" in third.stderr, third.stderr[-3000:]
+    assert f"resumed from checkpoint {d}/step-6 at step 6" in third.stderr, third.stderr[-3000:]
     assert "resuming from the newest checkpoint" not in third.stderr  # a first epoch, not a loss of every holder
     _assert_bitwise(_final_state(tmp_path / "ref", range(3)), _final_state(tmp_path / "out", range(3)))
 
-    assert _complete(d) == [8, 12] and not list(d.glob(".step-*")), list(d.iterdir())
+    assert _complete(d) == [6, 9] and not list(d.glob(".step-*")), list(d.iterdir())
     state = json.loads((ftrun_home / "ck" / "state.json").read_text())
-    assert state["checkpoint"]["step"] == 12 and state["checkpoint"]["path"] == str(d / "step-12"), state
+    assert state["checkpoint"]["step"] == 9 and state["checkpoint"]["path"] == str(d / "step-9"), state
     view = run_ftrun(["status", "ck"], timeout=30)
-    assert "checkpoint step 12" in view.stdout, view.stdout
+    assert "checkpoint step 9" in view.stdout, view.stdout
 
 
 def test_sharded_replicas_resume_at_another_replica_count(ftrun_home, tmp_path):
@@ -164,38 +164,54 @@ def test_sharded_replicas_resume_at_another_replica_count(ftrun_home, tmp_path):
         assert json.loads(Path(f"{tmp_path / 'one'}.rank{r}.json").read_text())["step"] == 20
 
 
-def test_damaged_and_foreign_checkpoints_are_one_line(ftrun_home, tmp_path):
+def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tmp_path):
+    """Both replicas SIGKILLed at once mid-run (the supervisor lives on): the next epoch has no
+    holder of the trained state and resumes from the newest checkpoint. Then the two newest
+    checkpoints are damaged (unreadable .metadata, a truncated data file): the next run skips
+    each with one line and resumes from the third. A run of another model, or of another
+    optimizer, on that folder ends at once with one line naming the mismatch, exit 2."""
     d = tmp_path / "ck"
-    base = ["--nproc", 1, "--ft", "--checkpoint-dir", d, "--checkpoint-every", 5, "--checkpoint-keep", 3]
-    made = run_ftrun([*base, TRAIN, "--optim", "adam", "--steps", 15], timeout=120)
-    assert made.returncode == 0, made.stderr[-2000:]
-    assert _complete(d) == [5, 10, 15]
-    (d / "step-15" / ".metadata").write_bytes(b"not a pickle")
-    data = d / "step-10" / "__0_0.distcp"
+    base = ["--nproc", 2, "--ft", "--run-id", "hold", "--checkpoint-dir", d, "--checkpoint-every", 5,
+            "--checkpoint-keep", 3]
+    run = _start([*base, TRAIN, "--optim", "adam", "--steps", 60, "--step-sleep", 0.03, "--print-every", 1000])
+    _wait_for(lambda: (d / "step-15").is_dir(), run, "the checkpoint of step 15")
+    state = json.loads((ftrun_home / "hold" / "state.json").read_text())
+    for r in state["replicas"]:
+        psutil.Process(r["pid"]).kill()
+    killed_after = _complete(d)[-1]
+    assert run.wait(timeout=120) == 0, _err(run)[-3000:]
+    err = _err(run)
+    assert "no replica holding the trained state is left: resuming from the newest checkpoint" in err, err[-3000:]
+    resumed = [line for line in err.splitlines() if "resumed from checkpoint" in line]
+    assert len(resumed) == 1 and int(resumed[0].rsplit("at step ", 1)[1].split()[0]) >= killed_after, resumed
+    assert _complete(d) == [50, 55, 60]
+
+    (d / "step-60" / ".metadata").write_bytes(b"not a pickle")
+    data = d / "step-55" / "__0_0.distcp"
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
+    again = run_ftrun([*base, TRAIN, "--optim", "adam", "--steps", 65, "--print-every", 1000], timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    damaged = [line for line in again.stderr.splitlines() if "is damaged" in line]
+    assert len(damaged) == 2, again.stderr
+    assert f"{d}/step-60 is damaged (.metadata cannot be read" in damaged[0], damaged
+    assert f"{d}/step-55 is damaged (__0_0.distcp is truncated" in damaged[1], damaged
+    assert f"resumed from checkpoint {d}/step-50 at step 50" in again.stderr, again.stderr[-2000:]
 
-    resumed = run_ftrun([*base, TRAIN, "--optim", "adam", "--steps", 20], timeout=120)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    damaged = [line for line in resumed.stderr.splitlines() if "is damaged" in line]
-    assert len(damaged) == 2, resumed.stderr
-    assert f"{d}/step-15 is damaged (.metadata cannot be read" in damaged[0], damaged
-    assert f"{d}/step-10 is damaged (__0_0.distcp is truncated" in damaged[1], damaged
-    assert f"resumed from checkpoint {d}/step-5 at step 5" in resumed.stderr, resumed.stderr[-2000:]
-
-    for extra, needle in ((["--hidden", 128, "--optim", "adam"],
-                           "model tensor model.0.weight is [64, 32] in the checkpoint, [128, 32] in this run"),
-                          (["--optim", "sgd"], "optimizer entry optim.state.0.weight.momentum_buffer")):
-        t0 = time.monotonic()
-        foreign = run_ftrun(["-q", "--nproc", 2, *base[2:], TRAIN, *extra, "--steps", 30], timeout=120)
-        took = time.monotonic() - t0
-        assert foreign.returncode == 2, (foreign.returncode, foreign.stderr[-2000:])
-        lines = [line for line in foreign.stderr.splitlines() if "does not fit this run" in line]
-        assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("ftrun: rank 0: checkpoint "), \
-            foreign.stderr
-        assert "restarting" not in foreign.stderr and "Traceback" not in foreign.stderr, foreign.stderr
-        assert took < 60, took
-    assert _complete(d) == [10, 15, 20]  # a foreign run writes nothing
+    cases = {"model": (["--hidden", 128, "--optim", "adam"],
+                       "model tensor model.0.weight is [64, 32] in the checkpoint, [128, 32] in this run"),
+             "optimizer": (["--optim", "sgd"], "optimizer entry optim.state.0.weight.momentum_buffer")}
+    t0 = time.monotonic()
+    foreign = {name: _start(["-q", "--nproc", 1, *base[2:3], "--run-id", name, *base[5:], TRAIN, *extra,
+                             "--steps", 100]) for name, (extra, _) in cases.items()}
+    for name, (_, needle) in cases.items():
+        code, err = foreign[name].wait(timeout=120), _err(foreign[name])
+        assert code == 2, (name, code, err[-2000:])
+        lines = [line for line in err.splitlines() if "does not fit this run" in line]
+        assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("ftrun: rank 0: checkpoint "), err
+        assert "restarting" not in err and "Traceback" not in err, err
+    assert time.monotonic() - t0 < 60
+    assert _complete(d) == [55, 60, 65]  # a foreign run writes nothing
 
 
 def _assert_bad(proc, *needles):
