@@ -3,10 +3,15 @@
 Saving. Every N committed steps the replica at index 0 of the epoch writes
 the state a heal would send (registered models, optimizers and extra state)
 with torch.distributed.checkpoint (DCP), and the global step with it:
-- asynchronous: the training loop pauses only while the state is copied into
-  host memory (staging buffers kept from one save to the next: one extra copy
-  of this worker's state, never more); DCP writes it to disk in a background
-  thread; a save first waits for the previous one if it is still writing;
+- asynchronous: the state is copied into host memory (staging buffers kept
+  from one save to the next: one extra copy of this worker's state, never
+  more) by a background thread while the round's forward and backward run,
+  which never change parameters or optimizer state; the loop waits for the
+  copy only before the round's optimizer step (`staged()`), if it is not done
+  by then. What may change earlier (buffers such as BatchNorm's statistics,
+  registered state such as a data sampler's position, learning rates) is
+  copied at once. DCP then writes the copy to disk in the background; a save
+  first waits for the previous one if it is still writing;
 - atomic: everything goes into DIR/.step-N.partial/, and one rename publishes
   it as DIR/step-N/ once it is complete. DCP writes `.metadata` last, after
   every worker of the replica wrote its part; then the replica's first worker
@@ -117,9 +122,10 @@ class Checkpointer:
         self._group: Optional[dist.ProcessGroup] = None
         self._written = threading.Event()
         self._written.set()
+        self._staging: Optional[Future] = None  # the copy into host memory of the save in flight
+        self._pause = 0.0                        # how long the loop waited for the save in flight
         self._container: Optional[torch.nn.Module] = None
         self._store: Any = None
-        self.last_pause_s: Optional[float] = None  # the loop's pause in the newest save (scripts/bench_checkpoint.py)
         self.saves = 0
         inject = os.environ.get(INJECT_ENV, "")
         step, _, seconds = inject.partition(":")
@@ -157,32 +163,48 @@ class Checkpointer:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             if self._stager is None:
-                # Synchronous staging into buffers the stager keeps, keyed by the live tensors'
-                # storages: from the second save on, staging is a copy into memory already there.
-                self._stager = DefaultStager(StagingOptions(False, False, False, False))
+                # Staging in a thread of its own, into buffers the stager keeps, keyed by the live
+                # tensors' storages: from the second save on, a copy into memory already there.
+                cuda = torch.cuda.is_available()
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                            use_async_staging=True, use_non_blocking_copy=False))
             if self.k > 1 and self._group is None:
                 # All of this replica's workers are here at the same round: a collective call is safe.
                 self._group = dist.new_group(backend="gloo", timeout=WRITE_GROUP_TIMEOUT)
             writer = dcp.FileSystemWriter(str(partial), sync_files=True)
-            sd = self._state_dict(state)
+            sd = self._copy_what_may_change(self._state_dict(state), state)
             self._written.clear()
-            future = dcp.async_save(sd, storage_writer=writer, process_group=self._group, no_dist=self.k == 1,
-                                    async_stager=self._stager)
+            response = dcp.async_save(sd, storage_writer=writer, process_group=self._group, no_dist=self.k == 1,
+                                      async_stager=self._stager)
+            self._staging, future = response.staging_completion, response.upload_completion
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be written must not stop training
             self._written.set()
             self._log(f"rank {self.rank}: checkpoint of step {step} not written: {_one_line(e)}")
             return
-        pause = time.monotonic() - t0
-        self.last_pause_s = pause
+        self._pause = time.monotonic() - t0
         self.saves += 1
         started = time.time()
-        future.add_done_callback(lambda f: self._finish(f, step, partial, started, pause))
+        future.add_done_callback(lambda f: self._finish(f, step, partial, started))
+
+    def staged(self) -> None:
+        """Before anything may change the state a save is copying (the round's optimizer step):
+        wait for the copy, if it is still running."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        t0 = time.monotonic()
+        try:
+            staging.result()
+        except Exception:  # noqa: BLE001 - the write reports it
+            pass
+        self._pause += time.monotonic() - t0
 
     def wait(self) -> None:
         """Until the previous save is written and published (or failed)."""
         self._written.wait()
+        self._staging = None
 
-    def _finish(self, future: Future, step: int, partial: Path, started: float, pause: float) -> None:
+    def _finish(self, future: Future, step: int, partial: Path, started: float) -> None:
         """In DCP's writer thread, once this worker's part is written (and, on the replica's
         first worker, every part and .metadata): publish it."""
         try:
@@ -198,7 +220,7 @@ class Checkpointer:
                 self._log(f"rank {self.rank}: holding checkpoint {partial} for {self._inject[1]:g} s "
                           f"(fault injection, {INJECT_ENV})")
                 time.sleep(self._inject[1])
-            self._publish(step, partial, started, pause)
+            self._publish(step, partial, started, self._pause)
         finally:
             self._written.set()
 
@@ -337,6 +359,22 @@ class Checkpointer:
         if self._container is None or len(self._container) != len(state.models):
             self._container = torch.nn.ModuleDict({str(i): m for i, m in enumerate(state.models)})
         return self._container
+
+    def _copy_what_may_change(self, sd: Dict[str, Any], state: Any) -> Dict[str, Any]:
+        """Copy now what the loop may change before the round's optimizer step: buffers (a
+        forward updates BatchNorm's statistics), registered state (a data sampler moves on as
+        the loop takes its batch), the optimizer's settings. Parameters and optimizer state
+        only change at the optimizer step: those are staged in the background."""
+        import copy
+
+        buffers = {name for name, _ in self._models(state).named_buffers()}
+        with torch.no_grad():
+            sd["model"] = {k: (v.clone() if k in buffers and isinstance(v, torch.Tensor) else v)
+                           for k, v in sd["model"].items()}
+        if "param_groups" in sd["optim"]:
+            sd["optim"] = {**sd["optim"], "param_groups": copy.deepcopy(sd["optim"]["param_groups"])}
+        sd["extras"] = copy.deepcopy(sd["extras"])
+        return sd
 
     def _state_dict(self, state: Any) -> Dict[str, Any]:
         """{"model", "optim", "extras"}: parameters and optimizer state by parameter name (FQN),

@@ -251,6 +251,8 @@ class Manager:
             self._set_phase("discard")
             return False
         self._set_phase("vote")
+        if self.checkpoints is not None:
+            self.checkpoints.staged()  # a save still copying the state: done before the optimizer steps
         if self.pg is not None and not settle(self._settle_s):
             # NCCL does not fail a collective whose peer died: it would wait forever.
             self.fail_round(f"the round's collectives did not finish within {self._settle_s:g} s")
