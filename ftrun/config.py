@@ -34,8 +34,6 @@ __all__ = ["OPTIONS", "RunConfig", "build_config", "validate", "closest"]
 
 DEFAULT_MAX_RESTARTS = 0
 DEFAULT_MAX_RESTARTS_FT = 3
-DEFAULT_CHECKPOINT_EVERY = 500
-DEFAULT_CHECKPOINT_KEEP = 2
 C10D_DEFAULT_PORT = 29400  # torchrun's port when --rdzv-endpoint names none
 CLI = "command line"
 
@@ -70,8 +68,8 @@ class RunConfig:
     min_replicas: int = 1
     replica_size: int = 1
     checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
-    checkpoint_keep: int = DEFAULT_CHECKPOINT_KEEP
+    checkpoint_every: int = 500
+    checkpoint_keep: int = 2
     hook: Optional[HookSpec] = None
     step_timeout: Optional[float] = None
     shutdown_timeout: float = 5.0
@@ -247,8 +245,8 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
                 "local_ranks_filter", "role", "signals_to_handle", "virtual_local_rank", "local_addr"):
         kw[key] = pick(key)
     kw["checkpoint_dir"] = pick("checkpoint_dir")
-    kw["checkpoint_every"] = pick("checkpoint_every") or DEFAULT_CHECKPOINT_EVERY
-    kw["checkpoint_keep"] = pick("checkpoint_keep") or DEFAULT_CHECKPOINT_KEEP
+    kw["checkpoint_every"] = pick("checkpoint_every")
+    kw["checkpoint_keep"] = pick("checkpoint_keep")
     kw["redirects"] = pick("redirects") or {}
     kw["tee"] = pick("tee") or {}
     if pick("run_path"):

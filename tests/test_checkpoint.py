@@ -109,10 +109,11 @@ def test_everything_killed_resumes_bitwise(ftrun_home, tmp_path):
     # The uninterrupted run goes on beside the others (a run mostly waits while it starts).
     ref = _start(cmd(ref_dir, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")})
     first = _start(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "6:120"})
-    _wait_for(lambda: (d / ".step-6.partial" / ".metadata").exists() and (d / "step-3").is_dir(), first,
+    partial = d / ".step-6.ck.partial"  # .step-N.<run id>.partial
+    _wait_for(lambda: (partial / ".metadata").exists() and (d / "step-3").is_dir(), first,
               "the checkpoint of step 6 written but not published")
     _kill_everything(first)
-    assert _complete(d) == [3] and (d / ".step-6.partial" / ".metadata").exists()
+    assert _complete(d) == [3] and (partial / ".metadata").exists()
 
     second = _start(cmd(d, tmp_path / "out"))
     _wait_for(lambda: (d / "step-6").is_dir(), second, "the checkpoint of step 6 published")

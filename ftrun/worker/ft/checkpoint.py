@@ -10,10 +10,12 @@ with torch.distributed.checkpoint (DCP), and the global step with it:
   copy only before the round's optimizer step (`staged()`), if it is not done
   by then. What may change earlier (buffers such as BatchNorm's statistics,
   registered state such as a data sampler's position, learning rates) is
-  copied at once. DCP then writes the copy to disk in the background; a save
-  first waits for the previous one if it is still writing;
-- atomic: everything goes into DIR/.step-N.partial/, and one rename publishes
-  it as DIR/step-N/ once it is complete. DCP writes `.metadata` last, after
+  copied at once. DCP then writes the copy to disk in a background thread
+  at a low CPU priority (nice 10); a save first waits for the previous one if
+  it is still writing;
+- atomic: everything goes into DIR/.step-N.RUN.partial/ (RUN: the run's id,
+  so two runs pointed at one folder never write into each other's files), and
+  one rename publishes it as DIR/step-N/ once it is complete. DCP writes `.metadata` last, after
   every worker of the replica wrote its part; then the replica's first worker
   adds ftrun.json (the step, what the write cost) and renames. The newest
   `keep` are kept; partial folders are never read.
@@ -61,7 +63,7 @@ from ftrun import protocol as keys
 FORMAT = 1
 META = "ftrun.json"            # written last, by the replica's first worker: the step and the write's cost
 STEP_DIR = re.compile(r"step-(\d+)")
-PARTIAL_DIR = re.compile(r"\.step-(\d+)\.partial")
+PARTIAL_DIR = re.compile(r"\.step-(\d+)\.[A-Za-z0-9._-]+\.partial")
 # Fault injection for tests: "STEP:SECONDS" holds the write of step STEP that long before
 # it is published, so a test can kill the run while a complete-looking partial folder exists.
 INJECT_ENV = "FTRUN_CHECKPOINT_INJECT_DELAY"
@@ -151,10 +153,10 @@ class Checkpointer:
         if not state.models and not state.optimizers:
             return
         root = self.settings.root
-        partial = root / f".step-{step}.partial"
+        partial = root / f".step-{step}.{os.environ.get('FTRUN_RUN_ID') or 'run'}.partial"
         try:
             if self.shard == 0:
-                # Left over by a run killed while writing this step: never mixed with this write.
+                # Left over by this run (or a run of its id) killed while writing this step.
                 # The replica's other workers write nothing before the coordinator planned the
                 # save, which it does after this (DCP's first collective).
                 shutil.rmtree(partial, ignore_errors=True)
@@ -171,7 +173,7 @@ class Checkpointer:
             if self.k > 1 and self._group is None:
                 # All of this replica's workers are here at the same round: a collective call is safe.
                 self._group = dist.new_group(backend="gloo", timeout=WRITE_GROUP_TIMEOUT)
-            writer = dcp.FileSystemWriter(str(partial), sync_files=True)
+            writer = _writer_class()(str(partial), sync_files=True)
             sd = self._copy_what_may_change(self._state_dict(state), state)
             self._written.clear()
             response = dcp.async_save(sd, storage_writer=writer, process_group=self._group, no_dist=self.k == 1,
@@ -220,7 +222,10 @@ class Checkpointer:
                 self._log(f"rank {self.rank}: holding checkpoint {partial} for {self._inject[1]:g} s "
                           f"(fault injection, {INJECT_ENV})")
                 time.sleep(self._inject[1])
-            self._publish(step, partial, started, self._pause)
+            try:
+                self._publish(step, partial, started, self._pause)
+            except OSError as e:  # e.g. another run published the same step into this folder meanwhile
+                self._log(f"rank {self.rank}: checkpoint of step {step} not published: {_one_line(e)}")
         finally:
             self._written.set()
 
@@ -445,6 +450,27 @@ def _load_metadata(path: Path) -> Any:
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"it holds {type(metadata).__name__}, not DCP's Metadata")
     return metadata
+
+
+# The write's thread runs at this CPU niceness: it takes what the training leaves (the vote's
+# wait, Python between kernels) before it takes a core from the training's own threads.
+WRITER_NICE = 10
+
+
+def _writer_class():
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        """DCP's file writer; in DCP's background thread it first lowers that thread's priority."""
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            try:  # Linux: a thread's own niceness (the thread is DCP's, made for this one save)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+            except (OSError, AttributeError):
+                pass
+            return super().prepare_local_plan(plan)
+
+    return Writer
 
 
 def _reader_class():

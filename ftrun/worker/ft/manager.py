@@ -498,9 +498,8 @@ class Manager:
         self._set_phase("resume")
         try:
             found = self.checkpoints.resume(self.state)
-        except CheckpointMismatch as e:
-            if self.shard == 0:
-                _log(f"rank {self.rank}: {e}")
+        except CheckpointMismatch as e:  # every worker says it: the supervisor quotes whichever exits first
+            _log(f"rank {self.rank}: {e}")
             os._exit(keys.EXIT_FOREIGN_CHECKPOINT)
         except Exception as e:  # a failed read left part of a checkpoint in the tensors: restart clean
             _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}; exiting so that ftrun restarts it clean")
