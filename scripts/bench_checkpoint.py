@@ -22,7 +22,11 @@ steps" costs, against a block without. Measured:
   flatters torch.save).
 - steps/s of blocks with a save against blocks without (the ratio is the
   throughput of saving every 50 steps against not saving), and the
-  background write's own time.
+  background write's own time. On a machine shared with other work the
+  wall-clock ratio swings with the neighbours' load, so the same ratio is also
+  given by the worker process's CPU time per step (every thread of it:
+  training, staging, writing; the kernel's own writeback threads are not in
+  it): what the saves add to the work, whatever else runs.
 
 Medians over blocks and runs (--runs runs per size); a markdown table at the end.
 """
@@ -74,12 +78,12 @@ def worker(args: argparse.Namespace) -> None:
     x = torch.randn(args.batch, args.width)
     marks = []
     for step in ft.steps(args.steps):
-        marks.append((step, time.perf_counter()))
+        marks.append((step, time.perf_counter(), time.process_time()))
         loss = ddp(x).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    marks.append((args.steps, time.perf_counter()))
+    marks.append((args.steps, time.perf_counter(), time.process_time()))
     saves = []
     path = Path(args.scratch) / "torch_save.pt"
     for _ in range(3):
@@ -115,24 +119,30 @@ def one_run(size: str, scratch: Path) -> dict:
     r = json.loads(result.read_text())
     # The time of each step's first yield (a discarded round yields its step again).
     first: dict = {}
-    for s, t in r["marks"]:
+    cpu: dict = {}
+    for s, t, c in r["marks"]:
         first.setdefault(s, t)
+        cpu.setdefault(s, c)
     iters = {s: first[s + 1] - first[s] for s in range(steps) if s + 1 in first}
+    cpu_iters = {s: cpu[s + 1] - cpu[s] for s in range(steps) if s + 1 in cpu}
     # The iteration that ends with committing step s+1 holds the save of step s+1.
     saving = {s for s in iters if (s + 1) % SAVE_EVERY == 0 and s + 1 < steps}
     usual = statistics.median(d for s, d in iters.items() if s >= WARM // 2 and s not in saving)
-    with_save, without = [], []
+    with_save, without, cpu_with, cpu_without = [], [], [], []
     for b in range(2, 2 * PAIRS):  # the first pair is apart: its save allocates the staging buffers
         lo = WARM + b * BLOCK
         # A block with a save: from the iteration holding the save to the BLOCK-1 after it.
-        span = sum(iters[s] for s in range(lo - 1, lo + BLOCK - 1))
-        (with_save if b % 2 == 0 else without).append(BLOCK / span)
+        block = range(lo - 1, lo + BLOCK - 1)
+        (with_save if b % 2 == 0 else without).append(BLOCK / sum(iters[s] for s in block))
+        # The process's CPU time (every thread: training, staging, writing): what the save adds,
+        # whatever else the machine runs.
+        (cpu_with if b % 2 == 0 else cpu_without).append(sum(cpu_iters[s] for s in block) / BLOCK)
     # What ftrun said of each save (the folder keeps only the newest two).
     said = re.findall(r"checkpoint of step (\d+) written to \S+ \(([\d.]+) MB in ([\d.]+) s; the loop paused ([\d.]+) s",
                       (logs / "rank0" / "stderr.log").read_text())
     infos = [{"step": int(a), "bytes": float(b) * 1e6, "write_s": float(c), "pause_s": float(d)} for a, b, c, d in said]
     infos = [i for i in infos if i["step"] < steps]  # the last save comes after the loop
-    out = {"with": with_save, "without": without, "torch_save_s": statistics.median(r["torch_save_s"]),
+    out = {"with": with_save, "without": without, "cpu_with": cpu_with, "cpu_without": cpu_without, "torch_save_s": statistics.median(r["torch_save_s"]),
            "params": r["params"], "peak_rss": r["peak_rss"], "usual_s": usual,
            "pauses": [i["pause_s"] for i in infos], "excess": [iters[i["step"] - 1] - usual for i in infos],
            "write_s": [i["write_s"] for i in infos], "bytes": infos[0]["bytes"] if infos else 0}
@@ -146,7 +156,8 @@ def bench(size: str, runs: int, scratch: Path) -> dict:
         r = one_run(size, scratch)
         results.append(r)
         print(f"  {size} run {i + 1}: steps/s with a save {', '.join(f'{x:.3f}' for x in r['with'])}, without "
-              f"{', '.join(f'{x:.3f}' for x in r['without'])}; pauses {', '.join(f'{p:.3f}' for p in r['pauses'])} s "
+              f"{', '.join(f'{x:.3f}' for x in r['without'])}; CPU s/step with a save "
+              f"{', '.join(f'{x:.3f}' for x in r['cpu_with'])}, without {', '.join(f'{x:.3f}' for x in r['cpu_without'])}; pauses {', '.join(f'{p:.3f}' for p in r['pauses'])} s "
               f"(from the loop {', '.join(f'{e:+.3f}' for e in r['excess'])} s); writes "
               f"{', '.join(f'{w:.2f}' for w in r['write_s'])} s; torch.save {r['torch_save_s']:.2f} s; "
               f"usual step {r['usual_s']:.3f} s", flush=True)
@@ -160,6 +171,8 @@ def bench(size: str, runs: int, scratch: Path) -> dict:
         "sps_on": statistics.median(x for r in results for x in r["with"]),
         "sps_off": statistics.median(x for r in results for x in r["without"]),
         "ratio": statistics.median(statistics.mean(r["with"]) / statistics.mean(r["without"]) for r in results),
+        "cpu_ratio": statistics.median(statistics.mean(r["cpu_without"]) / statistics.mean(r["cpu_with"])
+                                       for r in results),
         "rss": statistics.median(r["peak_rss"] for r in results),
     }
 
@@ -167,14 +180,15 @@ def bench(size: str, runs: int, scratch: Path) -> dict:
 def table(rows) -> str:
     lines = [
         "| params | state | pause per save | seen by the loop | first save | torch.save (sync) | pause / torch.save "
-        "| write (background) | steps/s, block with a save | block without | ratio | worker peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| write (background) | steps/s, block with a save | block without | ratio | ratio by CPU time "
+        "| worker peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['params'] / 1e6:.1f}M | {r['bytes'] / 1e6:.0f} MB | {r['pause']:.3f} s | {r['excess']:+.3f} s "
             f"| {r['pause_first']:.3f} s | {r['torch_save']:.2f} s | {100 * r['pause'] / r['torch_save']:.1f}% "
-            f"| {r['write']:.2f} s | {r['sps_on']:.3f} | {r['sps_off']:.3f} | {r['ratio']:.3f} "
+            f"| {r['write']:.2f} s | {r['sps_on']:.3f} | {r['sps_off']:.3f} | {r['ratio']:.3f} | {r['cpu_ratio']:.3f} "
             f"| {r['rss'] / 2**30:.2f} GiB |")
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ import torch
 from conftest import FTRUN, ROOT, SCRIPTS, free_port, really_alive, run_ftrun
 
 TRAIN = SCRIPTS / "train_ft.py"
+WORKER = ROOT / "tests" / "ckpt_worker.py"
 FSDP = SCRIPTS / "train_fsdp_ft.py"
 # 10.5M parameters with Adam: 126 MB of model and optimizer state per replica.
 BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr", 0.001]
@@ -167,14 +168,21 @@ def test_sharded_replicas_resume_at_another_replica_count(ftrun_home, tmp_path):
 
 def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tmp_path):
     """Both replicas SIGKILLed at once mid-run (the supervisor lives on): the next epoch has no
-    holder of the trained state and resumes from the newest checkpoint. Then the two newest
-    checkpoints are damaged (unreadable .metadata, a truncated data file): the next run skips
-    each with one line and resumes from the third. A run of another model, or of another
-    optimizer, on that folder ends at once with one line naming the mismatch, exit 2."""
+    holder of the trained state and resumes from the newest checkpoint, and the run ends
+    bitwise equal to one never interrupted, with state that changes before the optimizer
+    step (BatchNorm statistics, a registered sampler that moves on at the top of the loop).
+    Then the two newest checkpoints are damaged (unreadable .metadata, a truncated data
+    file): the next run skips each with one line and resumes from the third. A run of
+    another model, or of another optimizer, on that folder ends at once with one line naming
+    the mismatch, exit 2."""
     d = tmp_path / "ck"
-    base = ["--nproc", 2, "--ft", "--run-id", "hold", "--checkpoint-dir", d, "--checkpoint-every", 5,
-            "--checkpoint-keep", 3]
-    run = _start([*base, TRAIN, "--optim", "adam", "--steps", 60, "--step-sleep", 0.03, "--print-every", 1000])
+
+    def cmd(run_id, folder, steps, out, *extra, nproc=2):
+        return ["--nproc", nproc, "--ft", "--run-id", run_id, "--checkpoint-dir", folder, "--checkpoint-every", 5,
+                "--checkpoint-keep", 3, WORKER, steps, out, *extra]
+
+    ref = _start(cmd("ref", tmp_path / "ref-ck", 60, tmp_path / "ref", "--step-sleep", 0.03))
+    run = _start(cmd("hold", d, 60, tmp_path / "out", "--step-sleep", 0.03))
     _wait_for(lambda: (d / "step-15").is_dir(), run, "the checkpoint of step 15")
     state = json.loads((ftrun_home / "hold" / "state.json").read_text())
     for r in state["replicas"]:
@@ -185,13 +193,27 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
     assert "no replica holding the trained state is left: resuming from the newest checkpoint" in err, err[-3000:]
     resumed = [line for line in err.splitlines() if "resumed from checkpoint" in line]
     assert len(resumed) == 1 and int(resumed[0].rsplit("at step ", 1)[1].split()[0]) >= killed_after, resumed
+    assert ref.wait(timeout=120) == 0, _err(ref)[-3000:]
+    for r in range(2):
+        a = torch.load(f"{tmp_path / 'ref'}.rank{r}.pt", weights_only=True)
+        b = torch.load(f"{tmp_path / 'out'}.rank{r}.pt", weights_only=True)
+        assert a["step"] == b["step"] == 60 and a["sampler"] == b["sampler"], (a["sampler"], b["sampler"])
+        buffers = {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+        for k, v in a["model"].items():
+            # BatchNorm's statistics are each replica's own (nothing averages them): the writer's
+            # are checkpointed, and after the resume every replica has them, as a heal gives them.
+            if k not in buffers or r == 0:
+                assert torch.equal(v, b["model"][k]), (r, k)
+        for i, st in a["optim"]["state"].items():
+            for n, v in st.items():
+                assert torch.equal(v, b["optim"]["state"][i][n]), (r, i, n)
     assert _complete(d) == [50, 55, 60]
 
     (d / "step-60" / ".metadata").write_bytes(b"not a pickle")
     data = d / "step-55" / "__0_0.distcp"
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
-    again = run_ftrun([*base, TRAIN, "--optim", "adam", "--steps", 65, "--print-every", 1000], timeout=120)
+    again = run_ftrun(cmd("hold", d, 65, tmp_path / "again"), timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     damaged = [line for line in again.stderr.splitlines() if "is damaged" in line]
     assert len(damaged) == 2, again.stderr
@@ -199,12 +221,11 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
     assert f"{d}/step-55 is damaged (__0_0.distcp is truncated" in damaged[1], damaged
     assert f"resumed from checkpoint {d}/step-50 at step 50" in again.stderr, again.stderr[-2000:]
 
-    cases = {"model": (["--hidden", 128, "--optim", "adam"],
-                       "model tensor model.0.weight is [64, 32] in the checkpoint, [128, 32] in this run"),
+    cases = {"model": (["--width", 32], "model tensor model.0.weight is [16, 8] in the checkpoint, [32, 8] in this run"),
              "optimizer": (["--optim", "sgd"], "optimizer entry optim.state.0.weight.momentum_buffer")}
     t0 = time.monotonic()
-    foreign = {name: _start(["-q", "--nproc", 1, *base[2:3], "--run-id", name, *base[5:], TRAIN, *extra,
-                             "--steps", 100]) for name, (extra, _) in cases.items()}
+    foreign = {name: _start(["-q", *cmd(name, d, 100, tmp_path / name, *extra, nproc=1)])
+               for name, (extra, _) in cases.items()}
     for name, (_, needle) in cases.items():
         code, err = foreign[name].wait(timeout=120), _err(foreign[name])
         assert code == 2, (name, code, err[-2000:])

@@ -7,24 +7,27 @@ with torch.distributed.checkpoint (DCP), and the global step with it:
   from one save to the next: one extra copy of this worker's state, never
   more) by a background thread while the round's forward and backward run,
   which never change parameters or optimizer state; the loop waits for the
-  copy only before the round's optimizer step (`staged()`), if it is not done
-  by then. What may change earlier (buffers such as BatchNorm's statistics,
-  registered state such as a data sampler's position, learning rates) is
-  copied at once. DCP then writes the copy to disk in a background thread
-  at a low CPU priority (nice 10); a save first waits for the previous one if
-  it is still writing;
+  copy only before the round's optimizer step (`staged()`), if it is not
+  done by then. What may change earlier (buffers such as BatchNorm's
+  statistics, registered state such as a data sampler's position, learning
+  rates) is copied at once (a registered object's tensors above 1 MiB are
+  staged in the background like parameters). Then `dcp.save` writes the copy
+  in ftrun's writer thread (long-lived: DCP's `async_save` starts a thread
+  per save, which, while the copy holds the GIL, cost the loop 10-25 ms), at
+  a low CPU priority (nice 10), with fsync, and the written files leave the
+  page cache. A save first waits for the previous one if it is still writing.
 - atomic: everything goes into DIR/.step-N.RUN.partial/ (RUN: the run's id,
-  so two runs pointed at one folder never write into each other's files), and
-  one rename publishes it as DIR/step-N/ once it is complete. DCP writes `.metadata` last, after
-  every worker of the replica wrote its part; then the replica's first worker
-  adds ftrun.json (the step, what the write cost) and renames. The newest
-  `keep` are kept; partial folders are never read.
+  so two runs pointed at one folder never write into each other's files),
+  and one rename publishes it as DIR/step-N/ once it is complete. DCP writes
+  `.metadata` last, after every worker of the replica wrote its part; then
+  the replica's first worker adds ftrun.json (the step, what the write cost)
+  and renames. The newest `keep` are kept; partial folders are never read.
 - sharded replicas (FSDP2): each worker writes its own shard, in parallel, as
   DTensors whose global layout DCP records, so a checkpoint loads at another
   replica count and, where DCP can reshard, another --replica-size. The
   replica's workers coordinate the write over a gloo group of their own, made
-  for it (DCP's collectives run in the background thread, never on the group
-  the training uses).
+  for it (DCP's collectives run in the writer thread, never on the group the
+  training uses).
 
 Loading (the source of a fresh epoch, before it sends its state): the newest
 complete checkpoint that is not damaged (unreadable ftrun.json or .metadata, a
@@ -45,6 +48,7 @@ import datetime
 import json
 import os
 import pickle
+import queue
 import re
 import shutil
 import threading
@@ -121,6 +125,8 @@ class Checkpointer:
         self.rank, self.shard, self.k = rank, shard, k
         self._log = log
         self._stager: Any = None
+        self._writer: Optional[threading.Thread] = None
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._group: Optional[dist.ProcessGroup] = None
         self._written = threading.Event()
         self._written.set()
@@ -145,15 +151,14 @@ class Checkpointer:
 
     # ------------------------------------------------------------ saving
     def save(self, state: Any, step: int) -> None:
-        """Stage this worker's state now and write it in the background. Every worker of the
-        writing replica calls this at the same round boundary (a sharded replica's workers
-        coordinate DCP's write). A failure is one line; training goes on."""
+        """Start staging this worker's state and hand the write to the writer thread. Every
+        worker of the writing replica calls this at the same round boundary (a sharded
+        replica's workers coordinate DCP's write). A failure is one line; training goes on."""
         t0 = time.monotonic()
         self.wait()
         if not state.models and not state.optimizers:
             return
-        root = self.settings.root
-        partial = root / f".step-{step}.{os.environ.get('FTRUN_RUN_ID') or 'run'}.partial"
+        partial = self.settings.root / f".step-{step}.{os.environ.get('FTRUN_RUN_ID') or 'run'}.partial"
         try:
             if self.shard == 0:
                 # Left over by this run (or a run of its id) killed while writing this step.
@@ -161,32 +166,31 @@ class Checkpointer:
                 # save, which it does after this (DCP's first collective).
                 shutil.rmtree(partial, ignore_errors=True)
                 partial.mkdir(parents=True, exist_ok=True)
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
             if self._stager is None:
-                # Staging in a thread of its own, into buffers the stager keeps, keyed by the live
-                # tensors' storages: from the second save on, a copy into memory already there.
-                cuda = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                            use_async_staging=True, use_non_blocking_copy=False))
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                # DCP's stager copies in a thread of its own (kept from save to save), into
+                # buffers it keeps, keyed by the live tensors' storages: from the second save on,
+                # a copy into memory already there.
+                self._stager = DefaultStager(StagingOptions(
+                    use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False, use_async_staging=True,
+                    use_non_blocking_copy=False))
             if self.k > 1 and self._group is None:
                 # All of this replica's workers are here at the same round: a collective call is safe.
                 self._group = dist.new_group(backend="gloo", timeout=WRITE_GROUP_TIMEOUT)
-            writer = _writer_class()(str(partial), sync_files=True)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="ftrun-checkpoint", daemon=True)
+                self._writer.start()
             sd = self._copy_what_may_change(self._state_dict(state), state)
             self._written.clear()
-            response = dcp.async_save(sd, storage_writer=writer, process_group=self._group, no_dist=self.k == 1,
-                                      async_stager=self._stager)
-            self._staging, future = response.staging_completion, response.upload_completion
+            self._staging = self._stager.stage(sd)
         except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be written must not stop training
             self._written.set()
             self._log(f"rank {self.rank}: checkpoint of step {step} not written: {_one_line(e)}")
             return
         self._pause = time.monotonic() - t0
         self.saves += 1
-        started = time.time()
-        future.add_done_callback(lambda f: self._finish(f, step, partial, started))
+        self._jobs.put((self._staging, step, partial, time.time()))
 
     def staged(self) -> None:
         """Before anything may change the state a save is copying (the round's optimizer step):
@@ -197,7 +201,7 @@ class Checkpointer:
         t0 = time.monotonic()
         try:
             staging.result()
-        except Exception:  # noqa: BLE001 - the write reports it
+        except Exception:  # noqa: BLE001 - the writer reports it
             pass
         self._pause += time.monotonic() - t0
 
@@ -206,28 +210,40 @@ class Checkpointer:
         self._written.wait()
         self._staging = None
 
-    def _finish(self, future: Future, step: int, partial: Path, started: float) -> None:
-        """In DCP's writer thread, once this worker's part is written (and, on the replica's
-        first worker, every part and .metadata): publish it."""
+    def _write_loop(self) -> None:
+        """The writer thread: DCP's save of each staged copy, then its publication. It runs at a
+        low priority: the write takes what the training leaves first (Linux: per thread)."""
         try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (OSError, AttributeError):
+            pass
+        while True:
+            staging, step, partial, started = self._jobs.get()
             try:
-                future.result()
-            except Exception as e:  # noqa: BLE001
-                if self.shard == 0:
-                    self._log(f"rank {self.rank}: checkpoint of step {step} failed while writing: {_one_line(e)}")
-                return
-            if self.shard != 0:
-                return
-            if self._inject and self._inject[0] == step:
-                self._log(f"rank {self.rank}: holding checkpoint {partial} for {self._inject[1]:g} s "
-                          f"(fault injection, {INJECT_ENV})")
-                time.sleep(self._inject[1])
-            try:
-                self._publish(step, partial, started, self._pause)
-            except OSError as e:  # e.g. another run published the same step into this folder meanwhile
-                self._log(f"rank {self.rank}: checkpoint of step {step} not published: {_one_line(e)}")
-        finally:
-            self._written.set()
+                self._write(staging, step, partial, started)
+            finally:
+                self._written.set()
+
+    def _write(self, staging: Future, step: int, partial: Path, started: float) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            dcp.save(staging.result(), storage_writer=dcp.FileSystemWriter(str(partial), sync_files=True),
+                     process_group=self._group, no_dist=self.k == 1)
+        except Exception as e:  # noqa: BLE001
+            if self.shard == 0:
+                self._log(f"rank {self.rank}: checkpoint of step {step} failed while writing: {_one_line(e)}")
+            return
+        if self.shard != 0:  # its part is written; the replica's first worker publishes them all
+            return
+        if self._inject and self._inject[0] == step:
+            self._log(f"rank {self.rank}: holding checkpoint {partial} for {self._inject[1]:g} s "
+                      f"(fault injection, {INJECT_ENV})")
+            time.sleep(self._inject[1])
+        try:
+            self._publish(step, partial, started, self._pause)
+        except OSError as e:  # e.g. another run published the same step into this folder meanwhile
+            self._log(f"rank {self.rank}: checkpoint of step {step} not published: {_one_line(e)}")
 
     def _publish(self, step: int, partial: Path, started: float, pause: float) -> None:
         root = self.settings.root
@@ -236,7 +252,7 @@ class Checkpointer:
             self._log(f"rank {self.rank}: checkpoint of step {step} was removed before it was published "
                       f"(a newer one superseded it)")
             return
-        size = sum(f.stat().st_size for f in partial.iterdir() if f.is_file())
+        size = sum(_drop_cached(f) for f in partial.iterdir() if f.is_file())
         info = {"format": FORMAT, "step": step, "bytes": size, "write_s": round(time.time() - started, 3),
                 "pause_s": round(pause, 4), "time": time.time(), "replica_size": self.k,
                 "run_id": os.environ.get("FTRUN_RUN_ID", "")}
@@ -378,7 +394,7 @@ class Checkpointer:
                            for k, v in sd["model"].items()}
         if "param_groups" in sd["optim"]:
             sd["optim"] = {**sd["optim"], "param_groups": copy.deepcopy(sd["optim"]["param_groups"])}
-        sd["extras"] = copy.deepcopy(sd["extras"])
+        sd["extras"] = _copy_small(sd["extras"])
         return sd
 
     def _state_dict(self, state: Any) -> Dict[str, Any]:
@@ -393,6 +409,32 @@ class Checkpointer:
         else:
             msd, osd = get_model_state_dict(container), {}
         return {"model": msd, "optim": osd, "extras": {name: obj.state_dict() for name, obj in state.extras.items()}}
+
+
+# A registered object's tensors up to this size are copied at once with the rest of its state (a
+# counter, an RNG state); larger ones (an EMA of the model) are staged in the background like
+# parameters, so must not change in place before the round's optimizer step either.
+SMALL_TENSOR_BYTES = 1 << 20
+
+
+def _copy_small(obj: Any) -> Any:
+    """A copy of a registered object's state, made now: containers and plain values copied,
+    small tensors cloned, large tensors left for the background staging."""
+    import copy
+
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() * obj.element_size() <= SMALL_TENSOR_BYTES:
+            with torch.no_grad():
+                return obj.clone()
+        return obj
+    if isinstance(obj, dict):
+        copied = {k: _copy_small(v) for k, v in obj.items()}
+        return copied if type(obj) is dict else type(obj)(copied)  # an OrderedDict stays one
+    if isinstance(obj, list):
+        return [_copy_small(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_copy_small(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 # ---------------------------------------------------------------- reading a checkpoint safely
@@ -452,25 +494,9 @@ def _load_metadata(path: Path) -> Any:
     return metadata
 
 
-# The write's thread runs at this CPU niceness: it takes what the training leaves (the vote's
-# wait, Python between kernels) before it takes a core from the training's own threads.
+# The writer thread's CPU niceness: it takes what the training leaves (the vote's wait, Python
+# between kernels) before it takes a core from the training's own threads.
 WRITER_NICE = 10
-
-
-def _writer_class():
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    class Writer(FileSystemWriter):
-        """DCP's file writer; in DCP's background thread it first lowers that thread's priority."""
-
-        def prepare_local_plan(self, plan: Any) -> Any:
-            try:  # Linux: a thread's own niceness (the thread is DCP's, made for this one save)
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-            except (OSError, AttributeError):
-                pass
-            return super().prepare_local_plan(plan)
-
-    return Writer
 
 
 def _reader_class():
@@ -578,6 +604,24 @@ def _write_synced(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _drop_cached(path: Path) -> int:
+    """Take a written (and fsynced) file out of the page cache; its size. A checkpoint is read
+    back only after a loss: its pages would push out data the training reads, and their
+    memory, freed now, is the cheapest for the next write to take."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
+    finally:
+        size = os.fstat(fd).st_size
+        os.close(fd)
+    return size
 
 
 def _fsync_dir(path: Path) -> None:
