@@ -67,6 +67,9 @@ class RunConfig:
     ft: bool = False
     min_replicas: int = 1
     replica_size: int = 1
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 500
+    checkpoint_keep: int = 2
     hook: Optional[HookSpec] = None
     step_timeout: Optional[float] = None
     shutdown_timeout: float = 5.0
@@ -243,6 +246,9 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
                 "log_dir", "ranks",
                 "local_ranks_filter", "role", "signals_to_handle", "virtual_local_rank", "local_addr"):
         kw[key] = pick(key)
+    kw["checkpoint_dir"] = pick("checkpoint_dir")
+    kw["checkpoint_every"] = pick("checkpoint_every")
+    kw["checkpoint_keep"] = pick("checkpoint_keep")
     kw["redirects"] = pick("redirects") or {}
     kw["tee"] = pick("tee") or {}
     if pick("run_path"):
@@ -576,6 +582,17 @@ def _check_ignored_options(cfg: RunConfig) -> None:
     if given("replica_size") and not cfg.ft:
         raise _fail("replica_size", f"--replica-size {cfg.replica_size} applies only to --ft runs (a replica is a "
                                     f"unit that fails, restarts and heals alone); add --ft, or drop --replica-size")
+    if given("checkpoint_dir") and not cfg.ft:
+        raise _fail("checkpoint_dir", f"--checkpoint-dir {cfg.checkpoint_dir} applies only to --ft runs (it keeps "
+                                      f"the replicas' state when every replica is lost); add --ft, or drop "
+                                      f"--checkpoint-dir")
+    for key in ("checkpoint_every", "checkpoint_keep"):
+        if given(key) and not cfg.checkpoint_dir:
+            flag = "--" + key.replace("_", "-")
+            raise _fail(key, f"{flag} {getattr(cfg, key)} does nothing without --checkpoint-dir DIR; add it, or "
+                             f"drop {flag}")
+    if cfg.checkpoint_dir is not None and not cfg.checkpoint_dir.strip():
+        raise _fail("checkpoint_dir", "--checkpoint-dir is empty; give a folder")
     if given("min_replicas") and not cfg.ft:
         raise _fail("min_replicas", f"--min-replicas {cfg.min_replicas} applies only to --ft runs; add --ft, or "
                                     f"drop --min-replicas")
@@ -729,6 +746,11 @@ def _check_folders(cfg: RunConfig) -> None:
         problem = folder_problem(cfg.log_dir)
         if problem:
             raise _fail("log_dir", f"--log-dir {cfg.log_dir} {problem}; give a folder you can write")
+    if cfg.checkpoint_dir:
+        problem = folder_problem(cfg.checkpoint_dir)
+        if problem:
+            raise _fail("checkpoint_dir", f"--checkpoint-dir {cfg.checkpoint_dir} {problem}; give a folder you can "
+                                          f"write")
 
 
 def _check_no_live_twin(cfg: RunConfig) -> None:

@@ -421,6 +421,13 @@ OPTIONS_LIST: Tuple[Option, ...] = (
     _opt("replica_size", _both("--replica-size"), _count(1), 1,
          "With --ft: workers per replica; they shard the model (FSDP2 over ft.device_mesh()). [default: 1]",
          metavar="K"),
+    _opt("checkpoint_dir", _both("--checkpoint-dir"), _text, None,
+         "With --ft: folder for durable checkpoints, written asynchronously from one replica; a run "
+         "resumes from the newest complete one whenever no replica holds trained state.", metavar="DIR"),
+    _opt("checkpoint_every", _both("--checkpoint-every"), _count(1), 500,
+         "With --checkpoint-dir: committed steps between checkpoints. [default: 500]", metavar="N"),
+    _opt("checkpoint_keep", _both("--checkpoint-keep"), _count(1), 2,
+         "With --checkpoint-dir: how many complete checkpoints to keep. [default: 2]", metavar="K"),
     _opt("step_timeout", ("--step-timeout",), _step_timeout, None,
          "Seconds without an optimizer step before a replica counts as hung (stacks dumped, killed, restarted); "
          "0: off.",

@@ -146,6 +146,15 @@ def info_key(rank: int) -> str:
     return f"{PREFIX}info/{rank}"     # JSON counters for `ftrun status`
 
 
+# --checkpoint-dir: the newest checkpoint a replica published (or resumed from), as JSON
+# {"step", "path", "bytes", "write_s", "pause_s", "time", ...} for `ftrun status`; the
+# checkpoint itself is on disk, never in the store.
+CHECKPOINT = PREFIX + "checkpoint"
+# A worker's exit status when the checkpoint it must resume from holds another model or
+# optimizer (sysexits' EX_CONFIG): restarting cannot help, the supervisor ends the run (exit 2).
+EXIT_FOREIGN_CHECKPOINT = 78
+
+
 def pg_prefix(epoch: int, round_: int, shard: Optional[int] = None) -> str:
     # Named by the round at which members (re)build it: every member rebuilds at the
     # same rounds (after a switch or a failed round), so the name needs no counter.

@@ -87,7 +87,7 @@ def main() -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{args.out}.rank{rank}.pt")
         torch.save(opt.optimizer.state_dict(), f"{args.out}.rank{rank}.opt.pt")
         with open(f"{args.out}.rank{rank}.json", "w") as f:
-            json.dump({"step": ft.global_step(), "loss": loss.item(), "commits": commits}, f)
+            json.dump({"step": ft.global_step(), "loss": loss.item(), "commits": commits, "sched": sched.state_dict()}, f)
     print(f"done at step {ft.global_step()}", flush=True)
     # Bitwise: replicas that stayed identical print the same digest (scripts/demo.sh compares them).
     digest = hashlib.sha256()

@@ -249,7 +249,8 @@ def test_every_option_is_a_recipe_key():
                "signals_to_handle": "SIGTERM,SIGUSR1", "redirects": "0:3,1:1", "tee": 3, "run_id": "r1",
                "log_dir": "logs", "local_addr": "n1", "logs_specs": "x", "numa_binding": "node",
                "duplicate_stdout_filters": "a,b", "duplicate_stderr_filters": "a", "ranks": "0",
-               "local_ranks_filter": "0,1", "step_timeout": 5, "max_restarts": 1, "master_port": 29500}
+               "local_ranks_filter": "0,1", "step_timeout": 5, "max_restarts": 1, "master_port": 29500,
+               "checkpoint_dir": "ck"}
     for key, opt in OPTIONS.items():
         value = samples.get(key, opt.default)
         assert value is not None, f"no sample for {key}"

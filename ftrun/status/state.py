@@ -73,6 +73,9 @@ class RunStatus:
     quorum_size: Optional[int] = None
     steps_committed: Optional[int] = None
     steps_discarded: Optional[int] = None
+    # --checkpoint-dir: the newest checkpoint written (or resumed from): step, path, bytes,
+    # write_s, pause_s, time (wall clock when it was published)
+    checkpoint: Optional[Dict[str, Any]] = None
     updated: float = field(default_factory=time.time)
 
     def to_dict(self) -> Dict[str, Any]:

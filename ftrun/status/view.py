@@ -97,6 +97,9 @@ def snapshot(path: Path, status: RunStatus, now: float, boot: Optional[float]) -
     d["uptime_s"] = round(max(0.0, end - status.started), 3)
     d["updated_age_s"] = round(max(0.0, now - status.updated), 3)
     d["state_file"] = str(path)
+    ck = d.get("checkpoint")
+    if isinstance(ck, dict) and isinstance(ck.get("time"), (int, float)):
+        ck["age_s"] = round(max(0.0, now - ck["time"]), 3)
     live = not gone and status.phase != RunPhase.ENDED.value
     for r in d["replicas"]:
         hb = r.get("last_heartbeat")
@@ -222,6 +225,11 @@ def render_run(run: Dict[str, Any]) -> "RenderableType":
         lines.append(Text(f"  quorum {_num(run.get('quorum_id'), '{}')}: {_num(run.get('quorum_size'), '{}')} replicas;"
                           f" steps committed {_num(run.get('steps_committed'), '{}')},"
                           f" discarded {_num(run.get('steps_discarded'), '{}')}", style="magenta"))
+    ck = run.get("checkpoint")
+    if isinstance(ck, dict) and ck.get("step") is not None:
+        lines.append(Text(f"  checkpoint step {ck.get('step')}, {_age(ck.get('age_s'))} ago, "
+                          f"{_bytes(ck.get('bytes'))}, written in {_num(ck.get('write_s'), '{:.2f}s')}: "
+                          f"{ck.get('path')}", style="magenta"))
     if ended:
         code = run.get("exit_code")
         summary = run.get("exit_summary") or ""

@@ -38,6 +38,11 @@ def common_env(cfg: RunConfig, store_addr: str, store_port: int, base: Mapping[s
         "FTRUN_HOOK": cfg.hook.to_json() if cfg.hook else "",
         "FTRUN_REPLICA_SIZE": str(cfg.replica_size),
     })
+    if cfg.checkpoint_dir:
+        # Absolute: a worker (or a script) may change its directory before the first save.
+        env["FTRUN_CHECKPOINT_DIR"] = os.path.abspath(cfg.checkpoint_dir)
+        env["FTRUN_CHECKPOINT_EVERY"] = str(cfg.checkpoint_every)
+        env["FTRUN_CHECKPOINT_KEEP"] = str(cfg.checkpoint_keep)
     # A pod's RANK/WORLD_SIZE/... describe the node, not a worker: every torchrun variable is ours.
     if cfg.step_timeout:
         env["FTRUN_STEP_TIMEOUT"] = str(cfg.step_timeout)

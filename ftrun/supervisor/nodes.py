@@ -60,6 +60,10 @@ POLL_S = 0.05
 # came, node 0 unreachable): nothing was started, as for bad input.
 JOIN_FAILED = 2
 NODE_LOST = 1
+# --ft, node 0 (the run's store and quorum keeper) lost: the other nodes end with this status,
+# documented for schedulers to requeue the job (>= 128: Kubeflow's restartPolicy ExitCode
+# retries it; Slurm and Kubernetes Jobs can key on it), which resumes from --checkpoint-dir.
+REQUEUE = 200
 
 KEYS = NodeKeys()
 

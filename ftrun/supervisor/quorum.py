@@ -73,6 +73,8 @@ class QuorumKeeper:
         self._info_raw: Dict[int, bytes] = {}
         # Since when the others have been waiting for each replica, continuously.
         self.waited_since: Dict[int, float] = {}
+        # What a fresh epoch after the first means for the run (said once, in its history line).
+        self.fresh_start = "starting again from the first step"
 
     # ------------------------------------------------------------ store
     @property
@@ -426,7 +428,7 @@ class QuorumKeeper:
             epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r // self.k != src)),
                           True, start)
             if self.epoch_id > 1:
-                why += "; no replica holding the trained state is left: starting again from the first step"
+                why += f"; no replica holding the trained state is left: {self.fresh_start}"
         else:
             epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r not in holders)),
                           False, start)

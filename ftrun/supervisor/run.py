@@ -16,6 +16,7 @@ and never wait on the queue outside the loop.
 from __future__ import annotations
 
 import enum
+import json
 import os
 import queue
 import signal
@@ -28,7 +29,7 @@ from ftrun.config import RunConfig, store_listen_addr
 from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, run_dir, run_folder_name, write_state
 from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
-from ftrun.supervisor.nodes import NODE_LOST, NodeCoordinator, NodeEvent
+from ftrun.supervisor.nodes import NODE_LOST, REQUEUE, NodeCoordinator, NodeEvent
 from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.report import exit_reason, failure_report
@@ -37,7 +38,7 @@ from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, 
                                    signal_group)
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import DUMP_STACKS_SIGNAL, progress_key
+from ftrun.protocol import CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, progress_key
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -112,6 +113,7 @@ class Supervisor:
         self._last_progress = 0.0
         self._last_metrics = 0.0
         self._progress_seen: Dict[int, str] = {}
+        self._checkpoint_seen: Optional[bytes] = None
         self._procs: Dict[int, object] = {}
         self.store: Optional[RunStore] = None
         self._store_announced = False
@@ -168,6 +170,8 @@ class Supervisor:
                 self.quorum = QuorumKeeper(self.store, [r for k in live for r in self._node_ranks(k)],
                                            [w.rank for w in self.workers], leader=cfg.node_rank == 0,
                                            replica_size=self.k)
+                if cfg.checkpoint_dir:
+                    self.quorum.fresh_start = "resuming from the newest checkpoint, if any"
             if code is None:
                 for w in self.workers:
                     self._spawn(w)
@@ -350,6 +354,9 @@ class Supervisor:
             w.finished_at = time.time()
             return
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
+        if self.cfg.ft and ev.exit_code == EXIT_FOREIGN_CHECKPOINT and not w.hang_reason:
+            self._foreign_checkpoint(w, tail)
+            return
         reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
         failure = Failure(rank=w.rank, pid=ev.pid, exit_code=ev.exit_code, signal=ev.signal, reason=reason,
                           when=time.time(), stderr_tail=tail, log_path=str(self.logs[w.rank].stderr_path))
@@ -357,6 +364,16 @@ class Supervisor:
         if self.first_failure is None:
             self.first_failure = failure
         self._on_failure(w, failure)
+
+    def _foreign_checkpoint(self, w: Worker, tail: List[str]) -> None:
+        """A worker found that the checkpoint to resume from holds another model or optimizer:
+        restarting cannot change that. End the run as bad input, in one line."""
+        w.state = WorkerState.FAILED
+        why = next((line.strip() for line in reversed(tail) if "does not fit this run" in line), "")
+        why = why.split("ftrun.ft: ", 1)[-1] or f"the checkpoint in {self.cfg.checkpoint_dir} does not fit this run"
+        self.console.note(f"{why}; stopping the run (exit 2)", style="bold red")
+        self.status.exit_summary = why
+        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, 2)
 
     def _on_failure(self, w: Worker, failure: Failure) -> None:
         if isinstance(self.policy, GroupRestartPolicy):
@@ -547,7 +564,15 @@ class Supervisor:
             self.console.note(f"{ev.text}; stopping this node's {len(live)} worker{'s' if len(live) != 1 else ''}",
                               style="bold red")
         self.status.exit_summary = ev.text if ev.kind == "node_lost" else "node 0 (the run's store) went away"
-        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, NODE_LOST)
+        code = NODE_LOST
+        if ev.kind == "store_gone" and self.cfg.ft:
+            # Nothing here can go on without the store: a scheduler that requeues on this status
+            # restarts the job, which resumes from --checkpoint-dir (README: Slurm, Kubernetes).
+            code = REQUEUE
+            self.console.note(f"exit {REQUEUE}: requeue the job to resume"
+                              f"{' from ' + self.cfg.checkpoint_dir if self.cfg.checkpoint_dir else ''}",
+                              style="bold yellow")
+        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, code)
 
     def _can_reform(self) -> bool:
         """c10d without --ft: torchrun's restart is a new round of the rendezvous, within its budget."""
@@ -712,6 +737,8 @@ class Supervisor:
                 self.console.note(f"quorum poll failed: {nodes_one_line(e)}", style="yellow")
             return
         self._quorum_failing = False
+        if self.cfg.checkpoint_dir and now == self._last_progress:
+            self._poll_checkpoint()  # a few times a second, with the progress poll
         while q.history:
             self.console.note(q.history.pop(0), style="cyan")
         for w in self.workers:
@@ -736,6 +763,23 @@ class Supervisor:
                     f"(see scripts/train_ft.py), or drop --ft for group restarts", style="bold yellow")
         if self.status.quorum_id != q.epoch_id:
             self._dirty = True  # the run's figures are taken at every write (_write_state)
+
+    def _poll_checkpoint(self) -> None:
+        """The newest checkpoint a replica published (a few words in the store), for `ftrun status`."""
+        try:
+            raw = self.store.multi_get([CHECKPOINT])[0] if self.store.store.check([CHECKPOINT]) else None
+        except Exception:
+            return
+        if raw is None or raw == self._checkpoint_seen:
+            return
+        self._checkpoint_seen = raw
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            return
+        if isinstance(info, dict):
+            self.status.checkpoint = {k: info.get(k) for k in ("step", "path", "bytes", "write_s", "pause_s", "time")}
+            self._dirty = True
 
     def _on_store_ready(self) -> None:
         if self.quorum is not None:
@@ -881,6 +925,8 @@ class Supervisor:
                 p.done.wait(1.0)
         self.spawner.close()
         self._read_last_reports()
+        if code == 0 and self.cfg.checkpoint_dir and self.store is not None and self.store.store is not None:
+            self._poll_checkpoint()  # the last one was published a moment before its writer exited
         self.status.phase = RunPhase.ENDED.value
         self.status.exit_code = code
         self.status.ended = time.time()

@@ -11,7 +11,10 @@ decision names, at the same boundary; a thread learns of new epochs as they
 are published, so no step asks. A new or restarted replica asks to join, is
 put into an epoch as a healer, and receives the model, optimizer and
 registered state from a peer over a process group (ft/transport.py), before
-the round's forward pass.
+the round's forward pass. With --checkpoint-dir the replica at index 0
+writes the committed state to disk every N steps (ft/checkpoint.py), and
+the source of a fresh epoch (no member holds trained state) first loads the
+newest checkpoint, so the heal spreads it.
 
 With --replica-size K a replica is K workers sharding the model (FSDP2 over
 the replica's own group, `device_mesh()`). Every worker is a member and
@@ -38,6 +41,7 @@ import torch.distributed as dist
 
 from ftrun import protocol as keys
 from ftrun.worker.ft import vote
+from ftrun.worker.ft.checkpoint import Checkpointer, CheckpointMismatch
 from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
 from ftrun.protocol import Epoch
 from ftrun.worker.ft.state import ReplicaState
@@ -115,6 +119,12 @@ class Manager:
         self._chunk = int(_env_number("FTRUN_FT_CHUNK_MB", 64, 1, 4096) * (1 << 20))
         self.last_transfer: Optional[Dict[str, Any]] = None
         self._settle_s = _env_number("FTRUN_FT_TIMEOUT", 10, 0.5, 3600)
+        # Durable state (--checkpoint-dir): saved at the top of the round after a due commit,
+        # before any switch, so it is exactly the state of the step just committed.
+        self.checkpoints = Checkpointer.from_env(self.rank, self.shard, self.k, _log)
+        self.total: Optional[int] = None
+        self._save_due = False
+        self._resumed = False
         from ftrun.worker import progress
 
         self._progress = progress.start_from_env()
@@ -198,11 +208,14 @@ class Manager:
     # ------------------------------------------------------------ the loop
     def steps(self, total: int) -> Iterator[int]:
         """Yield the global step until `total` steps are committed (by any replica)."""
+        self.total = total
         while True:
             self.start_round()
             if self.finished or self.step >= total:
                 break
             yield self.step
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # the last checkpoint is published before the script goes on
         if not self.finished:
             self.store.compare_set(keys.FINISHED, "", str(self.step))
         self._set_phase("done")
@@ -210,6 +223,10 @@ class Manager:
             self._progress.note_step(self.step)
 
     def start_round(self) -> None:
+        if self._save_due:
+            self._save_due = False
+            self._set_phase("checkpoint")
+            self.checkpoints.save(self.state, self.step)
         if self.epoch is None:
             self._join()
         elif self.target_epoch is not None or self.rebuild:
@@ -236,6 +253,8 @@ class Manager:
             self._set_phase("discard")
             return False
         self._set_phase("vote")
+        if self.checkpoints is not None:
+            self.checkpoints.staged()  # a save still copying the state: done before the optimizer steps
         if self.pg is not None and not settle(self._settle_s):
             # NCCL does not fail a collective whose peer died: it would wait forever.
             self.fail_round(f"the round's collectives did not finish within {self._settle_s:g} s")
@@ -253,6 +272,9 @@ class Manager:
             self.committed += 1
             self.failed_in_row = 0
             self._last_failure = None
+            # Decided by the commit, the same on every worker of a replica (all of them voted ok).
+            self._save_due = (self.checkpoints is not None and self.checkpoints.due(self.step, self.total)
+                              and self.replica_index == 0)
         else:
             self.discarded += 1
             self.failed_in_row += 1
@@ -424,6 +446,8 @@ class Manager:
             _log(f"rank {self.rank}: named the source of a fresh epoch while holding a half-received state; "
                  f"exiting so that ftrun restarts it clean")
             os._exit(75)
+        if sending and epoch.fresh and not self.in_sync and self.checkpoints is not None and not self._resumed:
+            self._resume()
         self._set_phase("send" if sending else "heal")
         t0 = time.time()
         hpg = None
@@ -469,6 +493,24 @@ class Manager:
         _log(f"rank {self.rank}: received {stats.bytes / 1e6:.1f} MB of state from rank {source} in "
              f"{stats.seconds:.2f} s ({stats.gbps:.2f} GB/s, {stats.in_place} tensors in place)")
         self.store.set(keys.healed_key(self.rank), str(self.inc))
+
+    def _resume(self) -> None:
+        """The source of a fresh epoch: take the newest complete checkpoint, if any, into this
+        worker's own tensors and its global step; the heal then sends that state to the others."""
+        self._set_phase("resume")
+        try:
+            found = self.checkpoints.resume(self.state)
+        except CheckpointMismatch as e:  # every worker says it: the supervisor quotes whichever exits first
+            _log(f"rank {self.rank}: {e}")
+            os._exit(keys.EXIT_FOREIGN_CHECKPOINT)
+        except Exception as e:  # a failed read left part of a checkpoint in the tensors: restart clean
+            _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}; exiting so that ftrun restarts it clean")
+            os._exit(75)
+        self._resumed = True
+        if found is not None:
+            self.step = found.step
+            if self._progress is not None:
+                self._progress.note_step(self.step)
 
     def _set_heal_done(self, key: str, what: str) -> None:
         if self._heal_written:
