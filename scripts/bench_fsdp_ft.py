@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train_fsdp_ft.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_heal import floor_seconds, kill_when_running  # noqa: E402  (the same floor: a pair per shard)
 
 # name -> (dim, hidden, blocks, batch, steps before the kill, steps in all)
 SIZES = {
@@ -45,26 +46,6 @@ SIZES = {
     "100M": (2048, 12288, 2, 8, 3, 7),
 }
 
-FLOOR = r"""
-import datetime, sys, time, torch, torch.distributed as dist
-rank, port, nbytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-pair, me = divmod(rank, 2)          # two pairs, one per shard, broadcasting at once
-store = dist.PrefixStore(f"pair{pair}/", dist.TCPStore("127.0.0.1", port, 4, rank == 0,
-                                                       datetime.timedelta(seconds=60)))
-pg = dist.ProcessGroupGloo(store, me, 2, datetime.timedelta(seconds=600))
-src = torch.ones(nbytes, dtype=torch.uint8) if me == 0 else None
-pg.broadcast(torch.zeros(1), 0).wait()
-times = []
-for _ in range(3):
-    t = src if me == 0 else torch.empty(nbytes, dtype=torch.uint8)
-    pg.barrier().wait()
-    t0 = time.perf_counter()
-    pg.broadcast(t, 0).wait()
-    times.append(time.perf_counter() - t0)
-    del t
-if me == 1:
-    print(sorted(times)[1])
-"""
 
 
 def params_of(dim: int, hidden: int, blocks: int) -> int:
@@ -100,18 +81,6 @@ def throughput(size: str, steps: int, warmup: int, home: Path) -> tuple:
     return ours, steps_per_s(d / "hsdp", warmup)
 
 
-def floor_seconds(nbytes: int) -> float:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", FLOOR, str(r), str(port), str(nbytes)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for r in range(4)]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    return max(float(o) for o in outs if o.strip())
-
-
 def heal(size: str, home: Path) -> dict:
     _, _, _, _, kill_after, steps = SIZES[size]
     out = Path(tempfile.mkdtemp(prefix=f"bench-fsdp-heal-{size}-"))
@@ -120,21 +89,8 @@ def heal(size: str, home: Path) -> dict:
     cmd = [sys.executable, "-m", "ftrun", "--nproc", "4", "--ft", "--replica-size", "2", "--run-id", run_id,
            str(TRAIN), *_args(size, steps), "--announce", "--out", str(out / "p")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    state = home / run_id / "state.json"
-    killed_at = None
     deadline = time.time() + 1200
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            st = json.loads(state.read_text())
-        except (OSError, ValueError):
-            time.sleep(0.02)
-            continue
-        r1 = next(r for r in st["replicas"] if r["rank"] == 1)
-        if r1["step"] >= kill_after and r1["state"] == "running" and r1.get("pid"):
-            os.kill(r1["pid"], signal.SIGKILL)
-            killed_at = time.time()
-            break
-        time.sleep(0.02)
+    killed_at = kill_when_running(home / run_id / "state.json", 1, kill_after, proc, deadline)
     text = proc.communicate(timeout=max(1.0, deadline - time.time()))[0]
     if proc.returncode != 0 or killed_at is None:
         raise SystemExit(f"bench_fsdp_ft: heal run {size} failed (exit {proc.returncode}):\n{text[-3000:]}")
@@ -172,7 +128,7 @@ def main() -> None:
                   flush=True)
         med = {k: statistics.median(r[k] for r in runs) for k in ("shard_mb", "back_s", "transfer_s", "params")}
         med["size"] = s
-        med["floor_s"] = statistics.median(floor_seconds(int(med["shard_mb"] * 1e6)) for _ in range(1))
+        med["floor_s"] = floor_seconds(int(med["shard_mb"] * 1e6), pairs=2)
         heals.append(med)
     print()
     print("| measure | ftrun --ft --replica-size 2 | reference | ratio | target |")

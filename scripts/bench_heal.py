@@ -51,22 +51,26 @@ SIZES = {
     "100M": (1024, 4096, 7, 12, 3, 12),
 }
 
+# One plain gloo broadcast of NBYTES per pair of processes, PAIRS pairs at once (sharded
+# replicas heal every shard at once); prints the receiver's median of 3.
 FLOOR = r"""
 import datetime, sys, time, torch, torch.distributed as dist
-rank, port, nbytes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, datetime.timedelta(seconds=60))
-pg = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=300))
-src = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else None
+rank, port, nbytes, pairs = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+pair, me = divmod(rank, 2)
+store = dist.PrefixStore(f"pair{pair}/", dist.TCPStore("127.0.0.1", port, 2 * pairs, rank == 0,
+                                                       datetime.timedelta(seconds=60)))
+pg = dist.ProcessGroupGloo(store, me, 2, datetime.timedelta(seconds=600))
+src = torch.ones(nbytes, dtype=torch.uint8) if me == 0 else None
 pg.broadcast(torch.zeros(1), 0).wait()
 times = []
 for _ in range(3):
-    t = src if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    t = src if me == 0 else torch.empty(nbytes, dtype=torch.uint8)
     pg.barrier().wait()
     t0 = time.perf_counter()
     pg.broadcast(t, 0).wait()
     times.append(time.perf_counter() - t0)
     del t
-if rank == 1:
+if me == 1:
     print(sorted(times)[1])
 """
 
@@ -75,16 +79,17 @@ def params_of(dim: int, hidden: int, depth: int) -> int:
     return dim * hidden + hidden + (depth - 1) * (hidden * hidden + hidden) + hidden + 1
 
 
-def floor_seconds(nbytes: int) -> float:
+def floor_seconds(nbytes: int, pairs: int = 1) -> float:
+    """The slowest pair's broadcast of `nbytes`, `pairs` pairs at once."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", FLOOR, str(r), str(port), str(nbytes)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) for r in (0, 1)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    return float(outs[1].strip())
+    procs = [subprocess.Popen([sys.executable, "-c", FLOOR, str(r), str(port), str(nbytes), str(pairs)],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for r in range(2 * pairs)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    return max(float(o) for o in outs if o.strip())
 
 
 class RssWatch(threading.Thread):
@@ -109,6 +114,23 @@ class RssWatch(threading.Thread):
         return max((r for when, r in self.samples if when < t), default=0)
 
 
+def kill_when_running(state: Path, rank: int, min_step: int, proc: subprocess.Popen, deadline: float):
+    """SIGKILL `rank` once `ftrun status`'s state file shows it running at `min_step` or later;
+    the time of the kill, or None if the run ended or the deadline passed first."""
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            st = json.loads(state.read_text())
+        except (OSError, ValueError):
+            time.sleep(0.02)
+            continue
+        r = next(r for r in st["replicas"] if r["rank"] == rank)
+        if r["step"] >= min_step and r["state"] == "running" and r.get("pid"):
+            os.kill(r["pid"], signal.SIGKILL)
+            return time.time()
+        time.sleep(0.02)
+    return None
+
+
 def one_run(size: str, home: Path) -> dict:
     dim, hidden, depth, batch, kill_after, steps = SIZES[size]
     out = Path(tempfile.mkdtemp(prefix=f"heal-{size}-"))
@@ -125,21 +147,8 @@ def one_run(size: str, home: Path) -> dict:
     reader.start()
     watch = RssWatch(proc.pid)
     watch.start()
-    state = home / run_id / "state.json"
-    killed_at = None
     deadline = time.time() + 900
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            st = json.loads(state.read_text())
-        except (OSError, ValueError):
-            time.sleep(0.02)
-            continue
-        r1 = next(r for r in st["replicas"] if r["rank"] == 1)
-        if r1["step"] >= kill_after and r1["state"] == "running" and r1.get("pid"):
-            os.kill(r1["pid"], signal.SIGKILL)
-            killed_at = time.time()
-            break
-        time.sleep(0.02)
+    killed_at = kill_when_running(home / run_id / "state.json", 1, kill_after, proc, deadline)
     proc.wait(timeout=max(1.0, deadline - time.time()))
     reader.join(5)
     watch.stop.set()
