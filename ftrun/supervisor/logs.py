@@ -35,7 +35,9 @@ DRAIN_S = 5.0
 # wrong; the hooks' traffic lines are for the log file, except the figures at exit of one rank
 # per node; which hook was registered is said by that rank too.
 FT_PREFIX = "ftrun.ft: "
-FT_TROUBLE = re.compile(r"\b(fail(s|ed|ure)?|error|cannot|exiting|not a number)\b", re.IGNORECASE)
+# ...and what a person must see: trouble, and a resume from a checkpoint (where the run starts).
+FT_TROUBLE = re.compile(r"\b(fail(s|ed|ure)?|error|cannot|exiting|not a number|damaged|skipping|"
+                        r"not written|not published|removed before|resumed from checkpoint)\b", re.IGNORECASE)
 HOOK_LINE = re.compile(r"ftrun: rank \d+: (?:(registered DDP comm hook )|hook \S+ step \d+: .*?( \(at exit\))?$)")
 
 
