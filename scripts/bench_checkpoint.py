@@ -155,7 +155,7 @@ def bench(size: str, runs: int, scratch: Path) -> dict:
     for i in range(runs):
         r = one_run(size, scratch)
         results.append(r)
-        print(f"  {size} run {i + 1}: steps/s with a save {', '.join(f'{x:.3f}' for x in r['with'])}, without "
+        print(f"  {size} run {i + 1} (load average {os.getloadavg()[0]:.1f}): steps/s with a save {', '.join(f'{x:.3f}' for x in r['with'])}, without "
               f"{', '.join(f'{x:.3f}' for x in r['without'])}; CPU s/step with a save "
               f"{', '.join(f'{x:.3f}' for x in r['cpu_with'])}, without {', '.join(f'{x:.3f}' for x in r['cpu_without'])}; pauses {', '.join(f'{p:.3f}' for p in r['pauses'])} s "
               f"(from the loop {', '.join(f'{e:+.3f}' for e in r['excess'])} s); writes "
@@ -214,13 +214,15 @@ def main() -> None:
     if bad:
         raise SystemExit(f"unknown size {bad[0]}; pick from {', '.join(SIZES)}")
     scratch = Path(tempfile.mkdtemp(prefix="ftrun-bench-ck-", dir=args.dir))
+    load_before = os.getloadavg()[0]
     try:
         rows = [bench(s, args.runs, scratch) for s in sizes]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print()
     print(f"{os.cpu_count()} CPUs, torch {__import__('torch').__version__}, blocks of {BLOCK} steps with and "
-          f"without a save, {args.runs} runs per size")
+          f"without a save, {args.runs} runs per size; load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
     print(table(rows))
 
 

@@ -32,7 +32,10 @@ from typing import Dict, List, Optional, Set, Tuple
 from ftrun import protocol as keys
 from ftrun.protocol import EVENTS, Epoch
 
-FIRST_EPOCH_WAIT_S = 30.0  # how long the first epoch waits for slow first replicas
+# How long an epoch that starts from nothing (the first, or one after every replica was lost)
+# waits for the replicas being started: one that began alone would train on its own gradients
+# until the others caught up, and a resumed run would not be the run it resumes.
+FIRST_EPOCH_WAIT_S = 30.0
 COLLECT_EVERY_S = 0.25  # one list_keys per status report: a few dozen keys of rounds in flight at most
 ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
 INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
@@ -53,7 +56,7 @@ class QuorumKeeper:
         self.pending: Dict[int, int] = {}
         self.alive: Dict[int, Optional[int]] = {r: 0 for r in ranks}
         self.info: Dict[int, dict] = {}
-        self.first_join: Optional[float] = None
+        self.pending_since: Optional[float] = None  # the first join of the epoch being formed
         self.ready = False
         self.history: List[str] = []
         self._dead_pending: List[Tuple[int, int]] = []
@@ -389,15 +392,17 @@ class QuorumKeeper:
             # A replica is admitted whole: every one of its workers asked, as the same incarnation.
             if all(asked.get(m) == inc for m in self._mates(r)):
                 self.pending[r] = inc
-                if self.first_join is None:
-                    self.first_join = now
         if not self.pending:
+            self.pending_since = None
             return
-        if self.epoch_id == 0:
+        if self.pending_since is None:
+            self.pending_since = now
+        if self.epoch_id == 0 or not self.members:
             waiting_for = [r for r in self.ranks if self.alive.get(r) is not None and r not in self.pending]
-            if waiting_for and now - (self.first_join or now) < FIRST_EPOCH_WAIT_S:
+            if waiting_for and now - self.pending_since < FIRST_EPOCH_WAIT_S:
                 return
-            self._publish("first replicas joined")
+            self._publish("first replicas joined" if self.epoch_id == 0 else
+                          f"rank{'s' if len(self.pending) > 1 else ''} {', '.join(map(str, sorted(self.pending)))} joined")
         else:
             self._publish(f"rank{'s' if len(self.pending) > 1 else ''} {', '.join(map(str, sorted(self.pending)))} joined")
 
@@ -408,6 +413,7 @@ class QuorumKeeper:
         continuing = {r: k for (r, k), e in zip(self.members.items(), entered) if int(e) == k}
         self.members.update(self.pending)
         self.pending.clear()
+        self.pending_since = None
         # Read who holds the committed state now, not as of the last poll: a replica
         # that healed a moment ago must not be taken for one that has nothing.
         healed = s.multi_get([keys.healed_key(r) for r in self.members])

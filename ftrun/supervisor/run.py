@@ -42,10 +42,24 @@ from ftrun.protocol import CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOI
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
+# The hang rule that holds with no --step-timeout: a worker stopped this long, or under --ft one
+# that its peers waited this long for while it used no CPU. FTRUN_HANG_AFTER_S changes it (tests).
+DEFAULT_HANG_S = 60.0
+# Below this share of one CPU a worker is idle (its progress thread's reports cost a fraction of it).
+IDLE_CPU_PERCENT = 5.0
 STORE_READY_TIMEOUT_S = 30.0
 # After SIGKILL a process is gone within milliseconds unless the kernel holds it (uninterruptible
 # I/O); past this much longer the stop stops waiting for it.
 KILL_WAIT_S = 10.0
+
+
+def _default_hang_s() -> float:
+    """DEFAULT_HANG_S, or FTRUN_HANG_AFTER_S where it is a number of seconds >= 1 (a test knob)."""
+    try:
+        value = float(os.environ.get("FTRUN_HANG_AFTER_S", DEFAULT_HANG_S))
+    except ValueError:
+        return DEFAULT_HANG_S
+    return value if 1.0 <= value < float("inf") else DEFAULT_HANG_S
 
 
 class AfterStop(enum.Enum):
@@ -120,6 +134,7 @@ class Supervisor:
         # --ft: the supervisor keeps the quorum (ftrun.supervisor.quorum).
         self.quorum: Optional[QuorumKeeper] = None
         self.tick_s = 0.05 if cfg.ft else TICK_S
+        self.default_hang_s = _default_hang_s()
         self._warned_no_ft_api = False
         # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
         self.nodes: Optional[NodeCoordinator] = None
@@ -673,13 +688,13 @@ class Supervisor:
             if now - self._last_progress >= TICK_S * 0.9:
                 self._last_progress = now
                 self._poll_progress(now)
-                if self.cfg.step_timeout:
+                if self.cfg.step_timeout != 0:
                     self._check_hangs(now)
             if self.quorum is not None:
                 self._poll_quorum(now)
         if now - self._last_metrics >= 1.0:
             self._last_metrics = now
-            self._sample_metrics()
+            self._sample_metrics(now)
             self._dirty = True
         # Step counts change every tick with --ft: `ftrun status` needs them a few times a
         # second, not at the 20 Hz the quorum is polled (each write is a JSON file).
@@ -792,32 +807,24 @@ class Supervisor:
                 pass
 
     def _check_hangs(self, now: float) -> None:
-        limit = self.cfg.step_timeout
+        """Name and kill hung workers: by --step-timeout's rule when given, else by the default
+        rule, which can only take a worker that does nothing (stopped, or idle while waited for)."""
+        explicit = self.cfg.step_timeout is not None
+        limit = self.cfg.step_timeout if explicit else self.default_hang_s
         live = (WorkerState.RUNNING, WorkerState.RECOVERING, WorkerState.STARTING)
         # A replica of several workers hangs as one: its other workers wait for the hung one inside
         # the replica's own collectives. One culprit per replica is killed (the replica restarts
-        # whole): a worker whose heartbeat stopped (stopped, or frozen) before one that only waits.
-        order = sorted(self.workers, key=lambda o: not (o.last_heartbeat and now - o.last_heartbeat > limit))
+        # whole): a worker whose process is stopped or whose heartbeat stopped before one that waits.
+        order = sorted(self.workers, key=lambda o: not (o.stopped_for(now) >= limit or
+                                                         (o.last_heartbeat and now - o.last_heartbeat > limit)))
         named = {o.rank // self.k for o in self.workers if o.kill_at or o.state == WorkerState.HUNG}
         for w in order:
             if w.state not in live or not w.alive or w.kill_at or w.rank // self.k in named:
                 continue
-            if self.quorum is not None:
-                # With --ft every replica stalls while one hangs: only the one the others have
-                # been waiting for all along is hung, never a replica that waits for it.
-                stalled_step = self.quorum.waited_for_s(w.rank) > limit
-            else:
-                stalled_step = (w.state == WorkerState.RUNNING and w.first_step_seen and w.last_step_time
-                                and w.since_progress(now) > limit)
-            stalled_beat = w.last_heartbeat and now - w.last_heartbeat > limit
-            if not (stalled_step or stalled_beat):
+            reason = self._hung_by_step_timeout(w, now, limit) if explicit else self._hung_by_default(w, now, limit)
+            if reason is None:
                 continue
-            if stalled_beat:
-                w.hang_reason = f"hung (no heartbeat for {limit:g} s)"
-            elif self.quorum is not None:
-                w.hang_reason = f"hung (its peers waited {limit:g} s for its step)"
-            else:
-                w.hang_reason = f"hung (no optimizer step or other progress for {limit:g} s)"
+            w.hang_reason = reason
             w.state = WorkerState.HUNG
             named.add(w.rank // self.k)
             self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: dumping its stacks to its log, "
@@ -830,6 +837,30 @@ class Supervisor:
             w.kill_at = now + HANG_DUMP_GRACE_S
             self._dirty = True
 
+    def _hung_by_step_timeout(self, w: Worker, now: float, limit: float) -> Optional[str]:
+        """--step-timeout S: no heartbeat, or no step (with --ft: its peers waited for its step) for S."""
+        if w.last_heartbeat and now - w.last_heartbeat > limit:
+            return f"hung (no heartbeat for {limit:g} s)"
+        if self.quorum is not None:
+            # With --ft every replica stalls while one hangs: only the one the others have
+            # been waiting for all along is hung, never a replica that waits for it.
+            if self.quorum.waited_for_s(w.rank) > limit:
+                return f"hung (its peers waited {limit:g} s for its step)"
+        elif (w.state == WorkerState.RUNNING and w.first_step_seen and w.last_step_time
+              and w.since_progress(now) > limit):
+            return f"hung (no optimizer step or other progress for {limit:g} s)"
+        return None
+
+    def _hung_by_default(self, w: Worker, now: float, limit: float) -> Optional[str]:
+        """No --step-timeout: a worker whose process has been stopped (SIGSTOP, SIGTSTP) for the
+        limit; with --ft also one its peers have waited for that long while it used no CPU. A
+        worker that computes (an evaluation, a save) uses CPU and is never taken by this rule."""
+        if w.stopped_for(now) >= limit:
+            return f"hung (its process was stopped for {limit:g} s)"
+        if self.quorum is not None and self.quorum.waited_for_s(w.rank) >= limit and w.idle_for(now) >= limit:
+            return f"hung (its peers waited {limit:g} s for its step while it used no CPU)"
+        return None
+
     def _on_node_lost(self, node: int) -> None:
         """--ft: a lost node's replicas are dead in the quorum at once (only node 0's keeper decides)."""
         q = self.quorum
@@ -840,7 +871,7 @@ class Supervisor:
             if inc is not None:
                 q.on_exit(rank, inc)
 
-    def _sample_metrics(self) -> None:
+    def _sample_metrics(self, now: float) -> None:
         try:
             import psutil
         except ImportError:
@@ -857,6 +888,7 @@ class Supervisor:
                     continue
                 w.cpu_percent = proc.cpu_percent(None)
                 w.rss_bytes = proc.memory_info().rss
+                w.note_process(proc.status() == psutil.STATUS_STOPPED, w.cpu_percent < IDLE_CPU_PERCENT, now)
             except (psutil.Error, OSError):
                 self._procs.pop(w.pid, None)
 

@@ -75,6 +75,8 @@ class Worker:
     hang_reason: Optional[str] = None
     stop_requested: bool = False
     cpu_percent: Optional[float] = None   # psutil, sampled once a second
+    stopped_since: Optional[float] = None  # its process state has been "stopped" since
+    idle_since: Optional[float] = None     # it has used (almost) no CPU since
     rss_bytes: Optional[int] = None
     last_failure: Optional[Failure] = None
     rejoin_s: Optional[float] = None  # --ft: from its last failure to taking part again
@@ -97,6 +99,8 @@ class Worker:
         self.hang_reason = None
         self.stop_requested = False
         self.cpu_percent = None
+        self.stopped_since = None
+        self.idle_since = None
         self.rss_bytes = None
         if not keep_steps:
             self.steps = 0
@@ -106,6 +110,17 @@ class Worker:
         if len(fields) > 5 and fields[5] != self._activity_seen:
             self._activity_seen = fields[5]
             self.last_activity = now
+
+    def note_process(self, stopped: bool, idle: bool, now: float) -> None:
+        """One sample of the process (once a second): stopped, idle, or neither."""
+        self.stopped_since = (self.stopped_since or now) if stopped else None
+        self.idle_since = (self.idle_since or now) if idle else None
+
+    def stopped_for(self, now: float) -> float:
+        return now - self.stopped_since if self.stopped_since is not None else 0.0
+
+    def idle_for(self, now: float) -> float:
+        return now - self.idle_since if self.idle_since is not None else 0.0
 
     def since_progress(self, now: float) -> float:
         """Seconds since the last optimizer step or other progress (forward pass, save, load)."""

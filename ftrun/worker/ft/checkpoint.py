@@ -268,8 +268,10 @@ class Checkpointer:
 
     def _prune(self, newest: int) -> None:
         """Keep the newest `keep` published checkpoints; drop partial folders older than the newest
-        published one (a killed write, or one superseded by a newer writer)."""
-        for _, path in complete_checkpoints(self.settings.root)[self.settings.keep:]:
+        published one (a killed write, or one superseded by a newer writer). A step-N folder
+        without ftrun.json is not ftrun's: it is neither counted nor removed."""
+        ours = [path for _, path in complete_checkpoints(self.settings.root) if (path / META).is_file()]
+        for path in ours[self.settings.keep:]:
             shutil.rmtree(path, ignore_errors=True)
         try:
             entries = list(os.scandir(self.settings.root))
