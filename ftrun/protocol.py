@@ -177,8 +177,9 @@ class Epoch:
     # the lowest rank's state is sent to the others.
     fresh: bool = False
     # Every member is new (no member of the previous epoch is alive): they start at
-    # this round. Otherwise (-1) the continuing members switch by their votes and
-    # write the round into start_key, which is where joiners begin.
+    # this round. Otherwise (-1) the continuing members switch by their votes; the
+    # first to enter writes its round into start_key, where every other member and
+    # every joiner begins.
     start_round: int = -1
 
     @property

@@ -464,3 +464,36 @@ def test_healer_that_cannot_take_the_state_is_given_up(ftrun_home):
     assert "size mismatch" in proc.stderr, proc.stderr[-3000:]
     assert "finished with 2 of 3 replicas" in proc.stderr
     assert proc.stderr.count("cannot take the state") == 1, proc.stderr[-3000:]
+
+
+def _printed_steps(text: str) -> list:
+    """The steps a rank's loop printed (train_ft.py --print-every 1), per incarnation of its log."""
+    import re
+
+    parts = re.split(r"===== ftrun: rank \d+, incarnation \d+, .* =====\n", text)[1:]
+    return [[int(m) for m in re.findall(r"^step (\d+) loss", part, re.M)] for part in parts]
+
+
+def test_each_committed_step_reaches_the_loop_once(ftrun_home, tmp_path):
+    """The first round of an epoch (DDP's layout round) is averaged and committed, not
+    discarded: a failure-free run's loop sees each step once on every rank, and a replica
+    restarted by a SIGKILL sees, from its heal on, each step once too."""
+    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "once", TRAIN, "--steps", 60, "--print-every", 1,
+                        "--step-sleep", 0.02])
+    try:
+        r = _wait_replica(ftrun_home, "once", 2, lambda r, st: r["step"] >= 15 and r["state"] == "running")
+        os.kill(r["pid"], signal.SIGKILL)
+        rc, _, err = _finish(proc)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert "rank 2 is training again" in err, err[-3000:]
+    logs = Path(_state(ftrun_home, "once")["log_dir"])
+    first, again = _printed_steps((logs / "rank2" / "stdout.log").read_text())
+    assert first[:15] == list(range(15)), first
+    assert again == list(range(again[0], 60)) and again[0] >= 15, again
+    for rank in (0, 1):
+        (steps,) = _printed_steps((logs / f"rank{rank}" / "stdout.log").read_text())
+        assert sorted(set(steps)) == list(range(60)), steps
+        # Only rounds lost to the kill repeat a step (the round in flight, the switch), never the heal's.
+        assert len(steps) - 60 <= 3, steps

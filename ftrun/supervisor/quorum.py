@@ -242,8 +242,9 @@ class QuorumKeeper:
 
     def _unstick(self, now: float, top: int) -> None:
         """A member that has waited STUCK_S for a round's decision while another member of
-        its epoch reports being in another epoch would wait forever: that member will never
-        vote there. Vote FAIL in its place (the round fails; everyone moves on)."""
+        its epoch reports being in another epoch (or, still joining, in none while a newer
+        epoch is out) would wait forever: that member will never vote there. Vote FAIL in its
+        place (the round fails; everyone moves on)."""
         for v in self.ranks:
             info = self.info.get(v) or {}
             inc = self.alive.get(v)
@@ -261,12 +262,15 @@ class QuorumKeeper:
             e, rnd = int(where[0]), int(where[1])
             for m, k in self.epochs[e]:
                 mi = self.info.get(m) or {}
+                # In another epoch; or in none yet while a newer one is published: a joining
+                # replica enters the newest epoch, never this older one that listed it.
                 elsewhere = (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
-                             and mi.get("epoch") not in (None, e))
+                             and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))
                 if elsewhere and (m, k, e, rnd) not in self.unstuck:
                     self.unstuck.add((m, k, e, rnd))
                     self._fail_vote(e, rnd, top)
-                    self.history.append(f"rank {m} is in epoch {mi.get('epoch')} while epoch {e} waits for its "
+                    at = f"in epoch {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
+                    self.history.append(f"rank {m} is {at} while epoch {e} waits for its "
                                         f"vote in round {rnd}: voted fail in its place")
 
     def _live_epochs(self) -> Set[int]:

@@ -1,9 +1,9 @@
 """Progress reports from inside a worker: heartbeats, optimizer steps and other progress, via the store.
 
 A global optimizer step hook counts steps with no change to the user's script;
-a global module forward hook and wrappers of torch.save/torch.load count other
-progress (evaluation, checkpoints), so a long evaluation or save is not taken
-for a hang. A daemon thread writes
+with --step-timeout, a global module forward hook and wrappers of
+torch.save/torch.load count other progress (evaluation, checkpoints), so a
+long evaluation or save is not taken for a hang. A daemon thread writes
 `incarnation steps last_step_time now pid activity` to the supervisor's store
 every HEARTBEAT_S (and at once after the first step, and once more as the
 worker exits), so the supervisor can show live health, spot a hung rank, and
@@ -60,12 +60,15 @@ class ProgressReporter:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         register_optimizer_step_post_hook(self._on_step)
-        register_module_forward_hook(self._on_forward)
-        # torch.compile(module) warns that global hooks fire once more for its wrapper: for a
-        # counter of progress that is harmless, and the user did not register this hook.
-        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-        torch.save = self._counted(torch.save)
-        torch.load = self._counted(torch.load)
+        if os.environ.get("FTRUN_STEP_TIMEOUT"):
+            # Only --step-timeout counts progress that is not a step (the default hang rule reads
+            # the process's state and CPU instead): without it no worker pays a call per forward.
+            register_module_forward_hook(self._on_forward)
+            # torch.compile(module) warns that global hooks fire once more for its wrapper: for a
+            # counter of progress that is harmless, and the user did not register this hook.
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+            torch.save = self._counted(torch.save)
+            torch.load = self._counted(torch.load)
         self._thread.start()
         atexit.register(self.stop)
 

@@ -11,7 +11,7 @@ Must never import the supervisor.
 """
 
 import os
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,16 @@ class ReplicaHook:
         if hasattr(state, "start_powerSGD_iter"):
             # Every member starts the fresh state at the same, global, iteration.
             state.iter = self.mgr.step
+
+    def layout_average(self) -> None:
+        """The layout round's one average (see wrap_model), counted in the hook's figures."""
+        sent = average_gradients(self.mgr.pg, self.module)
+        if self.reg is not None:
+            stats = self.reg.stats
+            stats.steps += 1
+            stats.bytes_sent += sent
+            stats.bytes_dense += sent
+            stats.last_step_bytes = sent
 
     def __call__(self, _state: object, bucket: dist.GradBucket) -> torch.futures.Future:
         mgr, buf = self.mgr, bucket.buffer()
@@ -89,13 +99,18 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
     # that joins later would run its first step on the initial layout while its
     # peers use the rebuilt one, and the hook would sum mismatched slices. So the
     # first round after every heal is a layout round (manager.layout_round):
-    # every member computes it, sends nothing and discards it; the newcomer's
-    # DDP records the same order as its peers did, and rebuilds the same
-    # buckets at its next forward. (Forcing parameter order on every replica
-    # instead cost 20% of a small model's step: no overlap.)
+    # the hook sends nothing, so the newcomer's DDP records the same order as
+    # its peers did and rebuilds the same buckets at its next forward; the
+    # gradients are averaged once after the backward, in parameter order
+    # (average_gradients), and the round is voted like any other, so the
+    # user's loop never sees a step twice. (Forcing parameter order on every
+    # replica instead cost 20% of a small model's step: no overlap.)
     raw = os.environ.get("FTRUN_HOOK")
     spec = HookSpec.from_json(raw) if raw else HookSpec("allreduce")
     hook = ReplicaHook(mgr, spec, module)
+    sparse = any(getattr(m, "sparse", False) is True for m in module.modules())  # nn.Embedding(sparse=True)
+    if spec.name in GRADIENT_AVERAGING and not sparse:
+        mgr.layout_average = hook.layout_average
 
     def ftrun_ft_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return hook(state, bucket)
@@ -104,3 +119,44 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
     if mgr.pg is not None:
         hook.rebind(mgr.pg)
     return ddp
+
+
+# Hooks whose round is an average of gradients: their layout round can be one too. Local SGD
+# averages parameters on a schedule and noop averages nothing: theirs is still discarded.
+GRADIENT_AVERAGING = ("allreduce", "fp16", "bf16", "powersgd", "batched-powersgd")
+CHUNK_BYTES = 64 << 20  # one flat buffer of at most this much per collective: memory stays bounded
+
+
+def average_gradients(pg: dist.ProcessGroup, module: torch.nn.Module) -> int:
+    """The layout round's average: every parameter's gradient averaged over the group, in the
+    parameters' order (the same on every replica), in flat chunks of one dtype. A parameter
+    without a gradient here sends zeros and keeps none, as DDP on its group of one leaves it.
+    No host synchronisation (NCCL: the vote's settle bounds the wait). A failed collective, or
+    a gradient that is not dense, raises: the round is voted down. Returns the bytes sent."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if any(p.grad is not None and p.grad.layout != torch.strided for p in params):
+        raise ValueError("a gradient that is not dense cannot be averaged in the layout round")
+    n, sent = pg.size(), 0
+    by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for group in by_dtype.values():
+        start = 0
+        while start < len(group):
+            end, size = start, 0
+            while end < len(group) and (end == start or size + group[end].nbytes <= CHUNK_BYTES):
+                size += group[end].nbytes
+                end += 1
+            chunk = group[start:end]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(p.dtype)
+                              for p in chunk])
+            dist.all_reduce(flat, group=pg)
+            sent += flat.numel() * flat.element_size()
+            flat.div_(n)
+            offset = 0
+            for p in chunk:
+                if p.grad is not None:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+            start = end
+    return sent

@@ -98,10 +98,13 @@ class Manager:
         self.latest_seen = 0
         self.target_epoch: Optional[int] = None
         self.rebuild = False
-        # The first round after a heal: every member computes it without communicating and
-        # discards it, so the newcomers' DDP records the order in which gradients become
-        # ready and builds the same buckets as its peers (see ft/ddp.py).
+        # The first round after a heal: DDP's hook sends nothing, so the newcomers' DDP records
+        # the order in which gradients become ready and builds the same buckets as its peers
+        # (see ft/ddp.py); layout_average then averages the gradients once, and the round is
+        # voted as any other. Without it (a hook that does not average gradients) the round is
+        # discarded by all, with no vote.
         self.layout_round = False
+        self.layout_average: Optional[Callable[[], None]] = None
         self.finished = False
         self.committed = 0
         self.discarded = 0
@@ -246,12 +249,18 @@ class Manager:
     def vote(self) -> bool:
         """Vote on the current round; True if every member voted ok (then the caller steps)."""
         if self.layout_round:
-            # Agreed by all (it follows the same switch): nothing was sent, nothing is voted.
             self.layout_round = False
-            self.round += 1
-            self.round_ok = True
-            self._set_phase("discard")
-            return False
+            if self.layout_average is None:
+                # Agreed by all (it follows the same switch): nothing was sent, nothing is voted.
+                self.round += 1
+                self.round_ok = True
+                self._set_phase("discard")
+                return False
+            if self.pg is not None:  # without a group this member votes the round down
+                try:
+                    self.layout_average()
+                except Exception as e:  # the group broke: this round is voted down
+                    self.fail_round(str(e))
         self._set_phase("vote")
         if self.checkpoints is not None:
             self.checkpoints.staged()  # a save still copying the state: done before the optimizer steps
@@ -364,7 +373,11 @@ class Manager:
             # still on its way into an older epoch then. Rounds are counted per epoch.
             self.round = epoch.start_round
         elif changed and not joining:
-            self.store.compare_set(keys.start_key(epoch.id), "", str(self.round))
+            # Every member begins the epoch at one round, as joiners do: the first to enter it
+            # writes its round, the others take that one. Continuing members may come from
+            # different epochs at different rounds (each left its own by its own votes); on
+            # their own rounds they would form groups and vote where the others never come.
+            self.round = int(self.store.compare_set(keys.start_key(epoch.id), "", str(self.round)))
         self.group_round = self.round
         self.epoch = epoch
         self.target_epoch = None

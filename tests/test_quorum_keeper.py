@@ -1,0 +1,131 @@
+"""The quorum keeper's decisions, driven step by step against a real TCPStore in this process.
+
+The workers' side is played by writing what a worker writes (join requests, status reports,
+votes) into the store; the keeper is the supervisor's own class. Each test is one interleaving
+that once deadlocked or could: fast enough for the quick tier.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+import torch.distributed as dist
+
+from ftrun import protocol as keys
+from ftrun.supervisor import quorum
+from ftrun.supervisor.quorum import QuorumKeeper
+
+pytestmark = pytest.mark.quick
+
+
+class _RunStore:
+    def __init__(self) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
+
+
+@pytest.fixture
+def keeper(monkeypatch):
+    monkeypatch.setattr(quorum, "STUCK_S", 0.0)  # decide on the second poll, not after 2 s
+    q = QuorumKeeper(_RunStore(), [0, 1, 2])
+    q.on_store_ready()
+    return q
+
+
+def _join(q: QuorumKeeper, rank: int, inc: int) -> None:
+    q.alive[rank] = inc
+    q._s.set(keys.join_key(rank), str(inc))
+
+
+def _report(q: QuorumKeeper, rank: int, inc: int, epoch, rnd: int, phase: str) -> None:
+    q._s.set(keys.info_key(rank), json.dumps({"inc": inc, "epoch": epoch, "round": rnd, "phase": phase,
+                                              "beat": q._s.add(f"beat{rank}", 1)}))
+
+
+def _members(q: QuorumKeeper, epoch: int) -> dict:
+    return dict(tuple(m) for m in json.loads(q._s.get(keys.epoch_key(epoch)))["members"])
+
+
+def test_first_epoch_waits_for_every_started_replica(keeper):
+    _join(keeper, 0, 0)
+    keeper.poll(0.0)
+    assert keeper.epoch_id == 0  # ranks 1 and 2 are starting: the first epoch waits for them
+    _join(keeper, 1, 0)
+    _join(keeper, 2, 0)
+    keeper.poll(0.1)
+    assert keeper.epoch_id == 1 and _members(keeper, 1) == {0: 0, 1: 0, 2: 0}
+
+
+def test_after_every_replica_died_the_next_epoch_waits_for_all(keeper):
+    """Every holder lost: the fresh epoch waits for every replica being started (a resumed run
+    must not train alone on one replica's gradients), as the first does."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    for r in range(3):
+        keeper.on_exit(r, 0)
+    assert keeper.members == {} and keeper.epoch_id == 3  # epochs 2 and 3 as the first two left
+    for r in range(3):
+        keeper.alive[r] = 1
+    _join(keeper, 2, 1)
+    keeper.poll(1.0)
+    assert keeper.epoch_id == 3
+    _join(keeper, 0, 1)
+    _join(keeper, 1, 1)
+    keeper.poll(1.1)
+    assert keeper.epoch_id == 4 and _members(keeper, 4) == {0: 1, 1: 1, 2: 1}
+
+
+def test_a_rejoining_replica_does_not_wait_for_others(keeper):
+    """With live members, a replica that rejoins is admitted alone at once."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    keeper.on_exit(0, 0)
+    assert keeper.epoch_id == 2 and _members(keeper, 2) == {1: 0, 2: 0}
+    _join(keeper, 0, 1)
+    keeper.poll(0.1)
+    assert keeper.epoch_id == 3 and _members(keeper, 3) == {0: 1, 1: 0, 2: 0}
+
+
+def test_joiner_that_will_enter_a_newer_epoch_is_voted_for_in_the_older(keeper):
+    """Rank 1 votes in epoch 3, which lists rank 0's new incarnation; epoch 4 is out before rank
+    0 entered any epoch, so rank 0 will enter 4 and never vote in 3. The keeper votes fail in
+    its place, the round closes, and rank 1 moves on (it waited for ever before)."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    keeper.on_exit(0, 0)                      # epoch 2: ranks 1, 2
+    _join(keeper, 0, 1)
+    keeper.poll(0.1)                          # epoch 3: rank 0 (incarnation 1) joins
+    keeper.on_exit(2, 0)                      # epoch 4: ranks 0, 1
+    assert keeper.epoch_id == 4 and _members(keeper, 3) == {0: 1, 1: 0, 2: 0}
+    rnd = 7
+    keeper._s.add(keys.count_key(3, rnd), 1)  # rank 1's ok vote
+    for poll in range(3):
+        _report(keeper, 1, 0, 3, rnd, "vote")
+        _report(keeper, 0, 1, None, 0, "join")
+        keeper.poll(1.0 + poll)
+    assert keeper._s.check([keys.decision_key(3, rnd)]), keeper.history
+    assert keeper._s.get(keys.decision_key(3, rnd)).decode().startswith("fail")
+    assert any("rank 0 is still joining while epoch 3 waits for its vote" in h for h in keeper.history)
+
+
+def test_joiner_of_the_newest_epoch_is_left_to_enter_it(keeper):
+    """The same wait in the newest epoch is not stuck: the joiner will enter that epoch and
+    vote, so the keeper must not vote in its place."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    keeper.on_exit(0, 0)
+    _join(keeper, 0, 1)
+    keeper.poll(0.1)                          # epoch 3, the newest
+    rnd = 7
+    keeper._s.add(keys.count_key(3, rnd), 2)  # ranks 1 and 2 voted ok
+    for poll in range(3):
+        _report(keeper, 1, 0, 3, rnd, "vote")
+        _report(keeper, 2, 0, 3, rnd, "vote")
+        _report(keeper, 0, 1, None, 0, "join")
+        keeper.poll(1.0 + poll)
+    assert not keeper._s.check([keys.decision_key(3, rnd)]), keeper.history
