@@ -129,3 +129,25 @@ def test_joiner_of_the_newest_epoch_is_left_to_enter_it(keeper):
         _report(keeper, 0, 1, None, 0, "join")
         keeper.poll(1.0 + poll)
     assert not keeper._s.check([keys.decision_key(3, rnd)]), keeper.history
+
+
+def test_joiner_scanning_epochs_never_waits_on_a_deleted_one():
+    """A joining worker looks for the newest started epoch that lists it, scanning down; the
+    keeper deletes epochs nobody is in. Reaching a deleted one ends the scan (nothing older can
+    list it) at once: a blocking read would wait for the store's timeout, deaf to the epoch
+    its peers then start (a deadlock seen in 1 chaos run in 28)."""
+    import time
+
+    from ftrun.protocol import Epoch
+    from ftrun.worker.ft.manager import Manager
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30))
+    for e in (4, 5):
+        store.set(keys.epoch_key(e), Epoch(e, ((0, 1), (1, 1))).to_json())
+    mgr = Manager.__new__(Manager)  # only the scan: no store connection, no threads
+    mgr.store, mgr.rank, mgr.inc = store, 0, 1
+    t0 = time.monotonic()
+    assert mgr._started_epoch_with_me(5) is None  # 4 and 5 not started, 3 deleted
+    assert time.monotonic() - t0 < 5
+    store.set(keys.start_key(5), "17")
+    assert mgr._started_epoch_with_me(5) == (5, 17)

@@ -351,6 +351,10 @@ class Manager:
         they cannot leave it without our vote."""
         me = (self.rank, self.inc)
         for e in range(latest, 0, -1):
+            # An old epoch's key may be gone (the keeper deletes epochs nobody is in): a get
+            # would wait for it for the store's whole timeout, deaf to newer epochs meanwhile.
+            if not self.store.check([keys.epoch_key(e)]):
+                return None
             epoch = Epoch.from_json(self.store.get(keys.epoch_key(e)))
             if me not in epoch.members:
                 return None  # older epochs were published before we asked to join
