@@ -105,6 +105,10 @@ class Manager:
         # discarded by all, with no vote.
         self.layout_round = False
         self.layout_average: Optional[Callable[[], None]] = None
+        # A fresh epoch may resume from a checkpoint (--checkpoint-dir): its layout round is
+        # discarded, so the resumed step runs on the rebuilt buckets as it did in the run
+        # that wrote the checkpoint, and the resumed run stays bitwise that run.
+        self.layout_discard = False
         self.finished = False
         self.committed = 0
         self.discarded = 0
@@ -250,7 +254,7 @@ class Manager:
         """Vote on the current round; True if every member voted ok (then the caller steps)."""
         if self.layout_round:
             self.layout_round = False
-            if self.layout_average is None:
+            if self.layout_average is None or self.layout_discard:
                 # Agreed by all (it follows the same switch): nothing was sent, nothing is voted.
                 self.round += 1
                 self.round_ok = True
@@ -395,6 +399,7 @@ class Manager:
             if epoch.healers or epoch.fresh:
                 self._heal(epoch)  # the transfer may still take place, and its ends must say how it went
                 self.layout_round = self.uses_ddp
+                self.layout_discard = epoch.fresh and self.checkpoints is not None
             for fn in self.group_listeners:
                 fn(None)
             return
@@ -410,6 +415,7 @@ class Manager:
         if epoch.healers or epoch.fresh:
             self._heal(epoch)
             self.layout_round = self.uses_ddp
+            self.layout_discard = epoch.fresh and self.checkpoints is not None
         for fn in self.group_listeners:
             fn(self.pg)
 
