@@ -81,6 +81,31 @@ def rdzv_admit(rnd: int, node: int) -> str:
     return f"{RDZV}{rnd}/admit/{node}"   # --ft: node 0 took late node `node` into running round `rnd`
 
 # ---------------------------------------------------------------- --ft: quorum, votes, heals
+# ---------------------------------------------------------------- --ft: the round protocol
+# Each member (ft/manager.py) is in one phase at a time, reported in its info key; what it
+# waits for, and what ends the wait:
+#   join     join_key = its incarnation; polls LATEST and the epochs for the newest one that
+#            lists it and has begun (start_round, or start_key). A deleted epoch ends the scan.
+#            Ends when such an epoch exists (or FINISHED).
+#   group    builds the epoch's group under pg_prefix(epoch, round): given up the moment a
+#            member's inc_key says "dead", else after FTRUN_FT_TIMEOUT (10 s).
+#   heal     the state travels from the source to its healers over a group of those ends
+#            (FTRUN_FT_TIMEOUT per chunk; a dead end fails it at once).
+#   compute  the script's forward and backward; collectives bounded by FTRUN_FT_TIMEOUT
+#            (NCCL: the vote first waits for the stream at most that long).
+#   vote     adds to count_key(epoch, round); the add that completes the count writes
+#            decision_key; every other member waits on it (FTRUN_FT_VOTE_TIMEOUT, 600 s).
+#            The wait ends when every member voted, or when the keeper votes FAIL in a
+#            member's place: a dead one (every round its peers may be in), or after STUCK_S
+#            one that reports another epoch, or that is still joining while a newer epoch is
+#            out (it will enter that one, never this).
+#   commit / discard: step or not, then switch to the decision's epoch at the next round.
+#            In an epoch with start_round every member begins there; otherwise the first
+#            member to enter writes its round into start_key and every other member and
+#            joiner begins at that round.
+# The keeper (supervisor/quorum.py, node 0) publishes an epoch when a replica dies or asks
+# to join; one that starts from nothing (the first, or after every replica was lost) waits
+# up to 30 s for every replica being started.
 PREFIX = "ftrun/ft/"
 LATEST = PREFIX + "latest"            # id of the newest published epoch
 FINISHED = PREFIX + "finished"        # set by members that left the loop: the final global step

@@ -151,3 +151,39 @@ def test_joiner_scanning_epochs_never_waits_on_a_deleted_one():
     assert time.monotonic() - t0 < 5
     store.set(keys.start_key(5), "17")
     assert mgr._started_epoch_with_me(5) == (5, 17)
+
+
+def test_no_epoch_is_deleted_while_a_live_replica_is_joining(keeper):
+    """Rank 1 rejoins and is about to enter epoch 3 while every other replica dies and comes
+    back: with no live replica reporting an epoch, the keeper once deleted epochs up to the
+    newest minus two, and with them the decision rank 1 then waited for forever."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    keeper.on_exit(1, 0)                      # epoch 2
+    _join(keeper, 1, 1)
+    keeper.poll(0.1)                          # epoch 3: rank 1 (incarnation 1) joins
+    keeper.on_exit(0, 0)                      # epoch 4
+    keeper.on_exit(2, 0)                      # epoch 5: rank 1 alone
+    _join(keeper, 0, 1)
+    keeper.poll(0.2)                          # epoch 6
+    _join(keeper, 2, 1)
+    keeper.poll(0.3)                          # epoch 7
+    assert keeper.epoch_id == 7
+    for r, inc in ((0, 1), (1, 1), (2, 1)):
+        _report(keeper, r, inc, None, 0, "join")
+    keeper._collected_at, keeper._collected_when = -99, -1e9  # collect on this poll
+    keeper.poll(1.0)
+    assert all(keeper._s.check([keys.epoch_key(e)]) for e in range(1, 8))
+    _report(keeper, 1, 1, 3, 28, "vote")     # rank 1 entered epoch 3 after all
+    for r in (0, 2):
+        _report(keeper, r, 1, 7, 30, "vote")
+    keeper.poll(2.0)                          # reads the reports (the keeper collects before it reads)
+    keeper._collected_at, keeper._collected_when = -99, -1e9
+    keeper.poll(2.1)
+    assert all(keeper._s.check([keys.epoch_key(e)]) for e in range(1, 8))  # rank 1 is in epoch 3
+    _report(keeper, 1, 1, 7, 30, "vote")     # every live replica in epoch 7: older ones go
+    keeper.poll(3.0)
+    keeper._collected_at, keeper._collected_when = -99, -1e9
+    keeper.poll(3.1)
+    assert [e for e in range(1, 8) if keeper._s.check([keys.epoch_key(e)])] == [5, 6, 7]

@@ -228,7 +228,7 @@ class QuorumKeeper:
         """Vote FAIL for a dead member in the rounds its peers may be waiting on, in every
         epoch that lists it and that live members may still be in or enter."""
         filled = self.dead.setdefault((rank, inc), {})
-        oldest = min(self._live_epochs(), default=0)
+        oldest = min(self._live_epochs(), default=0) if self._all_live_report() else 0
         for e, members in self.epochs.items():
             if (rank, inc) not in members or e < oldest:
                 continue
@@ -273,6 +273,14 @@ class QuorumKeeper:
                     self.history.append(f"rank {m} is {at} while epoch {e} waits for its "
                                         f"vote in round {rnd}: voted fail in its place")
 
+    def _all_live_report(self) -> bool:
+        """Every live replica's newest report, of its own incarnation, names the epoch it is in."""
+        for r, inc in self.alive.items():
+            info = self.info.get(r) or {}
+            if inc is not None and not (info.get("inc") == inc and info.get("epoch")):
+                return False
+        return True
+
     def _live_epochs(self) -> Set[int]:
         live = set()
         for r, inc in self.alive.items():
@@ -284,9 +292,10 @@ class QuorumKeeper:
     def _refill(self, top: int) -> None:
         """Keep voting FAIL for dead members some live replica may still wait for."""
         live_epochs = self._live_epochs()
+        settled = self._all_live_report()  # a joiner may yet enter an old epoch that lists the dead
         for member in list(self.dead):
             newest = max((e for e, m in self.epochs.items() if member in m), default=0)
-            if live_epochs and min(live_epochs) > newest:
+            if settled and live_epochs and min(live_epochs) > newest:
                 del self.dead[member]  # every live replica is past every epoch that listed it
             else:
                 self._fill_votes(member[0], member[1], top)
@@ -324,7 +333,11 @@ class QuorumKeeper:
                 now_inc = self.alive.get(rep * self.k)
                 if now_inc is not None and inc < now_inc:
                     s.delete_key(key)
-        oldest = min(self._live_epochs(), default=self.epoch_id) - 2
+        # An epoch's keys go once every live replica reports being past it. A live replica that
+        # reports no epoch of its own yet (joining, or its first report not read) may be about to
+        # enter any epoch that lists it: nothing is deleted by epoch meanwhile (this once took a
+        # joiner's epoch, and the decision it was about to read, from under it).
+        oldest = min(self._live_epochs(), default=-1) - 2 if self._all_live_report() else -1
         for key, kind, (e, rnd) in ours:
             if e < oldest or kind in ("n", "d", "heal", "pg") and rnd < newest.get(e, -1) - ROUND_KEYS_KEPT:
                 s.delete_key(key)

@@ -426,9 +426,17 @@ class Manager:
         return f"ranks {gone} of epoch {epoch.id} are gone" if gone else None
 
     def _form(self, prefix: str, epoch: Epoch, ranks: List[int]) -> dist.ProcessGroup:
-        """A group of `ranks` (in that order), given up as soon as one of them dies."""
+        """A group of `ranks` (in that order), given up as soon as one of them dies or a newer
+        epoch is out: members already in the newer one never come to this group, and waiting
+        for them would cost the formation's whole timeout; the failed round's decision names
+        the newer epoch, where everyone meets."""
+        def why() -> Optional[str]:
+            if self.latest_seen > epoch.id:
+                return f"epoch {self.latest_seen} is out"
+            return self._gone(epoch, ranks)
+
         return build_group_watched(os.environ["FTRUN_STORE"], prefix, ranks.index(self.rank), len(ranks),
-                                   lambda: self._gone(epoch, ranks), POLL_S)
+                                   why, POLL_S)
 
     def _drop_group(self) -> None:
         """Close this member's connections at once. Peers still blocked in the failed
