@@ -858,6 +858,9 @@ class Supervisor:
         if w.stopped_for(now) >= limit:
             return f"hung (its process was stopped for {limit:g} s)"
         if self.quorum is not None and self.quorum.waited_for_s(w.rank) >= limit and w.idle_for(now) >= limit:
+            mates = [m for m in self.workers if m is not w and m.rank // self.k == w.rank // self.k]
+            if any(m.stopped_since is not None for m in mates):
+                return None  # it waits for a stopped mate: that one is the culprit, named by its stop
             return f"hung (its peers waited {limit:g} s for its step while it used no CPU)"
         return None
 
