@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import signal
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 # ---------------------------------------------------------------- workers -> supervisor: progress
 # "<incarnation> <steps> <last step time> <now> <pid> <activity>", rewritten by every
@@ -92,14 +92,23 @@ def rdzv_admit(rnd: int, node: int) -> str:
 #   heal     the state travels from the source to its healers over a group of those ends
 #            (FTRUN_FT_TIMEOUT per chunk; a dead end fails it at once).
 #   compute  the script's forward and backward; collectives bounded by FTRUN_FT_TIMEOUT
-#            (NCCL: the vote first waits for the stream at most that long).
-#   vote     adds to count_key(epoch, round); the add that completes the count writes
-#            decision_key; every other member waits on it (FTRUN_FT_VOTE_TIMEOUT, 600 s).
-#            The wait ends when every member voted, or when the keeper votes FAIL in a
-#            member's place: a dead one (every round its peers may be in), or after STUCK_S
-#            one that reports another epoch, or that is still joining while a newer epoch is
-#            out (it will enter that one, never this).
-#   commit / discard: step or not, then switch to the decision's epoch at the next round.
+#            (NCCL: the vote first waits for the stream at most that long). Before the
+#            round's first collective the member reads the previous round's decision
+#            (see "commit"), in the "vote" phase while it waits.
+#   vote     a member whose collectives all succeeded adds OK_VOTE to count_key(epoch,
+#            round) from a thread of its own and steps at once; one whose round failed
+#            adds FAIL_VOTE and waits for the decision. The add that completes the count
+#            writes decision_key; a member reads it when it needs it (FTRUN_FT_VOTE_TIMEOUT,
+#            600 s). The wait ends when every member voted, or when the keeper votes in a
+#            member's place: ABSTAIN_VOTE for a dead one (every round its peers may be in),
+#            FAIL_VOTE after STUCK_S for one that reports another epoch, or that is still
+#            joining while a newer epoch is out (it will enter that one, never this).
+#   commit / discard: a member whose action (stepped or not) the decision contradicts
+#            exits and restarts as a healer (a mixed outcome, when a peer dies mid-collective
+#            or a dead member's own vote and its abstention both counted). The others switch
+#            to the decision's epoch: after a failed round at the next round (everyone who
+#            goes on waited for that decision); after a commit at the round after next (the
+#            first boundary every member reaches having read it).
 #            In an epoch with start_round every member begins there; otherwise the first
 #            member to enter writes its round into start_key and every other member and
 #            joiner begins at that round.
@@ -119,11 +128,16 @@ def start_key(epoch: int) -> str:
     return f"{PREFIX}start/{epoch}"   # round at which members switched to the epoch
 
 
-# A round's votes are one counter per (epoch, round): each member adds 1 (ok) or
-# FAIL_VOTE (failed); the supervisor adds FAIL_VOTE for a member it saw die. The add
-# that brings the count of votes to the epoch's size closes the round: its author
-# writes the decision, every other member reads it. O(1) store work per member.
-FAIL_VOTE = 1 << 32
+# A round's votes are one counter per (epoch, round): each member adds OK_VOTE or
+# FAIL_VOTE; the supervisor adds ABSTAIN_VOTE for a member it saw die (a dead member's
+# state no longer matters; had it finished the round's collectives, its peers' succeeded
+# too) and FAIL_VOTE for a live member that will never vote there. The add that brings
+# the count of votes to the epoch's size closes the round: its author writes the
+# decision (commit: no failed vote and at least one ok), every other member reads it.
+# O(1) store work per member. Each field has 21 bits: up to 2M votes of a kind per round.
+OK_VOTE = 1
+ABSTAIN_VOTE = 1 << 21
+FAIL_VOTE = 1 << 42
 TOP = PREFIX + "top"                  # the newest round whose decision was written (a hint for the keeper)
 
 
@@ -132,13 +146,26 @@ def count_key(epoch: int, round_: int) -> str:
 
 
 def decision_key(epoch: int, round_: int) -> str:
-    return f"{PREFIX}d/{epoch}/{round_}"  # "commit E" / "fail E": E = the epoch to be in from the next round
+    return f"{PREFIX}d/{epoch}/{round_}"  # "commit E" / "fail E": E = the newest epoch its author had seen
 
 
-def tally(total: int) -> Tuple[int, int]:
-    """(votes cast, failed votes) of a round's counter."""
-    fails, oks = divmod(int(total), FAIL_VOTE)
-    return oks + fails, fails
+class Tally(NamedTuple):
+    votes: int
+    fails: int
+    oks: int
+
+    @property
+    def commit(self) -> bool:
+        """The round's decision once closed: every vote that was cast ok or abstained, one ok at least."""
+        return self.fails == 0 and self.oks > 0
+
+
+def tally(total: int) -> Tally:
+    """What a round's counter holds."""
+    total = int(total)
+    fails, rest = divmod(total, FAIL_VOTE)
+    abstains, oks = divmod(rest, ABSTAIN_VOTE)
+    return Tally(oks + abstains + fails, fails, oks)
 
 
 def inc_key(rank: int) -> str:

@@ -4,11 +4,13 @@
     .venv/bin/python scripts/bench_ft_overhead.py --runs 1
 
 Each run is `ftrun --nproc 3 --ft scripts/train_ft_vs_ddp.py`: every worker
-builds the model twice, once under torch's DDP on the default gloo group and
-once under ftrun.ft (DDP on ftrun's epoch group, store-voted commit), and
-steps them in turn (ABAB), so both see the same machine at the same moments.
-A run's figure is the mean step time over the three workers; the ratio is
-plain DDP's time over ftrun.ft's (1.0 = --ft costs nothing). Medians over
+builds the model three times: under torch's DDP on the default gloo group,
+the same with torch's own Python allreduce comm hook (the cost of any hook
+written in Python, against DDP's built-in one), and under ftrun.ft (DDP on
+ftrun's epoch group, store-voted commit), and steps them in turn, so all
+see the same machine at the same moments. A run's figure is the mean step
+time over the three workers; the ratio is plain DDP's time over ftrun.ft's
+(1.0 = --ft costs nothing), and the Python-hook DDP's over ftrun.ft's. Medians over
 --runs runs are printed as a markdown table.
 """
 
@@ -40,8 +42,9 @@ def one(args: list) -> dict:
     if out.returncode != 0 or len(rows) != 3:
         raise SystemExit(f"bench_ft_overhead: run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     ddp = statistics.mean(r["ddp_mean_ms"] for r in rows)
+    py = statistics.mean(r["pyhook_mean_ms"] for r in rows)
     ft = statistics.mean(r["ft_mean_ms"] for r in rows)
-    return {"ddp_ms": ddp, "ft_ms": ft, "ratio": ddp / ft}
+    return {"ddp_ms": ddp, "pyhook_ms": py, "ft_ms": ft, "ratio": ddp / ft, "py_ratio": py / ft}
 
 
 def main() -> None:
@@ -55,10 +58,12 @@ def main() -> None:
             print(f"{name}: {json.dumps({k: round(v, 3) for k, v in r.items()})}", flush=True)
         table.append((name, {k: statistics.median(r[k] for r in runs) for k in runs[0]},
                       min(r["ratio"] for r in runs), max(r["ratio"] for r in runs)))
-    print("\n| model | plain DDP step | ftrun --ft step | DDP / --ft (median) | min - max |")
-    print("|---|---:|---:|---:|---:|")
+    print("\n| model | plain DDP step | DDP + Python hook step | ftrun --ft step | DDP / --ft (median) | min - max "
+          "| Python-hook DDP / --ft (median) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, m, lo, hi in table:
-        print(f"| {name} | {m['ddp_ms']:.2f} ms | {m['ft_ms']:.2f} ms | {m['ratio']:.3f} | {lo:.3f} - {hi:.3f} |")
+        print(f"| {name} | {m['ddp_ms']:.2f} ms | {m['pyhook_ms']:.2f} ms | {m['ft_ms']:.2f} ms | {m['ratio']:.3f} "
+              f"| {lo:.3f} - {hi:.3f} | {m['py_ratio']:.3f} |")
     print(f"\n{args.runs} runs each, 3 workers, gloo on CPU; load average {os.getloadavg()[0]:.1f}")
 
 

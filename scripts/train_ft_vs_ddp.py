@@ -1,11 +1,13 @@
-"""Failure-free cost of --ft: the same model trained by plain torch DDP and by ftrun.ft, alternately.
+"""Failure-free cost of --ft: the same model trained by plain torch DDP and by ftrun.ft, in turn.
 
 Run under `ftrun --nproc N --ft` (scripts/bench_ft_overhead.py does). Each
-worker builds two identical models: one wrapped in torch's DDP over the
-default gloo group (init_process_group), one wrapped with ftrun.ft, and
-steps them in turn (ABAB...), so both see the same machine at the same
-moments. Prints one JSON line per worker: the median and mean step times of
-each.
+worker builds three identical models: one wrapped in torch's DDP over the
+default gloo group (init_process_group), one the same with torch's own
+Python allreduce comm hook (default_hooks.allreduce_hook: what any hook
+written in Python costs against DDP's built-in C++ one), one wrapped with
+ftrun.ft, and steps them in turn (ABCABC...), so all see the same machine at
+the same moments. Prints one JSON line per worker: the median and mean step
+times of each.
 """
 
 import argparse
@@ -16,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import ftrun.ft as ft
 
@@ -42,6 +45,9 @@ def main() -> None:
 
     plain = nn.parallel.DistributedDataParallel(build(args.dim, args.hidden, args.depth))
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+    pyhook = nn.parallel.DistributedDataParallel(build(args.dim, args.hidden, args.depth))
+    pyhook.register_comm_hook(None, default_hooks.allreduce_hook)
+    pyhook_opt = torch.optim.SGD(pyhook.parameters(), lr=0.01, momentum=0.9)
     ftm = ft.DistributedDataParallel(build(args.dim, args.hidden, args.depth))
     ft_opt = ft.Optimizer(torch.optim.SGD(ftm.parameters(), lr=0.01, momentum=0.9))
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1)) / args.dim ** 0.5
@@ -52,7 +58,7 @@ def main() -> None:
         y = x @ true_w
         return x.chunk(n)[i], y.chunk(n)[i]
 
-    times = {"ddp": [], "ft": []}
+    times = {"ddp": [], "pyhook": [], "ft": []}
     it = iter(ft.steps(args.steps))
     for k in range(args.steps):
         x, y = batch(k, rank, world)
@@ -61,6 +67,11 @@ def main() -> None:
         plain_opt.zero_grad(set_to_none=True)
         loss.backward()
         plain_opt.step()
+        tp = time.perf_counter()
+        loss = nn.functional.mse_loss(pyhook(x), y)
+        pyhook_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        pyhook_opt.step()
         t1 = time.perf_counter()
         step = next(it, None)
         if step is None:
@@ -72,7 +83,8 @@ def main() -> None:
         ft_opt.step()
         t2 = time.perf_counter()
         if k >= args.warmup:
-            times["ddp"].append(t1 - t0)
+            times["ddp"].append(tp - t0)
+            times["pyhook"].append(t1 - tp)
             times["ft"].append(t2 - t1)
     out = {"rank": rank, **{f"{k}_median_ms": 1e3 * statistics.median(v) for k, v in times.items()},
            **{f"{k}_mean_ms": 1e3 * statistics.mean(v) for k, v in times.items()}, "steps": len(times["ft"])}

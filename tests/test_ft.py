@@ -497,3 +497,28 @@ def test_each_committed_step_reaches_the_loop_once(ftrun_home, tmp_path):
         assert sorted(set(steps)) == list(range(60)), steps
         # Only rounds lost to the kill repeat a step (the round in flight, the switch), never the heal's.
         assert len(steps) - 60 <= 3, steps
+
+
+def test_members_that_stepped_past_a_failed_round_restart_and_heal(ftrun_home, tmp_path):
+    """The vote is read a step late: a member whose collectives succeeded steps at once. Rank 1
+    votes step 20 down after every collective of it went through (injected), so ranks 0 and 2
+    have stepped past a round that is discarded: each restarts when it reads the decision (in
+    the next round, before its first collective) and heals from rank 1, which never stepped.
+    The run finishes with every replica bitwise identical."""
+    out = tmp_path / "p"
+    run_id = "mixed"
+    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *MID, "--steps", 50, "--out", out],
+                       env={"FTRUN_FT_INJECT_FAIL": "1:20"})
+    try:
+        rc, _, err = _finish(proc, 240)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    for r in (0, 2):
+        log = _rank_log(ftrun_home, run_id, r)
+        assert "was voted down after this member had stepped past it" in log, log[-2000:]
+        assert _received_mb(log), log[-2000:]  # it healed from a peer: the only holder is rank 1
+    log1 = _rank_log(ftrun_home, run_id, 1)
+    assert "injected by FTRUN_FT_INJECT_FAIL" in log1 and "restarting" not in log1, log1[-2000:]
+    _, stats = _assert_identical(out, 3)
+    assert stats["step"] == 50

@@ -187,3 +187,41 @@ def test_no_epoch_is_deleted_while_a_live_replica_is_joining(keeper):
     keeper._collected_at, keeper._collected_when = -99, -1e9
     keeper.poll(3.1)
     assert [e for e in range(1, 8) if keeper._s.check([keys.epoch_key(e)])] == [5, 6, 7]
+
+
+@pytest.mark.parametrize("second", ["ok", "fail"])
+def test_a_dead_members_abstention_leaves_the_decision_to_the_survivors(keeper, second):
+    """Members whose collectives succeeded step before the decision is in (it is read a round
+    later). If a member dies after its part of the round went through, its peers' round must
+    still commit, or every survivor would have stepped past a discarded round with nobody to
+    heal from: the keeper abstains for the dead, it does not vote them down. A survivor's
+    failed vote still fails the round."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    keeper._s.set(keys.TOP, "4")              # rounds up to 4 decided: 5 and 6 are in flight
+    keeper._s.add(keys.count_key(1, 5), keys.OK_VOTE)
+    keeper._s.add(keys.count_key(1, 5), keys.OK_VOTE if second == "ok" else keys.FAIL_VOTE)
+    keeper.on_exit(0, 0)                      # rank 0 never voted in round 5
+    assert keeper._s.get(keys.decision_key(1, 5)).decode() == ("commit 2" if second == "ok" else "fail 2")
+
+
+def test_a_round_whose_closer_died_is_decided_by_its_votes(keeper):
+    """Every member voted ok in round 5, and the one whose vote closed the round died before it
+    wrote the decision. The others have stepped already: the keeper decides the round by its
+    votes (commit), never as failed."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    keeper._s.set(keys.TOP, "4")
+    for _ in range(3):
+        keeper._s.add(keys.count_key(1, 5), keys.OK_VOTE)
+    keeper.on_exit(2, 0)  # the closer: its abstention over-counts; the keeper sees the round closed, undecided
+    assert keeper._s.get(keys.decision_key(1, 5)).decode() == "commit 2"
+
+
+def test_tally_reads_each_kind_of_vote():
+    total = 3 * keys.OK_VOTE + 2 * keys.ABSTAIN_VOTE + keys.FAIL_VOTE
+    assert keys.tally(total) == (6, 1, 3) and not keys.tally(total).commit
+    assert keys.tally(2 * keys.ABSTAIN_VOTE + keys.OK_VOTE).commit
+    assert not keys.tally(3 * keys.ABSTAIN_VOTE).commit  # nobody voted ok: nothing to commit

@@ -13,11 +13,11 @@ healers, or none).
 It publishes an epoch (members, and which of them must heal) whenever
 membership changes: when every first replica has asked to join, when a
 restarted replica asks to join, and when a member dies. For a member that
-died it adds a failed vote to the counters of the rounds its peers may be
-waiting on (the two after the newest decided round), so those rounds close
-as failed and the survivors move on without it; a round its vote closes, it
-decides. It deletes the keys of finished rounds and old epochs, so the
-store does not grow with the run. Status figures come back from the
+died it abstains in the rounds its peers may be waiting on (the two after
+the newest decided round), so those rounds close on the survivors' own votes
+and they move on without it; a round its vote closes, it decides. It
+deletes the keys of finished rounds and old epochs, so the store does not
+grow with the run. Status figures come back from the
 replicas' info keys.
 Must never import torch (it talks to the store through RunStore), and never
 touch processes.
@@ -60,10 +60,10 @@ class QuorumKeeper:
         self.ready = False
         self.history: List[str] = []
         self._dead_pending: List[Tuple[int, int]] = []
-        # Members that died while listed in an epoch, and the rounds voted FAIL for them,
+        # Members that died while listed in an epoch, and the rounds abstained for them,
         # kept up to two rounds past the newest decided one on every poll
         # vote, for as long as some live replica may still be in an epoch that lists them.
-        self.dead: Dict[Tuple[int, int], Dict[int, Set[int]]] = {}  # -> epoch -> rounds voted FAIL
+        self.dead: Dict[Tuple[int, int], Dict[int, Set[int]]] = {}  # -> epoch -> rounds abstained
         self.starts: Dict[int, int] = {}  # epoch -> start round, for epochs the keeper started afresh
         self.voting_since: Dict[int, Tuple[Tuple[object, object], float]] = {}
         self.unstuck: Set[Tuple[int, int, int, int]] = set()
@@ -190,27 +190,27 @@ class QuorumKeeper:
     def _top(self) -> int:
         return int(self._s.get(keys.TOP))
 
-    def _fail_vote(self, e: int, rnd: int, top: int) -> None:
-        """Add one failed vote to round `rnd` of epoch `e`; decide the round if it closes it.
-        Always safe: a round commits only if its first votes, as many as members, are all ok."""
-        s = self._s
-        total = s.add(keys.count_key(e, rnd), keys.FAIL_VOTE)
-        if keys.tally(total)[0] == len(self.epochs[e]):  # this closed the round: nobody else decides it
-            self._decide_failed(e, rnd, top)
+    def _add_vote(self, e: int, rnd: int, top: int, vote: int) -> None:
+        """Add a vote in a member's place to round `rnd` of epoch `e`; decide the round if it
+        closes it, as a member would (commit: no failed vote, one ok at least)."""
+        t = keys.tally(self._s.add(keys.count_key(e, rnd), vote))
+        if t.votes == len(self.epochs[e]):  # this closed the round: nobody else decides it
+            self._decide(e, rnd, top, t.commit)
 
-    def _decide_failed(self, e: int, rnd: int, top: int) -> None:
+    def _decide(self, e: int, rnd: int, top: int, commit: bool) -> None:
         s = self._s
-        s.compare_set(keys.decision_key(e, rnd), "", f"fail {self.epoch_id}")
+        s.compare_set(keys.decision_key(e, rnd), "", f"{'commit' if commit else 'fail'} {self.epoch_id}")
         if rnd > top:
             s.set(keys.TOP, str(rnd))
 
     def _close_orphaned(self, e: int, rnd: int, top: int) -> None:
         """A round every member voted in but nobody decided: its closer died between its vote
-        and its decision. Decide it as failed (compare_set: a decision already written stands)."""
+        and its decision. Decide it by its votes, as the closer would have (members that voted
+        ok have stepped already; compare_set: a decision already written stands)."""
         s = self._s
-        if keys.tally(s.add(keys.count_key(e, rnd), 0))[0] >= len(self.epochs[e]) \
-                and not s.check([keys.decision_key(e, rnd)]):
-            self._decide_failed(e, rnd, top)
+        t = keys.tally(s.add(keys.count_key(e, rnd), 0))
+        if t.votes >= len(self.epochs[e]) and not s.check([keys.decision_key(e, rnd)]):
+            self._decide(e, rnd, top, t.commit)
 
     def _rounds_of(self, e: int, top: int) -> Set[int]:
         """Rounds of epoch `e` its live members may be waiting on: the two after the newest
@@ -225,8 +225,10 @@ class QuorumKeeper:
         return rounds
 
     def _fill_votes(self, rank: int, inc: int, top: int) -> None:
-        """Vote FAIL for a dead member in the rounds its peers may be waiting on, in every
-        epoch that lists it and that live members may still be in or enter."""
+        """Abstain for a dead member in the rounds its peers may be waiting on, in every
+        epoch that lists it and that live members may still be in or enter. Not a failed
+        vote: the live members' own votes say whether the round's collectives went through
+        (if the dead one had sent its part, they did), and those that voted ok have stepped."""
         filled = self.dead.setdefault((rank, inc), {})
         oldest = min(self._live_epochs(), default=0) if self._all_live_report() else 0
         for e, members in self.epochs.items():
@@ -235,7 +237,7 @@ class QuorumKeeper:
             done = filled.setdefault(e, set())
             rounds = self._rounds_of(e, top)
             for rnd in sorted(rounds - done):
-                self._fail_vote(e, rnd, top)
+                self._add_vote(e, rnd, top, keys.ABSTAIN_VOTE)
                 done.add(rnd)
             for rnd in sorted(rounds & done):
                 self._close_orphaned(e, rnd, top)
@@ -268,7 +270,7 @@ class QuorumKeeper:
                              and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))
                 if elsewhere and (m, k, e, rnd) not in self.unstuck:
                     self.unstuck.add((m, k, e, rnd))
-                    self._fail_vote(e, rnd, top)
+                    self._add_vote(e, rnd, top, keys.FAIL_VOTE)
                     at = f"in epoch {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
                     self.history.append(f"rank {m} is {at} while epoch {e} waits for its "
                                         f"vote in round {rnd}: voted fail in its place")
@@ -290,7 +292,7 @@ class QuorumKeeper:
         return live
 
     def _refill(self, top: int) -> None:
-        """Keep voting FAIL for dead members some live replica may still wait for."""
+        """Keep abstaining for dead members some live replica may still wait for."""
         live_epochs = self._live_epochs()
         settled = self._all_live_report()  # a joiner may yet enter an old epoch that lists the dead
         for member in list(self.dead):

@@ -62,6 +62,7 @@ class ReplicaHook:
 
     def __call__(self, _state: object, bucket: dist.GradBucket) -> torch.futures.Future:
         mgr, buf = self.mgr, bucket.buffer()
+        mgr.before_collective()
         if mgr.layout_round:
             return _done(buf)
         if self.reg is None or not mgr.round_ok:

@@ -2,13 +2,17 @@
 
 A round is one attempt at a step. Each member adds its vote (ok, or failed)
 to the round's counter in the store, one round trip; the member whose vote
-completes the count writes the decision (commit only if every vote was ok,
-and the newest epoch it has seen), and the others read it, so all members
-decide alike and the store does O(1) work per member. A member that died
-never votes: the supervisor, which sees the death within milliseconds, adds
-a failed vote for it. After a round, members switch to the epoch the
-decision names, at the same boundary; a thread learns of new epochs as they
-are published, so no step asks. A new or restarted replica asks to join, is
+completes the count writes the decision (commit when no vote failed, and
+the newest epoch it has seen), and the others read it, so all members
+decide alike and the store does O(1) work per member. A member whose
+collectives succeeded steps at once and reads the decision during the next
+round, before that round's first collective; one whose action the decision
+contradicts restarts and heals. A member that died never votes: the
+supervisor, which sees the death within milliseconds, abstains for it.
+Members switch to the epoch a decision names at one boundary: the round
+after next for a commit (read late), the next for a failed round (read at
+once by everyone who goes on); a thread learns of new epochs as they are
+published, so no step asks. A new or restarted replica asks to join, is
 put into an epoch as a healer, and receives the model, optimizer and
 registered state from a peer over a process group (ft/transport.py), before
 the round's forward pass. With --checkpoint-dir the replica at index 0
@@ -82,6 +86,7 @@ class Manager:
         host, _, port = store_addr.rpartition(":")
         timeout = datetime.timedelta(seconds=float(os.environ.get("FTRUN_FT_VOTE_TIMEOUT", "600")))
         self.store = dist.TCPStore(host, int(port), None, False, timeout)
+        self._ballot = vote.Ballot(lambda: dist.TCPStore(host, int(port), None, False, timeout))
         self.rank = int(os.environ["RANK"])
         self.inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.k = max(1, int(os.environ.get("FTRUN_REPLICA_SIZE", "1")))
@@ -97,7 +102,9 @@ class Manager:
         self.round_ok = True
         self.latest_seen = 0
         self.target_epoch: Optional[int] = None
+        self.switch_round: Optional[int] = None  # the round at whose top the member switches to target_epoch
         self.rebuild = False
+        self._waiting_round: Optional[int] = None  # the round whose decision the member waits for
         # The first round after a heal: DDP's hook sends nothing, so the newcomers' DDP records
         # the order in which gradients become ready and builds the same buckets as its peers
         # (see ft/ddp.py); layout_average then averages the gradients once, and the round is
@@ -126,6 +133,11 @@ class Manager:
         self._chunk = int(_env_number("FTRUN_FT_CHUNK_MB", 64, 1, 4096) * (1 << 20))
         self.last_transfer: Optional[Dict[str, Any]] = None
         self._settle_s = _env_number("FTRUN_FT_TIMEOUT", 10, 0.5, 3600)
+        # Fault injection for tests, "RANK:STEP": that rank's first incarnation votes that step down
+        # after its collectives succeeded everywhere (the others have stepped: a mixed outcome).
+        inject = os.environ.get("FTRUN_FT_INJECT_FAIL", "").split(":")
+        self._inject_fail = (int(inject[0]), int(inject[1])) if len(inject) == 2 and all(
+            i.strip().isdigit() for i in inject) else None
         # Durable state (--checkpoint-dir): saved at the top of the round after a due commit,
         # before any switch, so it is exactly the state of the step just committed.
         self.checkpoints = Checkpointer.from_env(self.rank, self.shard, self.k, _log)
@@ -202,7 +214,8 @@ class Manager:
         return {
             "inc": self.inc, "epoch": self.epoch.id if self.epoch else None,
             "quorum": self.num_replicas if self.epoch else 0, "in_quorum": self.epoch is not None and self.in_sync,
-            "healing": self.phase == "heal", "step": self.step, "round": self.round,
+            "healing": self.phase == "heal", "step": self.step,
+            "round": self._waiting_round if self._waiting_round is not None else self.round,
             "committed": self.committed, "discarded": self.discarded, "last_heal_s": self.last_heal_s,
             "phase": self.phase, "phase_since": self.phase_since, "heals": self.heals,
             "last_transfer": self.last_transfer,
@@ -221,6 +234,7 @@ class Manager:
             if self.finished or self.step >= total:
                 break
             yield self.step
+        self._settle()
         if self.checkpoints is not None:
             self.checkpoints.wait()  # the last checkpoint is published before the script goes on
         if not self.finished:
@@ -230,16 +244,32 @@ class Manager:
             self._progress.note_step(self.step)
 
     def start_round(self) -> None:
+        self._settle(block=False)
+        if self._ballot.round is not None and (self._save_due or self._due_switch() is not None
+                                               or (self.total is not None and self.step >= self.total)):
+            # A checkpoint, a switch (whose heal sends this state) and the end of the loop all
+            # need the last step decided, not merely taken.
+            self._settle()
         if self._save_due:
             self._save_due = False
             self._set_phase("checkpoint")
             self.checkpoints.save(self.state, self.step)
         if self.epoch is None:
             self._join()
-        elif self.target_epoch is not None or self.rebuild:
-            self._switch(self.target_epoch if self.target_epoch is not None else self.epoch.id)
+        else:
+            target = self._due_switch()
+            if target is not None:
+                self._switch(target)
         self.round_ok = self.round_ok and self.in_sync
         self._set_phase("compute")
+
+    def _due_switch(self) -> Optional[int]:
+        """The epoch to switch to (or to rebuild the group of) at the top of this round, if any."""
+        if self.target_epoch is not None and (self.rebuild or self.round >= (self.switch_round or 0)):
+            return self.target_epoch
+        if self.rebuild:
+            return self.epoch.id
+        return None
 
     def fail_round(self, why: str = "") -> None:
         """A collective of this round failed: the round will be voted down."""
@@ -250,8 +280,23 @@ class Manager:
             self._last_failure = line
         self.round_ok = False
 
+    def before_collective(self) -> None:
+        """Called before the round's first collective: the previous round's decision must be in
+        (it arrived during this round's forward pass, as a rule), so that no member sends a
+        gradient over a group whose last round was voted down."""
+        if self._ballot.round is not None:
+            self._settle()
+
     def vote(self) -> bool:
-        """Vote on the current round; True if every member voted ok (then the caller steps)."""
+        """Vote on the current round; True if this member steps (the caller steps at once).
+
+        A member whose collectives all succeeded steps without waiting: its ok vote goes to the
+        store from a thread and the decision is read during the next round (`_settle`). Every
+        member's collectives succeeded only if every member's did (an all-reduce completes for
+        all or fails), so the decision is commit as a rule; where a member's action and the
+        decision disagree (a rare mixed outcome as a peer dies mid-collective), that member
+        restarts and heals from a peer. A member whose round failed votes and waits, as before.
+        """
         if self.layout_round:
             self.layout_round = False
             if self.layout_average is None or self.layout_discard:
@@ -271,21 +316,36 @@ class Manager:
         if self.pg is not None and not settle(self._settle_s):
             # NCCL does not fail a collective whose peer died: it would wait forever.
             self.fail_round(f"the round's collectives did not finish within {self._settle_s:g} s")
+        if self._inject_fail == (self.rank, self.step) and self.inc == 0:
+            self._inject_fail = None
+            self.fail_round("a failure injected by FTRUN_FT_INJECT_FAIL")
+        self._settle()  # the previous round first: a member it contradicts restarts here
         ok = self.round_ok and self.in_sync and self.pg is not None
-        if not ok and self.pg is not None:
+        if ok:
+            self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen)
+            self._advance(True, self.epoch.id)
+            return True
+        if self.pg is not None:
             self._drop_group()
         t0 = time.monotonic()
-        commit, target, _ = vote.cast(self.store, self.epoch.id, self.round, len(self.epoch.members), ok,
+        commit, target, _ = vote.cast(self.store, self.epoch.id, self.round, len(self.epoch.members), False,
                                       self.latest_seen)
         if time.monotonic() - t0 > SLOW_S:
             _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {self.round}")
+        if commit:  # possible only when a dead member's own vote and its abstention both counted
+            self._restart(f"round {self.round} was committed by its other members while this member's "
+                          f"collectives had failed")
+        self._advance(False, target)
+        return False
+
+    def _advance(self, commit: bool, target: int) -> None:
         self.round += 1
         if commit:
             self.step += 1
             self.committed += 1
             self.failed_in_row = 0
             self._last_failure = None
-            # Decided by the commit, the same on every worker of a replica (all of them voted ok).
+            # The same on every worker of a replica (all of them stepped).
             self._save_due = (self.checkpoints is not None and self.checkpoints.due(self.step, self.total)
                               and self.replica_index == 0)
         else:
@@ -296,13 +356,52 @@ class Manager:
                 # Rounds keep failing and no new epoch is in sight: wait a little for the
                 # supervisor to change membership instead of spinning (bounded back-off).
                 time.sleep(min(0.2, 0.005 * 2 ** min(self.failed_in_row - 3, 6)))
-        if target > self.epoch.id:
-            self.target_epoch = target
+            # Every member that goes on from a failed round voted it down and waited for its
+            # decision: they all switch at the next round.
+            self._note_target(target, self.round)
         self.round_ok = True
         if self._progress is not None:
             self._progress.note_step(self.step)
         self._set_phase("commit" if commit else "discard")
-        return commit
+
+    def _note_target(self, target: int, at_round: int) -> None:
+        if target > self.epoch.id:
+            self.target_epoch = max(target, self.target_epoch or 0)
+            self.switch_round = at_round if self.switch_round is None else min(self.switch_round, at_round)
+
+    def _settle(self, block: bool = True) -> None:
+        """Take in the decision of the round this member voted ok on and stepped past. A commit
+        naming a newer epoch switches at the top of the round after the current one: members
+        read the decision at different moments of the current round, and that is the first
+        boundary every one of them reaches knowing it."""
+        ballot = self._ballot
+        if ballot.round is None or not (block or ballot.ready()):
+            return
+        epoch_id, rnd = ballot.round
+        waiting = not ballot.ready()
+        if waiting:
+            back = self.phase
+            self._waiting_round = rnd
+            self._set_phase("vote")
+        t0 = time.monotonic()
+        try:
+            commit, target, _ = ballot.result()
+        finally:
+            if waiting:
+                self._waiting_round = None
+                self._set_phase(back)
+        if time.monotonic() - t0 > SLOW_S:
+            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {rnd}")
+        if not commit:
+            self._restart(f"round {rnd} was voted down after this member had stepped past it")
+        self._note_target(target, rnd + 2)
+
+    def _restart(self, why: str) -> None:
+        """This member's state is not the committed one and no peer can take it back: exit, so
+        that ftrun restarts the replica and it heals from a peer like any newcomer."""
+        _log(f"rank {self.rank}: {why}; restarting to take the committed state from a peer")
+        sys.stderr.flush()
+        os._exit(75)
 
     # ------------------------------------------------------------ membership
     def _watch_epochs(self) -> None:
@@ -389,6 +488,7 @@ class Manager:
         self.group_round = self.round
         self.epoch = epoch
         self.target_epoch = None
+        self.switch_round = None
         self.rebuild = False
         self._set_phase("group")
         old, self.pg = self.pg, None

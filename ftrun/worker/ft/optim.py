@@ -1,8 +1,10 @@
-"""The optimizer for --ft: steps only when every replica of the round voted ok.
+"""The optimizer for --ft: steps only when the round's collectives went through.
 
-`step()` returns True when the round was committed (the inner optimizer
-stepped) and False when it was discarded (parameters and optimizer state are
-left exactly as they were). Must never step on a discarded round.
+`step()` returns True when this replica stepped: its collectives succeeded,
+so the round commits (the decision is read during the next round; in the
+rare case it says otherwise, the replica restarts and heals before its state
+is used again). False: the round is discarded, and parameters and optimizer
+state are left exactly as they were. Must never step on a round it knows failed.
 """
 
 from typing import Any, Callable, Optional

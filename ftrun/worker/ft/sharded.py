@@ -43,6 +43,7 @@ class CrossReplicaMean:
 
     def __call__(self, shard: torch.Tensor) -> None:
         mgr = self.mgr
+        mgr.before_collective()
         pg = mgr.pg
         if pg is None or not mgr.round_ok:
             mgr.fail_round()

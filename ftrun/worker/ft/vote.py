@@ -1,31 +1,35 @@
 """One replica's vote on one round of --ft: a counter and a decision in the store.
 
-Each member adds 1 (ok) or FAIL_VOTE (failed) to the round's counter; the add
-that completes the count closes the round and its author writes the
-decision (compare_set: the first decision written is the decision), which
-the others read. One round trip to add, one blocking read for everyone but
-the closer, O(1) store work per member. Shared by the
-replicas (ft/manager.py) and scripts/bench_quorum.py, which drives it with
-thousands of clients. Must never import torch beyond its store type, and
-never decide anything but the round it is given.
+Each member adds OK_VOTE or FAIL_VOTE to the round's counter; the add that
+completes the count closes the round and its author writes the decision
+(compare_set: the first decision written is the decision), which the others
+read. One round trip to add, one blocking read for everyone but the closer,
+O(1) store work per member. `cast` does it in the caller's thread (a failed
+round, and scripts/bench_quorum.py with thousands of clients); a `Ballot`
+does it on a thread of its own with its own connection, so that a replica
+whose collectives succeeded steps at once and reads the decision a step
+later. Must never import torch beyond its store type, and never decide
+anything but the round it is given.
 """
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+import queue
+import threading
+from typing import Any, Callable, Optional, Tuple
 
 from ftrun import protocol as keys
 
+Decision = Tuple[bool, int, bool]  # (commit, the newest epoch its author had seen, whether this vote closed it)
 
-def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int) -> Tuple[bool, int, bool]:
-    """Vote on round `rnd` of `epoch` (of `size` members); returns (commit, the epoch to be
-    in from the next round, whether this vote closed the round)."""
-    total = store.add(keys.count_key(epoch, rnd), 1 if ok else keys.FAIL_VOTE)
-    votes, fails = keys.tally(total)
-    if votes == size:
+
+def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int) -> Decision:
+    """Vote on round `rnd` of `epoch` (of `size` members) and wait for its decision."""
+    t = keys.tally(store.add(keys.count_key(epoch, rnd), keys.OK_VOTE if ok else keys.FAIL_VOTE))
+    if t.votes == size:
         # compare_set, not set: if this process had died right after its add, the supervisor
-        # would have closed the round as failed; whichever decision is written first is the one.
-        mine = f"{'fail' if fails else 'commit'} {latest_seen}"
+        # would have closed the round; whichever decision is written first is the one.
+        mine = f"{'commit' if t.commit else 'fail'} {latest_seen}"
         raw = store.compare_set(keys.decision_key(epoch, rnd), "", mine)
         decision = raw.decode() if isinstance(raw, bytes) else str(raw)
         store.set(keys.TOP, str(rnd))
@@ -36,3 +40,51 @@ def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int
         closed = False
     what, target = decision.split()
     return what == "commit", int(target), closed
+
+
+class Ballot:
+    """Ok votes cast off the training thread, one round at a time: `submit` returns at once,
+    `ready` says whether the decision is in, `result` waits for it (raising what the store raised)."""
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._jobs: "queue.SimpleQueue[Tuple[int, int, int, int]]" = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._result: Optional[Decision] = None
+        self._error: Optional[BaseException] = None
+        self.round: Optional[Tuple[int, int]] = None  # (epoch, round) of the vote in flight
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, epoch: int, rnd: int, size: int, latest_seen: int) -> None:
+        if self.round is not None:
+            raise RuntimeError("a vote is already in flight")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ftrun-vote", daemon=True)
+            self._thread.start()
+        self.round = (epoch, rnd)
+        self._done.clear()
+        self._jobs.put((epoch, rnd, size, latest_seen))
+
+    def ready(self) -> bool:
+        return self.round is not None and self._done.is_set()
+
+    def result(self) -> Decision:
+        self._done.wait()
+        self.round = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        assert self._result is not None
+        return self._result
+
+    def _run(self) -> None:
+        store = None
+        while True:
+            epoch, rnd, size, latest = self._jobs.get()
+            try:
+                if store is None:
+                    store = self._connect()
+                self._result = cast(store, epoch, rnd, size, True, latest)
+            except BaseException as e:  # handed to the training thread, which decides what it means
+                self._error = e
+            self._done.set()
