@@ -94,6 +94,7 @@ class Manager:
         self.mesh: Any = None  # the replica's own DeviceMesh (device_mesh())
         self.uses_ddp = False  # a layout round follows each heal only for DDP's buckets (ft/ddp.py)
         self.epoch: Optional[Epoch] = None
+        self._index_of: Tuple[int, int] = (-1, 0)  # (epoch id, replica index in it)
         self.pg: Optional[dist.ProcessGroup] = None
         self.group_round = -1   # the round at which the current group was built
         self.round = 0
@@ -170,7 +171,11 @@ class Manager:
 
     @property
     def replica_index(self) -> int:
-        return sorted({r // self.k for r in self.epoch.ranks}).index(self.replica) if self.epoch else 0
+        if self.epoch is None:
+            return 0
+        if self._index_of[0] != self.epoch.id:  # asked every step by most scripts: once per epoch
+            self._index_of = (self.epoch.id, sorted({r // self.k for r in self.epoch.ranks}).index(self.replica))
+        return self._index_of[1]
 
     def _shard_ranks(self, epoch: Epoch) -> List[int]:
         """Worker `shard` of every replica of the epoch: the ranks of this worker's group."""
