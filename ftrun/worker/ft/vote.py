@@ -14,6 +14,7 @@ anything but the round it is given.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Any, Callable, Optional, Tuple
@@ -40,6 +41,21 @@ def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int
         closed = False
     what, target = decision.split()
     return what == "commit", int(target), closed
+
+
+NICER = 5
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's scheduling priority a little (Linux: per thread). Woken by each
+    step's vote, it would otherwise take a core from the training thread at once on a busy
+    machine (the tiny model's step measured 2% faster); its decision is needed a forward
+    pass later, not now."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICER)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority works too
+        pass
 
 
 class Ballot:
@@ -78,6 +94,7 @@ class Ballot:
         return self._result
 
     def _run(self) -> None:
+        _yield_to_training()
         store = None
         while True:
             epoch, rnd, size, latest = self._jobs.get()
