@@ -289,18 +289,17 @@ class Manager:
         """Called before the round's first collective: the previous round's decision must be in
         (it arrived during this round's forward pass, as a rule), so that no member sends a
         gradient over a group whose last round was voted down."""
-        if self._ballot.round is not None:
-            self._settle()
+        self._settle()
 
     def vote(self) -> bool:
         """Vote on the current round; True if this member steps (the caller steps at once).
 
         A member whose collectives all succeeded steps without waiting: its ok vote goes to the
-        store from a thread and the decision is read during the next round (`_settle`). Every
-        member's collectives succeeded only if every member's did (an all-reduce completes for
-        all or fails), so the decision is commit as a rule; where a member's action and the
-        decision disagree (a rare mixed outcome as a peer dies mid-collective), that member
-        restarts and heals from a peer. A member whose round failed votes and waits, as before.
+        store from a thread and the decision is read during the next round (`_settle`). An
+        all-reduce that completed for one member had every member's part, so as a rule it
+        completed for all and the decision is commit; where a member's action and the decision
+        disagree (a rare mixed outcome as a peer dies mid-collective), that member restarts and
+        heals from a peer. A member whose round failed votes and waits, as before.
         """
         if self.layout_round:
             self.layout_round = False

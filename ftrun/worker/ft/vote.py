@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from concurrent.futures import Future
 from typing import Any, Callable, Optional, Tuple
 
 from ftrun import protocol as keys
@@ -60,14 +61,15 @@ def _yield_to_training() -> None:
 
 class Ballot:
     """Ok votes cast off the training thread, one round at a time: `submit` returns at once,
-    `ready` says whether the decision is in, `result` waits for it (raising what the store raised)."""
+    `ready` says whether the decision is in, `result` waits for it (raising what the store
+    raised). One daemon thread rather than a ThreadPoolExecutor, whose worker threads the
+    interpreter joins at exit: a worker leaving with a vote in flight would wait for its
+    decision (up to the vote timeout) instead of exiting."""
 
     def __init__(self, connect: Callable[[], Any]) -> None:
         self._connect = connect
-        self._jobs: "queue.SimpleQueue[Tuple[int, int, int, int]]" = queue.SimpleQueue()
-        self._done = threading.Event()
-        self._result: Optional[Decision] = None
-        self._error: Optional[BaseException] = None
+        self._jobs: "queue.SimpleQueue[Tuple[Future, Tuple[int, int, int, int]]]" = queue.SimpleQueue()
+        self._pending: Optional[Future] = None
         self.round: Optional[Tuple[int, int]] = None  # (epoch, round) of the vote in flight
         self._thread: Optional[threading.Thread] = None
 
@@ -78,30 +80,25 @@ class Ballot:
             self._thread = threading.Thread(target=self._run, name="ftrun-vote", daemon=True)
             self._thread.start()
         self.round = (epoch, rnd)
-        self._done.clear()
-        self._jobs.put((epoch, rnd, size, latest_seen))
+        self._pending = Future()
+        self._jobs.put((self._pending, (epoch, rnd, size, latest_seen)))
 
     def ready(self) -> bool:
-        return self.round is not None and self._done.is_set()
+        return self._pending is not None and self._pending.done()
 
     def result(self) -> Decision:
-        self._done.wait()
-        self.round = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-        assert self._result is not None
-        return self._result
+        fut, self._pending, self.round = self._pending, None, None
+        assert fut is not None, "no vote in flight"
+        return fut.result()
 
     def _run(self) -> None:
         _yield_to_training()
         store = None
         while True:
-            epoch, rnd, size, latest = self._jobs.get()
+            fut, (epoch, rnd, size, latest) = self._jobs.get()
             try:
                 if store is None:
                     store = self._connect()
-                self._result = cast(store, epoch, rnd, size, True, latest)
+                fut.set_result(cast(store, epoch, rnd, size, True, latest))
             except BaseException as e:  # handed to the training thread, which decides what it means
-                self._error = e
-            self._done.set()
+                fut.set_exception(e)
