@@ -63,11 +63,31 @@ class NodeKeys:
     def go(self, attempt: int) -> str:
         return f"{self.prefix}go/{attempt}"       # node 0's word that attempt+1 may start
 
+    def standby(self, k: int) -> str:
+        return f"{self.prefix}standby/{k}"        # host:port of node k's standby store (--ft; nodes >= 1)
+
     @property
     def live(self) -> str:
         # JSON list of the node ranks in the run, as node 0 sees it; under --ft on an elastic
         # c10d run it grows when node 0 admits a late node and shrinks when one is lost.
         return self.prefix + "live"
+
+
+# ---------------------------------------------------------------- the store moves (--ft, several nodes)
+# Each node but node 0 hosts a standby store from the start (ftrun/supervisor/failover.py). When
+# the run's store is lost, the survivors agree on the next host in generation g through keys in
+# the candidates' standby stores; the host's standby store becomes the run's store.
+def failover_node(gen: int, k: int) -> str:
+    return f"ftrun/failover/{gen}/node/{k}"  # node k chose this candidate in generation gen
+
+
+def failover_formed(gen: int) -> str:
+    return f"ftrun/failover/{gen}/formed"    # JSON {"host", "nodes"}: the new layout, once agreed
+
+
+# In each node's standby store, for that node's own workers: "<gen> <host>:<port>" of the run's
+# store; a worker that loses the run's store waits here for the next one (ftrun/worker/ft/manager.py).
+RUN_STORE = "ftrun/run-store"
 
 
 RDZV = "ftrun/rdzv/"                     # c10d rendezvous (ftrun/supervisor/rendezvous.py)
@@ -178,6 +198,12 @@ def join_key(rank: int) -> str:
 
 def entered_key(rank: int) -> str:
     return f"{PREFIX}entered/{rank}"  # incarnation that has entered an epoch (votes from now on)
+
+
+def survivor_key(rank: int) -> str:
+    # JSON {"inc", "step", "in_sync"}: what a replica holds when it rejoins after the run's store
+    # moved; the keeper makes the holder of the newest complete step the source of the first epoch.
+    return f"{PREFIX}survivor/{rank}"
 
 
 def healed_key(rank: int) -> str:

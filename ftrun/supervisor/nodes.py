@@ -49,8 +49,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ftrun.protocol import NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.status.state import ReplicaStatus
+from ftrun.supervisor import failover
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.store import RunStore
+from ftrun.supervisor.store import RunStore, bind_listener
 from ftrun.supervisor.worker import Failure
 
 BEAT_S = 0.25
@@ -201,6 +202,18 @@ class _Watch(threading.Thread):
         self.coord.wake()
 
 
+def route_ip(host: str) -> str:
+    """This machine's address on the way to `host` (the interface the others reach us on); no packet
+    is sent: connecting a UDP socket only picks the route."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return host
+
+
 def _node_list(raw: bytes) -> List[int]:
     try:
         return [int(k) for k in json.loads(raw or b"[]")]
@@ -245,6 +258,18 @@ class NodeCoordinator:
         self.arrivals_key = rdzv_arrivals(cfg.round) if cfg.admits_late and self.me == 0 else ""
         self._next_arrival = cfg.nnodes
         self.waiting: List[int] = []  # node 0: late nodes waiting for a place (the run has max nodes)
+        # --ft on three static nodes or more: the store moves when its node is lost
+        # (ftrun.supervisor.failover). Every node but node 0 hosts a standby store from the start.
+        self.host_node = 0
+        self.gen = 0
+        self.layout_size = len(self.live)  # the run's nodes as formed: majorities count the lost too
+        self.can_move = bool(cfg.ft and cfg.rdzv == "static" and not self.late and cfg.nnodes >= 3)
+        self.standby: Dict[int, str] = {}
+        self.node_store: Optional[RunStore] = None
+        if self.can_move and self.me != 0:
+            ip = route_ip(self.host)
+            listener = bind_listener(ip, 0)
+            self.node_store = RunStore(ip, listener.getsockname()[1], listener)
 
     # ------------------------------------------------------------ helpers
     def wake(self) -> None:
@@ -316,6 +341,8 @@ class NodeCoordinator:
             store.set(KEYS.final(self.me), "")
             store.set(KEYS.table(self.me), "[]")
             store.compare_set(KEYS.fail(0), "", "")
+            if self.node_store is not None:
+                store.set(KEYS.standby(self.me), f"{self.node_store.host}:{self.node_store.port}")
             if store.add(KEYS.claim(self.me), 1) > 1:
                 holder = store.get(KEYS.who(self.me)).decode() if store.check([KEYS.who(self.me)]) else "another ftrun"
                 return self._join_failed(
@@ -340,6 +367,10 @@ class NodeCoordinator:
             for k in self.others:
                 if store.check([KEYS.who(k)]):
                     self.who[k] = store.get(KEYS.who(k)).decode()
+                if self.can_move and k != 0:
+                    self.standby[k] = store.get(KEYS.standby(k)).decode()
+            if self.node_store is not None:
+                self.standby[self.me] = f"{self.node_store.host}:{self.node_store.port}"
         except Exception as e:  # node 0 went away while we joined
             return self._join_failed(f"lost node 0's store at {where} while joining: {_one_line(e)}")
         self.watch = _Watch(self)
@@ -460,7 +491,55 @@ class NodeCoordinator:
     def store_gone(self, why: str) -> NodeEvent:
         if self.watch is not None:
             self.watch.stop.set()
-        return NodeEvent("store_gone", f"node 0 (the run's store at {self.host}:{self.port}) went away ({why})")
+        return NodeEvent("store_gone", f"node {self.host_node} (the run's store at {self.host}:{self.port}) "
+                                       f"went away ({why})", node=self.host_node)
+
+    # ------------------------------------------------------------ the store moves (--ft)
+    def may_move(self) -> bool:
+        """Whether this node can take part in moving the run's store (ftrun.supervisor.failover)."""
+        return self.can_move and self.me != self.host_node and self.node_store is not None
+
+    def fail_over(self) -> failover.Elected:
+        """The run's store is lost: agree with the surviving nodes on the next host, and follow it.
+        Raises failover.NoMajority when this node may not go on."""
+        lost = self.host_node
+        gone = set(self._lost_nodes())
+        candidates = [k for k in sorted(self.live) if k != lost and k not in gone and k in self.standby]
+        if not self.node_store.wait(NODE_TIMEOUT_S):
+            raise failover.NoMajority(f"this node's standby store is not up ({self.node_store.error})")
+        gen = self.gen + 1
+
+        def prepare(store: Any) -> None:
+            # This node's keys exist in the new store before the layout forms: the others' watch
+            # reads them all at once from then on.
+            store.set(KEYS.beat(self.me), "0")
+            store.set(KEYS.final(self.me), "")
+            store.set(KEYS.table(self.me), "[]")
+            store.set(KEYS.who(self.me), f"{socket.gethostname()} pid {os.getpid()}")
+            store.compare_set(KEYS.fail(self.attempt), "", "")
+            store.compare_set(KEYS.live, "", "[]")
+
+        elected = failover.elect(self.me, gen, candidates, self.standby, self.node_store.store, self.layout_size,
+                                 NODE_TIMEOUT_S, prepare, lambda: self._signalled(0) is not None)
+        host, _, port = elected.addr.rpartition(":")
+        self.gen = gen
+        self.host_node = elected.host
+        self.host, self.port = host, int(port)
+        self.run_store.adopt(elected.store, host, int(port))
+        self.live = sorted(elected.nodes)
+        self.others = [k for k in self.live if k != self.me]
+        if elected.host == self.me:
+            elected.store.set(KEYS.live, json.dumps(self.live))
+        self.watch = _Watch(self)
+        self.watch.start()
+        return elected
+
+    def majority_kept(self) -> bool:
+        """The host's side goes on while it holds at least half of the run's nodes: a side
+        without it needs more than half to move the store, so the two never both go on."""
+        if not self.can_move or self.me != self.host_node:
+            return True
+        return failover.keeps_running(1 + len(self.others) - len(self._lost_nodes()), self.layout_size)
 
     def _lost_nodes(self) -> List[int]:
         w = self.watch
@@ -580,7 +659,7 @@ class NodeCoordinator:
                 self.store.set(KEYS.final(self.me), str(code))
         except Exception:
             pass
-        if self.me == 0:
+        if self.me == self.host_node:
             self._wait_for_others()
         w.stop.set()
 

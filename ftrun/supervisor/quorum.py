@@ -96,7 +96,6 @@ class QuorumKeeper:
                 self._report(r, k, "died")
             self._dead_pending.clear()
             return
-        s.compare_set(keys.LATEST, "", "0")
         s.compare_set(keys.TOP, "", "-1")
         for r in self.ranks:
             s.compare_set(keys.join_key(r), "", "-1")
@@ -108,6 +107,9 @@ class QuorumKeeper:
                 s.set(keys.inc_key(r), "dead" if inc is None else str(inc))
             else:
                 s.compare_set(keys.inc_key(r), "", "0")
+        # Last: followers read every rank's keys once LATEST exists. Above 0 on a store that
+        # moved (ftrun.supervisor.failover): epochs go on counting from the lost store's.
+        s.compare_set(keys.LATEST, "", str(self.epoch_id))
         self.ready = True
         for r, k in self._dead_pending:
             self.on_exit(r, k)
@@ -374,7 +376,7 @@ class QuorumKeeper:
         for r, h, info in zip(self.ranks, healed, infos):
             if int(h) >= 0:
                 self.healed.add((r, int(h)))
-            if info == self._info_raw.get(r):
+            if info == self._info_raw.get(r) or info == b"{}":  # "{}": no report yet (a new store)
                 continue
             self._info_raw[r] = info
             self.info_seen[r] = now
@@ -442,6 +444,13 @@ class QuorumKeeper:
         # A replica holds the state only if every one of its workers holds its shard of it.
         holders = [r for r in self.members
                    if all((m, self.members.get(m)) in self.healed for m in self._mates(r))]
+        source = self._survivors_source()
+        if source is not None and not holders:
+            # The store moved: nobody holds the state in this store yet, and every replica holds
+            # what it held then. One replica's state, the newest whole step, goes to all.
+            holders = self._mates(source * self.k)
+            why = (f"the replicas rejoined on the moved store; replica {source} holds the newest step "
+                   f"and heals the others")
         fresh = self.epoch_id == 0 or not holders
         self.epoch_id += 1
         members = tuple(sorted(self.members.items()))
@@ -464,6 +473,33 @@ class QuorumKeeper:
         n = len(members) // self.k
         shape = f" of {self.k} workers" if self.k > 1 else ""
         self.history.append(f"epoch {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why})")
+
+    def _survivors_source(self) -> Optional[int]:
+        """After the store moved, replicas rejoin holding what they held then: each says which
+        step (keys.survivor_key). The source is the replica whose workers all hold the same
+        newest step (a step that some took and others did not, as the old store went down mid-
+        round, is a step whose collectives went through: every gradient had every part); the
+        others heal from it. None when no member reports (an ordinary epoch) or none is whole."""
+        s = self._s
+        said: Dict[int, dict] = {}
+        for r in list(self.members):
+            if not s.check([keys.survivor_key(r)]):  # an ordinary epoch: nothing to read
+                continue
+            try:
+                d = json.loads(s.get(keys.survivor_key(r)))
+            except ValueError:
+                d = None
+            s.delete_key(keys.survivor_key(r))  # read once: later epochs are ordinary ones
+            if isinstance(d, dict) and d.get("inc") == self.members[r] and d.get("in_sync"):
+                said[r] = d
+        whole = {}
+        for rep in sorted({r // self.k for r in said}):
+            steps = {int(said[m]["step"]) if m in said else None for m in self._mates(rep * self.k)}
+            if len(steps) == 1 and None not in steps:
+                whole[rep] = steps.pop()
+        if not whole:
+            return None
+        return max(whole, key=lambda rep: (whole[rep], -rep))
 
     # ------------------------------------------------------------ status and hangs
     def replica_fields(self, rank: int) -> dict:

@@ -29,6 +29,7 @@ from ftrun.config import RunConfig, store_listen_addr
 from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, run_dir, run_folder_name, write_state
 from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
+from ftrun.supervisor.failover import NoMajority
 from ftrun.supervisor.nodes import NODE_LOST, REQUEUE, NodeCoordinator, NodeEvent
 from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
@@ -38,7 +39,7 @@ from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, 
                                    signal_group)
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, progress_key
+from ftrun.protocol import CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, RUN_STORE, progress_key
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -156,6 +157,9 @@ class Supervisor:
             self.nodes = NodeCoordinator(cfg, self.store, self.console, lambda: self.events.put(("nodes", None)),
                                          self._signalled)
         self.common = common_env(cfg, host, port, base_env())
+        if self.nodes is not None and self.nodes.node_store is not None:
+            # Where this node's workers learn the run's store's next address, should it move.
+            self.common["FTRUN_NODE_STORE"] = f"{self.nodes.node_store.host}:{self.nodes.node_store.port}"
         cwd = os.getcwd()
         self.cwd = cwd
         use_zygote = not cfg.no_python and os.environ.get("FTRUN_ZYGOTE", "1") != "0"
@@ -560,6 +564,13 @@ class Supervisor:
                 self.quorum.add_ranks(self._node_ranks(ev.node))
             self.console.note(f"{ev.text}; its replicas heal from a peer", style="cyan")
             return
+        if ev.kind == "store_gone" and self.cfg.ft and self.nodes.may_move():
+            self._move_store(ev)
+            return
+        if ev.kind == "node_lost" and self.cfg.ft and not self.nodes.majority_kept():
+            self._lost_majority(f"{ev.text}; this node and the nodes it still sees are fewer than half of the "
+                                f"run's {self.nodes.layout_size}")
+            return
         if ev.kind == "node_lost" and self.cfg.ft:
             self.console.note(f"{ev.text}; carrying on without its replicas (--ft)", style="bold yellow")
             self._on_node_lost(ev.node)
@@ -588,6 +599,49 @@ class Supervisor:
                               f"{' from ' + self.cfg.checkpoint_dir if self.cfg.checkpoint_dir else ''}",
                               style="bold yellow")
         self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, code)
+
+    def _move_store(self, ev: NodeEvent) -> None:
+        """--ft: the run's store is lost with its node; the surviving nodes agree on a new host
+        (ftrun.supervisor.failover), and this node's keeper and workers follow it. The replicas
+        keep their state: each rejoins, and the first epoch on the new store is healed from the
+        replica holding the newest complete step."""
+        t0 = time.monotonic()
+        self.console.note(f"{ev.text}; moving the run's store to a surviving node", style="bold yellow")
+        try:
+            elected = self.nodes.fail_over()
+        except NoMajority as e:
+            self._lost_majority(f"the run's store could not move: {e}")
+            return
+        host, _, port = elected.addr.rpartition(":")
+        if not self.cfg.workers_master_addr:
+            self.common["MASTER_ADDR"] = host
+        self.common["MASTER_PORT"] = port
+        self.common["FTRUN_STORE"] = elected.addr
+        old = self.quorum
+        self.quorum = QuorumKeeper(self.store, [r for k in elected.nodes for r in self._node_ranks(k)],
+                                   [w.rank for w in self.workers], leader=elected.host == self.cfg.node_rank,
+                                   replica_size=self.k)
+        self.quorum.fresh_start = old.fresh_start
+        self.quorum.epoch_id = old.epoch_id + 1  # above every epoch a replica may have seen
+        self.quorum.info = dict(old.info)  # the replicas' last words, until they speak again
+        for w in self.workers:
+            self.quorum.alive[w.rank] = w.incarnation if w.alive else None
+        self._on_store_ready()
+        self.nodes.node_store.store.set(RUN_STORE, f"{self.nodes.gen} {elected.addr}")
+        self.console.note(f"node {elected.host} hosts the run's store now, at {elected.addr} ({len(elected.nodes)} "
+                          f"of {self.nodes.layout_size} nodes, agreed in {time.monotonic() - t0:.1f} s); the "
+                          f"replicas keep their state and rejoin", style="bold cyan")
+        self._dirty = True
+
+    def _lost_majority(self, why: str) -> None:
+        """--ft: this node may no longer go on (a second run could form elsewhere): stop its workers."""
+        text = f"{why}; stopping this node so that no second run can form"
+        self.console.note(text, style="bold red")
+        self.status.exit_summary = text
+        self.console.note(f"exit {REQUEUE}: requeue the job to resume"
+                          f"{' from ' + self.cfg.checkpoint_dir if self.cfg.checkpoint_dir else ''}",
+                          style="bold yellow")
+        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, REQUEUE)
 
     def _can_reform(self) -> bool:
         """c10d without --ft: torchrun's restart is a new round of the rendezvous, within its budget."""

@@ -15,7 +15,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 STORE_TIMEOUT_S = 60
-CLIENT_OP_TIMEOUT_S = 10  # other nodes' ops on node 0's store
+CLIENT_OP_TIMEOUT_S = 10  # other nodes' ops on the hosting node's store
 
 
 def bind_listener(addr: str, port: Optional[int]) -> socket.socket:
@@ -57,7 +57,8 @@ def open_run_store(cfg: Any, bind_addr: str) -> "RunStore":
 
 
 class RunStore:
-    """Hosts (node 0) or joins (other nodes) the run's TCPStore, built off the main thread."""
+    """Hosts or joins a TCPStore, built off the main thread: the run's (hosted by node 0, joined
+    by the others) or a node's standby store (--ft on several nodes, ftrun.supervisor.failover)."""
 
     def __init__(self, host: str, port: int, listener: Optional[socket.socket],
                  connect_timeout: float = STORE_TIMEOUT_S) -> None:
@@ -95,6 +96,10 @@ class RunStore:
             self.error = e
         finally:
             self.ready.set()
+
+    def adopt(self, store: Any, host: str, port: int) -> None:
+        """The run's store moved (ftrun.supervisor.failover): every user of this object follows."""
+        self.store, self.host, self.port = store, host, port
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         return self.ready.wait(timeout) and self.store is not None

@@ -52,6 +52,7 @@ class ProgressReporter:
         self._stop = threading.Event()
         self._writes = 0
         self._inject = _parse_inject(os.environ.get(INJECT_ENV, ""))
+        self._moved = False
         self._thread = threading.Thread(target=self._loop, name="ftrun-progress", daemon=True)
 
     def start(self) -> None:
@@ -101,6 +102,13 @@ class ProgressReporter:
                 self.activity += 1
         return wrapper
 
+    def move_to(self, addr: str) -> None:
+        """The run's store moved (ftrun.ft follows it): report there from now on."""
+        host, _, port = addr.rpartition(":")
+        self.host, self.port = host, int(port)
+        self._moved = True
+        self._wake.set()
+
     def note_step(self, step: int) -> None:
         """For ftrun.ft: the global step just committed."""
         self.global_step = step
@@ -108,8 +116,14 @@ class ProgressReporter:
 
     def _connect(self, timeout_s: float):
         import datetime
+        import socket
 
         import torch.distributed as dist
+
+        # A store that is gone refuses at once; torch's client would retry for the whole timeout
+        # (logging a C++ stack each time) while the store moves elsewhere (ftrun.ft follows it).
+        with socket.create_connection((self.host, self.port), timeout=timeout_s):
+            pass
 
         return dist.TCPStore(self.host, self.port, None, False, datetime.timedelta(seconds=timeout_s))
 
@@ -136,6 +150,8 @@ class ProgressReporter:
         reported = False
         while True:
             last = self._stop.is_set()  # stopping: this report is the last one, written or not
+            if self._moved:
+                self._moved, store = False, None
             try:
                 if store is None:
                     store = self._connect(timeout_s)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import math
 import os
 import sys
@@ -53,6 +54,7 @@ from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
 
 POLL_S = 0.005
 SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
+RELOCATE_S = 120.0  # the nodes agree on a new store in seconds; a node that cannot stops its workers
 
 
 def _log(msg: str) -> None:
@@ -83,10 +85,16 @@ class Manager:
         store_addr = os.environ.get("FTRUN_STORE")
         if not store_addr or os.environ.get("FTRUN_FT") != "1":
             raise RuntimeError("ftrun.ft needs to run under `ftrun --ft` (FTRUN_STORE and FTRUN_FT=1 are not set)")
-        host, _, port = store_addr.rpartition(":")
-        timeout = datetime.timedelta(seconds=float(os.environ.get("FTRUN_FT_VOTE_TIMEOUT", "600")))
-        self.store = dist.TCPStore(host, int(port), None, False, timeout)
-        self._ballot = vote.Ballot(lambda: dist.TCPStore(host, int(port), None, False, timeout))
+        self._timeout = datetime.timedelta(seconds=float(os.environ.get("FTRUN_FT_VOTE_TIMEOUT", "600")))
+        # --ft on three nodes or more: the run's store may move (ftrun/supervisor/failover.py); this
+        # node's ftrun says where in its own standby store, which lives as long as this process.
+        self._node_store: Any = None
+        self.store_gen = 0
+        moved = self._announced_store()
+        if moved is not None:  # started just before a move: the address it was given is gone
+            self.store_gen, store_addr = moved
+            self._follow_env(store_addr)
+        self._connect(store_addr)
         self.rank = int(os.environ["RANK"])
         self.inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.k = max(1, int(os.environ.get("FTRUN_REPLICA_SIZE", "1")))
@@ -131,6 +139,7 @@ class Manager:
         self._heal_written: Optional[str] = None
         self._watcher: Optional[threading.Thread] = None
         self._tainted = False  # part of a transfer landed in this replica's tensors, and it failed
+        self._healed_gen = 0  # the store generation in which healed_key was last written
         self._chunk = int(_env_number("FTRUN_FT_CHUNK_MB", 64, 1, 4096) * (1 << 20))
         self.last_transfer: Optional[Dict[str, Any]] = None
         self._settle_s = _env_number("FTRUN_FT_TIMEOUT", 10, 0.5, 3600)
@@ -150,6 +159,93 @@ class Manager:
         self._progress = progress.start_from_env()
         if self._progress is not None:
             self._progress.info_provider = self.info
+
+    # ------------------------------------------------------------ the run's store, and its moves
+    def _connect(self, addr: str) -> None:
+        host, _, port = addr.rpartition(":")
+        timeout = self._timeout
+        self.store = dist.TCPStore(host, int(port), None, False, timeout)
+        self._ballot = vote.Ballot(lambda: dist.TCPStore(host, int(port), None, False, timeout))
+
+    def _announced_store(self) -> Optional[Tuple[int, str]]:
+        """(generation, host:port) of the run's store as this node's ftrun last announced it, or
+        None when it never moved (or cannot move: one node, two, or node 0's own workers)."""
+        addr = os.environ.get("FTRUN_NODE_STORE")
+        if not addr:
+            return None
+        if self._node_store is None:
+            host, _, port = addr.rpartition(":")
+            self._node_store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=30))
+        if not self._node_store.check([keys.RUN_STORE]):
+            return None
+        gen, where = self._node_store.get(keys.RUN_STORE).decode().split()
+        return int(gen), where
+
+    @staticmethod
+    def _follow_env(addr: str) -> None:
+        """Everything that connects to the run's store by itself (group formation, checkpoint
+        reports, the script's own init_process_group) reads the environment."""
+        host, _, port = addr.rpartition(":")
+        os.environ["FTRUN_STORE"] = addr
+        os.environ["MASTER_PORT"] = port
+        os.environ["MASTER_ADDR"] = host
+
+    def _store_gone(self) -> bool:
+        """Whether the run's store stopped answering (as opposed to a slow wait on a live one)."""
+        host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
+        try:
+            import socket
+
+            with socket.create_connection((host, int(port)), timeout=2.0):
+                return False
+        except OSError:
+            return True
+
+    def _relocate(self, error: BaseException) -> None:
+        """The run's store went away under a store operation (its node was lost). Wait for this
+        node's ftrun to announce the next one, connect to it, and rejoin holding this replica's
+        state: the keeper of the new store heals every replica from the one holding the newest
+        whole step. Re-raises `error` when the store did not move."""
+        if os.environ.get("FTRUN_NODE_STORE") is None or not self._store_gone():
+            raise error
+        _log(f"rank {self.rank}: lost the run's store at {os.environ['FTRUN_STORE']} "
+             f"({str(error).splitlines()[0][:120]}); waiting for the nodes to agree on the next one")
+        t0 = time.monotonic()
+        deadline = t0 + RELOCATE_S
+        while True:
+            moved = self._announced_store()
+            if moved is not None and moved[0] > self.store_gen:
+                break
+            if time.monotonic() > deadline:
+                _log(f"rank {self.rank}: no new store within {RELOCATE_S:g} s; exiting")
+                os._exit(75)
+            time.sleep(POLL_S * 4)
+        gen, addr = moved
+        self._drop_group()
+        self._follow_env(addr)
+        self._connect(addr)
+        while not self.store.check([keys.LATEST]):  # the new keeper's first words
+            if time.monotonic() > deadline:
+                _log(f"rank {self.rank}: the run's new store at {addr} has no keeper; exiting")
+                os._exit(75)
+            time.sleep(POLL_S)
+        self.latest_seen = int(self.store.get(keys.LATEST))
+        self.store_gen = gen  # the epoch watcher reconnects on this
+        if self._progress is not None:
+            self._progress.move_to(addr)
+        self.epoch = None
+        self.target_epoch = None
+        self.switch_round = None
+        self.rebuild = False
+        self.layout_round = False
+        self._waiting_round = None
+        self._save_due = False
+        self._heal_written = None
+        self.round_ok = True
+        self.store.set(keys.survivor_key(self.rank), json.dumps(
+            {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self._tainted}))
+        _log(f"rank {self.rank}: the run's store moved to {addr} after {time.monotonic() - t0:.2f} s; rejoining "
+             f"at step {self.step}")
 
     # ------------------------------------------------------------ registration
     def register_model(self, model: torch.nn.Module) -> None:
@@ -237,18 +333,30 @@ class Manager:
         while True:
             self.start_round()
             if self.finished or self.step >= total:
-                break
+                try:
+                    self._settle()
+                    if self.checkpoints is not None:
+                        self.checkpoints.wait()  # the last checkpoint is published before the script goes on
+                    if not self.finished:
+                        self.store.compare_set(keys.FINISHED, "", str(self.step))
+                    break
+                except dist.DistError as e:  # the store moved as the run ended: rejoin, and end there
+                    self._relocate(e)
+                    continue
             yield self.step
-        self._settle()
-        if self.checkpoints is not None:
-            self.checkpoints.wait()  # the last checkpoint is published before the script goes on
-        if not self.finished:
-            self.store.compare_set(keys.FINISHED, "", str(self.step))
         self._set_phase("done")
         if self._progress is not None:
             self._progress.note_step(self.step)
 
     def start_round(self) -> None:
+        while True:
+            try:
+                self._start_round()
+                return
+            except dist.DistError as e:  # the run's store went away: rejoin on the next one
+                self._relocate(e)
+
+    def _start_round(self) -> None:
         self._settle(block=False)
         if self._ballot.round is not None and (self._save_due or self._due_switch() is not None
                                                or (self.total is not None and self.step >= self.total)):
@@ -289,7 +397,10 @@ class Manager:
         """Called before the round's first collective: the previous round's decision must be in
         (it arrived during this round's forward pass, as a rule), so that no member sends a
         gradient over a group whose last round was voted down."""
-        self._settle()
+        try:
+            self._settle()
+        except dist.DistError as e:  # the store moved: this round sends nothing, the next one rejoins
+            self._relocate(e)
 
     def vote(self) -> bool:
         """Vote on the current round; True if this member steps (the caller steps at once).
@@ -301,6 +412,15 @@ class Manager:
         disagree (a rare mixed outcome as a peer dies mid-collective), that member restarts and
         heals from a peer. A member whose round failed votes and waits, as before.
         """
+        if self.epoch is None:  # the run's store moved during this round: nothing to vote on
+            return False
+        try:
+            return self._vote()
+        except dist.DistError as e:  # the store moved: the round is nobody's now; rejoin next round
+            self._relocate(e)
+            return False
+
+    def _vote(self) -> bool:
         if self.layout_round:
             self.layout_round = False
             if self.layout_average is None or self.layout_discard:
@@ -410,19 +530,31 @@ class Manager:
     # ------------------------------------------------------------ membership
     def _watch_epochs(self) -> None:
         """Learn of each new epoch as the supervisor publishes it, off the training thread
-        (a blocking read of the next epoch's key): the step itself never asks."""
-        host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
-        # A long timeout: waiting is this thread's whole job (and each timeout logs a warning).
-        store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(days=1))
-        nxt = self.latest_seen + 1
+        (a blocking read of the next epoch's key): the step itself never asks. Follows the run's
+        store when it moves (the training thread reconnects first and sets latest_seen there)."""
+        gen = None
         while True:
+            if gen != self.store_gen:
+                gen = self.store_gen
+                host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
+                try:
+                    # A long timeout: waiting is this thread's whole job (and each timeout logs a warning).
+                    store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(days=1))
+                except Exception:
+                    time.sleep(0.05)
+                    gen = None
+                    continue
+                nxt = self.latest_seen + 1
             try:
                 store.get(keys.epoch_key(nxt))
-            except Exception:  # no new epoch for a while (a timeout), or the supervisor is gone
+            except Exception:  # no new epoch for a while (a timeout), or the store is gone
                 if self.finished:
                     return
+                while gen == self.store_gen and not self.finished and self._store_gone():
+                    time.sleep(0.05)  # wait for the training thread to find the next store
                 continue
-            self.latest_seen = max(self.latest_seen, nxt)
+            if gen == self.store_gen:
+                self.latest_seen = max(self.latest_seen, nxt)
             nxt += 1
 
     def _join(self) -> None:
@@ -618,11 +750,15 @@ class Manager:
                               "in_place": stats.in_place, "allocated": stats.allocated}
         if sending:
             self._set_heal_done(done_key, "ok")
-            if not self.in_sync:  # a fresh epoch's source: its state is the run's state from now on
+            if not self.in_sync or self._healed_gen != self.store_gen:
+                # A fresh epoch's source (its state is the run's state from now on), or the
+                # source of the first epoch on a store that moved, which knows nothing yet.
                 self.in_sync = True
+                self._healed_gen = self.store_gen
                 self.store.set(keys.healed_key(self.rank), str(self.inc))
             return
         self.in_sync = True
+        self._healed_gen = self.store_gen
         self.heals += 1
         self.last_heal_s = round(took, 4)
         _log(f"rank {self.rank}: received {stats.bytes / 1e6:.1f} MB of state from rank {source} in "
