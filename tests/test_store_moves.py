@@ -63,3 +63,89 @@ def test_store_host_lost_the_others_go_on(ftrun_home, tmp_path):
     _, stats = _assert_identical(out, [1, 2])
     assert stats["step"] == 400
     print(f"committing again {resumed_s:.1f} s after the store host was killed")
+
+
+def _start_in(ns, args, env):
+    import subprocess
+    import tempfile
+
+    from conftest import FTRUN, ROOT
+
+    err = tempfile.NamedTemporaryFile("w+", prefix="ftrun-err-", suffix=".log", delete=False)
+    proc = subprocess.Popen(["ip", "netns", "exec", ns, *FTRUN, *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=err, text=True, env={**os.environ, **env}, cwd=ROOT)
+    proc.err_path = err.name
+    return proc
+
+
+def test_node_cut_off_never_forms_a_second_run(ftrun_home, tmp_path):
+    """Nodes 0 and 1 in one network namespace, node 2 in another; node 2's link goes down. Node 2
+    cannot reach a majority (it tries node 1, then hosts alone): it stops with exit 200 and never
+    hosts a store. Nodes 0 and 1, two of three, go on and finish bitwise identical."""
+    import pytest
+    import subprocess
+    import uuid
+
+    from test_multinode import _netns_setup, _netns_teardown
+
+    got = _netns_setup(uuid.uuid4().hex[:4])
+    if isinstance(got, str):
+        pytest.skip(got)
+    ns0, ns1, addr, d0, d1 = got
+    out = tmp_path / "p"
+    try:
+        port = free_port()
+        procs = {}
+        for k, ns, dev in ((2, ns1, d1), (1, ns0, d0), (0, ns0, d0)):
+            procs[k] = _start_in(ns, ["--nnodes", 3, "--node-rank", k, "--master-addr", addr, "--master-port", port,
+                                      "--nproc", 1, "--ft", "--run-id", "cut", TRAIN, "--steps", 500,
+                                      "--step-sleep", 0.02, "--out", out],
+                                 {"GLOO_SOCKET_IFNAME": dev, "FTRUN_NODE_TIMEOUT": "2"})
+        try:
+            for k in (0, 2):
+                _wait_replica(ftrun_home, f"cut.node{k}", k, lambda r, st: r["step"] >= 30 and r["state"] == "running",
+                              120)
+            subprocess.run(["ip", "-n", ns1, "link", "set", d1, "down"], check=True)
+            cut_at = time.monotonic()
+            rc2, _, err2 = _finish(procs[2], 60)
+            stopped_s = time.monotonic() - cut_at
+            results = {k: _finish(procs[k], 240) for k in (0, 1)}
+        finally:
+            for p in procs.values():
+                p.kill()
+    finally:
+        _netns_teardown(ns0, ns1)
+    assert rc2 == 200, err2[-3000:]
+    assert "no second run can form" in err2 and "hosts the run's store now" not in err2, err2[-3000:]
+    for k, (rc, _, err) in results.items():
+        assert rc == 0, (k, err[-3000:])
+        assert "carrying on without its replicas" in err or k == 1, err[-3000:]
+    _, stats = _assert_identical(out, [0, 1])
+    assert stats["step"] == 500
+    print(f"the cut-off node stopped {stopped_s:.1f} s after its link went down")
+
+
+def test_store_host_lost_while_a_replica_heals(ftrun_home, tmp_path):
+    """Node 2's replica is killed and heals from rank 0 on node 0, slowly (the source pauses after
+    its first 4 MiB chunk); node 0 is SIGKILLed in the middle of that transfer. The store moves to
+    node 1, whose replica is then the only one holding the trained state: it heals node 2's, and
+    both finish bitwise identical."""
+    out = tmp_path / "p"
+    procs = _three_nodes(free_port(), "mvh", out, 400,
+                         env={"FTRUN_FT_INJECT_SEND_DELAY": "2", "FTRUN_FT_CHUNK_MB": "4"})
+    try:
+        r = _wait_replica(ftrun_home, "mvh.node2", 2, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
+        os.kill(r["pid"], signal.SIGKILL)
+        _wait_replica(ftrun_home, "mvh.node2", 2, lambda r, st: r.get("ft_phase") == "heal" and r["restarts"] >= 1, 60)
+        _kill_tree(procs[0])
+        results = {k: _finish(procs[k], 180) for k in (1, 2)}
+    finally:
+        for p in procs.values():
+            p.kill()
+    for k, (rc, _, err) in results.items():
+        assert rc == 0, (k, err[-4000:])
+        assert "node 1 hosts the run's store now" in err, err[-3000:]
+    log2 = _rank_log(ftrun_home, "mvh.node2", 2)
+    assert "received" in log2.split("the run's store moved to")[-1], log2[-2000:]  # healed on the new store
+    _, stats = _assert_identical(out, [1, 2])
+    assert stats["step"] == 400

@@ -121,7 +121,7 @@ def _host(me: int, gen: int, candidates: List[int], standby: Dict[int, str], own
 
 def _connect(addr: str, timeout_s: float) -> Any:
     """A client of the standby store at host:port, or None if it does not answer in time."""
-    from ftrun.supervisor.store import wait_reachable
+    from ftrun.supervisor.store import BoundedStore, wait_reachable
 
     host, _, port = addr.rpartition(":")
     if wait_reachable(host, int(port), timeout_s) is not None:
@@ -133,4 +133,4 @@ def _connect(addr: str, timeout_s: float) -> Any:
     except Exception:
         return None
     store.set_timeout(datetime.timedelta(seconds=max(timeout_s, 10.0)))
-    return store
+    return BoundedStore(store, max(timeout_s, 10.0))

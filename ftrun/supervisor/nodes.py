@@ -24,6 +24,12 @@ agree on is a key under ``ftrun/nodes/``:
   node reports a node new in ``live`` as "node_joined" and watches it too.
 - status: each node publishes its replica table to ``table/K``; every node's
   state file carries all of them, so `ftrun status` on any node shows the run.
+- the store moves (--ft, three static nodes or more): every node but node 0
+  hosts a standby store and publishes its address in ``standby/K``; when the
+  store is lost, fail_over() carries out the election of
+  ftrun.supervisor.failover and follows the new host (which then plays node
+  0's part here); majority_kept() says whether the host may go on after
+  losing nodes.
 
 It is a source of events and a set of agreements for the supervisor's one
 loop (ftrun.supervisor.run): `check()` reports what happened to the other
@@ -51,7 +57,7 @@ from ftrun.protocol import NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.status.state import ReplicaStatus
 from ftrun.supervisor import failover
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.store import RunStore, bind_listener
+from ftrun.supervisor.store import BoundedStore, RunStore, bind_listener
 from ftrun.supervisor.worker import Failure
 
 BEAT_S = 0.25
@@ -83,7 +89,7 @@ class NodeState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class NodeEvent:
-    """What check() saw. kind: "store_gone" (node 0 went away), "node_lost" (node `node`
+    """What check() saw. kind: "store_gone" (the store's host went away), "node_lost" (node `node`
     went away or ended in failure; `text` says which), "remote_failure" (another node's
     first failure of the current attempt, `info` as agreed in the store); with --ft on an
     elastic c10d run, "node_waiting" (node 0: late node `node` asks to join the running
@@ -128,7 +134,9 @@ class _Watch(threading.Thread):
         try:
             import torch.distributed as dist
 
-            store = dist.TCPStore(c.host, c.port, None, False, datetime.timedelta(seconds=NODE_TIMEOUT_S))
+            # Bounded: a machine that vanished without a reset would hold an add for ever.
+            store = BoundedStore(dist.TCPStore(c.host, c.port, None, False, datetime.timedelta(seconds=NODE_TIMEOUT_S)),
+                                 NODE_TIMEOUT_S)
         except Exception as e:  # node 0 went away between the join and now
             self._lose_store(e)
             return

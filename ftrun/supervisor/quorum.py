@@ -1,8 +1,12 @@
 """The quorum keeper of --ft: the supervisor decides who takes part, and speaks for the dead.
 
-On several machines node 0's keeper (the leader) keeps the quorum of every
-global rank; the other nodes' keepers only report their replicas' births
-and deaths to it through a store queue, and read the epochs it publishes.
+On several machines the keeper of the node hosting the store (the leader,
+node 0 until the store moves) keeps the quorum of every global rank; the
+other nodes' keepers only report their replicas' births and deaths to it
+through a store queue, and read the epochs it publishes. After the store
+moved, a new keeper starts on it: the replicas rejoin saying which step they
+hold, and the first epoch heals them all from the one with the newest whole
+step.
 
 Members are workers (global ranks). With --replica-size K a replica is the
 K workers of ranks jK .. jK+K-1: it is admitted only once all K have asked to

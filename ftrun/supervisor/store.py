@@ -9,9 +9,12 @@ Must never be imported by worker code.
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Dict, List, Optional
 
 STORE_TIMEOUT_S = 60
@@ -46,6 +49,53 @@ def wait_reachable(host: str, port: int, timeout: float, stop: Optional[threadin
         if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return last
         time.sleep(0.2)
+
+
+class StoreUnreachable(ConnectionError):
+    """A store operation got no answer in time: the store's machine is gone or cut off."""
+
+
+class BoundedStore:
+    """A TCPStore client whose every call answers or fails within `timeout_s`.
+
+    torch's client waits for ever for the answer to add, set or check on a connection whose
+    peer vanished without a reset (a machine that lost power, a link cut): only get and wait
+    honour its timeout. Each call runs on a daemon thread of this object's own; the caller waits
+    at most `timeout_s`, and from the first call that got no answer every call fails at once
+    (the connection is dead; the stuck thread is left behind and never joined)."""
+
+    def __init__(self, store: Any, timeout_s: float) -> None:
+        self._store = store
+        self._timeout = timeout_s
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._dead: Optional[str] = None
+        threading.Thread(target=self._run, name="ftrun-store-op", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fut, fn, args = self._jobs.get()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._store, name)
+        if not callable(fn):
+            return fn
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self._dead is not None:
+                raise StoreUnreachable(self._dead)
+            fut: Future = Future()
+            self._jobs.put((fut, lambda: fn(*args, **kwargs), ()))
+            try:
+                return fut.result(self._timeout)
+            except FutureTimeout:
+                self._dead = f"no answer from the store within {self._timeout:g} s"
+                raise StoreUnreachable(self._dead) from None
+
+        return call
 
 
 def open_run_store(cfg: Any, bind_addr: str) -> "RunStore":
@@ -88,10 +138,11 @@ class RunStore:
                 if unreachable is not None:
                     raise ConnectionError(f"{self.host}:{self.port} did not answer within "
                                           f"{self.connect_timeout:g} s ({unreachable})")
-                self.store = dist.TCPStore(self.host, self.port, None, False, timeout)
+                client = dist.TCPStore(self.host, self.port, None, False, timeout)
                 # A client op that waits this long means node 0 is gone; the
                 # supervisor must learn that in seconds, not minutes.
-                self.store.set_timeout(datetime.timedelta(seconds=CLIENT_OP_TIMEOUT_S))
+                client.set_timeout(datetime.timedelta(seconds=CLIENT_OP_TIMEOUT_S))
+                self.store = BoundedStore(client, CLIENT_OP_TIMEOUT_S)
         except BaseException as e:  # reported by the supervisor loop
             self.error = e
         finally:
