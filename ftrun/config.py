@@ -384,6 +384,15 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
     """Checks that need the whole config, or the machine (files, ports, addresses, processes)."""
     if cfg.module and cfg.no_python:
         raise _fail("module", "-m/--module and --no-python cannot be used together; pick one")
+    raw = os.environ.get("FTRUN_NODE_TIMEOUT")
+    if raw is not None:
+        try:
+            ok = 0.5 <= float(raw) <= 3600
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"environment: FTRUN_NODE_TIMEOUT={raw!r} is not a number of seconds between 0.5 and "
+                              f"3600; fix it or unset FTRUN_NODE_TIMEOUT (default 3)")
     if not RUN_ID_RE.fullmatch(cfg.run_id):
         shown = cfg.run_id if len(cfg.run_id) <= 40 else cfg.run_id[:40] + f"... ({len(cfg.run_id)} characters)"
         raise _fail("run_id", f"--run-id {shown!r}{_from(cfg.sources.get('run_id', CLI))}: use 1 to 128 ASCII "

@@ -115,6 +115,8 @@ def test_numbers_in_recipes_and_validate(ftrun_home, tmp_path, key, value, needl
     ("PET_MONITOR_INTERVAL", "inf", "finite"), ("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "-inf", "finite"),
     ("PET_RDZV_ID", "../x", "PET_RDZV_ID"), ("PET_NODE_RANK", "2", "--node-rank 2"),
     ("FTRUN_VERBOSE", "yes", "FTRUN_VERBOSE='yes' must be 0 or 1"),
+    ("FTRUN_NODE_TIMEOUT", "abc", "FTRUN_NODE_TIMEOUT='abc' is not a number of seconds"),
+    ("FTRUN_NODE_TIMEOUT", "nan", "FTRUN_NODE_TIMEOUT='nan' is not a number of seconds"),
 ])
 def test_numbers_and_names_from_the_environment(ftrun_home, var, value, needle):
     _assert_bad(run_ftrun([TRAIN], timeout=30, env={var: value}), needle)

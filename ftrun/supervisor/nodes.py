@@ -61,7 +61,14 @@ from ftrun.supervisor.store import BoundedStore, RunStore, bind_listener
 from ftrun.supervisor.worker import Failure
 
 BEAT_S = 0.25
-NODE_TIMEOUT_S = float(os.environ.get("FTRUN_NODE_TIMEOUT", "3"))
+def _node_timeout() -> float:
+    try:  # checked with the rest of the input (ftrun.config.validate); never a crash at import
+        return min(3600.0, max(0.5, float(os.environ.get("FTRUN_NODE_TIMEOUT", "3"))))
+    except ValueError:
+        return 3.0
+
+
+NODE_TIMEOUT_S = _node_timeout()
 POLL_S = 0.05
 # Exit status for a run that cannot form (duplicate rank, nodes that never
 # came, node 0 unreachable): nothing was started, as for bad input.

@@ -157,6 +157,7 @@ class Supervisor:
             self.nodes = NodeCoordinator(cfg, self.store, self.console, lambda: self.events.put(("nodes", None)),
                                          self._signalled)
         self.common = common_env(cfg, host, port, base_env())
+        self.common.pop("FTRUN_NODE_STORE", None)  # ours alone: one the user's shell had means nothing here
         if self.nodes is not None and self.nodes.node_store is not None:
             # Where this node's workers learn the run's store's next address, should it move.
             self.common["FTRUN_NODE_STORE"] = f"{self.nodes.node_store.host}:{self.nodes.node_store.port}"
