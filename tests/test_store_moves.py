@@ -19,11 +19,23 @@ from conftest import free_port
 from test_ft import MID, TRAIN, _assert_identical, _finish, _rank_log, _wait_replica, start_ftrun
 
 
-def _three_nodes(port, run_id, out, steps, extra=(), env=None, nproc=1):
+def _three_nodes(port, run_id, out, steps, env=None, model=MID):
     env = {"FTRUN_NODE_TIMEOUT": "2", **(env or {})}
     return {k: start_ftrun(["--nnodes", 3, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
-                            "--nproc", nproc, "--ft", "--run-id", run_id, *extra, TRAIN, "--steps", steps,
-                            "--step-sleep", 0.02, *MID, "--out", out], env=env) for k in (2, 1, 0)}
+                            "--nproc", 1, "--ft", "--run-id", run_id, TRAIN, "--steps", steps,
+                            "--step-sleep", 0.02, *model, "--out", out], env=env) for k in (2, 1, 0)}
+
+
+def _survivors_finish(procs):
+    """Nodes 1 and 2 finish 0, each saying the store moved to node 1; node 0 was killed."""
+    try:
+        results = {k: _finish(procs[k], 180) for k in (1, 2)}
+    finally:
+        for p in procs.values():
+            p.kill()
+    for k, (rc, _, err) in results.items():
+        assert rc == 0, (k, err[-4000:])
+        assert "moving the run's store" in err and "node 1 hosts the run's store now" in err, err[-3000:]
 
 
 def _kill_tree(proc) -> None:
@@ -49,13 +61,11 @@ def test_store_host_lost_the_others_go_on(ftrun_home, tmp_path):
         killed_at, step_at_kill = time.time(), r["step"]
         _wait_replica(ftrun_home, "mv.node1", 1, lambda r, st: r["step"] > step_at_kill + 10, 30)
         resumed_s = time.time() - killed_at
-        results = {k: _finish(procs[k], 180) for k in (1, 2)}
-    finally:
+    except BaseException:
         for p in procs.values():
             p.kill()
-    for k, (rc, _, err) in results.items():
-        assert rc == 0, (k, err[-4000:])
-        assert "moving the run's store" in err and "node 1 hosts the run's store now" in err, err[-3000:]
+        raise
+    _survivors_finish(procs)
     assert resumed_s < 20, resumed_s
     for k in (1, 2):
         log = _rank_log(ftrun_home, f"mv.node{k}", k)
@@ -138,13 +148,11 @@ def test_store_host_lost_while_a_replica_heals(ftrun_home, tmp_path):
         os.kill(r["pid"], signal.SIGKILL)
         _wait_replica(ftrun_home, "mvh.node2", 2, lambda r, st: r.get("ft_phase") == "heal" and r["restarts"] >= 1, 60)
         _kill_tree(procs[0])
-        results = {k: _finish(procs[k], 180) for k in (1, 2)}
-    finally:
+    except BaseException:
         for p in procs.values():
             p.kill()
-    for k, (rc, _, err) in results.items():
-        assert rc == 0, (k, err[-4000:])
-        assert "node 1 hosts the run's store now" in err, err[-3000:]
+        raise
+    _survivors_finish(procs)
     log2 = _rank_log(ftrun_home, "mvh.node2", 2)
     assert "received" in log2.split("the run's store moved to")[-1], log2[-2000:]  # healed on the new store
     _, stats = _assert_identical(out, [1, 2])

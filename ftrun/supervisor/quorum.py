@@ -80,6 +80,9 @@ class QuorumKeeper:
         self._info_raw: Dict[int, bytes] = {}
         # Since when the others have been waiting for each replica, continuously.
         self.waited_since: Dict[int, float] = {}
+        # Started on a store that moved (ftrun.supervisor.failover): its first epoch takes the
+        # state from the replica that says it holds the newest whole step (_survivors_source).
+        self.moved = False
         # What a fresh epoch after the first means for the run (said once, in its history line).
         self.fresh_start = "starting again from the first step"
 
@@ -448,8 +451,9 @@ class QuorumKeeper:
         # A replica holds the state only if every one of its workers holds its shard of it.
         holders = [r for r in self.members
                    if all((m, self.members.get(m)) in self.healed for m in self._mates(r))]
-        source = self._survivors_source()
-        if source is not None and not holders:
+        source = self._survivors_source() if self.moved and not holders else None
+        self.moved = False
+        if source is not None:
             # The store moved: nobody holds the state in this store yet, and every replica holds
             # what it held then. One replica's state, the newest whole step, goes to all.
             holders = self._mates(source * self.k)
@@ -483,11 +487,11 @@ class QuorumKeeper:
         step (keys.survivor_key). The source is the replica whose workers all hold the same
         newest step (a step that some took and others did not, as the old store went down mid-
         round, is a step whose collectives went through: every gradient had every part); the
-        others heal from it. None when no member reports (an ordinary epoch) or none is whole."""
+        others heal from it. None when no replica is whole (every one was healing, or none said)."""
         s = self._s
         said: Dict[int, dict] = {}
         for r in list(self.members):
-            if not s.check([keys.survivor_key(r)]):  # an ordinary epoch: nothing to read
+            if not s.check([keys.survivor_key(r)]):  # a replica started since the move says nothing
                 continue
             try:
                 d = json.loads(s.get(keys.survivor_key(r)))

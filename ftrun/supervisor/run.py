@@ -625,6 +625,7 @@ class Supervisor:
         self.quorum.fresh_start = old.fresh_start
         self.quorum.epoch_id = old.epoch_id + 1  # above every epoch a replica may have seen
         self.quorum.info = dict(old.info)  # the replicas' last words, until they speak again
+        self.quorum.moved = True
         for w in self.workers:
             self.quorum.alive[w.rank] = w.incarnation if w.alive else None
         self._on_store_ready()
