@@ -445,22 +445,31 @@ class Manager:
             self.fail_round("a failure injected by FTRUN_FT_INJECT_FAIL")
         self._settle()  # the previous round first: a member it contradicts restarts here
         ok = self.round_ok and self.in_sync and self.pg is not None
-        if ok:
+        if ok and self.k == 1:
             self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen)
             self._advance(True, self.epoch.id)
             return True
-        if self.pg is not None:
+        # A sharded replica (--replica-size > 1) waits for the decision even when its collectives
+        # went through: its shards may disagree (one shard group's collective completed, its
+        # mate's failed), and a replica holds the state only if every shard does. Had its ok
+        # shards stepped, a failed round would restart the whole replica, and when it is the
+        # last one, nobody would hold the trained state any more.
+        if not ok and self.pg is not None:
             self._drop_group()
         t0 = time.monotonic()
-        commit, target, _ = vote.cast(self.store, self.epoch.id, self.round, len(self.epoch.members), False,
+        commit, target, _ = vote.cast(self.store, self.epoch.id, self.round, len(self.epoch.members), ok,
                                       self.latest_seen)
         if time.monotonic() - t0 > SLOW_S:
             _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {self.round}")
-        if commit:  # possible only when a dead member's own vote and its abstention both counted
+        if commit and not ok:  # possible only when a dead member's own vote and its abstention both counted
             self._restart(f"round {self.round} was committed by its other members while this member's "
                           f"collectives had failed")
-        self._advance(False, target)
-        return False
+        self._advance(commit, target)
+        if commit:  # every member read this decision before stepping: they all switch at the next round
+            self._note_target(target, self.round)
+        elif ok:
+            self._drop_group()
+        return commit
 
     def _advance(self, commit: bool, target: int) -> None:
         self.round += 1
