@@ -237,7 +237,13 @@ class QuorumKeeper:
         """Abstain for a dead member in the rounds its peers may be waiting on, in every
         epoch that lists it and that live members may still be in or enter. Not a failed
         vote: the live members' own votes say whether the round's collectives went through
-        (if the dead one had sent its part, they did), and those that voted ok have stepped."""
+        (if the dead one had sent its part, they did), and those that voted ok have stepped.
+        Sharded replicas (--replica-size > 1) wait for the decision before stepping: for them
+        the dead member's vote is a failed one, as it was before the vote left the critical
+        path. A dead member's own vote may count besides the keeper's; a failed one then
+        discards a round nobody has stepped past, where an abstention could commit a round
+        whose other shard failed, and the replica holding that shard would restart whole."""
+        vote = keys.ABSTAIN_VOTE if self.k == 1 else keys.FAIL_VOTE
         filled = self.dead.setdefault((rank, inc), {})
         oldest = min(self._live_epochs(), default=0) if self._all_live_report() else 0
         for e, members in self.epochs.items():
@@ -246,7 +252,7 @@ class QuorumKeeper:
             done = filled.setdefault(e, set())
             rounds = self._rounds_of(e, top)
             for rnd in sorted(rounds - done):
-                self._add_vote(e, rnd, top, keys.ABSTAIN_VOTE)
+                self._add_vote(e, rnd, top, vote)
                 done.add(rnd)
             for rnd in sorted(rounds & done):
                 self._close_orphaned(e, rnd, top)
