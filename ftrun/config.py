@@ -393,6 +393,10 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
         if not ok:
             raise ConfigError(f"environment: FTRUN_NODE_TIMEOUT={raw!r} is not a number of seconds between 0.5 and "
                               f"3600; fix it or unset FTRUN_NODE_TIMEOUT (default 3)")
+    moves = os.environ.get("FTRUN_STORE_MOVES")
+    if moves is not None and moves not in ("0", "1"):
+        raise ConfigError(f"environment: FTRUN_STORE_MOVES={moves!r} must be 0 or 1 (1, the default: the run's "
+                          f"store moves when its node is lost); fix it or unset FTRUN_STORE_MOVES")
     if not RUN_ID_RE.fullmatch(cfg.run_id):
         shown = cfg.run_id if len(cfg.run_id) <= 40 else cfg.run_id[:40] + f"... ({len(cfg.run_id)} characters)"
         raise _fail("run_id", f"--run-id {shown!r}{_from(cfg.sources.get('run_id', CLI))}: use 1 to 128 ASCII "

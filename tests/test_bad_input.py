@@ -117,6 +117,7 @@ def test_numbers_in_recipes_and_validate(ftrun_home, tmp_path, key, value, needl
     ("FTRUN_VERBOSE", "yes", "FTRUN_VERBOSE='yes' must be 0 or 1"),
     ("FTRUN_NODE_TIMEOUT", "abc", "FTRUN_NODE_TIMEOUT='abc' is not a number of seconds"),
     ("FTRUN_NODE_TIMEOUT", "nan", "FTRUN_NODE_TIMEOUT='nan' is not a number of seconds"),
+    ("FTRUN_STORE_MOVES", "no", "FTRUN_STORE_MOVES='no' must be 0 or 1"),
 ])
 def test_numbers_and_names_from_the_environment(ftrun_home, var, value, needle):
     _assert_bad(run_ftrun([TRAIN], timeout=30, env={var: value}), needle)

@@ -9,11 +9,13 @@ others never forms a second run.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import psutil
+import pytest
 
 from conftest import free_port
 from test_ft import MID, TRAIN, _assert_identical, _finish, _rank_log, _wait_replica, start_ftrun
@@ -157,3 +159,115 @@ def test_store_host_lost_while_a_replica_heals(ftrun_home, tmp_path):
     assert "received" in log2.split("the run's store moved to")[-1], log2[-2000:]  # healed on the new store
     _, stats = _assert_identical(out, [1, 2])
     assert stats["step"] == 400
+
+
+# A plain DDP script with its own checkpoint, as a user writes it (no ftrun API): rank 0 saves
+# every 5 steps (atomically), every run resumes from the newest one, rank 0 says how it ended.
+# FAIL_AT=S: in the first attempt the last rank fails at step S (the nodes then re-form).
+C10D_TRAIN = """\
+import json, os, sys, time
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+ck, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+fail_at = int(os.environ.get("FAIL_AT", "-1"))
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1)))
+opt = torch.optim.Adam(model.parameters(), 1e-3)
+start = 0
+if os.path.exists(ck):
+    state = torch.load(ck)
+    model.module.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    start = state["step"]
+for step in range(start, steps):
+    if step == fail_at and restart == 0 and dist.get_rank() == dist.get_world_size() - 1:
+        sys.exit(1)
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(1000 * step + dist.get_rank()))
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+    if dist.get_rank() == 0 and (step + 1) % 5 == 0:
+        torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step + 1}, ck + ".tmp")
+        os.replace(ck + ".tmp", ck)
+        with open(ck + ".step", "w") as f:
+            f.write(str(step + 1))
+    time.sleep(0.05)
+if dist.get_rank() == 0:
+    with open(out, "w") as f:
+        json.dump({"start": start, "world": dist.get_world_size(), "restart": restart}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("when", ["mid-run", "re-forming"])
+def test_c10d_store_host_lost_the_others_reform_from_their_checkpoint(tmp_path, when):
+    """Without --ft, --nnodes 2:4 over c10d on three nodes: the node hosting the rendezvous
+    endpoint (the run's store) is SIGKILLed with its workers, mid-run or while the nodes re-form
+    after a worker failed (the host waits for a fourth node). torchrun's survivors end there
+    (exit 1, measured); ftrun's two others move the store to one of them, form a round of two,
+    and the script resumes from its own checkpoint and finishes."""
+    import subprocess
+
+    from conftest import FTRUN, ROOT
+
+    port = free_port()
+    script, ck, done = tmp_path / "train.py", tmp_path / "ck.pt", tmp_path / "done.json"
+    script.write_text(C10D_TRAIN)
+    line = ["--nnodes=2:4", "--nproc-per-node=1", "--max-restarts=3", "--rdzv-id=mvc", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=localhost:{port}", "--rdzv-conf=last_call_timeout=3",
+            str(script), str(ck), str(done), "120"]
+    env = {**os.environ, "FTRUN_HOME": str(tmp_path / "home"), "FTRUN_NODE_TIMEOUT": "2",
+           "FAIL_AT": "20" if when == "re-forming" else "-1"}
+    procs, errs = [], [tmp_path / f"err{i}" for i in range(3)]
+    try:
+        for i in range(3):
+            with open(errs[i], "w") as err:
+                procs.append(subprocess.Popen([*FTRUN, *line], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                              stderr=err, text=True, start_new_session=True))
+            deadline = time.monotonic() + 60
+            while i == 0 and not _port_open(port):  # the first hosts the endpoint
+                assert procs[0].poll() is None and time.monotonic() < deadline, errs[0].read_text()
+                time.sleep(0.05)
+        deadline = time.monotonic() + 120
+
+        def cue() -> bool:
+            if when == "re-forming":  # both others arrived at round 1, the host waits for a fourth
+                return all("round 1: arrived as node" in errs[i].read_text() for i in (1, 2))
+            return ck.with_name("ck.pt.step").exists() and int(ck.with_name("ck.pt.step").read_text() or 0) >= 15
+
+        while not cue():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [e.read_text()[-2000:] for e in errs]
+            time.sleep(0.05)
+        os.killpg(procs[0].pid, signal.SIGKILL)  # the store's node, workers and all
+        killed_at = time.monotonic()
+        for p in procs[1:]:
+            p.wait(180)
+        took = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+    for p, e in zip(procs[1:], errs[1:]):
+        err = e.read_text()
+        assert p.returncode == 0, err[-4000:]
+        assert "the run's store moved to" in err and "ftrun: error" not in err, err[-3000:]
+    ended = json.loads(done.read_text())
+    assert ended["world"] == 2 and ended["start"] >= 15, ended
+    assert ended["restart"] == 1, ended  # a round that never formed costs no restart
+    print(f"{when}: re-formed on the survivors and resumed from step {ended['start']}; finished {took:.1f} s "
+          f"after the kill")
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False

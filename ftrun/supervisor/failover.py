@@ -77,15 +77,20 @@ def elect(me: int, gen: int, candidates: List[int], standby: Dict[int, str], own
         store = _connect(standby[c], timeout_s)
         if store is None:
             continue  # gone too, or cut off from us: the next candidate
-        prepare(store)
-        store.set(failover_node(gen, me), "1")
         deadline = time.monotonic() + 3 * timeout_s + 5.0
-        while not store.check([failover_formed(gen)]):
-            if time.monotonic() > deadline or stopped():
-                raise NoMajority(f"node {c} did not gather a majority of the run's {n} nodes "
-                                 f"within {3 * timeout_s + 5.0:g} s")
-            time.sleep(POLL_S)
-        formed = json.loads(store.get(failover_formed(gen)))
+        try:
+            prepare(store)
+            store.set(failover_node(gen, me), "1")
+            while not store.check([failover_formed(gen)]):
+                if time.monotonic() > deadline or stopped():
+                    raise NoMajority(f"node {c} did not gather a majority of the run's {n} nodes "
+                                     f"within {3 * timeout_s + 5.0:g} s")
+                time.sleep(POLL_S)
+            formed = json.loads(store.get(failover_formed(gen)))
+        except NoMajority:
+            raise
+        except Exception as e:  # this node chose it: it may not choose another in this generation
+            raise NoMajority(f"node {c} went away while it gathered the others ({str(e).splitlines()[0][:120]})")
         if me not in formed["nodes"]:
             raise NoMajority(f"node {c} formed the run without this node (it came too late)")
         return Elected(c, standby[c], store, formed["nodes"])

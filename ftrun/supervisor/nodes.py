@@ -29,7 +29,10 @@ agree on is a key under ``ftrun/nodes/``:
   store is lost, fail_over() carries out the election of
   ftrun.supervisor.failover and follows the new host (which then plays node
   0's part here); majority_kept() says whether the host may go on after
-  losing nodes.
+  losing nodes. Under c10d without --ft the rendezvous keeps each node's
+  standby store across rounds and moves the store between two rounds; a
+  round only publishes it here and says whether a move may follow
+  (may_move_between_rounds()).
 
 It is a source of events and a set of agreements for the supervisor's one
 loop (ftrun.supervisor.run): `check()` reports what happened to the other
@@ -249,7 +252,7 @@ class NodeCoordinator:
     `signalled` says whether a signal asked the run to stop (waits here end at once)."""
 
     def __init__(self, cfg: Any, run_store: RunStore, console: ConsoleOut, wake: Callable[[], None],
-                 signalled: Callable[[float], Optional[int]]) -> None:
+                 signalled: Callable[[float], Optional[int]], standby: Optional[RunStore] = None) -> None:
         self.run_store = run_store
         self.console = console
         self._wake = wake
@@ -280,7 +283,9 @@ class NodeCoordinator:
         self.layout_size = len(self.live)  # the run's nodes as formed: majorities count the lost too
         self.can_move = bool(cfg.ft and cfg.rdzv == "static" and not self.late and cfg.nnodes >= 3)
         self.standby: Dict[int, str] = {}
-        self.node_store: Optional[RunStore] = None
+        # c10d without --ft: the rendezvous keeps this node's standby store across rounds and
+        # moves the store between two rounds (ftrun.supervisor.rendezvous); this round publishes it.
+        self.node_store: Optional[RunStore] = standby
         if self.can_move and self.me != 0:
             ip = route_ip(self.host)
             listener = bind_listener(ip, 0)
@@ -382,7 +387,7 @@ class NodeCoordinator:
             for k in self.others:
                 if store.check([KEYS.who(k)]):
                     self.who[k] = store.get(KEYS.who(k)).decode()
-                if self.can_move and k != 0:
+                if self.node_store is not None and store.check([KEYS.standby(k)]):
                     self.standby[k] = store.get(KEYS.standby(k)).decode()
             if self.node_store is not None:
                 self.standby[self.me] = f"{self.node_store.host}:{self.node_store.port}"
@@ -518,7 +523,7 @@ class NodeCoordinator:
         """The run's store is lost: agree with the surviving nodes on the next host, and follow it.
         Raises failover.NoMajority when this node may not go on."""
         lost = self.host_node
-        gone = set(self._lost_nodes())
+        gone = set(self.lost_nodes())
         candidates = [k for k in sorted(self.live) if k != lost and k not in gone and k in self.standby]
         if not self.node_store.wait(NODE_TIMEOUT_S):
             raise failover.NoMajority(f"this node's standby store is not up ({self.node_store.error})")
@@ -549,20 +554,27 @@ class NodeCoordinator:
         self.watch.start()
         return elected
 
+    def may_move_between_rounds(self) -> bool:
+        """c10d without --ft: whether the run's store, lost with its node, can move to the nodes
+        that remain (a round of three nodes or more; the rendezvous moves it and re-forms)."""
+        return (self.node_store is not None and not self.cfg.ft and self.me != self.host_node
+                and self.layout_size >= 3)
+
     def majority_kept(self) -> bool:
         """The host's side goes on while it holds at least half of the run's nodes: a side
         without it needs more than half to move the store, so the two never both go on."""
         if not self.can_move or self.me != self.host_node:
             return True
-        return failover.keeps_running(1 + len(self.others) - len(self._lost_nodes()), self.layout_size)
+        return failover.keeps_running(1 + len(self.others) - len(self.lost_nodes()), self.layout_size)
 
-    def _lost_nodes(self) -> List[int]:
+    def lost_nodes(self, ended: bool = True) -> List[int]:
+        """Nodes gone silent, and (`ended`) those that ended with a failure."""
         w = self.watch
         if w is None:
             return []
         with w.lock:
             return [k for k, st in w.states.items() if st is NodeState.LOST
-                    or st is NodeState.ENDED and w.finals.get(k) != "0"]
+                    or ended and st is NodeState.ENDED and w.finals.get(k) != "0"]
 
     def _ended_nodes(self) -> List[tuple]:
         w = self.watch
@@ -587,12 +599,19 @@ class NodeCoordinator:
                            "code": failure.status_code})
         return json.loads(self.store.compare_set(KEYS.fail(self.attempt), "", mine).decode())
 
-    def store_reachable(self) -> bool:
-        try:
-            with socket.create_connection((self.host, self.port), timeout=1.0):
-                return True
-        except OSError:
-            return False
+    def store_reachable(self, probes: int = 5) -> bool:
+        """Whether the store's port still answers: `probes` connections 0.1 s apart all get in. One
+        is not enough: a store whose process is being killed resets its connections before the
+        kernel closes its listening socket."""
+        for i in range(probes):
+            if i:
+                time.sleep(0.1)
+            try:
+                with socket.create_connection((self.host, self.port), timeout=1.0):
+                    pass
+            except OSError:
+                return False
+        return True
 
     def attempt_barrier(self, fail_code: int) -> Optional[NodeEvent | int]:
         """After this node stopped its workers of the current attempt n: wait until every node
@@ -623,7 +642,7 @@ class NodeCoordinator:
                     return None
                 if self._store_lost():
                     return self.store_gone(self.watch.store_error if self.watch else "")
-                lost = self._lost_nodes()
+                lost = self.lost_nodes()
                 if lost:
                     return self.check() or NODE_LOST
                 ended = self._ended_nodes()

@@ -24,6 +24,15 @@ to grow: a node that comes while a round trains asks node 0 to take it in
 new node's replicas join the quorum and heal from a peer. A lost node's place
 goes to the next node waiting.
 
+Without --ft, on rounds of three nodes or more, the store moves when its
+node is lost (FTRUN_STORE_MOVES=0: never): every other node keeps a standby
+store for the whole run and publishes it in each round; when the store goes
+away at the end of a round or while the nodes re-form, the nodes that remain
+elect its next host by the rule of ftrun.supervisor.failover (more than half
+of the last round's nodes) and form the next round there. So that no second
+run forms beside it, the hosting node then closes a round only with at least
+half of the last round's nodes.
+
 Store keys (under ftrun/rdzv/): ``round`` (the round being formed),
 ``N/arrivals`` (counter: a client's arrival index is its node rank),
 ``N/size`` (set by the host when round N closes; 0 when it could not form),
@@ -47,7 +56,7 @@ from typing import Any, Optional, Tuple
 
 from ftrun.config import RunConfig, store_listen_addr, store_bind_addr, this_node_name
 from ftrun.protocol import RDZV, NodeKeys, rdzv_admit, rdzv_arrivals
-from ftrun.supervisor import nodes
+from ftrun.supervisor import failover, nodes
 from ftrun.supervisor.env import base_env
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.spawn import ZygoteSpawner
@@ -59,6 +68,10 @@ JOIN_FAILED = nodes.JOIN_FAILED
 
 def _key(name: str) -> str:
     return RDZV + name
+
+
+class _StoreLost(Exception):
+    """The run's store went away while this node joined a round."""
 
 
 class _Stop(Exception):
@@ -79,7 +92,7 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
     def stop(signum, _frame):
         raise _Stop(signum)
 
-    store, host, zygote = None, False, None
+    store, host, zygote, standby = None, False, None, None
     code = JOIN_FAILED
     try:
         for s in previous:
@@ -88,12 +101,35 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
         store, host = _open(cfg, console)
         if store is None:
             return JOIN_FAILED
-        n = 0
+        if not host and moves_enabled(cfg):
+            standby = _standby(cfg)
+        n, need, expect = 0, 0, None
+        last, moving = None, False  # a follower's coordinator of the round that ended: where the store may move
         while True:
             for s in previous:
                 signal.signal(s, stop)
+            if last is not None and (moving or not last.store_reachable(probes=1)):
+                # The store went away with its node, at the end of the round or while the nodes
+                # re-formed: agree on its next host with the nodes that remain, then form there.
+                moved = _move(cfg, last, store, standby, console)
+                if isinstance(moved, int):
+                    code = moved
+                    return code
+                cfg, host, expect = moved
+                if host:
+                    store, standby = standby, None
+                last = None
             zygote = zygote or _prewarm(cfg)
-            formed = _host_round(cfg, store, n, console) if host else _join_round(cfg, store, n, console)
+            try:
+                formed = (_host_round(cfg, store, n, console, need, expect) if host
+                          else _join_round(cfg, store, n, console))
+            except _StoreLost as e:
+                if last is not None and not last.store_reachable():
+                    moving = True
+                    continue
+                _fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {e}")
+                code = nodes.NODE_LOST
+                return code
             if isinstance(formed, int):
                 code = formed
                 return code
@@ -105,10 +141,17 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
                 # with --ft replicas restart inside the round.
                 max_restarts=cfg.max_restarts if cfg.ft else 0)
             nodes.use_round(n)
-            sup, zygote = Supervisor(round_cfg, store=store, zygote=zygote), None  # the round's now
+            sup = Supervisor(round_cfg, store=store, zygote=zygote, standby=standby)
+            zygote = None  # the round's now
             code = sup.run()
             if not sup.reform:  # the round's agent decided: the run is over
                 return code
+            # No second run may form beside this one: the next round needs at least half of this
+            # round's nodes when the store could have moved to the others (they need more than half).
+            need = -(-size // 2) if size >= 3 and moves_enabled(cfg) else 0
+            expect = None
+            last = sup.nodes if sup.nodes is not None and sup.nodes.may_move_between_rounds() else None
+            moving = sup.store_lost
             n += 1
     except _Stop as e:
         console.note(f"received {signal.Signals(e.signum).name}: stopping", style="bold yellow")
@@ -173,6 +216,51 @@ def _open(cfg: RunConfig, console: ConsoleOut) -> Tuple[Optional[RunStore], bool
     return store, False
 
 
+def moves_enabled(cfg: RunConfig) -> bool:
+    """c10d without --ft on three nodes or more: the store moves when its node is lost
+    (FTRUN_STORE_MOVES=0: it never does, and the host goes on with any --nnodes MIN)."""
+    return not cfg.ft and cfg.max_nodes >= 3 and os.environ.get("FTRUN_STORE_MOVES", "1") != "0"
+
+
+def _standby(cfg: RunConfig) -> RunStore:
+    """This node's standby store: where the run's store goes should its host be lost. It listens
+    on the address the host reaches this machine by, so the other nodes reach it too."""
+    ip = nodes.route_ip(cfg.master_addr)
+    listener = bind_listener(ip, 0)
+    return RunStore(ip, listener.getsockname()[1], listener)
+
+
+def _move(cfg: RunConfig, coord: Any, store: RunStore, standby: Optional[RunStore], console: ConsoleOut) -> Any:
+    """The run's store went away with its node at the end of `coord`'s round: agree with the nodes that
+    remain on its next host (ftrun.supervisor.failover, the rule of the --ft move) and follow it.
+    (cfg with the new endpoint, whether this node hosts it now, the nodes that chose it), or
+    ftrun's exit status when this node may not go on."""
+    t0 = time.monotonic()
+    if standby is None or not standby.wait(nodes.NODE_TIMEOUT_S):
+        _fail(console, "the run's store went away and this node has no standby store to move it to")
+        return nodes.NODE_LOST
+    # Nodes that ended the round (every node does when it re-forms) are candidates; silent ones are not.
+    lost = set(coord.lost_nodes(ended=False)) | {coord.host_node}
+    candidates = [k for k in sorted(coord.live) if k not in lost and k in coord.standby]
+    try:
+        elected = failover.elect(coord.me, coord.cfg.round + 1, candidates, coord.standby, standby.store,
+                                 coord.layout_size, nodes.NODE_TIMEOUT_S, lambda _store: None, lambda: False)
+    except failover.NoMajority as e:
+        _fail(console, f"the run's store could not move: {e}; stopping so that no second run can form")
+        return nodes.NODE_LOST
+    addr, _, port = elected.addr.rpartition(":")
+    cfg = dataclasses.replace(cfg, master_addr=addr, master_port=int(port))
+    mine = elected.host == coord.me
+    if mine:
+        standby.set(_key("master_addr"), addr)
+    else:
+        store.adopt(elected.store, addr, int(port))
+    console.note(f"the run's store moved to {'this node' if mine else 'another node'} at {elected.addr} "
+                 f"({len(elected.nodes)} of {coord.layout_size} nodes, agreed in {time.monotonic() - t0:.1f} s); "
+                 f"the run re-forms there", style="bold cyan")
+    return cfg, mine, len(elected.nodes)
+
+
 def _fail(console: ConsoleOut, text: str) -> None:
     console.note(f"error: {text}", style="bold red")
 
@@ -181,8 +269,13 @@ def _count(store: RunStore, n: int) -> int:
     return 1 + int(store.store.add(rdzv_arrivals(n), 0))
 
 
-def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) -> Any:
-    """Close round n: (n, 0, size, master_addr) once it has formed, else an exit status."""
+def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, need: int = 0,
+                expect: Optional[int] = None) -> Any:
+    """Close round n: (n, 0, size, master_addr) once it has formed, else an exit status.
+
+    `need`: nodes the round needs besides --nnodes MIN (half of the last round's, when the store
+    could have moved away: a second run must never form); `expect`: the nodes that moved the
+    store here, whose arrival closes the round at once."""
     s = store.store
     if n > 0:
         store.clear_worker_keys()  # the last round's gloo/NCCL keys must not be read by the next
@@ -190,16 +283,24 @@ def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) ->
     t0 = time.monotonic()
     deadline = t0 + cfg.join_timeout
     last_call: Optional[float] = None
+    least = max(cfg.min_nodes, need)
     while True:
         count = _count(store, n)
         now = time.monotonic()
-        if count >= cfg.min_nodes and last_call is None:
+        if count >= least and last_call is None:
             last_call = now + cfg.last_call_timeout
-        if count >= cfg.max_nodes or (last_call is not None and now >= last_call):
+        if (count >= cfg.max_nodes or (last_call is not None and now >= last_call)
+                or (expect is not None and count >= max(expect, least))):
             size = min(count, cfg.max_nodes)
             break
         if last_call is None and now > deadline:
             s.set(_key(f"{n}/size"), "0")
+            if need > cfg.min_nodes:
+                _fail(console, f"only {count} node{'s' if count != 1 else ''} came back within --rdzv-conf "
+                               f"join_timeout={cfg.join_timeout:g}; {need} (half of the last round's) are needed, as the others may "
+                               f"have moved the run's store and gone on without this node (FTRUN_STORE_MOVES=0 "
+                               f"keeps the store here and lets any --nnodes MIN go on)")
+                return nodes.NODE_LOST
             _fail(console, f"only {count} of at least {cfg.min_nodes} nodes joined within --rdzv-conf "
                            f"join_timeout={cfg.join_timeout:g}; start ftrun with the same line on the others")
             return JOIN_FAILED
@@ -239,8 +340,7 @@ def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) ->
     except _Stop:
         raise
     except Exception as e:
-        _fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {nodes._one_line(e)}")
-        return nodes.NODE_LOST
+        raise _StoreLost(nodes._one_line(e)) from None
 
 
 def _current_round(s: Any, console: ConsoleOut) -> Tuple[Optional[int], Any]:

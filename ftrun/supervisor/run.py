@@ -92,12 +92,13 @@ def forwarded_signals(cfg: RunConfig) -> List[int]:
 
 class Supervisor:
     def __init__(self, cfg: RunConfig, store: Optional[RunStore] = None,
-                 zygote: Optional[ZygoteSpawner] = None) -> None:
+                 zygote: Optional[ZygoteSpawner] = None, standby: Optional[RunStore] = None) -> None:
         self.cfg = cfg
         # c10d: the rendezvous already hosts or joined the run's store, and started a zygote
         # while it waited for the other nodes, so torch's import is not paid after the join.
         self._given_store = store
         self._given_zygote = zygote
+        self._given_standby = standby  # c10d without --ft: where the store may move between rounds
         self.stopped_by_signal: Optional[int] = None
         self.stopping: Optional[Stopping] = None
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -144,6 +145,7 @@ class Supervisor:
         # c10d without --ft: the agent ended this round so that the nodes re-form the run
         # (ftrun.supervisor.rendezvous runs the next round only when this says so).
         self.reform = False
+        self.store_lost = False  # ...because the run's store went away with its node (it moves first)
 
     # ---------------------------------------------------------------- start
     def run(self) -> int:
@@ -155,10 +157,10 @@ class Supervisor:
         port = self.store.port
         if cfg.nnodes > 1 or cfg.admits_late:  # alone, an elastic --ft run still takes late nodes in
             self.nodes = NodeCoordinator(cfg, self.store, self.console, lambda: self.events.put(("nodes", None)),
-                                         self._signalled)
+                                         self._signalled, self._given_standby)
         self.common = common_env(cfg, host, port, base_env())
         self.common.pop("FTRUN_NODE_STORE", None)  # ours alone: one the user's shell had means nothing here
-        if self.nodes is not None and self.nodes.node_store is not None:
+        if cfg.ft and self.nodes is not None and self.nodes.node_store is not None:
             # Where this node's workers learn the run's store's next address, should it move.
             self.common["FTRUN_NODE_STORE"] = f"{self.nodes.node_store.host}:{self.nodes.node_store.port}"
         cwd = os.getcwd()
@@ -567,6 +569,14 @@ class Supervisor:
             return
         if ev.kind == "store_gone" and self.cfg.ft and self.nodes.may_move():
             self._move_store(ev)
+            return
+        if ev.kind == "store_gone" and self._can_reform() and self.nodes.may_move_between_rounds():
+            self.reform = self.store_lost = True
+            self.status.exit_summary = "node 0 (the run's store) went away"
+            self.console.note(f"{ev.text}; ending round {self.cfg.round}: the nodes that remain move the run's store "
+                              f"and re-form the run (restart {self.cfg.round + 1} of {self.cfg.total_restarts})",
+                              style="bold yellow")
+            self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, NODE_LOST)
             return
         if ev.kind == "node_lost" and self.cfg.ft and not self.nodes.majority_kept():
             self._lost_majority(f"{ev.text}; this node and the nodes it still sees are fewer than half of the "
