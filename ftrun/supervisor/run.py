@@ -598,8 +598,9 @@ class Supervisor:
             self.console.note(f"{ev.text}; stopping this node's workers (without --ft the run needs every node)",
                               style="bold red")
         else:
-            self.console.note(f"{ev.text}; stopping this node's {len(live)} worker{'s' if len(live) != 1 else ''}",
-                              style="bold red")
+            what = (f"stopping this node's {len(live)} worker{'s' if len(live) != 1 else ''}" if live
+                    else "ending this node's run")
+            self.console.note(f"{ev.text}; {what}", style="bold red")
         self.status.exit_summary = ev.text if ev.kind == "node_lost" else "node 0 (the run's store) went away"
         code = NODE_LOST
         if ev.kind == "store_gone" and self.cfg.ft:
