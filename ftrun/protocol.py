@@ -188,6 +188,34 @@ def tally(total: int) -> Tally:
     return Tally(oks + abstains + fails, fails, oks)
 
 
+# Votes through a node's relay (--ft on several static nodes): a node's workers vote in their
+# node's own store (its standby store, FTRUN_NODE_STORE; the run's store itself on the node
+# hosting it) and the run's store sees one vote per node and round. A member adds its vote to
+# node_count_key; the add that completes the node's count (the epoch's members on that node)
+# makes its author the node's forwarder: it adds the node's whole count to count_key (the
+# fields add up), then copies the round's decision into node_decision_key, where the node's
+# other members read it. The keeper's votes for a dead or absent member go to its node's
+# counter while that node's store answers (a keeper's add that completes it forwards, as a
+# member would), to count_key once the node is lost. node_forwarded_key says the node's count
+# reached count_key: without it, a completed count whose forwarder died is forwarded by the
+# keeper. NODE_LOST_DECISION, written by the node's ftrun after the run's store moved, ends
+# the wait of members whose forwarder could not reach the old store.
+NODE_LOST_DECISION = "lost 0"
+NODE_RANKS_ENV = "FTRUN_NODE_RANKS"  # "<node> <first global rank> <count>" of the worker's node
+
+
+def node_count_key(node: int, epoch: int, round_: int) -> str:
+    return f"{PREFIX}ln/{node}/{epoch}/{round_}"
+
+
+def node_decision_key(node: int, epoch: int, round_: int) -> str:
+    return f"{PREFIX}ld/{node}/{epoch}/{round_}"
+
+
+def node_forwarded_key(node: int, epoch: int, round_: int) -> str:
+    return f"{PREFIX}lf/{node}/{epoch}/{round_}"
+
+
 def inc_key(rank: int) -> str:
     return f"{PREFIX}inc/{rank}"      # live incarnation of the replica, or "dead"
 

@@ -110,6 +110,64 @@ def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue") ->
     out.put((lat, sum(requests), min(b for b, _ in span), max(e for _, e in span)))
 
 
+def relayed_replicas(port: int, nodes: list, per_node: int, size: int, rounds: int, out: "mp.Queue") -> None:
+    """Whole nodes in one process: each node's store (as its ftrun hosts it), its relay's upkeep
+    (ftrun.supervisor.relay.NodeRelay, every 50 ms as in a run), and its `per_node` members, who
+    vote through it (vote.cast with their vote.Node): the run's store sees the forwarders only."""
+    from ftrun.supervisor.relay import NodeRelay
+
+    sys.setswitchinterval(0.0002)
+    servers = {k: dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False) for k in nodes}
+    lat, requests, local_requests, span = [], [], [], []
+    start = threading.Barrier(len(nodes) * per_node)
+    stop = threading.Event()
+
+    def upkeep() -> None:
+        run = dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT)
+        relays = []
+        for k in nodes:
+            local = dist.TCPStore("127.0.0.1", servers[k].port, None, False, TIMEOUT)
+            relays.append(NodeRelay(k, lambda c=local: c, lambda: run))
+        while not stop.is_set():
+            for r in relays:
+                r.poll(time.monotonic())
+            stop.wait(0.05)
+
+    def one(node: int, rank: int) -> None:
+        s = Counting(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))
+        local = Counting(dist.TCPStore("127.0.0.1", servers[node].port, None, False, TIMEOUT))
+        me = vote.Node(node, node * per_node, per_node, local)
+        mine = []
+        start.wait()
+        began = time.monotonic()
+        next_report = 0.0
+        for rnd in range(rounds):
+            now = time.monotonic()
+            if now >= next_report:  # the heartbeat's status report, to the run's store as in a run
+                s.set(keys.info_key(rank), json.dumps({"inc": 0, "epoch": 1, "round": rnd, "phase": "vote",
+                                                       "beat": rnd}))
+                next_report = now + 0.25
+            t0 = time.monotonic()
+            commit, _, _ = vote.cast(s, 1, rnd, size, True, 1, me, per_node)
+            mine.append((t0, time.monotonic()))
+            assert commit
+        lat.append(mine)
+        requests.append(s.requests)
+        local_requests.append(local.requests)
+        span.append((began, time.monotonic()))
+
+    keeper = threading.Thread(target=upkeep, daemon=True)
+    keeper.start()
+    threads = [threading.Thread(target=one, args=(k, k * per_node + i)) for k in nodes for i in range(per_node)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    keeper.join()
+    out.put((lat, sum(requests), min(b for b, _ in span), max(e for _, e in span), sum(local_requests)))
+
+
 def _keeper(n: int):
     """A store server, a counting client and the supervisor's keeper with N members in epoch 1."""
     from ftrun.supervisor.quorum import QuorumKeeper
@@ -126,7 +184,7 @@ def _keeper(n: int):
     return server, client, keeper
 
 
-def measure(n: int, rounds: int, procs: int) -> dict:
+def measure(n: int, rounds: int, procs: int, per_node: int = 0) -> dict:
     server, client, keeper = _keeper(n)
     port = server.port
     members = tuple((r, 0) for r in range(n))
@@ -144,8 +202,13 @@ def measure(n: int, rounds: int, procs: int) -> dict:
 
     q: "mp.Queue" = mp.Queue()
     ctx = mp.get_context("fork")
-    chunks = [list(range(n))[i::procs] for i in range(min(procs, n))]
-    workers = [ctx.Process(target=replicas, args=(port, c, n, rounds, q)) for c in chunks]
+    if per_node:
+        nodes = list(range(n // per_node))
+        chunks = [nodes[i::procs] for i in range(min(procs, len(nodes)))]
+        workers = [ctx.Process(target=relayed_replicas, args=(port, c, per_node, n, rounds, q)) for c in chunks]
+    else:
+        chunks = [list(range(n))[i::procs] for i in range(min(procs, n))]
+        workers = [ctx.Process(target=replicas, args=(port, c, n, rounds, q)) for c in chunks]
     keys_before = server.num_keys()
     kt = threading.Thread(target=keep, daemon=True)
     kt.start()
@@ -166,7 +229,9 @@ def measure(n: int, rounds: int, procs: int) -> dict:
     member_requests = sum(r[1] for r in results)
     wall = max(r[3] for r in results) - min(r[2] for r in results)  # the rounds themselves, not start-up
     out = {
-        "n": n, "rounds": rounds, "rounds_per_s": rounds / wall,
+        "n": n, "nodes": n // per_node if per_node else n, "relayed": bool(per_node),
+        "node_requests_per_round": sum(r[4] for r in results) / rounds if per_node else 0.0,
+        "rounds": rounds, "rounds_per_s": rounds / wall,
         "median_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * lat[int(0.99 * (len(lat) - 1))],
         "member_wait_median_ms": 1e3 * statistics.median(wait),
         "member_requests_per_round": member_requests / rounds,
@@ -264,6 +329,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="8,64,256,1024")
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--per-node", type=int, default=0, metavar="P",
+                    help="replicas as N/P nodes of P, voting through their node's relay (0: every replica "
+                         "votes in the run's store, as on one node)")
     ap.add_argument("--failover", type=int, default=0, metavar="RUNS",
                     help="instead: kill the store's node of a 3-node --ft run RUNS times, time the next commit")
     args = ap.parse_args()
@@ -273,18 +341,19 @@ def main() -> None:
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         rounds = max(20, min(400, 20000 // n))
-        row = measure(n, rounds, args.procs)
+        row = measure(n, rounds, args.procs, args.per_node)
         row["keeper_cpu"] = keeper_cpu_fraction(n, 3.0)
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     print()
-    print("| replicas | rounds | commit latency median | p99 | member's wait (median) | rounds/s | store requests per round: members (per member) "
-          "| keeper | keeper CPU | store keys before / after |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| replicas | nodes | rounds | commit latency median | p99 | member's wait (median) | rounds/s | run's store requests "
+          "per round: members (per node) | keeper | keeper CPU | store keys before / after |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['n']} | {r['rounds']} | {r['median_ms']:.2f} ms | {r['p99_ms']:.2f} ms | "
+        nodes = f"{r['nodes']} x {r['n'] // r['nodes']}" if r["relayed"] else "flat"
+        print(f"| {r['n']} | {nodes} | {r['rounds']} | {r['median_ms']:.2f} ms | {r['p99_ms']:.2f} ms | "
               f"{r['member_wait_median_ms']:.2f} ms | {r['rounds_per_s']:.0f} | "
-              f"{r['member_requests_per_round']:.0f} ({r['member_requests_per_round'] / r['n']:.2f}) | "
+              f"{r['member_requests_per_round']:.0f} ({r['member_requests_per_round'] / r['nodes']:.2f}) | "
               f"{r['keeper_requests_per_round']:.1f} | {100 * r['keeper_cpu']:.1f}% | {r['keys_before']} / {r['keys_after']} |")
     print(f"\n{args.procs} client processes of threads; load average {os.getloadavg()[0]:.1f}")
     if args.json:

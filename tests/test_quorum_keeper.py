@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -16,6 +18,8 @@ import torch.distributed as dist
 from ftrun import protocol as keys
 from ftrun.supervisor import quorum
 from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.relay import NodeRelay, Routes
+from ftrun.worker.ft import vote
 
 pytestmark = pytest.mark.quick
 
@@ -225,3 +229,158 @@ def test_tally_reads_each_kind_of_vote():
     assert keys.tally(total) == (6, 1, 3) and not keys.tally(total).commit
     assert keys.tally(2 * keys.ABSTAIN_VOTE + keys.OK_VOTE).commit
     assert not keys.tally(3 * keys.ABSTAIN_VOTE).commit  # nobody voted ok: nothing to commit
+
+
+# ------------------------------------------------------------------ votes through node relays
+_SERVERS = []  # kept to the end: a store server torn down under its clients' feet stalls for seconds
+
+
+class _Node:
+    """A node's own store, hosted here as a node's ftrun hosts it."""
+
+    def __init__(self) -> None:
+        self.server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10))
+        _SERVERS.append(self.server)
+        self.addr = f"127.0.0.1:{self.server.port}"
+
+    def client(self) -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", self.server.port, None, False, datetime.timedelta(seconds=10))
+
+
+class _Counting:
+    """A run's-store client that counts the calls members make on it."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.store, name)
+
+        def call(*a):
+            self.calls += 1
+            return fn(*a)
+        return call
+
+
+@pytest.fixture
+def relayed(monkeypatch):
+    """Four replicas on two relaying nodes (ranks 0-1 on node 1, 2-3 on node 2), epoch 1 formed."""
+    monkeypatch.setattr(quorum, "STUCK_S", 0.0)
+    nodes = {1: _Node(), 2: _Node()}
+    q = QuorumKeeper(_RunStore(), [0, 1, 2, 3], routes=Routes({1: (nodes[1].addr, [0, 1]),
+                                                                 2: (nodes[2].addr, [2, 3])}))
+    _SERVERS.append(q._s)
+    q.on_store_ready()
+    for r in range(4):
+        _join(q, r, 0)
+    q.poll(0.0)
+    assert q.epoch_id == 1
+    q._s.set(keys.TOP, "4")  # rounds up to 4 decided: 5 and 6 are in flight
+    return q, nodes
+
+
+def _member(q, nodes, rank: int):
+    node = 1 if rank < 2 else 2
+    run = _Counting(dist.TCPStore("127.0.0.1", q._s.port, None, False, datetime.timedelta(seconds=10)))
+    return run, vote.Node(node, 2 * (node - 1), 2, nodes[node].client())
+
+
+def _cast_in_thread(run, node, rnd: int = 5, ok: bool = True):
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("d", vote.cast(run, 1, rnd, 4, ok, 1, node, 2)), daemon=True)
+    t.start()
+    return t, out
+
+
+def test_votes_through_node_relays_reach_the_run_store_once_per_node(relayed):
+    q, nodes = relayed
+    members = [_member(q, nodes, r) for r in range(4)]
+    threads = [_cast_in_thread(run, node) for run, node in members]
+    for t, _ in threads:
+        t.join(10)
+    assert [out["d"][:2] for _, out in threads] == [(True, 1)] * 4
+    # Two members forwarded their node's count (one add, one decision read or write each); the
+    # others only talked to their node's store.
+    assert sorted(run.calls for run, _ in members) == [0, 0, 2, 3]
+    assert keys.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 4)
+
+
+def test_a_dead_members_vote_goes_through_its_node_and_the_relay_delivers_the_decision(relayed):
+    """Rank 1 dies before voting: the keeper abstains in node 1's store, which completes node 1's
+    count; the keeper forwards it, and node 1's relay copies the decision to rank 0, which waits."""
+    q, nodes = relayed
+    (run0, node0), (run2, node2), (run3, node3) = (_member(q, nodes, r) for r in (0, 2, 3))
+    waiting = _cast_in_thread(run0, node0)
+    others = [_cast_in_thread(run2, node2), _cast_in_thread(run3, node3)]
+    q.on_exit(1, 0)
+    relay = NodeRelay(1, lambda: nodes[1].client(), lambda: q._s)
+    deadline = time.monotonic() + 10
+    while any(t.is_alive() for t, _ in [waiting] + others) and time.monotonic() < deadline:
+        relay.poll(time.monotonic())
+        time.sleep(0.05)
+    assert [out["d"][0] for _, out in [waiting] + others] == [True] * 3
+    assert keys.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 3)
+
+
+def test_a_node_count_whose_forwarder_died_is_forwarded_by_the_keeper(relayed):
+    """Rank 1 completed node 1's count and died before forwarding it: nobody else would. The
+    keeper sees the count complete with no forward mark and forwards it, less its own vote."""
+    q, nodes = relayed
+    run0, node0 = _member(q, nodes, 0)
+    waiting = _cast_in_thread(run0, node0)
+    local = nodes[1].client()
+    deadline = time.monotonic() + 10
+    while keys.tally(local.add(keys.node_count_key(1, 1, 5), 0)).votes < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    local.add(keys.node_count_key(1, 1, 5), keys.OK_VOTE)  # rank 1's vote: the node's last; then it dies
+    for r in (2, 3):
+        run, node = _member(q, nodes, r)
+        threading.Thread(target=vote.cast, args=(run, 1, 5, 4, True, 1, node, 2), daemon=True).start()
+    q.on_exit(1, 0)
+    relay = NodeRelay(1, lambda: nodes[1].client(), lambda: q._s)
+    while waiting[0].is_alive() and time.monotonic() < deadline:
+        q.poll(time.monotonic())
+        relay.poll(time.monotonic())
+        time.sleep(0.05)
+    assert waiting[1]["d"][0] is True
+    assert keys.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 4)  # the keeper's own vote left out
+
+
+def test_a_lost_nodes_members_are_voted_for_in_the_run_store(relayed):
+    """Node 2 is gone with its store: the keeper's abstentions for ranks 2 and 3 go to the run's
+    store, and node 1's members, who forwarded their count, read the commit."""
+    q, nodes = relayed
+    members = [_member(q, nodes, r) for r in (0, 1)]
+    threads = [_cast_in_thread(run, node) for run, node in members]
+    _SERVERS.remove(nodes[2].server)
+    del nodes[2].server  # the node's store goes with it
+    q.on_exit(2, 0)
+    q.on_exit(3, 0)
+    for t, _ in threads:
+        t.join(10)
+    assert [out["d"][0] for _, out in threads] == [True] * 2
+    assert 2 in q.routes.lost
+
+
+def test_members_waiting_on_their_node_follow_a_moved_store(relayed):
+    """The run's store moved while node 1's forwarder was cut off from the old one: the node's
+    relay ends the wait of its other member, which follows the store (vote.StoreLost)."""
+    q, nodes = relayed
+    run0, node0 = _member(q, nodes, 0)
+    failed = {}
+
+    def wait() -> None:
+        try:
+            vote.cast(run0, 1, 5, 4, True, 1, node0, 2)
+        except vote.StoreLost as e:
+            failed["e"] = e
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    relay = NodeRelay(1, lambda: nodes[1].client(), lambda: q._s)
+    relay.moved(1)
+    deadline = time.monotonic() + 10
+    while t.is_alive() and time.monotonic() < deadline:
+        relay.poll(time.monotonic())
+        time.sleep(0.05)
+    assert "e" in failed

@@ -286,7 +286,10 @@ class NodeCoordinator:
         # c10d without --ft: the rendezvous keeps this node's standby store across rounds and
         # moves the store between two rounds (ftrun.supervisor.rendezvous); this round publishes it.
         self.node_store: Optional[RunStore] = standby
-        if self.can_move and self.me != 0:
+        # --ft on static nodes: every node but node 0 (which hosts the run's store) has a store of
+        # its own, through which its workers vote (ftrun.supervisor.relay); on three nodes or more
+        # it is also the node's standby store.
+        if cfg.ft and cfg.rdzv == "static" and not self.late and cfg.nnodes >= 2 and self.me != 0:
             ip = route_ip(self.host)
             listener = bind_listener(ip, 0)
             self.node_store = RunStore(ip, listener.getsockname()[1], listener)
@@ -387,7 +390,7 @@ class NodeCoordinator:
             for k in self.others:
                 if store.check([KEYS.who(k)]):
                     self.who[k] = store.get(KEYS.who(k)).decode()
-                if self.node_store is not None and store.check([KEYS.standby(k)]):
+                if (cfg.ft or self.node_store is not None) and store.check([KEYS.standby(k)]):  # node 0 routes votes there
                     self.standby[k] = store.get(KEYS.standby(k)).decode()
             if self.node_store is not None:
                 self.standby[self.me] = f"{self.node_store.host}:{self.node_store.port}"

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import EVENTS, Epoch
+from ftrun.supervisor.relay import Routes
 
 # How long an epoch that starts from nothing (the first, or one after every replica was lost)
 # waits for the replicas being started: one that began alone would train on its own gradients
@@ -48,8 +49,12 @@ STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in an
 
 class QuorumKeeper:
     def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True,
-                 replica_size: int = 1) -> None:
+                 replica_size: int = 1, routes: Optional[Routes] = None) -> None:
         self.store = store  # RunStore; its .store is the TCPStore once ready
+        # Several nodes: the nodes whose members vote through their node's store (ftrun.supervisor.relay).
+        self.routes = routes
+        self._node_added: Dict[Tuple[int, int, int], List[int]] = {}  # (node, epoch, round) -> the keeper's votes there
+        self._orphan_seen: Dict[Tuple[int, int, int], float] = {}
         self.k = replica_size
         self.ranks = sorted(ranks)              # every replica of the run (all nodes)
         self.local = set(local_ranks if local_ranks is not None else ranks)
@@ -199,12 +204,79 @@ class QuorumKeeper:
     def _top(self) -> int:
         return int(self._s.get(keys.TOP))
 
-    def _add_vote(self, e: int, rnd: int, top: int, vote: int) -> None:
-        """Add a vote in a member's place to round `rnd` of epoch `e`; decide the round if it
-        closes it, as a member would (commit: no failed vote, one ok at least)."""
-        t = keys.tally(self._s.add(keys.count_key(e, rnd), vote))
+    def _add_vote(self, e: int, rnd: int, top: int, vote: int, member: int) -> None:
+        """Add a vote in `member`'s place to round `rnd` of epoch `e`; decide the round if it
+        closes it, as a member would (commit: no failed vote, one ok at least). Through the
+        member's node while that node relays and answers (ftrun.supervisor.relay): an add that
+        completes the node's count forwards it, as the node's last voter would."""
+        node = self.routes.node_of(member) if self.routes is not None else None
+        local = self._node_client(node)
+        if local is None:
+            self._add_run_vote(e, rnd, top, vote)
+            return
+        try:
+            total = local.add(keys.node_count_key(node, e, rnd), vote)
+        except Exception:  # the node is gone with its store: its members' votes go to the run's store
+            self.routes.lose(node)
+            self._add_run_vote(e, rnd, top, vote)
+            return
+        self._node_added.setdefault((node, e, rnd), []).append(vote)
+        if keys.tally(total).votes == self._node_size(e, node):
+            self._forward(node, local, e, rnd, top, total)
+
+    def _add_run_vote(self, e: int, rnd: int, top: int, total: int) -> None:
+        t = keys.tally(self._s.add(keys.count_key(e, rnd), total))
         if t.votes == len(self.epochs[e]):  # this closed the round: nobody else decides it
             self._decide(e, rnd, top, t.commit)
+
+    def _node_client(self, node: Optional[int]):
+        if node is None:
+            return None
+        try:
+            return self.routes.client(node)
+        except Exception:
+            self.routes.lose(node)
+            return None
+
+    def _node_size(self, e: int, node: int) -> int:
+        ranks = self.routes.ranks(node)
+        return sum(1 for r, _ in self.epochs[e] if r in ranks)
+
+    def _forward(self, node: int, local, e: int, rnd: int, top: int, total: int) -> None:
+        """Forward a node's completed count to the run's store in place of its last voter; the
+        decision reaches the node's members through its relay (ftrun.supervisor.relay.NodeRelay)."""
+        self._add_run_vote(e, rnd, top, total)
+        local.set(keys.node_forwarded_key(node, e, rnd), "1")
+
+    def _close_orphaned_node(self, member: int, e: int, rnd: int, top: int, now: float) -> None:
+        """A dead member's node counted every vote of the round but never marked it forwarded:
+        the member may have been that node's last voter and died before forwarding. After
+        STUCK_S (a live forwarder marks it within a store round trip) the keeper forwards the
+        node's count less its own votes. Had the dead forwarder reached the run's store after
+        all, the round is over-counted and decided by _close_orphaned, as after any double vote."""
+        node = self.routes.node_of(member) if self.routes is not None else None
+        local = self._node_client(node)
+        if local is None:
+            return
+        where = (node, e, rnd)
+        try:
+            total = local.add(keys.node_count_key(node, e, rnd), 0)
+            size = self._node_size(e, node)
+            excess = keys.tally(total).votes - size
+            if excess < 0 or local.check([keys.node_forwarded_key(node, e, rnd)]):
+                self._orphan_seen.pop(where, None)
+                return
+            since = self._orphan_seen.setdefault(where, now)
+            if now - since < STUCK_S:
+                return
+            self._orphan_seen.pop(where, None)
+            # The votes past the node's size are the keeper's own, for members that had voted themselves.
+            mine = self._node_added.get(where, [])
+            self._forward(node, local, e, rnd, top, total - sum(mine[len(mine) - excess:] if excess else []))
+            self.history.append(f"round {rnd}: rank {member} died before it forwarded node {node}'s votes; "
+                                f"forwarded them in its place")
+        except Exception:
+            self.routes.lose(node)
 
     def _decide(self, e: int, rnd: int, top: int, commit: bool) -> None:
         s = self._s
@@ -252,9 +324,10 @@ class QuorumKeeper:
             done = filled.setdefault(e, set())
             rounds = self._rounds_of(e, top)
             for rnd in sorted(rounds - done):
-                self._add_vote(e, rnd, top, vote)
+                self._add_vote(e, rnd, top, vote, rank)
                 done.add(rnd)
             for rnd in sorted(rounds & done):
+                self._close_orphaned_node(rank, e, rnd, top, time.monotonic())
                 self._close_orphaned(e, rnd, top)
 
     def _unstick(self, now: float, top: int) -> None:
@@ -285,7 +358,7 @@ class QuorumKeeper:
                              and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))
                 if elsewhere and (m, k, e, rnd) not in self.unstuck:
                     self.unstuck.add((m, k, e, rnd))
-                    self._add_vote(e, rnd, top, keys.FAIL_VOTE)
+                    self._add_vote(e, rnd, top, keys.FAIL_VOTE, m)
                     at = f"in epoch {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
                     self.history.append(f"rank {m} is {at} while epoch {e} waits for its "
                                         f"vote in round {rnd}: voted fail in its place")
@@ -327,6 +400,8 @@ class QuorumKeeper:
             return
         self._collected_at, self._collected_when = top, now
         s = self._s
+        for where in [w for w in self._node_added if w[2] < top - 4 * ROUND_KEYS_KEPT]:
+            del self._node_added[where]
         ours = []
         newest: Dict[int, int] = {}
         for key in s.list_keys():

@@ -33,13 +33,15 @@ from ftrun.supervisor.failover import NoMajority
 from ftrun.supervisor.nodes import NODE_LOST, REQUEUE, NodeCoordinator, NodeEvent
 from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.relay import NodeRelay, Routes
 from ftrun.supervisor.report import exit_reason, failure_report
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
 from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner,
                                    signal_group)
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, RUN_STORE, progress_key
+from ftrun.protocol import (CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, NODE_RANKS_ENV, RUN_STORE,
+                            progress_key)
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -160,9 +162,15 @@ class Supervisor:
                                          self._signalled, self._given_standby)
         self.common = common_env(cfg, host, port, base_env())
         self.common.pop("FTRUN_NODE_STORE", None)  # ours alone: one the user's shell had means nothing here
+        self.common.pop(NODE_RANKS_ENV, None)
+        self.relay: Optional[NodeRelay] = None
         if cfg.ft and self.nodes is not None and self.nodes.node_store is not None:
-            # Where this node's workers learn the run's store's next address, should it move.
-            self.common["FTRUN_NODE_STORE"] = f"{self.nodes.node_store.host}:{self.nodes.node_store.port}"
+            # This node's own store: its workers vote through it (ftrun.supervisor.relay), and learn
+            # there the run's store's next address, should it move.
+            node_store = self.nodes.node_store
+            self.common["FTRUN_NODE_STORE"] = f"{node_store.host}:{node_store.port}"
+            self.common[NODE_RANKS_ENV] = f"{cfg.node_rank} {cfg.node_rank * cfg.nproc} {cfg.nproc}"
+            self.relay = NodeRelay(cfg.node_rank, lambda: node_store.store, lambda: self.store.store)
         cwd = os.getcwd()
         self.cwd = cwd
         use_zygote = not cfg.no_python and os.environ.get("FTRUN_ZYGOTE", "1") != "0"
@@ -191,7 +199,7 @@ class Supervisor:
                 live = self.nodes.live if self.nodes is not None else [0]
                 self.quorum = QuorumKeeper(self.store, [r for k in live for r in self._node_ranks(k)],
                                            [w.rank for w in self.workers], leader=cfg.node_rank == 0,
-                                           replica_size=self.k)
+                                           replica_size=self.k, routes=self._routes(live))
                 if cfg.checkpoint_dir:
                     self.quorum.fresh_start = "resuming from the newest checkpoint, if any"
             if code is None:
@@ -535,6 +543,13 @@ class Supervisor:
     def _node_ranks(self, k: int) -> List[int]:
         return list(range(k * self.cfg.nproc, (k + 1) * self.cfg.nproc))
 
+    def _routes(self, live: List[int]) -> Optional[Routes]:
+        """The nodes of `live` whose workers vote through their node's store (each published its
+        store as it joined; node 0's workers vote in the run's store it hosts)."""
+        if self.nodes is None or not self.nodes.standby:
+            return None
+        return Routes({k: (self.nodes.standby[k], self._node_ranks(k)) for k in live if k in self.nodes.standby})
+
     def _admit_waiting(self) -> None:
         """Node 0, --ft on an elastic run: late nodes take free places, first come first served."""
         nodes = self.nodes
@@ -632,7 +647,7 @@ class Supervisor:
         old = self.quorum
         self.quorum = QuorumKeeper(self.store, [r for k in elected.nodes for r in self._node_ranks(k)],
                                    [w.rank for w in self.workers], leader=elected.host == self.cfg.node_rank,
-                                   replica_size=self.k)
+                                   replica_size=self.k, routes=self._routes(elected.nodes))
         self.quorum.fresh_start = old.fresh_start
         self.quorum.epoch_id = old.epoch_id + 1  # above every epoch a replica may have seen
         self.quorum.info = dict(old.info)  # the replicas' last words, until they speak again
@@ -641,6 +656,8 @@ class Supervisor:
             self.quorum.alive[w.rank] = w.incarnation if w.alive else None
         self._on_store_ready()
         self.nodes.node_store.store.set(RUN_STORE, f"{self.nodes.gen} {elected.addr}")
+        if self.relay is not None:  # members waiting for a decision of the old store follow the new one
+            self.relay.moved(old.epoch_id + 1)
         self.console.note(f"node {elected.host} hosts the run's store now, at {elected.addr} ({len(elected.nodes)} "
                           f"of {self.nodes.layout_size} nodes, agreed in {time.monotonic() - t0:.1f} s); the "
                           f"replicas keep their state and rejoin", style="bold cyan")
@@ -812,6 +829,8 @@ class Supervisor:
     def _poll_quorum(self, now: float) -> None:
         q = self.quorum
         try:
+            if self.relay is not None:
+                self.relay.poll(now)
             q.poll(now)
         except Exception as e:  # the store went away: the loop's other checks will say so
             if not self._quorum_failing:

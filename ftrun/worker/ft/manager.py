@@ -103,6 +103,7 @@ class Manager:
         self.uses_ddp = False  # a layout round follows each heal only for DDP's buckets (ft/ddp.py)
         self.epoch: Optional[Epoch] = None
         self._index_of: Tuple[int, int] = (-1, 0)  # (epoch id, replica index in it)
+        self._node_count: Tuple[int, int] = (-1, 0)  # (epoch id, its members voting through this node)
         self.pg: Optional[dist.ProcessGroup] = None
         self.group_round = -1   # the round at which the current group was built
         self.round = 0
@@ -165,7 +166,17 @@ class Manager:
         host, _, port = addr.rpartition(":")
         timeout = self._timeout
         self.store = dist.TCPStore(host, int(port), None, False, timeout)
-        self._ballot = vote.Ballot(lambda: dist.TCPStore(host, int(port), None, False, timeout))
+
+        def node_client(where: str) -> dist.TCPStore:
+            h, _, p = where.rpartition(":")
+            return dist.TCPStore(h, int(p), None, False, timeout)
+
+        # On several nodes this member votes through its node's store (vote.Node): the node's
+        # store outlives every move of the run's, so the connection is made once.
+        if not hasattr(self, "node"):
+            self.node = vote.Node.from_env(node_client)
+        self._ballot = vote.Ballot(lambda: dist.TCPStore(host, int(port), None, False, timeout),
+                                   lambda: vote.Node.from_env(node_client))
 
     def _announced_store(self) -> Optional[Tuple[int, str]]:
         """(generation, host:port) of the run's store as this node's ftrun last announced it, or
@@ -399,7 +410,7 @@ class Manager:
         gradient over a group whose last round was voted down."""
         try:
             self._settle()
-        except dist.DistError as e:  # the store moved: this round sends nothing, the next one rejoins
+        except (dist.DistError, vote.StoreLost) as e:  # the store moved: this round sends nothing, the next one rejoins
             self._relocate(e)
 
     def vote(self) -> bool:
@@ -416,7 +427,7 @@ class Manager:
             return False
         try:
             return self._vote()
-        except dist.DistError as e:  # the store moved: the round is nobody's now; rejoin next round
+        except (dist.DistError, vote.StoreLost) as e:  # the store moved: the round is nobody's now; rejoin next round
             self._relocate(e)
             return False
 
@@ -446,7 +457,8 @@ class Manager:
         self._settle()  # the previous round first: a member it contradicts restarts here
         ok = self.round_ok and self.in_sync and self.pg is not None
         if ok and self.k == 1:
-            self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen)
+            self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
+                                self._node_size())
             self._advance(True, self.epoch.id)
             return True
         # A sharded replica (--replica-size > 1) waits for the decision even when its collectives
@@ -458,7 +470,7 @@ class Manager:
             self._drop_group()
         t0 = time.monotonic()
         commit, target, _ = vote.cast(self.store, self.epoch.id, self.round, len(self.epoch.members), ok,
-                                      self.latest_seen)
+                                      self.latest_seen, self.node, self._node_size())
         if time.monotonic() - t0 > SLOW_S:
             _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {self.round}")
         if commit and not ok:  # possible only when a dead member's own vote and its abstention both counted
@@ -470,6 +482,14 @@ class Manager:
         elif ok:
             self._drop_group()
         return commit
+
+    def _node_size(self) -> int:
+        """How many of the epoch's members vote through this member's node (0: no node)."""
+        if self.node is None:
+            return 0
+        if self._node_count[0] != self.epoch.id:
+            self._node_count = (self.epoch.id, self.node.size(self.epoch.members))
+        return self._node_count[1]
 
     def _advance(self, commit: bool, target: int) -> None:
         self.round += 1

@@ -8,8 +8,12 @@ O(1) store work per member. `cast` does it in the caller's thread (a failed
 round, and scripts/bench_quorum.py with thousands of clients); a `Ballot`
 does it on a thread of its own with its own connection, so that a replica
 whose collectives succeeded steps at once and reads the decision a step
-later. Must never import torch beyond its store type, and never decide
-anything but the round it is given.
+later. On several nodes a member votes through its node (`Node`, see
+protocol.node_count_key): its add and its read of the decision are local
+round trips, and the node's last voter forwards the node's count to the
+run's store, so the run's store does O(1) work per node and round. Must never
+import torch beyond its store type, and never decide anything but the round
+it is given.
 """
 
 from __future__ import annotations
@@ -25,23 +29,80 @@ from ftrun import protocol as keys
 Decision = Tuple[bool, int, bool]  # (commit, the newest epoch its author had seen, whether this vote closed it)
 
 
-def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int) -> Decision:
-    """Vote on round `rnd` of `epoch` (of `size` members) and wait for its decision."""
-    t = keys.tally(store.add(keys.count_key(epoch, rnd), keys.OK_VOTE if ok else keys.FAIL_VOTE))
+class StoreLost(Exception):
+    """The node's ftrun wrote that the run's store moved while this member waited for a decision
+    its node's forwarder could no longer fetch: the member follows the store, as after a failed call."""
+
+
+class Node:
+    """The node a member votes through: its id, the global ranks it runs, and a client of its store."""
+
+    def __init__(self, node: int, first: int, count: int, store: Any) -> None:
+        self.id, self.first, self.count, self.store = node, first, count, store
+
+    @staticmethod
+    def from_env(connect: Callable[[str], Any]) -> Optional["Node"]:
+        """The worker's node from the environment its ftrun set (None: it votes on the run's
+        store itself, as on one node). `connect` turns "host:port" into a store client."""
+        spec = os.environ.get(keys.NODE_RANKS_ENV, "").split()
+        addr = os.environ.get("FTRUN_NODE_STORE")
+        if len(spec) != 3 or not addr or not all(p.isdigit() for p in spec):
+            return None
+        return Node(int(spec[0]), int(spec[1]), int(spec[2]), connect(addr))
+
+    def size(self, members: Any) -> int:
+        """How many of an epoch's members ((rank, incarnation) pairs) vote through this node."""
+        return sum(1 for r, _ in members if self.first <= r < self.first + self.count)
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _close_or_read(store: Any, total: int, epoch: int, rnd: int, size: int, latest_seen: int) -> Tuple[str, bool]:
+    """After an add that left the round's counter at `total`: decide the round if that add
+    closed it, else wait for its decision. (decision text, whether this add closed it)."""
+    t = keys.tally(total)
     if t.votes == size:
         # compare_set, not set: if this process had died right after its add, the supervisor
         # would have closed the round; whichever decision is written first is the one.
         mine = f"{'commit' if t.commit else 'fail'} {latest_seen}"
-        raw = store.compare_set(keys.decision_key(epoch, rnd), "", mine)
-        decision = raw.decode() if isinstance(raw, bytes) else str(raw)
+        decision = _text(store.compare_set(keys.decision_key(epoch, rnd), "", mine))
         store.set(keys.TOP, str(rnd))
-        closed = True
+        return decision, True
+    return _text(store.get(keys.decision_key(epoch, rnd))), False
+
+
+def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int,
+         node: Optional[Node] = None, node_size: int = 0) -> Decision:
+    """Vote on round `rnd` of `epoch` (of `size` members) and wait for its decision; through
+    `node` (of whose members `node_size` are in the epoch) when the member has one."""
+    vote = keys.OK_VOTE if ok else keys.FAIL_VOTE
+    if node is None:
+        decision, closed = _close_or_read(store, store.add(keys.count_key(epoch, rnd), vote), epoch, rnd, size,
+                                          latest_seen)
     else:
-        raw = store.get(keys.decision_key(epoch, rnd))
-        decision = raw.decode() if isinstance(raw, bytes) else str(raw)
-        closed = False
+        local = node.store
+        total = local.add(keys.node_count_key(node.id, epoch, rnd), vote)
+        if keys.tally(total).votes == node_size:  # the node's last vote: this member forwards the node's count
+            decision, closed = forward(store, local, node.id, epoch, rnd, size, total, latest_seen)
+        else:
+            decision, closed = _text(local.get(keys.node_decision_key(node.id, epoch, rnd))), False
+            if decision == keys.NODE_LOST_DECISION:
+                raise StoreLost(f"the run's store moved while round {rnd} of epoch {epoch} was being decided")
     what, target = decision.split()
     return what == "commit", int(target), closed
+
+
+def forward(store: Any, local: Any, node: int, epoch: int, rnd: int, size: int, total: int,
+            latest_seen: int) -> Tuple[str, bool]:
+    """Add a node's whole count to the round's counter in the run's store, mark it forwarded, and
+    copy the round's decision back into the node's store for its other members."""
+    run_total = store.add(keys.count_key(epoch, rnd), total)
+    local.set(keys.node_forwarded_key(node, epoch, rnd), "1")
+    decision, closed = _close_or_read(store, run_total, epoch, rnd, size, latest_seen)
+    local.set(keys.node_decision_key(node, epoch, rnd), decision)
+    return decision, closed
 
 
 NICER = 5
@@ -66,14 +127,15 @@ class Ballot:
     interpreter joins at exit: a worker leaving with a vote in flight would wait for its
     decision (up to the vote timeout) instead of exiting."""
 
-    def __init__(self, connect: Callable[[], Any]) -> None:
+    def __init__(self, connect: Callable[[], Any], node: Optional[Callable[[], Optional[Node]]] = None) -> None:
         self._connect = connect
-        self._jobs: "queue.SimpleQueue[Tuple[Future, Tuple[int, int, int, int]]]" = queue.SimpleQueue()
+        self._connect_node = node
+        self._jobs: "queue.SimpleQueue[Tuple[Future, Tuple[int, int, int, int, int]]]" = queue.SimpleQueue()
         self._pending: Optional[Future] = None
         self.round: Optional[Tuple[int, int]] = None  # (epoch, round) of the vote in flight
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, epoch: int, rnd: int, size: int, latest_seen: int) -> None:
+    def submit(self, epoch: int, rnd: int, size: int, latest_seen: int, node_size: int = 0) -> None:
         if self.round is not None:
             raise RuntimeError("a vote is already in flight")
         if self._thread is None:
@@ -81,7 +143,7 @@ class Ballot:
             self._thread.start()
         self.round = (epoch, rnd)
         self._pending = Future()
-        self._jobs.put((self._pending, (epoch, rnd, size, latest_seen)))
+        self._jobs.put((self._pending, (epoch, rnd, size, latest_seen, node_size)))
 
     def ready(self) -> bool:
         return self._pending is not None and self._pending.done()
@@ -93,12 +155,13 @@ class Ballot:
 
     def _run(self) -> None:
         _yield_to_training()
-        store = None
+        store, node = None, None
         while True:
-            fut, (epoch, rnd, size, latest) = self._jobs.get()
+            fut, (epoch, rnd, size, latest, node_size) = self._jobs.get()
             try:
                 if store is None:
                     store = self._connect()
-                fut.set_result(cast(store, epoch, rnd, size, True, latest))
+                    node = self._connect_node() if self._connect_node is not None else None
+                fut.set_result(cast(store, epoch, rnd, size, True, latest, node, node_size))
             except BaseException as e:  # handed to the training thread, which decides what it means
                 fut.set_exception(e)
