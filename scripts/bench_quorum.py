@@ -77,7 +77,15 @@ class _RunStore:
         self.store = store
 
 
-def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue") -> None:
+class _Here:
+    """A node's store on the forwarder's own machine, left out of the run's store's part (its
+    round trips are measured by the one-node run)."""
+
+    def set(self, key: str, value) -> None:
+        pass
+
+
+def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue", weight: int = 0) -> None:
     sys.setswitchinterval(0.0002)  # many threads in one process: hand the GIL on quickly
     lat, requests, span = [], [], []
     start = threading.Barrier(len(ranks))
@@ -95,7 +103,11 @@ def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue") ->
                                                        "beat": rnd}))
                 next_report = now + 0.25
             t0 = time.monotonic()
-            commit, _, _ = vote.cast(s, 1, rnd, size, True, 1)
+            if weight:  # a node's forwarder: its node's whole count in one add
+                decision, _ = vote.forward(s, _Here(), rank, 1, rnd, size, weight * keys.OK_VOTE, 1)
+                commit = decision.startswith("commit")
+            else:
+                commit, _, _ = vote.cast(s, 1, rnd, size, True, 1)
             mine.append((t0, time.monotonic()))
             assert commit
         lat.append(mine)
@@ -184,7 +196,11 @@ def _keeper(n: int):
     return server, client, keeper
 
 
-def measure(n: int, rounds: int, procs: int, per_node: int = 0) -> dict:
+def measure(n: int, rounds: int, procs: int, per_node: int = 0, forwarders: bool = False) -> dict:
+    """per_node P: the replicas are n/P nodes of P voting through their nodes' relays, all on this
+    machine. forwarders: only what the run's store sees of that (n/P forwarders, each adding its
+    node's count of P), the part that grows with the run; a node's own round trips happen on its
+    own machine, in parallel with the other nodes', and are measured by a run of one node."""
     server, client, keeper = _keeper(n)
     port = server.port
     members = tuple((r, 0) for r in range(n))
@@ -202,7 +218,11 @@ def measure(n: int, rounds: int, procs: int, per_node: int = 0) -> dict:
 
     q: "mp.Queue" = mp.Queue()
     ctx = mp.get_context("fork")
-    if per_node:
+    if forwarders:
+        nodes = list(range(n // per_node))
+        chunks = [nodes[i::procs] for i in range(min(procs, len(nodes)))]
+        workers = [ctx.Process(target=replicas, args=(port, c, n, rounds, q, per_node)) for c in chunks]
+    elif per_node:
         nodes = list(range(n // per_node))
         chunks = [nodes[i::procs] for i in range(min(procs, len(nodes)))]
         workers = [ctx.Process(target=relayed_replicas, args=(port, c, per_node, n, rounds, q)) for c in chunks]
@@ -230,7 +250,8 @@ def measure(n: int, rounds: int, procs: int, per_node: int = 0) -> dict:
     wall = max(r[3] for r in results) - min(r[2] for r in results)  # the rounds themselves, not start-up
     out = {
         "n": n, "nodes": n // per_node if per_node else n, "relayed": bool(per_node),
-        "node_requests_per_round": sum(r[4] for r in results) / rounds if per_node else 0.0,
+        "node_requests_per_round": sum(r[4] for r in results) / rounds if per_node and not forwarders else 0.0,
+        "part": "forwarders" if forwarders else "whole",
         "rounds": rounds, "rounds_per_s": rounds / wall,
         "median_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * lat[int(0.99 * (len(lat) - 1))],
         "member_wait_median_ms": 1e3 * statistics.median(wait),
@@ -345,12 +366,20 @@ def main() -> None:
         row["keeper_cpu"] = keeper_cpu_fraction(n, 3.0)
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        if args.per_node and n > args.per_node:
+            # The run's store's part alone (forwarders), as when each node is its own machine.
+            part = measure(n, max(100, rounds), args.procs, args.per_node, forwarders=True)
+            part["keeper_cpu"] = row["keeper_cpu"]
+            rows.append(part)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in part.items()}), flush=True)
     print()
     print("| replicas | nodes | rounds | commit latency median | p99 | member's wait (median) | rounds/s | run's store requests "
           "per round: members (per node) | keeper | keeper CPU | store keys before / after |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         nodes = f"{r['nodes']} x {r['n'] // r['nodes']}" if r["relayed"] else "flat"
+        if r.get("part") == "forwarders":
+            nodes += " (the run's store's part: forwarders only)"
         print(f"| {r['n']} | {nodes} | {r['rounds']} | {r['median_ms']:.2f} ms | {r['p99_ms']:.2f} ms | "
               f"{r['member_wait_median_ms']:.2f} ms | {r['rounds_per_s']:.0f} | "
               f"{r['member_requests_per_round']:.0f} ({r['member_requests_per_round'] / r['nodes']:.2f}) | "
