@@ -206,25 +206,30 @@ class QuorumKeeper:
     def _top(self) -> int:
         return int(self._s.get(keys.TOP))
 
-    def _add_vote(self, e: int, rnd: int, top: int, vote: int, member: int) -> None:
+    def _add_vote(self, e: int, rnd: int, top: int, vote: int, member: int) -> bool:
         """Add a vote in `member`'s place to round `rnd` of epoch `e`; decide the round if it
         closes it, as a member would (commit: no failed vote, one ok at least). Through the
         member's node while that node relays and answers (ftrun.supervisor.relay): an add that
-        completes the node's count forwards it, as the node's last voter would."""
+        completes the node's count forwards it, as the node's last voter would. Only a node the
+        supervisor declared lost has its members' votes go to the run's store: a node store that
+        does not answer now is tried again at the next poll (False: not cast), since the node's
+        own count could never complete without this vote."""
         node = self.routes.node_of(member) if self.routes is not None else None
+        if node is None or node in self.routes.lost:
+            self._add_run_vote(e, rnd, top, vote)
+            return True
         local = self._node_client(node)
         if local is None:
-            self._add_run_vote(e, rnd, top, vote)
-            return
+            return False
         try:
             total = local.add(keys.node_count_key(node, e, rnd), vote)
-        except Exception:  # the node is gone with its store: its members' votes go to the run's store
-            self.routes.lose(node)
-            self._add_run_vote(e, rnd, top, vote)
-            return
+        except Exception:
+            self.routes.drop(node)  # a new connection next time
+            return False
         self._node_added.setdefault((node, e, rnd), []).append(vote)
         if keys.tally(total).votes == self._node_size(e, node):
             self._forward(node, local, e, rnd, top, total)
+        return True
 
     def _add_run_vote(self, e: int, rnd: int, top: int, total: int) -> None:
         t = keys.tally(self._s.add(keys.count_key(e, rnd), total))
@@ -237,7 +242,7 @@ class QuorumKeeper:
         try:
             return self.routes.client(node)
         except Exception:
-            self.routes.lose(node)
+            self.routes.drop(node)
             return None
 
     def _node_size(self, e: int, node: int) -> int:
@@ -277,8 +282,8 @@ class QuorumKeeper:
             self._forward(node, local, e, rnd, top, total - sum(mine[len(mine) - excess:] if excess else []))
             self.history.append(f"round {rnd}: rank {member} died before it forwarded node {node}'s votes; "
                                 f"forwarded them in its place")
-        except Exception:
-            self.routes.lose(node)
+        except Exception:  # tried again at the next poll
+            self.routes.drop(node)
 
     def _decide(self, e: int, rnd: int, top: int, commit: bool) -> None:
         s = self._s
@@ -326,8 +331,8 @@ class QuorumKeeper:
             done = filled.setdefault(e, set())
             rounds = self._rounds_of(e, top)
             for rnd in sorted(rounds - done):
-                self._add_vote(e, rnd, top, vote, rank)
-                done.add(rnd)
+                if self._add_vote(e, rnd, top, vote, rank):
+                    done.add(rnd)
             for rnd in sorted(rounds & done):
                 self._close_orphaned_node(rank, e, rnd, top, time.monotonic())
                 self._close_orphaned(e, rnd, top)
@@ -359,8 +364,9 @@ class QuorumKeeper:
                 elsewhere = (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
                              and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))
                 if elsewhere and (m, k, e, rnd) not in self.unstuck:
+                    if not self._add_vote(e, rnd, top, keys.FAIL_VOTE, m):
+                        continue  # its node's store did not answer: again at the next poll
                     self.unstuck.add((m, k, e, rnd))
-                    self._add_vote(e, rnd, top, keys.FAIL_VOTE, m)
                     at = f"in epoch {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
                     self.history.append(f"rank {m} is {at} while epoch {e} waits for its "
                                         f"vote in round {rnd}: voted fail in its place")

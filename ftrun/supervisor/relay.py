@@ -5,8 +5,8 @@ the node's last voter forwards the node's count to the run's store: the run's
 store does O(1) work per node and round, not per replica. Two pieces live here:
 
 - `Routes` tells the quorum keeper where a vote in a member's place goes: its
-  node's store while that node relays and answers, the run's store once the
-  node is lost (its store went with it).
+  node's store while that node relays, the run's store once the supervisor
+  declared the node lost (its store went with it).
 - `NodeRelay` keeps one node's store in order, on that node: it copies a
   decision its forwarder could not deliver (the forwarder died after
   forwarding), ends the members' wait for a decision after the run's store
@@ -55,7 +55,6 @@ class Routes:
         if client is None:
             host, _, port = self._addr[node].rpartition(":")
             if wait_reachable(host, int(port), 1.0) is not None:
-                self.lose(node)
                 return None
             import torch.distributed as dist
 
@@ -64,8 +63,13 @@ class Routes:
         return client
 
     def lose(self, node: int) -> None:
-        """The node's store stopped answering: votes for its members go to the run's store from now on."""
+        """The node is lost (the supervisor's node watch said so), its store with it: votes for
+        its members go to the run's store from now on."""
         self.lost.add(node)
+        self._clients.pop(node, None)
+
+    def drop(self, node: int) -> None:
+        """A call on the node's store failed: the next one connects afresh."""
         self._clients.pop(node, None)
 
 

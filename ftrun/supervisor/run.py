@@ -955,6 +955,8 @@ class Supervisor:
         q = self.quorum
         if q is None or not q.leader:
             return
+        if q.routes is not None:  # its store went with it: votes for its members go to the run's store
+            q.routes.lose(node)
         for rank in range(node * self.cfg.nproc, (node + 1) * self.cfg.nproc):
             inc = q.alive.get(rank)
             if inc is not None:
