@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -85,40 +86,55 @@ class _Here:
         pass
 
 
+def _vote_rounds(s: Counting, rank: int, rounds: int, start: threading.Barrier,
+                 vote_once: Callable[[int], bool]) -> Tuple[list, float, float]:
+    """One member's rounds: its status report every 0.25 s (as ftrun.worker.progress writes it, to
+    the run's store) and `vote_once(round)`. Returns each vote's (start, decision known) and the span."""
+    mine = []
+    start.wait()
+    began = time.monotonic()
+    next_report = 0.0
+    for rnd in range(rounds):
+        now = time.monotonic()
+        if now >= next_report:
+            s.set(keys.info_key(rank), json.dumps({"inc": 0, "epoch": 1, "round": rnd, "phase": "vote",
+                                                   "beat": rnd}))
+            next_report = now + 0.25
+        t0 = time.monotonic()
+        assert vote_once(rnd)
+        mine.append((t0, time.monotonic()))
+    return mine, began, time.monotonic()
+
+
+def _run_threads(targets: list) -> None:
+    threads = [threading.Thread(target=fn, args=args) for fn, args in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue", weight: int = 0) -> None:
+    """Members (or, with `weight`, nodes' forwarders each adding its node's count of `weight`)
+    voting in the run's store, one thread each."""
     sys.setswitchinterval(0.0002)  # many threads in one process: hand the GIL on quickly
     lat, requests, span = [], [], []
     start = threading.Barrier(len(ranks))
 
     def one(rank: int) -> None:
         s = Counting(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))
-        mine = []
-        start.wait()
-        began = time.monotonic()
-        next_report = 0.0
-        for rnd in range(rounds):
-            now = time.monotonic()
-            if now >= next_report:  # the heartbeat's status report (ftrun.worker.progress)
-                s.set(keys.info_key(rank), json.dumps({"inc": 0, "epoch": 1, "round": rnd, "phase": "vote",
-                                                       "beat": rnd}))
-                next_report = now + 0.25
-            t0 = time.monotonic()
+
+        def vote_once(rnd: int) -> bool:
             if weight:  # a node's forwarder: its node's whole count in one add
-                decision, _ = vote.forward(s, _Here(), rank, 1, rnd, size, weight * keys.OK_VOTE, 1)
-                commit = decision.startswith("commit")
-            else:
-                commit, _, _ = vote.cast(s, 1, rnd, size, True, 1)
-            mine.append((t0, time.monotonic()))
-            assert commit
+                return vote.forward(s, _Here(), rank, 1, rnd, size, weight * keys.OK_VOTE, 1)[0].startswith("commit")
+            return vote.cast(s, 1, rnd, size, True, 1)[0]
+
+        mine, began, ended = _vote_rounds(s, rank, rounds, start, vote_once)
         lat.append(mine)
         requests.append(s.requests)
-        span.append((began, time.monotonic()))
+        span.append((began, ended))
 
-    threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads([(one, (r,)) for r in ranks])
     out.put((lat, sum(requests), min(b for b, _ in span), max(e for _, e in span)))
 
 
@@ -149,32 +165,16 @@ def relayed_replicas(port: int, nodes: list, per_node: int, size: int, rounds: i
         s = Counting(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))
         local = Counting(dist.TCPStore("127.0.0.1", servers[node].port, None, False, TIMEOUT))
         me = vote.Node(node, node * per_node, per_node, local)
-        mine = []
-        start.wait()
-        began = time.monotonic()
-        next_report = 0.0
-        for rnd in range(rounds):
-            now = time.monotonic()
-            if now >= next_report:  # the heartbeat's status report, to the run's store as in a run
-                s.set(keys.info_key(rank), json.dumps({"inc": 0, "epoch": 1, "round": rnd, "phase": "vote",
-                                                       "beat": rnd}))
-                next_report = now + 0.25
-            t0 = time.monotonic()
-            commit, _, _ = vote.cast(s, 1, rnd, size, True, 1, me, per_node)
-            mine.append((t0, time.monotonic()))
-            assert commit
+        mine, began, ended = _vote_rounds(s, rank, rounds, start,
+                                          lambda rnd: vote.cast(s, 1, rnd, size, True, 1, me, per_node)[0])
         lat.append(mine)
         requests.append(s.requests)
         local_requests.append(local.requests)
-        span.append((began, time.monotonic()))
+        span.append((began, ended))
 
     keeper = threading.Thread(target=upkeep, daemon=True)
     keeper.start()
-    threads = [threading.Thread(target=one, args=(k, k * per_node + i)) for k in nodes for i in range(per_node)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_threads([(one, (k, k * per_node + i)) for k in nodes for i in range(per_node)])
     stop.set()
     keeper.join()
     out.put((lat, sum(requests), min(b for b, _ in span), max(e for _, e in span), sum(local_requests)))

@@ -110,6 +110,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:port."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
 # A worker that takes optimizer steps until the file named by its argument exists:
 # a live run for tests of `ftrun status` and of refusing a second run with the same id.
 STEP_LOOP = """\

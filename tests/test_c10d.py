@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, wait_for_line
+from conftest import free_port, listening, wait_for_line
 
 BIN = Path(sys.executable).parent
 LAUNCHERS = {"ftrun": [str(BIN / "ftrun")], "torchrun": [str(BIN / "torchrun")]}
@@ -42,14 +42,6 @@ if n == "0" and os.environ.get("WAIT_FOR"):
 """
 
 
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
 def _start_nodes(launcher, n, line, tmp_path, out, env_extra=None, wait_port=True):
     """n identical command lines; the first is started alone until it hosts the endpoint."""
     out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +57,7 @@ def _start_nodes(launcher, n, line, tmp_path, out, env_extra=None, wait_port=Tru
                                       text=True, start_new_session=True))
         if i == 0 and wait_port:
             deadline = time.monotonic() + 60
-            while not _listening(port):
+            while not listening(port):
                 assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[1]
                 time.sleep(0.05)
     return procs

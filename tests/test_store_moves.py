@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from conftest import free_port
+from conftest import free_port, listening
 from test_ft import MID, TRAIN, _assert_identical, _finish, _rank_log, _wait_replica, start_ftrun
 
 
@@ -228,7 +228,7 @@ def test_c10d_store_host_lost_the_others_reform_from_their_checkpoint(tmp_path, 
                 procs.append(subprocess.Popen([*FTRUN, *line], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                               stderr=err, text=True, start_new_session=True))
             deadline = time.monotonic() + 60
-            while i == 0 and not _port_open(port):  # the first hosts the endpoint
+            while i == 0 and not listening(port):  # the first hosts the endpoint
                 assert procs[0].poll() is None and time.monotonic() < deadline, errs[0].read_text()
                 time.sleep(0.05)
         deadline = time.monotonic() + 120
@@ -262,13 +262,3 @@ def test_c10d_store_host_lost_the_others_reform_from_their_checkpoint(tmp_path, 
     assert ended["restart"] == 1, ended  # a round that never formed costs no restart
     print(f"{when}: re-formed on the survivors and resumed from step {ended['start']}; finished {took:.1f} s "
           f"after the kill")
-
-
-def _port_open(port: int) -> bool:
-    import socket
-
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False

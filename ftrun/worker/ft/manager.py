@@ -86,9 +86,10 @@ class Manager:
         if not store_addr or os.environ.get("FTRUN_FT") != "1":
             raise RuntimeError("ftrun.ft needs to run under `ftrun --ft` (FTRUN_STORE and FTRUN_FT=1 are not set)")
         self._timeout = datetime.timedelta(seconds=float(os.environ.get("FTRUN_FT_VOTE_TIMEOUT", "600")))
-        # --ft on three nodes or more: the run's store may move (ftrun/supervisor/failover.py); this
-        # node's ftrun says where in its own standby store, which lives as long as this process.
-        self._node_store: Any = None
+        # On several nodes this member votes through its node's store (vote.Node), which lives as
+        # long as this process: connected once. On three nodes or more the run's store may move
+        # (ftrun/supervisor/failover.py), and the node's ftrun says where in that same store.
+        self.node = vote.Node.from_env(self._store_client)
         self.store_gen = 0
         moved = self._announced_store()
         if moved is not None:  # started just before a move: the address it was given is gone
@@ -163,33 +164,20 @@ class Manager:
 
     # ------------------------------------------------------------ the run's store, and its moves
     def _connect(self, addr: str) -> None:
+        self.store = self._store_client(addr)
+        self._ballot = vote.Ballot(lambda: self._store_client(addr),
+                                   lambda: vote.Node.from_env(self._store_client))
+
+    def _store_client(self, addr: str) -> dist.TCPStore:
         host, _, port = addr.rpartition(":")
-        timeout = self._timeout
-        self.store = dist.TCPStore(host, int(port), None, False, timeout)
-
-        def node_client(where: str) -> dist.TCPStore:
-            h, _, p = where.rpartition(":")
-            return dist.TCPStore(h, int(p), None, False, timeout)
-
-        # On several nodes this member votes through its node's store (vote.Node): the node's
-        # store outlives every move of the run's, so the connection is made once.
-        if not hasattr(self, "node"):
-            self.node = vote.Node.from_env(node_client)
-        self._ballot = vote.Ballot(lambda: dist.TCPStore(host, int(port), None, False, timeout),
-                                   lambda: vote.Node.from_env(node_client))
+        return dist.TCPStore(host, int(port), None, False, self._timeout)
 
     def _announced_store(self) -> Optional[Tuple[int, str]]:
         """(generation, host:port) of the run's store as this node's ftrun last announced it, or
         None when it never moved (or cannot move: one node, two, or node 0's own workers)."""
-        addr = os.environ.get("FTRUN_NODE_STORE")
-        if not addr:
+        if self.node is None or not self.node.store.check([keys.RUN_STORE]):
             return None
-        if self._node_store is None:
-            host, _, port = addr.rpartition(":")
-            self._node_store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=30))
-        if not self._node_store.check([keys.RUN_STORE]):
-            return None
-        gen, where = self._node_store.get(keys.RUN_STORE).decode().split()
+        gen, where = self.node.store.get(keys.RUN_STORE).decode().split()
         return int(gen), where
 
     @staticmethod
@@ -217,7 +205,7 @@ class Manager:
         node's ftrun to announce the next one, connect to it, and rejoin holding this replica's
         state: the keeper of the new store heals every replica from the one holding the newest
         whole step. Re-raises `error` when the store did not move."""
-        if os.environ.get("FTRUN_NODE_STORE") is None or not self._store_gone():
+        if self.node is None or not self._store_gone():
             raise error
         _log(f"rank {self.rank}: lost the run's store at {os.environ['FTRUN_STORE']} "
              f"({str(error).splitlines()[0][:120]}); waiting for the nodes to agree on the next one")
