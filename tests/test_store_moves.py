@@ -262,3 +262,38 @@ def test_c10d_store_host_lost_the_others_reform_from_their_checkpoint(tmp_path, 
     assert ended["restart"] == 1, ended  # a round that never formed costs no restart
     print(f"{when}: re-formed on the survivors and resumed from step {ended['start']}; finished {took:.1f} s "
           f"after the kill")
+
+
+def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
+    """--ft, --nnodes 3:4 over c10d, the same line on every node: three nodes train; a fourth is taken
+    into the running run, and as soon as the others know of it (before its replica has healed) the
+    endpoint's node, the run's store and keeper, is SIGKILLed with its workers. The three others, the
+    newcomer among them, move the store to node 1, commit again within 20 s, and finish bitwise
+    identical. Every node but the host votes through its own node's relay."""
+    from test_ft import _c10d_node, _c10d_start, _wait_text
+
+    port, out = free_port(), tmp_path / "p"
+    procs = [_c10d_node(port, "3:4", "cj", out, 300)]
+    try:
+        procs += [_c10d_start(port, "3:4", "cj", out, 300) for _ in range(2)]
+        _wait_text(procs[0], "epoch 1: 3 replicas", 120)
+        _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
+        procs.append(_c10d_start(port, "3:4", "cj", out, 300))
+        for p in procs[1:3]:  # every survivor counts the newcomer before the host goes
+            _wait_text(p, "joined the running run", 60)
+        r = _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: True, 10)
+        _kill_tree(procs[0])
+        killed_at, step_at_kill = time.time(), r["step"]
+        _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: r["step"] > step_at_kill + 10, 30)
+        resumed_s = time.time() - killed_at
+        results = {k: _finish(procs[k], 180) for k in (1, 2, 3)}
+    finally:
+        for p in procs:
+            p.kill()
+    for k, (rc, _, err) in results.items():
+        assert rc == 0, (k, err[-4000:])
+        assert "moving the run's store" in err and "node 1 hosts the run's store now" in err, err[-3000:]
+    assert resumed_s < 20, resumed_s
+    _, stats = _assert_identical(out, [1, 2, 3])
+    assert stats["step"] == 300
+    print(f"c10d: committing again {resumed_s:.1f} s after the store host was killed as node 3 joined")

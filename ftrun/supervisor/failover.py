@@ -57,10 +57,14 @@ def majority(n: int) -> int:
     return n // 2 + 1
 
 
-def keeps_running(alive: int, n: int) -> bool:
+def keeps_running(alive: int, n: int, strict: bool = False) -> bool:
     """Whether the host's side, `alive` nodes of `n` with the host among them, may go on: at least
-    half (a side without the host needs more than half, so both sides can never go on)."""
-    return 2 * alive >= n
+    half (a side without the host needs more than half, so both sides can never go on).
+
+    `strict`, on an elastic run: more than half. The others may not know yet of the last node the
+    host took in (they read the node list a beat later) and count one node fewer; against that,
+    a host with more than half still leaves the others less than half of what they count."""
+    return 2 * alive > n if strict else 2 * alive >= n
 
 
 def elect(me: int, gen: int, candidates: List[int], standby: Dict[int, str], own: Any, n: int,

@@ -24,12 +24,15 @@ agree on is a key under ``ftrun/nodes/``:
   node reports a node new in ``live`` as "node_joined" and watches it too.
 - status: each node publishes its replica table to ``table/K``; every node's
   state file carries all of them, so `ftrun status` on any node shows the run.
-- the store moves (--ft, three static nodes or more): every node but node 0
-  hosts a standby store and publishes its address in ``standby/K``; when the
-  store is lost, fail_over() carries out the election of
-  ftrun.supervisor.failover and follows the new host (which then plays node
-  0's part here); majority_kept() says whether the host may go on after
-  losing nodes. Under c10d without --ft the rendezvous keeps each node's
+- the store moves (--ft, three nodes or more, static or elastic c10d): every
+  node but node 0 hosts a standby store and publishes its address in
+  ``standby/K`` (a late node as it asks in); when the store is lost,
+  fail_over() carries out the election of ftrun.supervisor.failover and
+  follows the new host (which then plays node 0's part here, but for taking
+  late nodes in); majority_kept() says whether the host may go on after
+  losing nodes. Majorities count the run's nodes (layout_size): a static
+  layout's, or on an elastic run every node taken in on this store but those
+  that ended and said so. Under c10d without --ft the rendezvous keeps each node's
   standby store across rounds and moves the store between two rounds; a
   round only publishes it here and says whether a move may follow
   (may_move_between_rounds()).
@@ -276,25 +279,37 @@ class NodeCoordinator:
         self.arrivals_key = rdzv_arrivals(cfg.round) if cfg.admits_late and self.me == 0 else ""
         self._next_arrival = cfg.nnodes
         self.waiting: List[int] = []  # node 0: late nodes waiting for a place (the run has max nodes)
-        # --ft on three static nodes or more: the store moves when its node is lost
+        # --ft on three nodes or more: the store moves when its node is lost
         # (ftrun.supervisor.failover). Every node but node 0 hosts a standby store from the start.
         self.host_node = 0
         self.gen = 0
-        self.layout_size = len(self.live)  # the run's nodes as formed: majorities count the lost too
-        self.can_move = bool(cfg.ft and cfg.rdzv == "static" and not self.late and cfg.nnodes >= 3)
+        # The run's nodes on this store, the lost included: majorities count them all. A static
+        # layout has its nnodes; an elastic one also counts every node taken in since (_seen).
+        self._seen = set(self.live)
+        self.elastic = cfg.rdzv == "c10d"
+        self.can_move = bool(cfg.ft and (self.elastic or cfg.nnodes >= 3))
         self.standby: Dict[int, str] = {}
-        # c10d without --ft: the rendezvous keeps this node's standby store across rounds and
-        # moves the store between two rounds (ftrun.supervisor.rendezvous); this round publishes it.
+        # c10d: the rendezvous keeps this node's standby store for the whole run (ftrun.supervisor.
+        # rendezvous); without --ft it moves the store between two rounds, this round publishes it.
         self.node_store: Optional[RunStore] = standby
-        # --ft on static nodes: every node but node 0 (which hosts the run's store) has a store of
-        # its own, through which its workers vote (ftrun.supervisor.relay); on three nodes or more
-        # it is also the node's standby store.
-        if cfg.ft and cfg.rdzv == "static" and not self.late and cfg.nnodes >= 2 and self.me != 0:
+        # --ft: every node but node 0 (which hosts the run's store) has a store of its own, through
+        # which its workers vote (ftrun.supervisor.relay); on three nodes or more it is also the
+        # node's standby store. A static layout's is made here, an elastic one's by the rendezvous.
+        if cfg.ft and standby is None and cfg.rdzv == "static" and cfg.nnodes >= 2 and self.me != 0:
             ip = route_ip(self.host)
             listener = bind_listener(ip, 0)
             self.node_store = RunStore(ip, listener.getsockname()[1], listener)
 
     # ------------------------------------------------------------ helpers
+    @property
+    def layout_size(self) -> int:
+        """The run's nodes a majority is counted from: the lost ones too (a node cut off may still
+        run), but on an elastic run not the nodes that ended and said so (they never act again)."""
+        if not self.elastic:
+            return self.nnodes
+        ended = {k for k, _ in self._ended_nodes()}
+        return len(self._seen - ended)
+
     def wake(self) -> None:
         self._wake()
 
@@ -407,11 +422,12 @@ class NodeCoordinator:
         """A node node 0 took into a running --ft round (ftrun.supervisor.rendezvous): the
         others are already training, so there is no barrier; its replicas join the quorum and heal."""
         cfg = self.cfg
-        try:  # its beat, final, table and who keys were written when it asked in
+        try:  # its beat, final, table, standby and who keys were written when it asked in
             self.store.add(KEYS.claim(self.me), 1)
             for k in self.others:
-                if self.store.check([KEYS.who(k)]):
-                    self.who[k] = self.store.get(KEYS.who(k)).decode()
+                self._learn_who(k)
+            if self.node_store is not None:
+                self.standby[self.me] = f"{self.node_store.host}:{self.node_store.port}"
         except Exception as e:
             return self._join_failed(f"lost node 0's store at {where} while joining: {_one_line(e)}")
         self.watch = _Watch(self)
@@ -453,6 +469,9 @@ class NodeCoordinator:
                 return NodeEvent("remote_failure", info={"node": -1, "rank": -1, "reason": "failed", "code": 1})
         if joined is not None:
             self._learn_who(joined)
+            if joined not in self.live:
+                self.live.append(joined)
+            self._seen.add(joined)
             return NodeEvent("node_joined", f"{self._node_name(joined)} joined the running run", node=joined)
         if arrived > self._next_arrival:
             k = self._next_arrival
@@ -477,11 +496,14 @@ class NodeCoordinator:
         return None
 
     def _learn_who(self, k: int) -> None:
+        """Node k's name, and its store (where its workers vote, and where the run's store may move)."""
         try:
             if self.store.check([KEYS.who(k)]):
                 self.who[k] = self.store.get(KEYS.who(k)).decode()
+            if self.cfg.ft and self.store.check([KEYS.standby(k)]):
+                self.standby[k] = self.store.get(KEYS.standby(k)).decode()
         except Exception:
-            pass  # only a name for messages; the watch reports a lost store
+            pass  # the watch reports a lost store
 
     # ------------------------------------------------------------ late nodes (node 0, --ft, elastic c10d)
     def admit(self, k: int) -> None:
@@ -492,6 +514,7 @@ class NodeCoordinator:
             w.states[k] = NodeState.RUNNING  # before it is in `others`: the watch reads both
         self.others.append(k)
         self.live.append(k)
+        self._seen.add(k)
         self.store.set(KEYS.live, json.dumps(self.live))
         self.store.set(rdzv_admit(self.cfg.round, k), "1")
 
@@ -520,7 +543,8 @@ class NodeCoordinator:
     # ------------------------------------------------------------ the store moves (--ft)
     def may_move(self) -> bool:
         """Whether this node can take part in moving the run's store (ftrun.supervisor.failover)."""
-        return self.can_move and self.me != self.host_node and self.node_store is not None
+        return (self.can_move and self.me != self.host_node and self.node_store is not None
+                and self.layout_size >= 3)
 
     def fail_over(self) -> failover.Elected:
         """The run's store is lost: agree with the surviving nodes on the next host, and follow it.
@@ -551,6 +575,8 @@ class NodeCoordinator:
         self.run_store.adopt(elected.store, host, int(port))
         self.live = sorted(elected.nodes)
         self.others = [k for k in self.live if k != self.me]
+        if self.elastic:  # the nodes that did not choose the new host stop: they count no more
+            self._seen = set(self.live)
         if elected.host == self.me:
             elected.store.set(KEYS.live, json.dumps(self.live))
         self.watch = _Watch(self)
@@ -566,9 +592,10 @@ class NodeCoordinator:
     def majority_kept(self) -> bool:
         """The host's side goes on while it holds at least half of the run's nodes: a side
         without it needs more than half to move the store, so the two never both go on."""
-        if not self.can_move or self.me != self.host_node:
+        if not self.can_move or self.me != self.host_node or self.layout_size < 3:  # nobody could move it
             return True
-        return failover.keeps_running(1 + len(self.others) - len(self.lost_nodes()), self.layout_size)
+        return failover.keeps_running(1 + len(self.others) - len(self.lost_nodes()), self.layout_size,
+                                      strict=self.elastic)
 
     def lost_nodes(self, ended: bool = True) -> List[int]:
         """Nodes gone silent, and (`ended`) those that ended with a failure."""

@@ -90,6 +90,9 @@ class QuorumKeeper:
         # Started on a store that moved (ftrun.supervisor.failover): its first epoch takes the
         # state from the replica that says it holds the newest whole step (_survivors_source).
         self.moved = False
+        # On a moved store, the ranks the first epoch waits for: the last epoch's members. A
+        # newcomer still starting joins the epoch after (the others need not wait for its import).
+        self.awaited: Optional[Set[int]] = None
         # What a fresh epoch after the first means for the run (said once, in its history line).
         self.fresh_start = "starting again from the first step"
 
@@ -515,7 +518,8 @@ class QuorumKeeper:
         if self.pending_since is None:
             self.pending_since = now
         if self.epoch_id == 0 or not self.members:
-            waiting_for = [r for r in self.ranks if self.alive.get(r) is not None and r not in self.pending]
+            waiting_for = [r for r in self.ranks if self.alive.get(r) is not None and r not in self.pending
+                           and (self.awaited is None or r in self.awaited)]
             if waiting_for and now - self.pending_since < FIRST_EPOCH_WAIT_S:
                 return
             self._publish("first replicas joined" if self.epoch_id == 0 else

@@ -62,6 +62,11 @@ class Routes:
             client = self._clients[node] = BoundedStore(raw, NODE_OP_TIMEOUT_S)
         return client
 
+    def add(self, node: int, addr: str, ranks: List[int]) -> None:
+        """A node taken into the running run (elastic c10d): its workers vote in its store at `addr`."""
+        self._addr[node] = addr
+        self._node_of.update({r: node for r in ranks})
+
     def lose(self, node: int) -> None:
         """The node is lost (the supervisor's node watch said so), its store with it: votes for
         its members go to the run's store from now on."""

@@ -101,7 +101,7 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
         store, host = _open(cfg, console)
         if store is None:
             return JOIN_FAILED
-        if not host and moves_enabled(cfg):
+        if not host and (moves_enabled(cfg) or cfg.ft):
             standby = _standby(cfg)
         n, need, expect = 0, 0, None
         last, moving = None, False  # a follower's coordinator of the round that ended: where the store may move
@@ -122,7 +122,7 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
             zygote = zygote or _prewarm(cfg)
             try:
                 formed = (_host_round(cfg, store, n, console, need, expect) if host
-                          else _join_round(cfg, store, n, console))
+                          else _join_round(cfg, store, n, console, standby))
             except _StoreLost as e:
                 if last is not None and not last.store_reachable():
                     moving = True
@@ -312,9 +312,10 @@ def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, ne
     return n, 0, size, s.get(_key("master_addr")).decode(), None
 
 
-def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) -> Any:
+def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, standby: Optional[RunStore]) -> Any:
     """Join round n (or the next one still open): (n, rank, size, master_addr, live), else an exit
-    status. `live` is None for a node that formed the round, else the nodes it joined (--ft, late)."""
+    status. `live` is None for a node that formed the round, else the nodes it joined (--ft, late,
+    publishing its `standby` store as it asks in)."""
     s = store.store
     t0 = time.monotonic()
     try:
@@ -325,7 +326,7 @@ def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) ->
             if current is None:
                 return running  # the run ended: its exit status
             if running and cfg.admits_late and n <= current:
-                formed = _join_running(cfg, s, current, None, t0, console)
+                formed = _join_running(cfg, s, current, None, t0, console, standby)
                 if formed is not None:
                     return formed
                 continue  # the round ended while this node waited: the next one
@@ -333,7 +334,7 @@ def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut) ->
                 console.note(f"run {cfg.run_id} is already in round {current}; this node joins at the next "
                              f"re-formation", style="yellow")
             n = max(n, current + 1 if running else current)
-            formed = _join_forming(cfg, s, n, t0, console)
+            formed = _join_forming(cfg, s, n, t0, console, standby)
             if formed is not None:
                 return formed
             n += 1
@@ -356,7 +357,8 @@ def _current_round(s: Any, console: ConsoleOut) -> Tuple[Optional[int], Any]:
         time.sleep(POLL_S)
 
 
-def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut) -> Any:
+def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut,
+                  standby: Optional[RunStore] = None) -> Any:
     """Arrive at round n while it forms: the round, an exit status, or None when it formed
     without this node (the caller tries the next)."""
     index = int(s.add(rdzv_arrivals(n), 1))
@@ -380,13 +382,14 @@ def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut
                        f"(--nnodes {cfg.max_nodes}); is this node's line meant for another run?")
         return JOIN_FAILED
     if cfg.admits_late:
-        return _join_running(cfg, s, n, index, t0, console)
+        return _join_running(cfg, s, n, index, t0, console, standby)
     console.note(f"round {n} formed without this node ({size} nodes, the most it takes now); waiting for the "
                  f"next re-formation", style="yellow")
     return None
 
 
-def _join_running(cfg: RunConfig, s: Any, n: int, index: Optional[int], t0: float, console: ConsoleOut) -> Any:
+def _join_running(cfg: RunConfig, s: Any, n: int, index: Optional[int], t0: float, console: ConsoleOut,
+                  standby: Optional[RunStore] = None) -> Any:
     """--ft on an elastic run: ask node 0 to take this node into running round n, and wait
     until it does (a place is free: fewer than MAX nodes run). The round, an exit status,
     or None when round n ended first (the caller joins the next)."""
@@ -407,6 +410,8 @@ def _join_running(cfg: RunConfig, s: Any, n: int, index: Optional[int], t0: floa
     s.set(keys.beat(index), "0")
     s.set(keys.final(index), "")
     s.set(keys.table(index), "[]")
+    if standby is not None:  # the others route its votes there and may move the run's store there
+        s.set(keys.standby(index), f"{standby.host}:{standby.port}")
     s.set(keys.who(index), f"{socket.gethostname()} pid {os.getpid()}")
     console.note(f"run {cfg.run_id} is training (round {n}); asking to join it now (--ft: this node's replicas "
                  f"heal from a peer)", style="yellow")

@@ -51,6 +51,7 @@ DEFAULT_HANG_S = 60.0
 # Below this share of one CPU a worker is idle (its progress thread's reports cost a fraction of it).
 IDLE_CPU_PERCENT = 5.0
 STORE_READY_TIMEOUT_S = 30.0
+ADMIT_GAP_S = 1.0  # --ft, elastic: at most one late node taken in per this long (_admit_waiting)
 # After SIGKILL a process is gone within milliseconds unless the kernel holds it (uninterruptible
 # I/O); past this much longer the stop stops waiting for it.
 KILL_WAIT_S = 10.0
@@ -143,6 +144,7 @@ class Supervisor:
         # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
         self.nodes: Optional[NodeCoordinator] = None
         self._told_full = False
+        self._admitted_at = 0.0
         self._quorum_failing = False  # said once until a poll works again
         # c10d without --ft: the agent ended this round so that the nodes re-form the run
         # (ftrun.supervisor.rendezvous runs the next round only when this says so).
@@ -550,15 +552,29 @@ class Supervisor:
             return None
         return Routes({k: (self.nodes.standby[k], self._node_ranks(k)) for k in live if k in self.nodes.standby})
 
+    def _add_node(self, k: int) -> None:
+        """Late node k's replicas become ranks of the quorum, voting through its own store."""
+        self.quorum.add_ranks(self._node_ranks(k))
+        if k in self.nodes.standby:
+            if self.quorum.routes is None:
+                self.quorum.routes = Routes({})
+            self.quorum.routes.add(k, self.nodes.standby[k], self._node_ranks(k))
+
     def _admit_waiting(self) -> None:
-        """Node 0, --ft on an elastic run: late nodes take free places, first come first served."""
+        """Node 0, --ft on an elastic run: late nodes take free places, first come first served,
+        one a second at most (the tick calls again): every other node learns of one from the node
+        list before the next comes, so no two nodes count the run's nodes more than one apart
+        (ftrun.supervisor.failover.keeps_running)."""
         nodes = self.nodes
         while nodes.waiting and len(nodes.live) < self.cfg.max_nodes:
+            if time.monotonic() - self._admitted_at < ADMIT_GAP_S:
+                return
             k = nodes.waiting.pop(0)
             if not nodes.still_waiting(k):
                 continue
-            self.quorum.add_ranks(self._node_ranks(k))  # their keys exist before anyone reads them
+            self._add_node(k)  # their keys exist before anyone reads them
             nodes.admit(k)
+            self._admitted_at = time.monotonic()
             self.console.note(f"node {k} joins the running run ({len(nodes.live)} of at most {self.cfg.max_nodes} "
                               f"nodes); its replicas heal from a peer", style="bold cyan")
         if nodes.waiting and not self._told_full:
@@ -579,7 +595,7 @@ class Supervisor:
             return
         if ev.kind == "node_joined":
             if self.quorum is not None:
-                self.quorum.add_ranks(self._node_ranks(ev.node))
+                self._add_node(ev.node)
             self.console.note(f"{ev.text}; its replicas heal from a peer", style="cyan")
             return
         if ev.kind == "store_gone" and self.cfg.ft and self.nodes.may_move():
@@ -652,6 +668,7 @@ class Supervisor:
         self.quorum.epoch_id = old.epoch_id + 1  # above every epoch a replica may have seen
         self.quorum.info = dict(old.info)  # the replicas' last words, until they speak again
         self.quorum.moved = True
+        self.quorum.awaited = set(old.members) or None
         for w in self.workers:
             self.quorum.alive[w.rank] = w.incarnation if w.alive else None
         self._on_store_ready()
@@ -776,6 +793,8 @@ class Supervisor:
                     self._check_hangs(now)
             if self.quorum is not None:
                 self._poll_quorum(now)
+                if self.nodes is not None and self.nodes.waiting:
+                    self._admit_waiting()
         if now - self._last_metrics >= 1.0:
             self._last_metrics = now
             self._sample_metrics(now)
