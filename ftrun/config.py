@@ -86,6 +86,7 @@ class RunConfig:
     round: int = 0                        # c10d: the rendezvous round (TORCHELASTIC_RESTART_COUNT counts them)
     total_restarts: Optional[int] = None  # c10d: the run's budget, when a round runs with none of its own
     workers_master_addr: Optional[str] = None  # c10d: MASTER_ADDR for the workers (the host's name)
+    endpoint: str = ""                    # c10d: the run's --rdzv-endpoint as given, wherever the store moved
     # c10d --ft: this node joined a running round late; the nodes in the run when node 0 took it in
     nodes_live: Optional[Tuple[int, ...]] = None
     run_id: str = ""                      # ftrun's name of the run (status, state folder)

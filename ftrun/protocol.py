@@ -100,6 +100,11 @@ def rdzv_arrivals(rnd: int) -> str:
 def rdzv_admit(rnd: int, node: int) -> str:
     return f"{RDZV}{rnd}/admit/{node}"   # --ft: node 0 took late node `node` into running round `rnd`
 
+
+RDZV_RUN = RDZV + "run"       # the run id, set by the node hosting the endpoint as it binds
+RDZV_MOVED = RDZV + "moved"   # host:port of the run's store now, left at the original endpoint
+RDZV_HOST = RDZV + "host"     # "<node> <gen>": the node hosting a moved store, and its generation
+
 # ---------------------------------------------------------------- --ft: quorum, votes, heals
 # ---------------------------------------------------------------- --ft: the round protocol
 # Each member (ft/manager.py) is in one phase at a time, reported in its info key; what it

@@ -268,8 +268,10 @@ def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
     """--ft, --nnodes 3:4 over c10d, the same line on every node: three nodes train; a fourth is taken
     into the running run, and as soon as the others know of it (before its replica has healed) the
     endpoint's node, the run's store and keeper, is SIGKILLed with its workers. The three others, the
-    newcomer among them, move the store to node 1, commit again within 20 s, and finish bitwise
-    identical. Every node but the host votes through its own node's relay."""
+    newcomer among them, move the store to node 1 and commit again within 20 s. Then a node is started
+    with the run's original line, on the endpoint's machine, as a restarted pod would be: it finds the
+    word the moved store left there, joins the run where it is now (no second run forms at the old
+    endpoint), and all four finish bitwise identical."""
     from test_ft import _c10d_node, _c10d_start, _wait_text
 
     port, out = free_port(), tmp_path / "p"
@@ -286,14 +288,18 @@ def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
         killed_at, step_at_kill = time.time(), r["step"]
         _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: r["step"] > step_at_kill + 10, 30)
         resumed_s = time.time() - killed_at
-        results = {k: _finish(procs[k], 180) for k in (1, 2, 3)}
+        procs.append(_c10d_start(port, "3:4", "cj", out, 300))  # binds the endpoint's port afresh
+        _wait_text(procs[4], "joining the run there", 30)
+        results = {k: _finish(procs[k], 180) for k in (1, 2, 3, 4)}
     finally:
         for p in procs:
             p.kill()
     for k, (rc, _, err) in results.items():
-        assert rc == 0, (k, err[-4000:])
-        assert "moving the run's store" in err and "node 1 hosts the run's store now" in err, err[-3000:]
+        assert rc == 0, (k, "\n".join(line for line in err.splitlines() if not line.startswith("[rank"))[-4000:])
+        if k < 4:
+            assert "moving the run's store" in err and "node 1 hosts the run's store now" in err, err[-3000:]
+    assert "joined the running run cj" in results[4][2] and "round 0: 1 node" not in results[4][2], results[4][2]
     assert resumed_s < 20, resumed_s
-    _, stats = _assert_identical(out, [1, 2, 3])
+    _, stats = _assert_identical(out, [1, 2, 3, 4])
     assert stats["step"] == 300
     print(f"c10d: committing again {resumed_s:.1f} s after the store host was killed as node 3 joined")

@@ -59,7 +59,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from ftrun.protocol import NodeKeys, rdzv_admit, rdzv_arrivals
+from ftrun.protocol import RDZV, RDZV_HOST, NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.status.state import ReplicaStatus
 from ftrun.supervisor import failover
 from ftrun.supervisor.logs import ConsoleOut
@@ -424,6 +424,9 @@ class NodeCoordinator:
         cfg = self.cfg
         try:  # its beat, final, table, standby and who keys were written when it asked in
             self.store.add(KEYS.claim(self.me), 1)
+            if self.store.check([RDZV_HOST]):  # a store that moved: its host, and how often it moved
+                host_node, gen = self.store.get(RDZV_HOST).decode().split()
+                self.host_node, self.gen = int(host_node), int(gen)
             for k in self.others:
                 self._learn_who(k)
             if self.node_store is not None:
@@ -563,6 +566,7 @@ class NodeCoordinator:
             store.set(KEYS.final(self.me), "")
             store.set(KEYS.table(self.me), "[]")
             store.set(KEYS.who(self.me), f"{socket.gethostname()} pid {os.getpid()}")
+            store.set(KEYS.standby(self.me), self.standby[self.me])  # for nodes that join there later
             store.compare_set(KEYS.fail(self.attempt), "", "")
             store.compare_set(KEYS.live, "", "[]")
 
@@ -582,6 +586,21 @@ class NodeCoordinator:
         self.watch = _Watch(self)
         self.watch.start()
         return elected
+
+    def open_to_late_nodes(self, master_addr: str) -> None:
+        """The new host of an elastic --ft run: nodes that come now (sent here from the original
+        endpoint, ftrun.supervisor.redirect) ask this store to take them in, as they asked node 0's.
+        Their node ranks come after every rank the run has used."""
+        n, s = self.cfg.round, self.store
+        top = max(self._seen | set(self.live) | {self.me})
+        s.set(KEYS.layout, f"{self.nnodes} {self.cfg.nproc} {self.cfg.run_id}")
+        s.set(RDZV_HOST, f"{self.me} {self.gen}")
+        s.set(RDZV + "master_addr", master_addr)
+        s.set(RDZV + f"{n}/size", str(len(self.live)))
+        s.set(RDZV + "round", str(n))
+        s.add(rdzv_arrivals(n), top - int(s.add(rdzv_arrivals(n), 0)))  # the next one is node top + 1
+        self._next_arrival = top + 1
+        self.arrivals_key = rdzv_arrivals(n)
 
     def may_move_between_rounds(self) -> bool:
         """c10d without --ft: whether the run's store, lost with its node, can move to the nodes

@@ -22,7 +22,10 @@ With --ft on an elastic run (MIN < MAX) the run does not wait for a re-formation
 to grow: a node that comes while a round trains asks node 0 to take it in
 (``N/admit/K``); node 0's agent does so while fewer than MAX nodes run, and the
 new node's replicas join the quorum and heal from a peer. A lost node's place
-goes to the next node waiting.
+goes to the next node waiting. Every node but the host keeps a standby store
+for the whole run (its workers vote through it); when the host is lost, the
+round's agents move the store there (ftrun.supervisor.failover) and the new
+host takes late nodes in from then on.
 
 Without --ft, on rounds of three nodes or more, the store moves when its
 node is lost (FTRUN_STORE_MOVES=0: never): every other node keeps a standby
@@ -33,11 +36,18 @@ of the last round's nodes) and form the next round there. So that no second
 run forms beside it, the hosting node then closes a round only with at least
 half of the last round's nodes.
 
+Wherever the store moved, its new host leaves its address at the original
+endpoint when a store of this run answers there (ftrun.supervisor.redirect:
+the endpoint's machine restarted with the run's line); a node hosting or
+joining at the endpoint reads it and joins the run where it is, instead of
+forming a second run there.
+
 Store keys (under ftrun/rdzv/): ``round`` (the round being formed),
 ``N/arrivals`` (counter: a client's arrival index is its node rank),
 ``N/size`` (set by the host when round N closes; 0 when it could not form),
 ``master_addr`` (the host's name for the workers' MASTER_ADDR), ``done`` (the run's
-exit status, for nodes still waiting when it ends).
+exit status, for nodes still waiting when it ends), ``run`` (the run id) and
+``moved`` (where the store went), ``host`` (a moved store's host and generation).
 Must never start a worker itself (each round's Supervisor does) and never
 decide anything a node could not decide alike from the store's keys.
 """
@@ -55,8 +65,8 @@ import time
 from typing import Any, Optional, Tuple
 
 from ftrun.config import RunConfig, store_listen_addr, store_bind_addr, this_node_name
-from ftrun.protocol import RDZV, NodeKeys, rdzv_admit, rdzv_arrivals
-from ftrun.supervisor import failover, nodes
+from ftrun.protocol import RDZV, RDZV_MOVED, RDZV_RUN, NodeKeys, rdzv_admit, rdzv_arrivals
+from ftrun.supervisor import failover, nodes, redirect
 from ftrun.supervisor.env import base_env
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.spawn import ZygoteSpawner
@@ -72,6 +82,19 @@ def _key(name: str) -> str:
 
 class _StoreLost(Exception):
     """The run's store went away while this node joined a round."""
+
+
+class _Moved(Exception):
+    """The run's store moved away from this endpoint (ftrun.supervisor.redirect): join it there."""
+
+    def __init__(self, addr: str) -> None:
+        super().__init__(addr)
+        self.addr = addr
+
+
+def _check_moved(s: Any) -> None:
+    if s.check([RDZV_MOVED]):
+        raise _Moved(s.get(RDZV_MOVED).decode())
 
 
 class _Stop(Exception):
@@ -92,7 +115,9 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
     def stop(signum, _frame):
         raise _Stop(signum)
 
+    cfg = dataclasses.replace(cfg, endpoint=f"{cfg.master_addr}:{cfg.master_port}")
     store, host, zygote, standby = None, False, None, None
+    beacon = None  # the store this node hosts at the original endpoint, telling where the run went
     code = JOIN_FAILED
     try:
         for s in previous:
@@ -123,6 +148,20 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
             try:
                 formed = (_host_round(cfg, store, n, console, need, expect) if host
                           else _join_round(cfg, store, n, console, standby))
+            except _Moved as e:
+                # A node at the original endpoint after the store moved: the run goes on elsewhere.
+                # A hosting node keeps its store (and the word in it) up for the nodes after it.
+                beacon = store if host else beacon
+                host = False
+                where, _, port = e.addr.rpartition(":")
+                cfg = dataclasses.replace(cfg, master_addr=where, master_port=int(port))
+                console.note(f"the run's store moved to {e.addr}; joining the run there", style="bold cyan")
+                store, _ = _open(cfg, console, join_only=True)
+                if store is None:
+                    return JOIN_FAILED
+                if standby is None and (moves_enabled(cfg) or cfg.ft):
+                    standby = _standby(cfg)
+                continue
             except _StoreLost as e:
                 if last is not None and not last.store_reachable():
                     moving = True
@@ -144,6 +183,8 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
             sup = Supervisor(round_cfg, store=store, zygote=zygote, standby=standby)
             zygote = None  # the round's now
             code = sup.run()
+            if sup.nodes is not None and sup.nodes.me == sup.nodes.host_node:
+                host = True  # the store moved here during the round: nodes still waiting read `done` here
             if not sup.reform:  # the round's agent decided: the run is over
                 return code
             # No second run may form beside this one: the next round needs at least half of this
@@ -164,11 +205,12 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
             zygote.close()
         for s, h in previous.items():
             signal.signal(s, h)
-        if host and store is not None and store.store is not None:
-            try:
-                store.set(_key("done"), str(code))
-            except Exception:
-                pass
+        for hosted in ([store] if host else []) + ([beacon] if beacon is not None else []):
+            if hosted is not None and hosted.store is not None:
+                try:
+                    hosted.set(_key("done"), str(code))
+                except Exception:
+                    pass
 
 
 def _prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
@@ -182,10 +224,11 @@ def _prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
     return ZygoteSpawner(queue.SimpleQueue(), env, os.getcwd())
 
 
-def _open(cfg: RunConfig, console: ConsoleOut) -> Tuple[Optional[RunStore], bool]:
+def _open(cfg: RunConfig, console: ConsoleOut, join_only: bool = False) -> Tuple[Optional[RunStore], bool]:
     """Host the store at the endpoint's port if this node should, else connect to it."""
     where = f"{cfg.master_addr}:{cfg.master_port}"
     wants = cfg.rdzv_host if cfg.rdzv_host is not None else store_bind_addr(cfg.master_addr) != "0.0.0.0"
+    wants = wants and not join_only
     if wants:
         try:
             listener = bind_listener(store_listen_addr(cfg), cfg.master_port)
@@ -201,6 +244,7 @@ def _open(cfg: RunConfig, console: ConsoleOut) -> Tuple[Optional[RunStore], bool
                 _fail(console, f"could not start the run's store on {where}: {nodes._one_line(store.error)}")
                 return None, False
             store.set(_key("master_addr"), this_node_name(cfg.local_addr))
+            store.set(RDZV_RUN, cfg.run_id)  # a store that moved away from here leaves its word (redirect)
             return store, True
     store = RunStore(cfg.master_addr, cfg.master_port, None, connect_timeout=cfg.join_timeout)
     while not store.ready.wait(POLL_S):
@@ -253,6 +297,7 @@ def _move(cfg: RunConfig, coord: Any, store: RunStore, standby: Optional[RunStor
     mine = elected.host == coord.me
     if mine:
         standby.set(_key("master_addr"), addr)
+        redirect.Redirect(cfg.endpoint, cfg.run_id, elected.addr).start()  # for nodes started with the old line
     else:
         store.adopt(elected.store, addr, int(port))
     console.note(f"the run's store moved to {'this node' if mine else 'another node'} at {elected.addr} "
@@ -285,10 +330,13 @@ def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, ne
     last_call: Optional[float] = None
     least = max(cfg.min_nodes, need)
     while True:
+        _check_moved(s)
         count = _count(store, n)
         now = time.monotonic()
         if count >= least and last_call is None:
-            last_call = now + cfg.last_call_timeout
+            # A first round short of MAX stays open long enough for the word that this run's
+            # store moved elsewhere (ftrun.supervisor.redirect): no second run may form here.
+            last_call = max(now + cfg.last_call_timeout, t0 + 2 * redirect.EVERY_S + 0.5 if n == 0 else 0.0)
         if (count >= cfg.max_nodes or (last_call is not None and now >= last_call)
                 or (expect is not None and count >= max(expect, least))):
             size = min(count, cfg.max_nodes)
@@ -338,7 +386,7 @@ def _join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, st
             if formed is not None:
                 return formed
             n += 1
-    except _Stop:
+    except (_Stop, _Moved):
         raise
     except Exception as e:
         raise _StoreLost(nodes._one_line(e)) from None
@@ -351,6 +399,7 @@ def _current_round(s: Any, console: ConsoleOut) -> Tuple[Optional[int], Any]:
             code = s.get(_key("done")).decode()
             console.note(f"the run ended (exit {code}) before this node could join it", style="bold yellow")
             return None, int(code)
+        _check_moved(s)
         if s.check([_key("round")]):
             current = int(s.get(_key("round")).decode())
             return current, s.check([_key(f"{current}/size")])
@@ -364,6 +413,7 @@ def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut
     index = int(s.add(rdzv_arrivals(n), 1))
     console.note(f"round {n}: arrived as node {index}; waiting for the round to form", style="dim")
     while not s.check([_key(f"{n}/size")]):
+        _check_moved(s)
         if s.check([_key("done")]):
             code = s.get(_key("done")).decode()
             console.note(f"the run ended (exit {code}) while this node waited to join", style="bold yellow")

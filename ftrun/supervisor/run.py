@@ -33,6 +33,7 @@ from ftrun.supervisor.failover import NoMajority
 from ftrun.supervisor.nodes import NODE_LOST, REQUEUE, NodeCoordinator, NodeEvent
 from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.redirect import Redirect
 from ftrun.supervisor.relay import NodeRelay, Routes
 from ftrun.supervisor.report import exit_reason, failure_report
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
@@ -616,7 +617,7 @@ class Supervisor:
         if ev.kind == "node_lost" and self.cfg.ft:
             self.console.note(f"{ev.text}; carrying on without its replicas (--ft)", style="bold yellow")
             self._on_node_lost(ev.node)
-            if self.cfg.admits_late and self.cfg.node_rank == 0:
+            if self.cfg.admits_late and self.nodes.me == self.nodes.host_node:
                 self.nodes.drop(ev.node)
                 self._told_full = False
                 self._admit_waiting()
@@ -673,6 +674,10 @@ class Supervisor:
             self.quorum.alive[w.rank] = w.incarnation if w.alive else None
         self._on_store_ready()
         self.nodes.node_store.store.set(RUN_STORE, f"{self.nodes.gen} {elected.addr}")
+        if self.cfg.admits_late and elected.host == self.cfg.node_rank:
+            # Nodes started from now on with the run's line find the run here (c10d, elastic).
+            self.nodes.open_to_late_nodes(host)
+            Redirect(self.cfg.endpoint, self.cfg.run_id, elected.addr).start()
         if self.relay is not None:  # members waiting for a decision of the old store follow the new one
             self.relay.moved(old.epoch_id + 1)
         self.console.note(f"node {elected.host} hosts the run's store now, at {elected.addr} ({len(elected.nodes)} "
