@@ -94,7 +94,10 @@ class _Moved(Exception):
 
 def _check_moved(s: Any) -> None:
     if s.check([RDZV_MOVED]):
-        raise _Moved(s.get(RDZV_MOVED).decode())
+        addr = s.get(RDZV_MOVED).decode(errors="replace")
+        host, _, port = addr.rpartition(":")
+        if host and port.isdigit():  # anything else is not a word of ours: stay
+            raise _Moved(addr)
 
 
 class _Stop(Exception):
@@ -246,7 +249,9 @@ def _open(cfg: RunConfig, console: ConsoleOut, join_only: bool = False) -> Tuple
             store.set(_key("master_addr"), this_node_name(cfg.local_addr))
             store.set(RDZV_RUN, cfg.run_id)  # a store that moved away from here leaves its word (redirect)
             return store, True
-    store = RunStore(cfg.master_addr, cfg.master_port, None, connect_timeout=cfg.join_timeout)
+    # A moved store is up already: one that does not answer soon is gone, not starting.
+    store = RunStore(cfg.master_addr, cfg.master_port, None,
+                     connect_timeout=min(cfg.join_timeout, 10.0) if join_only else cfg.join_timeout)
     while not store.ready.wait(POLL_S):
         pass
     if store.store is None:
