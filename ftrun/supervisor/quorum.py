@@ -501,7 +501,7 @@ class QuorumKeeper:
         for r, h, info in zip(self.ranks, healed, infos):
             if int(h) >= 0:
                 self.healed.add((r, int(h)))
-            # "{}": no report yet (a new store)
+            # "{}": no report yet (a new store, or a worker of a relaying node that has not reported)
             if info is None or info == self._info_raw.get(r) or info == b"{}" or info == {}:
                 continue
             self._info_raw[r] = info
