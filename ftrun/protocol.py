@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import signal
 from dataclasses import dataclass
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, Mapping, NamedTuple, Optional, Tuple
 
 # ---------------------------------------------------------------- workers -> supervisor: progress
 # "<incarnation> <steps> <last step time> <now> <pid> <activity>", rewritten by every
 # worker's heartbeat thread every HEARTBEAT_S (ftrun/worker/progress.py); activity
-# counts other progress (forward passes, torch.save/load) for --step-timeout.
+# counts other progress (forward passes, torch.save/load) for --step-timeout. In the run's
+# store, or in the worker's node's store when its node relays (node_info_key).
 HEARTBEAT_S = 0.25
 
 
@@ -207,6 +208,18 @@ def tally(total: int) -> Tally:
 # the wait of members whose forwarder could not reach the old store.
 NODE_LOST_DECISION = "lost 0"
 NODE_RANKS_ENV = "FTRUN_NODE_RANKS"  # "<node> <first global rank> <count>" of the worker's node
+NODE_STORE_ENV = "FTRUN_NODE_STORE"  # "<host>:<port>" of the worker's node's store
+
+
+def relayed_node(env: Mapping[str, str]) -> Optional[Tuple[int, int, int, str]]:
+    """(node, first global rank, count, node store address) of a worker whose node relays, from
+    the environment its ftrun set; None when it does not (or the environment is malformed): the
+    worker then votes and reports in the run's store itself, as on one node."""
+    spec = env.get(NODE_RANKS_ENV, "").split()
+    addr = env.get(NODE_STORE_ENV)
+    if len(spec) != 3 or not addr or not all(p.isdigit() for p in spec):
+        return None
+    return int(spec[0]), int(spec[1]), int(spec[2]), addr
 
 
 def node_count_key(node: int, epoch: int, round_: int) -> str:
@@ -219,6 +232,14 @@ def node_decision_key(node: int, epoch: int, round_: int) -> str:
 
 def node_forwarded_key(node: int, epoch: int, round_: int) -> str:
     return f"{PREFIX}lf/{node}/{epoch}/{round_}"
+
+
+# A relayed node's workers write their status reports (progress_key, info_key) to their node's
+# store too; the node's ftrun copies its workers' info keys into this one key of the run's store,
+# JSON {"<rank>": <that rank's info object, as written>}, whenever one changed (4 a second), and
+# the keeper reads one key per relayed node instead of one per replica.
+def node_info_key(node: int) -> str:
+    return f"{PREFIX}li/{node}"
 
 
 def inc_key(rank: int) -> str:

@@ -10,15 +10,19 @@ healed flags, status reports, key collection). N replica clients, spread
 over --procs processes of threads, each with its own store connection, vote
 round after round with ftrun.worker.ft.vote.cast (the code a replica runs
 in opt.step()) and write their status report every 0.25 s as a replica's
-heartbeat does. Measured per N:
+heartbeat does. With --per-node P they vote and report through their
+node's store, and each node's relay (ftrun.supervisor.relay.NodeRelay)
+copies its members' reports into the node's one key of the run's store.
+Measured per N:
 
 - commit latency: per round, from the moment its last vote is cast to the
   moment the last member knows the decision (median, p99 over rounds): the
   protocol's own cost, without the lateness of straggling threads; and a
   member's whole wait (vote to decision, stragglers included), median;
 - rounds per second;
-- store requests per round, by the members (counted at each call; a blocking
-  read is two requests on the wire: wait, then get) and by the keeper;
+- the run's store's requests per round, by the members and the nodes'
+  relays (counted at each call; a blocking read is two requests on the wire:
+  wait, then get) and by the keeper;
 - the keeper's CPU time per second of run, and the store's key count at the
   start and at the end of the rounds (flat when old rounds are collected).
 
@@ -86,10 +90,15 @@ class _Here:
         pass
 
 
-def _vote_rounds(s: Counting, rank: int, rounds: int, start: threading.Barrier,
+def _info(rnd: int) -> dict:
+    return {"inc": 0, "epoch": 1, "round": rnd, "phase": "vote", "beat": rnd}
+
+
+def _vote_rounds(report: Callable[[int], None], rounds: int, start: threading.Barrier,
                  vote_once: Callable[[int], bool]) -> Tuple[list, float, float]:
-    """One member's rounds: its status report every 0.25 s (as ftrun.worker.progress writes it, to
-    the run's store) and `vote_once(round)`. Returns each vote's (start, decision known) and the span."""
+    """One member's rounds: `report(round)` every 0.25 s (its status report, as
+    ftrun.worker.progress writes it) and `vote_once(round)`. Returns each vote's (start, decision
+    known) and the span."""
     mine = []
     start.wait()
     began = time.monotonic()
@@ -97,8 +106,7 @@ def _vote_rounds(s: Counting, rank: int, rounds: int, start: threading.Barrier,
     for rnd in range(rounds):
         now = time.monotonic()
         if now >= next_report:
-            s.set(keys.info_key(rank), json.dumps({"inc": 0, "epoch": 1, "round": rnd, "phase": "vote",
-                                                   "beat": rnd}))
+            report(rnd)
             next_report = now + 0.25
         t0 = time.monotonic()
         assert vote_once(rnd)
@@ -115,8 +123,8 @@ def _run_threads(targets: list) -> None:
 
 
 def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue", weight: int = 0) -> None:
-    """Members (or, with `weight`, nodes' forwarders each adding its node's count of `weight`)
-    voting in the run's store, one thread each."""
+    """Members (or, with `weight`, nodes' forwarders each adding its node's count of `weight`
+    and writing its node's relayed reports) voting in the run's store, one thread each."""
     sys.setswitchinterval(0.0002)  # many threads in one process: hand the GIL on quickly
     lat, requests, span = [], [], []
     start = threading.Barrier(len(ranks))
@@ -129,7 +137,13 @@ def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue", we
                 return vote.forward(s, _Here(), rank, 1, rnd, size, weight * keys.OK_VOTE, 1)[0].startswith("commit")
             return vote.cast(s, 1, rnd, size, True, 1)[0]
 
-        mine, began, ended = _vote_rounds(s, rank, rounds, start, vote_once)
+        def report(rnd: int) -> None:
+            if weight:  # as the node's relay writes its members' reports: one key for the node
+                s.set(keys.node_info_key(rank), json.dumps({str(rank * weight + i): _info(rnd) for i in range(weight)}))
+            else:
+                s.set(keys.info_key(rank), json.dumps(_info(rnd)))
+
+        mine, began, ended = _vote_rounds(report, rounds, start, vote_once)
         lat.append(mine)
         requests.append(s.requests)
         span.append((began, ended))
@@ -141,7 +155,8 @@ def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue", we
 def relayed_replicas(port: int, nodes: list, per_node: int, size: int, rounds: int, out: "mp.Queue") -> None:
     """Whole nodes in one process: each node's store (as its ftrun hosts it), its relay's upkeep
     (ftrun.supervisor.relay.NodeRelay, every 50 ms as in a run), and its `per_node` members, who
-    vote through it (vote.cast with their vote.Node): the run's store sees the forwarders only."""
+    vote and report through it (vote.cast with their vote.Node): the run's store sees the
+    forwarders and the relays only."""
     from ftrun.supervisor.relay import NodeRelay
 
     sys.setswitchinterval(0.0002)
@@ -150,12 +165,14 @@ def relayed_replicas(port: int, nodes: list, per_node: int, size: int, rounds: i
     start = threading.Barrier(len(nodes) * per_node)
     stop = threading.Event()
 
+    relays_run = Counting(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))
+
     def upkeep() -> None:
-        run = dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT)
         relays = []
         for k in nodes:
             local = dist.TCPStore("127.0.0.1", servers[k].port, None, False, TIMEOUT)
-            relays.append(NodeRelay(k, lambda c=local: c, lambda: run))
+            relays.append(NodeRelay(k, list(range(k * per_node, (k + 1) * per_node)), lambda c=local: c,
+                                    lambda: relays_run))
         while not stop.is_set():
             for r in relays:
                 r.poll(time.monotonic())
@@ -165,7 +182,8 @@ def relayed_replicas(port: int, nodes: list, per_node: int, size: int, rounds: i
         s = Counting(dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT))
         local = Counting(dist.TCPStore("127.0.0.1", servers[node].port, None, False, TIMEOUT))
         me = vote.Node(node, node * per_node, per_node, local)
-        mine, began, ended = _vote_rounds(s, rank, rounds, start,
+        mine, began, ended = _vote_rounds(lambda rnd: local.set(keys.info_key(rank), json.dumps(_info(rnd))),
+                                          rounds, start,
                                           lambda rnd: vote.cast(s, 1, rnd, size, True, 1, me, per_node)[0])
         lat.append(mine)
         requests.append(s.requests)
@@ -177,16 +195,22 @@ def relayed_replicas(port: int, nodes: list, per_node: int, size: int, rounds: i
     _run_threads([(one, (k, k * per_node + i)) for k in nodes for i in range(per_node)])
     stop.set()
     keeper.join()
-    out.put((lat, sum(requests), min(b for b, _ in span), max(e for _, e in span), sum(local_requests)))
+    out.put((lat, sum(requests) + relays_run.requests, min(b for b, _ in span), max(e for _, e in span),
+             sum(local_requests)))
 
 
-def _keeper(n: int):
-    """A store server, a counting client and the supervisor's keeper with N members in epoch 1."""
+def _keeper(n: int, per_node: int = 0):
+    """A store server, a counting client and the supervisor's keeper with N members in epoch 1
+    (per_node P: as N/P relaying nodes of P, whose reports it reads in one key per node)."""
     from ftrun.supervisor.quorum import QuorumKeeper
+    from ftrun.supervisor.relay import Routes
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
     client = Counting(dist.TCPStore("127.0.0.1", server.port, None, False, TIMEOUT))
-    keeper = QuorumKeeper(_RunStore(client), list(range(n)))
+    # No member dies here: the keeper never dials a node's store, whose address is left out.
+    routes = Routes({k: ("127.0.0.1:0", list(range(k * per_node, (k + 1) * per_node)))
+                     for k in range(n // per_node)}) if per_node else None
+    keeper = QuorumKeeper(_RunStore(client), list(range(n)), routes=routes)
     for r in range(n):
         keeper.on_spawn(r, 0)
     keeper.on_store_ready()
@@ -201,7 +225,7 @@ def measure(n: int, rounds: int, procs: int, per_node: int = 0, forwarders: bool
     machine. forwarders: only what the run's store sees of that (n/P forwarders, each adding its
     node's count of P), the part that grows with the run; a node's own round trips happen on its
     own machine, in parallel with the other nodes', and are measured by a run of one node."""
-    server, client, keeper = _keeper(n)
+    server, client, keeper = _keeper(n, per_node)
     port = server.port
     members = tuple((r, 0) for r in range(n))
     client.set(keys.epoch_key(1), Epoch(1, members, (), False, 0).to_json())
@@ -262,16 +286,21 @@ def measure(n: int, rounds: int, procs: int, per_node: int = 0, forwarders: bool
     return out
 
 
-def keeper_cpu_fraction(n: int, seconds: float) -> float:
+def keeper_cpu_fraction(n: int, seconds: float, per_node: int = 0) -> float:
     """The keeper's own CPU per second of wall time, polling N replicas whose reports all
-    change every tick (the worst case: every report is parsed)."""
-    server, _, keeper = _keeper(n)
+    change every tick (the worst case: every report is parsed); per_node P: relayed, N/P keys."""
+    server, _, keeper = _keeper(n, per_node)
     writer = dist.TCPStore("127.0.0.1", server.port, None, False, TIMEOUT)
     spent, t0, beat = 0.0, time.monotonic(), 0
     while time.monotonic() - t0 < seconds:
         beat += 1
-        writer.multi_set([keys.info_key(r) for r in range(n)],
-                         [json.dumps({"inc": 0, "epoch": 1, "round": beat, "phase": "compute", "beat": beat})] * n)
+        info = {"inc": 0, "epoch": 1, "round": beat, "phase": "compute", "beat": beat}
+        if per_node:
+            nodes = range(n // per_node)
+            writer.multi_set([keys.node_info_key(k) for k in nodes],
+                             [json.dumps({str(k * per_node + i): info for i in range(per_node)}) for k in nodes])
+        else:
+            writer.multi_set([keys.info_key(r) for r in range(n)], [json.dumps(info)] * n)
         c = time.thread_time()
         keeper.poll(time.time())
         spent += time.thread_time() - c
@@ -363,7 +392,7 @@ def main() -> None:
     for n in (int(x) for x in args.sizes.split(",")):
         rounds = max(20, min(400, 20000 // n))
         row = measure(n, rounds, args.procs, args.per_node)
-        row["keeper_cpu"] = keeper_cpu_fraction(n, 3.0)
+        row["keeper_cpu"] = keeper_cpu_fraction(n, 3.0, args.per_node)
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if args.per_node and n > args.per_node:
@@ -374,7 +403,7 @@ def main() -> None:
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in part.items()}), flush=True)
     print()
     print("| replicas | nodes | rounds | commit latency median | p99 | member's wait (median) | rounds/s | run's store requests "
-          "per round: members (per node) | keeper | keeper CPU | store keys before / after |")
+          "per round: members and relays (per node) | keeper | keeper CPU | store keys before / after |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         nodes = f"{r['nodes']} x {r['n'] // r['nodes']}" if r["relayed"] else "flat"

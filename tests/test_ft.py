@@ -314,6 +314,42 @@ def test_two_nodes_replica_heals_across_nodes(ftrun_home, tmp_path):
     assert stats["step"] == 300
 
 
+def test_two_nodes_status_shows_every_replicas_steps(ftrun_home, tmp_path):
+    """Two nodes with --ft: node 1's replicas report in node 1's own store, whose ftrun relays
+    them. `ftrun status` shows their steps on both nodes, live level with node 0's replicas (one
+    quorum, one global step; the views lag by a few reports), and once the run ended the step at
+    which each script itself ended (the other node's replicas: as that node last published them)."""
+    port = free_port()
+    out = tmp_path / "p"
+    procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+                          "--nproc", 2, "--ft", "--run-id", "sn", TRAIN, "--steps", 200, "--step-sleep", 0.02,
+                          "--out", out]) for k in (0, 1)]
+    try:
+        _wait_replica(ftrun_home, "sn.node0", 3, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
+        live = run_ftrun(["status", "--json"], env={"FTRUN_HOME": str(ftrun_home)}, check=True)
+        results = [_finish(p) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for rc, _, err in results:
+        assert rc == 0, err[-3000:]
+    views = {Path(run["state_file"]).parent.name: {r["rank"]: r["step"] for r in run["replicas"]}
+             for run in json.loads(live.stdout)}
+    assert set(views) == {"sn.node0", "sn.node1"}, live.stdout
+    for run_id, steps in views.items():
+        assert sorted(steps) == [0, 1, 2, 3] and min(steps.values()) > 0, (run_id, steps)
+        assert max(steps.values()) - min(steps.values()) <= 60, (run_id, steps)  # about 1 s of steps
+    ended = {r: json.loads(Path(f"{out}.rank{r}.json").read_text())["step"] for r in range(4)}
+    assert set(ended.values()) == {200}
+    for node in (0, 1):
+        st = _state(ftrun_home, f"sn.node{node}")
+        steps = {r["rank"]: r["step"] for r in st["replicas"]}
+        own = (2 * node, 2 * node + 1)
+        assert st["phase"] == "ended" and [steps[r] for r in own] == [ended[r] for r in own], (node, steps)
+        # The other node's replicas as that node last published them before it left: a few reports short.
+        assert all(ended[r] - 40 <= steps[r] <= ended[r] for r in range(4)), (node, steps)
+
+
 def test_node_lost_survivors_keep_committing(ftrun_home, tmp_path):
     """Two nodes with --ft; node 1's ftrun is SIGKILLed (its workers die with it): node 0 takes
     node 1's replicas out of the quorum as soon as the node is seen lost, keeps committing

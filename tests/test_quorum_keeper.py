@@ -313,7 +313,7 @@ def test_a_dead_members_vote_goes_through_its_node_and_the_relay_delivers_the_de
     waiting = _cast_in_thread(run0, node0)
     others = [_cast_in_thread(run2, node2), _cast_in_thread(run3, node3)]
     q.on_exit(1, 0)
-    relay = NodeRelay(1, lambda: nodes[1].client(), lambda: q._s)
+    relay = NodeRelay(1, [0, 1], lambda: nodes[1].client(), lambda: q._s)
     deadline = time.monotonic() + 30
     while any(t.is_alive() for t, _ in [waiting] + others) and time.monotonic() < deadline:
         q.poll(time.monotonic())  # as the supervisor polls: a vote its node's store missed is cast again
@@ -338,7 +338,7 @@ def test_a_node_count_whose_forwarder_died_is_forwarded_by_the_keeper(relayed):
         run, node = _member(q, nodes, r)
         threading.Thread(target=vote.cast, args=(run, 1, 5, 4, True, 1, node, 2), daemon=True).start()
     q.on_exit(1, 0)
-    relay = NodeRelay(1, lambda: nodes[1].client(), lambda: q._s)
+    relay = NodeRelay(1, [0, 1], lambda: nodes[1].client(), lambda: q._s)
     while waiting[0].is_alive() and time.monotonic() < deadline:
         q.poll(time.monotonic())
         relay.poll(time.monotonic())
@@ -379,10 +379,71 @@ def test_members_waiting_on_their_node_follow_a_moved_store(relayed):
 
     t = threading.Thread(target=wait, daemon=True)
     t.start()
-    relay = NodeRelay(1, lambda: nodes[1].client(), lambda: q._s)
+    relay = NodeRelay(1, [0, 1], lambda: nodes[1].client(), lambda: q._s)
     relay.moved(1)
     deadline = time.monotonic() + 10
     while t.is_alive() and time.monotonic() < deadline:
         relay.poll(time.monotonic())
         time.sleep(0.05)
     assert "e" in failed
+
+
+def test_a_relayed_nodes_reports_reach_the_keeper_through_one_key(relayed):
+    """Workers of relaying nodes report in their node's store (as ftrun.worker.progress writes
+    there); each node's relay copies them into one key of the run's store, only when one changed,
+    and the keeper (leader and follower) reads every replica's report there. The run's store
+    holds no per-rank report of theirs."""
+    from ftrun.worker.progress import ProgressReporter
+
+    q, nodes = relayed
+    reporters = {}
+    for r in range(4):
+        node = nodes[1 if r < 2 else 2]
+        rep = ProgressReporter("127.0.0.1", node.server.port, r, 0, relayed=True)
+        rep.info_provider = lambda r=r: {"inc": 0, "epoch": 1, "round": 7, "phase": "compute", "step": 10 + r}
+        rep.move_to(f"127.0.0.1:{q._s.port}")  # the run's store moved: the node's store did not
+        assert rep.port == node.server.port
+        reporters[r] = (rep, node.client())
+        rep._write(reporters[r][1], 1)
+    runs = {k: _Counting(dist.TCPStore("127.0.0.1", q._s.port, None, False, datetime.timedelta(seconds=30)))
+            for k in nodes}
+    relays = {k: NodeRelay(k, [2 * k - 2, 2 * k - 1], lambda c=nodes[k].client(): c, lambda k=k: runs[k])
+              for k in nodes}
+    now = time.monotonic()
+
+    def relay_and_poll(now: float) -> None:
+        for relay in relays.values():
+            relay.poll(now)
+        q.poll(now)
+
+    relay_and_poll(now)
+    assert {r: q.info[r]["step"] for r in range(4)} == {0: 10, 1: 11, 2: 12, 3: 13}
+    assert [runs[k].calls for k in nodes] == [1, 1]  # one set per node
+    assert not any(q._s.check([keys.info_key(r)]) or q._s.check([keys.progress_key(r)]) for r in range(4))
+    assert nodes[1].client().check([keys.progress_key(0), keys.info_key(0)])
+    follower = QuorumKeeper(q.store, [0, 1, 2, 3], local_ranks=[0, 1], leader=False, routes=q.routes)
+    follower.on_store_ready()
+    follower.poll(now)
+    assert {r: follower.info[r]["step"] for r in range(4)} == {0: 10, 1: 11, 2: 12, 3: 13}
+
+    # Rank 0 beats again: only its report is new (the keeper tells a live report by its beat).
+    seen = dict(q.info_seen)
+    rep, client = reporters[0]
+    rep._write(client, 2)
+    relay_and_poll(now + 1)
+    assert q.info[0]["beat"] == 2 and q.info_seen[0] > seen[0]
+    assert [q.info_seen[r] for r in (1, 2, 3)] == [seen[r] for r in (1, 2, 3)]
+    assert [runs[k].calls for k in nodes] == [2, 1]  # node 2's reports did not change: not written
+
+    # The run's store moved: the relay writes its reports to the new one at its next poll.
+    relays[2].moved(1)
+    relay_and_poll(now + 2)
+    assert runs[2].calls == 2
+
+
+def test_a_malformed_node_environment_means_not_relayed():
+    env = {keys.NODE_RANKS_ENV: "1 2 2", keys.NODE_STORE_ENV: "10.0.0.2:5000"}
+    assert keys.relayed_node(env) == (1, 2, 2, "10.0.0.2:5000")
+    for bad in ({**env, keys.NODE_RANKS_ENV: "1 2"}, {**env, keys.NODE_RANKS_ENV: "1 x 2"},
+                {**env, keys.NODE_STORE_ENV: ""}, {keys.NODE_RANKS_ENV: "1 2 2"}):
+        assert keys.relayed_node(bad) is None

@@ -23,8 +23,9 @@ and they move on without it; a round its vote closes, it decides. On several
 static nodes that vote goes through the member's node's store (the votes are
 relayed per node, ftrun.supervisor.relay) while the node answers. It
 deletes the keys of finished rounds and old epochs, so the store does not
-grow with the run. Status figures come back from the
-replicas' info keys.
+grow with the run. Status figures come back from the replicas' info keys, or
+on several static nodes from one key per relaying node (node_info_key),
+where the node's ftrun copies its replicas' reports.
 Must never import torch (it talks to the store through RunStore), and never
 touch processes.
 """
@@ -84,7 +85,8 @@ class QuorumKeeper:
         # When each replica's info last changed (by this keeper's clock): a replica whose
         # reports stopped says nothing true about what it is doing now.
         self.info_seen: Dict[int, float] = {}
-        self._info_raw: Dict[int, bytes] = {}
+        self._info_raw: Dict[int, object] = {}  # the raw text of its own key, or the object its node relayed
+        self._relayed_raw: Dict[int, bytes] = {}  # node -> its reports key as last read
         # Since when the others have been waiting for each replica, continuously.
         self.waited_since: Dict[int, float] = {}
         # Started on a store that moved (ftrun.supervisor.failover): its first epoch takes the
@@ -118,12 +120,15 @@ class QuorumKeeper:
             s.compare_set(keys.join_key(r), "", "-1")
             s.compare_set(keys.healed_key(r), "", "-1")
             s.compare_set(keys.entered_key(r), "", "-1")
-            s.compare_set(keys.info_key(r), "", "{}")
+            if self._node_of(r) is None:
+                s.compare_set(keys.info_key(r), "", "{}")
             if r in self.local:
                 inc = self.alive.get(r)
                 s.set(keys.inc_key(r), "dead" if inc is None else str(inc))
             else:
                 s.compare_set(keys.inc_key(r), "", "0")
+        for k in self.routes.nodes if self.routes is not None else []:
+            s.compare_set(keys.node_info_key(k), "", "{}")
         # Last: followers read every rank's keys once LATEST exists. Above 0 on a store that
         # moved (ftrun.supervisor.failover): epochs go on counting from the lost store's.
         s.compare_set(keys.LATEST, "", str(self.epoch_id))
@@ -138,7 +143,7 @@ class QuorumKeeper:
         new = [r for r in ranks if r not in self.ranks]
         if self.leader and self.ready:
             s = self._s
-            for r in new:
+            for r in new:  # a late node (elastic c10d) does not relay: its replicas report here
                 s.compare_set(keys.join_key(r), "", "-1")
                 s.compare_set(keys.healed_key(r), "", "-1")
                 s.compare_set(keys.entered_key(r), "", "-1")
@@ -465,20 +470,48 @@ class QuorumKeeper:
             epoch = Epoch.from_json(s.get(keys.epoch_key(latest)))
             self.epoch_id = latest
             self.members = dict(epoch.members)
-        n = len(self.ranks)
-        vals = s.multi_get([keys.healed_key(r) for r in self.ranks] + [keys.info_key(r) for r in self.ranks])
-        self._absorb(vals[:n], vals[n:])
+        healed, infos = self._read_with_reports([keys.healed_key(r) for r in self.ranks])
+        self._absorb(healed, infos)
 
-    def _absorb(self, healed: List[bytes], infos: List[bytes]) -> None:
-        """Take in the replicas' healed incarnations and status counters."""
+    def _node_of(self, rank: int) -> Optional[int]:
+        return self.routes.node_of(rank) if self.routes is not None else None
+
+    def _read_with_reports(self, wanted: List[str]) -> Tuple[List[bytes], List[object]]:
+        """Read `wanted` and every replica's status report in one multi_get: (the values of
+        `wanted`, the reports in self.ranks order). A report is the raw text of the replica's own
+        key, or the object its node relayed (ftrun.supervisor.relay); None when its node's key
+        has not changed since the last read (nothing new from any of its replicas)."""
+        nodes = self.routes.nodes if self.routes is not None else []
+        direct = [r for r in self.ranks if self._node_of(r) is None]
+        n, d = len(wanted), len(direct)
+        vals = self._s.multi_get(wanted + [keys.info_key(r) for r in direct] + [keys.node_info_key(k) for k in nodes])
+        reports: Dict[int, object] = dict(zip(direct, vals[n:n + d]))
+        for k, raw in zip(nodes, vals[n + d:]):
+            if raw == self._relayed_raw.get(k):
+                continue
+            self._relayed_raw[k] = raw
+            try:
+                relayed = json.loads(raw)
+            except ValueError:
+                continue
+            for r in self.routes.ranks(k):
+                reports[r] = relayed.get(str(r))
+        return vals[:n], [reports.get(r) for r in self.ranks]
+
+    def _absorb(self, healed: List[bytes], infos: List[object]) -> None:
+        """Take in the replicas' healed incarnations and status counters (as _read_with_reports gives them)."""
         now = time.monotonic()
         for r, h, info in zip(self.ranks, healed, infos):
             if int(h) >= 0:
                 self.healed.add((r, int(h)))
-            if info == self._info_raw.get(r) or info == b"{}":  # "{}": no report yet (a new store)
+            # "{}": no report yet (a new store, or a worker of a relaying node that has not reported)
+            if info is None or info == self._info_raw.get(r) or info == b"{}" or info == {}:
                 continue
             self._info_raw[r] = info
             self.info_seen[r] = now
+            if isinstance(info, dict):
+                self.info[r] = info
+                continue
             try:
                 self.info[r] = json.loads(info)
             except ValueError:
@@ -493,15 +526,14 @@ class QuorumKeeper:
                 self._follow()
             return
         self._drain_events()
-        s = self._s
         top = self._top()
         if self.dead:
             self._refill(top)
         self._collect(top)
         n = len(self.ranks)
-        vals = s.multi_get([keys.join_key(r) for r in self.ranks] + [keys.healed_key(r) for r in self.ranks]
-                           + [keys.info_key(r) for r in self.ranks])
-        self._absorb(vals[n:2 * n], vals[2 * n:])
+        vals, infos = self._read_with_reports([keys.join_key(r) for r in self.ranks]
+                                              + [keys.healed_key(r) for r in self.ranks])
+        self._absorb(vals[n:], infos)
         self._unstick(time.monotonic(), top)
         asked: Dict[int, int] = {}
         for r, j in zip(self.ranks, vals[:n]):

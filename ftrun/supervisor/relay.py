@@ -1,16 +1,21 @@
-"""Node relays of the --ft vote, as the supervisors see them (protocol.node_count_key).
+"""Node relays of --ft, as the supervisors see them: votes (protocol.node_count_key) and
+status reports (protocol.node_info_key).
 
 On several static nodes a node's workers vote in their node's own store, and
-the node's last voter forwards the node's count to the run's store: the run's
-store does O(1) work per node and round, not per replica. Two pieces live here:
+the node's last voter forwards the node's count to the run's store; they
+write their status reports there too, and the node's ftrun copies them into
+one key of the run's store. The run's store does O(1) work per node, not per
+replica, for both. Two pieces live here:
 
-- `Routes` tells the quorum keeper where a vote in a member's place goes: its
-  node's store while that node relays, the run's store once the supervisor
-  declared the node lost (its store went with it).
-- `NodeRelay` keeps one node's store in order, on that node: it copies a
-  decision its forwarder could not deliver (the forwarder died after
-  forwarding), ends the members' wait for a decision after the run's store
-  moved, and deletes the keys of old rounds.
+- `Routes` tells the quorum keeper which ranks each relaying node runs: where
+  their reports are (the node's one key), and where a vote in a member's
+  place goes (its node's store while that node relays, the run's store once
+  the supervisor declared the node lost: its store went with it).
+- `NodeRelay` keeps one node's store in order, on that node: it relays the
+  node's reports to the run's store when one changed, copies a decision its
+  forwarder could not deliver (the forwarder died after forwarding), ends the
+  members' wait for a decision after the run's store moved, and deletes the
+  keys of old rounds.
 
 Must never import torch at module level (the supervisor's torch-free path
 imports it), and never decide a round: decisions are the members' and the
@@ -20,6 +25,7 @@ keeper's.
 from __future__ import annotations
 
 import datetime
+import json
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
@@ -37,6 +43,7 @@ class Routes:
     def __init__(self, nodes: Dict[int, Tuple[str, List[int]]]) -> None:
         self._addr = {k: addr for k, (addr, _) in nodes.items()}
         self._node_of = {r: k for k, (_, ranks) in nodes.items() for r in ranks}
+        self._ranks = {k: set(ranks) for k, (_, ranks) in nodes.items()}
         self._clients: Dict[int, Any] = {}
         self.lost: Set[int] = set()
 
@@ -45,7 +52,12 @@ class Routes:
         return self._node_of.get(rank)
 
     def ranks(self, node: int) -> Set[int]:
-        return {r for r, k in self._node_of.items() if k == node}
+        return self._ranks.get(node, set())
+
+    @property
+    def nodes(self) -> List[int]:
+        """The relaying nodes, lost ones too: a lost node's relayed reports are its last words."""
+        return sorted(self._ranks)
 
     def client(self, node: int) -> Optional[Any]:
         """A client of the node's store, or None once the node is lost (its store went with it)."""
@@ -94,8 +106,12 @@ def _parse(key: str, node: int) -> Optional[Tuple[str, int, int]]:
 class NodeRelay:
     """One node's relay keys, kept by that node's supervisor a few times a second."""
 
-    def __init__(self, node: int, local: Callable[[], Any], run: Callable[[], Any]) -> None:
+    def __init__(self, node: int, ranks: List[int], local: Callable[[], Any], run: Callable[[], Any]) -> None:
         self.node = node
+        self.ranks = list(ranks)  # the global ranks the node runs
+        self._info_keys = [keys.info_key(r) for r in self.ranks]
+        self._info_made = False
+        self._relayed: Optional[List[bytes]] = None  # the reports the run's store holds from this relay
         self._local = local  # the node's store client (the run's store itself on the node hosting it)
         self._run = run
         self._last = 0.0
@@ -108,12 +124,14 @@ class NodeRelay:
         will never get one (its forwarder lost the old store); its members follow the store."""
         self.lost_up_to = up_to_epoch
         self._last = 0.0
+        self._relayed = None  # the new store has none of this node's reports yet
 
     def poll(self, now: float) -> None:
         if now - self._last < UPKEEP_EVERY_S:
             return
         self._last = now
         local = self._local()
+        self._relay_reports(local)
         seen: Dict[Tuple[int, int], Set[str]] = {}
         for key in local.list_keys():
             parsed = _parse(key, self.node)
@@ -124,6 +142,32 @@ class NodeRelay:
             self._deliver(local, e, rnd)
         self._pending = pending
         self._collect(local, seen, now)
+
+    def push_reports(self) -> None:
+        """Relay the workers' reports now: their last ones, written as they exited."""
+        self._relay_reports(self._local())
+
+    def _relay_reports(self, local: Any) -> None:
+        """Copy the node's workers' --ft reports (info keys, each a JSON object the keeper tells
+        live from stale by its "beat") into the node's one key of the run's store, as written."""
+        if not self._info_made:  # a worker's first report may be far off: multi_get must not wait for it
+            for key in self._info_keys:
+                local.compare_set(key, "", "{}")
+            self._info_made = True
+        raw = local.multi_get(self._info_keys)
+        if raw == self._relayed:
+            return
+        reports = {}
+        for rank, text in zip(self.ranks, raw):
+            try:
+                reports[str(rank)] = json.loads(text)
+            except ValueError:
+                continue
+        try:
+            self._run().set(keys.node_info_key(self.node), json.dumps(reports, separators=(",", ":")))
+        except Exception:  # the run's store is going away: the next poll writes them to the one it moves to
+            return
+        self._relayed = raw
 
     def _deliver(self, local: Any, e: int, rnd: int) -> None:
         if self.lost_up_to is not None and e <= self.lost_up_to:

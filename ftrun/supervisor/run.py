@@ -39,10 +39,10 @@ from ftrun.supervisor.report import exit_reason, failure_report
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
 from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner,
                                    signal_group)
-from ftrun.supervisor.store import RunStore, open_run_store
+from ftrun.supervisor.store import STORE_TIMEOUT_S, RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import (CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, NODE_RANKS_ENV, RUN_STORE,
-                            progress_key)
+from ftrun.protocol import (CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, NODE_RANKS_ENV, NODE_STORE_ENV,
+                            RUN_STORE, progress_key)
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -164,16 +164,17 @@ class Supervisor:
             self.nodes = NodeCoordinator(cfg, self.store, self.console, lambda: self.events.put(("nodes", None)),
                                          self._signalled, self._given_standby)
         self.common = common_env(cfg, host, port, base_env())
-        self.common.pop("FTRUN_NODE_STORE", None)  # ours alone: one the user's shell had means nothing here
+        self.common.pop(NODE_STORE_ENV, None)  # ours alone: one the user's shell had means nothing here
         self.common.pop(NODE_RANKS_ENV, None)
         self.relay: Optional[NodeRelay] = None
         if cfg.ft and self.nodes is not None and self.nodes.node_store is not None:
-            # This node's own store: its workers vote through it (ftrun.supervisor.relay), and learn
-            # there the run's store's next address, should it move.
+            # This node's own store: its workers vote and report through it (ftrun.supervisor.relay),
+            # and learn there the run's store's next address, should it move.
             node_store = self.nodes.node_store
-            self.common["FTRUN_NODE_STORE"] = f"{node_store.host}:{node_store.port}"
+            self.common[NODE_STORE_ENV] = f"{node_store.host}:{node_store.port}"
             self.common[NODE_RANKS_ENV] = f"{cfg.node_rank} {cfg.node_rank * cfg.nproc} {cfg.nproc}"
-            self.relay = NodeRelay(cfg.node_rank, lambda: node_store.store, lambda: self.store.store)
+            self.relay = NodeRelay(cfg.node_rank, self._node_ranks(cfg.node_rank), lambda: node_store.store,
+                                   lambda: self.store.store)
         cwd = os.getcwd()
         self.cwd = cwd
         use_zygote = not cfg.no_python and os.environ.get("FTRUN_ZYGOTE", "1") != "0"
@@ -821,9 +822,12 @@ class Supervisor:
         if not self._store_announced:
             self._store_announced = True
             self._on_store_ready()
+        reports = self._reports_store()
+        if reports.store is None:
+            return
         keys = [progress_key(w.rank) for w in self.workers]
         try:
-            values = st.multi_get(keys)
+            values = reports.multi_get(keys)
         except Exception:
             return
         for w, raw in zip(self.workers, values):
@@ -906,13 +910,20 @@ class Supervisor:
             self.status.checkpoint = {k: info.get(k) for k in ("step", "path", "bytes", "write_s", "pause_s", "time")}
             self._dirty = True
 
+    def _reports_store(self) -> RunStore:
+        """Where this node's workers report progress: the node's own store when it relays their
+        reports (ftrun.supervisor.relay), else the run's."""
+        return self.nodes.node_store if self.relay is not None else self.store
+
     def _on_store_ready(self) -> None:
         if self.quorum is not None:
             self.quorum.on_store_ready()
         # Every progress key exists from the start, so multi_get never waits for one.
+        reports = self._reports_store()
+        reports.wait(STORE_TIMEOUT_S)  # the node's store, built alongside the run's: up by now
         for w in self.workers:
             try:
-                self.store.store.compare_set(progress_key(w.rank), "", "-1 0 0 0 0")
+                reports.store.compare_set(progress_key(w.rank), "", "-1 0 0 0 0")
             except Exception:
                 pass
 
@@ -1035,7 +1046,7 @@ class Supervisor:
     def _read_last_reports(self) -> None:
         """Take in the report each worker writes as it exits (ftrun.worker.progress), so the
         ended run's state says where every replica stopped, not where it was a beat earlier."""
-        st = self.store
+        st = self._reports_store()
         if st is None or st.store is None or not self._store_announced:
             return  # the keys were never created: a read would wait for them (for minutes)
         wanted = [progress_key(w.rank) for w in self.workers]
@@ -1065,6 +1076,11 @@ class Supervisor:
             self._begin_stop(signal.SIGKILL, 0.0, AfterStop.EXIT, code)
         while self.stopping is not None:
             self._step()
+        if self.relay is not None:
+            try:  # the workers' last reports, while the run's store is surely up: node 0 waits in leave()
+                self.relay.push_reports()
+            except Exception:
+                pass
         if self.nodes is not None:
             self.nodes.leave(code)
         for w in self.workers:

@@ -4,11 +4,16 @@ A global optimizer step hook counts steps with no change to the user's script;
 with --step-timeout, a global module forward hook and wrappers of
 torch.save/torch.load count other progress (evaluation, checkpoints), so a
 long evaluation or save is not taken for a hang. A daemon thread writes
-`incarnation steps last_step_time now pid activity` to the supervisor's store
-every HEARTBEAT_S (and at once after the first step, and once more as the
-worker exits), so the supervisor can show live health, spot a hung rank, and
-record where each worker stopped. A store error does not end the reports:
-the thread reconnects with a bounded back-off and keeps beating.
+`incarnation steps last_step_time now pid activity` (and, under --ft, the
+counters of ftrun.ft) to the supervisor's store every HEARTBEAT_S (and at
+once after the first step, and once more as the worker exits), so the
+supervisor can show live health, spot a hung rank, and record where each
+worker stopped. On a node that relays (FTRUN_NODE_STORE, several static
+nodes under --ft) that store is the node's own, which never moves: the
+node's ftrun reads the reports there and relays the --ft counters to the
+run's store in one key per node (protocol.node_info_key). A store error does
+not end the reports: the thread reconnects with a bounded back-off and keeps
+beating.
 Must never block or slow the training loop: the hooks only bump counters.
 Must never import the supervisor.
 """
@@ -25,7 +30,7 @@ import time
 import warnings
 from typing import Any, Callable, Optional
 
-from ftrun.protocol import HEARTBEAT_S, info_key, progress_key
+from ftrun.protocol import HEARTBEAT_S, info_key, progress_key, relayed_node
 
 RECONNECT_MAX_S = 1.0       # back-off cap between reconnects to the store
 RECONNECT_TIMEOUT_S = 5.0   # one connection attempt; the first one may wait for the store longer
@@ -38,8 +43,9 @@ INJECT_ENV = "FTRUN_INJECT_PROGRESS_FAIL"
 class ProgressReporter:
     """Counts optimizer steps and other progress and reports them, with a heartbeat, to the store."""
 
-    def __init__(self, host: str, port: int, rank: int, incarnation: int) -> None:
+    def __init__(self, host: str, port: int, rank: int, incarnation: int, relayed: bool = False) -> None:
         self.host, self.port = host, port
+        self.relayed = relayed  # host:port is the node's store, not the run's
         self.rank = rank
         self.incarnation = incarnation
         self.steps = 0
@@ -103,7 +109,10 @@ class ProgressReporter:
         return wrapper
 
     def move_to(self, addr: str) -> None:
-        """The run's store moved (ftrun.ft follows it): report there from now on."""
+        """The run's store moved (ftrun.ft follows it): report there from now on, unless the
+        reports go to the node's store, which stays where it is (its ftrun relays them on)."""
+        if self.relayed:
+            return
         host, _, port = addr.rpartition(":")
         self.host, self.port = host, int(port)
         self._moved = True
@@ -188,14 +197,16 @@ _reporter: Optional[ProgressReporter] = None
 
 
 def start_from_env() -> Optional[ProgressReporter]:
-    """Start reporting if this process runs under ftrun (FTRUN_STORE is set)."""
+    """Start reporting if this process runs under ftrun (FTRUN_STORE is set): to its node's
+    store when its node relays, else to the run's."""
     global _reporter
     store = os.environ.get("FTRUN_STORE")
     if not store or _reporter is not None:
         return _reporter
-    host, _, port = store.rpartition(":")
+    node = relayed_node(os.environ)
+    host, _, port = (node[3] if node is not None else store).rpartition(":")
     _reporter = ProgressReporter(host, int(port), int(os.environ.get("RANK", "0")),
-                                 int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                                 int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), relayed=node is not None)
     _reporter.start()
     return _reporter
 

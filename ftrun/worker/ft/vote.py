@@ -44,11 +44,11 @@ class Node:
     def from_env(connect: Callable[[str], Any]) -> Optional["Node"]:
         """The worker's node from the environment its ftrun set (None: it votes on the run's
         store itself, as on one node). `connect` turns "host:port" into a store client."""
-        spec = os.environ.get(keys.NODE_RANKS_ENV, "").split()
-        addr = os.environ.get("FTRUN_NODE_STORE")
-        if len(spec) != 3 or not addr or not all(p.isdigit() for p in spec):
+        relayed = keys.relayed_node(os.environ)
+        if relayed is None:
             return None
-        return Node(int(spec[0]), int(spec[1]), int(spec[2]), connect(addr))
+        node, first, count, addr = relayed
+        return Node(node, first, count, connect(addr))
 
     def size(self, members: Any) -> int:
         """How many of an epoch's members ((rank, incarnation) pairs) vote through this node."""
