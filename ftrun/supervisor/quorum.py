@@ -137,18 +137,26 @@ class QuorumKeeper:
             self.on_exit(r, k)
         self._dead_pending.clear()
 
-    def add_ranks(self, ranks: List[int]) -> None:
-        """A node joined the running run (elastic c10d): its replicas become ranks of the quorum.
-        The leader creates their keys first: every poll reads them all at once."""
+    def add_ranks(self, ranks: List[int], relay: Optional[Tuple[int, str]] = None) -> None:
+        """A node joined the running run (elastic c10d): its replicas become ranks of the quorum,
+        voting and reporting through its store when it has one (`relay`: its node and store's
+        host:port). The leader creates their keys first: every poll reads them all at once."""
         new = [r for r in ranks if r not in self.ranks]
+        if relay is not None:
+            if self.routes is None:
+                self.routes = Routes({})
+            self.routes.add(relay[0], relay[1], new)
         if self.leader and self.ready:
             s = self._s
-            for r in new:  # a late node (elastic c10d) does not relay: its replicas report here
+            for r in new:
                 s.compare_set(keys.join_key(r), "", "-1")
                 s.compare_set(keys.healed_key(r), "", "-1")
                 s.compare_set(keys.entered_key(r), "", "-1")
-                s.compare_set(keys.info_key(r), "", "{}")
+                if relay is None:
+                    s.compare_set(keys.info_key(r), "", "{}")
                 s.compare_set(keys.inc_key(r), "", "0")
+            if relay is not None:
+                s.compare_set(keys.node_info_key(relay[0]), "", "{}")
         for r in new:
             self.alive.setdefault(r, 0)
         self.ranks = sorted(self.ranks + new)

@@ -78,6 +78,7 @@ class Routes:
         """A node taken into the running run (elastic c10d): its workers vote in its store at `addr`."""
         self._addr[node] = addr
         self._node_of.update({r: node for r in ranks})
+        self._ranks.setdefault(node, set()).update(ranks)
 
     def lose(self, node: int) -> None:
         """The node is lost (the supervisor's node watch said so), its store with it: votes for

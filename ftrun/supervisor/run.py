@@ -556,11 +556,8 @@ class Supervisor:
 
     def _add_node(self, k: int) -> None:
         """Late node k's replicas become ranks of the quorum, voting through its own store."""
-        self.quorum.add_ranks(self._node_ranks(k))
-        if k in self.nodes.standby:
-            if self.quorum.routes is None:
-                self.quorum.routes = Routes({})
-            self.quorum.routes.add(k, self.nodes.standby[k], self._node_ranks(k))
+        standby = self.nodes.standby.get(k)
+        self.quorum.add_ranks(self._node_ranks(k), (k, standby) if standby else None)
 
     def _admit_waiting(self) -> None:
         """Node 0, --ft on an elastic run: late nodes take free places, first come first served,
