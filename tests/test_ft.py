@@ -415,31 +415,6 @@ def _wait_text(proc, text, timeout=60.0):
     raise AssertionError(f"never said {text!r}:\n{Path(proc.err_path).read_text()[-3000:]}")
 
 
-def test_late_node_joins_a_running_ft_run(ftrun_home, tmp_path):
-    """--ft, --nnodes 1:2, c10d: the first node trains alone; a node started later joins the running
-    run at once (no re-formation, node 0 never stops), its replica heals from a peer, and both
-    finish bitwise identical (Adam state included)."""
-    port = free_port()
-    out = tmp_path / "p"
-    procs = [_c10d_node(port, "1:2", "lj", out, 300)]
-    try:
-        _wait_replica(ftrun_home, "lj", 0, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120)
-        procs.append(_c10d_node(port, "1:2", "lj", out, 300))
-        _wait_text(procs[0], "node 1 joins the running run")
-        results = [_finish(p, 180) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for rc, _, err in results:
-        assert rc == 0, err[-3000:]
-    assert "ending round" not in results[0][2] and "restarting" not in results[0][2], results[0][2][-3000:]
-    # node 1's replica received the trained state (1.3M parameters with Adam: 16 MB) from rank 0
-    heals = _received_mb(_rank_log(ftrun_home, "lj.node1", 1))
-    assert heals and heals[-1] > 10, (heals, results[1][2][-3000:])
-    _, stats = _assert_identical(out, [0, 1])
-    assert stats["step"] == 300
-
-
 def test_a_lost_nodes_place_goes_to_a_waiting_node(ftrun_home, tmp_path):
     """--ft, --nnodes 1:2, c10d: two nodes train; a third waits for a place; node 1 is SIGKILLed
     (workers and all); node 0 carries on, then takes the waiting node in, whose replica heals and

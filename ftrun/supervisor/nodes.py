@@ -305,7 +305,7 @@ class NodeCoordinator:
     def layout_size(self) -> int:
         """The run's nodes a majority is counted from: the lost ones too (a node cut off may still
         run), but on an elastic run not the nodes that ended and said so (they never act again)."""
-        if not self.elastic:
+        if not (self.elastic and self.cfg.ft):  # without --ft every node ends a round that re-forms
             return self.nnodes
         ended = {k for k, _ in self._ended_nodes()}
         return len(self._seen - ended)

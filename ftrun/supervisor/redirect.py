@@ -4,7 +4,7 @@ A node started with the run's original line after the store moved (the pod
 at the endpoint's address restarted by its scheduler, or any node given that
 `--rdzv-endpoint`) would find nothing there, or, on the endpoint's own
 machine, host a fresh store and start a second run. The node now hosting the
-moved store therefore tries the endpoint every second; when a store answers
+moved store therefore tries the endpoint twice a second; when a store answers
 there and says it belongs to this run (``RDZV_RUN``), it writes ``RDZV_MOVED``
 = host:port of the store now. The rendezvous of a node hosting or joining at
 the endpoint reads it and joins the run where it is
@@ -23,7 +23,7 @@ import threading
 from ftrun.protocol import RDZV_MOVED, RDZV_RUN
 from ftrun.supervisor.store import wait_reachable
 
-EVERY_S = 1.0
+EVERY_S = 0.5
 OP_TIMEOUT_S = 2.0
 
 
