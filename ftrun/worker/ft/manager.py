@@ -55,6 +55,7 @@ from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
 POLL_S = 0.005
 SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
 RELOCATE_S = 120.0  # the nodes agree on a new store in seconds; a node that cannot stops its workers
+STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's store to count as up
 
 
 def _log(msg: str) -> None:
@@ -190,15 +191,21 @@ class Manager:
         os.environ["MASTER_ADDR"] = host
 
     def _store_gone(self) -> bool:
-        """Whether the run's store stopped answering (as opposed to a slow wait on a live one)."""
-        host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
-        try:
-            import socket
+        """Whether the run's store stopped answering (as opposed to a slow wait on a live one).
+        One answer is not enough: a store whose process is being killed resets its connections
+        before the kernel closes its listening socket. A live store answers every probe."""
+        import socket
 
-            with socket.create_connection((host, int(port)), timeout=2.0):
-                return False
-        except OSError:
-            return True
+        host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
+        for i in range(STORE_PROBES):
+            if i:
+                time.sleep(0.1)
+            try:
+                with socket.create_connection((host, int(port)), timeout=2.0):
+                    pass
+            except OSError:
+                return True
+        return False
 
     def _relocate(self, error: BaseException) -> None:
         """The run's store went away under a store operation (its node was lost). Wait for this
