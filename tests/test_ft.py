@@ -163,14 +163,16 @@ def test_chaos_kills_keep_replicas_identical(ftrun_home, tmp_path, failure_free)
         for i in range(6):
             victim = rng.randrange(3)
             time.sleep(rng.uniform(0.05, 0.4))
-            r = _wait_replica(ftrun_home, run_id, victim, lambda r, st: r["state"] == "running")
+            # (a pid killed already may still show in the state file until ftrun has seen it die)
+            r = _wait_replica(ftrun_home, run_id, victim, lambda r, st: r["state"] == "running" and r["pid"] not in killed)
             os.kill(r["pid"], signal.SIGKILL)
             killed.append(r["pid"])
             if i == 2:
                 # Kill a replica again while it is rejoining: once it is back, before it has
                 # taken part in a step (during its heal or right after it).
                 r = _wait_replica(ftrun_home, run_id, victim,
-                                  lambda r, st: r["restarts"] >= 1 and r["state"] in ("recovering", "running"))
+                                  lambda r, st: r["restarts"] >= 1 and r["state"] in ("recovering", "running")
+                                  and r["pid"] not in killed)
                 os.kill(r["pid"], signal.SIGKILL)
                 killed.append(r["pid"])
         rc, _, err = _finish(proc)
