@@ -194,7 +194,7 @@ def tally(total: int) -> Tally:
     return Tally(oks + abstains + fails, fails, oks)
 
 
-# Votes through a node's relay (--ft on several static nodes): a node's workers vote in their
+# Votes through a node's relay (--ft on several nodes): a node's workers vote in their
 # node's own store (its standby store, FTRUN_NODE_STORE; the run's store itself on the node
 # hosting it) and the run's store sees one vote per node and round. A member adds its vote to
 # node_count_key; the add that completes the node's count (the epoch's members on that node)

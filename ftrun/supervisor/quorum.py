@@ -20,11 +20,11 @@ restarted replica asks to join, and when a member dies. For a member that
 died it abstains in the rounds its peers may be waiting on (the two after
 the newest decided round), so those rounds close on the survivors' own votes
 and they move on without it; a round its vote closes, it decides. On several
-static nodes that vote goes through the member's node's store (the votes are
+nodes, static or elastic, that vote goes through the member's node's store (the votes are
 relayed per node, ftrun.supervisor.relay) while the node answers. It
 deletes the keys of finished rounds and old epochs, so the store does not
 grow with the run. Status figures come back from the replicas' info keys, or
-on several static nodes from one key per relaying node (node_info_key),
+on several nodes from one key per relaying node (node_info_key),
 where the node's ftrun copies its replicas' reports.
 Must never import torch (it talks to the store through RunStore), and never
 touch processes.

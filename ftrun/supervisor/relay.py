@@ -1,7 +1,7 @@
 """Node relays of --ft, as the supervisors see them: votes (protocol.node_count_key) and
 status reports (protocol.node_info_key).
 
-On several static nodes a node's workers vote in their node's own store, and
+On several nodes (static or elastic c10d) a node's workers vote in their node's own store, and
 the node's last voter forwards the node's count to the run's store; they
 write their status reports there too, and the node's ftrun copies them into
 one key of the run's store. The run's store does O(1) work per node, not per

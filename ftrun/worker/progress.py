@@ -8,7 +8,7 @@ long evaluation or save is not taken for a hang. A daemon thread writes
 counters of ftrun.ft) to the supervisor's store every HEARTBEAT_S (and at
 once after the first step, and once more as the worker exits), so the
 supervisor can show live health, spot a hung rank, and record where each
-worker stopped. On a node that relays (FTRUN_NODE_STORE, several static
+worker stopped. On a node that relays (FTRUN_NODE_STORE, several
 nodes under --ft) that store is the node's own, which never moves: the
 node's ftrun reads the reports there and relays the --ft counters to the
 run's store in one key per node (protocol.node_info_key). A store error does
