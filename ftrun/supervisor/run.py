@@ -649,6 +649,7 @@ class Supervisor:
         replica holding the newest complete step."""
         t0 = time.monotonic()
         self.console.note(f"{ev.text}; moving the run's store to a surviving node", style="bold yellow")
+        before = self.nodes.layout_size  # an elastic run counts only the new layout after the move
         try:
             elected = self.nodes.fail_over()
         except NoMajority as e:
@@ -679,7 +680,7 @@ class Supervisor:
         if self.relay is not None:  # members waiting for a decision of the old store follow the new one
             self.relay.moved(old.epoch_id + 1)
         self.console.note(f"node {elected.host} hosts the run's store now, at {elected.addr} ({len(elected.nodes)} "
-                          f"of {self.nodes.layout_size} nodes, agreed in {time.monotonic() - t0:.1f} s); the "
+                          f"of {before} nodes, agreed in {time.monotonic() - t0:.1f} s); the "
                           f"replicas keep their state and rejoin", style="bold cyan")
         self._dirty = True
 
