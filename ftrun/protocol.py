@@ -121,17 +121,21 @@ RDZV_HOST = RDZV + "host"     # "<node> <gen>": the node hosting a moved store, 
 #            (NCCL: the vote first waits for the stream at most that long). Before the
 #            round's first collective the member reads the previous round's decision
 #            (see "commit"), in the "vote" phase while it waits.
-#   vote     a member whose collectives all succeeded adds OK_VOTE to count_key(epoch,
-#            round) from a thread of its own and steps at once; one whose round failed
-#            adds FAIL_VOTE and waits for the decision. The add that completes the count
+#   vote     a round is Epoch.round_steps steps (fewer where a checkpoint or the loop's end
+#            falls: the same count on every member), one vote for them all. A member steps
+#            at once after each step whose collectives succeeded; after the round's last it
+#            adds OK_VOTE to count_key(epoch, round) from a thread of its own. One whose
+#            collective fails in the round's step P lowers kept_key to P (the steps it has
+#            taken), adds FAIL_VOTE and waits for the decision. The add that completes the count
 #            writes decision_key; a member reads it when it needs it (FTRUN_FT_VOTE_TIMEOUT,
 #            600 s). The wait ends when every member voted, or when the keeper votes in a
 #            member's place: ABSTAIN_VOTE for a dead one (every round its peers may be in),
 #            FAIL_VOTE after STUCK_S for one that reports another epoch, or that is still
 #            joining while a newer epoch is out (it will enter that one, never this).
-#   commit / discard: a member whose action (stepped or not) the decision contradicts
-#            exits and restarts as a healer (a mixed outcome, when a peer dies mid-collective
-#            or a dead member's own vote and its abstention both counted). The others switch
+#   commit / discard: a failed round keeps its first P steps, the lowest P voted. A member
+#            that took another count of the round's steps exits and restarts as a healer (a
+#            mixed outcome, when a peer dies mid-collective, or a dead member's own vote and
+#            its abstention both counted). The others switch
 #            to the decision's epoch: after a failed round at the next round (everyone who
 #            goes on waited for that decision); after a commit at the round after next (the
 #            first boundary every member reaches having read it).
@@ -172,7 +176,28 @@ def count_key(epoch: int, round_: int) -> str:
 
 
 def decision_key(epoch: int, round_: int) -> str:
-    return f"{PREFIX}d/{epoch}/{round_}"  # "commit E" / "fail E": E = the newest epoch its author had seen
+    # "commit E" / "fail E" / "fail E P": E = the newest epoch its author had seen; P = how many of
+    # the round's steps stand (kept_key), 0 when absent.
+    return f"{PREFIX}d/{epoch}/{round_}"
+
+
+# A round is up to FTRUN_FT_ROUND_STEPS steps (one vote for them all); a member whose collective
+# fails in the round's step P (counted from 0) has taken P of its steps and votes fail, after
+# lowering kept_key to P. The round's decision keeps the lowest P: its first P steps succeeded for
+# every member, so members holding exactly P steps go on and any member holding more restarts.
+def kept_key(epoch: int, round_: int) -> str:
+    return f"{PREFIX}p/{epoch}/{round_}"
+
+
+def decision_text(commit: bool, epoch: int, kept: int = 0) -> str:
+    return f"commit {epoch}" if commit else (f"fail {epoch} {kept}" if kept else f"fail {epoch}")
+
+
+def parse_decision(text: str) -> Tuple[bool, int, Optional[int]]:
+    """(commit, newest epoch its author had seen, steps kept: None for all of them)."""
+    parts = text.split()
+    commit = parts[0] == "commit"
+    return commit, int(parts[1]), None if commit else (int(parts[2]) if len(parts) > 2 else 0)
 
 
 class Tally(NamedTuple):
@@ -313,6 +338,10 @@ class Epoch:
     # first to enter writes its round into start_key, where every other member and
     # every joiner begins.
     start_round: int = -1
+    # Steps per round (one vote each round), the same for every member: a member that ended its
+    # round after a different count would wait for a decision while its peers wait for its
+    # collective. Sharded replicas and layout rounds take one step a round whatever this says.
+    round_steps: int = 1
 
     @property
     def ranks(self) -> List[int]:
@@ -323,10 +352,10 @@ class Epoch:
 
     def to_json(self) -> str:
         return json.dumps({"id": self.id, "members": [list(m) for m in self.members], "healers": list(self.healers),
-                           "fresh": self.fresh, "start_round": self.start_round})
+                           "fresh": self.fresh, "start_round": self.start_round, "round_steps": self.round_steps})
 
     @classmethod
     def from_json(cls, text) -> "Epoch":
         d = json.loads(text)
         return cls(d["id"], tuple(sorted((int(r), int(k)) for r, k in d["members"])), tuple(d.get("healers", ())),
-                   bool(d.get("fresh", False)), int(d.get("start_round", -1)))
+                   bool(d.get("fresh", False)), int(d.get("start_round", -1)), int(d.get("round_steps", 1)))

@@ -224,6 +224,43 @@ def test_a_round_whose_closer_died_is_decided_by_its_votes(keeper):
     assert keeper._s.get(keys.decision_key(1, 5)).decode() == "commit 2"
 
 
+def test_a_failed_round_keeps_the_steps_every_member_took(keeper):
+    """Rounds are several steps, one vote each. A member dies in round 5's third step (index 2):
+    rank 1's collective of that step fails (it took 2 steps), rank 2's went through and its next
+    one fails (it took 3). Both vote fail from threads at once, each lowering the round's kept
+    count first; the keeper abstains for the dead. The decision keeps 2 steps: rank 1 goes on,
+    rank 2, one step past them, restarts and heals."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    keeper._s.set(keys.TOP, "4")
+    host, port = "127.0.0.1", keeper._s.port
+    out = {}
+
+    def member(rank: int, taken: int) -> None:
+        own = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=10))
+        out[rank] = vote.cast(own, 1, 5, 3, False, 1, taken=taken)
+
+    threads = [threading.Thread(target=member, args=(r, t)) for r, t in ((2, 3), (1, 2))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while keys.tally(keeper._s.add(keys.count_key(1, 5), 0)).votes < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    keeper.on_exit(0, 0)  # its abstention closes the round: the keeper decides it
+    for t in threads:
+        t.join(10)
+    assert keeper._s.get(keys.decision_key(1, 5)).decode() == "fail 2 2"
+    assert out[1] == (False, 2, False, 2) and out[2] == (False, 2, False, 2)
+    # A member's vote that closes a failed round writes the same: lowest count, newest epoch it saw.
+    keeper._s.set(keys.kept_key(1, 9), "7")
+    vote.lower_kept(keeper._s, 1, 9, 9)
+    vote.lower_kept(keeper._s, 1, 9, 4)
+    keeper._s.add(keys.count_key(1, 9), 2 * keys.OK_VOTE)
+    assert vote.cast(keeper._s, 1, 9, 3, False, 3, taken=5) == (False, 3, True, 4)
+    assert keys.parse_decision("fail 3") == (False, 3, 0) and keys.parse_decision("commit 3") == (True, 3, None)
+
+
 def test_tally_reads_each_kind_of_vote():
     total = 3 * keys.OK_VOTE + 2 * keys.ABSTAIN_VOTE + keys.FAIL_VOTE
     assert keys.tally(total) == (6, 1, 3) and not keys.tally(total).commit

@@ -110,6 +110,11 @@ class Manager:
         self.group_round = -1   # the round at which the current group was built
         self.round = 0
         self.step = 0
+        # A round is up to epoch.round_steps steps; `round_len` is this round's, fixed at its top
+        # from what every member knows alike (the epoch, the step, the total, the checkpoint
+        # schedule), and `taken` how many of them this member has stepped.
+        self.round_len = 1
+        self.taken = 0
         self.in_sync = False
         self.round_ok = True
         self.latest_seen = 0
@@ -246,6 +251,7 @@ class Manager:
         self.layout_round = False
         self._waiting_round = None
         self._save_due = False
+        self.taken = 0
         self._heal_written = None
         self.round_ok = True
         self.store.set(keys.survivor_key(self.rank), json.dumps(
@@ -364,6 +370,10 @@ class Manager:
 
     def _start_round(self) -> None:
         self._settle(block=False)
+        if self.taken:  # inside a round of several steps: nothing happens between them
+            self.round_ok = self.round_ok and self.in_sync
+            self._set_phase("compute")
+            return
         if self._ballot.round is not None and (self._save_due or self._due_switch() is not None
                                                or (self.total is not None and self.step >= self.total)):
             # A checkpoint, a switch (whose heal sends this state) and the end of the loop all
@@ -379,8 +389,23 @@ class Manager:
             target = self._due_switch()
             if target is not None:
                 self._switch(target)
+        self.round_len = self._round_length()
         self.round_ok = self.round_ok and self.in_sync
         self._set_phase("compute")
+
+    def _round_length(self) -> int:
+        """Steps in the round starting now: the epoch's round_steps, ending early where a
+        checkpoint or the end of the loop needs the step decided. The same on every member."""
+        if self.epoch is None or self.k > 1 or self.layout_round:
+            return 1
+        n = max(1, self.epoch.round_steps)
+        if self.total is not None:
+            n = max(1, min(n, self.total - self.step))
+        if self.checkpoints is not None:
+            for s in range(self.step + 1, self.step + n):
+                if self.checkpoints.due(s, self.total):
+                    return s - self.step
+        return n
 
     def _due_switch(self) -> Optional[int]:
         """The epoch to switch to (or to rebuild the group of) at the top of this round, if any."""
@@ -409,10 +434,13 @@ class Manager:
             self._relocate(e)
 
     def vote(self) -> bool:
-        """Vote on the current round; True if this member steps (the caller steps at once).
+        """This step's part of the round; True if this member steps (the caller steps at once).
 
-        A member whose collectives all succeeded steps without waiting: its ok vote goes to the
-        store from a thread and the decision is read during the next round (`_settle`). An
+        A round is several steps (Epoch.round_steps) and one vote. A member whose collectives
+        all succeeded steps without waiting; after the round's last step its ok vote goes to
+        the store from a thread and the decision is read during the next round (`_settle`). A
+        member whose collective failed votes at once, saying how many of the round's steps it
+        took; the round keeps the fewest any member took (protocol.kept_key). An
         all-reduce that completed for one member had every member's part, so as a rule it
         completed for all and the decision is commit; where a member's action and the decision
         disagree (a rare mixed outcome as a peer dies mid-collective), that member restarts and
@@ -452,9 +480,11 @@ class Manager:
         self._settle()  # the previous round first: a member it contradicts restarts here
         ok = self.round_ok and self.in_sync and self.pg is not None
         if ok and self.k == 1:
-            self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
-                                self._node_size())
-            self._advance(True, self.epoch.id)
+            self._took_step()
+            if self.taken >= self.round_len:
+                self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
+                                    self._node_size())
+                self._end_round(True, self.epoch.id)
             return True
         # A sharded replica (--replica-size > 1) waits for the decision even when its collectives
         # went through: its shards may disagree (one shard group's collective completed, its
@@ -464,14 +494,19 @@ class Manager:
         if not ok and self.pg is not None:
             self._drop_group()
         t0 = time.monotonic()
-        commit, target, _ = vote.cast(self.store, self.epoch.id, self.round, len(self.epoch.members), ok,
-                                      self.latest_seen, self.node, self._node_size())
+        commit, target, _, kept = vote.cast(self.store, self.epoch.id, self.round, len(self.epoch.members), ok,
+                                            self.latest_seen, self.node, self._node_size(), self.taken)
         if time.monotonic() - t0 > SLOW_S:
             _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {self.round}")
         if commit and not ok:  # possible only when a dead member's own vote and its abstention both counted
             self._restart(f"round {self.round} was committed by its other members while this member's "
                           f"collectives had failed")
-        self._advance(commit, target)
+        if not commit and kept != self.taken:  # a peer's collective failed earlier in the round than ours
+            self._restart(f"round {self.round} keeps its first {kept} steps while this member had taken "
+                          f"{self.taken}")
+        if commit:  # a sharded replica's one-step round
+            self._took_step()
+        self._end_round(commit, target)
         if commit:  # every member read this decision before stepping: they all switch at the next round
             self._note_target(target, self.round)
         elif ok:
@@ -486,11 +521,19 @@ class Manager:
             self._node_count = (self.epoch.id, self.node.size(self.epoch.members))
         return self._node_count[1]
 
-    def _advance(self, commit: bool, target: int) -> None:
+    def _took_step(self) -> None:
+        """This member steps (its collectives of this step went through): counted at once."""
+        self.step += 1
+        self.taken += 1
+        self.committed += 1
+        if self._progress is not None:
+            self._progress.note_step(self.step)
+        self._set_phase("commit")
+
+    def _end_round(self, commit: bool, target: int) -> None:
         self.round += 1
+        self.taken = 0
         if commit:
-            self.step += 1
-            self.committed += 1
             self.failed_in_row = 0
             self._last_failure = None
             # The same on every worker of a replica (all of them stepped).
@@ -507,9 +550,9 @@ class Manager:
             # Every member that goes on from a failed round voted it down and waited for its
             # decision: they all switch at the next round.
             self._note_target(target, self.round)
+            if self._progress is not None:
+                self._progress.note_step(self.step)
         self.round_ok = True
-        if self._progress is not None:
-            self._progress.note_step(self.step)
         self._set_phase("commit" if commit else "discard")
 
     def _note_target(self, target: int, at_round: int) -> None:
@@ -533,7 +576,7 @@ class Manager:
             self._set_phase("vote")
         t0 = time.monotonic()
         try:
-            commit, target, _ = ballot.result()
+            commit, target, _, _ = ballot.result()
         finally:
             if waiting:
                 self._waiting_round = None

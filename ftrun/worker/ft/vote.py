@@ -26,7 +26,9 @@ from typing import Any, Callable, Optional, Tuple
 
 from ftrun import protocol as keys
 
-Decision = Tuple[bool, int, bool]  # (commit, the newest epoch its author had seen, whether this vote closed it)
+# (commit, the newest epoch its author had seen, whether this vote closed it, the steps of the
+# round that stand: None for all of them; see protocol.kept_key)
+Decision = Tuple[bool, int, bool, Optional[int]]
 
 
 class StoreLost(Exception):
@@ -66,17 +68,35 @@ def _close_or_read(store: Any, total: int, epoch: int, rnd: int, size: int, late
     if t.votes == size:
         # compare_set, not set: if this process had died right after its add, the supervisor
         # would have closed the round; whichever decision is written first is the one.
-        mine = f"{'commit' if t.commit else 'fail'} {latest_seen}"
+        mine = keys.decision_text(t.commit, latest_seen, 0 if t.commit else read_kept(store, epoch, rnd))
         decision = _text(store.compare_set(keys.decision_key(epoch, rnd), "", mine))
         store.set(keys.TOP, str(rnd))
         return decision, True
     return _text(store.get(keys.decision_key(epoch, rnd))), False
 
 
+def lower_kept(store: Any, epoch: int, rnd: int, taken: int) -> None:
+    """Lower the round's kept count to `taken` (a failed member's steps in it), before the vote:
+    compare_set in a loop, so concurrent failed members leave the lowest of their counts."""
+    key, want = keys.kept_key(epoch, rnd), str(taken)
+    current = _text(store.compare_set(key, "", want))
+    while int(current) > taken:
+        current = _text(store.compare_set(key, current, want))
+
+
+def read_kept(store: Any, epoch: int, rnd: int) -> int:
+    """The steps of a failed round that stand: none unless a failed member said otherwise."""
+    key = keys.kept_key(epoch, rnd)
+    return int(_text(store.get(key))) if store.check([key]) else 0
+
+
 def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int,
-         node: Optional[Node] = None, node_size: int = 0) -> Decision:
+         node: Optional[Node] = None, node_size: int = 0, taken: int = 0) -> Decision:
     """Vote on round `rnd` of `epoch` (of `size` members) and wait for its decision; through
-    `node` (of whose members `node_size` are in the epoch) when the member has one."""
+    `node` (of whose members `node_size` are in the epoch) when the member has one. A failed
+    member says how many of the round's steps it had `taken` (in the run's store, before its vote)."""
+    if not ok:
+        lower_kept(store, epoch, rnd, taken)
     vote = keys.OK_VOTE if ok else keys.FAIL_VOTE
     if node is None:
         decision, closed = _close_or_read(store, store.add(keys.count_key(epoch, rnd), vote), epoch, rnd, size,
@@ -90,8 +110,8 @@ def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int
             decision, closed = _text(local.get(keys.node_decision_key(node.id, epoch, rnd))), False
             if decision == keys.NODE_LOST_DECISION:
                 raise StoreLost(f"the run's store moved while round {rnd} of epoch {epoch} was being decided")
-    what, target = decision.split()
-    return what == "commit", int(target), closed
+    commit, target, kept = keys.parse_decision(decision)
+    return commit, target, closed, kept
 
 
 def forward(store: Any, local: Any, node: int, epoch: int, rnd: int, size: int, total: int,
