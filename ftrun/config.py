@@ -29,6 +29,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from ftrun.errors import ConfigError
 from ftrun.hookspec import HookSpec, parse_hook
 from ftrun.options import OPTIONS, NPROC_WORDS, OptionError, pet_values
+from ftrun.protocol import round_steps_from_env
 
 __all__ = ["OPTIONS", "RunConfig", "build_config", "validate", "closest"]
 
@@ -394,6 +395,9 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
         if not ok:
             raise ConfigError(f"environment: FTRUN_NODE_TIMEOUT={raw!r} is not a number of seconds between 0.5 and "
                               f"3600; fix it or unset FTRUN_NODE_TIMEOUT (default 3)")
+    _, bad_round = round_steps_from_env(os.environ)
+    if bad_round and cfg.ft:
+        raise ConfigError(f"environment: {bad_round}")
     moves = os.environ.get("FTRUN_STORE_MOVES")
     if moves is not None and moves not in ("0", "1"):
         raise ConfigError(f"environment: FTRUN_STORE_MOVES={moves!r} must be 0 or 1 (1, the default: the run's "

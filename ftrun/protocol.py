@@ -185,6 +185,24 @@ def decision_key(epoch: int, round_: int) -> str:
 # fails in the round's step P (counted from 0) has taken P of its steps and votes fail, after
 # lowering kept_key to P. The round's decision keeps the lowest P: its first P steps succeeded for
 # every member, so members holding exactly P steps go on and any member holding more restarts.
+# Steps per round, read by the keeper and published in every epoch: one vote, and one store
+# round trip per member, for this many steps. Eight keep a 7 ms step's vote under 1% of it and a
+# join or a switch within a few rounds; a failure costs no more steps than with one (kept_key).
+ROUND_STEPS = 8
+ROUND_STEPS_ENV = "FTRUN_FT_ROUND_STEPS"
+
+
+def round_steps_from_env(env: Mapping[str, str]) -> Tuple[int, Optional[str]]:
+    """(steps per round, a line saying why the environment's value was not taken, or None)."""
+    raw = env.get(ROUND_STEPS_ENV)
+    if raw is None:
+        return ROUND_STEPS, None
+    if raw.strip().isdigit() and 1 <= int(raw) <= 1024:
+        return int(raw), None
+    return ROUND_STEPS, (f"{ROUND_STEPS_ENV}={raw!r} is not a whole number of steps from 1 to 1024; fix it or "
+                         f"unset {ROUND_STEPS_ENV} (default {ROUND_STEPS})")
+
+
 def kept_key(epoch: int, round_: int) -> str:
     return f"{PREFIX}p/{epoch}/{round_}"
 

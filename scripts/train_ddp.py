@@ -66,10 +66,12 @@ def main() -> None:
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1))
     announced = not args.announce
     for step in range(start, args.steps):
-        g = torch.Generator().manual_seed(step * world + rank)
-        x = torch.randn(args.batch, args.dim, generator=g)
-        y = x @ true_w + 0.01 * torch.randn(args.batch, 1, generator=g)
-        x, y = x.to(device), y.to(device)
+        # The step's global batch, of which this rank takes its share: the same work per step as
+        # scripts/train_ft.py, whose share follows the replicas taking part (the benchmarks compare them).
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(args.batch * world, args.dim, generator=g)
+        y = x @ true_w + 0.01 * torch.randn(args.batch * world, 1, generator=g)
+        x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

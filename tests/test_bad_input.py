@@ -124,6 +124,13 @@ def test_numbers_and_names_from_the_environment(ftrun_home, var, value, needle):
     _nothing_started(ftrun_home)
 
 
+@pytest.mark.parametrize("value", ["0", "abc", "1e9", "2000"])
+def test_steps_per_ft_round_from_the_environment(ftrun_home, value):
+    _assert_bad(run_ftrun(["--ft", TRAIN], timeout=30, env={"FTRUN_FT_ROUND_STEPS": value}),
+                f"FTRUN_FT_ROUND_STEPS={value!r} is not a whole number of steps from 1 to 1024")
+    _nothing_started(ftrun_home)
+
+
 # --------------------------------------------------------------------------- 2. paths ftrun must write
 def test_paths_ftrun_must_write(ftrun_home, tmp_path):
     a_file = tmp_path / "a_file"

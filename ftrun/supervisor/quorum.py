@@ -49,23 +49,6 @@ COLLECT_EVERY_S = 0.25  # one list_keys per status report: a few dozen keys of r
 ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
 INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
 STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another epoch
-# Steps per round, published in every epoch: one vote, and one store round trip per member, for
-# this many steps. Eight keep a 7 ms step's vote cost under 1% and a join or a switch within a
-# few rounds; a failure costs no more steps than with one (protocol.kept_key).
-ROUND_STEPS = 8
-ROUND_STEPS_ENV = "FTRUN_FT_ROUND_STEPS"
-
-
-def round_steps_from_env() -> Tuple[int, Optional[str]]:
-    """(steps per round, a line saying why the environment's value was not taken, or None)."""
-    raw = os.environ.get(ROUND_STEPS_ENV)
-    if raw is None:
-        return ROUND_STEPS, None
-    if raw.strip().isdigit() and 1 <= int(raw) <= 1024:
-        return int(raw), None
-    return ROUND_STEPS, f"{ROUND_STEPS_ENV}={raw!r} is not a whole number from 1 to 1024; using {ROUND_STEPS}"
-
-
 class QuorumKeeper:
     def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True,
                  replica_size: int = 1, routes: Optional[Routes] = None) -> None:
@@ -87,7 +70,7 @@ class QuorumKeeper:
         self.pending_since: Optional[float] = None  # the first join of the epoch being formed
         self.ready = False
         self.history: List[str] = []
-        self.round_steps, why = round_steps_from_env()
+        self.round_steps, why = keys.round_steps_from_env(os.environ)
         if why:
             self.history.append(why)
         self._dead_pending: List[Tuple[int, int]] = []
