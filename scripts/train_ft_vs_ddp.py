@@ -1,17 +1,20 @@
-"""Failure-free cost of --ft: the same model trained by plain torch DDP and by ftrun.ft, in turn.
+"""Failure-free cost of --ft: the same model trained by plain torch DDP and by ftrun.ft, side by side.
 
 Run under `ftrun --nproc N --ft` (scripts/bench_ft_overhead.py does). Each
 worker builds three identical models: one wrapped in torch's DDP over the
 default gloo group (init_process_group), one the same with torch's own
 Python allreduce comm hook (default_hooks.allreduce_hook: what any hook
 written in Python costs against DDP's built-in C++ one), one wrapped with
-ftrun.ft, and steps them in turn (ABCABC...), so all see the same machine at
-the same moments. Prints one JSON line per worker: the median and mean step
+ftrun.ft, and steps each once a step, in a random order (the same on every
+worker), so all see the same machine at the same moments and background work
+one arm leaves running (ftrun.ft's vote thread) is not always counted in the
+arm after it. Prints one JSON line per worker: the median and mean step
 times of each.
 """
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -59,37 +62,38 @@ def main() -> None:
         return x.chunk(n)[i], y.chunk(n)[i]
 
     times = {"ddp": [], "pyhook": [], "ft": []}
+    arms = {"ddp": (plain, plain_opt), "pyhook": (pyhook, pyhook_opt)}
+    # The arms run in a new random order every step, the same on every worker (they must meet in
+    # the same collectives): work an arm leaves running in the background (ftrun.ft's vote
+    # thread) then lands in a random arm, not always in the arm after it, and no arm always
+    # follows another.
+    order = random.Random(0)
     it = iter(ft.steps(args.steps))
     for k in range(args.steps):
         x, y = batch(k, rank, world)
-        t0 = time.perf_counter()
-        loss = nn.functional.mse_loss(plain(x), y)
-        plain_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        plain_opt.step()
-        tp = time.perf_counter()
-        loss = nn.functional.mse_loss(pyhook(x), y)
-        pyhook_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        pyhook_opt.step()
-        t1 = time.perf_counter()
-        step = next(it, None)
-        if step is None:
-            break
-        where = (ft.replica_index(), ft.num_replicas())
-        # Making the batch is the script's work, not ftrun's: left out, as for the DDP arms.
-        tb = time.perf_counter()
-        x, y = batch(step, *where)
-        made = time.perf_counter() - tb
-        loss = nn.functional.mse_loss(ftm(x), y)
-        ft_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        ft_opt.step()
-        t2 = time.perf_counter()
-        if k >= args.warmup:
-            times["ddp"].append(tp - t0)
-            times["pyhook"].append(t1 - tp)
-            times["ft"].append(t2 - t1 - made)
+        for arm in order.sample(list(times), len(times)):
+            t0 = time.perf_counter()
+            if arm != "ft":
+                model, opt = arms[arm]
+                loss = nn.functional.mse_loss(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                took = time.perf_counter() - t0
+            else:
+                step = next(it)
+                if (step, ft.replica_index(), ft.num_replicas()) != (k, rank, world):
+                    # Nothing fails here: the step's batch is the DDP arms' one, made before any arm
+                    # is timed (making it is the script's work, not ftrun's).
+                    raise SystemExit(f"train_ft_vs_ddp: ftrun.ft is at step {step} with {ft.num_replicas()} "
+                                     f"replicas at step {k}: a round failed, and the timings mean nothing")
+                loss = nn.functional.mse_loss(ftm(x), y)
+                ft_opt.zero_grad(set_to_none=True)
+                loss.backward()
+                ft_opt.step()
+                took = time.perf_counter() - t0
+            if k >= args.warmup:
+                times[arm].append(took)
     out = {"rank": rank, **{f"{k}_median_ms": 1e3 * statistics.median(v) for k, v in times.items()},
            **{f"{k}_mean_ms": 1e3 * statistics.mean(v) for k, v in times.items()}, "steps": len(times["ft"])}
     print("[result] " + json.dumps(out), flush=True)
