@@ -181,10 +181,6 @@ def decision_key(epoch: int, round_: int) -> str:
     return f"{PREFIX}d/{epoch}/{round_}"
 
 
-# A round is up to FTRUN_FT_ROUND_STEPS steps (one vote for them all); a member whose collective
-# fails in the round's step P (counted from 0) has taken P of its steps and votes fail, after
-# lowering kept_key to P. The round's decision keeps the lowest P: its first P steps succeeded for
-# every member, so members holding exactly P steps go on and any member holding more restarts.
 # Steps per round, read by the keeper and published in every epoch: one vote, and one store
 # round trip per member, for this many steps. Eight keep a 7 ms step's vote under 1% of it and a
 # join or a switch within a few rounds; a failure costs no more steps than with one (kept_key).
@@ -203,8 +199,18 @@ def round_steps_from_env(env: Mapping[str, str]) -> Tuple[int, Optional[str]]:
                          f"unset {ROUND_STEPS_ENV} (default {ROUND_STEPS})")
 
 
+# A round is up to FTRUN_FT_ROUND_STEPS steps (one vote for them all); a member whose collective
+# fails in the round's step P (counted from 0) has taken P of its steps and votes fail, after
+# lowering kept_key to P. The round's decision keeps the lowest P: its first P steps succeeded for
+# every member, so members holding exactly P steps go on and any member holding more restarts.
 def kept_key(epoch: int, round_: int) -> str:
     return f"{PREFIX}p/{epoch}/{round_}"
+
+
+def read_kept(store, epoch: int, rnd: int) -> int:
+    """The steps of a failed round that stand: none unless a failed member said otherwise."""
+    key = kept_key(epoch, rnd)
+    return int(store.get(key)) if store.check([key]) else 0
 
 
 def decision_text(commit: bool, epoch: int, kept: int = 0) -> str:

@@ -49,6 +49,8 @@ COLLECT_EVERY_S = 0.25  # one list_keys per status report: a few dozen keys of r
 ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
 INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
 STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another epoch
+
+
 class QuorumKeeper:
     def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True,
                  replica_size: int = 1, routes: Optional[Routes] = None) -> None:
@@ -305,9 +307,7 @@ class QuorumKeeper:
 
     def _decide(self, e: int, rnd: int, top: int, commit: bool) -> None:
         s = self._s
-        kept = 0
-        if not commit and s.check([keys.kept_key(e, rnd)]):
-            kept = int(s.get(keys.kept_key(e, rnd)))
+        kept = 0 if commit else keys.read_kept(s, e, rnd)
         s.compare_set(keys.decision_key(e, rnd), "", keys.decision_text(commit, self.epoch_id, kept))
         if rnd > top:
             s.set(keys.TOP, str(rnd))

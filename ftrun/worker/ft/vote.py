@@ -68,7 +68,7 @@ def _close_or_read(store: Any, total: int, epoch: int, rnd: int, size: int, late
     if t.votes == size:
         # compare_set, not set: if this process had died right after its add, the supervisor
         # would have closed the round; whichever decision is written first is the one.
-        mine = keys.decision_text(t.commit, latest_seen, 0 if t.commit else read_kept(store, epoch, rnd))
+        mine = keys.decision_text(t.commit, latest_seen, 0 if t.commit else keys.read_kept(store, epoch, rnd))
         decision = _text(store.compare_set(keys.decision_key(epoch, rnd), "", mine))
         store.set(keys.TOP, str(rnd))
         return decision, True
@@ -82,12 +82,6 @@ def lower_kept(store: Any, epoch: int, rnd: int, taken: int) -> None:
     current = _text(store.compare_set(key, "", want))
     while int(current) > taken:
         current = _text(store.compare_set(key, current, want))
-
-
-def read_kept(store: Any, epoch: int, rnd: int) -> int:
-    """The steps of a failed round that stand: none unless a failed member said otherwise."""
-    key = keys.kept_key(epoch, rnd)
-    return int(_text(store.get(key))) if store.check([key]) else 0
 
 
 def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int,
