@@ -1,6 +1,6 @@
 """Failure-free cost of --ft: plain torch DDP and ftrun.ft on the same model, in the same workers.
 
-    .venv/bin/python scripts/bench_ft_overhead.py              # tiny and 6.3M-parameter models, 3 runs each
+    .venv/bin/python scripts/bench_ft_overhead.py              # tiny and 2.1M-parameter AdamW models, 3 runs each
     .venv/bin/python scripts/bench_ft_overhead.py --runs 1
 
 Each run is `ftrun --nproc 3 --ft scripts/train_ft_vs_ddp.py`: every worker
@@ -28,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {
     "tiny (0.26M params, the chaos model)": ["--dim", "256", "--hidden", "1024", "--steps", "600"],
-    "6.3M params": ["--dim", "1024", "--hidden", "2048", "--depth", "2", "--steps", "120", "--warmup", "10"],
+    "2.1M params, AdamW (the issue's size)": ["--dim", "1024", "--hidden", "2048", "--depth", "1", "--optim", "adamw",
+                                               "--steps", "200", "--warmup", "20"],
 }
 
 

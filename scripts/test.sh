@@ -22,4 +22,5 @@ if [ "${FTRUN_SKIP_LIGHTNING:-0}" != "1" ] && ! .venv/bin/python -c "import ligh
     echo "test: lightning not installable here ($(tail -n 1 /tmp/ftrun-pip-lightning.log)); its test will be skipped"
   fi
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider tests ${args[@]+"${args[@]}"}
+# The slowest tests are listed at the end: the suite must stay within about 15 minutes on 2 cores.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests ${args[@]+"${args[@]}"}

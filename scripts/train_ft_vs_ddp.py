@@ -42,17 +42,23 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=96)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--optim", choices=["sgd", "adamw"], default="sgd", help="SGD with momentum 0.9, or AdamW")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    def optimizer(params):
+        if args.optim == "adamw":
+            return torch.optim.AdamW(params, lr=1e-3)
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
     plain = nn.parallel.DistributedDataParallel(build(args.dim, args.hidden, args.depth))
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+    plain_opt = optimizer(plain.parameters())
     pyhook = nn.parallel.DistributedDataParallel(build(args.dim, args.hidden, args.depth))
     pyhook.register_comm_hook(None, default_hooks.allreduce_hook)
-    pyhook_opt = torch.optim.SGD(pyhook.parameters(), lr=0.01, momentum=0.9)
+    pyhook_opt = optimizer(pyhook.parameters())
     ftm = ft.DistributedDataParallel(build(args.dim, args.hidden, args.depth))
-    ft_opt = ft.Optimizer(torch.optim.SGD(ftm.parameters(), lr=0.01, momentum=0.9))
+    ft_opt = ft.Optimizer(optimizer(ftm.parameters()))
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1)) / args.dim ** 0.5
 
     def batch(step: int, i: int, n: int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,12 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 FTRUN = [sys.executable, "-m", "ftrun"]
+
+# A suite started in the background of a non-interactive shell (`cmd &`) inherits SIGINT
+# ignored, and so would every process it starts: the tests that stop ftrun with Ctrl-C's
+# signal would wait in vain. A handler here is reset to the default in each child at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
