@@ -262,8 +262,12 @@ def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
         _wait_text(procs[0], "epoch 1: 3 replicas", 120)
         _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
         procs.append(_c10d_start(port, "3:4", "cj", out, 160))
-        for p in procs[1:3]:  # every survivor counts the newcomer before the host goes
+        for p in procs[1:4]:  # the newcomer has joined, and every survivor counts it, before the host goes...
             _wait_text(p, "joined the running run", 60)
+        # ...and node 1 has seen it beat (its table comes with its beats): a node that loses the store
+        # before it has finished joining stops, and the others no longer count it (nodes.layout_size;
+        # test_late_node_that_loses_the_store_mid_join_is_not_counted)
+        _wait_replica(ftrun_home, "cj.node1", 3, lambda r, st: True, 30)
         r = _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: True, 10)
         _kill_tree(procs[0])
         killed_at, step_at_kill = time.time(), r["step"]
@@ -287,3 +291,40 @@ def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
     _, stats = _assert_identical(out, [1, 2, 3, 4])
     assert stats["step"] == 160
     print(f"c10d: committing again {resumed_s:.1f} s after the store host was killed as node 3 joined")
+
+
+def test_late_node_that_loses_the_store_mid_join_is_not_counted(ftrun_home, tmp_path):
+    """--ft, --nnodes 3:4 over c10d: node 0 takes a fourth node in, and is SIGKILLed, store and all,
+    while that node is still joining (held there by fault injection: taken in, no beat yet). It
+    cannot take part in the move and stops; nodes 1 and 2 do not count it in the majority (2 of the
+    3 nodes that ever beat, not 2 of 4), so they move the store and finish identical, where before
+    both stopped with exit 200."""
+    from test_ft import _c10d_node, _c10d_start, _wait_text
+
+    port, out, gate = free_port(), tmp_path / "p", tmp_path / "go-on-joining"
+    procs = [_c10d_node(port, "3:4", "mj", out, 100)]
+    try:
+        procs += [_c10d_start(port, "3:4", "mj", out, 100) for _ in range(2)]
+        _wait_replica(ftrun_home, "mj.node1", 1, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120)
+        procs.append(start_ftrun(["--nnodes", "3:4", "--nproc-per-node", 1, "--rdzv-backend", "c10d",
+                                  "--rdzv-endpoint", f"localhost:{port}", "--rdzv-conf", "last_call_timeout=0.5",
+                                  "--ft", "--run-id", "mj", TRAIN, "--steps", 100, "--step-sleep", 0.02,
+                                  "--out", out, *MID],
+                                 env={"FTRUN_NODE_TIMEOUT": "2", "FTRUN_INJECT_JOIN_HOLD": str(gate)}))
+        for p in procs[1:3]:  # both survivors know of the newcomer: it is in the run's node list
+            _wait_text(p, "joined the running run", 60)
+        _kill_tree(procs[0])
+        gate.write_text("")  # the newcomer goes on joining, on a store that is gone
+        results = {k: _finish(procs[k], 180) for k in (1, 2, 3)}
+    finally:
+        for p in procs:
+            p.kill()
+    for k in (1, 2):
+        rc, _, err = results[k]
+        assert rc == 0, (k, "\n".join(line for line in err.splitlines() if not line.startswith("[rank"))[-4000:])
+        assert "node 1 hosts the run's store now, at" in err and "(2 of 3 nodes" in err, err[-3000:]
+    rc, _, err = results[3]
+    assert rc != 0 and "Traceback" not in err, err[-3000:]
+    assert "lost node 0's store" in err and "while joining" in err, err[-3000:]
+    _, stats = _assert_identical(out, [1, 2])
+    assert stats["step"] == 100

@@ -32,7 +32,9 @@ agree on is a key under ``ftrun/nodes/``:
   late nodes in); majority_kept() says whether the host may go on after
   losing nodes. Majorities count the run's nodes (layout_size): a static
   layout's, or on an elastic run every node taken in on this store but those
-  that ended and said so. Under c10d without --ft the rendezvous keeps each node's
+  that ended and said so, and late nodes never seen to beat (they lose the
+  store before their first beat mid-join and stop: counting them would leave
+  the others short of a majority they hold). Under c10d without --ft the rendezvous keeps each node's
   standby store across rounds and moves the store between two rounds; a
   round only publishes it here and says whether a move may follow
   (may_move_between_rounds()).
@@ -57,7 +59,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from ftrun.protocol import RDZV, RDZV_HOST, NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.status.state import ReplicaStatus
@@ -86,6 +88,9 @@ NODE_LOST = 1
 REQUEUE = 200
 
 KEYS = NodeKeys()
+# Fault injection for tests: a late node holds here, taken in but not yet joined (no beat),
+# until this file exists (at most a minute).
+INJECT_JOIN_HOLD_ENV = "FTRUN_INJECT_JOIN_HOLD"
 
 
 def use_round(n: int) -> None:
@@ -182,6 +187,8 @@ class _Watch(threading.Thread):
                     if beat != last_value.get(k):
                         last_value[k] = beat
                         last_change[k] = now
+                        if beat and beat != b"0":  # its first beat: a late node has finished joining
+                            c.beaten.add(k)
                     self.silent_s[k] = now - last_change[k]
                     try:
                         self.tables[k] = json.loads(table_raw or b"[]")
@@ -286,6 +293,10 @@ class NodeCoordinator:
         # The run's nodes on this store, the lost included: majorities count them all. A static
         # layout has its nnodes; an elastic one also counts every node taken in since (_seen).
         self._seen = set(self.live)
+        # Late nodes taken in (elastic) and the nodes seen to beat: a late node counts in majorities
+        # once it has beaten, i.e. finished its join (see layout_size).
+        self._late: Set[int] = set()
+        self.beaten: Set[int] = set()
         self.elastic = cfg.rdzv == "c10d"
         self.can_move = bool(cfg.ft and (self.elastic or cfg.nnodes >= 3))
         self.standby: Dict[int, str] = {}
@@ -304,11 +315,15 @@ class NodeCoordinator:
     @property
     def layout_size(self) -> int:
         """The run's nodes a majority is counted from: the lost ones too (a node cut off may still
-        run), but on an elastic run not the nodes that ended and said so (they never act again)."""
+        run), but on an elastic run not the nodes that ended and said so (they never act again),
+        nor late nodes never seen to beat. Such a node lost the store before it finished joining
+        and stops; it can take part in no move, and counting it could leave the nodes that remain
+        short of a majority they hold. Sides that differ by a node in this way can never both hold
+        a majority: floor((n-1)/2) + 1 + floor(n/2) + 1 nodes are more than the n - 1 beside the lost host."""
         if not (self.elastic and self.cfg.ft):  # without --ft every node ends a round that re-forms
             return self.nnodes
         ended = {k for k, _ in self._ended_nodes()}
-        return len(self._seen - ended)
+        return len(self._seen - ended - (self._late - self.beaten))
 
     def wake(self) -> None:
         self._wake()
@@ -422,6 +437,13 @@ class NodeCoordinator:
         """A node node 0 took into a running --ft round (ftrun.supervisor.rendezvous): the
         others are already training, so there is no barrier; its replicas join the quorum and heal."""
         cfg = self.cfg
+        hold = os.environ.get(INJECT_JOIN_HOLD_ENV)
+        if hold:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(hold) and time.monotonic() < deadline:
+                code = self._wait_signal(POLL_S)
+                if code is not None:
+                    return code
         try:  # its beat, final, table, standby and who keys were written when it asked in
             self.store.add(KEYS.claim(self.me), 1)
             if self.store.check([RDZV_HOST]):  # a store that moved: its host, and how often it moved
@@ -475,6 +497,7 @@ class NodeCoordinator:
             if joined not in self.live:
                 self.live.append(joined)
             self._seen.add(joined)
+            self._late.add(joined)
             return NodeEvent("node_joined", f"{self._node_name(joined)} joined the running run", node=joined)
         if arrived > self._next_arrival:
             k = self._next_arrival
@@ -518,6 +541,7 @@ class NodeCoordinator:
         self.others.append(k)
         self.live.append(k)
         self._seen.add(k)
+        self._late.add(k)
         self.store.set(KEYS.live, json.dumps(self.live))
         self.store.set(rdzv_admit(self.cfg.round, k), "1")
 
