@@ -34,10 +34,10 @@ agree on is a key under ``ftrun/nodes/``:
   layout's, or on an elastic run every node taken in on this store but those
   that ended and said so, and late nodes never seen to beat (they lose the
   store before their first beat mid-join and stop: counting them would leave
-  the others short of a majority they hold). Under c10d without --ft the rendezvous keeps each node's
-  standby store across rounds and moves the store between two rounds; a
-  round only publishes it here and says whether a move may follow
-  (may_move_between_rounds()).
+  the others short of a majority they hold). Under c10d without --ft the
+  rendezvous keeps each node's standby store across rounds and moves the
+  store between two rounds; a round only publishes it here and says whether
+  a move may follow (may_move_between_rounds()).
 
 It is a source of events and a set of agreements for the supervisor's one
 loop (ftrun.supervisor.run): `check()` reports what happened to the other
@@ -319,7 +319,8 @@ class NodeCoordinator:
         nor late nodes never seen to beat. Such a node lost the store before it finished joining
         and stops; it can take part in no move, and counting it could leave the nodes that remain
         short of a majority they hold. Sides that differ by a node in this way can never both hold
-        a majority: floor((n-1)/2) + 1 + floor(n/2) + 1 nodes are more than the n - 1 beside the lost host."""
+        a majority: floor((n-1)/2) + 1 + floor(n/2) + 1 nodes are more than the n - 1 beside the
+        lost host."""
         if not (self.elastic and self.cfg.ft):  # without --ft every node ends a round that re-forms
             return self.nnodes
         ended = {k for k, _ in self._ended_nodes()}
