@@ -79,11 +79,15 @@ class Demo:
         runs = json.loads(r.stdout)
         return runs[0] if runs else None
 
-    def wait_for(self, what: str, pred: Callable[[dict], bool]) -> dict:
-        """The run's status once pred(status) holds; fails when the run ends first or after WAIT_S."""
+    def wait_for(self, what: str, pred: Callable[[dict], bool],
+                 seen: Optional[Callable[[dict], None]] = None) -> dict:
+        """The run's status once pred(status) holds; fails when the run ends first or after WAIT_S.
+        seen(status), if given, is shown every status read on the way."""
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             st = self.status()
+            if st is not None and seen is not None:
+                seen(st)
             if st is not None and pred(st):
                 return st
             if self.proc is not None and self.proc.poll() is not None:
@@ -110,15 +114,27 @@ class Demo:
         before = {r: reps(st)[r]["step"] for r in others}
         say(f"SIGKILL to rank {victim} (pid {pid}) at step {reps(st)[victim]['step']}")
 
+        # Each rank reports its step 4 times a second, so one status read may show a survivor's
+        # step from before the kill; the survivors all-reduce together (one is never ahead of
+        # another by more than a step), so the highest step any of them showed while the victim
+        # was away is how far they all went. A survivor that restarted would not count.
+        after = dict(before)
+        pids = {r: reps(st)[r]["pid"] for r in others}
+
+        def note(st: dict) -> None:
+            for r in others:
+                if reps(st)[r]["pid"] == pids[r]:
+                    after[r] = max(after[r], reps(st)[r]["step"])
+
         st = self.wait_for(f"rank {victim} training again",
                            lambda st: reps(st)[victim]["restarts"] >= 1 and reps(st)[victim]["pid"] != pid
-                           and reps(st)[victim]["state"] == "running")
+                           and reps(st)[victim]["state"] == "running", seen=note)
         away = time.monotonic() - killed_at
-        after = {r: reps(st)[r]["step"] for r in others}
-        went_on = all(after[r] > before[r] for r in others)
+        same = all(reps(st)[r]["pid"] == pids[r] and reps(st)[r]["restarts"] == 0 for r in others)
+        went_on = same and max(after.values()) > max(before.values())
         say(f"while rank {victim} was away (about {away:.1f} s), "
             + ", ".join(f"rank {r} went from step {before[r]} to {after[r]}" for r in others)
-            + (": they never stopped" if went_on else ": THEY STOPPED"))
+            + (" in the same processes: they never stopped" if went_on else ": THEY STOPPED"))
 
         try:
             code = self.proc.wait(WAIT_S)
