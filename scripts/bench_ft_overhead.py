@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_ft_overhead.py --runs 1
 
 Each run is `ftrun --nproc 3 --ft scripts/train_ft_vs_ddp.py`: every worker
-builds the model three times: under torch's DDP on the default gloo group,
+builds the model three times: under torch's DDP on a gloo group of its own,
 the same with torch's own Python allreduce comm hook (the cost of any hook
 written in Python, against DDP's built-in one), and under ftrun.ft (DDP on
 ftrun's epoch group, store-voted commit), and steps each once a step in a

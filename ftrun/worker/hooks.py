@@ -258,12 +258,7 @@ class Registration:
                 # Finishing the chain here gives gloo NCCL's ordering.
                 fut.wait()
             if bucket.is_last():
-                stats.steps += 1
-                stats.last_step_bytes = stats.step_bytes
-                stats.bytes_sent += stats.step_bytes
-                stats.step_bytes = 0
-                if LOG_EVERY and stats.steps % LOG_EVERY == 0:
-                    _log(self.figures_line())
+                self._step_sent()
             return fut
 
         ftrun_hook.__qualname__ = ftrun_hook.__name__ = self.name
@@ -271,6 +266,36 @@ class Registration:
         ftrun_hook.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
                                       "return": torch.futures.Future[torch.Tensor]}
         return ftrun_hook
+
+    def _step_sent(self) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.last_step_bytes = stats.step_bytes
+        stats.bytes_sent += stats.step_bytes
+        stats.step_bytes = 0
+        if LOG_EVERY and stats.steps % LOG_EVERY == 0:
+            _log(self.figures_line())
+
+    @property
+    def plain(self) -> bool:
+        """The default hook (a plain averaging all-reduce, no --wrap): `send_plain` does its work."""
+        return self.spec.name == "allreduce" and self.spec.wrap is None
+
+    def send_plain(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """What torch's allreduce_hook sends (the bucket divided by the group's size, summed
+        over the group), counted like the composed hook, in one call straight to the group:
+        the future holds the list of tensors the collective returns. For --ft's comm hook,
+        which unwraps it in the one callback that also catches a failed collective (the
+        composed chain costs two callbacks and torch's per-call checks, on every bucket)."""
+        buf = bucket.buffer()
+        nbytes = buf.numel() * buf.element_size()
+        self.stats.bytes_dense += nbytes
+        self.stats.step_bytes += nbytes
+        buf.div_(self.group.size())
+        fut = self.group.allreduce([buf]).get_future()
+        if bucket.is_last():
+            self._step_sent()
+        return fut
 
     # localsgd: parameters averaged after the user's optimizer steps
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
