@@ -47,7 +47,10 @@ def main() -> None:
     layers = [nn.Linear(args.dim, args.hidden), nn.ReLU()]
     for _ in range(args.depth - 1):
         layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
-    model = nn.Sequential(*layers, nn.Linear(args.hidden, 1))
+    # One GPU per worker where there are GPUs (LOCAL_RANK picks it, as under torchrun).
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    model = nn.Sequential(*layers, nn.Linear(args.hidden, 1)).to(device)
     ddp = ft.DistributedDataParallel(model)                                              # FT
     if args.optim == "sgd":
         inner = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
@@ -66,7 +69,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(step)
         x = torch.randn(args.batch, args.dim, generator=g)
         y = x @ true_w + 0.01 * torch.randn(args.batch, 1, generator=g)
-        x, y = x.chunk(n)[i], y.chunk(n)[i]
+        x, y = x.chunk(n)[i].to(device), y.chunk(n)[i].to(device)
         loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()

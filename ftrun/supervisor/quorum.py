@@ -101,6 +101,7 @@ class QuorumKeeper:
         self.awaited: Optional[Set[int]] = None
         # What a fresh epoch after the first means for the run (said once, in its history line).
         self.fresh_start = "starting again from the first step"
+        self.fresh_epochs: Set[int] = set()  # epochs after the first that no holder of the trained state was in
 
     # ------------------------------------------------------------ store
     @property
@@ -609,6 +610,7 @@ class QuorumKeeper:
                           True, start, self.round_steps)
             if self.epoch_id > 1:
                 why += f"; no replica holding the trained state is left: {self.fresh_start}"
+                self.fresh_epochs.add(self.epoch_id)
         else:
             epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r not in holders)),
                           False, start, self.round_steps)

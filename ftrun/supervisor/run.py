@@ -876,8 +876,12 @@ class Supervisor:
                         w.rejoin_s = took
                         who = (f"rank {w.rank}" if self.k == 1 else
                                f"replica {w.rank // self.k} (rank {w.rank} failed)")
-                        self.console.note(f"{who} is training again, healed from a peer "
-                                          f"{took:.2f} s after it failed", style="green")
+                        if q.epoch_id in q.fresh_epochs:
+                            self.console.note(f"{who} is training again {took:.2f} s after it failed; no replica "
+                                              f"held the trained state: {q.fresh_start}", style="green")
+                        else:
+                            self.console.note(f"{who} is training again, healed from a peer "
+                                              f"{took:.2f} s after it failed", style="green")
                     w.state = WorkerState.RUNNING
                     self._dirty = True
         if not self._warned_no_ft_api:

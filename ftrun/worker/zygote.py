@@ -8,7 +8,12 @@ A restarted worker therefore starts training at once instead of importing
 torch again while its peers are busy.
 
 Rules that keep fork safe: the zygote never runs a torch op (no thread pools,
-no CUDA), never opens a process group, and stays single-threaded. It never
+no CUDA), never opens a process group, and starts no thread. The one pool it
+holds is numpy's OpenBLAS, started when torch imports numpy (one thread per
+core unless OMP_NUM_THREADS says otherwise, as it does for --nproc > 1);
+OpenBLAS stops it around a fork with its own fork handlers. Python 3.12 warns
+at every fork of a process with threads: that warning is silenced for the
+fork itself, not for the worker's own forks (DataLoader's). It never
 imports the supervisor. If the supervisor goes away it kills its children and
 exits (and the kernel kills it first with the parent-death signal anyway).
 """
@@ -21,6 +26,7 @@ import select
 import signal
 import socket
 import sys
+import warnings
 from typing import Dict, List, Optional
 
 from ftrun.worker.proc import become_subreaper, set_parent_death_signal, set_title
@@ -117,13 +123,22 @@ def serve(sock: socket.socket, supervisor_pid: int) -> Optional[_Child]:
             msg = json.loads(data)
             if msg.get("op") != "spawn":
                 continue
-            pid = os.fork()
+            pid = _fork()
             if pid == 0:
                 return _become_worker(msg, fds, sock, (wake_r, wake_w))
             children[pid] = msg["tag"]
             for fd in fds:
                 os.close(fd)
             _send(sock, {"op": "spawned", "tag": msg["tag"], "pid": pid})
+
+
+def _fork() -> int:
+    """os.fork(), without Python 3.12's warning about the BLAS pool's threads (module docstring);
+    the warning filters are back as they were in the parent and in the child."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks",
+                                category=DeprecationWarning)
+        return os.fork()
 
 
 def _reap(sock: socket.socket, children: Dict[int, str]) -> None:

@@ -71,6 +71,8 @@ PARTIAL_DIR = re.compile(r"\.step-(\d+)\.[A-Za-z0-9._-]+\.partial")
 # Fault injection for tests: "STEP:SECONDS" holds the write of step STEP that long before
 # it is published, so a test can kill the run while a complete-looking partial folder exists.
 INJECT_ENV = "FTRUN_CHECKPOINT_INJECT_DELAY"
+# Tests: a fresh stager for every save, as on a torch whose stager stages only once (_stager_reusable).
+FRESH_STAGER_ENV = "FTRUN_CHECKPOINT_FRESH_STAGER"
 # DCP's collectives in the background thread wait at most this long for the replica's other workers.
 WRITE_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 
@@ -125,6 +127,8 @@ class Checkpointer:
         self.rank, self.shard, self.k = rank, shard, k
         self._log = log
         self._stager: Any = None
+        # Whether one stager may stage every save (_stager_reusable; None: not known yet).
+        self._reuse: Optional[bool] = False if os.environ.get(FRESH_STAGER_ENV) else None
         self._writer: Optional[threading.Thread] = None
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._group: Optional[dist.ProcessGroup] = None
@@ -166,15 +170,13 @@ class Checkpointer:
                 # save, which it does after this (DCP's first collective).
                 shutil.rmtree(partial, ignore_errors=True)
                 partial.mkdir(parents=True, exist_ok=True)
+            if self._stager is not None and not self._reuse:
+                self._stager.close()  # the previous save is written (wait(), above)
+                self._stager = None
             if self._stager is None:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                # DCP's stager copies in a thread of its own (kept from save to save), into
-                # buffers it keeps, keyed by the live tensors' storages: from the second save on,
-                # a copy into memory already there.
-                self._stager = DefaultStager(StagingOptions(
-                    use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False, use_async_staging=True,
-                    use_non_blocking_copy=False))
+                if self._reuse is None:
+                    self._reuse = _stager_reusable(_new_stager())
+                self._stager = _new_stager()
             if self.k > 1 and self._group is None:
                 # All of this replica's workers are here at the same round: a collective call is safe.
                 self._group = dist.new_group(backend="gloo", timeout=WRITE_GROUP_TIMEOUT)
@@ -640,9 +642,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _new_stager() -> Any:
+    """DCP's stager: it copies in a thread of its own into buffers it keeps, keyed by the live
+    tensors' storages, so from its second save on it copies into memory already there."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                        use_async_staging=True, use_non_blocking_copy=False))
+
+
+def _stager_reusable(stager: Any) -> bool:
+    """Whether a stager stages more than once. torch 2.11's fails every stage after its first
+    (KeyError: <class 'type'> in its cached deep copy; seen on CPU and CUDA): there, every save
+    gets a fresh stager (its copy allocates its buffers anew). Two tiny stages tell; the
+    stager tried is closed."""
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)}).result()
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: do not reuse
+        return False
+    finally:
+        stager.close()
+
+
 def _one_line(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    return (lines[0] if lines else type(e).__name__)[:200]
+    name = type(e).__name__
+    if not lines:
+        return name
+    # KeyError(<class 'type'>) reads "<class 'type'>" alone: the kind of error says what it was.
+    return (lines[0] if lines[0].startswith(name) else f"{name}: {lines[0]}")[:200]
 
 
 def _age(seconds: float) -> str:

@@ -12,12 +12,34 @@ Must never raise a collective error into the user's loop (callers check `ok`).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+
+
+# Every NCCL backend this process built, aborted at exit: torch warns at exit about each
+# communicator nobody shut down ("destroy_process_group() was not called"), and these groups
+# are ftrun's, not the script's, so the script cannot destroy them.
+_NCCL: List[Any] = []
+
+
+def _abort_nccl_at_exit() -> None:
+    for backend in _NCCL:
+        try:
+            backend.abort()
+        except Exception:
+            pass
+
+
+def _nccl(backend: Any) -> Any:
+    if not _NCCL:
+        atexit.register(_abort_nccl_at_exit)
+    _NCCL.append(backend)
+    return backend
 
 
 def _timeout() -> datetime.timedelta:
@@ -37,7 +59,7 @@ def build_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.Pr
         # Twice ftrun's own deadline (settle): ftrun aborts a stuck round first, before
         # NCCL's watchdog would tear the whole process down.
         opts._timeout = 2 * _timeout()
-        backend = dist.ProcessGroupNCCL(pstore, rank, size, opts)
+        backend = _nccl(dist.ProcessGroupNCCL(pstore, rank, size, opts))
         kind, dev = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
     else:
         backend = dist.ProcessGroupGloo(pstore, rank, size, _timeout())
@@ -128,7 +150,7 @@ def local_group() -> dist.ProcessGroup:
     backend = dist.ProcessGroupGloo(store, 0, 1, _timeout())
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
     if torch.cuda.is_available():
-        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), 0, 1, dist.ProcessGroupNCCL.Options())
+        nccl = _nccl(dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), 0, 1, dist.ProcessGroupNCCL.Options()))
         pg._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
         pg._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
     else:
