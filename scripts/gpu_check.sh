@@ -2,7 +2,9 @@
 # What only a GPU machine can show, in one go (run it there; nothing in CI needs it):
 #   1. the hook catalogue on a CUDA model with NCCL (one rank),
 #   2. --ft on a CUDA model: NCCL epoch group, the vote's settle on the GPU stream,
-#   3. a SIGKILLed --ft worker on CUDA that resumes from its durable checkpoint.
+#   3. FSDP2 under --ft on CUDA (one worker per replica) with DTensor checkpoints,
+#   4. a SIGKILLed --ft worker on CUDA that resumes from its durable checkpoint,
+#   5. no warning in any of their output.
 # One GPU cannot hold two NCCL ranks, so replicas healing from a peer are not checked here.
 # Prints one "gpu_check: ok|FAILED ..." line per check; exits 1 if any failed.
 set -u
@@ -38,6 +40,15 @@ $PY -m ftrun --nproc 1 --ft scripts/train_ft.py --steps 300 --dim 256 --hidden 1
 rc=$?
 [ $rc = 0 ] && ! grep -q "done at step 300" "$f" && rc=3
 verdict "--ft on a CUDA model, 300 steps" $rc "$f"
+
+f="$LOG/fsdp-ft.log"
+ck2=$(mktemp -d)
+$PY -m ftrun --nproc 1 --ft --replica-size 1 --checkpoint-dir "$ck2" --checkpoint-every 20 scripts/train_fsdp_ft.py \
+    --steps 60 >"$f" 2>&1
+rc=$?
+[ $rc = 0 ] && ! grep -q "done at step 60" "$f" && rc=3
+[ $rc = 0 ] && [ ! -d "$ck2/step-60" ] && rc=4
+verdict "FSDP2 under --ft on CUDA (ft.device_mesh on LOCAL_RANK's GPU, ft.replicate, DTensor checkpoints)" $rc "$f"
 
 f="$LOG/ft-kill.log"
 ck=$(mktemp -d)

@@ -107,12 +107,15 @@ def main() -> None:
         loop = ft.steps(args.steps)                                                      # FT
         k, j = mesh.size(), mesh.get_local_rank()
 
+    # The mesh's device: LOCAL_RANK's GPU where there are GPUs (ft.device_mesh() made it current).
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
     losses, commits = [], []
     announced = not args.announce
     for step in loop:
         if ft is not None:
             replica, replicas = ft.replica_index(), ft.num_replicas()                    # FT
         x, y = batch(step, replica * k + j, replicas * k, args)
+        x, y = x.to(device), y.to(device)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
