@@ -210,6 +210,9 @@ class Registration:
         self.model_ref = weakref.ref(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.hook = self._compose()
+        # The default hook (a plain averaging all-reduce, no --wrap): `send_plain` does its work.
+        self.plain = spec.name == "allreduce" and spec.wrap is None
+        self._size = self.group.size() if self.plain else 0
 
     def _compose(self) -> HookFn:
         spec, stats, torch_hook = self.spec, self.stats, self.torch_hook
@@ -276,11 +279,6 @@ class Registration:
         if LOG_EVERY and stats.steps % LOG_EVERY == 0:
             _log(self.figures_line())
 
-    @property
-    def plain(self) -> bool:
-        """The default hook (a plain averaging all-reduce, no --wrap): `send_plain` does its work."""
-        return self.spec.name == "allreduce" and self.spec.wrap is None
-
     def send_plain(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """What torch's allreduce_hook sends (the bucket divided by the group's size, summed
         over the group), counted like the composed hook, in one call straight to the group:
@@ -291,7 +289,7 @@ class Registration:
         nbytes = buf.numel() * buf.element_size()
         self.stats.bytes_dense += nbytes
         self.stats.step_bytes += nbytes
-        buf.div_(self.group.size())
+        buf.div_(self._size)
         fut = self.group.allreduce([buf]).get_future()
         if bucket.is_last():
             self._step_sent()

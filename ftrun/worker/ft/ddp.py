@@ -68,30 +68,16 @@ class ReplicaHook:
         if self.reg is None or not mgr.round_ok:
             mgr.fail_round()
             return _done(buf)
-        if self.reg.plain:
-            try:
-                sent = self.reg.send_plain(bucket)
-            except Exception as e:  # the group broke while sending: this round is voted down
-                mgr.fail_round(str(e))
-                return _done(buf)
-
-            def unwrap(f: torch.futures.Future) -> torch.Tensor:
-                try:
-                    return f.value()[0]
-                except Exception as e:
-                    mgr.fail_round(str(e))
-                    return buf
-
-            return sent.then(unwrap)
+        plain = self.reg.plain  # the default all-reduce: its future holds the collective's list
         try:
-            fut = self.reg.hook(self.reg.state, bucket)
+            fut = self.reg.send_plain(bucket) if plain else self.reg.hook(self.reg.state, bucket)
         except Exception as e:  # the group broke while sending: this round is voted down
             mgr.fail_round(str(e))
             return _done(buf)
 
         def guard(f: torch.futures.Future) -> torch.Tensor:
             try:
-                return f.value()
+                return f.value()[0] if plain else f.value()
             except Exception as e:
                 mgr.fail_round(str(e))
                 return buf
