@@ -38,7 +38,27 @@ def parse() -> argparse.Namespace:
     p.add_argument("--announce", action="store_true",
                    help="print one line with rank, pid, step and wall time when this process completes its "
                         "first committed step (scripts/bench_chaos.py uses it)")
-    return p.parse_args()
+    p.add_argument("--ddp", default="",
+                   help="comma-separated DDP variants: unused (a layer no step uses, find_unused_parameters=True), "
+                        "static (static_graph=True), view (gradient_as_bucket_view=True), accumulate (two "
+                        "micro-batches a step, the first under no_sync())")
+    args = p.parse_args()
+    args.ddp = {v for v in args.ddp.split(",") if v}
+    if not args.ddp <= {"unused", "static", "view", "accumulate"}:
+        p.error(f"--ddp: unknown variant(s) {sorted(args.ddp - {'unused', 'static', 'view', 'accumulate'})}")
+    return args
+
+
+class WithUnused(nn.Module):
+    """A model with a layer that no forward uses (DDP needs find_unused_parameters=True)."""
+
+    def __init__(self, body: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.body = body
+        self.unused = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
 
 
 def main() -> None:
@@ -50,8 +70,12 @@ def main() -> None:
     # One GPU per worker where there are GPUs (LOCAL_RANK picks it, as under torchrun).
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
         else torch.device("cpu")
-    model = nn.Sequential(*layers, nn.Linear(args.hidden, 1)).to(device)
-    ddp = ft.DistributedDataParallel(model)                                              # FT
+    model = nn.Sequential(*layers, nn.Linear(args.hidden, 1))
+    if "unused" in args.ddp:
+        model = WithUnused(model, args.dim)
+    model = model.to(device)
+    ddp = ft.DistributedDataParallel(model, find_unused_parameters="unused" in args.ddp,  # FT
+                                     static_graph="static" in args.ddp, gradient_as_bucket_view="view" in args.ddp)
     if args.optim == "sgd":
         inner = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     else:
@@ -70,8 +94,14 @@ def main() -> None:
         x = torch.randn(args.batch, args.dim, generator=g)
         y = x @ true_w + 0.01 * torch.randn(args.batch, 1, generator=g)
         x, y = x.chunk(n)[i].to(device), y.chunk(n)[i].to(device)
-        loss = nn.functional.mse_loss(ddp(x), y)
         opt.zero_grad(set_to_none=True)
+        if "accumulate" in args.ddp:
+            half = len(x) // 2
+            with ddp.no_sync():
+                (nn.functional.mse_loss(ddp(x[:half]), y[:half]) * half / len(x)).backward()
+            loss = nn.functional.mse_loss(ddp(x[half:]), y[half:]) * (len(x) - half) / len(x)
+        else:
+            loss = nn.functional.mse_loss(ddp(x), y)
         loss.backward()
         if opt.step():
             sched.step()

@@ -210,9 +210,6 @@ class Registration:
         self.model_ref = weakref.ref(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.hook = self._compose()
-        # The default hook (a plain averaging all-reduce, no --wrap): `send_plain` does its work.
-        self.plain = spec.name == "allreduce" and spec.wrap is None
-        self._size = self.group.size() if self.plain else 0
 
     def _compose(self) -> HookFn:
         spec, stats, torch_hook = self.spec, self.stats, self.torch_hook
@@ -279,21 +276,12 @@ class Registration:
         if LOG_EVERY and stats.steps % LOG_EVERY == 0:
             _log(self.figures_line())
 
-    def send_plain(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        """What torch's allreduce_hook sends (the bucket divided by the group's size, summed
-        over the group), counted like the composed hook, in one call straight to the group:
-        the future holds the list of tensors the collective returns. For --ft's comm hook,
-        which unwraps it in the one callback that also catches a failed collective (the
-        composed chain costs two callbacks and torch's per-call checks, on every bucket)."""
-        buf = bucket.buffer()
-        nbytes = buf.numel() * buf.element_size()
+    def count_step(self, nbytes: int) -> None:
+        """A step whose gradients DDP's own reducer all-reduced whole (--ft's default hook,
+        which is no Python hook at all: ftrun.worker.ft.ddp), counted as the composed hook counts."""
         self.stats.bytes_dense += nbytes
         self.stats.step_bytes += nbytes
-        buf.div_(self._size)
-        fut = self.group.allreduce([buf]).get_future()
-        if bucket.is_last():
-            self._step_sent()
-        return fut
+        self._step_sent()
 
     # localsgd: parameters averaged after the user's optimizer steps
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

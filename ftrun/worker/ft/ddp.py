@@ -1,16 +1,22 @@
-"""DDP for --ft: torch's DDP on a group of one, with gradients averaged over the live replicas.
+"""DDP for --ft: torch's DDP with gradients averaged over the live replicas.
 
-Torch's DDP keeps doing what it does well (buckets, overlap with backward);
-its comm hook sends each bucket over the current epoch's group through the
-run's chosen hook (ftrun.worker.hooks), so the average is over exactly the
-replicas that take part. The hook state is rebuilt on every member whenever
-the group changes, so it never silently diverges. A collective that fails
-marks the round failed and hands DDP the local buffer: nothing raises into
-the user's loop.
+Torch's DDP keeps doing what it does well (buckets, overlap with backward).
+With the default hook (a plain averaging all-reduce) DDP's own C++ reducer
+sends each bucket over the current epoch's group: no Python runs per
+bucket, so a failure-free --ft step costs what plain DDP's does. ftrun
+points the reducer at the epoch's group before each backward (at a group of
+one when the round must not send) and turns a collective that fails inside
+the backward into a failed round (`torch.autograd.backward` is wrapped for
+that, and only re-raises what is not a collective failure). Any other hook
+(--hook, --wrap) is a Python comm hook that sends through the run's chosen
+hook (ftrun.worker.hooks) on the epoch's group. Either way the hook state is
+rebuilt on every member whenever the group changes, so it never silently
+diverges, and nothing raises into the user's loop for a failed collective.
 Must never import the supervisor.
 """
 
 import os
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -28,8 +34,9 @@ def _done(t: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
-class ReplicaHook:
-    """The comm hook DDP calls; rebound to each new group by the manager."""
+class _Replicated:
+    """What both ways of sending share: the run's hook registered on the current group (its
+    state and traffic figures) and the layout round's average."""
 
     def __init__(self, mgr: Manager, spec: HookSpec, module: torch.nn.Module) -> None:
         self.mgr = mgr
@@ -60,6 +67,10 @@ class ReplicaHook:
             stats.bytes_dense += sent
             stats.last_step_bytes = sent
 
+
+class ReplicaHook(_Replicated):
+    """The Python comm hook DDP calls for any hook but the default one."""
+
     def __call__(self, _state: object, bucket: dist.GradBucket) -> torch.futures.Future:
         mgr, buf = self.mgr, bucket.buffer()
         mgr.before_collective()
@@ -68,16 +79,15 @@ class ReplicaHook:
         if self.reg is None or not mgr.round_ok:
             mgr.fail_round()
             return _done(buf)
-        plain = self.reg.plain  # the default all-reduce: its future holds the collective's list
         try:
-            fut = self.reg.send_plain(bucket) if plain else self.reg.hook(self.reg.state, bucket)
+            fut = self.reg.hook(self.reg.state, bucket)
         except Exception as e:  # the group broke while sending: this round is voted down
             mgr.fail_round(str(e))
             return _done(buf)
 
         def guard(f: torch.futures.Future) -> torch.Tensor:
             try:
-                return f.value()[0] if plain else f.value()
+                return f.value()
             except Exception as e:
                 mgr.fail_round(str(e))
                 return buf
@@ -85,11 +95,118 @@ class ReplicaHook:
         return fut.then(guard)
 
 
+class ReducerPath(_Replicated):
+    """The default hook: DDP's reducer all-reduces on the epoch's group itself.
+
+    DDP was built on a group of one. Each forward starts there (a forward that rebuilds the
+    buckets syncs their layout over the reducer's group, which must never be a collective
+    with peers) and, when it will be followed by a backward that reduces, ends on the group
+    this round's buckets go to: the epoch's, or the group of one when the round must not
+    send (a layout round, a round known to have failed). Every new group (rebind) resets the
+    reducer, and its first round is a layout round: each member records the order in which
+    its gradients become ready and rebuilds its buckets from it at the next forward, so all
+    members, newcomers included, send the same buckets. A reset also clears a backward that
+    failed half-way."""
+
+    def __init__(self, mgr: Manager, spec: HookSpec, module: torch.nn.Module, ddp: TorchDDP) -> None:
+        self.ddp = ddp
+        self.local = ddp.process_group
+        self.on: dist.ProcessGroup = self.local
+        self.armed = False  # the reducer is on the epoch's group: a collective failure is this round's
+        # What the reducer sends per step: every parameter that takes a gradient, once.
+        self.nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        super().__init__(mgr, spec, module)
+        ddp.register_forward_pre_hook(self._before_forward)
+        ddp.register_forward_hook(self._after_forward)
+
+    def rebind(self, pg: Optional[dist.ProcessGroup]) -> None:
+        super().rebind(pg)
+        self._use(self.local)  # also lets a dropped group go at once: its peers see it closed
+        self.armed = False
+        self.ddp.reducer._reset_state()
+
+    def _use(self, pg: dist.ProcessGroup) -> None:
+        if pg is not self.on:
+            self.ddp.reducer._update_process_group(pg)
+            self.on = pg
+
+    def _before_forward(self, _module: torch.nn.Module, _args: Any) -> None:
+        self._use(self.local)
+        self.armed = False
+
+    def _after_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
+            return  # no reduction follows this forward
+        mgr = self.mgr
+        mgr.before_collective()  # the previous round's decision is in before anything is sent
+        if mgr.layout_round:
+            return
+        if not mgr.round_ok or mgr.pg is None or self.reg is None:
+            if mgr.epoch is not None:
+                mgr.fail_round()  # the round is already known to have failed: nothing goes out
+            return
+        self._use(mgr.pg)
+        self.armed = True
+        self.reg.count_step(self.nbytes)
+
+    def failed(self, error: BaseException) -> None:
+        self.mgr.fail_round(str(error))
+        self._use(self.local)
+        self.armed = False
+        self.ddp.reducer._reset_state()  # the next forward must not wait for this backward's reduction
+
+
+# The DDP models on the reducer path (weakly: a model the script drops is gone), and torch's own
+# backward, which the guard calls.
+_reducers: List["weakref.ref[ReducerPath]"] = []
+_torch_backward: Any = None
+
+
+def _collective_failure(e: BaseException) -> bool:
+    """Whether a backward failed in a collective (a peer died, a group was aborted or timed out):
+    gloo's errors name gloo, and torch raises its own distributed errors as DistError. A user's
+    error (a shape, a graph freed twice, DDP misuse) is neither, and reaches the user."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return "gloo" in text or "nccl" in text
+
+
+def _guarded_backward(*args: Any, **kwargs: Any) -> Any:
+    """torch.autograd.backward, but a collective failure of a reducer on an epoch's group fails
+    the round instead of raising (the optimizer then leaves the state as it was)."""
+    armed = [p for p in (r() for r in _reducers) if p is not None and p.armed]
+    if not armed:
+        return _torch_backward(*args, **kwargs)
+    try:
+        return _torch_backward(*args, **kwargs)
+    except RuntimeError as e:
+        if not _collective_failure(e):
+            raise
+        for p in armed:
+            p.failed(e)
+        return None
+
+
+def _guard_backward(path: ReducerPath) -> None:
+    global _torch_backward
+    _reducers[:] = [r for r in _reducers if r() is not None] + [weakref.ref(path)]
+    if _torch_backward is None:
+        # Tensor.backward() calls torch.autograd.backward by name, as do Lightning and Accelerate.
+        _torch_backward = torch.autograd.backward
+        _guarded_backward.__doc__ = _torch_backward.__doc__
+        torch.autograd.backward = _guarded_backward
+
+
 def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP:
     if mgr.k > 1:
         raise TypeError(f"ftrun.ft: with --replica-size {mgr.k} each replica's {mgr.k} workers shard the model: "
                         f"fully_shard(...) its blocks and root over ft.device_mesh(), then ft.replicate(model) "
                         f"(DDP replicates a whole model per worker: use --replica-size 1 for that)")
+    if kwargs.get("static_graph"):
+        # Measured: with it, a replica that heals ends with parameters that differ from its peers'.
+        raise TypeError("ftrun.ft.DistributedDataParallel(static_graph=True) is not supported under --ft (a replica "
+                        "that heals would not reduce the same buckets as its peers): drop static_graph=True")
     mgr.register_model(module)
     mgr.uses_ddp = True
     if torch.cuda.is_available() and "device_ids" not in kwargs:
@@ -99,27 +216,32 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
     # gradients became ready in the first backward (reverse order of use, which
     # lets each bucket's allreduce overlap the rest of the backward). A replica
     # that joins later would run its first step on the initial layout while its
-    # peers use the rebuilt one, and the hook would sum mismatched slices. So the
-    # first round after every heal is a layout round (manager.layout_round):
-    # the hook sends nothing, so the newcomer's DDP records the same order as
-    # its peers did and rebuilds the same buckets at its next forward; the
-    # gradients are averaged once after the backward, in parameter order
-    # (average_gradients), and the round is voted like any other, so the
-    # user's loop never sees a step twice. (Forcing parameter order on every
-    # replica instead cost 20% of a small model's step: no overlap.)
+    # peers use the rebuilt one, and the sums would mix mismatched slices. So the
+    # first round after a heal (with the default hook: on every new group) is a
+    # layout round (manager.layout_round): nothing is sent during the backward,
+    # so every member records the same order and rebuilds the same buckets at
+    # its next forward; the gradients are averaged once after the backward, in
+    # parameter order (average_gradients), and the round is voted like any
+    # other, so the user's loop never sees a step twice. (Forcing parameter
+    # order on every replica instead cost 20% of a small model's step: no overlap.)
     raw = os.environ.get("FTRUN_HOOK")
     spec = HookSpec.from_json(raw) if raw else HookSpec("allreduce")
-    hook = ReplicaHook(mgr, spec, module)
     sparse = any(getattr(m, "sparse", False) is True for m in module.modules())  # nn.Embedding(sparse=True)
+    if spec.name == "allreduce" and spec.wrap is None:
+        path: _Replicated = ReducerPath(mgr, spec, module, ddp)
+        mgr.layout_each_group = True
+        _guard_backward(path)
+    else:
+        path = ReplicaHook(mgr, spec, module)
+
+        def ftrun_ft_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            return path(state, bucket)
+
+        ddp.register_comm_hook(None, ftrun_ft_hook)
     if spec.name in GRADIENT_AVERAGING and not sparse:
-        mgr.layout_average = hook.layout_average
-
-    def ftrun_ft_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return hook(state, bucket)
-
-    ddp.register_comm_hook(None, ftrun_ft_hook)
+        mgr.layout_average = path.layout_average
     if mgr.pg is not None:
-        hook.rebind(mgr.pg)
+        path.rebind(mgr.pg)
     return ddp
 
 

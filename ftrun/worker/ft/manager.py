@@ -103,6 +103,7 @@ class Manager:
         self.replica, self.shard = divmod(self.rank, self.k)
         self.mesh: Any = None  # the replica's own DeviceMesh (device_mesh())
         self.uses_ddp = False  # a layout round follows each heal only for DDP's buckets (ft/ddp.py)
+        self.layout_each_group = False  # DDP's reducer sends (ft/ddp.py): a layout round on every new group
         self.epoch: Optional[Epoch] = None
         self._index_of: Tuple[int, int] = (-1, 0)  # (epoch id, replica index in it)
         self._node_count: Tuple[int, int] = (-1, 0)  # (epoch id, its members voting through this node)
@@ -701,8 +702,7 @@ class Manager:
             self.fail_round(gone)
             if epoch.healers or epoch.fresh:
                 self._heal(epoch)  # the transfer may still take place, and its ends must say how it went
-                self.layout_round = self.uses_ddp
-                self.layout_discard = epoch.fresh and self.checkpoints is not None
+            self._plan_layout(epoch)
             for fn in self.group_listeners:
                 fn(None)
             return
@@ -717,10 +717,16 @@ class Manager:
             _log(f"rank {self.rank}: forming the group of epoch {epoch.id} (round {self.group_round}) took {took:.1f} s")
         if epoch.healers or epoch.fresh:
             self._heal(epoch)
-            self.layout_round = self.uses_ddp
-            self.layout_discard = epoch.fresh and self.checkpoints is not None
+        self._plan_layout(epoch)
         for fn in self.group_listeners:
             fn(self.pg)
+
+    def _plan_layout(self, epoch: Epoch) -> None:
+        """Whether the first round on the group just formed is a layout round (ft/ddp.py): after
+        a heal for DDP's buckets, and on every group when DDP's own reducer sends. Every member
+        of a group formed it at the same round, so they all agree."""
+        self.layout_round = self.uses_ddp and (self.layout_each_group or bool(epoch.healers or epoch.fresh))
+        self.layout_discard = bool(epoch.fresh) and self.checkpoints is not None
 
     def _gone(self, epoch: Epoch, ranks: List[int]) -> Optional[str]:
         alive = [v.decode() if isinstance(v, bytes) else str(v)
