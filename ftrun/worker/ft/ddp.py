@@ -98,11 +98,11 @@ class ReplicaHook(_Replicated):
 class ReducerPath(_Replicated):
     """The default hook: DDP's reducer all-reduces on the epoch's group itself.
 
-    DDP was built on a group of one. Each forward starts there (a forward that rebuilds the
-    buckets syncs their layout over the reducer's group, which must never be a collective
-    with peers) and, when it will be followed by a backward that reduces, ends on the group
-    this round's buckets go to: the epoch's, or the group of one when the round must not
-    send (a layout round, a round known to have failed). Every new group (rebind) resets the
+    DDP was built on a group of one. A forward that may rebuild the buckets starts there
+    (it syncs their layout over the reducer's group, which must never be a collective with
+    peers), and a forward that a reducing backward follows ends on the group this round's
+    buckets go to: the epoch's, or the group of one when the round must not send (a layout
+    round, a round known to have failed). Every new group (rebind) resets the
     reducer, and its first round is a layout round: each member records the order in which
     its gradients become ready and rebuilds its buckets from it at the next forward, so all
     members, newcomers included, send the same buckets. A reset also clears a backward that
@@ -112,7 +112,6 @@ class ReducerPath(_Replicated):
         self.ddp = ddp
         self.local = ddp.process_group
         self.on: dist.ProcessGroup = self.local
-        self.armed = False  # the reducer is on the epoch's group: a collective failure is this round's
         # What the reducer sends per step: every parameter that takes a gradient, once.
         self.nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         super().__init__(mgr, spec, module)
@@ -122,8 +121,13 @@ class ReducerPath(_Replicated):
     def rebind(self, pg: Optional[dist.ProcessGroup]) -> None:
         super().rebind(pg)
         self._use(self.local)  # also lets a dropped group go at once: its peers see it closed
-        self.armed = False
         self.ddp.reducer._reset_state()
+        self.ddp._has_rebuilt_buckets = False  # DDP's own mirror of the reducer's flag, as its reset keeps it
+
+    @property
+    def armed(self) -> bool:
+        """The reducer is on the epoch's group: a collective failure in a backward is this round's."""
+        return self.on is not self.local
 
     def _use(self, pg: dist.ProcessGroup) -> None:
         if pg is not self.on:
@@ -131,8 +135,8 @@ class ReducerPath(_Replicated):
             self.on = pg
 
     def _before_forward(self, _module: torch.nn.Module, _args: Any) -> None:
-        self._use(self.local)
-        self.armed = False
+        if not self.ddp._has_rebuilt_buckets:  # this forward may rebuild the buckets
+            self._use(self.local)
 
     def _after_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
         if not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
@@ -140,20 +144,21 @@ class ReducerPath(_Replicated):
         mgr = self.mgr
         mgr.before_collective()  # the previous round's decision is in before anything is sent
         if mgr.layout_round:
+            self._use(self.local)
             return
         if not mgr.round_ok or mgr.pg is None or self.reg is None:
             if mgr.epoch is not None:
                 mgr.fail_round()  # the round is already known to have failed: nothing goes out
+            self._use(self.local)
             return
         self._use(mgr.pg)
-        self.armed = True
         self.reg.count_step(self.nbytes)
 
     def failed(self, error: BaseException) -> None:
         self.mgr.fail_round(str(error))
         self._use(self.local)
-        self.armed = False
         self.ddp.reducer._reset_state()  # the next forward must not wait for this backward's reduction
+        self.ddp._has_rebuilt_buckets = False
 
 
 # The DDP models on the reducer path (weakly: a model the script drops is gone), and torch's own
