@@ -8,9 +8,11 @@ schedule of tests/test_ft.py::test_chaos_kills_keep_replicas_identical: 6 SIGKIL
 random replicas at random moments, one of them while the replica rejoins. A run whose
 replicas show no change of state for --stall seconds is a deadlock: its workers' stacks
 are dumped into their logs (ftrun's dump signal), the run's --ft keys (each replica's
-report, every epoch and its start round) are printed, and its folder is kept. `--busy N`
-adds N busy-looping processes for load. Prints one line per run, then the count of
-completed runs and deadlocks; exits 1 if any run deadlocked.
+report, every epoch and its start round) are printed, and its folder is kept. A run that
+completes must end with its three replicas bitwise identical (step, parameters, optimizer
+state); a folder of one that does not is kept too. `--busy N` adds N busy-looping
+processes for load. Prints one line per run, then the counts; exits 1 if any run
+deadlocked or diverged.
 """
 
 from __future__ import annotations
@@ -70,12 +72,34 @@ def _store_dump(state: dict) -> str:
     return "\n".join(lines)
 
 
+def _identical(out: Path) -> str:
+    """'identical' when the three replicas ended with the same step, parameters and optimizer
+    state, bit for bit; else 'DIVERGED (what)'."""
+    import torch
+
+    try:
+        ref = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(3)]
+        opt = [torch.load(f"{out}.rank{r}.opt.pt", weights_only=True) for r in range(3)]
+        steps = {json.loads(Path(f"{out}.rank{r}.json").read_text())["step"] for r in range(3)}
+    except (OSError, ValueError, RuntimeError) as e:
+        return f"DIVERGED (unreadable results: {e})"
+    if len(steps) != 1:
+        return f"DIVERGED (steps {sorted(steps)})"
+    for r in (1, 2):
+        if any(not torch.equal(ref[0][k], ref[r][k]) for k in ref[0]):
+            return f"DIVERGED (rank {r}'s parameters)"
+        for idx, st in opt[0]["state"].items():
+            if any(not torch.equal(v, opt[r]["state"][idx][n]) for n, v in st.items() if isinstance(v, torch.Tensor)):
+                return f"DIVERGED (rank {r}'s optimizer state)"
+    return "identical"
+
+
 def one(i: int, stall_s: float, keep: Path) -> str:
     home = Path(tempfile.mkdtemp(prefix=f"ftrun-stress-{i}-"))
     err = open(home / "ftrun.err", "w")
     proc = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", "--max-restarts", "10",
                              "--run-id", "chaos", str(ROOT / "scripts" / "train_ft.py"), "--steps", "240",
-                             "--step-sleep", "0.02"],
+                             "--step-sleep", "0.02", "--out", str(home / "p")],
                             stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ, FTRUN_HOME=str(home)),
                             cwd=ROOT)
 
@@ -106,8 +130,10 @@ def one(i: int, stall_s: float, keep: Path) -> str:
             if k == 2:
                 kill(wait(victim, lambda r: r["restarts"] >= 1 and r["state"] in ("recovering", "running"))["pid"])
         code = proc.wait(timeout=stall_s * 3)
-        shutil.rmtree(home, ignore_errors=True)
-        return f"run {i}: exit {code}"
+        same = _identical(home / "p") if code == 0 else ""
+        if same == "identical":
+            shutil.rmtree(home, ignore_errors=True)
+        return f"run {i}: exit {code}" + (f", replicas {same}" if same else "")
     except (Stalled, subprocess.TimeoutExpired) as e:
         state = _state(home)
         phases = [(r["rank"], r["state"], r.get("ft_phase"), r["step"]) for r in state.get("replicas", [])]
@@ -144,9 +170,11 @@ def main() -> None:
         for b in busy:
             b.kill()
     stalled = sum("DEADLOCK" in r for r in results)
-    done = sum(": exit 0" in r for r in results)
-    print(f"{done} of {len(results)} runs completed with exit 0; {stalled} deadlocked")
-    sys.exit(1 if stalled else 0)
+    diverged = sum("DIVERGED" in r for r in results)
+    done = sum(": exit 0, replicas identical" in r for r in results)
+    print(f"{done} of {len(results)} runs completed with exit 0 and bitwise identical replicas; {stalled} deadlocked; "
+          f"{diverged} diverged")
+    sys.exit(1 if stalled or diverged else 0)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,12 @@ def exit_reason(exit_code: Optional[int], sig: Optional[int], stderr_tail: List[
 
 
 def _last_exception_line(tail: List[str]) -> Optional[str]:
-    if not any(line.startswith("Traceback") for line in tail):
+    """The exception of the last traceback: the first unindented line after it (lines the
+    process wrote after the exception, such as ftrun's figures at exit, are not it)."""
+    starts = [i for i, line in enumerate(tail) if line.startswith("Traceback")]
+    if not starts:
         return None
-    for line in reversed(tail):
+    for line in tail[starts[-1] + 1:]:
         s = line.strip()
         if s and not s.startswith(("File ", "^", "~")) and not line.startswith(" "):
             return s[:200]
