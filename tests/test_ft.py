@@ -115,6 +115,19 @@ def _assert_identical(out: Path, world):
     return params[first], json.loads(Path(f"{out}.rank{first}.json").read_text())
 
 
+def _run_killing(home, args, run_id, rank, at_step, sig=signal.SIGKILL):
+    """Start ftrun with `args`, send `sig` to replica `rank` once it runs at `at_step` or later,
+    and wait for the run to end: (exit status, ftrun's stderr)."""
+    proc = start_ftrun(args)
+    try:
+        r = _wait_replica(home, run_id, rank, lambda r, st: r["step"] >= at_step and r["state"] == "running")
+        os.kill(r["pid"], sig)
+        rc, _, err = _finish(proc)
+    finally:
+        proc.kill()
+    return rc, err
+
+
 @pytest.fixture(scope="module")
 def failure_free(tmp_path_factory):
     """Reference: the same training with no failure."""
@@ -198,14 +211,9 @@ def test_sigstop_is_detected_by_step_timeout(ftrun_home, tmp_path):
     out = tmp_path / "p"
     run_id = "stop"
     # 3 s, not less: on 2 loaded cores a starved heartbeat thread can miss 1.5 s (a false hang).
-    proc = start_ftrun(["--nproc", 3, "--ft", "--step-timeout", 3, "--run-id", run_id, TRAIN,
-                        "--steps", 200, "--step-sleep", 0.02, "--out", out])
-    try:
-        r = _wait_replica(ftrun_home, run_id, 2, lambda r, st: r["step"] >= 20 and r["state"] == "running")
-        os.kill(r["pid"], signal.SIGSTOP)
-        rc, _, err = _finish(proc)
-    finally:
-        proc.kill()
+    rc, err = _run_killing(ftrun_home, ["--nproc", 3, "--ft", "--step-timeout", 3, "--run-id", run_id, TRAIN,
+                                        "--steps", 200, "--step-sleep", 0.02, "--out", out], run_id, 2, 20,
+                           signal.SIGSTOP)
     assert rc == 0, err[-3000:]
     assert "rank 2" in err and "hung (no heartbeat for 3 s)" in err
     assert "restarting it alone" in err
@@ -477,14 +485,8 @@ def test_each_committed_step_reaches_the_loop_once(ftrun_home, tmp_path):
     """The first round of an epoch (DDP's layout round) is averaged and committed, not
     discarded: a failure-free run's loop sees each step once on every rank, and a replica
     restarted by a SIGKILL sees, from its heal on, each step once too."""
-    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "once", TRAIN, "--steps", 60, "--print-every", 1,
-                        "--step-sleep", 0.02])
-    try:
-        r = _wait_replica(ftrun_home, "once", 2, lambda r, st: r["step"] >= 15 and r["state"] == "running")
-        os.kill(r["pid"], signal.SIGKILL)
-        rc, _, err = _finish(proc)
-    finally:
-        proc.kill()
+    rc, err = _run_killing(ftrun_home, ["--nproc", 3, "--ft", "--run-id", "once", TRAIN, "--steps", 60,
+                                        "--print-every", 1, "--step-sleep", 0.02], "once", 2, 15)
     assert rc == 0, err[-3000:]
     assert "rank 2 is training again" in err, err[-3000:]
     logs = Path(_state(ftrun_home, "once")["log_dir"])
@@ -534,14 +536,8 @@ def test_ddp_options_under_a_kill(ftrun_home, tmp_path, variant):
     instead of raising, and every replica ends bitwise identical at the last step."""
     out = tmp_path / "p"
     run_id = f"ddp-{variant}"
-    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, "--ddp", variant, "--steps", 120,
-                        "--step-sleep", 0.01, "--out", out])
-    try:
-        r = _wait_replica(ftrun_home, run_id, 1, lambda r, st: r["step"] >= 30 and r["state"] == "running")
-        os.kill(r["pid"], signal.SIGKILL)
-        rc, _, err = _finish(proc)
-    finally:
-        proc.kill()
+    rc, err = _run_killing(ftrun_home, ["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, "--ddp", variant,
+                                        "--steps", 120, "--step-sleep", 0.01, "--out", out], run_id, 1, 30)
     assert rc == 0, err[-3000:]
     assert _received_mb(_rank_log(ftrun_home, run_id, 1)), err[-3000:]  # it healed from a peer
     for rank in (0, 2):
