@@ -553,3 +553,29 @@ def test_static_graph_is_refused_with_the_fix(ftrun_home):
     proc = run_ftrun(["--nproc", 2, "--ft", TRAIN, "--ddp", "static", "--steps", 10], timeout=60)
     assert proc.returncode != 0
     assert "static_graph=True) is not supported under --ft" in proc.stderr and "drop static_graph=True" in proc.stderr
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_replica_back_after_the_end_never_runs_the_script_on_an_untrained_model(ftrun_home, tmp_path, checkpoint):
+    """Ranks 0 and 2 step past a round that rank 1 votes down (injected) and restart; rank 1,
+    alone, finishes the 60 fast steps before they are back, so no peer is left to heal them.
+    Each then takes the final checkpoint (--checkpoint-dir) and ends identical to rank 1, or
+    exits at once, before the script's code after the loop could save its untrained model as
+    the trained one (it used to: the saved parameters were the initial ones)."""
+    out = tmp_path / "p"
+    extra = ["--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 10] if checkpoint else []
+    proc = run_ftrun(["--nproc", 3, "--ft", *extra, TRAIN, "--steps", 60, "--out", out],
+                     env={"FTRUN_FT_INJECT_FAIL": "1:20"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    late = [r for r in (0, 2) if f"rank {r}: the run finished at step 60 while this replica was restarting"
+            in proc.stderr]
+    assert late, proc.stderr[-3000:]  # the two came back after the end (60 steps take well under 0.1 s)
+    if checkpoint:
+        assert all(f"rank {r}: the run finished at step 60 while this replica was restarting; no peer is left to "
+                   f"heal it: it resumed from checkpoint step 60" in proc.stderr for r in late)
+        _assert_identical(out, 3)
+    else:
+        for r in late:
+            assert not Path(f"{out}.rank{r}.pt").exists()  # it never ran the code after the loop
+        assert "exiting now (status 0)" in proc.stderr
+        _assert_identical(out, [1] + [r for r in (0, 2) if r not in late])

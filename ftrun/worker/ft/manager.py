@@ -634,6 +634,8 @@ class Manager:
             if self.store.check([keys.FINISHED]):
                 self.finished = True
                 self.step = int(self.store.get(keys.FINISHED))
+                if not self.in_sync:
+                    self._finish_without_peers()
                 return
             latest = int(self.store.get(keys.LATEST)) if self.store.check([keys.LATEST]) else 0
             found = self._started_epoch_with_me(latest)
@@ -650,6 +652,27 @@ class Manager:
         if self.epoch is not None and self.in_sync:
             _log(f"rank {self.rank} (incarnation {self.inc}) joined epoch {entering} at step {self.step} "
                  f"after {time.time() - t0:.2f} s")
+
+    def _finish_without_peers(self) -> None:
+        """The run finished while this replica was restarting, and no peer is left to heal it.
+        It takes the final checkpoint when there is one (--checkpoint-dir: the last step is
+        always saved); otherwise it exits at once, with status 0, so that the script's code
+        after the loop (a final save, an evaluation) never runs on its untrained state."""
+        lead = f"rank {self.rank}: the run finished at step {self.step} while this replica was restarting"
+        if self.checkpoints is not None and self.k == 1:
+            try:
+                found = self.checkpoints.resume(self.state)
+            except Exception as e:  # a foreign or damaged checkpoint: no state to stand on
+                _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}")
+                found = None
+            if found is not None and found.step == self.step:
+                self.in_sync = True
+                _log(f"{lead}; no peer is left to heal it: it resumed from checkpoint step {found.step}, the final one")
+                return
+        _log(f"{lead}; no peer is left to heal it and no checkpoint holds the final step: exiting now (status 0) "
+             f"instead of running the script's code after the loop on an untrained model")
+        sys.stderr.flush()
+        os._exit(0)
 
     def _started_epoch_with_me(self, latest: int):
         """(epoch, round) of the newest epoch that lists this incarnation and that the
