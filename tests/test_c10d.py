@@ -32,8 +32,10 @@ import json, os, sys, time
 out = os.environ["DUMP_DIR"]
 keys = {keys!r}
 n = os.environ["TORCHELASTIC_RESTART_COUNT"]
-with open(os.path.join(out, f"{{n}}.{{os.environ['RANK']}}.json"), "w") as f:
+path = os.path.join(out, f"{{n}}.{{os.environ['RANK']}}.json")
+with open(path + ".part", "w") as f:  # renamed whole: the test reads a file as soon as it exists
     json.dump({{k: os.environ.get(k) for k in keys}} | {{"argv": sys.argv}}, f)
+os.replace(path + ".part", path)
 if n == "0" and os.environ.get("WAIT_FOR"):
     deadline = time.time() + 120
     while not os.path.exists(os.environ["WAIT_FOR"]) and time.time() < deadline:
