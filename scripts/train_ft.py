@@ -38,6 +38,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--announce", action="store_true",
                    help="print one line with rank, pid, step and wall time when this process completes its "
                         "first committed step (scripts/bench_chaos.py uses it)")
+    p.add_argument("--init-process-group", action="store_true",
+                   help="call dist.init_process_group() first, as plain DDP scripts do (ftrun.ft needs none)")
     p.add_argument("--ddp", default="",
                    help="comma-separated DDP variants: unused (a layer no step uses, find_unused_parameters=True), "
                         "static (static_graph=True), view (gradient_as_bucket_view=True), accumulate (two "
@@ -63,6 +65,10 @@ class WithUnused(nn.Module):
 
 def main() -> None:
     args = parse()
+    if args.init_process_group:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
     torch.manual_seed(0)
     layers = [nn.Linear(args.dim, args.hidden), nn.ReLU()]
     for _ in range(args.depth - 1):

@@ -546,13 +546,21 @@ def test_ddp_options_under_a_kill(ftrun_home, tmp_path, variant):
     assert stats["step"] == 120
 
 
-def test_static_graph_is_refused_with_the_fix(ftrun_home):
+def test_ddp_options_ftrun_cannot_honour_are_refused_with_the_fix(ftrun_home, tmp_path):
     """DDP(static_graph=True) under --ft left a healed replica with parameters that differ from
-    its peers' (measured, with either way of sending): refused where the model is wrapped, with
-    the fix, instead of training replicas that silently diverge."""
+    its peers' (measured, with either way of sending), and a process_group of the script's own
+    would not be the live replicas': both are refused where the model is wrapped, with the fix,
+    instead of training replicas that silently diverge."""
     proc = run_ftrun(["--nproc", 2, "--ft", TRAIN, "--ddp", "static", "--steps", 10], timeout=60)
     assert proc.returncode != 0
     assert "static_graph=True) is not supported under --ft" in proc.stderr and "drop static_graph=True" in proc.stderr
+    script = tmp_path / "own_group.py"
+    script.write_text("import torch, torch.distributed as dist\nimport ftrun.ft as ft\n"
+                      "dist.init_process_group('gloo')\n"
+                      "ft.DistributedDataParallel(torch.nn.Linear(2, 2), process_group=dist.group.WORLD)\n")
+    proc = run_ftrun(["--nproc", 2, "--ft", script], timeout=60)
+    assert proc.returncode != 0
+    assert "under --ft ftrun chooses the group (the replicas alive at each step): drop process_group=" in proc.stderr
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
@@ -579,3 +587,20 @@ def test_a_replica_back_after_the_end_never_runs_the_script_on_an_untrained_mode
             assert not Path(f"{out}.rank{r}.pt").exists()  # it never ran the code after the loop
         assert "exiting now (status 0)" in proc.stderr
         _assert_identical(out, [1] + [r for r in (0, 2) if r not in late])
+
+
+def test_a_script_that_calls_init_process_group_still_heals(ftrun_home, tmp_path):
+    """A --ft script that calls dist.init_process_group() as plain DDP scripts do: a replica that
+    restarts cannot join the group of every worker formed at the start (the call used to wait
+    there until torch's timeout, and the replica never came back). On the restarted incarnation
+    ftrun skips the call with one line; it heals, and every replica ends identical. Rank 0 says
+    at the start that the call should go."""
+    out = tmp_path / "p"
+    rc, err = _run_killing(ftrun_home, ["--nproc", 3, "--ft", "--run-id", "own-init", TRAIN, "--init-process-group",
+                                        "--steps", 120, "--step-sleep", 0.01, "--out", out], "own-init", 2, 30)
+    assert rc == 0, err[-3000:]
+    assert "rank 0: the script called init_process_group() over all 3 workers" in err, err[-3000:]
+    assert "rank 2: skipped the script's init_process_group(): this replica restarted" in err, err[-3000:]
+    assert "rank 2 is training again, healed from a peer" in err
+    _, stats = _assert_identical(out, 3)
+    assert stats["step"] == 120

@@ -37,6 +37,10 @@ def install() -> None:
     from ftrun.worker import progress
 
     progress.start_from_env()
+    if os.environ.get("FTRUN_FT") == "1" and os.environ.get("FTRUN_REPLICA_SIZE", "1") == "1":
+        from ftrun.worker.ft import world
+
+        world.install()
     # With --ft the hook goes through ftrun.ft's DDP (over the live replicas), not plain DDP.
     if os.environ.get("FTRUN_HOOK") and os.environ.get("FTRUN_FT") != "1":
         from ftrun.worker.inject import install_from_env

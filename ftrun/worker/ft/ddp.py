@@ -208,6 +208,9 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
         raise TypeError(f"ftrun.ft: with --replica-size {mgr.k} each replica's {mgr.k} workers shard the model: "
                         f"fully_shard(...) its blocks and root over ft.device_mesh(), then ft.replicate(model) "
                         f"(DDP replicates a whole model per worker: use --replica-size 1 for that)")
+    if "process_group" in kwargs:
+        raise TypeError("ftrun.ft.DistributedDataParallel(process_group=...): under --ft ftrun chooses the group "
+                        "(the replicas alive at each step): drop process_group=")
     if kwargs.get("static_graph"):
         # Measured: with it, a replica that heals ends with parameters that differ from its peers'.
         raise TypeError("ftrun.ft.DistributedDataParallel(static_graph=True) is not supported under --ft (a replica "
