@@ -38,6 +38,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--announce", action="store_true",
                    help="print one line with rank, pid, step and wall time when this process completes its "
                         "first committed step (scripts/bench_chaos.py uses it)")
+    p.add_argument("--restart-delay", type=float, default=0.0,
+                   help="a restarted process waits this long before it starts (pretend a slow restart)")
     p.add_argument("--init-process-group", action="store_true",
                    help="call dist.init_process_group() first, as plain DDP scripts do (ftrun.ft needs none)")
     p.add_argument("--ddp", default="",
@@ -65,6 +67,8 @@ class WithUnused(nn.Module):
 
 def main() -> None:
     args = parse()
+    if args.restart_delay and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        time.sleep(args.restart_delay)
     if args.init_process_group:
         import torch.distributed as dist
 

@@ -219,8 +219,15 @@ def test_sigstop_is_detected_by_step_timeout(ftrun_home, tmp_path):
     assert "restarting it alone" in err
     # Only the stopped replica is blamed: the two that waited for it are never declared hung.
     final = json.loads((ftrun_home / run_id / "state.json").read_text())
-    assert [r["restarts"] for r in final["replicas"]] == [0, 0, 1], (final["replicas"], err[-3000:])
+    restarts = [r["restarts"] for r in final["replicas"]]
+    assert restarts[2] == 1, (final["replicas"], err[-3000:])
     assert err.count(" is hung (") == 1, err[-3000:]
+    for r in (0, 1):
+        # A peer frozen in the middle of an all-reduce may have sent its part to one survivor and
+        # not the other: that survivor's step went through, the round did not, and it restarts to
+        # take the committed state (the protocol's mixed outcome), never as hung.
+        assert restarts[r] == 0 or "restarting to take the committed state from a peer" in \
+            _rank_log(ftrun_home, run_id, r), (final["replicas"], err[-3000:])
     _assert_identical(out, 3)
 
 
@@ -565,19 +572,20 @@ def test_ddp_options_ftrun_cannot_honour_are_refused_with_the_fix(ftrun_home, tm
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_a_replica_back_after_the_end_never_runs_the_script_on_an_untrained_model(ftrun_home, tmp_path, checkpoint):
-    """Ranks 0 and 2 step past a round that rank 1 votes down (injected) and restart; rank 1,
-    alone, finishes the 60 fast steps before they are back, so no peer is left to heal them.
+    """Ranks 0 and 2 step past a round that rank 1 votes down (injected) and restart, slowly
+    (2 s); rank 1, alone, finishes the 60 fast steps before they are back, so no peer is left
+    to heal them.
     Each then takes the final checkpoint (--checkpoint-dir) and ends identical to rank 1, or
     exits at once, before the script's code after the loop could save its untrained model as
     the trained one (it used to: the saved parameters were the initial ones)."""
     out = tmp_path / "p"
     extra = ["--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 10] if checkpoint else []
-    proc = run_ftrun(["--nproc", 3, "--ft", *extra, TRAIN, "--steps", 60, "--out", out],
+    proc = run_ftrun(["--nproc", 3, "--ft", *extra, TRAIN, "--steps", 60, "--restart-delay", 2, "--out", out],
                      env={"FTRUN_FT_INJECT_FAIL": "1:20"}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     late = [r for r in (0, 2) if f"rank {r}: the run finished at step 60 while this replica was restarting"
             in proc.stderr]
-    assert late, proc.stderr[-3000:]  # the two came back after the end (60 steps take well under 0.1 s)
+    assert late == [0, 2], proc.stderr[-3000:]
     if checkpoint:
         assert all(f"rank {r}: the run finished at step 60 while this replica was restarting; no peer is left to "
                    f"heal it: it resumed from checkpoint step 60" in proc.stderr for r in late)
