@@ -125,9 +125,9 @@ class Manager:
         self._waiting_round: Optional[int] = None  # the round whose decision the member waits for
         # The first round after a heal (with DDP's own reducer sending, on every new group):
         # nothing is sent during the backward, so every member's DDP records the order in which
-        # gradients become ready and builds the same buckets (see ft/ddp.py); layout_average then averages the gradients once, and the round is
-        # voted as any other. Without it (a hook that does not average gradients) the round is
-        # discarded by all, with no vote.
+        # gradients become ready and builds the same buckets (see ft/ddp.py); layout_average
+        # then averages the gradients once, and the round is voted as any other. Without it (a
+        # hook that does not average gradients) the round is discarded by all, with no vote.
         self.layout_round = False
         self.layout_average: Optional[Callable[[], None]] = None
         # A fresh epoch may resume from a checkpoint (--checkpoint-dir): its layout round is
