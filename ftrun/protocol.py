@@ -186,6 +186,20 @@ def decision_key(epoch: int, round_: int) -> str:
 # join or a switch within a few rounds; a failure costs no more steps than with one (kept_key).
 ROUND_STEPS = 8
 ROUND_STEPS_ENV = "FTRUN_FT_ROUND_STEPS"
+# Unless FTRUN_FT_ROUND_STEPS is set, an epoch published once the keeper has seen the run's pace
+# has rounds of about this long at most (ROUND_STEPS steps at most): a restarted replica joins at
+# a round's top, and with a 21M-parameter model's 0.3 s steps, rounds of eight kept it waiting up
+# to 2.4 s (measured: back in 2.5-3.0 s after half the kills, 0.5 s after the others). One vote
+# per 0.2 s stays far under 1% of the time.
+ROUND_TARGET_S = 0.2
+
+
+def round_steps_for(step_s: Optional[float], most: int) -> int:
+    """Steps per round for a run whose steps take `step_s` (None: not known yet): `most`, or
+    fewer so that a round lasts about ROUND_TARGET_S (to the nearest step); one at least."""
+    if step_s is None or not step_s > 0:
+        return most
+    return max(1, min(most, int(ROUND_TARGET_S / step_s + 0.5)))
 
 
 def round_steps_from_env(env: Mapping[str, str]) -> Tuple[int, Optional[str]]:

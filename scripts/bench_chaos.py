@@ -4,9 +4,10 @@
     .venv/bin/python scripts/bench_chaos.py --duration 20 --periods 5  # smoke run, < 3 min
     .venv/bin/python scripts/bench_chaos.py --markdown               # also print the markdown table
 
-Three ways to run the same 3-worker training (same model: Linear(256, 1024) -
-ReLU - Linear(1024, 1); same data volume: 96 synthetic samples per step, split
-32 per worker; SGD with momentum; gloo on CPU):
+Three ways to run the same 3-worker training (same model: by default Linear(256,
+1024) - ReLU - Linear(1024, 1), --depth adds HIDDEN x HIDDEN layers and --optim
+picks Adam(W); same data volume: 96 synthetic samples per step, split 32 per
+worker; SGD with momentum by default; gloo on CPU):
 
   (a) ftrun --ft      `ftrun --nproc 3 --ft --max-restarts 1000 scripts/train_ft.py`: a dead replica
                       is restarted alone and healed from a peer, the others keep training.
@@ -189,8 +190,8 @@ class Result:
 
 
 def command(mode: str, args: argparse.Namespace, run_id: str, ckpt: Path) -> List[str]:
-    work = ["--steps", str(10 ** 9), "--dim", str(args.dim), "--hidden", str(args.hidden), "--lr", str(args.lr),
-            "--print-every", "1", "--announce"]
+    work = ["--steps", str(10 ** 9), "--dim", str(args.dim), "--hidden", str(args.hidden), "--depth", str(args.depth),
+            "--optim", args.optim, "--lr", str(args.lr), "--print-every", "1", "--announce"]
     if mode == "ft":
         return [str(VENV_BIN / "ftrun"), "--nproc", str(NPROC), "--ft", "--max-restarts", "1000", "--run-id", run_id,
                 str(ROOT / "scripts" / "train_ft.py"), "--batch", str(args.batch)] + work
@@ -511,12 +512,26 @@ def markdown(table: List[List[str]]) -> str:
     return "\n".join(lines)
 
 
+def workload(args: argparse.Namespace) -> str:
+    middle = f"(Linear({args.hidden}, {args.hidden}) - ReLU) x {args.depth - 1} - " if args.depth > 1 else ""
+    params = args.dim * args.hidden + args.hidden + (args.depth - 1) * (args.hidden ** 2 + args.hidden) + args.hidden + 1
+    optim = {"sgd": "SGD with momentum", "adam": "Adam", "adamw": "AdamW"}[args.optim]
+    return (f"Linear({args.dim}, {args.hidden}) - ReLU - {middle}Linear({args.hidden}, 1) "
+            f"({params / 1e6:.2f}M parameters), {optim}")
+
+
 def verdict(results: List[Result], refs: Dict[str, Result]) -> List[str]:
     out = []
     ref = refs.get("ft")
     for r in results:
         if r.mode != "ft" or r.period != 10 or not ref:
             continue
+        for other, target in (("group", 1.3), ("torchrun", 1.8)):
+            peer = next((q for q in results if q.mode == other and q.period == r.period), None)
+            if peer is not None and peer.samples_per_s:
+                x = r.samples_per_s / peer.samples_per_s
+                out.append(f"- (a) at T = 10 s commits {x:.2f}x the samples/s of {LABELS[other]} "
+                           f"(target ≥ {target}x): {'met' if x >= target else 'NOT met'}.")
         ratio = r.samples_per_s / ref.samples_per_s if ref.samples_per_s else 0.0
         back = [k.back_s for k in r.kills if k.back_s is not None]
         out.append(f"- (a) at T = 10 s keeps {100 * ratio:.0f}% of failure-free committed samples/s "
@@ -556,6 +571,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=5)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=1, help="hidden layers of HIDDEN x HIDDEN after the first")
+    p.add_argument("--optim", choices=["sgd", "adam", "adamw"], default="sgd", help="SGD with momentum, Adam or AdamW")
     p.add_argument("--batch", type=int, default=96, help="global batch: split over the 3 workers")
     p.add_argument("--lr", type=float, default=0.005)
     p.add_argument("--ckpt-every", type=int, default=50, help="snapshot period of train_ddp.py in steps")
@@ -622,10 +639,13 @@ def main() -> None:
     cmd = "python scripts/bench_chaos.py" + "".join(
         f" {k} {v}" for k, v in (("--duration", f"{args.duration:g}"), ("--periods", " ".join(f"{x:g}" for x in args.periods)),
                                  ("--seed", args.seed)))
+    cmd += "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in ("dim", "hidden", "depth", "optim", "lr",
+                                                                            "ckpt_every")
+                   if getattr(args, k) != p.get_default(k))
     block = "\n".join([
         f"Run: `{cmd}` on {time.strftime('%Y-%m-%d %H:%M', time.localtime(began))}, {os.cpu_count()} CPU cores, "
         f"torch CPU/gloo, took {(time.time() - began) / 60:.1f} min. "
-        f"Workload: Linear({args.dim}, {args.hidden}) - ReLU - Linear({args.hidden}, 1), global batch {args.batch} "
+        f"Workload: {workload(args)}, global batch {args.batch} "
         f"({args.batch // NPROC} per worker), 3 workers; snapshots every {args.ckpt_every} steps for (b) and (c). "
         f"Failure-free windows {ref_duration:g} s, chaos windows {args.duration:g} s. "
         f"Code: commit {head or '?'}" + (f" plus uncommitted changes to {', '.join(dirty)}" if dirty else "") + ".",

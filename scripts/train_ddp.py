@@ -25,6 +25,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--depth", type=int, default=1, help="hidden layers of HIDDEN x HIDDEN after the first")
+    p.add_argument("--optim", choices=["sgd", "adam", "adamw"], default="sgd",
+                   help="SGD with momentum (default), Adam or AdamW: as scripts/train_ft.py")
     p.add_argument("--ckpt", default=None, help="checkpoint file: saved every --ckpt-every steps, resumed from")
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--fail-rank", type=int, default=-1)
@@ -52,9 +55,15 @@ def main() -> None:
         torch.cuda.set_device(device)
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 1)).to(device)
+    layers = [nn.Linear(args.dim, args.hidden), nn.ReLU()]
+    for _ in range(args.depth - 1):
+        layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(args.hidden, 1)).to(device)
     ddp = DDP(model, device_ids=[device.index] if use_cuda else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    if args.optim == "sgd":
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    else:
+        opt = (torch.optim.Adam if args.optim == "adam" else torch.optim.AdamW)(ddp.parameters(), lr=args.lr)
     start = 0
     if args.ckpt and os.path.exists(args.ckpt):
         state = torch.load(args.ckpt, map_location=device, weights_only=True)

@@ -45,11 +45,15 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ddp", default="",
                    help="comma-separated DDP variants: unused (a layer no step uses, find_unused_parameters=True), "
                         "static (static_graph=True), view (gradient_as_bucket_view=True), accumulate (two "
-                        "micro-batches a step, the first under no_sync())")
+                        "micro-batches a step, the first under no_sync()), split (the model as two parts, each "
+                        "wrapped apart, one optimizer over both)")
     args = p.parse_args()
     args.ddp = {v for v in args.ddp.split(",") if v}
-    if not args.ddp <= {"unused", "static", "view", "accumulate"}:
-        p.error(f"--ddp: unknown variant(s) {sorted(args.ddp - {'unused', 'static', 'view', 'accumulate'})}")
+    known = {"unused", "static", "view", "accumulate", "split"}
+    if not args.ddp <= known:
+        p.error(f"--ddp: unknown variant(s) {sorted(args.ddp - known)}")
+    if "split" in args.ddp and args.ddp & {"unused", "accumulate"}:
+        p.error("--ddp split goes with static and view only")
     return args
 
 
@@ -84,8 +88,13 @@ def main() -> None:
     if "unused" in args.ddp:
         model = WithUnused(model, args.dim)
     model = model.to(device)
-    ddp = ft.DistributedDataParallel(model, find_unused_parameters="unused" in args.ddp,  # FT
-                                     static_graph="static" in args.ddp, gradient_as_bucket_view="view" in args.ddp)
+    options = dict(find_unused_parameters="unused" in args.ddp, static_graph="static" in args.ddp,
+                   gradient_as_bucket_view="view" in args.ddp)
+    if "split" in args.ddp:  # e.g. an encoder and a decoder, each wrapped on its own
+        ddp = nn.Sequential(ft.DistributedDataParallel(model[:2], **options),             # FT
+                            ft.DistributedDataParallel(model[2:], **options))             # FT
+    else:
+        ddp = ft.DistributedDataParallel(model, **options)                                # FT
     if args.optim == "sgd":
         inner = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     else:

@@ -534,11 +534,13 @@ def test_members_that_stepped_past_a_failed_round_restart_and_heal(ftrun_home, t
     assert stats["step"] == 50
 
 
-@pytest.mark.parametrize("variant", ["unused,view", pytest.param("accumulate", marks=pytest.mark.quick)])
+@pytest.mark.parametrize("variant", ["unused,view", "split", pytest.param("accumulate", marks=pytest.mark.quick)])
 def test_ddp_options_under_a_kill(ftrun_home, tmp_path, variant):
     """With the default hook DDP's own reducer sends on the epoch's group, whatever the script
     asks of DDP: a parameter no step uses (find_unused_parameters), gradients as views of the
-    buckets, no_sync() accumulation. A replica SIGKILLed mid-run is restarted
+    buckets, no_sync() accumulation, a model in two parts wrapped apart (the layout round
+    averages both: it used to average the last one only, and the first part diverged). A
+    replica SIGKILLed mid-run is restarted
     and healed, the others' backward passes that were cut off by its death fail their round
     instead of raising, and every replica ends bitwise identical at the last step."""
     out = tmp_path / "p"

@@ -135,6 +135,46 @@ def test_joiner_of_the_newest_epoch_is_left_to_enter_it(keeper):
     assert not keeper._s.check([keys.decision_key(3, rnd)]), keeper.history
 
 
+def _epoch(q: QuorumKeeper, epoch: int) -> dict:
+    return json.loads(q._s.get(keys.epoch_key(epoch)))
+
+
+@pytest.mark.parametrize("step_s,expected", [(0.3, 1), (0.05, 4), (0.007, keys.ROUND_STEPS), (None, keys.ROUND_STEPS)])
+def test_rounds_follow_the_runs_pace(keeper, step_s, expected):
+    """Epochs published once the keeper has seen the global step rise have rounds of about
+    ROUND_TARGET_S: a slow model's restarted replica must not wait 8 of its steps to join."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    assert _epoch(keeper, 1)["round_steps"] == keys.ROUND_STEPS  # no pace known yet
+    if step_s is not None:
+        for i in range(40):
+            for r in range(3):
+                keeper._s.set(keys.info_key(r), json.dumps({"inc": 0, "epoch": 1, "round": i, "phase": "compute",
+                                                            "step": i, "beat": i}))
+            keeper.poll((i + 1) * step_s)
+    keeper.on_exit(0, 0)
+    assert _epoch(keeper, 2)["round_steps"] == expected, keeper.history
+    _join(keeper, 0, 1)
+    keeper.poll(100.0)
+    assert _epoch(keeper, 3)["round_steps"] == expected
+
+
+def test_a_chosen_round_length_is_kept(monkeypatch):
+    monkeypatch.setenv(keys.ROUND_STEPS_ENV, "5")
+    q = QuorumKeeper(_RunStore(), [0, 1])
+    q.on_store_ready()
+    for r in range(2):
+        _join(q, r, 0)
+    q.poll(0.0)
+    for i in range(20):
+        for r in range(2):
+            q._s.set(keys.info_key(r), json.dumps({"inc": 0, "epoch": 1, "round": i, "phase": "compute", "step": i}))
+        q.poll(1.0 + i)
+    q.on_exit(1, 0)
+    assert _epoch(q, 1)["round_steps"] == 5 and _epoch(q, 2)["round_steps"] == 5
+
+
 def test_joiner_scanning_epochs_never_waits_on_a_deleted_one():
     """A joining worker looks for the newest started epoch that lists it, scanning down; the
     keeper deletes epochs nobody is in. Reaching a deleted one ends the scan (nothing older can

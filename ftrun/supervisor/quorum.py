@@ -35,7 +35,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from collections import deque
+from typing import Deque, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import EVENTS, Epoch
@@ -75,6 +76,9 @@ class QuorumKeeper:
         self.round_steps, why = keys.round_steps_from_env(os.environ)
         if why:
             self.history.append(why)
+        # A round length the user chose is kept; the default follows the run's pace (Pace).
+        self.round_steps_chosen = why is None and keys.ROUND_STEPS_ENV in os.environ
+        self.pace = Pace()
         self._dead_pending: List[Tuple[int, int]] = []
         # Members that died while listed in an epoch, and the rounds abstained for them,
         # kept up to two rounds past the newest decided one on every poll
@@ -548,6 +552,7 @@ class QuorumKeeper:
         vals, infos = self._read_with_reports([keys.join_key(r) for r in self.ranks]
                                               + [keys.healed_key(r) for r in self.ranks])
         self._absorb(vals[n:], infos)
+        self.pace.note(now, self.global_step())
         self._unstick(time.monotonic(), top)
         asked: Dict[int, int] = {}
         for r, j in zip(self.ranks, vals[:n]):
@@ -604,23 +609,26 @@ class QuorumKeeper:
         start = -1
         if not continuing:  # rounds are numbered across epochs: start after the newest one decided
             start = self._top() + 1
+        steps = self.round_steps if self.round_steps_chosen else keys.round_steps_for(self.pace.step_s(),
+                                                                                      self.round_steps)
         if fresh:
             src = min(self.members) // self.k  # the lowest replica sends its state, shard by shard
             epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r // self.k != src)),
-                          True, start, self.round_steps)
+                          True, start, steps)
             if self.epoch_id > 1:
                 why += f"; no replica holding the trained state is left: {self.fresh_start}"
                 self.fresh_epochs.add(self.epoch_id)
         else:
             epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r not in holders)),
-                          False, start, self.round_steps)
+                          False, start, steps)
         self.epochs[self.epoch_id] = set(members)
         self.starts[self.epoch_id] = start
         s.set(keys.epoch_key(self.epoch_id), epoch.to_json())
         s.set(keys.LATEST, str(self.epoch_id))
         n = len(members) // self.k
         shape = f" of {self.k} workers" if self.k > 1 else ""
-        self.history.append(f"epoch {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why})")
+        rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if steps != self.round_steps else ""
+        self.history.append(f"epoch {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}")
 
     def _survivors_source(self) -> Optional[int]:
         """After the store moved, replicas rejoin holding what they held then: each says which
@@ -703,6 +711,34 @@ class QuorumKeeper:
 
     def global_step(self) -> int:
         return max((int((self.info.get(r) or {}).get("step", 0)) for r in self.ranks), default=0)
+
+
+class Pace:
+    """The run's recent time per step, from the global step the keeper sees rise: the last
+    WINDOW_S seconds of it, so that a run that slows down (or speeds up) is followed."""
+
+    WINDOW_S = 30.0
+
+    def __init__(self) -> None:
+        self.samples: Deque[Tuple[float, int]] = deque()
+
+    def note(self, t: float, step: int) -> None:
+        if self.samples and step < self.samples[-1][1]:  # a fresh start: the old pace says nothing
+            self.samples.clear()
+        if self.samples and step == self.samples[-1][1]:
+            return
+        self.samples.append((t, step))
+        while len(self.samples) > 2 and t - self.samples[0][0] > self.WINDOW_S:
+            self.samples.popleft()
+
+    def step_s(self) -> Optional[float]:
+        """Seconds per step, or None before a few steps over half a second at least were seen."""
+        if len(self.samples) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.samples[0], self.samples[-1]
+        if s1 - s0 < 3 or t1 - t0 < 0.5:
+            return None
+        return (t1 - t0) / (s1 - s0)
 
 
 def now() -> float:

@@ -246,8 +246,9 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
             return path(state, bucket)
 
         ddp.register_comm_hook(None, ftrun_ft_hook)
-    if spec.name in GRADIENT_AVERAGING and not sparse:
-        mgr.layout_average = path.layout_average
+    # One entry per wrapped model: a layout round averages every model's gradients, or is
+    # discarded when one of them cannot be averaged.
+    mgr.layout_averages.append(path.layout_average if spec.name in GRADIENT_AVERAGING and not sparse else None)
     if mgr.pg is not None:
         path.rebind(mgr.pg)
     return ddp

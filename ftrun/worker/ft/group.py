@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 
-# Every NCCL backend this process built, aborted at exit: torch warns at exit about each
-# communicator nobody shut down ("destroy_process_group() was not called"), and these groups
-# are ftrun's, not the script's, so the script cannot destroy them.
+# Every NCCL backend this process built and has not aborted yet, aborted at exit: torch warns
+# at exit about each communicator nobody shut down ("destroy_process_group() was not called"),
+# and these groups are ftrun's, not the script's, so the script cannot destroy them. An aborted
+# backend leaves the list (abort_group), so a long run's rebuilt groups can be freed.
 _NCCL: List[Any] = []
 
 
@@ -123,6 +124,8 @@ def abort_group(pg: Optional[dist.ProcessGroup]) -> None:
             backend.abort()
         except Exception:
             pass
+        if any(b is backend for b in _NCCL):
+            _NCCL[:] = [b for b in _NCCL if b is not backend]
 
 
 def settle(timeout_s: float) -> bool:

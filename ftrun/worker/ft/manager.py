@@ -125,11 +125,12 @@ class Manager:
         self._waiting_round: Optional[int] = None  # the round whose decision the member waits for
         # The first round after a heal (with DDP's own reducer sending, on every new group):
         # nothing is sent during the backward, so every member's DDP records the order in which
-        # gradients become ready and builds the same buckets (see ft/ddp.py); layout_average
-        # then averages the gradients once, and the round is voted as any other. Without it (a
-        # hook that does not average gradients) the round is discarded by all, with no vote.
+        # gradients become ready and builds the same buckets (see ft/ddp.py); layout_averages
+        # (one per wrapped model) then average the gradients once, and the round is voted as any
+        # other. Where a model has none (a hook that does not average gradients, sparse
+        # gradients) the round is discarded by all, with no vote.
         self.layout_round = False
-        self.layout_average: Optional[Callable[[], None]] = None
+        self.layout_averages: List[Optional[Callable[[], None]]] = []
         # A fresh epoch may resume from a checkpoint (--checkpoint-dir): its layout round is
         # discarded, so the resumed step runs on the rebuilt buckets as it did in the run
         # that wrote the checkpoint, and the resumed run stays bitwise that run.
@@ -458,7 +459,7 @@ class Manager:
     def _vote(self) -> bool:
         if self.layout_round:
             self.layout_round = False
-            if self.layout_average is None or self.layout_discard:
+            if not self.layout_averages or any(a is None for a in self.layout_averages) or self.layout_discard:
                 # Agreed by all (it follows the same switch): nothing was sent, nothing is voted.
                 self.round += 1
                 self.round_ok = True
@@ -466,7 +467,8 @@ class Manager:
                 return False
             if self.pg is not None:  # without a group this member votes the round down
                 try:
-                    self.layout_average()
+                    for average in self.layout_averages:
+                        average()
                 except Exception as e:  # the group broke: this round is voted down
                     self.fail_round(str(e))
         self._set_phase("vote")
