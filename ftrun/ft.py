@@ -65,9 +65,10 @@ def device_mesh(mesh_shape: Optional[Tuple[int, ...]] = None,
     return manager().device_mesh(mesh_shape, mesh_dim_names)
 
 
-def Optimizer(optimizer: torch.optim.Optimizer) -> ReplicaOptimizer:
-    """Wrap an optimizer: its step() commits the round on every replica or on none."""
-    return ReplicaOptimizer(manager(), optimizer)
+def Optimizer(*optimizers: torch.optim.Optimizer) -> ReplicaOptimizer:
+    """Wrap the run's optimizer, or all of them (`ft.Optimizer(adamw, muon)`): its step()
+    commits the round on every replica or on none, and steps every optimizer it holds."""
+    return ReplicaOptimizer(manager(), *optimizers)
 
 
 def register_state(name: str, obj: Any) -> None:

@@ -46,7 +46,7 @@ def parse() -> argparse.Namespace:
                    help="comma-separated DDP variants: unused (a layer no step uses, find_unused_parameters=True), "
                         "static (static_graph=True), view (gradient_as_bucket_view=True), accumulate (two "
                         "micro-batches a step, the first under no_sync()), split (the model as two parts, each "
-                        "wrapped apart, one optimizer over both)")
+                        "wrapped apart, with an optimizer each, both in one ft.Optimizer)")
     args = p.parse_args()
     args.ddp = {v for v in args.ddp.split(",") if v}
     known = {"unused", "static", "view", "accumulate", "split"}
@@ -95,11 +95,15 @@ def main() -> None:
                             ft.DistributedDataParallel(model[2:], **options))             # FT
     else:
         ddp = ft.DistributedDataParallel(model, **options)                                # FT
-    if args.optim == "sgd":
-        inner = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    def make(params):
+        if args.optim == "sgd":
+            return torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+        return (torch.optim.Adam if args.optim == "adam" else torch.optim.AdamW)(params, lr=args.lr)
+
+    if "split" in args.ddp:  # an optimizer per part, stepped together
+        opt = ft.Optimizer(*(make(part.parameters()) for part in ddp))                  # FT
     else:
-        inner = (torch.optim.Adam if args.optim == "adam" else torch.optim.AdamW)(ddp.parameters(), lr=args.lr)
-    opt = ft.Optimizer(inner)                                                            # FT
+        opt = ft.Optimizer(make(ddp.parameters()))                                       # FT
     sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=100, gamma=0.5)
     ft.register_state("sched", sched)                                                    # FT
 

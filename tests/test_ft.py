@@ -538,8 +538,9 @@ def test_members_that_stepped_past_a_failed_round_restart_and_heal(ftrun_home, t
 def test_ddp_options_under_a_kill(ftrun_home, tmp_path, variant):
     """With the default hook DDP's own reducer sends on the epoch's group, whatever the script
     asks of DDP: a parameter no step uses (find_unused_parameters), gradients as views of the
-    buckets, no_sync() accumulation, a model in two parts wrapped apart (the layout round
-    averages both: it used to average the last one only, and the first part diverged). A
+    buckets, no_sync() accumulation, a model in two parts wrapped apart with an optimizer each,
+    both in one ft.Optimizer (the layout round averages both parts: it used to average the last
+    one only, and the first part diverged). A
     replica SIGKILLed mid-run is restarted
     and healed, the others' backward passes that were cut off by its death fail their round
     instead of raising, and every replica ends bitwise identical at the last step."""
@@ -570,6 +571,16 @@ def test_ddp_options_ftrun_cannot_honour_are_refused_with_the_fix(ftrun_home, tm
     proc = run_ftrun(["--nproc", 2, "--ft", script], timeout=60)
     assert proc.returncode != 0
     assert "under --ft ftrun chooses the group (the replicas alive at each step): drop process_group=" in proc.stderr
+    # A GAN's loop: two ft.Optimizers stepped between backward passes.
+    script = tmp_path / "two_optimizers.py"
+    script.write_text("import torch\nimport ftrun.ft as ft\n"
+                      "g = ft.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
+                      "d = ft.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
+                      "ft.Optimizer(torch.optim.SGD(g.parameters(), lr=0.1))\n"
+                      "ft.Optimizer(torch.optim.SGD(d.parameters(), lr=0.1))\n")
+    proc = run_ftrun(["--nproc", 2, "--ft", script], timeout=60)
+    assert proc.returncode != 0
+    assert "give every optimizer to one: ft.Optimizer(opt_a, opt_b)" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])

@@ -265,6 +265,8 @@ class Manager:
     def register_model(self, model: torch.nn.Module) -> None:
         self.state.add_model(model)
 
+    optimizer_wrapped = False  # ft.Optimizer was made (one per run: ft/optim.py)
+
     def register_optimizer(self, opt: torch.optim.Optimizer) -> None:
         self.state.add_optimizer(opt)
 
