@@ -94,12 +94,12 @@ def _identical(out: Path) -> str:
     return "identical"
 
 
-def one(i: int, stall_s: float, keep: Path) -> str:
+def one(i: int, stall_s: float, keep: Path, step_sleep: float) -> str:
     home = Path(tempfile.mkdtemp(prefix=f"ftrun-stress-{i}-"))
     err = open(home / "ftrun.err", "w")
     proc = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", "--max-restarts", "10",
                              "--run-id", "chaos", str(ROOT / "scripts" / "train_ft.py"), "--steps", "240",
-                             "--step-sleep", "0.02", "--out", str(home / "p")],
+                             "--step-sleep", str(step_sleep), "--out", str(home / "p")],
                             stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ, FTRUN_HOME=str(home)),
                             cwd=ROOT)
 
@@ -156,6 +156,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=50)
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--busy", type=int, default=0, help="busy-looping processes for load")
+    ap.add_argument("--step-sleep", type=float, default=0.02,
+                    help="seconds added to each step (0.1: slow steps, so rounds of one or two steps after the "
+                         "first failure)")
     ap.add_argument("--stall", type=float, default=60.0, help="seconds without a change that make a deadlock")
     ap.add_argument("--keep", default=tempfile.gettempdir(), help="where stalled runs' folders are moved")
     args = ap.parse_args()
@@ -163,7 +166,8 @@ def main() -> None:
     try:
         with ThreadPoolExecutor(args.parallel) as pool:
             results = []
-            for line in pool.map(lambda i: one(i, args.stall, Path(args.keep)), range(1, args.runs + 1)):
+            for line in pool.map(lambda i: one(i, args.stall, Path(args.keep), args.step_sleep),
+                                 range(1, args.runs + 1)):
                 print(f"{line} (load average {os.getloadavg()[0]:.1f})", flush=True)
                 results.append(line)
     finally:
