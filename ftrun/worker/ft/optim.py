@@ -23,6 +23,8 @@ class ReplicaOptimizer:
             got = ", ".join(type(o).__name__ for o in optimizers) or "nothing"
             raise TypeError(f"ftrun.ft.Optimizer() takes optimizers (with step() and state_dict()), got {got}: "
                             f"ft.Optimizer(torch.optim.AdamW(model.parameters()))")
+        if len({id(o) for o in optimizers}) != len(optimizers):
+            raise TypeError("ftrun.ft.Optimizer(): the same optimizer twice would step twice a step: pass each once")
         if mgr.optimizer_wrapped:
             raise TypeError("ftrun.ft.Optimizer: a second one: under --ft a global step is one optimizer step of the "
                             "whole model; give every optimizer to one: ft.Optimizer(opt_a, opt_b) (a loop that steps "
