@@ -131,6 +131,7 @@ class Manager:
         # gradients) the round is discarded by all, with no vote.
         self.layout_round = False
         self.layout_averages: List[Optional[Callable[[], None]]] = []
+        self.optimizer_wrapped = False  # ft.Optimizer was made (one per run: ft/optim.py)
         # A fresh epoch may resume from a checkpoint (--checkpoint-dir): its layout round is
         # discarded, so the resumed step runs on the rebuilt buckets as it did in the run
         # that wrote the checkpoint, and the resumed run stays bitwise that run.
@@ -264,8 +265,6 @@ class Manager:
     # ------------------------------------------------------------ registration
     def register_model(self, model: torch.nn.Module) -> None:
         self.state.add_model(model)
-
-    optimizer_wrapped = False  # ft.Optimizer was made (one per run: ft/optim.py)
 
     def register_optimizer(self, opt: torch.optim.Optimizer) -> None:
         self.state.add_optimizer(opt)
