@@ -639,8 +639,8 @@ def main() -> None:
     cmd = "python scripts/bench_chaos.py" + "".join(
         f" {k} {v}" for k, v in (("--duration", f"{args.duration:g}"), ("--periods", " ".join(f"{x:g}" for x in args.periods)),
                                  ("--seed", args.seed)))
-    cmd += "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in ("dim", "hidden", "depth", "optim", "lr",
-                                                                            "ckpt_every")
+    cmd += "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in ("ref_duration", "dim", "hidden", "depth",
+                                                                            "optim", "lr", "ckpt_every")
                    if getattr(args, k) != p.get_default(k))
     block = "\n".join([
         f"Run: `{cmd}` on {time.strftime('%Y-%m-%d %H:%M', time.localtime(began))}, {os.cpu_count()} CPU cores, "
