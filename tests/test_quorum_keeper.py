@@ -160,6 +160,22 @@ def test_rounds_follow_the_runs_pace(keeper, step_s, expected):
     assert _epoch(keeper, 3)["round_steps"] == expected
 
 
+def test_pace_forgets_a_run_that_started_again_from_step_0():
+    """Every holder lost: the run starts again at step 0 (or a checkpoint's step), and the old
+    pace says nothing about the new one."""
+    pace = quorum.Pace()
+    for i in range(10):
+        pace.note(i * 0.5, 100 + i)
+    assert pace.step_s() == pytest.approx(0.5)
+    pace.note(6.0, 0)
+    assert pace.step_s() is None
+    for i in range(1, 5):
+        pace.note(6.0 + i * 0.01, i)
+    assert pace.step_s() is None  # 4 steps in 0.04 s: too little to tell
+    pace.note(7.0, 100)
+    assert pace.step_s() == pytest.approx(0.01)
+
+
 def test_a_chosen_round_length_is_kept(monkeypatch):
     monkeypatch.setenv(keys.ROUND_STEPS_ENV, "5")
     q = QuorumKeeper(_RunStore(), [0, 1])
