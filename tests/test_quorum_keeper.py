@@ -148,15 +148,16 @@ def test_rounds_follow_the_runs_pace(keeper, step_s, expected):
     keeper.poll(0.0)
     assert _epoch(keeper, 1)["round_steps"] == keys.ROUND_STEPS  # no pace known yet
     if step_s is not None:
-        for i in range(40):
+        for i in range(100):
             for r in range(3):
                 keeper._s.set(keys.info_key(r), json.dumps({"inc": 0, "epoch": 1, "round": i, "phase": "compute",
                                                             "step": i, "beat": i}))
             keeper.poll((i + 1) * step_s)
+    assert (keeper.pace.step_s() is None) == (step_s is None)  # a fast run's 8 comes from its pace, too
     keeper.on_exit(0, 0)
     assert _epoch(keeper, 2)["round_steps"] == expected, keeper.history
     _join(keeper, 0, 1)
-    keeper.poll(100.0)
+    keeper.poll(101 * step_s if step_s else 100.0)  # the run goes on at its pace
     assert _epoch(keeper, 3)["round_steps"] == expected
 
 

@@ -48,6 +48,7 @@ from ftrun.supervisor.relay import Routes
 FIRST_EPOCH_WAIT_S = 30.0
 COLLECT_EVERY_S = 0.25  # one list_keys per status report: a few dozen keys of rounds in flight at most
 ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
+PACE_EVERY_S = 0.25  # the run's pace is sampled as often as the replicas report
 INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
 STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another epoch
 
@@ -552,7 +553,8 @@ class QuorumKeeper:
         vals, infos = self._read_with_reports([keys.join_key(r) for r in self.ranks]
                                               + [keys.healed_key(r) for r in self.ranks])
         self._absorb(vals[n:], infos)
-        self.pace.note(now, self.global_step())
+        if now - self.pace.noted_at >= PACE_EVERY_S:  # global_step() reads every report: not at every tick
+            self.pace.note(now, self.global_step())
         self._unstick(time.monotonic(), top)
         asked: Dict[int, int] = {}
         for r, j in zip(self.ranks, vals[:n]):
@@ -721,8 +723,10 @@ class Pace:
 
     def __init__(self) -> None:
         self.samples: Deque[Tuple[float, int]] = deque()
+        self.noted_at = float("-inf")
 
     def note(self, t: float, step: int) -> None:
+        self.noted_at = t
         if self.samples and step < self.samples[-1][1]:  # a fresh start: the old pace says nothing
             self.samples.clear()
         if self.samples and step == self.samples[-1][1]:
