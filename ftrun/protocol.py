@@ -345,6 +345,15 @@ def info_key(rank: int) -> str:
 # {"step", "path", "bytes", "write_s", "pause_s", "time", ...} for `ftrun status`; the
 # checkpoint itself is on disk, never in the store.
 CHECKPOINT = PREFIX + "checkpoint"
+# Saves that wrote nothing (a full disk, an I/O error): a counter (store.add) over the run, and the
+# last failure as JSON {"step", "why", "final", "time", "failed"} (failed: the counter after it).
+# CHECKPOINT's JSON holds "failed", the counter when it was published: the failures since are the
+# difference.
+CHECKPOINT_FAILED = PREFIX + "checkpoint-failed"
+CHECKPOINT_FAILURE = PREFIX + "checkpoint-failure"
+# A stop signal with --checkpoint-dir: the writing replica's word once the checkpoint of the last
+# committed step is written (or could not be): JSON {"step", "ok", "path" | "why"}.
+STOP_SAVE = PREFIX + "stop-save"
 # A worker's exit status when the checkpoint it must resume from holds another model or
 # optimizer (sysexits' EX_CONFIG): restarting cannot help, the supervisor ends the run (exit 2).
 EXIT_FOREIGN_CHECKPOINT = 78
@@ -380,6 +389,11 @@ class Epoch:
     # round after a different count would wait for a decision while its peers wait for its
     # collective. Sharded replicas and layout rounds take one step a round whatever this says.
     round_steps: int = 1
+    # A stop signal with --checkpoint-dir: at the switch to this epoch every member stops (no
+    # group, no step), the workers of replica `writer` save the step they hold (-1: no replica
+    # holds the trained state, nothing is saved), and all wait to be stopped.
+    stop: bool = False
+    writer: int = -1
 
     @property
     def ranks(self) -> List[int]:
@@ -389,11 +403,15 @@ class Epoch:
         return dict(self.members)[rank]
 
     def to_json(self) -> str:
-        return json.dumps({"id": self.id, "members": [list(m) for m in self.members], "healers": list(self.healers),
-                           "fresh": self.fresh, "start_round": self.start_round, "round_steps": self.round_steps})
+        d = {"id": self.id, "members": [list(m) for m in self.members], "healers": list(self.healers),
+             "fresh": self.fresh, "start_round": self.start_round, "round_steps": self.round_steps}
+        if self.stop:
+            d.update(stop=True, writer=self.writer)
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text) -> "Epoch":
         d = json.loads(text)
         return cls(d["id"], tuple(sorted((int(r), int(k)) for r, k in d["members"])), tuple(d.get("healers", ())),
-                   bool(d.get("fresh", False)), int(d.get("start_round", -1)), int(d.get("round_steps", 1)))
+                   bool(d.get("fresh", False)), int(d.get("start_round", -1)), int(d.get("round_steps", 1)),
+                   bool(d.get("stop", False)), int(d.get("writer", -1)))

@@ -105,6 +105,11 @@ def snapshot(path: Path, status: RunStatus, now: float, boot: Optional[float]) -
         hb = r.get("last_heartbeat")
         r["heartbeat_age_s"] = round(max(0.0, now - hb), 3) if isinstance(hb, (int, float)) else None
         r["recorded_state"] = r["state"]
+        last = r.get("last_step_time")
+        if live and isinstance(last, (int, float)) and isinstance(r.get("steps_per_s"), (int, float)):
+            # The recorded rate is an average over the steps seen: a replica with no step for t
+            # seconds goes at most one step per t now, whatever it went before.
+            r["steps_per_s"] = round(min(r["steps_per_s"], 1.0 / max(now - last, 1e-3)), 3)
         if live and r["state"] == "running" and r["heartbeat_age_s"] is not None \
                 and r["heartbeat_age_s"] > STALLED_AFTER_S:
             r["state"] = "stalled"
@@ -190,8 +195,32 @@ def _script_line(run: Dict[str, Any]) -> str:
     return script
 
 
-def render_run(run: Dict[str, Any]) -> "RenderableType":
-    """One run: a header line and a table of its replicas."""
+# Columns that give way, first to last, when the terminal is too narrow for the table: values are
+# never cut ("st…" for a state, "104…" for a step); rank, state and step always stay.
+OPTIONAL_COLUMNS = ("rss", "cpu %", "heartbeat", "last heal", "restarts", "pid", "quorum", "node", "steps/s")
+FAILURE_MIN = 12  # the failure column's least width: it is the one cut to fit
+
+
+def _fit(cols: List[str], rows: List[List[Any]], width: Optional[int]) -> List[int]:
+    """Indexes of the columns to show so that the table fits in `width` (None: no limit)."""
+    keep = list(range(len(cols)))
+    if width is None:
+        return keep
+
+    def need(idx: List[int]) -> int:
+        widths = [FAILURE_MIN if cols[i] == "last failure" else
+                  max([len(cols[i])] + [len(str(row[i])) for row in rows]) for i in idx]
+        return sum(widths) + 2 * (len(idx) - 1)
+
+    for name in OPTIONAL_COLUMNS:
+        if need(keep) <= width:
+            break
+        keep = [i for i in keep if cols[i] != name]
+    return keep
+
+
+def render_run(run: Dict[str, Any], width: Optional[int] = None) -> "RenderableType":
+    """One run: a header line and a table of its replicas, fitted to `width` columns."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -230,6 +259,12 @@ def render_run(run: Dict[str, Any]) -> "RenderableType":
         lines.append(Text(f"  checkpoint step {ck.get('step')}, {_age(ck.get('age_s'))} ago, "
                           f"{_bytes(ck.get('bytes'))}, written in {_num(ck.get('write_s'), '{:.2f}s')}: "
                           f"{ck.get('path')}", style="magenta"))
+    if isinstance(ck, dict) and ck.get("failed_total"):
+        last = ck.get("last_failure") if isinstance(ck.get("last_failure"), dict) else {}
+        since = ck.get("failed_since") or 0
+        lines.append(Text(f"  checkpoint saves failed: {since} since the last good one, {ck['failed_total']} in all"
+                          + (f"; last, step {last.get('step')}: {last.get('why')}" if last else ""),
+                          style="bold red" if since else "yellow"))
     if ended:
         code = run.get("exit_code")
         summary = run.get("exit_summary") or ""
@@ -245,10 +280,7 @@ def render_run(run: Dict[str, Any]) -> "RenderableType":
     if ft:
         cols += ["quorum", "last heal"]
     cols.append("last failure")
-    for c in cols:
-        # Only the failure column gives way in a narrow terminal; numbers are never cut.
-        table.add_column(c, justify="left" if c in ("state", "last failure", "quorum") else "right",
-                         no_wrap=c != "last failure", min_width=12 if c == "last failure" else None)
+    rows = []
     for r in reps:
         state = r.get("state") or "?"
         style = STATE_STYLE.get(state, "")
@@ -266,13 +298,20 @@ def render_run(run: Dict[str, Any]) -> "RenderableType":
             row += [q, _num(r.get("last_heal_s"), "{:.2f}s")]
         # One line per replica, so --watch stays steady: a long reason is cut (--json has it whole).
         row.append(Text(r.get("last_failure") or "", style="red", no_wrap=True, overflow="ellipsis"))
-        table.add_row(*row)
+        rows.append(row)
+    shown = _fit(cols, rows, width)
+    for i in shown:
+        c = cols[i]
+        table.add_column(c, justify="left" if c in ("state", "last failure", "quorum") else "right",
+                         no_wrap=c != "last failure", min_width=FAILURE_MIN if c == "last failure" else None)
+    for row in rows:
+        table.add_row(*[row[i] for i in shown])
     if reps:
         lines.append(table)
     return Group(*lines)
 
 
-def render(runs: List[Dict[str, Any]], run_id: Optional[str] = None) -> "RenderableType":
+def render(runs: List[Dict[str, Any]], run_id: Optional[str] = None, width: Optional[int] = None) -> "RenderableType":
     from rich.console import Group
     from rich.text import Text
 
@@ -282,7 +321,7 @@ def render(runs: List[Dict[str, Any]], run_id: Optional[str] = None) -> "Rendera
     for i, run in enumerate(runs):
         if i:
             parts.append(Text(""))
-        parts.append(render_run(run))
+        parts.append(render_run(run, width))
     live = sum(1 for r in runs if r["phase"] not in (RunPhase.ENDED.value, UNREADABLE))
     ended = sum(1 for r in runs if r["phase"] == RunPhase.ENDED.value)
     broken = len(runs) - live - ended
@@ -378,27 +417,35 @@ def status_main(run_id: Optional[str] = None, watch: bool = False, as_json: bool
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
-    from rich.console import Console
-
-    console = Console()
+    console = _console()
+    width = console.width if console.is_terminal else None
     if not watch:
-        console.print(render(runs, run_id))
+        console.print(render(runs, run_id, width))
         return 0
 
     from rich.live import Live
 
     try:
-        with Live(render(runs, run_id), console=console, refresh_per_second=4, transient=False) as live:
+        with Live(render(runs, run_id, width), console=console, refresh_per_second=4, transient=False) as live:
             while True:
                 time.sleep(WATCH_INTERVAL_S)
                 try:
                     runs = collect(run_id)
                 except ConfigError:
                     runs = []  # the run was cleaned away while watched: say so, keep watching
-                live.update(render(runs, run_id))
+                live.update(render(runs, run_id, console.width if console.is_terminal else None))
     except KeyboardInterrupt:
         pass  # Ctrl-C is how --watch ends: not an error
     return 0
+
+
+def _console() -> Any:
+    """A terminal's own width; piped (`| less`, a file, a CI log), no width at all, so nothing is
+    cut to rich's 80 columns: a table without borders is no wider than its widest row."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=100_000)
 
 
 def fast_status(argv: List[str]) -> Optional[int]:

@@ -39,6 +39,8 @@ FT_PREFIX = "ftrun.ft: "
 FT_TROUBLE = re.compile(r"\b(fail(s|ed|ure)?|error|cannot|exiting|not a number|damaged|skipping|"
                         r"not written|not published|removed before|resumed from checkpoint)\b", re.IGNORECASE)
 HOOK_LINE = re.compile(r"ftrun: rank \d+: (?:(registered DDP comm hook )|hook \S+ step \d+: .*?( \(at exit\))?$)")
+# A worker stopped by Ctrl-C says where, in its log (ftrun.worker.bootstrap): the console has ftrun's line.
+INTERRUPTED_LINE = re.compile(r"ftrun: rank \d+: stopped by SIGINT \(KeyboardInterrupt\) in ")
 
 
 def chatter(line: str, speaker: bool) -> bool:
@@ -47,6 +49,8 @@ def chatter(line: str, speaker: bool) -> bool:
     rank would say alike (the hook registered, traffic figures at exit)."""
     if line.startswith(FT_PREFIX):
         return not FT_TROUBLE.search(line)
+    if INTERRUPTED_LINE.match(line):
+        return True
     m = HOOK_LINE.match(line)
     if m is None:
         return False

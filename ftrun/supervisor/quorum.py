@@ -107,6 +107,8 @@ class QuorumKeeper:
         # What a fresh epoch after the first means for the run (said once, in its history line).
         self.fresh_start = "starting again from the first step"
         self.fresh_epochs: Set[int] = set()  # epochs after the first that no holder of the trained state was in
+        # A stop signal with --checkpoint-dir (stop()): every epoch from then on is a stop epoch.
+        self.stopping = False
 
     # ------------------------------------------------------------ store
     @property
@@ -556,6 +558,8 @@ class QuorumKeeper:
         if now - self.pace.noted_at >= PACE_EVERY_S:  # global_step() reads every report: not at every tick
             self.pace.note(now, self.global_step())
         self._unstick(time.monotonic(), top)
+        if self.stopping:  # nobody joins a run that is stopping
+            return
         asked: Dict[int, int] = {}
         for r, j in zip(self.ranks, vals[:n]):
             inc = self.alive.get(r)
@@ -580,7 +584,21 @@ class QuorumKeeper:
         else:
             self._publish(f"rank{'s' if len(self.pending) > 1 else ''} {', '.join(map(str, sorted(self.pending)))} joined")
 
+    def stop(self) -> Optional[int]:
+        """A stop signal: publish a stop epoch (protocol.Epoch.stop), at whose switch every member
+        stops and the writer replica saves the step it holds. The writer (a replica holding the
+        trained state, on this node where one is) or None: no epoch yet, or nobody holds it."""
+        if not self.leader or not self.ready or self.epoch_id == 0 or not self.members:
+            return None
+        self.stopping = True
+        self._publish("a stop signal: the last committed step is saved, then every worker stops")
+        writer = Epoch.from_json(self._s.get(keys.epoch_key(self.epoch_id))).writer
+        return writer if writer >= 0 else None
+
     def _publish(self, why: str) -> None:
+        if self.stopping:
+            self._publish_stop(why)
+            return
         s = self._s
         # Members that have entered an epoch switch by their votes; the others are still joining.
         entered = s.multi_get([keys.entered_key(r) for r in self.members])
@@ -631,6 +649,32 @@ class QuorumKeeper:
         shape = f" of {self.k} workers" if self.k > 1 else ""
         rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if steps != self.round_steps else ""
         self.history.append(f"epoch {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}")
+
+    def _publish_stop(self, why: str) -> None:
+        """A stop epoch of the members there are now (nobody joins any more): the writer is the
+        lowest replica whose every worker holds the trained state, on this node where one does
+        (its workers are the last this node's ftrun stops)."""
+        s = self._s
+        entered = s.multi_get([keys.entered_key(r) for r in self.members])
+        continuing = any(int(e) == k for (r, k), e in zip(self.members.items(), entered))
+        healed = s.multi_get([keys.healed_key(r) for r in self.members])
+        for r, h in zip(self.members, healed):
+            if int(h) >= 0:
+                self.healed.add((r, int(h)))
+        holders = sorted({r // self.k for r in self.members
+                          if all((m, self.members.get(m)) in self.healed for m in self._mates(r))})
+        local = [rep for rep in holders if rep * self.k in self.local]
+        writer = (local or holders or [-1])[0]
+        self.epoch_id += 1
+        members = tuple(sorted(self.members.items()))
+        start = -1 if continuing else self._top() + 1
+        epoch = Epoch(self.epoch_id, members, (), False, start, 1, stop=True, writer=writer)
+        self.epochs[self.epoch_id] = set(members)
+        self.starts[self.epoch_id] = start
+        s.set(keys.epoch_key(self.epoch_id), epoch.to_json())
+        s.set(keys.LATEST, str(self.epoch_id))
+        saver = f"replica {writer} saves" if writer >= 0 else "no replica holds the trained state: nothing to save"
+        self.history.append(f"epoch {self.epoch_id}: stop ({why}; {saver})")
 
     def _survivors_source(self) -> Optional[int]:
         """After the store moved, replicas rejoin holding what they held then: each says which

@@ -41,8 +41,9 @@ from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, 
                                    signal_group)
 from ftrun.supervisor.store import STORE_TIMEOUT_S, RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import (CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, NODE_RANKS_ENV, NODE_STORE_ENV,
-                            RUN_STORE, progress_key)
+from ftrun.protocol import (CHECKPOINT, CHECKPOINT_FAILURE, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT,
+                            NODE_RANKS_ENV, NODE_STORE_ENV, RUN_STORE, STOP_SAVE, progress_key)
+from ftrun.supervisor import folder_lock
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -87,6 +88,17 @@ class Stopping:
     code: int                     # EXIT: ftrun's exit status; RESTART_GROUP: the failure's, for the barrier
     give_up_at: float             # grace + KILL_WAIT_S: the rest are counted as gone
     failure: Optional[Failure] = None  # REPORT
+
+
+@dataclass
+class SaveBeforeStop:
+    """--ft with --checkpoint-dir, a stop signal: the replicas stop at one round boundary and one
+    of them saves the last committed step (QuorumKeeper.stop); the workers are signalled once it
+    says it is written, or failed, or at the deadline (--shutdown-timeout after the signal)."""
+
+    sig: int
+    started: float
+    deadline: float
 
 
 def forwarded_signals(cfg: RunConfig) -> List[int]:
@@ -151,12 +163,23 @@ class Supervisor:
         # (ftrun.supervisor.rendezvous runs the next round only when this says so).
         self.reform = False
         self.store_lost = False  # ...because the run's store went away with its node (it moves first)
+        self.folder_lock: Optional[folder_lock.FolderLock] = None  # --checkpoint-dir, node 0: one run per folder
+        self.saving: Optional[SaveBeforeStop] = None
+        self._failure_seen: Optional[bytes] = None
 
     # ---------------------------------------------------------------- start
     def run(self) -> int:
         for sig in forwarded_signals(self.cfg):
             signal.signal(sig, self._on_signal)
         cfg = self.cfg
+        if cfg.ft and cfg.checkpoint_dir and cfg.node_rank == 0:
+            # Before anything starts: a second live run on the folder is refused in one line (exit 2).
+            self.folder_lock = folder_lock.acquire(cfg.checkpoint_dir, cfg.run_id,
+                                                   lambda m: self.console.note(m, style="yellow"))
+            count, size = folder_lock.remove_partials(cfg.checkpoint_dir)
+            if count:
+                self.console.note(f"removed {count} partial checkpoint folder{'s' if count != 1 else ''} that killed "
+                                  f"writes left in {cfg.checkpoint_dir} ({size / 1e6:.1f} MB)", style="yellow")
         host = cfg.master_addr
         self.store = self._given_store or open_run_store(cfg, store_listen_addr(cfg))
         port = self.store.port
@@ -286,6 +309,8 @@ class Supervisor:
             event = self.nodes.check()
             if event is not None:
                 self._on_node_event(event)
+        if self.saving is not None and self.stopping is None:
+            self._check_saving()
         if self.stopping is not None:
             return self._advance_stop()
         if all(w.state in (WorkerState.DONE, WorkerState.FAILED) for w in self.workers):
@@ -332,6 +357,13 @@ class Supervisor:
         self.stopped_by_signal = signum
         name = signal.Signals(signum).name
         st = self.stopping
+        if st is None and self.saving is not None:
+            self.console.note(f"received {name} again: stopping without waiting for the checkpoint", style="bold yellow")
+            self.saving = None
+            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, 128 + signum)
+            return
+        if st is None and self._save_before_stop(signum):
+            return
         if st is None:
             self.console.note(f"received {name}: stopping all workers "
                               f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
@@ -346,6 +378,57 @@ class Supervisor:
             self.console.note(f"received {name}: {instead}{'no more grace, killing the workers now' if in_grace else ''}"
                               .rstrip("; "), style="bold yellow")
         self._kill_stopping_now()
+
+    def _save_before_stop(self, signum: int) -> bool:
+        """--ft with --checkpoint-dir, on the node keeping the quorum: have the replicas stop at one
+        round boundary and save the last committed step before they are signalled. False when
+        there is nothing to save (no epoch yet, nobody holds the trained state, the loop ended)."""
+        q = self.quorum
+        if not (self.cfg.checkpoint_dir and q is not None and q.leader) or \
+                any(w.state == WorkerState.DONE for w in self.workers):
+            return False
+        try:
+            writer = q.stop()
+        except Exception:  # noqa: BLE001 - the store is gone: nothing can coordinate a save
+            return False
+        if writer is None:
+            return False
+        now = time.time()
+        grace = self.cfg.shutdown_timeout
+        self.saving = SaveBeforeStop(signum, now, now + grace)
+        self.console.note(f"received {signal.Signals(signum).name}: saving a checkpoint of the last committed step "
+                          f"(replica {writer}), then stopping all workers (at most {grace:g} s in all: "
+                          f"--shutdown-timeout)", style="bold yellow")
+        self._dirty = True
+        return True
+
+    def _check_saving(self) -> None:
+        """While the replicas save before stopping: signal the workers once the writer says how
+        it went, at the deadline, or once no worker is left to write."""
+        sv = self.saving
+        word = None
+        try:
+            if self.store.store.check([STOP_SAVE]):
+                word = json.loads(self.store.multi_get([STOP_SAVE])[0])
+        except Exception:  # noqa: BLE001 - the store went away: the deadline ends the wait
+            pass
+        now = time.time()
+        if word is None and now < sv.deadline and any(w.alive for w in self.workers):
+            return
+        self.saving = None
+        took = now - sv.started
+        if word is not None and word.get("ok"):
+            self.console.note(f"checkpoint of step {word.get('step')} written to {word.get('path')} in {took:.1f} s; "
+                              f"stopping all workers", style="bold yellow")
+        elif word is not None:
+            self.console.note(f"the checkpoint of step {word.get('step')} failed before stopping: {word.get('why')}; "
+                              f"stopping all workers", style="bold red")
+        else:
+            self.console.note(f"no checkpoint was written within --shutdown-timeout {self.cfg.shutdown_timeout:g} s "
+                              f"(give a save more time with a longer --shutdown-timeout); stopping all workers",
+                              style="bold red")
+        self._begin_stop(sv.sig, max(min(1.0, self.cfg.shutdown_timeout), sv.deadline - now), AfterStop.EXIT,
+                         128 + sv.sig)
 
     def _on_spawner_died(self, ev: SpawnerDied) -> None:
         st = self.stopping
@@ -416,6 +499,12 @@ class Supervisor:
         # replica policy (--ft): the failed worker's replica fails as a unit
         rep = w.rank // self.k
         mates = [o for o in self._replica(rep) if o is not w]
+        if self.saving is not None:  # the run is stopping: nothing restarts
+            w.state = WorkerState.FAILED
+            self._stop_mates(mates, WorkerState.FAILED)
+            self.console.note(f"rank {w.rank} {failure.reason} while the run saves before stopping; not restarted",
+                              style="yellow")
+            return
         live_after = len({o.rank // self.k for o in self.workers if o.alive and o.rank // self.k != rep})
         who = f"rank {w.rank}" if self.k == 1 else f"rank {w.rank} of replica {rep}"
         if any(o.state == WorkerState.DONE for o in self.workers):
@@ -896,21 +985,41 @@ class Supervisor:
             self._dirty = True  # the run's figures are taken at every write (_write_state)
 
     def _poll_checkpoint(self) -> None:
-        """The newest checkpoint a replica published (a few words in the store), for `ftrun status`."""
+        """The newest good checkpoint a replica published, and the saves that failed (a few words
+        in the store), for `ftrun status`: the last good one, and the failures since."""
         try:
             raw = self.store.multi_get([CHECKPOINT])[0] if self.store.store.check([CHECKPOINT]) else None
+            failed = (self.store.multi_get([CHECKPOINT_FAILURE])[0] if self.store.store.check([CHECKPOINT_FAILURE])
+                      else None)
         except Exception:
             return
-        if raw is None or raw == self._checkpoint_seen:
+        if (raw, failed) == (self._checkpoint_seen, self._failure_seen):
             return
-        self._checkpoint_seen = raw
-        try:
-            info = json.loads(raw)
-        except ValueError:
+        self._checkpoint_seen, self._failure_seen = raw, failed
+        good, bad = _json_dict(raw), _json_dict(failed)
+        ck: Dict[str, object] = {k: good.get(k) for k in ("step", "path", "bytes", "write_s", "pause_s", "time")}
+        total = max(int(good.get("failed") or 0), int(bad.get("failed") or 0))
+        ck["failed_total"] = total
+        ck["failed_since"] = total - int(good.get("failed") or 0)
+        if bad and (not good or bad.get("time", 0) > good.get("time", 0)):
+            ck["last_failure"] = {k: bad.get(k) for k in ("step", "why", "final", "time")}
+        self.status.checkpoint = ck
+        self._dirty = True
+
+    def _say_checkpoints(self) -> None:
+        """The run's last lines, where saves failed: how many, and the newest good checkpoint."""
+        ck = self.status.checkpoint or {}
+        if not ck.get("failed_total"):
             return
-        if isinstance(info, dict):
-            self.status.checkpoint = {k: info.get(k) for k in ("step", "path", "bytes", "write_s", "pause_s", "time")}
-            self._dirty = True
+        n = ck["failed_total"]
+        good = (f"the newest good checkpoint is step {ck['step']} ({ck['path']})" if ck.get("step") is not None
+                else "no checkpoint was written")
+        last = ck.get("last_failure") or {}
+        if last.get("final"):
+            self.console.note(f"the checkpoint of the last step ({last.get('step')}) could not be written: "
+                              f"{last.get('why')}; {good}. The training itself ended normally", style="bold red")
+        self.console.note(f"{n} checkpoint save{'s' if n != 1 else ''} failed in this run; {good}",
+                          style="bold yellow")
 
     def _reports_store(self) -> RunStore:
         """Where this node's workers report progress: the node's own store when it relays their
@@ -1090,8 +1199,11 @@ class Supervisor:
                 p.done.wait(1.0)
         self.spawner.close()
         self._read_last_reports()
-        if code == 0 and self.cfg.checkpoint_dir and self.store is not None and self.store.store is not None:
+        if self.cfg.checkpoint_dir and self.store is not None and self.store.store is not None and \
+                (code == 0 or self.stopped_by_signal is not None):
             self._poll_checkpoint()  # the last one was published a moment before its writer exited
+        if self.folder_lock is not None:
+            self.folder_lock.release()
         self.status.phase = RunPhase.ENDED.value
         self.status.exit_code = code
         self.status.ended = time.time()
@@ -1104,6 +1216,15 @@ class Supervisor:
         self._write_state()
         if code == 0:
             self.console.note(f"run {self.cfg.run_id} finished in {time.time() - self.started:.1f} s", style="bold green")
+        self._say_checkpoints()
+
+
+def _json_dict(raw: Optional[bytes]) -> Dict[str, object]:
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def run_supervisor(cfg: RunConfig) -> int:

@@ -58,6 +58,36 @@ def _user_traceback(exc: BaseException) -> None:
     traceback.print_exception(type(exc), exc, tb)
 
 
+# The one line an interrupted worker writes instead of a traceback (ftrun.supervisor.logs keeps it
+# in the rank's log, off the console: ftrun's own line says that the run was interrupted).
+INTERRUPTED_LINE = "ftrun: rank {rank}: stopped by SIGINT (KeyboardInterrupt) in {where}"
+
+
+def _interrupted(exc: BaseException) -> None:
+    """Ctrl-C reaches a worker through ftrun (each runs in a session of its own), at every rank
+    at once: one line says where this one was, the innermost frame of the user's own code
+    (not the standard library's, an installed package's or ftrun's), instead of a traceback
+    per rank."""
+    import sysconfig
+
+    ftrun_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    libraries = tuple(p for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
+                                                                         "platlib")} if p)
+    user = ours = None
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith(ftrun_dir) and not name.endswith("runpy.py"):
+            ours = tb
+            if not name.startswith(libraries):
+                user = tb
+        tb = tb.tb_next
+    frame = user or ours
+    where = (f"{frame.tb_frame.f_code.co_filename} line {frame.tb_lineno} ({frame.tb_frame.f_code.co_name})"
+             if frame is not None else "ftrun's code")
+    sys.stderr.write(INTERRUPTED_LINE.format(rank=os.environ.get("RANK", "?"), where=where) + "\n")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     as_module = bool(args) and args[0] == "-m"
@@ -83,7 +113,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     except SystemExit as exc:
         code = _exit_status(exc.code)
     except KeyboardInterrupt:
-        _user_traceback(sys.exc_info()[1])
+        _interrupted(sys.exc_info()[1])
         code = 130
     except BaseException as exc:  # noqa: BLE001 - the script's own failure, reported as python would
         _user_traceback(exc)

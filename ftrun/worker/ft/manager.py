@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ftrun import protocol as keys
 from ftrun.worker.ft import vote
-from ftrun.worker.ft.checkpoint import Checkpointer, CheckpointMismatch
+from ftrun.worker.ft.checkpoint import SAVE_ERRORS, Checkpointer, CheckpointMismatch
 from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
 from ftrun.protocol import Epoch
 from ftrun.worker.ft.state import ReplicaState
@@ -55,6 +55,9 @@ from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
 POLL_S = 0.005
 SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
 RELOCATE_S = 120.0  # the nodes agree on a new store in seconds; a node that cannot stops its workers
+FINAL_SAVE_RETRIES = 2  # a failed checkpoint of the loop's last step is tried again this often,
+FINAL_SAVE_RETRY_S = 1.0  # after this many seconds times the attempt's number
+PARK_POLL_S = 0.2  # a stopped member looks this often for a newer stop epoch naming it the writer
 STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's store to count as up
 
 
@@ -352,6 +355,7 @@ class Manager:
                     self._settle()
                     if self.checkpoints is not None:
                         self.checkpoints.wait()  # the last checkpoint is published before the script goes on
+                        self._retry_final_save()
                     if not self.finished:
                         self.store.compare_set(keys.FINISHED, "", str(self.step))
                     break
@@ -385,7 +389,8 @@ class Manager:
         if self._save_due:
             self._save_due = False
             self._set_phase("checkpoint")
-            self.checkpoints.save(self.state, self.step)
+            last = self.total is not None and self.step >= self.total
+            self.checkpoints.save(self.state, self.step, "final" if last else "periodic")
         if self.epoch is None:
             self._join()
         else:
@@ -395,6 +400,23 @@ class Manager:
         self.round_len = self._round_length()
         self.round_ok = self.round_ok and self.in_sync
         self._set_phase("compute")
+
+    def _retry_final_save(self) -> None:
+        """The checkpoint of the loop's last step failed (this replica wrote it): try again, a
+        few times, a little later each time (every worker of the replica knows the outcome
+        alike, so they all retry together). The training itself is done either way."""
+        ck = self.checkpoints
+        for attempt in range(1, FINAL_SAVE_RETRIES + 1):
+            if ck.result != (self.step, False):
+                return
+            _log(f"rank {self.rank}: trying the checkpoint of the last step {self.step} again in "
+                 f"{FINAL_SAVE_RETRY_S * attempt:g} s (attempt {attempt + 1} of {FINAL_SAVE_RETRIES + 1})")
+            time.sleep(FINAL_SAVE_RETRY_S * attempt)
+            ck.save(self.state, self.step, "final")
+            ck.wait()
+        if ck.result == (self.step, False) and self.shard == 0:
+            _log(f"rank {self.rank}: the checkpoint of the last step {self.step} failed {FINAL_SAVE_RETRIES + 1} "
+                 f"times ({ck.last_failure}); the training itself ended normally")
 
     def _round_length(self) -> int:
         """Steps in the round starting now: the epoch's round_steps, ending early where a
@@ -664,8 +686,8 @@ class Manager:
         lead = f"rank {self.rank}: the run finished at step {self.step} while this replica was restarting"
         if self.checkpoints is not None and self.k == 1:
             try:
-                found = self.checkpoints.resume(self.state)
-            except Exception as e:  # a foreign or damaged checkpoint: no state to stand on
+                found = self.checkpoints.resume(self.state, self.total)
+            except SAVE_ERRORS as e:  # a foreign or damaged checkpoint: no state to stand on
                 _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}")
                 found = None
             if found is not None and found.step == self.step:
@@ -703,6 +725,8 @@ class Manager:
             _log(f"rank {self.rank}: left out of epoch {epoch_id}; exiting so that ftrun restarts and heals it")
             sys.stderr.flush()
             os._exit(75)
+        if epoch.stop:
+            self._stop_here(epoch)
         changed = self.epoch is None or epoch.id != self.epoch.id
         if changed and not joining and epoch.start_round >= 0:
             # An epoch the supervisor started afresh (no member had entered one when it was
@@ -746,6 +770,51 @@ class Manager:
         self._plan_layout(epoch)
         for fn in self.group_listeners:
             fn(self.pg)
+
+    def _stop_here(self, epoch: Epoch) -> None:
+        """A stop signal reached the run (ftrun published a stop epoch): every member stops at this
+        round boundary, which all reach alike, each holding the state of the last step it
+        committed. The writer replica saves that step (unless its newest save is of it already)
+        and says how it went (protocol.STOP_SAVE); every member then waits to be stopped, and
+        saves after all should a newer stop epoch name its replica the writer (the first one's
+        died). The script's code after the loop never runs on a stopped run. Never returns."""
+        self._drop_group()
+        self._set_phase("stop")
+        saved = False
+        while True:
+            self.epoch = epoch
+            if not saved and self.replica == epoch.writer:
+                saved = True
+                self._save_before_stop()
+            time.sleep(PARK_POLL_S)
+            if self.latest_seen > epoch.id:
+                try:
+                    newest = Epoch.from_json(self.store.get(keys.epoch_key(self.latest_seen)))
+                except Exception:  # noqa: BLE001 - the store is going away with the run
+                    continue
+                if newest.stop and (self.rank, self.inc) in newest.members:
+                    epoch = newest
+
+    def _save_before_stop(self) -> None:
+        ck = self.checkpoints
+        word: Dict[str, Any] = {"step": self.step, "ok": False, "rank": self.rank}
+        if ck is None or not self.in_sync or self._tainted:
+            word["why"] = "the writing replica does not hold the trained state"
+        else:
+            ck.wait()  # a periodic save of this very step may be in flight
+            if ck.result != (self.step, True):
+                ck.save(self.state, self.step, "stop")
+                ck.wait()
+            word["ok"] = ck.result == (self.step, True)
+            if word["ok"]:
+                word["path"] = str(ck.settings.root / f"step-{self.step}")
+            else:
+                word["why"] = ck.last_failure
+        if self.shard == 0:
+            try:
+                self.store.set(keys.STOP_SAVE, json.dumps(word))
+            except Exception:  # noqa: BLE001 - the supervisor stops the run at its deadline anyway
+                pass
 
     def _plan_layout(self, epoch: Epoch) -> None:
         """Whether the first round on the group just formed is a layout round (ft/ddp.py): after
@@ -869,11 +938,11 @@ class Manager:
         worker's own tensors and its global step; the heal then sends that state to the others."""
         self._set_phase("resume")
         try:
-            found = self.checkpoints.resume(self.state)
+            found = self.checkpoints.resume(self.state, self.total)
         except CheckpointMismatch as e:  # every worker says it: the supervisor quotes whichever exits first
             _log(f"rank {self.rank}: {e}")
             os._exit(keys.EXIT_FOREIGN_CHECKPOINT)
-        except Exception as e:  # a failed read left part of a checkpoint in the tensors: restart clean
+        except SAVE_ERRORS as e:  # a failed read left part of a checkpoint in the tensors: restart clean
             _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}; exiting so that ftrun restarts it clean")
             os._exit(75)
         self._resumed = True
