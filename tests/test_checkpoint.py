@@ -72,7 +72,7 @@ def _kill_everything(proc) -> None:
 
 
 def _complete(d: Path):
-    return sorted(int(p.name.split("-")[1]) for p in d.glob("step-*"))
+    return sorted(int(p.name.split("-")[1]) for p in d.glob("step-*") if p.name.split("-")[1].isdigit())
 
 
 def _final_state(out: Path, ranks):
@@ -177,7 +177,7 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
     bitwise equal to one never interrupted, with state that changes before the optimizer
     step (BatchNorm statistics, a registered sampler that moves on at the top of the loop).
     Then the two newest checkpoints are damaged (unreadable .metadata, a truncated data
-    file): the next run skips each with one line and resumes from the third. A run of
+    file): the next run moves each aside with one line and resumes from the third. A run of
     another model, or of another optimizer, on that folder ends at once with one line naming
     the mismatch, exit 2."""
     d = tmp_path / "ck"
@@ -226,22 +226,21 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
     assert again.returncode == 0, again.stderr[-2000:]
     damaged = [line for line in again.stderr.splitlines() if "is damaged" in line]
     assert len(damaged) == 2, again.stderr
-    assert f"{d}/step-60 is damaged (.metadata cannot be read" in damaged[0], damaged
+    assert f"{d}/step-60 is damaged (.metadata does not match its checksum" in damaged[0], damaged
     assert f"{d}/step-55 is damaged (__0_0.distcp is truncated" in damaged[1], damaged
     assert f"resumed from checkpoint {d}/step-50 at step 50" in again.stderr, again.stderr[-2000:]
 
     cases = {"model": (["--width", 32], "model tensor model.0.weight is [16, 8] in the checkpoint, [32, 8] in this run"),
              "optimizer": (["--optim", "sgd"], "optimizer entry optim.state.0.weight.momentum_buffer")}
-    t0 = time.monotonic()
-    foreign = {name: _start(["-q", *cmd(name, d, 100, tmp_path / name, *extra, nproc=1)])
-               for name, (extra, _) in cases.items()}
-    for name, (_, needle) in cases.items():
-        code, err = foreign[name].wait(timeout=120), _err(foreign[name])
+    for name, (extra, needle) in cases.items():  # one after the other: one run at a time on a folder
+        t0 = time.monotonic()
+        run = _start(["-q", *cmd(name, d, 100, tmp_path / name, *extra, nproc=1)])
+        code, err = run.wait(timeout=120), _err(run)
         assert code == 2, (name, code, err[-2000:])
         lines = [line for line in err.splitlines() if "does not fit this run" in line]
         assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("ftrun: rank 0: checkpoint "), err
         assert "restarting" not in err and "Traceback" not in err, err
-    assert time.monotonic() - t0 < 60
+        assert time.monotonic() - t0 < 45
     assert _complete(d) == [55, 60, 65]  # a foreign run writes nothing
 
 

@@ -105,11 +105,14 @@ def snapshot(path: Path, status: RunStatus, now: float, boot: Optional[float]) -
         hb = r.get("last_heartbeat")
         r["heartbeat_age_s"] = round(max(0.0, now - hb), 3) if isinstance(hb, (int, float)) else None
         r["recorded_state"] = r["state"]
-        last = r.get("last_step_time")
-        if live and isinstance(last, (int, float)) and isinstance(r.get("steps_per_s"), (int, float)):
+        last, rate = r.get("last_step_time"), r.get("steps_per_s")
+        if live and isinstance(last, (int, float)) and isinstance(rate, (int, float)) and rate > 0:
             # The recorded rate is an average over the steps seen: a replica with no step for t
-            # seconds goes at most one step per t now, whatever it went before.
-            r["steps_per_s"] = round(min(r["steps_per_s"], 1.0 / max(now - last, 1e-3)), 3)
+            # seconds (well past its usual gap, and past STALLED_AFTER_S: reports come in beats)
+            # goes at most one step per t now, whatever it went before.
+            gap = now - last
+            if gap > max(STALLED_AFTER_S, 2.0 / rate):
+                r["steps_per_s"] = round(min(rate, 1.0 / gap), 3)
         if live and r["state"] == "running" and r["heartbeat_age_s"] is not None \
                 and r["heartbeat_age_s"] > STALLED_AFTER_S:
             r["state"] = "stalled"

@@ -150,7 +150,11 @@ def acquire(folder: str, run_id: str, say: Callable[[str], None]) -> FolderLock:
     now = time.time()
     record = {"run_id": run_id, "host": host, "pid": os.getpid(), "pid_start": psutil.Process().create_time(),
               "since": now, "renewed_at": now, "renewals": 0}
-    _write(fd, record)
+    try:
+        _write(fd, record)
+    except OSError as e:  # a full disk: the flock holds on this host; another host cannot tell
+        say(f"--checkpoint-dir {folder}: the lock's record could not be written ({e.strerror}); a run on another "
+            f"host would not see this one")
     return FolderLock(path, fd, record)
 
 

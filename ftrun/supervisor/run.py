@@ -119,6 +119,16 @@ class Supervisor:
         self.stopping: Optional[Stopping] = None
         self.events: "queue.SimpleQueue" = queue.SimpleQueue()
         self.console = ConsoleOut.for_config(cfg)
+        self.folder_lock: Optional[folder_lock.FolderLock] = None
+        if cfg.ft and cfg.checkpoint_dir and cfg.node_rank == 0:
+            # Before anything starts (a log folder included): a second live run on the folder is
+            # refused in one line (ConfigError: exit 2).
+            self.folder_lock = folder_lock.acquire(cfg.checkpoint_dir, cfg.run_id,
+                                                   lambda m: self.console.note(m, style="yellow"))
+            count, size = folder_lock.remove_partials(cfg.checkpoint_dir)
+            if count:
+                self.console.note(f"removed {count} partial checkpoint folder{'s' if count != 1 else ''} that killed "
+                                  f"writes left in {cfg.checkpoint_dir} ({size / 1e6:.1f} MB)", style="yellow")
         self.run_dir = run_dir(run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank))
         self.log_dir = log_dir(cfg)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +173,6 @@ class Supervisor:
         # (ftrun.supervisor.rendezvous runs the next round only when this says so).
         self.reform = False
         self.store_lost = False  # ...because the run's store went away with its node (it moves first)
-        self.folder_lock: Optional[folder_lock.FolderLock] = None  # --checkpoint-dir, node 0: one run per folder
         self.saving: Optional[SaveBeforeStop] = None
         self._failure_seen: Optional[bytes] = None
 
@@ -172,14 +181,6 @@ class Supervisor:
         for sig in forwarded_signals(self.cfg):
             signal.signal(sig, self._on_signal)
         cfg = self.cfg
-        if cfg.ft and cfg.checkpoint_dir and cfg.node_rank == 0:
-            # Before anything starts: a second live run on the folder is refused in one line (exit 2).
-            self.folder_lock = folder_lock.acquire(cfg.checkpoint_dir, cfg.run_id,
-                                                   lambda m: self.console.note(m, style="yellow"))
-            count, size = folder_lock.remove_partials(cfg.checkpoint_dir)
-            if count:
-                self.console.note(f"removed {count} partial checkpoint folder{'s' if count != 1 else ''} that killed "
-                                  f"writes left in {cfg.checkpoint_dir} ({size / 1e6:.1f} MB)", style="yellow")
         host = cfg.master_addr
         self.store = self._given_store or open_run_store(cfg, store_listen_addr(cfg))
         port = self.store.port
@@ -345,7 +346,14 @@ class Supervisor:
                 self._dirty = True
                 if w.stop_requested:
                     # Asked to stop before its process existed; past the grace it gets SIGKILL.
-                    signal_group(ev.pid, self.stopping.sig if self.stopping and w.kill_at else signal.SIGKILL)
+                    if not signal_group(ev.pid, self.stopping.sig if self.stopping and w.kill_at else signal.SIGKILL):
+                        # Just forked: not yet the leader of its own session (the group signal is
+                        # lost) and still with the zygote's handlers (SIGINT ignored). It has run
+                        # nothing of the script: SIGKILL, or it would run until the grace ends.
+                        try:
+                            os.kill(ev.pid, signal.SIGKILL)
+                        except OSError:
+                            pass
         elif isinstance(ev, SpawnerWarning):
             self.console.note(ev.message, style="yellow")
         elif isinstance(ev, SpawnerDied):
