@@ -22,7 +22,11 @@ steps" costs, against a block without. Measured:
   flatters torch.save).
 - steps/s of blocks with a save against blocks without (the ratio is the
   throughput of saving every 50 steps against not saving), and the
-  background write's own time. On a machine shared with other work the
+  background write's own time.
+- what the checksums cost the write: the run's saves alternate between with
+  and without them (FTRUN_CHECKPOINT_VERIFY=alternate: the save of step 300
+  with, of step 200 without; torch's record CRCs and the CRC of .metadata are
+  what ftrun checks at load), so the write-time ratio is of the same run. On a machine shared with other work the
   wall-clock ratio swings with the neighbours' load, so the same ratio is also
   given by the worker process's CPU time per step (every thread of it:
   training, staging, writing; the kernel's own writeback threads are not in
@@ -106,7 +110,7 @@ def one_run(size: str, scratch: Path) -> dict:
     shutil.rmtree(ck, ignore_errors=True)
     result = scratch / "result.json"
     result.unlink(missing_ok=True)
-    env = dict(os.environ, FTRUN_HOME=str(scratch / "home"))
+    env = dict(os.environ, FTRUN_HOME=str(scratch / "home"), FTRUN_CHECKPOINT_VERIFY="alternate")
     logs = scratch / "logs"
     shutil.rmtree(logs, ignore_errors=True)
     cmd = [sys.executable, "-m", "ftrun", "-q", "--nproc", "1", "--ft", "--log-dir", str(logs),
@@ -142,10 +146,15 @@ def one_run(size: str, scratch: Path) -> dict:
                       (logs / "rank0" / "stderr.log").read_text())
     infos = [{"step": int(a), "bytes": float(b) * 1e6, "write_s": float(c), "pause_s": float(d)} for a, b, c, d in said]
     infos = [i for i in infos if i["step"] < steps]  # the last save comes after the loop
+    # With checksums where step // SAVE_EVERY is odd (300), without where even (200); the first
+    # save (100) also allocates the staging buffers: left out.
+    checked = [i["write_s"] for i in infos[1:] if (i["step"] // SAVE_EVERY) % 2 == 1]
+    unchecked = [i["write_s"] for i in infos[1:] if (i["step"] // SAVE_EVERY) % 2 == 0]
     out = {"with": with_save, "without": without, "cpu_with": cpu_with, "cpu_without": cpu_without, "torch_save_s": statistics.median(r["torch_save_s"]),
            "params": r["params"], "peak_rss": r["peak_rss"], "usual_s": usual,
            "pauses": [i["pause_s"] for i in infos], "excess": [iters[i["step"] - 1] - usual for i in infos],
-           "write_s": [i["write_s"] for i in infos], "bytes": infos[0]["bytes"] if infos else 0}
+           "write_s": [i["write_s"] for i in infos], "bytes": infos[0]["bytes"] if infos else 0,
+           "checked": checked, "unchecked": unchecked}
     shutil.rmtree(ck, ignore_errors=True)
     return out
 
@@ -159,7 +168,9 @@ def bench(size: str, runs: int, scratch: Path) -> dict:
               f"{', '.join(f'{x:.3f}' for x in r['without'])}; CPU s/step with a save "
               f"{', '.join(f'{x:.3f}' for x in r['cpu_with'])}, without {', '.join(f'{x:.3f}' for x in r['cpu_without'])}; pauses {', '.join(f'{p:.3f}' for p in r['pauses'])} s "
               f"(from the loop {', '.join(f'{e:+.3f}' for e in r['excess'])} s); writes "
-              f"{', '.join(f'{w:.2f}' for w in r['write_s'])} s; torch.save {r['torch_save_s']:.2f} s; "
+              f"{', '.join(f'{w:.2f}' for w in r['write_s'])} s (with checksums "
+              f"{', '.join(f'{w:.2f}' for w in r['checked'])}, without {', '.join(f'{w:.2f}' for w in r['unchecked'])}); "
+              f"torch.save {r['torch_save_s']:.2f} s; "
               f"usual step {r['usual_s']:.3f} s", flush=True)
     later = [p for r in results for p in r["pauses"][1:]]
     return {
@@ -174,6 +185,10 @@ def bench(size: str, runs: int, scratch: Path) -> dict:
         "cpu_ratio": statistics.median(statistics.mean(r["cpu_without"]) / statistics.mean(r["cpu_with"])
                                        for r in results),
         "rss": statistics.median(r["peak_rss"] for r in results),
+        "write_checked": statistics.median(w for r in results for w in r["checked"]),
+        "write_unchecked": statistics.median(w for r in results for w in r["unchecked"]),
+        "checksum_ratio": statistics.median(statistics.mean(r["checked"]) / statistics.mean(r["unchecked"])
+                                            for r in results if r["checked"] and r["unchecked"]),
     }
 
 
@@ -181,15 +196,16 @@ def table(rows) -> str:
     lines = [
         "| params | state | pause per save | seen by the loop | first save | torch.save (sync) | pause / torch.save "
         "| write (background) | steps/s, block with a save | block without | ratio | ratio by CPU time "
-        "| worker peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| worker peak RSS | write with checksums | without | ratio (same run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['params'] / 1e6:.1f}M | {r['bytes'] / 1e6:.0f} MB | {r['pause']:.3f} s | {r['excess']:+.3f} s "
             f"| {r['pause_first']:.3f} s | {r['torch_save']:.2f} s | {100 * r['pause'] / r['torch_save']:.1f}% "
             f"| {r['write']:.2f} s | {r['sps_on']:.3f} | {r['sps_off']:.3f} | {r['ratio']:.3f} | {r['cpu_ratio']:.3f} "
-            f"| {r['rss'] / 2**30:.2f} GiB |")
+            f"| {r['rss'] / 2**30:.2f} GiB | {r['write_checked']:.2f} s | {r['write_unchecked']:.2f} s "
+            f"| {r['checksum_ratio']:.3f} |")
     return "\n".join(lines)
 
 

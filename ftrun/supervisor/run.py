@@ -41,9 +41,9 @@ from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, 
                                    signal_group)
 from ftrun.supervisor.store import STORE_TIMEOUT_S, RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import (CHECKPOINT, CHECKPOINT_FAILURE, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT,
-                            NODE_RANKS_ENV, NODE_STORE_ENV, RUN_STORE, STOP_SAVE, progress_key)
-from ftrun.supervisor import folder_lock
+from ftrun.protocol import (DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, NODE_RANKS_ENV, NODE_STORE_ENV, RUN_STORE,
+                            progress_key)
+from ftrun.supervisor import checkpoints, folder_lock
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -88,17 +88,6 @@ class Stopping:
     code: int                     # EXIT: ftrun's exit status; RESTART_GROUP: the failure's, for the barrier
     give_up_at: float             # grace + KILL_WAIT_S: the rest are counted as gone
     failure: Optional[Failure] = None  # REPORT
-
-
-@dataclass
-class SaveBeforeStop:
-    """--ft with --checkpoint-dir, a stop signal: the replicas stop at one round boundary and one
-    of them saves the last committed step (QuorumKeeper.stop); the workers are signalled once it
-    says it is written, or failed, or at the deadline (--shutdown-timeout after the signal)."""
-
-    sig: int
-    started: float
-    deadline: float
 
 
 def forwarded_signals(cfg: RunConfig) -> List[int]:
@@ -155,7 +144,7 @@ class Supervisor:
         self._last_progress = 0.0
         self._last_metrics = 0.0
         self._progress_seen: Dict[int, str] = {}
-        self._checkpoint_seen: Optional[bytes] = None
+        self._checkpoints = checkpoints.CheckpointWatch()
         self._procs: Dict[int, object] = {}
         self.store: Optional[RunStore] = None
         self._store_announced = False
@@ -173,8 +162,7 @@ class Supervisor:
         # (ftrun.supervisor.rendezvous runs the next round only when this says so).
         self.reform = False
         self.store_lost = False  # ...because the run's store went away with its node (it moves first)
-        self.saving: Optional[SaveBeforeStop] = None
-        self._failure_seen: Optional[bytes] = None
+        self.saving: Optional[checkpoints.SaveBeforeStop] = None
 
     # ---------------------------------------------------------------- start
     def run(self) -> int:
@@ -403,7 +391,7 @@ class Supervisor:
             return False
         now = time.time()
         grace = self.cfg.shutdown_timeout
-        self.saving = SaveBeforeStop(signum, now, now + grace)
+        self.saving = checkpoints.SaveBeforeStop(signum, now, now + grace)
         self.console.note(f"received {signal.Signals(signum).name}: saving a checkpoint of the last committed step "
                           f"(replica {writer}), then stopping all workers (at most {grace:g} s in all: "
                           f"--shutdown-timeout)", style="bold yellow")
@@ -411,30 +399,17 @@ class Supervisor:
         return True
 
     def _check_saving(self) -> None:
-        """While the replicas save before stopping: signal the workers once the writer says how
-        it went, at the deadline, or once no worker is left to write."""
+        """While the replicas save before stopping: signal the workers once that is over."""
         sv = self.saving
-        word = None
-        try:
-            if self.store.store.check([STOP_SAVE]):
-                word = json.loads(self.store.multi_get([STOP_SAVE])[0])
-        except Exception:  # noqa: BLE001 - the store went away: the deadline ends the wait
-            pass
         now = time.time()
-        if word is None and now < sv.deadline and any(w.alive for w in self.workers):
+        try:
+            said = sv.outcome(self.store, now, any(w.alive for w in self.workers))
+        except Exception:  # noqa: BLE001 - the store went away: nothing is coming
+            said = ("the run's store went away before the checkpoint was written; stopping all workers", "bold red")
+        if said is None:
             return
         self.saving = None
-        took = now - sv.started
-        if word is not None and word.get("ok"):
-            self.console.note(f"checkpoint of step {word.get('step')} written to {word.get('path')} in {took:.1f} s; "
-                              f"stopping all workers", style="bold yellow")
-        elif word is not None:
-            self.console.note(f"the checkpoint of step {word.get('step')} failed before stopping: {word.get('why')}; "
-                              f"stopping all workers", style="bold red")
-        else:
-            self.console.note(f"no checkpoint was written within --shutdown-timeout {self.cfg.shutdown_timeout:g} s "
-                              f"(give a save more time with a longer --shutdown-timeout); stopping all workers",
-                              style="bold red")
+        self.console.note(said[0], style=said[1])
         self._begin_stop(sv.sig, max(min(1.0, self.cfg.shutdown_timeout), sv.deadline - now), AfterStop.EXIT,
                          128 + sv.sig)
 
@@ -993,41 +968,14 @@ class Supervisor:
             self._dirty = True  # the run's figures are taken at every write (_write_state)
 
     def _poll_checkpoint(self) -> None:
-        """The newest good checkpoint a replica published, and the saves that failed (a few words
-        in the store), for `ftrun status`: the last good one, and the failures since."""
+        """The newest good checkpoint and the saves failed since, for `ftrun status`."""
         try:
-            raw = self.store.multi_get([CHECKPOINT])[0] if self.store.store.check([CHECKPOINT]) else None
-            failed = (self.store.multi_get([CHECKPOINT_FAILURE])[0] if self.store.store.check([CHECKPOINT_FAILURE])
-                      else None)
+            ck = self._checkpoints.poll(self.store)
         except Exception:
             return
-        if (raw, failed) == (self._checkpoint_seen, self._failure_seen):
-            return
-        self._checkpoint_seen, self._failure_seen = raw, failed
-        good, bad = _json_dict(raw), _json_dict(failed)
-        ck: Dict[str, object] = {k: good.get(k) for k in ("step", "path", "bytes", "write_s", "pause_s", "time")}
-        total = max(int(good.get("failed") or 0), int(bad.get("failed") or 0))
-        ck["failed_total"] = total
-        ck["failed_since"] = total - int(good.get("failed") or 0)
-        if bad and (not good or bad.get("time", 0) > good.get("time", 0)):
-            ck["last_failure"] = {k: bad.get(k) for k in ("step", "why", "final", "time")}
-        self.status.checkpoint = ck
-        self._dirty = True
-
-    def _say_checkpoints(self) -> None:
-        """The run's last lines, where saves failed: how many, and the newest good checkpoint."""
-        ck = self.status.checkpoint or {}
-        if not ck.get("failed_total"):
-            return
-        n = ck["failed_total"]
-        good = (f"the newest good checkpoint is step {ck['step']} ({ck['path']})" if ck.get("step") is not None
-                else "no checkpoint was written")
-        last = ck.get("last_failure") or {}
-        if last.get("final"):
-            self.console.note(f"the checkpoint of the last step ({last.get('step')}) could not be written: "
-                              f"{last.get('why')}; {good}. The training itself ended normally", style="bold red")
-        self.console.note(f"{n} checkpoint save{'s' if n != 1 else ''} failed in this run; {good}",
-                          style="bold yellow")
+        if ck is not None:
+            self.status.checkpoint = ck
+            self._dirty = True
 
     def _reports_store(self) -> RunStore:
         """Where this node's workers report progress: the node's own store when it relays their
@@ -1224,15 +1172,8 @@ class Supervisor:
         self._write_state()
         if code == 0:
             self.console.note(f"run {self.cfg.run_id} finished in {time.time() - self.started:.1f} s", style="bold green")
-        self._say_checkpoints()
-
-
-def _json_dict(raw: Optional[bytes]) -> Dict[str, object]:
-    try:
-        value = json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        for line, style in checkpoints.last_lines(self.status.checkpoint):
+            self.console.note(line, style=style)
 
 
 def run_supervisor(cfg: RunConfig) -> int:

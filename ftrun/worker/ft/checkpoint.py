@@ -80,8 +80,9 @@ FORMAT = 2  # 2: ftrun.json holds "checksums" and "optimizers"
 INJECT_ENV = "FTRUN_CHECKPOINT_INJECT_DELAY"
 # Tests: a fresh stager for every save, as on a torch whose stager stages only once (stager_reusable).
 FRESH_STAGER_ENV = "FTRUN_CHECKPOINT_FRESH_STAGER"
-# Benchmarks: "0" leaves out what verification adds to a save (the checksum of .metadata, and the
-# CRCs of torch's records: off in the writer thread's saves), to measure what it costs.
+# Benchmarks: "0" leaves out the checksums a save writes (the CRCs of torch's records, off in the
+# writer thread's saves, and the CRC of .metadata) and the checks at load; "alternate" leaves them
+# out of every other save (where step // every is even), to measure in one run what they cost.
 VERIFY_ENV = "FTRUN_CHECKPOINT_VERIFY"
 # DCP's collectives in the background thread wait at most this long for the replica's other workers.
 WRITE_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
@@ -134,6 +135,7 @@ class _Job:
     partial: Path
     started: float
     kind: str                               # "periodic", "final" (the loop's last step), "stop" (a stop signal)
+    verify: bool = True                     # write the checksums (VERIFY_ENV)
     optimizers: List[str] = field(default_factory=list)
     staging: Optional[Future] = None        # the copy into host memory
     error: Optional[BaseException] = None   # the save failed before its write could start
@@ -158,7 +160,8 @@ class Checkpointer:
         self._pause = 0.0                        # how long the loop waited for the save in flight
         self._dicts = StateDicts()
         self._store: Any = None
-        self._verify = os.environ.get(VERIFY_ENV, "1") != "0"
+        self._verify_mode = os.environ.get(VERIFY_ENV, "1")
+        self._verify = self._verify_mode != "0"  # checks at load and before pruning
         # Checkpoints this process knows to be good (it published or verified them): folder ->
         # the identity of its ftrun.json, so a folder replaced since is judged again.
         self._good: Dict[str, Tuple[int, int]] = {}
@@ -190,7 +193,8 @@ class Checkpointer:
         if not state.models and not state.optimizers:
             return
         job = _Job(step, self.settings.root / f".step-{step}.{os.environ.get('FTRUN_RUN_ID') or 'run'}.partial",
-                   time.time(), kind, disk.optimizer_names(state.optimizers))
+                   time.time(), kind, optimizers=disk.optimizer_names(state.optimizers),
+                   verify=self._verify and (self._verify_mode != "alternate" or (step // self.settings.every) % 2 == 1))
         try:
             if self.k > 1 and self._group is None:
                 # All of this replica's workers are here at the same round: a collective call is safe.
@@ -273,7 +277,7 @@ class Checkpointer:
         crc = torch.serialization.get_crc32_options()
         if why is None:
             try:
-                if not self._verify:
+                if not job.verify:
                     torch.serialization.set_crc32_options(False)
                 try:
                     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(job.partial), sync_files=True),
@@ -289,7 +293,7 @@ class Checkpointer:
                           f"(fault injection, {INJECT_ENV})")
                 time.sleep(self._inject[1])
             try:
-                info = self._publish(job, crc and self._verify)
+                info = self._publish(job, crc and job.verify)
                 if info is None:
                     why = "its folder was removed before it was published (a newer one superseded it)"
             except SAVE_ERRORS as e:  # e.g. the disk filled up as ftrun.json was written
@@ -322,7 +326,7 @@ class Checkpointer:
             return None
         files = {f.name: f for f in job.partial.iterdir() if f.is_file()}
         sums: Dict[str, Any] = {}
-        if self._verify:
+        if job.verify:
             sums["metadata_crc32"] = zlib.crc32((job.partial / ".metadata").read_bytes())
             if checksummed:
                 sums["records"] = True  # every record of every data file carries torch's CRC-32
