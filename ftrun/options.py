@@ -409,7 +409,8 @@ OPTIONS_LIST: Tuple[Option, ...] = (
          "Signals forwarded to the workers. [default: SIGTERM,SIGINT,SIGHUP,SIGQUIT]", "same", pet=True,
          metavar="SIGS"),
     _opt("shutdown_timeout", _both("--shutdown-timeout"), _seconds, 5.0,
-         "Grace between SIGTERM and SIGKILL, seconds. [default: 5]",
+         "Grace between SIGTERM and SIGKILL, seconds; with --checkpoint-dir it also bounds the checkpoint a "
+         "stop signal saves first. [default: 5]",
          "same; default 5 s, not 30 (TORCH_ELASTIC_SHUTDOWN_TIMEOUT is read too)", pet=True, metavar="S"),
     _opt("virtual_local_rank", _both("--virtual-local-rank"), _bool, False,
          "LOCAL_RANK=0 in every worker, each seeing only its own GPU.", "same", pet=True, is_flag=True),
@@ -423,11 +424,12 @@ OPTIONS_LIST: Tuple[Option, ...] = (
          metavar="K"),
     _opt("checkpoint_dir", _both("--checkpoint-dir"), _text, None,
          "With --ft: folder for durable checkpoints, written asynchronously from one replica; a run "
-         "resumes from the newest complete one whenever no replica holds trained state.", metavar="DIR"),
+         "resumes from the newest one whose checksums hold whenever no replica holds trained state. One "
+         "run at a time per folder.", metavar="DIR"),
     _opt("checkpoint_every", _both("--checkpoint-every"), _count(1), 500,
          "With --checkpoint-dir: committed steps between checkpoints. [default: 500]", metavar="N"),
     _opt("checkpoint_keep", _both("--checkpoint-keep"), _count(1), 2,
-         "With --checkpoint-dir: how many complete checkpoints to keep. [default: 2]", metavar="K"),
+         "With --checkpoint-dir: how many good checkpoints to keep. [default: 2]", metavar="K"),
     _opt("step_timeout", ("--step-timeout",), _step_timeout, None,
          "Seconds without an optimizer step before a replica counts as hung (stacks dumped, killed, restarted); "
          "0: off.",

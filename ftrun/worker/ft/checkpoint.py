@@ -309,7 +309,11 @@ class Checkpointer:
             self.last_failure = None
             self._log(f"rank {self.rank}: checkpoint of step {job.step} written to {info['path']} "
                       f"({info['bytes'] / 1e6:.1f} MB in {info['write_s']:.2f} s; the loop paused {info['pause_s']:.3f} s)")
-            self._prune(job.step)
+            try:
+                self._prune(job.step)
+            except SAVE_ERRORS as e:  # the checkpoint is written: older ones stay until the next save prunes
+                self._log(f"rank {self.rank}: pruning {self.settings.root} failed ({one_line(e)}); the next save "
+                          f"tries again")
 
     def _agree(self, ok: bool) -> bool:
         """Whether every worker of this replica says ok (a collective on the write group)."""
