@@ -23,10 +23,15 @@ steps" costs, against a block without. Measured:
 - steps/s of blocks with a save against blocks without (the ratio is the
   throughput of saving every 50 steps against not saving), and the
   background write's own time.
-- what the checksums cost the write: the run's saves alternate between with
-  and without them (FTRUN_CHECKPOINT_VERIFY=alternate: the save of step 300
-  with, of step 200 without; torch's record CRCs and the CRC of .metadata are
-  what ftrun checks at load), so the write-time ratio is of the same run. On a machine shared with other work the
+- what the checksums cost the write, two ways, each a ratio within one run:
+  ftrun's own saves alternate between with and without them
+  (FTRUN_CHECKPOINT_VERIFY=alternate: the save of step 300 with, of step 200
+  without; "with" is torch's CRC-32 of every record, which DCP's write
+  computes by default and ftrun checks at load, and ftrun's CRC of
+  .metadata; "without" turns torch's off); and, after the loop, away from
+  the training's noise, the same worker writes the same state with DCP
+  WRITE_PAIRS times each way, in the order with, without, without, with, ...
+  (each write fsynced and then removed). On a machine shared with other work the
   wall-clock ratio swings with the neighbours' load, so the same ratio is also
   given by the worker process's CPU time per step (every thread of it:
   training, staging, writing; the kernel's own writeback threads are not in
@@ -60,6 +65,7 @@ SIZES = {
 }
 SAVE_EVERY = 2 * BLOCK  # a save every other block of BLOCK steps
 PAIRS = 3  # (block with a save, block without) per run; the first one's save also allocates the staging buffers
+WRITE_PAIRS = 4  # after the loop: DCP writes of the state with and without checksums, each
 
 
 # ----------------------------------------------------------------------------- the worker (under ftrun --ft)
@@ -95,10 +101,42 @@ def worker(args: argparse.Namespace) -> None:
         torch.save({"model": model.state_dict(), "optim": opt.optimizer.state_dict()}, path)
         saves.append(time.perf_counter() - t0)
         path.unlink()
+    writes = _checksum_writes(model, opt.optimizer, Path(args.scratch))
     nparams = sum(p.numel() for p in model.parameters())
     Path(args.result).write_text(json.dumps({
-        "marks": marks, "torch_save_s": saves, "params": nparams,
+        "marks": marks, "torch_save_s": saves, "params": nparams, "writes_with": writes[True],
+        "writes_without": writes[False],
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
+def _checksum_writes(model, optimizer, scratch: Path) -> dict:
+    """DCP writes of the state as ftrun takes it, with checksums (torch's record CRCs on, and the
+    CRC of .metadata ftrun adds) and without (torch's CRCs off), alternating ABBA; seconds each."""
+    import types
+    import zlib
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ftrun.worker.ft.checkpoint_state import StateDicts
+
+    sd = StateDicts().state_dict(types.SimpleNamespace(models=[model], optimizers=[optimizer], extras={}))
+    default = torch.serialization.get_crc32_options()
+    times: dict = {True: [], False: []}
+    try:
+        for i in range(2 * WRITE_PAIRS):
+            on = i % 4 in (0, 3)
+            path = scratch / f"dcp-{i}"
+            torch.serialization.set_crc32_options(on)
+            t0 = time.perf_counter()
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True), no_dist=True)
+            if on:
+                zlib.crc32((path / ".metadata").read_bytes())
+            times[on].append(time.perf_counter() - t0)
+            shutil.rmtree(path)
+    finally:
+        torch.serialization.set_crc32_options(default)
+    return times
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -154,7 +192,8 @@ def one_run(size: str, scratch: Path) -> dict:
            "params": r["params"], "peak_rss": r["peak_rss"], "usual_s": usual,
            "pauses": [i["pause_s"] for i in infos], "excess": [iters[i["step"] - 1] - usual for i in infos],
            "write_s": [i["write_s"] for i in infos], "bytes": infos[0]["bytes"] if infos else 0,
-           "checked": checked, "unchecked": unchecked}
+           "checked": checked, "unchecked": unchecked, "alone_with": r["writes_with"],
+           "alone_without": r["writes_without"]}
     shutil.rmtree(ck, ignore_errors=True)
     return out
 
@@ -169,7 +208,9 @@ def bench(size: str, runs: int, scratch: Path) -> dict:
               f"{', '.join(f'{x:.3f}' for x in r['cpu_with'])}, without {', '.join(f'{x:.3f}' for x in r['cpu_without'])}; pauses {', '.join(f'{p:.3f}' for p in r['pauses'])} s "
               f"(from the loop {', '.join(f'{e:+.3f}' for e in r['excess'])} s); writes "
               f"{', '.join(f'{w:.2f}' for w in r['write_s'])} s (with checksums "
-              f"{', '.join(f'{w:.2f}' for w in r['checked'])}, without {', '.join(f'{w:.2f}' for w in r['unchecked'])}); "
+              f"{', '.join(f'{w:.2f}' for w in r['checked'])}, without {', '.join(f'{w:.2f}' for w in r['unchecked'])}; alone with "
+              f"{', '.join(f'{w:.2f}' for w in r['alone_with'])}, without "
+              f"{', '.join(f'{w:.2f}' for w in r['alone_without'])}); "
               f"torch.save {r['torch_save_s']:.2f} s; "
               f"usual step {r['usual_s']:.3f} s", flush=True)
     later = [p for r in results for p in r["pauses"][1:]]
@@ -189,6 +230,10 @@ def bench(size: str, runs: int, scratch: Path) -> dict:
         "write_unchecked": statistics.median(w for r in results for w in r["unchecked"]),
         "checksum_ratio": statistics.median(statistics.mean(r["checked"]) / statistics.mean(r["unchecked"])
                                             for r in results if r["checked"] and r["unchecked"]),
+        "alone_with": statistics.median(w for r in results for w in r["alone_with"]),
+        "alone_without": statistics.median(w for r in results for w in r["alone_without"]),
+        "alone_ratio": statistics.median(statistics.median(r["alone_with"]) / statistics.median(r["alone_without"])
+                                         for r in results),
     }
 
 
@@ -196,16 +241,22 @@ def table(rows) -> str:
     lines = [
         "| params | state | pause per save | seen by the loop | first save | torch.save (sync) | pause / torch.save "
         "| write (background) | steps/s, block with a save | block without | ratio | ratio by CPU time "
-        "| worker peak RSS | write with checksums | without | ratio (same run) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| worker peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['params'] / 1e6:.1f}M | {r['bytes'] / 1e6:.0f} MB | {r['pause']:.3f} s | {r['excess']:+.3f} s "
             f"| {r['pause_first']:.3f} s | {r['torch_save']:.2f} s | {100 * r['pause'] / r['torch_save']:.1f}% "
             f"| {r['write']:.2f} s | {r['sps_on']:.3f} | {r['sps_off']:.3f} | {r['ratio']:.3f} | {r['cpu_ratio']:.3f} "
-            f"| {r['rss'] / 2**30:.2f} GiB | {r['write_checked']:.2f} s | {r['write_unchecked']:.2f} s "
-            f"| {r['checksum_ratio']:.3f} |")
+            f"| {r['rss'] / 2**30:.2f} GiB |")
+    lines += ["", "| params | state | ftrun's write, with checksums | without | ratio | the write alone, with | without "
+              "| ratio |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['params'] / 1e6:.1f}M | {r['bytes'] / 1e6:.0f} MB | {r['write_checked']:.2f} s "
+            f"| {r['write_unchecked']:.2f} s | {r['checksum_ratio']:.3f} | {r['alone_with']:.2f} s "
+            f"| {r['alone_without']:.2f} s | {r['alone_ratio']:.3f} |")
     return "\n".join(lines)
 
 

@@ -14,10 +14,9 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from conftest import FTRUN, ROOT, SCRIPTS, run_ftrun
+from conftest import SCRIPTS, run_ftrun
 from test_checkpoint import _assert_bitwise, _complete, _err, _final_state, _kill_everything, _start, _wait_for
 
 TRAIN = SCRIPTS / "train_ft.py"
