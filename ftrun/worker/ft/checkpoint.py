@@ -277,8 +277,8 @@ class Checkpointer:
         crc = torch.serialization.get_crc32_options()
         if why is None:
             try:
-                if not job.verify:
-                    torch.serialization.set_crc32_options(False)
+                # The setting is per thread: this one is the writer's own, whatever the script chose.
+                torch.serialization.set_crc32_options(job.verify)
                 try:
                     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(job.partial), sync_files=True),
                              process_group=self._group, no_dist=self.k == 1)
@@ -293,7 +293,7 @@ class Checkpointer:
                           f"(fault injection, {INJECT_ENV})")
                 time.sleep(self._inject[1])
             try:
-                info = self._publish(job, crc and job.verify)
+                info = self._publish(job)
                 if info is None:
                     why = "its folder was removed before it was published (a newer one superseded it)"
             except SAVE_ERRORS as e:  # e.g. the disk filled up as ftrun.json was written
@@ -323,19 +323,15 @@ class Checkpointer:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
         return bool(flag.item())
 
-    def _publish(self, job: _Job, checksummed: bool) -> Optional[Dict[str, Any]]:
+    def _publish(self, job: _Job) -> Optional[Dict[str, Any]]:
         root = self.settings.root
         final = root / f"step-{job.step}"
         if not job.partial.is_dir():
             return None
         files = {f.name: f for f in job.partial.iterdir() if f.is_file()}
         sums: Dict[str, Any] = {}
-        if job.verify:
-            sums["metadata_crc32"] = zlib.crc32((job.partial / ".metadata").read_bytes())
-            if checksummed:
-                sums["records"] = True  # every record of every data file carries torch's CRC-32
-            else:  # torch's record CRCs were off: a CRC of each whole data file
-                sums["files"] = {n: disk.file_crc32(f) for n, f in files.items() if n != ".metadata"}
+        if job.verify:  # every record of every data file carries torch's CRC-32; .metadata gets one
+            sums = {"metadata_crc32": zlib.crc32((job.partial / ".metadata").read_bytes()), "records": True}
         size = sum(_drop_cached(f) for f in files.values())
         info = {"format": FORMAT, "step": job.step, "bytes": size, "write_s": round(time.time() - job.started, 3),
                 "pause_s": round(self._pause, 4), "time": time.time(), "replica_size": self.k,

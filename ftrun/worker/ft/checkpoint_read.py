@@ -5,15 +5,16 @@ and ftrun's `ftrun.json`. It is whole when ftrun.json and .metadata can be
 read, name the step, and every data file is at least as long as .metadata
 says. It is undamaged when, in addition, the checksums written at save hold:
 - every item of a data file is one `torch.save` archive (a zip), whose every
-  record carries the CRC-32 torch computes as it writes (on by default:
-  `torch.serialization.get_crc32_options()`): reading each record through
-  `zipfile` checks it, so a changed byte anywhere in a tensor, or in the
-  archive's own structure, is found. The save costs nothing more than DCP's
-  own write. (torch itself never checks these CRCs when it loads.)
-  ftrun.json says so ("records");
-- where torch's CRCs were off when the checkpoint was written, ftrun.json
-  holds a CRC-32 of each whole data file instead (computed at publication);
+  record carries the CRC-32 torch computes as it writes (on by default, and
+  always in ftrun's writer thread: the setting is per thread); ftrun.json says
+  so ("records"). Reading each record through `zipfile` checks it, so a
+  changed byte anywhere in a tensor, or in the archive's own structure, is
+  found. The save costs nothing more than DCP's own write. (torch itself never
+  checks these CRCs when it loads.)
 - ftrun.json holds the CRC-32 of `.metadata` (which says where each tensor is).
+A checkpoint written without them (a benchmark's FTRUN_CHECKPOINT_VERIFY=0)
+is checked for being whole only; one written before ftrun's checksums (format
+1) has its records' CRCs checked where they are not 0.
 A checkpoint that fails a check is `Damaged`; `io_error` says when the check
 could not read a file at all (a storage hiccup, not a verdict on its bytes).
 
@@ -107,14 +108,10 @@ def check(path: Path, step: int, checksums: bool = True) -> Union[Whole, Damaged
             return Damaged(f"{name} is truncated ({size} bytes, its metadata needs {need})")
     if not checksums:
         return Whole(info, metadata)
-    files = sums.get("files") if isinstance(sums.get("files"), dict) else {}
     old = info.get("format", 1) < 2  # before ftrun's checksums: torch's CRCs where they are not 0
     for name, spans in sorted(items.items()):
         try:
-            if name in files:
-                if file_crc32(path / name) != files[name]:
-                    return Damaged(f"{name} does not match its checksum")
-            elif old or sums.get("records"):
+            if old or sums.get("records"):
                 with open(path / name, "rb") as f:
                     for offset, length in sorted(set(spans)):
                         bad = _archive_damage(f, offset, length, strict=not old)
@@ -174,16 +171,6 @@ class _Slice(io.RawIOBase):
         got = self.f.readinto(memoryview(b)[:n]) or 0
         self.pos += got
         return got
-
-
-def file_crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(CHUNK)
-            if not chunk:
-                return crc
-            crc = zlib.crc32(chunk, crc)
 
 
 # ---------------------------------------------------------------- DCP's metadata and reader, restricted
