@@ -36,7 +36,8 @@ from ftrun.worker.ft.manager import manager
 from ftrun.worker.ft.optim import ReplicaOptimizer
 
 __all__ = ["DistributedDataParallel", "Optimizer", "register_state", "steps", "replica_index",
-           "num_replicas", "global_step", "replica_rank", "replicate", "device_mesh", "redo"]
+           "num_replicas", "global_step", "replica_rank", "replicate", "device_mesh", "redo", "DataLoader",
+           "epochs"]
 
 
 def DistributedDataParallel(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
@@ -100,6 +101,27 @@ def replica_rank() -> int:
 def global_step() -> int:
     """The number of steps the run has committed: the step being trained now."""
     return manager().step
+
+
+def DataLoader(dataset: Any, batch_size: int = 1, shuffle: bool = False, seed: int = 0, drop_last: bool = False,
+               **kwargs: Any) -> Any:
+    """torch's DataLoader for --ft: this replica's batches from the run's current position, every
+    sample of an epoch trained once in committed steps whatever fails. `batch_size` is per
+    worker, `shuffle`/`seed` are DistributedSampler's; every other DataLoader argument works."""
+    from ftrun.worker.ft.data import DataLoader as FtDataLoader
+
+    return FtDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, **kwargs)
+
+
+def epochs(total: int) -> Iterator[int]:
+    """The run's training epochs, from the current one to `total` (a restarted replica, or a run
+    resumed from a checkpoint, starts at the run's current epoch): `for epoch in ft.epochs(10):`."""
+    from ftrun.worker.ft.data import Epochs
+
+    mgr = manager()
+    if mgr.epochs_state is None:
+        mgr.epochs_state = Epochs(mgr)
+    return mgr.epochs_state.run(total)
 
 
 def redo() -> bool:
