@@ -255,7 +255,7 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     kw["tee"] = pick("tee") or {}
     if pick("run_path"):
         kw["no_python"] = False  # torchrun: --run-path takes precedence over --no-python
-    # Accepted for torchrun; what ftrun does instead is in the README's table.
+    # Accepted for torchrun; what ftrun does instead is in the reference (docs: Run options).
     for key in ("monitor_interval", "start_method", "event_log_handler", "duplicate_stdout_filters",
                 "duplicate_stderr_filters", "logs_specs", "numa_binding"):
         pick(key)
