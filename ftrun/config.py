@@ -272,6 +272,7 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     if hook_raw:
         where = CLI if hook_cli else where_recipe
         sources["hook"] = where
+        sources.update({f"hook.{k}": CLI if k in hook_cli else where_recipe for k in hook_raw if k != "name"})
         if "name" not in hook_raw:
             flags = ", ".join("--" + k.replace("_", "-") for k in hook_raw)
             raise ConfigError(f"{where}: {flags} given without a hook; add --hook NAME (e.g. --hook powersgd)",

@@ -156,6 +156,10 @@ def _workers(cfg: RunConfig, shown: RunConfig, hosts: Optional[bool]) -> List[st
     env0 = worker_env(common, shown, 0, 0)
     first = f"rank{env0['RANK']}"
     out.append(f"TORCHELASTIC_ERROR_FILE={env0['TORCHELASTIC_ERROR_FILE'].replace(first, 'rank<RANK>')}")
+    yours = [f"{name}={value!r}" for name, value in sorted(base_env().items())
+             if name in PER_WORKER and name in env0 and env0[name] != value]
+    if yours:
+        out.append(f"(your {', '.join(yours)} never reach a worker: each gets its own)")
     if "CUDA_VISIBLE_DEVICES" in env0 and cfg.virtual_local_rank:
         out.append("CUDA_VISIBLE_DEVICES: each worker's own device (--virtual-local-rank)")
     return out
@@ -215,14 +219,12 @@ def _options(cfg: RunConfig) -> List[str]:
         source = cfg.sources.get(opt.key, "default")
         rows.append((opt.flag, _value(cfg, opt, source), source))
     if cfg.hook is not None:
-        hook_from = cfg.sources.get("hook", CLI)
         for key, value in sorted(cfg.hook.effective_params().items()):
             opt = HOOK_OPTIONS.get(key)
             if opt is not None:
-                given = key in cfg.hook.params
-                rows.append((opt.flag, _show(value), hook_from if given else "default"))
+                rows.append((opt.flag, _show(value), cfg.sources.get(f"hook.{key}", "default")))
         if cfg.hook.wrap:
-            rows.append(("--wrap", cfg.hook.wrap, hook_from))
+            rows.append(("--wrap", cfg.hook.wrap, cfg.sources.get("hook.wrap", cfg.sources.get("hook", CLI))))
     return _table(rows)
 
 
