@@ -13,6 +13,21 @@ if ! "$VPY" -c "import mkdocs, material, mkdocstrings_handlers.python, mkdocs_ge
   "$VPY" -c "import mkdocs, material, mkdocstrings_handlers.python, mkdocs_gen_files, matplotlib" \
     || { echo "docs: the docs extra could not be installed (pip install -e '.[docs]')" >&2; exit 1; }
 fi
+# Diagrams: mermaid's script, from the npm registry, so the site draws them offline (without it the
+# theme loads mermaid from a CDN when a page is viewed). Pinned; kept in .venv between builds.
+MERMAID=11.12.0
+CACHE=.venv/.docs-cache
+if [ ! -s "$CACHE/mermaid-$MERMAID.min.js" ] && command -v npm >/dev/null 2>&1; then
+  mkdir -p "$CACHE"
+  if (cd "$CACHE" && npm pack "mermaid@$MERMAID" --silent >/dev/null 2>&1 \
+        && tar xzf "mermaid-$MERMAID.tgz" package/dist/mermaid.min.js \
+        && mv package/dist/mermaid.min.js "mermaid-$MERMAID.min.js"); then
+    rm -rf "$CACHE/package" "$CACHE/mermaid-$MERMAID.tgz"
+  else
+    echo "docs: mermaid $MERMAID could not be fetched with npm; pages will load it when viewed"
+  fi
+fi
+export FTRUN_DOCS_MERMAID="$PWD/$CACHE/mermaid-$MERMAID.min.js"
 # Generated pages run `ftrun --help`; matplotlib writes its cache under the venv, not $HOME.
 export MPLCONFIGDIR="${MPLCONFIGDIR:-$PWD/.venv/.matplotlib}"
 # Quiet the packages' notices about their own future (they are not about this site).

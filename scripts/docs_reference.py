@@ -65,24 +65,36 @@ def option_meaning(opt: Any) -> str:
     return _DEFAULT_IN_HELP.sub("", opt.help).strip()
 
 
-def _option_rows(options: Iterable[Any], recipe_key=lambda o: o.key) -> List[List[str]]:
-    rows = []
-    for opt in options:
-        if not opt.flags:
-            continue
-        rows.append([", ".join(f"`{f}`" for f in opt.flags), _code(opt.pet or ""),
-                     _code(recipe_key(opt)) if opt.recipe else "-", opt.kind, option_default(opt),
-                     option_meaning(opt)])
-    return rows
+def _option_entry(opt: Any, recipe_key: str) -> str:
+    """One option as a heading (linkable as #key) and what it takes, its default, PET_ name and recipe key."""
+    first, rest = opt.flags[0], opt.flags[1:]
+    facts = [f"takes: {opt.kind}" if not opt.is_flag else "a flag", f"default: {option_default(opt)}"]
+    if opt.pet:
+        facts.append(f"environment: `{opt.pet}`")
+    facts.append(f"recipe: `{recipe_key}`" if opt.recipe else "not in recipes")
+    lines = [f"### `{first}` {{#{opt.key.replace('_', '-')}}}\n", option_meaning(opt) + "\n",
+             " · ".join(facts) + "\n"]
+    if rest:
+        lines.append("Also spelled " + ", ".join(f"`{f}`" for f in rest) + ".\n")
+    if opt.torchrun:
+        lines.append(f"torchrun's option; what ftrun does with it: {opt.torchrun}.\n")
+    return "\n".join(lines)
+
+
+def _option_entries(options: Iterable[Any], recipe_key=lambda o: o.key) -> str:
+    return "\n".join(_option_entry(o, recipe_key(o)) for o in options if o.flags)
 
 
 def options_page() -> str:
     from ftrun.cli import RECIPE_HELP
     from ftrun.options import HOOK_FLAGS, OPTIONS_LIST, torchrun_table
 
-    header = ["option", "PET_ variable", "recipe key", "takes", "default", "meaning"]
     torchruns = [o for o in OPTIONS_LIST if o.torchrun]
     own = [o for o in OPTIONS_LIST if not o.torchrun]
+    summary = _table(["option", "meaning"], [[", ".join(f"[`{f}`](#{o.key.replace('_', '-')})" for f in o.flags[:1]),
+                                              option_meaning(o)] for o in list(OPTIONS_LIST) + list(HOOK_FLAGS)
+                                             if o.flags]
+                     + [["[`--recipe`](#recipe)", RECIPE_HELP]])
     page = ["# Run options\n", GENERATED,
             "Every option of `ftrun run` (and of `ftrun SCRIPT ...`, the same command), from the one options "
             "schema in `ftrun/options.py`. Options come before SCRIPT; everything after SCRIPT goes to the "
@@ -90,17 +102,19 @@ def options_page() -> str:
             "default** ([where a value comes from](../guides/running.md#where-a-value-comes-from)); "
             "`ftrun --dry-run ...` shows each value and its source. A bad value from any of them is one line "
             "naming it, exit 2, nothing started.\n",
-            "## torchrun's options\n",
-            "Both of torchrun's spellings are accepted. `PET_` is the variable torchrun (and ftrun) reads "
-            "when the option is not given.\n",
-            _table(header, _option_rows(torchruns)),
+            "## At a glance\n", summary,
+            "\n## torchrun's options\n",
+            "Both of torchrun's spellings are accepted. The environment variable is the `PET_` one torchrun "
+            "(and ftrun) reads when the option is not given.\n",
+            _option_entries(torchruns),
             "\n## ftrun's own options\n",
-            _table(header, [["`--recipe`", "", "-", "file or bundled name", "-", RECIPE_HELP]]
-                   + _option_rows(own)),
+            f"### `--recipe` {{#recipe}}\n\n{RECIPE_HELP} See [Recipes](../guides/recipes.md).\n\n"
+            f"takes: a file, or a bundled recipe's name · default: - · not in recipes\n",
+            _option_entries(own),
             "\n## Hook parameters\n",
             "They go with `--hook` (see [Hooks](hooks.md) for which hook takes which); in a recipe they are "
             "keys of the `hook:` mapping.\n",
-            _table(header, _option_rows(HOOK_FLAGS, recipe_key=_hook_recipe_key)),
+            _option_entries(HOOK_FLAGS, recipe_key=_hook_recipe_key),
             "\n## What ftrun does with each of torchrun's options\n",
             _table(["torchrun option", "`PET_` variable", "what ftrun does with it"], torchrun_table()),
             "\n`--nproc` and `--run-id` are ftrun's spellings of `--nproc-per-node` and `--rdzv-id`.\n"]

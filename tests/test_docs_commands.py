@@ -1,4 +1,5 @@
-"""Every `ftrun ...` command line of the README and of the site's code blocks is a line ftrun takes.
+"""Every `ftrun ...` command line of the README and of the site (its code blocks, and the whole lines
+written inline) is a line ftrun takes.
 
 Each run line goes through `ftrun --dry-run` in a temporary folder holding stand-ins for the
 scripts, modules, recipes and folders it names (with the few host names and shell variables
@@ -105,9 +106,32 @@ def _parse(where: str, cmd: str, error: Optional[str]) -> Line:
     return Line(where, words[1:], env, error)
 
 
+INLINE = re.compile(r"`((?:srun |python -m )?ftrun [^`]+)`")
+
+
+def _inline_lines(path: Path) -> List[Line]:
+    """Whole run lines written inline in the prose and tables (`ftrun --nproc 4 train.py`): those
+    that name a script or a module, without a placeholder (FILE, ARGS, ...) or an elision."""
+    out = []
+    inside = False
+    for n, text in enumerate(path.read_text().splitlines(), 1):
+        if text.lstrip().startswith("```"):
+            inside = not inside
+            continue
+        if inside:
+            continue
+        for cmd in INLINE.findall(text):
+            words = cmd.split()
+            if "..." in cmd or "[" in cmd or any(re.fullmatch(r"[A-Z][A-Z_]+", w) for w in words):
+                continue
+            if any(w.endswith((".py", ".sh")) for w in words) or "-m" in words:
+                out.append(_parse(f"{path.relative_to(ROOT)}:{n}", cmd, None))
+    return out
+
+
 def documented_lines() -> List[Line]:
     files = [ROOT / "README.md"] + sorted(DOCS.rglob("*.md"))
-    return [line for f in files for line in _command_lines(f)]
+    return [line for f in files for line in _command_lines(f) + _inline_lines(f)]
 
 
 # ---------------------------------------------------------------- stand-ins
