@@ -18,7 +18,7 @@ import typer
 from ftrun import __version__
 from ftrun.errors import ConfigError
 from ftrun.options import HOOK_OPTIONS, NEGATED, OPTIONS, OptionError
-from ftrun.protocol import EXIT_OK, EXIT_SIGINT, EXIT_USAGE
+from ftrun.protocol import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_USAGE
 
 COMMANDS = ("run", "status", "recipes", "validate")
 RECIPE_HELP = "YAML recipe (file or bundled name); flags on the command line win."
@@ -164,8 +164,7 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
     if dry_run:
         from ftrun.plan import plan_text
 
-        sys.stdout.write(plan_text(cfg))
-        raise typer.Exit(EXIT_OK)
+        raise typer.Exit(_print_plan(plan_text(cfg)))
     from ftrun.supervisor.env import quiet_torch_warnings
 
     quiet_torch_warnings()  # before the supervisor imports torch; workers keep the user's environment
@@ -182,6 +181,22 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def _print_plan(text: str) -> int:
+    """The --dry-run plan on stdout: a reader that stops early (`| head`) is not an error; no stdout is."""
+    try:
+        if sys.stdout is None:
+            raise OSError("standard output is closed")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        sys.stdout = open(os.devnull, "w")  # nothing more to flush into the closed pipe at exit
+    except OSError as e:
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr.write(f"ftrun: error: cannot print the plan ({e.strerror or e}); give ftrun a standard output\n")
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _route(argv: List[str]) -> List[str]:

@@ -159,3 +159,22 @@ def test_a_recipe_cannot_ask_for_a_dry_run(ftrun_home, script, tmp_path):
     proc = run_ftrun(["--recipe", recipe, "--dry-run", script], cwd=tmp_path)
     assert proc.returncode == 2 and "dry_run" in proc.stderr, proc.stderr
     assert (ROOT / "ftrun" / "plan.py").is_file()
+
+
+def test_a_plan_nobody_reads_is_no_traceback(ftrun_home, script, tmp_path):
+    """A reader that stops early (`| head -1`) ends the dry run quietly; no standard output, or a full
+    one (/dev/full), is one line and exit 1."""
+    from conftest import FTRUN
+
+    argv = FTRUN + ["--dry-run", "--nproc", "16", script]
+    env = dict(os.environ, FTRUN_HOME=str(ftrun_home))
+    reader = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    reader.stdout.close()  # gone before the plan is written
+    assert reader.wait(timeout=60) == 0 and reader.stderr.read() == b""
+    closed = subprocess.run(argv, stderr=subprocess.PIPE, env=env, cwd=tmp_path, text=True, timeout=60,
+                            preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 1 and closed.stderr.count("\n") == 1, closed.stderr
+    assert "cannot print the plan" in closed.stderr and "Traceback" not in closed.stderr
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, env=env, cwd=tmp_path, text=True, timeout=60)
+    assert proc.returncode == 1 and "No space left on device" in proc.stderr and "Traceback" not in proc.stderr
