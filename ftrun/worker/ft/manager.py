@@ -264,7 +264,7 @@ class Manager:
                 break
             if time.monotonic() > deadline:
                 _log(f"rank {self.rank}: no new store within {RELOCATE_S:g} s; exiting")
-                os._exit(75)
+                os._exit(keys.EXIT_REPLICA_RESTART)
             time.sleep(POLL_S * 4)
         gen, addr = moved
         self._drop_group()
@@ -273,7 +273,7 @@ class Manager:
         while not self.store.check([keys.LATEST]):  # the new keeper's first words
             if time.monotonic() > deadline:
                 _log(f"rank {self.rank}: the run's new store at {addr} has no keeper; exiting")
-                os._exit(75)
+                os._exit(keys.EXIT_REPLICA_RESTART)
             time.sleep(POLL_S)
         self.latest_seen = int(self.store.get(keys.LATEST))
         self.store_gen = gen  # the epoch watcher reconnects on this
@@ -720,7 +720,7 @@ class Manager:
         that ftrun restarts the replica and it heals from a peer like any newcomer."""
         _log(f"rank {self.rank}: {why}; restarting to take the committed state from a peer")
         sys.stderr.flush()
-        os._exit(75)
+        os._exit(keys.EXIT_REPLICA_RESTART)
 
     # ------------------------------------------------------------ membership
     def _watch_epochs(self) -> None:
@@ -799,7 +799,7 @@ class Manager:
         _log(f"{lead}; no peer is left to heal it and no checkpoint holds the final step: exiting now (status 0) "
              f"instead of running the script's code after the loop on an untrained model")
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(keys.EXIT_OK)
 
     def _started_epoch_with_me(self, latest: int):
         """(epoch, round) of the newest epoch that lists this incarnation and that the
@@ -826,7 +826,7 @@ class Manager:
         if (self.rank, self.inc) not in epoch.members:
             _log(f"rank {self.rank}: left out of quorum {epoch_id}; exiting so that ftrun restarts and heals it")
             sys.stderr.flush()
-            os._exit(75)
+            os._exit(keys.EXIT_REPLICA_RESTART)
         changed = self.epoch is None or epoch.id != self.epoch.id
         if changed and not joining and epoch.start_round >= 0:
             # An epoch the supervisor started afresh (no member had entered one when it was
@@ -936,7 +936,7 @@ class Manager:
         if sending and self._tainted:
             _log(f"rank {self.rank}: named the source of a fresh quorum while holding a half-received state; "
                  f"exiting so that ftrun restarts it clean")
-            os._exit(75)
+            os._exit(keys.EXIT_REPLICA_RESTART)
         if sending and epoch.fresh and not self.in_sync and self.checkpoints is not None and not self._resumed:
             self._resume()
         self._set_phase("send" if sending else "heal")
@@ -960,7 +960,7 @@ class Manager:
             _log(f"rank {self.rank}: cannot take the state of rank {source}: {e}. This replica's model, optimizer "
                  f"or ft.register_state() objects differ from its peers'; exiting")
             sys.stderr.flush()
-            os._exit(1)
+            os._exit(keys.EXIT_FAILED)
         except Exception as e:  # an end of the transfer died: this round fails, the next epoch heals again
             abort_group(hpg)
             who = "to its healers" if sending else f"from rank {source}"
@@ -1001,7 +1001,7 @@ class Manager:
             os._exit(keys.EXIT_CANNOT_GO_ON)
         except Exception as e:  # a failed read left part of a checkpoint in the tensors: restart clean
             _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}; exiting so that ftrun restarts it clean")
-            os._exit(75)
+            os._exit(keys.EXIT_REPLICA_RESTART)
         self._resumed = True
         if found is not None:
             self.step = found.step
