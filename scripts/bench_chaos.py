@@ -194,7 +194,7 @@ def command(mode: str, args: argparse.Namespace, run_id: str, ckpt: Path) -> Lis
             "--optim", args.optim, "--lr", str(args.lr), "--print-every", "1", "--announce"]
     if mode == "ft":
         return [str(VENV_BIN / "ftrun"), "--nproc", str(NPROC), "--ft", "--max-restarts", "1000", "--run-id", run_id,
-                str(ROOT / "scripts" / "train_ft.py"), "--batch", str(args.batch)] + work
+                str(ROOT / "scripts" / "train_ft.py"), "--batch", str(args.batch), "--data", "step"] + work
     ddp = [str(ROOT / "scripts" / "train_ddp.py"), "--batch", str(args.batch // NPROC), "--ckpt", str(ckpt),
            "--ckpt-every", str(args.ckpt_every)] + work
     if mode == "group":

@@ -158,3 +158,113 @@ def test_step_loop_with_a_loader_resumes_its_position(ftrun_home, tmp_path):
     full = -min(weights)  # every sample of the epochs completed, once each; the one under way, partly
     assert set(weights) <= {-full, -(full - 1)} and full >= 5, sorted(set(weights))
     assert len({json.dumps(r["weights"]) for r in reports.values()}) == 1
+
+
+def test_a_hung_replica_is_replaced_and_each_sample_trained_once(ftrun_home, tmp_path):
+    """A replica SIGSTOPped mid-epoch (a hang): the default rule (shortened to 3 s) names it,
+    kills it, it heals; the steps its peers discarded meanwhile give their batches again."""
+    size, out = 180, tmp_path / "o"
+    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "hang", WORKER, 2, out, "--size", size, "--batch", 3,
+                        "--step-sleep", 0.03], env={"FTRUN_HANG_AFTER_S": "3", "FTRUN_FT_TIMEOUT": "2"})
+    try:
+        r = _wait_replica(ftrun_home, "hang", 2, lambda r, st: r["step"] >= 8 and r["state"] == "running", 180)
+        os.kill(r["pid"], signal.SIGSTOP)
+        rc, _, err = _finish(proc, 300)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert "rank 2 (pid" in err and "is hung" in err, err[-3000:]
+    _assert_each_sample_once(_reports(out, range(3)), 2, size)
+
+
+def test_store_host_node_lost_each_sample_trained_once(ftrun_home, tmp_path):
+    """Three nodes (one replica each); node 0, which hosts the run's store, is SIGKILLed with its
+    worker mid-epoch: the store moves, the two survivors rejoin and go on from the newest whole
+    step, and every sample of every epoch is trained exactly once by them."""
+    from conftest import free_port
+    from test_store_moves import _kill_tree
+
+    size, out, port = 240, tmp_path / "o", free_port()
+    procs = {k: start_ftrun(["--nnodes", 3, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+                             "--nproc", 1, "--ft", "--run-id", "nodes", WORKER, 2, out, "--size", size, "--batch", 4,
+                             "--step-sleep", 0.03], env={"FTRUN_NODE_TIMEOUT": "2"}) for k in (2, 1, 0)}
+    try:
+        _wait_replica(ftrun_home, "nodes.node1", 1, lambda r, st: r["step"] >= 12 and r["state"] == "running", 180)
+        _kill_tree(procs[0])
+        results = {k: _finish(procs[k], 300) for k in (1, 2)}
+    finally:
+        for p in procs.values():
+            p.kill()
+    for k, (rc, _, err) in results.items():
+        assert rc == 0, (k, err[-3000:])
+        assert "moving the run's store" in err, err[-3000:]
+    _assert_each_sample_once(_reports(out, (1, 2)), 2, size)
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("iterable", "needs a map-style dataset"),
+    ("sampler", "ft.DataLoader(sampler=...): ft.DataLoader chooses the order itself"),
+    ("batch", "ft.DataLoader(batch_size=0)"),
+    ("outside", "an ft.DataLoader was iterated outside an ftrun.ft loop"),
+])
+def test_what_ft_dataloader_cannot_serve_is_one_line(ftrun_home, tmp_path, bad, says):
+    """An iterable dataset, a sampler of the script's own, a bad batch size, a loader iterated
+    outside ft.epochs()/ft.steps(): one line naming the fix, the run stopped (exit 2), no traceback."""
+    script = tmp_path / "bad.py"
+    script.write_text(f"""
+import torch, ftrun.ft as ft
+from torch.utils.data import IterableDataset, TensorDataset, SequentialSampler
+data = TensorDataset(torch.arange(10.0))
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(10))
+bad = {bad!r}
+if bad == "iterable":
+    ft.DataLoader(Stream(), batch_size=2)
+elif bad == "sampler":
+    ft.DataLoader(data, batch_size=2, sampler=SequentialSampler(data))
+elif bad == "batch":
+    ft.DataLoader(data, batch_size=0)
+else:
+    for x in ft.DataLoader(data, batch_size=2):
+        pass
+""")
+    proc = run_ftrun(["--nproc", 2, "--ft", script], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert says in proc.stderr and "stopping the run (exit 2)" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_dataloader_arguments_work(ftrun_home, tmp_path):
+    """collate_fn, pin_memory, drop_last, prefetch_factor, persistent_workers and num_workers reach
+    torch's DataLoader: the collated batches come back as the collate_fn made them, drop_last
+    leaves out the epoch's tail, len() counts what a pass gives."""
+    script = tmp_path / "args.py"
+    script.write_text("""
+import json, os, sys, torch, ftrun.ft as ft
+from torch.utils.data import TensorDataset
+data = TensorDataset(torch.arange(50.0))
+def collate(items):
+    return {"x": torch.stack([x for (x,) in items]), "n": len(items)}
+loader = ft.DataLoader(data, batch_size=4, shuffle=False, drop_last=True, num_workers=2, pin_memory=True,
+                       prefetch_factor=3, persistent_workers=True, collate_fn=collate)
+ddp = ft.DistributedDataParallel(torch.nn.Linear(1, 1))
+opt = ft.Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.0))
+seen, lens = [], []
+for epoch in ft.epochs(2):
+    lens.append(len(loader))
+    for b in loader:
+        seen.append([b["n"], b["x"].tolist()])
+        ddp(b["x"][:, None]).sum().backward()
+        opt.step()
+json.dump({"seen": seen, "lens": lens}, open(sys.argv[1] + "." + os.environ["RANK"], "w"))
+""")
+    out = tmp_path / "seen"
+    proc = run_ftrun(["--nproc", 2, "--ft", script, out], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in range(2):
+        got = json.loads(Path(f"{out}.{r}").read_text())
+        assert got["lens"] == [6, 6], got["lens"]  # 50 samples, 2 x 4 a step, the tail of 2 dropped
+        assert [n for n, _ in got["seen"]] == [4] * 12
+        first = [x for n, xs in got["seen"][:6] for x in xs]
+        assert first == [float(i) for i in range(r, 48, 2)], first

@@ -227,6 +227,7 @@ class DataLoader:
         if epoch != self.epoch:
             self.epoch, self.pos = epoch, 0
             self.cursor = (epoch, 0)
+            self._yielded = 0
 
     def __next__(self) -> Any:
         mgr = self.mgr
@@ -245,7 +246,7 @@ class DataLoader:
                 epoch += 1  # iter() again in an ft.steps() loop: the next epoch
             else:
                 raise StopIteration
-            pos = 0
+            pos, self._yielded = 0, 0
             if self.cursor == (self.epoch, self.pos):  # the open step drew nothing yet
                 self.epoch, self.pos = epoch, 0
             take = self.take(0, workers)

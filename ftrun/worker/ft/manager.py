@@ -964,8 +964,13 @@ class Manager:
         except Exception as e:  # an end of the transfer died: this round fails, the next epoch heals again
             abort_group(hpg)
             who = "to its healers" if sending else f"from rank {source}"
-            self.fail_round(f"state transfer {who} failed ({str(e).splitlines()[0][:120]}); healing again in the "
-                            f"next quorum")
+            if self.round_ok:
+                # In ftrun's words on the console (a heal that must be done again is worth a line);
+                # the library's own text in the rank's log.
+                _log_detail(f"rank {self.rank}: state transfer {who}: {str(e).strip()}")
+                _log(f"rank {self.rank}: the state transfer {who} failed"
+                     f"{' (a peer left)' if PEER_LOST.search(str(e)) else ''}; healing again in the next quorum")
+            self.fail_round()
             if sending:
                 self._set_heal_done(done_key, "fail")
             return
