@@ -98,4 +98,5 @@ def replica_rank() -> int:
 
 
 def global_step() -> int:
+    """The global step this replica is at: the same on every live replica, and where a restarted one resumes."""
     return manager().step
