@@ -509,14 +509,3 @@ def pet_values(environ: Mapping[str, str]) -> Dict[str, Tuple[Any, str]]:
         else:
             out[opt.key] = (raw, opt.pet)
     return out
-
-
-def torchrun_table() -> List[Tuple[str, str, str]]:
-    """(torchrun spellings, PET_ name, what ftrun does) for each torchrun option (the docs' table)."""
-    rows = []
-    for opt in OPTIONS_LIST:
-        if not opt.torchrun:
-            continue
-        spellings = [f for f in opt.flags if f not in ("--nproc", "--run-id", "--run_id")]
-        rows.append((", ".join(f"`{f}`" for f in spellings), f"`{opt.pet}`" if opt.pet else "-", opt.torchrun))
-    return rows

@@ -11,6 +11,8 @@ write anything: it only formats.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import shlex
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -63,8 +65,6 @@ def _as_formed(cfg: RunConfig, hosts: Optional[bool]) -> RunConfig:
     host as node 0 and the others in the order they join."""
     if cfg.rdzv != "c10d":
         return cfg
-    import dataclasses
-
     return dataclasses.replace(cfg, node_rank=0 if hosts else 1, nnodes=cfg.max_nodes,
                                workers_master_addr=this_node_name(cfg.local_addr) if hosts else None,
                                total_restarts=cfg.max_restarts, max_restarts=cfg.max_restarts if cfg.ft else 0)
@@ -92,7 +92,8 @@ def _summary(cfg: RunConfig, shown: RunConfig, hosts: Optional[bool]) -> List[st
     else:
         policy = f"group restart: {cfg.max_restarts} restart{'s' if cfg.max_restarts != 1 else ''} of every worker"
     rows = [
-        ("run", f"{cfg.run_id} (TORCHELASTIC_RUN_ID {cfg.elastic_run_id})"),
+        ("run", f"{cfg.run_id} (TORCHELASTIC_RUN_ID {cfg.elastic_run_id}"
+                + (", a fresh uuid at each start, as torchrun's)" if _is_uuid(cfg.elastic_run_id) else ")")),
         ("runs", shlex.join(target + list(cfg.script_args)) + (" (an executable: --no-python)" if cfg.no_python
                                                               else ", in every worker")),
         ("mode", _mode(cfg)),
@@ -105,6 +106,10 @@ def _summary(cfg: RunConfig, shown: RunConfig, hosts: Optional[bool]) -> List[st
         rows.insert(1, ("recipe", cfg.recipe))
     width = max(len(k) for k, _ in rows)
     return [f"{k.ljust(width)}  {v}" for k, v in rows]
+
+
+def _is_uuid(text: str) -> bool:
+    return re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", text) is not None
 
 
 def _store_line(cfg: RunConfig, hosts: Optional[bool]) -> str:

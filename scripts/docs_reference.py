@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Dict, Iterable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -85,9 +85,22 @@ def _option_entries(options: Iterable[Any], recipe_key=lambda o: o.key) -> str:
     return "\n".join(_option_entry(o, recipe_key(o)) for o in options if o.flags)
 
 
+def torchrun_table() -> list:
+    """(torchrun spellings, PET_ name, what ftrun does) for each of torchrun's options."""
+    from ftrun.options import OPTIONS_LIST
+
+    rows = []
+    for opt in OPTIONS_LIST:
+        if not opt.torchrun:
+            continue
+        spellings = [f for f in opt.flags if f not in ("--nproc", "--run-id", "--run_id")]
+        rows.append((", ".join(f"`{f}`" for f in spellings), f"`{opt.pet}`" if opt.pet else "-", opt.torchrun))
+    return rows
+
+
 def options_page() -> str:
     from ftrun.cli import RECIPE_HELP
-    from ftrun.options import HOOK_FLAGS, OPTIONS_LIST, torchrun_table
+    from ftrun.options import HOOK_FLAGS, OPTIONS_LIST
 
     torchruns = [o for o in OPTIONS_LIST if o.torchrun]
     own = [o for o in OPTIONS_LIST if not o.torchrun]

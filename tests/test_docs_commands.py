@@ -17,7 +17,6 @@ import re
 import shlex
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional

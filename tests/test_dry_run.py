@@ -137,9 +137,8 @@ def test_slurm_layout_and_its_source(ftrun_home, script, tmp_path):
     assert "slurm-77.0" in plan
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("args,env,needle", [
-    (["--dry-run", "--nproc", "0", "train.py"], {}, "--nproc must be at least 1"),
+    pytest.param(["--dry-run", "--nproc", "0", "train.py"], {}, "--nproc must be at least 1", marks=pytest.mark.quick),
     (["--dry-run", "--nproc", "2", "missing.py"], {}, "not found"),
     (["--dry-run", "train.py"], {"PET_NPROC_PER_NODE": "eight"}, "PET_NPROC_PER_NODE"),
     (["--dry-run", "--nnodes", "2", "train.py"], {}, "needs --master-port"),
