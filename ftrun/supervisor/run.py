@@ -44,8 +44,8 @@ from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, 
                                    signal_group)
 from ftrun.supervisor.store import STORE_TIMEOUT_S, RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import (DUMP_STACKS_SIGNAL, EXIT_CANNOT_GO_ON, NODE_RANKS_ENV, NODE_STORE_ENV, RUN_STORE,
-                            progress_key)
+from ftrun.protocol import (DUMP_STACKS_SIGNAL, EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_USAGE,
+                            NODE_RANKS_ENV, NODE_STORE_ENV, RUN_STORE, progress_key)
 from ftrun.supervisor import checkpoints, folder_lock
 
 TICK_S = 0.25
@@ -147,6 +147,9 @@ class Supervisor:
         # --ft: the supervisor keeps the quorum (ftrun.supervisor.quorum).
         self.quorum: Optional[QuorumKeeper] = None
         self.tick_s = 0.05 if cfg.ft else TICK_S
+        # How often the state file may be rewritten while something changes: with --ft the step
+        # moves every tick, and `ftrun status` must show the current one (a write is a small file).
+        self.write_s = 0.1 if cfg.ft else 0.2
         self.default_hang_s, _ = hang_after_s(os.environ)  # refused at the start when not a number
         self._warned_no_ft_api = False
         self.give_up_why: Optional[str] = None  # why the run ends with a failure, when not a spent budget
@@ -201,7 +204,7 @@ class Supervisor:
             f"{' (' + self.policy.name + ', ' + str(cfg.max_restarts) + ' restarts)' if cfg.max_restarts else ''}"
             f"{', hook ' + cfg.hook.describe() if cfg.hook else ''}; logs in {self.log_dir}",
             style="bold blue")
-        code: Optional[int] = 1
+        code: Optional[int] = EXIT_FAILED
         try:
             # With several nodes, no worker starts anywhere before every node has joined.
             code = self.nodes.join() if self.nodes is not None else None
@@ -220,7 +223,7 @@ class Supervisor:
                     self._spawn(w)
                 code = self._loop()
         finally:
-            code = 1 if code is None else code
+            code = EXIT_FAILED if code is None else code
             self._finish(code)
         return code
 
@@ -353,19 +356,19 @@ class Supervisor:
         if st is None and self.saving is not None:
             self.console.note(f"received {name} again: stopping without waiting for the checkpoint", style="bold yellow")
             self.saving = None
-            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, 128 + signum)
+            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
             return
         if st is None and self._save_before_stop(signum):
             return
         if st is None:
             self.console.note(f"received {name}: stopping all workers "
                               f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
-            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, 128 + signum)
+            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
             return
         # Already stopping: the signal ends the grace, and asks for no new attempt.
         instead = ""
         if st.then is AfterStop.RESTART_GROUP:
-            st.then, st.code, instead = AfterStop.EXIT, 128 + signum, "no restart; "
+            st.then, st.code, instead = AfterStop.EXIT, EXIT_SIGNAL_BASE + signum, "no restart; "
         in_grace = any(w.kill_at for w in st.pending.values())
         if in_grace or instead:
             self.console.note(f"received {name}: {instead}{'no more grace, killing the workers now' if in_grace else ''}"
@@ -408,7 +411,7 @@ class Supervisor:
         self.saving = None
         self.console.note(said[0], style=said[1])
         self._begin_stop(sv.sig, max(min(1.0, self.cfg.shutdown_timeout), sv.deadline - now), AfterStop.EXIT,
-                         128 + sv.sig)
+                         EXIT_SIGNAL_BASE + sv.sig)
 
     def _on_spawner_died(self, ev: SpawnerDied) -> None:
         st = self.stopping
@@ -418,13 +421,13 @@ class Supervisor:
             lost = ", ".join(str(w.rank) for w in self.workers if w.tag in ev.lost) or "none"
             self.console.note(f"internal error: {ev.reason}; workers lost with it: rank {lost}; stopping",
                               style="bold red")
-            self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, 1)
+            self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_FAILED)
             return
         # Mid-stop: the workers being stopped died with it (parent-death signal; the spawner
         # SIGKILLs what is left), and one whose start was still in flight will never report.
         if st.then is AfterStop.RESTART_GROUP:
             self.console.note(f"internal error: {ev.reason}; no worker can be started: stopping", style="bold red")
-            st.then, st.code = AfterStop.EXIT, 1
+            st.then, st.code = AfterStop.EXIT, EXIT_FAILED
         for w in list(st.pending.values()):
             self._stopped(w)
 
@@ -473,7 +476,7 @@ class Supervisor:
         why = why.split("ftrun.ft: ", 1)[-1] or f"rank {w.rank} found that the run cannot go on"
         self.console.note(f"{why}; stopping the run (exit 2)", style="bold red")
         self.status.exit_summary = why
-        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, 2)
+        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_USAGE)
 
     def _on_failure(self, w: Worker, failure: Failure) -> None:
         if isinstance(self.policy, GroupRestartPolicy):
@@ -714,7 +717,7 @@ class Supervisor:
         code = NODE_LOST
         if ev.kind == "store_gone" and self.cfg.ft:
             # Nothing here can go on without the store: a scheduler that requeues on this status
-            # restarts the job, which resumes from --checkpoint-dir (README: Slurm, Kubernetes).
+            # restarts the job, which resumes from --checkpoint-dir (docs/guides/checkpoints.md: requeue).
             code = REQUEUE
             self.console.note(f"exit {REQUEUE}: requeue the job to resume"
                               f"{' from ' + self.cfg.checkpoint_dir if self.cfg.checkpoint_dir else ''}",
@@ -842,7 +845,7 @@ class Supervisor:
             if isinstance(self.spawner, ZygoteSpawner):
                 self.spawner.close()  # workers die with their zygote (parent-death signal)
                 if st.then is AfterStop.RESTART_GROUP:
-                    st.then, st.code = AfterStop.EXIT, 1  # no zygote, no new attempt
+                    st.then, st.code = AfterStop.EXIT, EXIT_FAILED  # no zygote, no new attempt
             for w in list(st.pending.values()):
                 self._stopped(w)
         if st.pending:
@@ -884,7 +887,7 @@ class Supervisor:
             self._dirty = True
         # Step counts change every tick with --ft: `ftrun status` needs them a few times a
         # second, not at the 20 Hz the quorum is polled (each write is a JSON file).
-        if self._dirty and now - self._last_write >= 0.2 or now - self._last_write >= 0.5:
+        if self._dirty and now - self._last_write >= self.write_s or now - self._last_write >= 0.5:
             self._write_state()
 
     def _poll_progress(self, now: float) -> None:
@@ -921,15 +924,21 @@ class Supervisor:
             if w.state == WorkerState.STARTING and self.quorum is None:
                 w.state = WorkerState.RUNNING
                 self._dirty = True
-            if steps != w.steps and steps > 0:
-                if w.last_step_time and steps > w.steps:
-                    dt = max(1e-3, now - w.last_step_time)
-                    rate = (steps - w.steps) / dt
-                    w.steps_per_s = rate if w.steps_per_s == 0 else 0.7 * w.steps_per_s + 0.3 * rate
-                w.steps = steps
-                w.last_step_time = now
-                w.first_step_seen = True
-                self._dirty = True
+            self._note_steps(w, steps, now)
+
+    def _note_steps(self, w: Worker, steps: int, now: float) -> None:
+        """A worker's step count as last reported (its progress key, or under --ft its report to
+        the quorum, read every tick)."""
+        if steps == w.steps or steps <= 0:
+            return
+        if w.last_step_time and steps > w.steps:
+            dt = max(1e-3, now - w.last_step_time)
+            rate = (steps - w.steps) / dt
+            w.steps_per_s = rate if w.steps_per_s == 0 else 0.7 * w.steps_per_s + 0.3 * rate
+        w.steps = steps
+        w.last_step_time = now
+        w.first_step_seen = True
+        self._dirty = True
 
     def _poll_quorum(self, now: float) -> None:
         q = self.quorum
@@ -947,6 +956,11 @@ class Supervisor:
             self._poll_checkpoint()  # a few times a second, with the progress poll
         while q.history:
             self.console.note(q.history.pop(0), style="cyan")
+        for w in self.workers:
+            info = q.info.get(w.rank)
+            if w.alive and info and info.get("inc") == w.incarnation and w.first_step_seen:
+                # Fresher than the progress key (read a few times a second): the step now.
+                self._note_steps(w, int(info.get("step") or 0), now)
         for w in self.workers:
             if w.state in (WorkerState.RECOVERING, WorkerState.STARTING, WorkerState.RUNNING) and w.alive:
                 if q.replica_fields(w.rank)["in_quorum"] and w.state != WorkerState.RUNNING:

@@ -36,6 +36,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -48,7 +49,7 @@ from ftrun import protocol as keys
 from ftrun.worker.ft import vote
 from ftrun.worker.ft.checkpoint import SAVE_ERRORS, Checkpointer, CheckpointMismatch
 from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
-from ftrun.protocol import Epoch
+from ftrun.protocol import DETAIL_PREFIX, Epoch
 from ftrun.worker.ft.state import ReplicaState
 from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
 
@@ -64,6 +65,26 @@ STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's s
 def _log(msg: str) -> None:
     sys.stderr.write(f"ftrun.ft: {msg}\n")
     sys.stderr.flush()
+
+
+def _log_detail(msg: str) -> None:
+    """A line for the rank's log file only (the console filter keeps it off unless --verbose)."""
+    sys.stderr.write(f"{DETAIL_PREFIX}{msg}\n")
+    sys.stderr.flush()
+
+
+# What a collective says when a peer of the group went away (gloo: the connection reset or
+# closed; ftrun: the member's incarnation is gone, or the group was given up for a newer quorum).
+PEER_LOST = re.compile(r"reset by peer|connection closed|closed by peer|broken pipe|connection refused|"
+                       r"are gone|is out\b|aborted|end of file|EOF", re.IGNORECASE)
+
+
+def _plain(text: str, most: int = 160) -> str:
+    """A collective's error for a person: without the library's source path, cut at a word."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.strip())
+    if len(text) <= most:
+        return text
+    return text[:most].rsplit(" ", 1)[0] + " ..."
 
 
 def _env_number(name: str, default: float, lo: float, hi: float) -> float:
@@ -141,7 +162,16 @@ class Manager:
         # that wrote the checkpoint, and the resumed run stays bitwise that run.
         self.layout_discard = False
         self.finished = False
-        self.looping = False  # inside ft.steps(): rounds begin at its top (opt.step() outside one is a misuse)
+        self.looping = False  # inside ft.steps() or ft.epochs() (opt.step() outside one is a misuse)
+        self.step_open = False  # a step's top ran (start_round) and opt.step() has not voted on it yet
+        self.step_serial = 0  # counts step tops: an ft.DataLoader rewinds to its committed position at each
+        self.step_listeners: List[Callable[[], None]] = []  # called as this member takes a step
+        self.loaders: List[Any] = []  # every ft.DataLoader (ft/data.py), in the order made
+        self.epochs_state: Any = None  # ft.epochs()' registered epoch (ft/data.py), once asked for
+        # ft.redo(): the step just handed to the script was handed out before (a discarded round,
+        # a resume from a checkpoint taken at it); `yielded` travels in heals, so all replicas agree.
+        self.yielded = -1
+        self.redo = False
         self.committed = 0
         self.discarded = 0
         self.failed_in_row = 0
@@ -169,6 +199,7 @@ class Manager:
         self.checkpoints = Checkpointer.from_env(self.rank, self.shard, self.k, _log)
         self.total: Optional[int] = None
         self._save_due = False
+        self._loop_ending = False  # ft.epochs() ran out (finish_loop): its save is the loop's last
         self._resumed = False
         from ftrun.worker import progress
 
@@ -237,7 +268,7 @@ class Manager:
                 break
             if time.monotonic() > deadline:
                 _log(f"rank {self.rank}: no new store within {RELOCATE_S:g} s; exiting")
-                os._exit(75)
+                os._exit(keys.EXIT_REPLICA_RESTART)
             time.sleep(POLL_S * 4)
         gen, addr = moved
         self._drop_group()
@@ -246,7 +277,7 @@ class Manager:
         while not self.store.check([keys.LATEST]):  # the new keeper's first words
             if time.monotonic() > deadline:
                 _log(f"rank {self.rank}: the run's new store at {addr} has no keeper; exiting")
-                os._exit(75)
+                os._exit(keys.EXIT_REPLICA_RESTART)
             time.sleep(POLL_S)
         self.latest_seen = int(self.store.get(keys.LATEST))
         self.store_gen = gen  # the epoch watcher reconnects on this
@@ -369,17 +400,69 @@ class Manager:
                     self._relocate(e)
                     continue
             yield self.step
+        self.looping = False
+        self.step_open = False
         self._set_phase("done")
         if self._progress is not None:
             self._progress.note_step(self.step)
 
+    def begin_step(self) -> None:
+        """The top of a step for a loop that ft.steps() does not drive (ft.DataLoader, ft.epochs()):
+        the round's top runs once per step, at the first of them that asks."""
+        if not self.looping:
+            self._misused("an ft.DataLoader was iterated outside an ftrun.ft loop: drive the training loop "
+                          "with ft.epochs() (`for epoch in ft.epochs(n): for batch in loader: ...`) or ft.steps()")
+        if not self.step_open:
+            self.start_round()
+
     def start_round(self) -> None:
+        """The top of a step: join, switch quorum, heal, checkpoint, as due. A step is then open
+        until opt.step() votes on it."""
         while True:
             try:
                 self._start_round()
-                return
+                break
             except dist.DistError as e:  # the run's store went away: rejoin on the next one
                 self._relocate(e)
+        self.step_open = True
+        self.step_serial += 1
+        self.redo = self.step <= self.yielded
+        self.yielded = max(self.yielded, self.step)
+
+    def finish_loop(self) -> None:
+        """ft.epochs() ran out: the end of the loop, as ft.steps() ends at its total. A round of
+        several steps the last epoch cut short is voted as it stands (every member took the same
+        steps: the same batches), the last step is saved when checkpoints are on, the decision is
+        awaited, and the run is marked finished."""
+        self.close_round()
+        if (self.checkpoints is not None and self.step > 0 and self.epoch is not None and self.in_sync
+                and self.replica_index == 0 and self.checkpoints.due(self.step, self.step)):
+            self._save_due = True
+        self._loop_ending = True  # the save due now is the loop's last
+        while True:
+            self.start_round()
+            try:
+                self._settle()
+                if self.checkpoints is not None:
+                    self.checkpoints.wait()  # the last checkpoint is published before the script goes on
+                    self._retry_final_save()
+                if not self.finished:
+                    self.store.compare_set(keys.FINISHED, "", str(self.step))
+                break
+            except dist.DistError as e:  # the store moved as the run ended: rejoin, and end there
+                self._relocate(e)
+        self.step_open = False
+        self.looping = False
+        self._set_phase("done")
+        if self._progress is not None:
+            self._progress.note_step(self.step)
+
+    def close_round(self) -> None:
+        """Vote the steps this member took in the current round, as its last step would."""
+        if self.taken and self.epoch is not None and self.k == 1:
+            self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
+                                self._node_size())
+            self._end_round(True, self.epoch.id)
 
     def _start_round(self) -> None:
         self._settle(block=False)
@@ -395,7 +478,7 @@ class Manager:
         if self._save_due:
             self._save_due = False
             self._set_phase("checkpoint")
-            last = self.total is not None and self.step >= self.total
+            last = self._loop_ending or (self.total is not None and self.step >= self.total)
             self.checkpoints.save(self.state, self.step, "final" if last else "periodic")
         if self.epoch is None:
             self._join()
@@ -447,12 +530,19 @@ class Manager:
         return None
 
     def fail_round(self, why: str = "") -> None:
-        """A collective of this round failed: the round will be voted down."""
+        """A collective of this round failed: the round will be voted down. A peer's loss is an
+        expected event (the supervisor says which replica died): it is said in the log only;
+        anything else is said in ftrun's words too. The full text always goes to the log."""
         if self.round_ok and why:
-            line = why.splitlines()[0][:160]
-            if line != self._last_failure or self.failed_in_row % 100 == 0:
-                _log(f"rank {self.rank}: round {self.round} failed ({line})")
-            self._last_failure = line
+            first = why.splitlines()[0]
+            if first != self._last_failure or self.failed_in_row % 100 == 0:
+                _log_detail(f"rank {self.rank}: round {self.round}: {why.strip()}")
+                if PEER_LOST.search(first):
+                    _log_detail(f"rank {self.rank}: round {self.round} is voted down: a peer left mid-collective")
+                else:
+                    _log(f"rank {self.rank}: round {self.round} failed: {_plain(first)} (the full text is in this "
+                         f"rank's log)")
+            self._last_failure = first
         self.round_ok = False
 
     def before_collective(self) -> None:
@@ -477,11 +567,12 @@ class Manager:
         disagree (a rare mixed outcome as a peer dies mid-collective), that member restarts and
         heals from a peer. A member whose round failed votes and waits, as before.
         """
+        self.step_open = False
         if self.epoch is None:
             if not self.looping:
                 self._misused("opt.step() was called outside an ftrun.ft loop, so no step could ever be committed "
-                              "(every one would be discarded): drive the training loop with ft.steps(), as in "
-                              "`for step in ft.steps(total):`")
+                              "(every one would be discarded): drive the training loop with ft.epochs() or "
+                              "ft.steps(), as in `for epoch in ft.epochs(n):` or `for step in ft.steps(total):`")
             return False  # the run's store moved during this round: nothing to vote on
         try:
             return self._vote()
@@ -579,6 +670,8 @@ class Manager:
         self.step += 1
         self.taken += 1
         self.committed += 1
+        for fn in self.step_listeners:
+            fn()
         if self._progress is not None:
             self._progress.note_step(self.step)
         self._set_phase("commit")
@@ -652,7 +745,7 @@ class Manager:
         that ftrun restarts the replica and it heals from a peer like any newcomer."""
         _log(f"rank {self.rank}: {why}; restarting to take the committed state from a peer")
         sys.stderr.flush()
-        os._exit(75)
+        os._exit(keys.EXIT_REPLICA_RESTART)
 
     # ------------------------------------------------------------ membership
     def _watch_epochs(self) -> None:
@@ -709,7 +802,7 @@ class Manager:
         self._switch(entering, joining=True)
         self.store.set(keys.entered_key(self.rank), str(self.inc))
         if self.epoch is not None and self.in_sync:
-            _log(f"rank {self.rank} (incarnation {self.inc}) joined epoch {entering} at step {self.step} "
+            _log(f"rank {self.rank} (incarnation {self.inc}) joined quorum {entering} at step {self.step} "
                  f"after {time.time() - t0:.2f} s")
 
     def _finish_without_peers(self) -> None:
@@ -731,7 +824,7 @@ class Manager:
         _log(f"{lead}; no peer is left to heal it and no checkpoint holds the final step: exiting now (status 0) "
              f"instead of running the script's code after the loop on an untrained model")
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(keys.EXIT_OK)
 
     def _started_epoch_with_me(self, latest: int):
         """(epoch, round) of the newest epoch that lists this incarnation and that the
@@ -756,9 +849,9 @@ class Manager:
     def _switch(self, epoch_id: int, joining: bool = False) -> None:
         epoch = Epoch.from_json(self.store.get(keys.epoch_key(epoch_id)))
         if (self.rank, self.inc) not in epoch.members:
-            _log(f"rank {self.rank}: left out of epoch {epoch_id}; exiting so that ftrun restarts and heals it")
+            _log(f"rank {self.rank}: left out of quorum {epoch_id}; exiting so that ftrun restarts and heals it")
             sys.stderr.flush()
-            os._exit(75)
+            os._exit(keys.EXIT_REPLICA_RESTART)
         if epoch.stop:
             self._stop_here(epoch)
         changed = self.epoch is None or epoch.id != self.epoch.id
@@ -795,10 +888,10 @@ class Manager:
             self.pg = self._form(keys.pg_prefix(epoch.id, self.group_round, self._shard_id), epoch,
                                  self._shard_ranks(epoch))
         except Exception as e:  # a member died while we connected: this round fails, the next epoch fixes it
-            self.fail_round(f"could not form the group of epoch {epoch.id}: {str(e).splitlines()[0]}")
+            self.fail_round(f"could not form the group of quorum {epoch.id}: {str(e).splitlines()[0]}")
         took = time.monotonic() - t0
         if took > SLOW_S:
-            _log(f"rank {self.rank}: forming the group of epoch {epoch.id} (round {self.group_round}) took {took:.1f} s")
+            _log(f"rank {self.rank}: forming the group of quorum {epoch.id} (round {self.group_round}) took {took:.1f} s")
         if epoch.healers or epoch.fresh:
             self._heal(epoch)
         self._plan_layout(epoch)
@@ -862,7 +955,7 @@ class Manager:
         alive = [v.decode() if isinstance(v, bytes) else str(v)
                  for v in self.store.multi_get([keys.inc_key(r) for r in ranks])]
         gone = [r for r, v in zip(ranks, alive) if v != str(epoch.incarnation(r))]
-        return f"ranks {gone} of epoch {epoch.id} are gone" if gone else None
+        return f"ranks {gone} of quorum {epoch.id} are gone" if gone else None
 
     def _form(self, prefix: str, epoch: Epoch, ranks: List[int]) -> dist.ProcessGroup:
         """A group of `ranks` (in that order), given up as soon as one of them dies or a newer
@@ -871,7 +964,7 @@ class Manager:
         the newer epoch, where everyone meets."""
         def why() -> Optional[str]:
             if self.latest_seen > epoch.id:
-                return f"epoch {self.latest_seen} is out"
+                return f"quorum {self.latest_seen} is out"
             return self._gone(epoch, ranks)
 
         return build_group_watched(os.environ["FTRUN_STORE"], prefix, ranks.index(self.rank), len(ranks),
@@ -908,14 +1001,14 @@ class Manager:
         sending = self.rank == source
         if self._gone(epoch, ends):
             # An end of the transfer is gone: forming its group would wait for it until the timeout.
-            self.fail_round(f"the state transfer of epoch {epoch.id} lost an end before it began")
+            self.fail_round(f"the state transfer of quorum {epoch.id} lost an end before it began")
             if sending:
                 self._set_heal_done(done_key, "fail")
             return
         if sending and self._tainted:
-            _log(f"rank {self.rank}: named the source of a fresh epoch while holding a half-received state; "
+            _log(f"rank {self.rank}: named the source of a fresh quorum while holding a half-received state; "
                  f"exiting so that ftrun restarts it clean")
-            os._exit(75)
+            os._exit(keys.EXIT_REPLICA_RESTART)
         if sending and epoch.fresh and not self.in_sync and self.checkpoints is not None and not self._resumed:
             self._resume()
         self._set_phase("send" if sending else "heal")
@@ -924,12 +1017,13 @@ class Manager:
         try:
             hpg = self._form(keys.pg_prefix(epoch.id, self.group_round, self._shard_id) + "heal/", epoch, ends)
             if sending:
-                stats = send_state(hpg, self.state.capture(self.round, self.step), group_device(), chunk=self._chunk,
+                stats = send_state(hpg, self.state.capture(self.round, self.step, self.yielded), group_device(),
+                                   chunk=self._chunk,
                                    after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
             else:
                 payload, stats, in_place = receive_state(hpg, self.state.targets(), group_device(), chunk=self._chunk,
                                                          on_write=self._taint, timeout_s=self._settle_s)
-                self.round, self.step = self.state.restore(payload, in_place)
+                self.round, self.step, self.yielded = self.state.restore(payload, in_place)
                 self._tainted = False
         except StateMismatch as e:
             # Not a failure of the transfer: this replica's model, optimizer or registered state
@@ -938,12 +1032,17 @@ class Manager:
             _log(f"rank {self.rank}: cannot take the state of rank {source}: {e}. This replica's model, optimizer "
                  f"or ft.register_state() objects differ from its peers'; exiting")
             sys.stderr.flush()
-            os._exit(1)
+            os._exit(keys.EXIT_FAILED)
         except Exception as e:  # an end of the transfer died: this round fails, the next epoch heals again
             abort_group(hpg)
             who = "to its healers" if sending else f"from rank {source}"
-            self.fail_round(f"state transfer {who} failed ({str(e).splitlines()[0][:120]}); healing again in the "
-                            f"next epoch")
+            if self.round_ok:
+                # In ftrun's words on the console (a heal that must be done again is worth a line);
+                # the library's own text in the rank's log.
+                _log_detail(f"rank {self.rank}: state transfer {who}: {str(e).strip()}")
+                _log(f"rank {self.rank}: the state transfer {who} failed"
+                     f"{' (a peer left)' if PEER_LOST.search(str(e)) else ''}; healing again in the next quorum")
+            self.fail_round()
             if sending:
                 self._set_heal_done(done_key, "fail")
             return
@@ -979,10 +1078,11 @@ class Manager:
             os._exit(keys.EXIT_CANNOT_GO_ON)
         except SAVE_ERRORS as e:  # a failed read left part of a checkpoint in the tensors: restart clean
             _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}; exiting so that ftrun restarts it clean")
-            os._exit(75)
+            os._exit(keys.EXIT_REPLICA_RESTART)
         self._resumed = True
         if found is not None:
             self.step = found.step
+            self.yielded = max(self.yielded, found.yielded)
             if self._progress is not None:
                 self._progress.note_step(self.step)
 
@@ -1008,7 +1108,7 @@ class Manager:
                 return
             time.sleep(POLL_S)
         if time.monotonic() - t0 > SLOW_S:
-            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the state transfer of epoch {epoch.id}")
+            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the state transfer of quorum {epoch.id}")
 
     def _inject_send_delay(self) -> None:
         delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))
