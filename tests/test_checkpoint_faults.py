@@ -56,6 +56,15 @@ def _status(home: Path, run_id: str) -> dict:
     return json.loads(r.stdout)[0]
 
 
+def _checkpoint_status(home: Path, run_id: str) -> dict:
+    """`ftrun status --json`'s checkpoint record of the run ({} while there is none to read)."""
+    r = run_ftrun(["status", run_id, "--json"], timeout=30, env={"FTRUN_HOME": str(home)})
+    try:
+        return json.loads(r.stdout)[0].get("checkpoint") or {}
+    except (ValueError, IndexError, AttributeError):
+        return {}
+
+
 def _log(home: Path, run_id: str, rank: int = 0, stream: str = "stderr") -> str:
     path = home / run_id / "logs" / f"rank{rank}" / f"{stream}.log"
     return path.read_text(errors="replace") if path.exists() else ""
@@ -108,14 +117,18 @@ def test_full_disk_mid_run_recovers_and_no_replica_is_killed(ftrun_home, small_d
         _wait_for(lambda: (d / "step-20" / "ftrun.json").exists(), run, "the checkpoint of step 20")
         filler = _fill(small_disk)
         _wait_for(lambda: _err(run).count("not written") >= 2, run, "two failed saves")
+        # `ftrun status` follows within a fraction of a second (the supervisor reads the store a few times a second)
+        _wait_for(lambda: _checkpoint_status(ftrun_home, "fills").get("failed_since", 0) >= 2, run,
+                  "two failed saves in ftrun status", timeout=30)
         ck = _status(ftrun_home, "fills")["checkpoint"]
-        assert ck["failed_since"] >= 2 and ck["step"] >= 20 and "full or over quota" in ck["last_failure"]["why"], ck
+        assert ck["step"] >= 20 and "full or over quota" in ck["last_failure"]["why"], ck
         failed_steps = [int(s) for s in re.findall(r"checkpoint of step (\d+) not written", _err(run))]
         filler.unlink()
         _wait_for(lambda: any(s > max(failed_steps) for s in _complete(d)), run, "a checkpoint after the failures")
-        time.sleep(1.0)  # the supervisor reads the store a few times a second
+        _wait_for(lambda: _checkpoint_status(ftrun_home, "fills").get("failed_since") == 0, run,
+                  "the new checkpoint in ftrun status", timeout=30)
         ck = _status(ftrun_home, "fills")["checkpoint"]
-        assert ck["failed_since"] == 0 and ck["failed_total"] >= 2, ck
+        assert ck["failed_total"] >= 2, ck
         assert _no_partials(d) == [], list(d.iterdir())
         _fill(small_disk)
         seen = _err(run).count("not written")
