@@ -76,6 +76,15 @@ class RunStatus:
     # --checkpoint-dir: the newest checkpoint written (or resumed from): step, path, bytes,
     # write_s, pause_s, time (wall clock when it was published)
     checkpoint: Optional[Dict[str, Any]] = None
+    # Goodput (ftrun.supervisor.goodput): the share of this node's replica-time spent on committed
+    # steps, the rest in replica-seconds by cause, and each failure (time, rank, replica, cause,
+    # kind, detect_s, back_s, lost_s, lost_steps, node_rank)
+    goodput: Optional[float] = None
+    lost_s: Optional[Dict[str, float]] = None
+    replica_s: Optional[float] = None
+    steps_lost: Optional[int] = None
+    failures: List[Dict[str, Any]] = field(default_factory=list)
+    metrics_url: Optional[str] = None    # --metrics-port: where the Prometheus text is served
     updated: float = field(default_factory=time.time)
 
     def to_dict(self) -> Dict[str, Any]:

@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
 PRODUCTIVE = "productive"
-# A gap between steps is a stall once it exceeds the usual step time by this factor, and by
-# STALL_MIN_S at least: below that it is the jitter of a busy machine, not lost time.
-STALL_FACTOR = 4.0
+# A gap between steps is a stall once it exceeds the steps it holds by this many usual step times,
+# and by STALL_MIN_S at least: below that it is the jitter of a busy machine, not lost time.
+STALL_FACTOR = 1.0
 STALL_MIN_S = 0.2
 STEP_SAMPLES = 64          # recent per-step times kept for the usual step time (their median)
 MAX_SEGMENTS = 4000        # per lane, for the report; older ones are merged away beyond it

@@ -30,6 +30,7 @@ from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, run_dir, run_
 from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
 from ftrun.supervisor.failover import NoMajority
+from ftrun.supervisor.ledger import Ledger
 from ftrun.supervisor.nodes import NODE_LOST, REQUEUE, NodeCoordinator, NodeEvent
 from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
@@ -127,6 +128,8 @@ class Supervisor:
             log_dir=str(self.log_dir),
         )
         self.state_path = self.run_dir / "state.json"
+        self.ledger = Ledger(cfg, self.started, self.run_dir, self.console)  # goodput, timeline, metrics
+        self._ledger_failed = False
         self._dirty = True
         self._last_write = 0.0
         self._last_poll = 0.0
@@ -186,12 +189,15 @@ class Supervisor:
         else:
             self.spawner = PopenSpawner(self.events)
         self.use_zygote = use_zygote
+        self.status.metrics_url = self.ledger.start_metrics()
         self._write_state()
         self.console.note(
             f"run {cfg.run_id}: {cfg.nproc} worker{'s' if cfg.nproc != 1 else ''} of {cfg.script}"
             f"{' (' + self.policy.name + ', ' + str(cfg.max_restarts) + ' restarts)' if cfg.max_restarts else ''}"
             f"{', hook ' + cfg.hook.describe() if cfg.hook else ''}; logs in {self.log_dir}",
             style="bold blue")
+        if self.status.metrics_url:
+            self.console.note(f"metrics at {self.status.metrics_url}", style="blue")
         code: Optional[int] = 1
         try:
             # With several nodes, no worker starts anywhere before every node has joined.
@@ -235,6 +241,7 @@ class Supervisor:
         w.begin_incarnation(f"{w.rank}.{w.incarnation}.{time.monotonic_ns()}",
                             WorkerState.RECOVERING if self.cfg.ft and w.incarnation else WorkerState.STARTING,
                             keep_steps=self.cfg.ft)
+        self.ledger.spawned(w, time.time())
         self.by_tag[w.tag] = w
         self._progress_seen.pop(w.rank, None)
         if self.quorum is not None:
@@ -386,6 +393,7 @@ class Supervisor:
         if ev.exit_code == 0 and not w.hang_reason:
             w.state = WorkerState.DONE
             w.finished_at = time.time()
+            self.ledger.done(w, w.finished_at)
             return
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
         if self.cfg.ft and ev.exit_code == EXIT_FOREIGN_CHECKPOINT and not w.hang_reason:
@@ -397,6 +405,7 @@ class Supervisor:
         w.last_failure = failure
         if self.first_failure is None:
             self.first_failure = failure
+        self.ledger.failed(w, failure, time.time(), ev.seen)
         self._on_failure(w, failure)
 
     def _foreign_checkpoint(self, w: Worker, tail: List[str]) -> None:
@@ -444,6 +453,7 @@ class Supervisor:
         w.state = WorkerState.FAILED
         self._stop_mates(mates, WorkerState.FAILED)
         if decision is Decision.DROP_REPLICA:
+            self.ledger.given_up(w, time.time())
             self.console.note(f"{who} {failure.reason}; its restart budget ({self.policy.max_restarts}) is "
                               f"spent: carrying on with {live_after} replicas", style="bold red")
             return
@@ -536,6 +546,8 @@ class Supervisor:
                 return waited
         else:
             self._clean_store_for_new_attempt()
+        self._read_last_reports()  # where each rank stopped and last saved: the steps this attempt lost
+        self.ledger.group_restart(time.time())
         self.status.group_restarts = self.policy.restarts
         for o in self.workers:
             o.incarnation = self.policy.restarts
@@ -585,6 +597,7 @@ class Supervisor:
     def _on_node_event(self, ev: NodeEvent) -> None:
         """What the other nodes' coordinator saw: the store gone, a node lost, another node's failure."""
         if ev.kind == "remote_failure":
+            self.ledger.remote_failure(ev.info, time.time())
             self._group_failure(None, None, ev.info)
             return
         live = [w for w in self.workers if w.alive]
@@ -742,6 +755,7 @@ class Supervisor:
         if self.stopping is not None:
             self.stopping.pending.pop(w.tag, None)
         w.kill_at = None
+        self.ledger.stopped(w, time.time())
         if w.state not in (WorkerState.RESTARTING, WorkerState.FAILED):
             w.state = WorkerState.STOPPED
         if self.quorum is not None:
@@ -839,6 +853,7 @@ class Supervisor:
             steps = int(parts[1])
             w.last_heartbeat = now
             w.note_activity(parts, now)
+            self.ledger.progress(w, parts, now)
             if w.state == WorkerState.STARTING and self.quorum is None:
                 w.state = WorkerState.RUNNING
                 self._dirty = True
@@ -910,6 +925,7 @@ class Supervisor:
             return
         if isinstance(info, dict):
             self.status.checkpoint = {k: info.get(k) for k in ("step", "path", "bytes", "write_s", "pause_s", "time")}
+            self.ledger.checkpoint(info)
             self._dirty = True
 
     def _reports_store(self) -> RunStore:
@@ -949,6 +965,7 @@ class Supervisor:
                 continue
             w.hang_reason = reason
             w.state = WorkerState.HUNG
+            self.ledger.hung(w, now, limit)
             named.add(w.rank // self.k)
             self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: dumping its stacks to its log, "
                               f"then killing it", style="bold red")
@@ -1038,12 +1055,27 @@ class Supervisor:
         self.status.replicas = [self._replica_status(w) for w in self.workers]
         if self.nodes is not None:
             self.status.replicas = self.nodes.all_replicas(self.status.replicas)
+        self._fill_goodput()
         try:
             write_state(self.state_path, self.status)
         except OSError:
             pass
         self._last_write = time.time()
         self._dirty = False
+
+    def _fill_goodput(self, end: bool = False) -> None:
+        """The goodput figures (state, timeline, metrics; at the end the summary too). Accounting
+        must never take the run down: an error in it is said once, and the run goes on."""
+        try:
+            if end:
+                self.ledger.finish(self.status, self.status.ended or time.time())
+            else:
+                self.ledger.fill(self.status, time.time())
+        except Exception as e:  # noqa: BLE001
+            if not self._ledger_failed:
+                self._ledger_failed = True
+                self.console.note(f"internal error in the goodput accounting ({type(e).__name__}: {e}); "
+                                  f"the run goes on without it", style="yellow")
 
     def _read_last_reports(self) -> None:
         """Take in the report each worker writes as it exits (ftrun.worker.progress), so the
@@ -1062,6 +1094,7 @@ class Supervisor:
             parts = (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split()
             if len(parts) >= 5 and int(parts[0]) == w.incarnation and int(parts[1]) > 0:
                 w.steps = int(parts[1])
+                self.ledger.progress(w, parts, time.time())
         if self.quorum is not None:
             try:
                 self.quorum.poll(time.time())  # the replicas' last info: the run's final figures
@@ -1104,6 +1137,8 @@ class Supervisor:
         self._write_state()
         if code == 0:
             self.console.note(f"run {self.cfg.run_id} finished in {time.time() - self.started:.1f} s", style="bold green")
+        self._fill_goodput(end=True)  # the books closed, the timeline's last write, the summary
+        self._write_state()
 
 
 def run_supervisor(cfg: RunConfig) -> int:
