@@ -150,7 +150,7 @@ class Ledger:
         status.failures = [self._record(f) for f in b.failures[-STATE_FAILURES:]]
         self.series.sample(now, b.steps_taken)
         if self.metrics is not None:
-            self.metrics.update(self.view(b, status))
+            self.metrics.collector.update(self.view(b, status))
         if now - self._timeline_at >= TIMELINE_EVERY_S:
             self.write_timeline(status, now, b)
 
@@ -173,7 +173,9 @@ class Ledger:
                 kinds[f.kind] += 1
         ck = status.checkpoint or {}
         return MetricsView(
-            replicas=states, steps_committed=b.steps_taken, steps_discarded=b.steps_lost, failures=kinds,
+            # --ft: the quorum's count (polled more often than the progress the books see), whichever is newer
+            replicas=states, steps_committed=max(b.steps_taken, status.steps_committed or 0),
+            steps_discarded=b.steps_lost, failures=kinds,
             restarts=self.restarts, heal_s=tuple(f.back_s for f in b.failures if f.back_s is not None),
             goodput=b.goodput, lost_s=dict(b.lost_s),
             checkpoint_s={k[:-2]: float(ck[k]) for k in ("write_s", "pause_s") if isinstance(ck.get(k), (int, float))})

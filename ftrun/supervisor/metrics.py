@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 HEAL_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-FAILURE_KINDS = ("exit", "signal", "hang", "node")
+FAILURE_KINDS = ("exit", "signal", "hang")
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,9 @@ class RunCollector:
         c = CounterMetricFamily("ftrun_steps_discarded", "Steps discarded or redone after failures.", labels=base)
         c.add_metric(self.labels, v.steps_discarded)
         yield c
-        c = CounterMetricFamily("ftrun_failures", "Failures of this node's replicas by cause (exit, signal, hang, "
-                                "node).", labels=base + ["cause"])
+        c = CounterMetricFamily("ftrun_failures", "Failures of this node's replicas by cause: exit (a non-zero "
+                                "status), signal (killed by one), hang (found hung and killed).",
+                                labels=base + ["cause"])
         for kind in sorted(set(FAILURE_KINDS) | set(v.failures)):
             c.add_metric(self.labels + [kind], v.failures.get(kind, 0))
         yield c
