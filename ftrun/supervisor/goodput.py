@@ -155,6 +155,8 @@ class Accountant:
         """A progress report seen at `t`: `steps` (the incarnation's count, or the global step
         with --ft), the time of the latest step and of the incarnation's first."""
         lane = self.lanes[replica]
+        if steps > 0 and lane.state in (LaneState.DONE, LaneState.AWAY):
+            self._count_steps(steps)  # a last report, written as it exited: where it stopped
         if steps <= 0 or lane.state not in (LaneState.STARTING, LaneState.HEALING, LaneState.TRAINING):
             return
         last = min(max(last_step, lane.since), t)
