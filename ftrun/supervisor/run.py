@@ -31,6 +31,7 @@ from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
 from ftrun.supervisor.failover import NoMajority
 from ftrun.supervisor.ledger import Ledger
+from ftrun.supervisor.waits import Waits, replica_waits
 from ftrun.supervisor.nodes import NODE_LOST, REQUEUE, NodeCoordinator, NodeEvent
 from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
@@ -130,6 +131,7 @@ class Supervisor:
         self.state_path = self.run_dir / "state.json"
         self.ledger = Ledger(cfg, self.started, self.run_dir, self.console)  # goodput, timeline, metrics
         self._ledger_failed = False
+        self.waits = Waits(self.console)  # progress of ftrun's own long waits, on a terminal only
         self._dirty = True
         self._last_write = 0.0
         self._last_poll = 0.0
@@ -201,7 +203,10 @@ class Supervisor:
         code: Optional[int] = 1
         try:
             # With several nodes, no worker starts anywhere before every node has joined.
+            if self.nodes is not None:
+                self.nodes.waits = self.waits
             code = self.nodes.join() if self.nodes is not None else None
+            self.waits.sync({}, time.time())
             if code is not None and self.nodes.summary:
                 self.status.exit_summary = self.nodes.summary
             if code is None and cfg.ft:
@@ -809,6 +814,9 @@ class Supervisor:
                 self._poll_progress(now)
                 if self.cfg.step_timeout != 0:
                     self._check_hangs(now)
+                if self.quorum is not None and self.waits.enabled:
+                    q = self.quorum
+                    self.waits.sync(replica_waits(q.info, q.alive, self.k, q.local), now)
             if self.quorum is not None:
                 self._poll_quorum(now)
                 if self.nodes is not None and self.nodes.waiting:
@@ -1104,6 +1112,7 @@ class Supervisor:
     def _finish(self, code: int) -> None:
         # Nothing may outlive ftrun: whatever still runs (the loop was left by an error, or a
         # stop is under way) is killed now, by the same stopping state the loop drives.
+        self.waits.close()
         if self.stopping is not None:
             self.stopping.then, self.stopping.code = AfterStop.EXIT, code
             self._kill_stopping_now()
