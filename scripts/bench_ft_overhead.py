@@ -67,12 +67,31 @@ def one(args: list, metrics: bool = False) -> dict:
             port = s.getsockname()[1]
         extra = ["--metrics-port", str(port)]
         threading.Thread(target=_scrape, args=(port, stop, seen), daemon=True).start()
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", *extra,
+                             str(ROOT / "scripts" / "train_ft_vs_ddp.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    sup = psutil.Process(proc.pid)
+    cpu = (0.0, 0.0, time.monotonic())  # the supervisor's own CPU seconds, sampled while it runs
+    out_parts: list = []
+    reader = threading.Thread(target=lambda: out_parts.append(proc.communicate(timeout=900)), daemon=True)
+    reader.start()
     try:
-        out = subprocess.run([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", *extra,
-                              str(ROOT / "scripts" / "train_ft_vs_ddp.py"), *args], capture_output=True, text=True,
-                             env=env, cwd=ROOT, timeout=900)
+        t_first = None
+        while reader.is_alive():
+            try:
+                times = sup.cpu_times()
+                now = time.monotonic()
+                t_first = t_first or (times.user + times.system, now)
+                cpu = (t_first[0], times.user + times.system, now - t_first[1])
+            except psutil.Error:
+                pass
+            reader.join(0.5)
     finally:
         stop.set()
+    stdout, stderr = out_parts[0]
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if metrics and not seen:
         raise SystemExit("bench_ft_overhead: --metrics-port served nothing to the scraper")
     rows = [json.loads(line.split("[result] ", 1)[1]) for line in (out.stdout + out.stderr).splitlines()
@@ -82,7 +101,8 @@ def one(args: list, metrics: bool = False) -> dict:
     ddp = statistics.mean(r["ddp_mean_ms"] for r in rows)
     py = statistics.mean(r["pyhook_mean_ms"] for r in rows)
     ft = statistics.mean(r["ft_mean_ms"] for r in rows)
-    return {"ddp_ms": ddp, "pyhook_ms": py, "ft_ms": ft, "ratio": ddp / ft, "py_ratio": py / ft}
+    sup_cpu = (cpu[1] - cpu[0]) / cpu[2] if cpu[2] > 0 else 0.0
+    return {"ddp_ms": ddp, "pyhook_ms": py, "ft_ms": ft, "ratio": ddp / ft, "py_ratio": py / ft, "sup_cpu": sup_cpu}
 
 
 def accounting_cost(seconds: float = 20.0) -> float:
@@ -115,16 +135,19 @@ def metrics_main(runs: int) -> None:
             order = [False, True]
             random.shuffle(order)
             got = {m: one(margs, metrics=m) for m in order}
-            pairs.append((got[False]["ft_ms"], got[True]["ft_ms"]))
-            print(f"{name}: without {pairs[-1][0]:.3f} ms, with --metrics-port {pairs[-1][1]:.3f} ms", flush=True)
-        ratios = [w / wo for wo, w in pairs]
+            pairs.append((got[False]["ft_ms"], got[True]["ft_ms"], got[False]["sup_cpu"], got[True]["sup_cpu"]))
+            print(f"{name}: without {pairs[-1][0]:.3f} ms (supervisor {100 * pairs[-1][2]:.2f}% of a core), "
+                  f"with --metrics-port {pairs[-1][1]:.3f} ms ({100 * pairs[-1][3]:.2f}%)", flush=True)
+        ratios = [p[1] / p[0] for p in pairs]
         table.append((name, statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs),
-                      statistics.median(ratios), min(ratios), max(ratios)))
+                      statistics.median(ratios), min(ratios), max(ratios),
+                      statistics.median(p[2] for p in pairs), statistics.median(p[3] for p in pairs)))
     print("\n| model | --ft step | --ft step, --metrics-port scraped every 1 s | with / without (median of pairs) "
-          "| min - max |")
-    print("|---|---:|---:|---:|---:|")
-    for name, wo, w, med, lo, hi in table:
-        print(f"| {name} | {wo:.3f} ms | {w:.3f} ms | {med:.4f} | {lo:.4f} - {hi:.4f} |")
+          "| min - max | supervisor CPU without | with |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, wo, w, med, lo, hi, cwo, cw in table:
+        print(f"| {name} | {wo:.3f} ms | {w:.3f} ms | {med:.4f} | {lo:.4f} - {hi:.4f} | {100 * cwo:.2f}% "
+              f"| {100 * cw:.2f}% |")
     cost = accounting_cost()
     print(f"\n{runs} pairs each, 3 workers, gloo on CPU; load average {os.getloadavg()[0]:.1f}; goodput accounting "
           f"(on in both): {1e6 * cost:.0f} us of the supervisor's CPU per second of run ({100 * cost:.3f}% of a core)")
