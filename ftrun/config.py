@@ -374,6 +374,28 @@ def local_master_addr(local_addr: Optional[str]) -> str:
     return name if store_bind_addr(name) != "0.0.0.0" else "localhost"
 
 
+# The default hang rule's limit (no --step-timeout): a worker stopped this long, or under --ft one
+# its peers waited for this long while it did nothing, is hung. FTRUN_HANG_AFTER_S changes it.
+DEFAULT_HANG_S = 60.0
+HANG_ENV = "FTRUN_HANG_AFTER_S"
+
+
+def hang_after_s(env: Mapping[str, str]) -> Tuple[float, Optional[str]]:
+    """(the default hang rule's limit in seconds, a line saying why the environment's value is
+    refused, or None)."""
+    raw = env.get(HANG_ENV)
+    if raw is None:
+        return DEFAULT_HANG_S, None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if 1.0 <= value <= 86400.0:  # also false for nan
+        return value, None
+    return DEFAULT_HANG_S, (f"{HANG_ENV}={raw!r} is not a number of seconds from 1 to 86400; fix it or unset "
+                            f"{HANG_ENV} (default {DEFAULT_HANG_S:g}; --step-timeout replaces the rule)")
+
+
 def _fail(key: str, message: str) -> ConfigError:
     """A cross-key problem, blamed on `key` (a recipe error lands on that key's line)."""
     return ConfigError(message, key=key, problem=message)
@@ -396,6 +418,9 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
         if not ok:
             raise ConfigError(f"environment: FTRUN_NODE_TIMEOUT={raw!r} is not a number of seconds between 0.5 and "
                               f"3600; fix it or unset FTRUN_NODE_TIMEOUT (default 3)")
+    _, bad_hang = hang_after_s(os.environ)
+    if bad_hang:
+        raise ConfigError(f"environment: {bad_hang}")
     _, bad_round = round_steps_from_env(os.environ)
     if bad_round and cfg.ft:
         raise ConfigError(f"environment: {bad_round}")

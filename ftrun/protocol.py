@@ -345,9 +345,11 @@ def info_key(rank: int) -> str:
 # {"step", "path", "bytes", "write_s", "pause_s", "time", ...} for `ftrun status`; the
 # checkpoint itself is on disk, never in the store.
 CHECKPOINT = PREFIX + "checkpoint"
-# A worker's exit status when the checkpoint it must resume from holds another model or
-# optimizer (sysexits' EX_CONFIG): restarting cannot help, the supervisor ends the run (exit 2).
-EXIT_FOREIGN_CHECKPOINT = 78
+# A worker's exit status when the run cannot go on as started, whatever is restarted: the
+# checkpoint it must resume from holds another model or optimizer, or the script misuses
+# ftrun.ft (sysexits' EX_CONFIG). Its last "ftrun.ft: " line says why; the supervisor ends the
+# run with that line (exit 2).
+EXIT_CANNOT_GO_ON = 78
 
 
 def pg_prefix(epoch: int, round_: int, shard: Optional[int] = None) -> str:

@@ -249,3 +249,22 @@ def test_bad_replica_size_is_one_line(ftrun_home, args, message):
     assert proc.returncode == 2, proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_fsdp_replicas_of_one_worker_heal(ftrun_home, tmp_path):
+    """FSDP2 with --replica-size 1 (the default): ft.device_mesh() makes the replica's own group
+    with torch's init_process_group, not the script's wrapped one that a restarted replica skips,
+    so a killed replica heals (it once waited for ever for a group of every worker). Nothing says
+    the script called init_process_group(): it did not."""
+    out = tmp_path / "p"
+    proc = _start(["--nproc", 2, "--ft", "--run-id", "one", TRAIN, *MID, "--steps", 80, "--out", out])
+    try:
+        reps = _wait(ftrun_home, "one", lambda r, st: r[1]["step"] >= 20 and r[1]["state"] == "running", proc)
+        os.kill(reps[1]["pid"], signal.SIGKILL)
+        rc, err = _finish(proc, 180)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert "rank 1 is training again, healed from a peer" in err, err[-3000:]
+    assert "called init_process_group()" not in err, err[-3000:]
+    _assert_shards_identical(out, 2, 1)

@@ -27,11 +27,15 @@ import ftrun.ft as ft
 steps, who, at, mode, seconds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 rank = int(os.environ["RANK"])
 first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
+if mode == "stuck-restart" and rank == who and os.environ["TORCHELASTIC_RESTART_COUNT"] == "1":
+    threading.Event().wait()  # a restarted replica blocked before it asks to rejoin: no CPU, no I/O
 torch.manual_seed(0)
 model = ft.DistributedDataParallel(torch.nn.Linear(8, 1))
 opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
 acted = not first  # a restarted incarnation trains normally
 for step in ft.steps(steps):
+    if mode == "stuck-restart" and step == at and rank == who and first:
+        os.kill(os.getpid(), 9)
     if step == at and rank == who and not acted:  # once: a round voted down yields the same step again
         acted = True
         print(f"[{mode}] rank {rank} at step {step}", flush=True)
@@ -43,6 +47,14 @@ for step in ft.steps(steps):
             lock = threading.Lock()
             lock.acquire()
             lock.acquire()
+        elif mode == "child":       # waits on a tool it runs, reading its output as it trickles in
+            import subprocess
+            tool = subprocess.Popen([sys.executable, "-c", "import sys, time\\n"
+                                     f"for i in range(int({seconds} * 4)): print(i, flush=True); time.sleep(0.25)"],
+                                    stdout=subprocess.PIPE, text=True)
+            lines = sum(1 for _ in tool.stdout)
+            tool.wait()
+            print(f"[child] read {lines} lines", flush=True)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
     opt.zero_grad()
     model(x).pow(2).mean().backward()
@@ -94,7 +106,7 @@ def test_ft_busy_rank_is_never_hung_a_deadlocked_one_is(ftrun_home, tmp_path):
     dead = run_ftrun(["--nproc", 3, "--ft", script, 60, 1, 10, "deadlock", 0], env=FAST, timeout=180)
     assert dead.returncode == 0, dead.stderr[-3000:]
     assert "rank 1 (pid" in dead.stderr, dead.stderr[-3000:]
-    assert "is hung (its peers waited 3 s for its step while it used no CPU)" in dead.stderr, dead.stderr[-3000:]
+    assert "is hung (its peers waited 3 s for its step while it did nothing: no CPU, no I/O, no child at work)" in dead.stderr, dead.stderr[-3000:]
     assert dead.stderr.count("is hung") == 1, dead.stderr[-3000:]
     assert "rank 1 is training again" in dead.stderr, dead.stderr[-3000:]
     assert dead.stdout.count("[done]") == 3, dead.stdout[-2000:]
@@ -131,3 +143,32 @@ def test_stopped_worker_is_hung_without_flag_and_not_with_step_timeout_0(ftrun_h
         proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert "is hung" not in err and "restarting" not in err, err[-3000:]
+
+
+def test_ft_rank_waiting_on_a_child_and_its_io_is_not_hung(ftrun_home, tmp_path):
+    """--ft, no flag: rank 0 reads a child's output as it trickles in for 9 s (three times the
+    limit) between steps, while its peers wait for it. It uses almost no CPU, but its I/O and its
+    child's move: it is left alone, as torchrun would leave it."""
+    script = _script(tmp_path, FT_WORKER, "ft_child.py")
+    proc = run_ftrun(["--nproc", 3, "--ft", script, 40, 0, 10, "child", 9], env=FAST, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[child] read 36 lines" in proc.stdout and proc.stdout.count("[done]") == 3, proc.stdout[-2000:]
+    assert "is hung" not in proc.stderr and "restarting" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_ft_restarted_replica_stuck_before_rejoining_is_hung(ftrun_home, tmp_path):
+    """--ft, no flag: a restarted replica blocks before it asks to rejoin (no CPU, no I/O). Its
+    peers never wait for it (it is in no epoch), yet it is named hung after the limit, its stacks
+    go to its log folder, and its next incarnation heals."""
+    logs = tmp_path / "logs"
+    script = _script(tmp_path, FT_WORKER, "ft_stuck.py")
+    proc = run_ftrun(["--nproc", 2, "--ft", "--log-dir", logs, script, 500, 1, 10, "stuck-restart", 0],
+                     env=FAST, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hung = [line for line in proc.stderr.splitlines() if "is hung" in line]
+    assert len(hung) == 1 and "rank 1 (pid" in hung[0], proc.stderr[-3000:]
+    assert "hung (restarted, it did nothing for 3 s before asking to rejoin" in hung[0], hung
+    assert str(logs / "rank1" / "stacks.log") in hung[0], hung
+    assert "threading.py" in (logs / "rank1" / "stacks.log").read_text()
+    assert proc.stdout.count("[done]") == 2, proc.stdout[-2000:]
+    assert "rank 1 is training again" in proc.stderr, proc.stderr[-3000:]

@@ -157,8 +157,12 @@ def test_hung_worker_is_detected_dumped_and_restarted(ftrun_home, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "hung (no optimizer step or other progress for 2 s)" in proc.stderr
     assert "restarting all 2 workers" in proc.stderr
-    dump = (logs / "rank1" / "stderr.log").read_text()
+    stacks = logs / "rank1" / "stacks.log"
+    assert f"its Python stacks go to {stacks}" in proc.stderr, proc.stderr
+    dump = stacks.read_text()
     assert "Thread" in dump and "train_ddp.py" in dump  # faulthandler's stack dump names the script
+    # The dump is for the log folder: the console gets the one line naming the file.
+    assert "Thread 0x" not in proc.stderr and "File " not in proc.stderr, proc.stderr
 
 
 # Every rank says which stopping signal it got and carries on (only SIGKILL ends it), except

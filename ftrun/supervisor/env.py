@@ -59,6 +59,8 @@ def worker_env(common: Mapping[str, str], cfg: RunConfig, local_rank: int, resta
     env.update({
         # Where torch.distributed.elastic's @record writes a worker's error, as under torchrun.
         "TORCHELASTIC_ERROR_FILE": str(log_dir(cfg) / f"rank{rank}" / "error.json"),
+        # Where a hung worker's Python stacks go when ftrun asks for them: its log folder, not the console.
+        "FTRUN_STACKS_FILE": str(stacks_file(cfg, rank)),
         "RANK": str(rank),
         "LOCAL_RANK": "0" if cfg.virtual_local_rank else str(local_rank),
         "ROLE_RANK": str(rank),
@@ -79,6 +81,11 @@ def log_dir(cfg: RunConfig) -> Path:
     from ftrun.status.state import run_folder_name
 
     return Path(cfg.log_dir) if cfg.log_dir else run_dir(run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank)) / "logs"
+
+
+def stacks_file(cfg: RunConfig, rank: int) -> Path:
+    """The file a worker dumps its Python stacks into when ftrun finds it hung."""
+    return log_dir(cfg) / f"rank{rank}" / "stacks.log"
 
 
 # The user's environment as ftrun found it: what the supervisor sets for itself afterwards

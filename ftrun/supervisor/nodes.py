@@ -676,7 +676,7 @@ class NodeCoordinator:
         if failure is None:
             return remote or {"node": -1, "rank": -1, "reason": "failed", "code": 1}
         mine = json.dumps({"node": self.me, "rank": failure.rank, "reason": failure.reason,
-                           "code": failure.status_code})
+                           "code": failure.status_code, "signature": failure.signature})
         return json.loads(self.store.compare_set(KEYS.fail(self.attempt), "", mine).decode())
 
     def store_reachable(self, probes: int = 5) -> bool:

@@ -110,9 +110,11 @@ class _Stop(Exception):
 
 def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
     """Round after round until the run ends; ftrun's exit status."""
+    from ftrun.supervisor.restart import Repeats
     from ftrun.supervisor.run import Supervisor
 
     console = console or ConsoleOut(cfg.quiet)
+    repeats = Repeats()  # a script's error that repeats round after round ends the run (restart.py)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def stop(signum, _frame):
@@ -183,7 +185,7 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
                 # with --ft replicas restart inside the round.
                 max_restarts=cfg.max_restarts if cfg.ft else 0)
             nodes.use_round(n)
-            sup = Supervisor(round_cfg, store=store, zygote=zygote, standby=standby)
+            sup = Supervisor(round_cfg, store=store, zygote=zygote, standby=standby, repeats=repeats)
             zygote = None  # the round's now
             code = sup.run()
             if sup.nodes is not None and sup.nodes.me == sup.nodes.host_node:

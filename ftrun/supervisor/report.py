@@ -49,6 +49,20 @@ def _last_exception_line(tail: List[str]) -> Optional[str]:
     return None
 
 
+def early_signature(tail: List[str]) -> Optional[str]:
+    """What identifies a script's error across restarts: the innermost frame of its last
+    traceback (file and line) and the exception line that follows it. None without one (a
+    signal, a plain exit code). A long traceback's head may be out of the tail: the last frame
+    and the exception are enough."""
+    frames = [i for i, line in enumerate(tail) if line.lstrip().startswith('File "') and ", line " in line]
+    if not frames:
+        return None
+    for line in tail[frames[-1] + 1:]:
+        if line.strip() and not line.startswith((" ", "\t", "^", "~")):
+            return f"{line.strip()[:200]} | {tail[frames[-1]].strip()}"
+    return None
+
+
 def failure_report(failure: Failure, attempts: str, workers: Sequence[Worker] = ()) -> Text:
     """The final report: one headline a person (and grep) can read, then the evidence.
 

@@ -25,9 +25,12 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-from ftrun.config import RunConfig, store_listen_addr
+import psutil
+
+from ftrun.config import RunConfig, hang_after_s, store_listen_addr
 from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, run_dir, run_folder_name, write_state
-from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
+from ftrun.supervisor.env import base_env, common_env, log_dir, stacks_file, worker_env
+from ftrun.supervisor import activity
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
 from ftrun.supervisor.failover import NoMajority
 from ftrun.supervisor.ledger import Ledger
@@ -37,22 +40,17 @@ from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.redirect import Redirect
 from ftrun.supervisor.relay import NodeRelay, Routes
-from ftrun.supervisor.report import exit_reason, failure_report
-from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy
+from ftrun.supervisor.report import early_signature, exit_reason, failure_report
+from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy, Repeats
 from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner,
                                    signal_group)
 from ftrun.supervisor.store import STORE_TIMEOUT_S, RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import (CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_FOREIGN_CHECKPOINT, NODE_RANKS_ENV, NODE_STORE_ENV,
+from ftrun.protocol import (CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_CANNOT_GO_ON, NODE_RANKS_ENV, NODE_STORE_ENV,
                             RUN_STORE, progress_key)
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
-# The hang rule that holds with no --step-timeout: a worker stopped this long, or under --ft one
-# that its peers waited this long for while it used no CPU. FTRUN_HANG_AFTER_S changes it (tests).
-DEFAULT_HANG_S = 60.0
-# Below this share of one CPU a worker is idle (its progress thread's reports cost a fraction of it).
-IDLE_CPU_PERCENT = 5.0
 STORE_READY_TIMEOUT_S = 30.0
 ADMIT_GAP_S = 1.0  # --ft, elastic: at most one late node taken in per this long (_admit_waiting)
 # After SIGKILL a process is gone within milliseconds unless the kernel holds it (uninterruptible
@@ -60,13 +58,9 @@ ADMIT_GAP_S = 1.0  # --ft, elastic: at most one late node taken in per this long
 KILL_WAIT_S = 10.0
 
 
-def _default_hang_s() -> float:
-    """DEFAULT_HANG_S, or FTRUN_HANG_AFTER_S where it is a number of seconds >= 1 (a test knob)."""
-    try:
-        value = float(os.environ.get("FTRUN_HANG_AFTER_S", DEFAULT_HANG_S))
-    except ValueError:
-        return DEFAULT_HANG_S
-    return value if 1.0 <= value < float("inf") else DEFAULT_HANG_S
+# Why a failure is not restarted although budget is left (ftrun.supervisor.restart).
+REPEATED = ("not restarted again: it failed the same way (the same exception at the same line) twice in a row "
+            "right after start, before any step, which a restart cannot fix")
 
 
 class AfterStop(enum.Enum):
@@ -98,7 +92,8 @@ def forwarded_signals(cfg: RunConfig) -> List[int]:
 
 class Supervisor:
     def __init__(self, cfg: RunConfig, store: Optional[RunStore] = None,
-                 zygote: Optional[ZygoteSpawner] = None, standby: Optional[RunStore] = None) -> None:
+                 zygote: Optional[ZygoteSpawner] = None, standby: Optional[RunStore] = None,
+                 repeats: Optional[Repeats] = None) -> None:
         self.cfg = cfg
         # c10d: the rendezvous already hosts or joined the run's store, and started a zygote
         # while it waited for the other nodes, so torch's import is not paid after the join.
@@ -115,8 +110,9 @@ class Supervisor:
         self.workers = [Worker(WorkerSpec(lr, cfg.node_rank * cfg.nproc + lr)) for lr in range(cfg.nproc)]
         self.logs = {w.rank: RankLog(self.log_dir, w.rank) for w in self.workers}
         self.by_tag: Dict[str, Worker] = {}
+        # c10d re-forms the run in rounds, each with its own Supervisor: `repeats` spans them.
         self.policy = (ReplicaRestartPolicy(cfg.max_restarts, cfg.min_replicas) if cfg.ft
-                       else GroupRestartPolicy(cfg.max_restarts))
+                       else GroupRestartPolicy(cfg.max_restarts, repeats=repeats or Repeats()))
         # --ft: a replica is `k` workers (global ranks jk .. jk+k-1) that fail, stop and restart as one.
         self.k = cfg.replica_size if cfg.ft else 1
         self.respawning: Dict[int, bool] = {}  # replica -> restart pending until its last worker is gone
@@ -139,14 +135,15 @@ class Supervisor:
         self._last_metrics = 0.0
         self._progress_seen: Dict[int, str] = {}
         self._checkpoint_seen: Optional[bytes] = None
-        self._procs: Dict[int, object] = {}
+        self._procs: Dict[int, activity.ProcessWatch] = {}
         self.store: Optional[RunStore] = None
         self._store_announced = False
         # --ft: the supervisor keeps the quorum (ftrun.supervisor.quorum).
         self.quorum: Optional[QuorumKeeper] = None
         self.tick_s = 0.05 if cfg.ft else TICK_S
-        self.default_hang_s = _default_hang_s()
+        self.default_hang_s, _ = hang_after_s(os.environ)  # refused at the start when not a number
         self._warned_no_ft_api = False
+        self.give_up_why: Optional[str] = None  # why the run ends with a failure, when not a spent budget
         # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
         self.nodes: Optional[NodeCoordinator] = None
         self._told_full = False
@@ -401,24 +398,27 @@ class Supervisor:
             self.ledger.done(w, w.finished_at)
             return
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
-        if self.cfg.ft and ev.exit_code == EXIT_FOREIGN_CHECKPOINT and not w.hang_reason:
-            self._foreign_checkpoint(w, tail)
+        if self.cfg.ft and ev.exit_code == EXIT_CANNOT_GO_ON and not w.hang_reason:
+            self._cannot_go_on(w, tail)
             return
         reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
+        early = not w.first_step_seen and not w.hang_reason and not ev.signal
         failure = Failure(rank=w.rank, pid=ev.pid, exit_code=ev.exit_code, signal=ev.signal, reason=reason,
-                          when=time.time(), stderr_tail=tail, log_path=str(self.logs[w.rank].stderr_path))
+                          when=time.time(), stderr_tail=tail, log_path=str(self.logs[w.rank].stderr_path),
+                          signature=early_signature(tail) if early else None)
         w.last_failure = failure
         if self.first_failure is None:
             self.first_failure = failure
         self.ledger.failed(w, failure, time.time(), ev.seen)
         self._on_failure(w, failure)
 
-    def _foreign_checkpoint(self, w: Worker, tail: List[str]) -> None:
-        """A worker found that the checkpoint to resume from holds another model or optimizer:
-        restarting cannot change that. End the run as bad input, in one line."""
+    def _cannot_go_on(self, w: Worker, tail: List[str]) -> None:
+        """A worker found that the run cannot go on as started (a checkpoint of another model or
+        optimizer, a script that misuses ftrun.ft): restarting cannot change that. End the run
+        as bad input, with the worker's own line."""
         w.state = WorkerState.FAILED
-        why = next((line.strip() for line in reversed(tail) if "does not fit this run" in line), "")
-        why = why.split("ftrun.ft: ", 1)[-1] or f"the checkpoint in {self.cfg.checkpoint_dir} does not fit this run"
+        why = next((line.strip() for line in reversed(tail) if line.startswith("ftrun.ft: ")), "")
+        why = why.split("ftrun.ft: ", 1)[-1] or f"rank {w.rank} found that the run cannot go on"
         self.console.note(f"{why}; stopping the run (exit 2)", style="bold red")
         self.status.exit_summary = why
         self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, 2)
@@ -439,7 +439,7 @@ class Supervisor:
             self.console.note(f"{who} {failure.reason} after the others finished; not restarted",
                               style="yellow")
             return
-        decision = self.policy.on_failure(rep, live_after)
+        decision = self.policy.on_failure(rep, live_after, failure.signature)
         if decision is Decision.RESTART_REPLICA:
             used = self.policy.restarts[rep]
             alone = ("it alone" if self.k == 1 else
@@ -457,11 +457,15 @@ class Supervisor:
             return
         w.state = WorkerState.FAILED
         self._stop_mates(mates, WorkerState.FAILED)
+        why = (REPEATED if self.policy.repeated else
+               f"its restart budget ({self.policy.max_restarts}) is spent")
         if decision is Decision.DROP_REPLICA:
             self.ledger.given_up(w, time.time())
-            self.console.note(f"{who} {failure.reason}; its restart budget ({self.policy.max_restarts}) is "
-                              f"spent: carrying on with {live_after} replicas", style="bold red")
+            self.console.note(f"{who} {failure.reason}; {why}: carrying on with {live_after} "
+                              f"replica{'s' if live_after != 1 else ''} (--min-replicas {self.policy.min_replicas})",
+                              style="bold red")
             return
+        self.give_up_why = why
         self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.REPORT, failure.status_code, failure)
 
     def _replica(self, rep: int) -> List[Worker]:
@@ -498,7 +502,8 @@ class Supervisor:
         if w is not None:
             w.state = WorkerState.FAILED
         info = {"node": self.cfg.node_rank, "rank": failure.rank if failure else -1,
-                "reason": failure.reason if failure else "failed", "code": failure.status_code if failure else 1}
+                "reason": failure.reason if failure else "failed", "code": failure.status_code if failure else 1,
+                "signature": failure.signature if failure else None}
         if self.nodes is not None:
             try:
                 info = self.nodes.first_failure(failure, remote)
@@ -511,11 +516,13 @@ class Supervisor:
                                       and info["rank"] == failure.rank)
         origin = (f"rank {info['rank']} on node {info['node']}" if self.nodes is not None
                   else f"rank {info['rank']} (pid {failure.pid})" if failure is not None else f"rank {info['rank']}")
-        decision = self.policy.on_failure(int(info["rank"]))
+        decision = self.policy.on_failure(int(info["rank"]), info.get("signature"))
         grace = self.cfg.shutdown_timeout
         if decision is not Decision.RESTART_GROUP:
+            if self.policy.repeated:
+                self.give_up_why = REPEATED
             self.status.exit_summary = f"{origin} {info['reason']}"
-            if self._can_reform():
+            if self._can_reform() and not self.policy.repeated:
                 # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
                 self.reform = True
                 self.console.note(f"{origin} {info['reason']}; ending round {self.cfg.round}: every node stops its "
@@ -526,8 +533,8 @@ class Supervisor:
                 self._begin_stop(signal.SIGTERM, grace, AfterStop.REPORT, code, failure)
             else:
                 budget = self.cfg.max_restarts if self.cfg.total_restarts is None else self.cfg.total_restarts
-                self.console.note(f"{origin} {info['reason']}; restart budget spent ({budget} restart"
-                                  f"{'s' if budget != 1 else ''}); stopping this node's workers",
+                why = self.give_up_why or f"restart budget spent ({budget} restart{'s' if budget != 1 else ''})"
+                self.console.note(f"{origin} {info['reason']}; {why}; stopping this node's workers",
                                   style="bold red")
                 self._begin_stop(signal.SIGTERM, grace, AfterStop.EXIT, code)
             return
@@ -727,8 +734,8 @@ class Supervisor:
 
     def _give_up(self, failure: Failure) -> int:
         first = self.first_failure or failure
-        attempts = (f"restart budget spent ({self.cfg.max_restarts} restart"
-                    f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
+        attempts = self.give_up_why or (f"restart budget spent ({self.cfg.max_restarts} restart"
+                                        f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
         drain([p for w in self.workers for p in w.pumps])  # the report comes after the workers' lines
         self.console.renderable(failure_report(first, attempts, self.workers))
         return first.status_code
@@ -968,15 +975,16 @@ class Supervisor:
         for w in order:
             if w.state not in live or not w.alive or w.kill_at or w.rank // self.k in named:
                 continue
-            reason = self._hung_by_step_timeout(w, now, limit) if explicit else self._hung_by_default(w, now, limit)
+            reason = self._hung_restarting(w, now, limit) or (
+                self._hung_by_step_timeout(w, now, limit) if explicit else self._hung_by_default(w, now, limit))
             if reason is None:
                 continue
             w.hang_reason = reason
             w.state = WorkerState.HUNG
             self.ledger.hung(w, now, limit)
             named.add(w.rank // self.k)
-            self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: dumping its stacks to its log, "
-                              f"then killing it", style="bold red")
+            self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: killing it; its Python stacks "
+                              f"go to {stacks_file(self.cfg, w.rank)}", style="bold red")
             if w.pid:
                 try:
                     os.kill(w.pid, DUMP_STACKS_SIGNAL)
@@ -999,17 +1007,33 @@ class Supervisor:
             return f"hung (no optimizer step or other progress for {limit:g} s)"
         return None
 
+    def _hung_restarting(self, w: Worker, now: float, limit: float) -> Optional[str]:
+        """--ft, either rule: a restarted replica that has not asked to join the run yet and whose
+        every worker has done nothing (no CPU, no I/O, no child at work) for the limit is hung as
+        any other, e.g. one blocked in a group its peers formed long ago. Its peers do not wait
+        for it (it is in no epoch yet), so the waited-for rules never see it."""
+        if self.quorum is None or w.state != WorkerState.RECOVERING:
+            return None
+        mates = self._replica(w.rank // self.k)
+        if any(self.quorum.replica_fields(m.rank)["ft_phase"] not in (None, "init") for m in mates):
+            return None  # it asked to join: the quorum's own waits and timeouts take over
+        if all(m.idle_for(now) >= limit for m in mates):
+            return f"hung (restarted, it did nothing for {limit:g} s before asking to rejoin: no CPU, no I/O)"
+        return None
+
     def _hung_by_default(self, w: Worker, now: float, limit: float) -> Optional[str]:
         """No --step-timeout: a worker whose process has been stopped (SIGSTOP, SIGTSTP) for the
-        limit; with --ft also one its peers have waited for that long while it used no CPU. A
-        worker that computes (an evaluation, a save) uses CPU and is never taken by this rule."""
+        limit; with --ft also one its peers have waited for that long while it did nothing (no CPU,
+        no I/O, no child process at work: ftrun.supervisor.activity). A worker that computes (an
+        evaluation, a save) or waits on I/O or a child process is never taken by this rule."""
         if w.stopped_for(now) >= limit:
             return f"hung (its process was stopped for {limit:g} s)"
         if self.quorum is not None and self.quorum.waited_for_s(w.rank) >= limit and w.idle_for(now) >= limit:
             mates = [m for m in self.workers if m is not w and m.rank // self.k == w.rank // self.k]
             if any(m.stopped_since is not None for m in mates):
                 return None  # it waits for a stopped mate: that one is the culprit, named by its stop
-            return f"hung (its peers waited {limit:g} s for its step while it used no CPU)"
+            return (f"hung (its peers waited {limit:g} s for its step while it did nothing: no CPU, no I/O, "
+                    f"no child at work)")
         return None
 
     def _on_node_lost(self, node: int) -> None:
@@ -1025,25 +1049,23 @@ class Supervisor:
                 q.on_exit(rank, inc)
 
     def _sample_metrics(self, now: float) -> None:
-        try:
-            import psutil
-        except ImportError:
-            return
         for w in self.workers:
             if not w.pid or not w.alive:
                 continue
             proc = self._procs.get(w.pid)
-            try:
-                if proc is None:
-                    proc = psutil.Process(w.pid)
+            if proc is None:
+                proc = activity.watch(w.pid)  # its first sample comes a second from now
+                if proc is not None:
                     self._procs[w.pid] = proc
-                    proc.cpu_percent(None)
-                    continue
-                w.cpu_percent = proc.cpu_percent(None)
-                w.rss_bytes = proc.memory_info().rss
-                w.note_process(proc.status() == psutil.STATUS_STOPPED, w.cpu_percent < IDLE_CPU_PERCENT, now)
+                continue
+            try:
+                sample = proc.sample()
             except (psutil.Error, OSError):
                 self._procs.pop(w.pid, None)
+                continue
+            w.cpu_percent = sample.cpu_percent
+            w.rss_bytes = sample.rss_bytes
+            w.note_process(sample.stopped, sample.quiet, now)
 
     # ---------------------------------------------------------------- state
     def _replica_status(self, w: Worker) -> ReplicaStatus:

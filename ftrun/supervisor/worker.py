@@ -43,6 +43,9 @@ class Failure:
     when: float
     stderr_tail: List[str] = field(default_factory=list)
     log_path: Optional[str] = None
+    # A traceback's exception and innermost line, when it came before the incarnation's first
+    # step: the same twice in a row is a deterministic error, not retried (restart.py).
+    signature: Optional[str] = None
 
     @property
     def status_code(self) -> int:

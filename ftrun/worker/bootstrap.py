@@ -30,10 +30,26 @@ def _prepare_stdio() -> None:
             pass
 
 
+_stacks = None  # the open file faulthandler writes into: it must stay open as long as the process
+
+
+def _stacks_file():
+    """Where ftrun's request for this worker's stacks (a hang) writes them: the file ftrun named
+    (its log folder: a dump is for the log, not the console), else stderr."""
+    global _stacks
+    path = os.environ.get("FTRUN_STACKS_FILE")
+    if path and _stacks is None:
+        try:
+            _stacks = open(path, "a", buffering=1)
+        except OSError:
+            _stacks = None
+    return _stacks if _stacks is not None else sys.stderr
+
+
 def install() -> None:
     """Everything ftrun adds inside a worker, before the user's code runs."""
     _prepare_stdio()
-    faulthandler.register(DUMP_STACKS_SIGNAL, file=sys.stderr, all_threads=True)
+    faulthandler.register(DUMP_STACKS_SIGNAL, file=_stacks_file(), all_threads=True)
     from ftrun.worker import progress
 
     progress.start_from_env()
@@ -53,7 +69,7 @@ def _user_traceback(exc: BaseException) -> None:
     tb = exc.__traceback__
     here = os.path.dirname(os.path.abspath(__file__))
     while tb is not None and (tb.tb_frame.f_code.co_filename.startswith(here)
-                              or tb.tb_frame.f_code.co_filename.endswith("runpy.py")):
+                              or tb.tb_frame.f_code.co_filename.endswith(("runpy.py", "<frozen runpy>"))):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb)
 

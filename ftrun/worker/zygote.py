@@ -178,11 +178,26 @@ def _become_worker(msg: Dict, fds: List[int], sock: socket.socket, wake: tuple) 
     os.environ.clear()
     os.environ.update(msg["env"])
     os.chdir(msg["cwd"])
-    # Forked children share the parent's numpy seed; separate processes would not.
+    _fresh_random_state()
+    return _Child(msg["argv"])
+
+
+def _fresh_random_state() -> None:
+    """Give the worker the random state a fresh interpreter would have, as under torchrun:
+    every fork inherits the zygote's, so every rank (and every restart of a rank) would draw
+    the same dropout masks, augmentations and 'random per rank' data. torch's default
+    generators (CPU, and CUDA lazily), Python's `random` and numpy's global state are seeded
+    from the OS's entropy, as each is at an interpreter's start. A script's own manual_seed
+    comes later and wins, as it does under torchrun."""
+    import random
+
+    random.seed()
     np_random = sys.modules.get("numpy.random")
     if np_random is not None:
         np_random.seed()
-    return _Child(msg["argv"])
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
 
 
 def main() -> None:

@@ -36,14 +36,37 @@ def _done(t: torch.Tensor) -> torch.futures.Future:
 
 class _Replicated:
     """What both ways of sending share: the run's hook registered on the current group (its
-    state and traffic figures) and the layout round's average."""
+    state and traffic figures) and the layout round's average, which runs as the backward of
+    a forward that reduces returns (the script reads averaged gradients, as under DDP: a
+    clip_grad_norm_ or GradScaler's inf check sees the same on every replica)."""
 
-    def __init__(self, mgr: Manager, spec: HookSpec, module: torch.nn.Module) -> None:
+    def __init__(self, mgr: Manager, spec: HookSpec, module: torch.nn.Module, ddp: TorchDDP) -> None:
         self.mgr = mgr
         self.spec = spec
         self.module = module
+        self.ddp = ddp
         self.reg: Any = None
+        self.pending = False  # a reducing forward ran in a layout round: its backward averages
+        self.averaged = -1    # the layout round (mgr.layout_serial) whose average this model ran
         mgr.on_group_change(self.rebind)
+
+    def reduces(self) -> bool:
+        """The forward that just ran is followed by a backward that reduces (not no_sync, not eval)."""
+        return torch.is_grad_enabled() and self.ddp.require_backward_grad_sync
+
+    def layout_forward(self) -> None:
+        """A reducing forward in a layout round: its backward averages. Again at each attempt:
+        a script that skips opt.step() (GradScaler on inf) runs the same round once more."""
+        self.pending = True
+        self.averaged = -1
+
+    def after_backward(self) -> None:
+        """A backward returned: in a layout round, average this model's gradients now, also in
+        one that is discarded (the script's clipping or inf check must agree on every replica)."""
+        mgr = self.mgr
+        if self.pending and mgr.layout_round and mgr.layout_can_average():
+            self.pending = False
+            mgr.layout_average([self.layout_average])
 
     def rebind(self, pg: Optional[dist.ProcessGroup]) -> None:
         from ftrun.worker.hooks import Registration
@@ -58,7 +81,11 @@ class _Replicated:
             state.iter = self.mgr.step
 
     def layout_average(self) -> None:
-        """The layout round's one average (see wrap_model), counted in the hook's figures."""
+        """The layout round's one average (see wrap_model), counted in the hook's figures; once
+        a round (after the backward, or in the vote when no backward reduced)."""
+        if self.averaged == self.mgr.layout_serial:
+            return
+        self.averaged = self.mgr.layout_serial  # a failure is not retried: the round is voted down
         sent = average_gradients(self.mgr.pg, self.module)
         if self.reg is not None:
             stats = self.reg.stats
@@ -70,6 +97,14 @@ class _Replicated:
 
 class ReplicaHook(_Replicated):
     """The Python comm hook DDP calls for any hook but the default one."""
+
+    def __init__(self, mgr: Manager, spec: HookSpec, module: torch.nn.Module, ddp: TorchDDP) -> None:
+        super().__init__(mgr, spec, module, ddp)
+        ddp.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if self.mgr.layout_round and self.reduces():
+            self.layout_forward()
 
     def __call__(self, _state: object, bucket: dist.GradBucket) -> torch.futures.Future:
         mgr, buf = self.mgr, bucket.buffer()
@@ -109,12 +144,11 @@ class ReducerPath(_Replicated):
     failed half-way."""
 
     def __init__(self, mgr: Manager, spec: HookSpec, module: torch.nn.Module, ddp: TorchDDP) -> None:
-        self.ddp = ddp
         self.local = ddp.process_group
         self.on: dist.ProcessGroup = self.local
         # What the reducer sends per step: every parameter that takes a gradient, once.
         self.nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        super().__init__(mgr, spec, module)
+        super().__init__(mgr, spec, module, ddp)
         ddp.register_forward_pre_hook(self._before_forward)
         ddp.register_forward_hook(self._after_forward)
 
@@ -139,12 +173,13 @@ class ReducerPath(_Replicated):
             self._use(self.local)
 
     def _after_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
-        if not (torch.is_grad_enabled() and self.ddp.require_backward_grad_sync):
+        if not self.reduces():
             return  # no reduction follows this forward
         mgr = self.mgr
         mgr.before_collective()  # the previous round's decision is in before anything is sent
         if mgr.layout_round:
             self._use(self.local)
+            self.layout_forward()
             return
         if not mgr.round_ok or mgr.pg is None or self.reg is None:
             if mgr.epoch is not None:
@@ -161,9 +196,9 @@ class ReducerPath(_Replicated):
         self.ddp._has_rebuilt_buckets = False
 
 
-# The DDP models on the reducer path (weakly: a model the script drops is gone), and torch's own
+# Every wrapped model's path (weakly: a model the script drops is gone), and torch's own
 # backward, which the guard calls.
-_reducers: List["weakref.ref[ReducerPath]"] = []
+_paths: List["weakref.ref[_Replicated]"] = []
 _torch_backward: Any = None
 
 
@@ -179,23 +214,26 @@ def _collective_failure(e: BaseException) -> bool:
 
 def _guarded_backward(*args: Any, **kwargs: Any) -> Any:
     """torch.autograd.backward, but a collective failure of a reducer on an epoch's group fails
-    the round instead of raising (the optimizer then leaves the state as it was)."""
-    armed = [p for p in (r() for r in _reducers) if p is not None and p.armed]
-    if not armed:
-        return _torch_backward(*args, **kwargs)
+    the round instead of raising (the optimizer then leaves the state as it was), and in a
+    layout round the gradients are averaged before it returns."""
+    paths = [p for p in (r() for r in _paths) if p is not None]
+    armed = [p for p in paths if isinstance(p, ReducerPath) and p.armed]
     try:
-        return _torch_backward(*args, **kwargs)
+        result = _torch_backward(*args, **kwargs)
     except RuntimeError as e:
-        if not _collective_failure(e):
+        if not armed or not _collective_failure(e):
             raise
         for p in armed:
             p.failed(e)
         return None
+    for p in paths:
+        p.after_backward()
+    return result
 
 
-def _guard_backward(path: ReducerPath) -> None:
+def _guard_backward(path: _Replicated) -> None:
     global _torch_backward
-    _reducers[:] = [r for r in _reducers if r() is not None] + [weakref.ref(path)]
+    _paths[:] = [r for r in _paths if r() is not None] + [weakref.ref(path)]
     if _torch_backward is None:
         # Tensor.backward() calls torch.autograd.backward by name, as do Lightning and Accelerate.
         _torch_backward = torch.autograd.backward
@@ -238,9 +276,8 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
     if spec.name == "allreduce" and spec.wrap is None:
         path: _Replicated = ReducerPath(mgr, spec, module, ddp)
         mgr.layout_each_group = True
-        _guard_backward(path)
     else:
-        path = ReplicaHook(mgr, spec, module)
+        path = ReplicaHook(mgr, spec, module, ddp)
 
         def ftrun_ft_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
             return path(state, bucket)
@@ -249,6 +286,7 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
     # One entry per wrapped model: a layout round averages every model's gradients, or is
     # discarded when one of them cannot be averaged.
     mgr.layout_averages.append(path.layout_average if spec.name in GRADIENT_AVERAGING and not sparse else None)
+    _guard_backward(path)
     if mgr.pg is not None:
         path.rebind(mgr.pg)
     return ddp

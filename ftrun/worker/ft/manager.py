@@ -131,12 +131,14 @@ class Manager:
         # gradients) the round is discarded by all, with no vote.
         self.layout_round = False
         self.layout_averages: List[Optional[Callable[[], None]]] = []
+        self.layout_serial = 0  # counts layout rounds planned: a model's average runs once in each
         self.optimizer_wrapped = False  # ft.Optimizer was made (one per run: ft/optim.py)
         # A fresh epoch may resume from a checkpoint (--checkpoint-dir): its layout round is
         # discarded, so the resumed step runs on the rebuilt buckets as it did in the run
         # that wrote the checkpoint, and the resumed run stays bitwise that run.
         self.layout_discard = False
         self.finished = False
+        self.looping = False  # inside ft.steps(): rounds begin at its top (opt.step() outside one is a misuse)
         self.committed = 0
         self.discarded = 0
         self.failed_in_row = 0
@@ -320,9 +322,12 @@ class Manager:
                     f"initialized; under --ft the default group must be this replica's {self.k} workers. "
                     f"Drop the script's init_process_group() call: ftrun.ft.device_mesh() makes it")
         else:
+            from ftrun.worker.ft.world import torch_init_process_group
+
+            # torch's own call, not the script's wrapped one (world.py), which a restarted replica skips.
             store = dist.PrefixStore(keys.replica_prefix(self.replica, self.inc), self.store)
-            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=self.shard,
-                                    world_size=self.k)
+            torch_init_process_group()("cpu:gloo,cuda:nccl" if cuda else "gloo", store=store, rank=self.shard,
+                                       world_size=self.k)
         self.mesh = init_device_mesh("cuda" if cuda else "cpu", shape, mesh_dim_names=mesh_dim_names)
         return self.mesh
 
@@ -345,6 +350,7 @@ class Manager:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the global step until `total` steps are committed (by any replica)."""
         self.total = total
+        self.looping = True
         while True:
             self.start_round()
             if self.finished or self.step >= total:
@@ -449,8 +455,12 @@ class Manager:
         disagree (a rare mixed outcome as a peer dies mid-collective), that member restarts and
         heals from a peer. A member whose round failed votes and waits, as before.
         """
-        if self.epoch is None:  # the run's store moved during this round: nothing to vote on
-            return False
+        if self.epoch is None:
+            if not self.looping:
+                self._misused("opt.step() was called outside an ftrun.ft loop, so no step could ever be committed "
+                              "(every one would be discarded): drive the training loop with ft.steps(), as in "
+                              "`for step in ft.steps(total):`")
+            return False  # the run's store moved during this round: nothing to vote on
         try:
             return self._vote()
         except (dist.DistError, vote.StoreLost) as e:  # the store moved: the round is nobody's now; rejoin next round
@@ -460,18 +470,15 @@ class Manager:
     def _vote(self) -> bool:
         if self.layout_round:
             self.layout_round = False
-            if not self.layout_averages or any(a is None for a in self.layout_averages) or self.layout_discard:
+            if not self.layout_averaging():
                 # Agreed by all (it follows the same switch): nothing was sent, nothing is voted.
                 self.round += 1
                 self.round_ok = True
                 self._set_phase("discard")
                 return False
-            if self.pg is not None:  # without a group this member votes the round down
-                try:
-                    for average in self.layout_averages:
-                        average()
-                except Exception as e:  # the group broke: this round is voted down
-                    self.fail_round(str(e))
+            # As a rule each model's average ran as its backward returned (ft/ddp.py), so the
+            # script read averaged gradients; one whose backward did not reduce averages here.
+            self.layout_average(self.layout_averages)
         self._set_phase("vote")
         if self.checkpoints is not None:
             self.checkpoints.staged()  # a save still copying the state: done before the optimizer steps
@@ -516,6 +523,26 @@ class Manager:
         elif ok:
             self._drop_group()
         return commit
+
+    def layout_can_average(self) -> bool:
+        """Whether every wrapped model's gradients can be averaged in a layout round."""
+        return bool(self.layout_averages) and None not in self.layout_averages
+
+    def layout_averaging(self) -> bool:
+        """Whether this layout round is voted on (else it is discarded by all, with no vote)."""
+        return self.layout_can_average() and not self.layout_discard
+
+    def layout_average(self, averages: List[Optional[Callable[[], None]]]) -> None:
+        """Run the layout round's averages (each once a round: a model's runs as its backward
+        returns); a failed one votes the round down. Without a group nothing is sent: this
+        member votes the round down anyway."""
+        if self.pg is None:
+            return
+        try:
+            for average in averages:
+                average()
+        except Exception as e:  # the group broke: this round is voted down
+            self.fail_round(str(e))
 
     def _node_size(self) -> int:
         """How many of the epoch's members vote through this member's node (0: no node)."""
@@ -590,6 +617,13 @@ class Manager:
         if not commit:
             self._restart(f"round {rnd} was voted down after this member had stepped past it")
         self._note_target(target, rnd + 2)
+
+    def _misused(self, why: str) -> None:
+        """The script uses ftrun.ft in a way that can never train: say so in one line and stop the
+        run (every replica would do the same; a restart cannot change it)."""
+        _log(f"rank {self.rank}: {why}")
+        sys.stderr.flush()
+        os._exit(keys.EXIT_CANNOT_GO_ON)
 
     def _restart(self, why: str) -> None:
         """This member's state is not the committed one and no peer can take it back: exit, so
@@ -752,6 +786,7 @@ class Manager:
         a heal for DDP's buckets, and on every group when DDP's own reducer sends. Every member
         of a group formed it at the same round, so they all agree."""
         self.layout_round = self.uses_ddp and (self.layout_each_group or bool(epoch.healers or epoch.fresh))
+        self.layout_serial += 1  # each model averages once an attempt at this layout round (ft/ddp.py)
         self.layout_discard = bool(epoch.fresh) and self.checkpoints is not None
 
     def _gone(self, epoch: Epoch, ranks: List[int]) -> Optional[str]:
@@ -872,7 +907,7 @@ class Manager:
             found = self.checkpoints.resume(self.state)
         except CheckpointMismatch as e:  # every worker says it: the supervisor quotes whichever exits first
             _log(f"rank {self.rank}: {e}")
-            os._exit(keys.EXIT_FOREIGN_CHECKPOINT)
+            os._exit(keys.EXIT_CANNOT_GO_ON)
         except Exception as e:  # a failed read left part of a checkpoint in the tensors: restart clean
             _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}; exiting so that ftrun restarts it clean")
             os._exit(75)
