@@ -153,7 +153,7 @@ def test_group_restart_loses_the_steps_since_the_scripts_checkpoint():
     lanes = [Steps(acc, r, 0.1) for r in (0, 1)]
     for s in lanes:
         s.run(1.0, 4.9)                  # steps 1..40
-    idx = acc.failed(1, 5.0, rank=1, cause="exited with code 1", kind="exit", group=True)
+    idx = acc.failed(1, 5.0, rank=1, cause="exited with code 1", kind="exit")
     acc.stopped(0, 5.0, failure=idx)
     acc.group_restart(idx, lost_steps=15)  # its checkpoint was at step 25
     for r in (0, 1):

@@ -180,3 +180,29 @@ def test_group_restart_counts_the_steps_lost_since_the_scripts_checkpoint(tmp_pa
     assert f["rank"] == 1 and f["kind"] == "signal" and f["lost_steps"] == st["steps_lost"]
     assert f["back_s"] is not None and f["back_s"] > 0
     assert st["lost_s"]["failures"] > 2 * f["back_s"] * 0.7, st["lost_s"]
+
+
+def test_a_full_disk_leaves_the_run_and_its_summary_alone(tmp_path):
+    """The runs folder on a full tmpfs: the timeline cannot be written, the run still finishes
+    with its summary, and no half-written timeline is left behind."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        home = mnt / "home"
+        (home / "gp-full").mkdir(parents=True, mode=0o700)
+        home.chmod(0o700)
+        with open(mnt / "fill", "wb") as f:  # leave room for the state file, not for the timeline
+            f.write(b"\0" * (240 * 1024))
+        env = dict(os.environ, FTRUN_HOME=str(home))
+        r = subprocess.run(FTRUN + ["--nproc", "2", "--ft", "--run-id", "gp-full", "--log-dir", str(tmp_path / "logs"),
+                                    str(TRAIN_FT), "--steps", "100"], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=180)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert re.search(r"ftrun: goodput [\d.]+%", r.stderr), r.stderr[-2000:]
+        assert not list((home / "gp-full").glob("timeline.json.*.tmp"))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])

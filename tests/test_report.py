@@ -112,3 +112,35 @@ def test_report_renders_in_chromium(killed_run):
 def test_report_of_no_such_run_is_one_line(tmp_path):
     r = run_ftrun(["report", "nope"], env={"FTRUN_HOME": str(tmp_path / "h")})
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no run 'nope'" in r.stderr, r.stderr
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("damage, problem", [
+    (None, None),
+    (lambda t: t.update(lanes=5), "is not a run's timeline"),
+    (lambda t: t["lanes"][0]["segments"].append([1.0, "x", "training"]), "holds a segment that is not"),
+    (lambda t: t.update(steps=[[1.0]]), "'steps' holds an entry"),
+    (lambda t: t["failures"].append({"time": None}), "'failures' holds an entry"),
+])
+def test_a_damaged_timeline_is_one_line(tmp_path, damage, problem):
+    from ftrun.status.state import RunStatus, write_state
+    from ftrun.supervisor.timeline import write_timeline
+
+    home = tmp_path / "home"
+    folder = home / "made"
+    folder.mkdir(parents=True)
+    write_state(folder / "state.json", RunStatus(run_id="made", script="t.py", argv=["t.py"], started=100.0, pid=1,
+                                                 hook=None, policy="group restart", max_restarts=0, nproc=1,
+                                                 phase="ended", ended=110.0))
+    timeline = {"started": 100.0, "lanes": [{"replica": 0, "ranks": [0], "segments": [[100.0, 110.0, "training"]]}],
+                "steps": [[101.0, 0], [110.0, 50]], "failures": [], "checkpoints": [], "replica_s": 10.0,
+                "productive_s": 9.0, "lost_s": {"startup": 1.0}}
+    if damage is not None:
+        damage(timeline)
+    write_timeline(folder, timeline)
+    r = run_ftrun(["report", "made", "-o", tmp_path / "page.html"], env={"FTRUN_HOME": str(home)})
+    if problem is None:
+        assert r.returncode == 0, r.stderr
+        assert '"productive_s":9.0' in (tmp_path / "page.html").read_text()
+    else:
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and problem in r.stderr, r.stderr

@@ -185,9 +185,9 @@ class Accountant:
         self._count_steps(steps)
 
     def failed(self, replica: int, t: float, rank: int, cause: str, kind: str,
-               detect_s: Optional[float] = None, group: bool = False) -> int:
-        """A replica failed (seen at `t`); the index of its FailureRecord. `group`: without --ft
-        the failure stops every lane (stopped() for the others names this record)."""
+               detect_s: Optional[float] = None) -> int:
+        """A replica failed (seen at `t`); the index of its FailureRecord. Without --ft the
+        failure stops every lane: stopped() for the others names this record."""
         lane = self.lanes[replica]
         hung_at = lane.since if lane.state is LaneState.HUNG else None
         if detect_s is None:

@@ -67,10 +67,20 @@ def write_timeline(folder: Path, data: Dict[str, Any]) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        os.write(fd, json.dumps({"format": FORMAT, **data}, separators=(",", ":")).encode())
-    finally:
+        blob = json.dumps({"format": FORMAT, **data}, separators=(",", ":")).encode()
+        if os.write(fd, blob) != len(blob):
+            raise OSError(28, "short write (disk full?)")
         os.close(fd)
-    os.replace(tmp, path)
+        fd = -1
+        os.replace(tmp, path)
+    except OSError:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            tmp.unlink()  # a full disk leaves no half-written file behind
+        except OSError:
+            pass
+        raise
 
 
 def read_timeline(folder: Path) -> Optional[Dict[str, Any]]:
@@ -88,4 +98,32 @@ def read_timeline(folder: Path) -> Optional[Dict[str, Any]]:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("lanes"), list):
         raise ValueError(f"{path} is not a run's timeline")
+    problem = _damage(data)
+    if problem:
+        raise ValueError(f"{path} is damaged: {problem}")
     return data
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+def _damage(data: Dict[str, Any]) -> Optional[str]:
+    """What in a timeline the report could not draw, or None."""
+    if not _num(data.get("started")):
+        return "'started' is not a time"
+    for i, lane in enumerate(data["lanes"]):
+        if not isinstance(lane, dict) or not isinstance(lane.get("replica"), int) \
+                or not isinstance(lane.get("ranks"), list) or not isinstance(lane.get("segments"), list):
+            return f"lanes[{i}] is not a lane"
+        for seg in lane["segments"]:
+            if not (isinstance(seg, list) and len(seg) == 3 and _num(seg[0]) and _num(seg[1])
+                    and isinstance(seg[2], str)):
+                return f"lanes[{i}] holds a segment that is not [start, end, state]"
+    for key, shape in (("steps", lambda p: isinstance(p, list) and len(p) == 2 and _num(p[0]) and _num(p[1])),
+                       ("failures", lambda f: isinstance(f, dict) and _num(f.get("time"))),
+                       ("checkpoints", lambda c: isinstance(c, dict) and _num(c.get("time")))):
+        items = data.get(key, [])
+        if not isinstance(items, list) or not all(shape(x) for x in items):
+            return f"'{key}' holds an entry that is not one"
+    return None
