@@ -202,6 +202,7 @@ def test_the_snapshot_changes_nothing_and_stops_at_the_end():
 
 @pytest.mark.parametrize("seed", range(30))
 def test_every_second_of_every_lane_lands_in_one_bucket(seed):
+    """Seeded random schedules; from seed 20 on the wall clock also steps back now and then."""
     rng = random.Random(seed)
     n = rng.randint(1, 4)
     acc = Accountant(n, started=0.0, ft=rng.random() < 0.5)
@@ -211,7 +212,7 @@ def test_every_second_of_every_lane_lands_in_one_bucket(seed):
     for r in range(n):
         acc.spawned(r, 0.0)
     for _ in range(300):
-        t += rng.choice([0.01, 0.05, 0.1, 0.3, 2.0])
+        t += rng.choice([0.01, 0.05, 0.1, 0.3, 2.0]) - (rng.choice([0.0, 0.0, 0.0, 1.5]) if seed >= 20 else 0.0)
         r = rng.randrange(n)
         what = rng.random()
         if what < 0.7:

@@ -143,10 +143,12 @@ class Accountant:
         self.steps_before = 0               # without --ft: the steps of the attempts before it
         self.steps_lost = 0
         self.discarded_rounds = 0           # --ft: told by the quorum's reports
+        self.clock = started                # the latest event's time (_at)
 
     # ------------------------------------------------------------ events
     def spawned(self, replica: int, t: float) -> None:
         """A replica's (new) process was started."""
+        t = self._at(t)
         lane = self.lanes[replica]
         if lane.state in (LaneState.AWAY, LaneState.DONE, LaneState.SPARE):
             self._move(lane, t, LaneState.HEALING if self.ft and lane.started_once else LaneState.STARTING)
@@ -154,6 +156,7 @@ class Accountant:
     def progress(self, replica: int, t: float, steps: int, last_step: float, first_step: Optional[float]) -> None:
         """A progress report seen at `t`: `steps` (the incarnation's count, or the global step
         with --ft), the time of the latest step and of the incarnation's first."""
+        t = self._at(t)
         lane = self.lanes[replica]
         if steps > 0 and lane.state in (LaneState.DONE, LaneState.AWAY):
             self._count_steps(steps)  # a last report, written as it exited: where it stopped
@@ -188,6 +191,7 @@ class Accountant:
                detect_s: Optional[float] = None) -> int:
         """A replica failed (seen at `t`); the index of its FailureRecord. Without --ft the
         failure stops every lane: stopped() for the others names this record."""
+        t = self._at(t)
         lane = self.lanes[replica]
         hung_at = lane.since if lane.state is LaneState.HUNG else None
         if detect_s is None:
@@ -207,6 +211,7 @@ class Accountant:
     def stopped(self, replica: int, t: float, failure: Optional[int] = None) -> None:
         """A replica was stopped by ftrun: for a group restart after `failure` (it comes back),
         or for the run's end (a signal, the budget spent)."""
+        t = self._at(t)
         lane = self.lanes[replica]
         if lane.state in (LaneState.AWAY, LaneState.SPARE, LaneState.DONE):
             return
@@ -217,6 +222,7 @@ class Accountant:
 
     def hung(self, replica: int, t: float, since: float) -> None:
         """A replica was found hung at `t`, having made no progress since `since`."""
+        t = self._at(t)
         lane = self.lanes[replica]
         if lane.state in (LaneState.AWAY, LaneState.SPARE, LaneState.DONE, LaneState.HUNG):
             return
@@ -230,12 +236,14 @@ class Accountant:
 
     def given_up(self, replica: int, t: float) -> None:
         """Its restart budget is spent: the lane holds no replica from now on."""
+        t = self._at(t)
         lane = self.lanes[replica]
         if lane.state is not LaneState.SPARE:
             self._move(lane, t, LaneState.SPARE)
 
     def done(self, replica: int, t: float) -> None:
         """The replica finished (exit 0)."""
+        t = self._at(t)
         self._finish_lane(self.lanes[replica], t)
 
     def checkpoint(self, start: float, pause_s: float) -> None:
@@ -255,6 +263,7 @@ class Accountant:
         self.discarded_rounds = max(self.discarded_rounds, count)
 
     def end(self, t: float) -> None:
+        t = self._at(t)
         for lane in self.lanes.values():
             if lane.state is LaneState.TRAINING:
                 self._finish_lane(lane, t)
@@ -267,7 +276,7 @@ class Accountant:
     # ------------------------------------------------------------ the books
     def snapshot(self, now: float) -> Breakdown:
         """The breakdown as of `now` (the lanes' open stretches counted as they stand)."""
-        now = self.ended if self.ended is not None else now
+        now = self.ended if self.ended is not None else max(now, self.clock)
         acc = dict(self.acc)
         failures = [FailureRecord(**asdict(f)) for f in self.failures]
         for lane in self.lanes.values():
@@ -313,6 +322,11 @@ class Accountant:
         return out
 
     # ------------------------------------------------------------ inside
+    def _at(self, t: float) -> float:
+        """An event's time on the books' clock: the wall clock may step back (NTP), the books never do."""
+        self.clock = max(self.clock, t)
+        return self.clock
+
     def _stall_limit(self) -> float:
         typical = self.step_time()
         return max(STALL_MIN_S, STALL_FACTOR * typical) if typical else STALL_MIN_S
