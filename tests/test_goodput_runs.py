@@ -182,6 +182,37 @@ def test_group_restart_counts_the_steps_lost_since_the_scripts_checkpoint(tmp_pa
     assert st["lost_s"]["failures"] > 2 * f["back_s"] * 0.7, st["lost_s"]
 
 
+def test_group_restart_on_two_nodes_counts_the_lost_steps_on_both(tmp_path):
+    """Two nodes (one rank each): rank 0 saves the script's checkpoint; node 1's rank is killed.
+    Node 1 never saw a save of its own, yet counts the steps since rank 0's, as node 0 does."""
+    from conftest import free_port
+
+    home, run_id, port = tmp_path / "home", "gp-nodes", free_port()
+    ckpt = tmp_path / "ck.pt"
+    procs = [_start(["--nnodes", 2, "--node-rank", k, "--master-port", port, "--nproc", 1, "--max-restarts", 1,
+                     "--run-id", run_id, TRAIN_DDP, "--steps", 70, "--step-sleep", 0.1, "--print-every", 1,
+                     "--ckpt", ckpt, "--ckpt-every", 10], home) for k in (0, 1)]
+    try:
+        pid = _wait(home, f"{run_id}.node1", lambda st: _replica(st, 1)["step"] >= 35 and _replica(st, 1)["pid"])
+        os.kill(pid, signal.SIGKILL)
+        for p in procs:
+            _finish(p)
+    finally:
+        for p in procs:
+            p.kill()
+    st0, st1 = _state(home, f"{run_id}.node0"), _state(home, f"{run_id}.node1")
+    log = (Path(st0["log_dir"]) / "rank0" / "stdout.log").read_text()
+    first, second = log.split("incarnation 1", 1)
+    done = max(int(s) for s in re.findall(r"^step (\d+) ", first, re.M)) + 1
+    resumed = int(re.search(r"resumed from step (\d+)", second).group(1))
+    assert 4 < done - resumed < 10
+    for st in (st0, st1):
+        assert done - resumed - 3 <= st["steps_lost"] <= done - resumed + 1, (st["node_rank"], st["steps_lost"],
+                                                                              done, resumed)
+    # node 0 hears of it from node 1, or sees its own rank fail first (its collective broke)
+    assert st1["failures"][0]["rank"] == 1 and st0["failures"][0]["kind"] in ("remote", "exit")
+
+
 def test_a_full_disk_leaves_the_run_and_its_summary_alone(tmp_path):
     """The runs folder on a full tmpfs: the timeline cannot be written, the run still finishes
     with its summary, and no half-written timeline is left behind."""

@@ -115,11 +115,16 @@ class Ledger:
         """ftrun stopped `w` (a signal, the run's end, its replica's or group's failure)."""
         self.books.stopped(self.lane(w), now, failure=self.group_failure if not self.cfg.ft else None)
 
-    def group_restart(self, now: float) -> None:
+    def group_restart(self, now: float, elsewhere: Optional[List[str]] = None) -> None:
         """Without --ft, the next attempt starts: the last one lost the steps since the script's
-        own last save (all of them when it saved nothing), estimated from the step counts."""
+        own last save (all of them when it saved nothing), estimated from the step counts.
+        `elsewhere`: rank 0's last report, read by a node that does not run it (scripts save there)."""
         steps = max((s for s, _ in self.reported.values()), default=0)
         saved = max((v for _, v in self.reported.values()), default=-1)
+        try:
+            saved = max(saved, int(elsewhere[7])) if elsewhere and len(elsewhere) > 7 else saved
+        except ValueError:
+            pass
         lost = max(0, steps - max(saved, 0))
         if self.group_failure is not None:
             self.books.group_restart(self.group_failure, lost)

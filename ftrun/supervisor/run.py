@@ -559,7 +559,7 @@ class Supervisor:
         else:
             self._clean_store_for_new_attempt()
         self._read_last_reports()  # where each rank stopped and last saved: the steps this attempt lost
-        self.ledger.group_restart(time.time())
+        self.ledger.group_restart(time.time(), self._rank0_report())
         self.status.group_restarts = self.policy.restarts
         for o in self.workers:
             o.incarnation = self.policy.restarts
@@ -1092,6 +1092,19 @@ class Supervisor:
             pass
         self._last_write = time.time()
         self._dirty = False
+
+    def _rank0_report(self) -> Optional[List[str]]:
+        """Rank 0's last progress report, on a node that does not run it (without --ft every
+        worker reports to the run's store): a script's checkpoint is usually saved there."""
+        if self.cfg.node_rank == 0 or self.store is None or self.store.store is None:
+            return None
+        try:
+            if not self.store.store.check([progress_key(0)]):
+                return None
+            raw = self.store.multi_get([progress_key(0)])[0]
+        except Exception:  # the store went away: this node's own reports stand
+            return None
+        return (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split()
 
     def _fill_goodput(self, end: bool = False) -> None:
         """The goodput figures (state, timeline, metrics; at the end the summary too). Accounting
