@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -112,6 +113,8 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
         # `ftrun status --json` shows the live goodput too.
         live = json.loads(run_ftrun(["status", run_id, "--json"], env={"FTRUN_HOME": str(home)}, check=True).stdout)
         assert 0 < live[0]["goodput"] <= 1 and live[0]["lost_s"]["startup"] > 0
+        table = run_ftrun(["status", run_id], env={"FTRUN_HOME": str(home), "COLUMNS": "200"}, check=True).stdout
+        assert re.search(r"goodput [\d.]+%; lost: start-up ", table), table
 
         # A kill: counted by cause, restarted, and its time until back in the heal histogram.
         victim = next(r for r in _state(home, run_id)["replicas"] if r["rank"] == 1)
