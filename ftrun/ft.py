@@ -36,7 +36,7 @@ from ftrun.worker.ft.manager import manager
 from ftrun.worker.ft.optim import ReplicaOptimizer
 
 __all__ = ["DistributedDataParallel", "Optimizer", "register_state", "steps", "replica_index",
-           "num_replicas", "global_step", "replica_rank", "replicate", "device_mesh"]
+           "num_replicas", "global_step", "replica_rank", "replicate", "device_mesh", "redo"]
 
 
 def DistributedDataParallel(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
@@ -98,4 +98,13 @@ def replica_rank() -> int:
 
 
 def global_step() -> int:
+    """The number of steps the run has committed: the step being trained now."""
     return manager().step
+
+
+def redo() -> bool:
+    """True when the step ft.steps() just handed out was handed out before: the round before was
+    discarded (a peer died mid-step), or the run resumed from a checkpoint taken at this step.
+    The same on every replica. Gate the script's own side effects on it (an evaluation, a save,
+    a log line) to run them once per step: `if step % 500 == 0 and not ft.redo(): evaluate()`."""
+    return manager().redo

@@ -345,6 +345,9 @@ def info_key(rank: int) -> str:
 # {"step", "path", "bytes", "write_s", "pause_s", "time", ...} for `ftrun status`; the
 # checkpoint itself is on disk, never in the store.
 CHECKPOINT = PREFIX + "checkpoint"
+# A line ftrun.ft writes into a worker's stderr for the rank's log file only: the console
+# filter (ftrun/supervisor/logs.py) keeps it off the console unless --verbose.
+DETAIL_PREFIX = "ftrun.ft: detail: "
 # A worker's exit status when the run cannot go on as started, whatever is restarted: the
 # checkpoint it must resume from holds another model or optimizer, or the script misuses
 # ftrun.ft (sysexits' EX_CONFIG). Its last "ftrun.ft: " line says why; the supervisor ends the

@@ -25,9 +25,10 @@ ddp = ft.DistributedDataParallel(model)
 opt = ft.Optimizer(torch.optim.Adam(ddp.parameters(), lr=1e-3))
 scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
 ft.register_state("scaler", scaler)
-norms, skipped = {}, []
+norms, skipped, yields = {}, [], []
 initial = scaler.get_scale()
 for step in ft.steps(steps):
+    yields.append((step, ft.redo()))
     i, n = ft.replica_index(), ft.num_replicas()
     g = torch.Generator().manual_seed(step)
     x = torch.randn(48, 64, generator=g)
@@ -52,5 +53,6 @@ rank = int(os.environ["RANK"])
 torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}.rank{rank}.pt")
 torch.save(opt.optimizer.state_dict(), f"{out}.rank{rank}.opt.pt")
 with open(f"{out}.rank{rank}.json", "w") as f:
-    json.dump({"step": ft.global_step(), "norms": norms, "skipped": skipped, "scale": scaler.get_scale()}, f)
+    json.dump({"step": ft.global_step(), "norms": norms, "skipped": skipped, "scale": scaler.get_scale(),
+               "yields": yields}, f)
 print(f"done at step {ft.global_step()}", flush=True)

@@ -24,7 +24,7 @@ def test_a_failure_free_ft_run_prints_only_what_matters(ftrun_home, tmp_path, mo
     ours = [line for line in err if line.startswith("ftrun: ")]
     assert len(ours) == 5, err
     assert ours[0].startswith("ftrun: run ") and "3 workers of" in ours[0], ours
-    assert ours[1] == "ftrun: epoch 1: 3 replicas (first replicas joined)", ours
+    assert ours[1] == "ftrun: quorum 1: 3 replicas (first replicas joined)", ours
     assert re.fullmatch(r"ftrun: run \S+ finished in [\d.]+ s", ours[2]), ours
     assert re.match(r"ftrun: goodput [\d.]+%: ", ours[3]) and ours[4].startswith("ftrun: lost: start-up "), ours
     # from the workers' stderr: the traffic figures once, at the end, from one rank
@@ -37,7 +37,7 @@ def test_a_failure_free_ft_run_prints_only_what_matters(ftrun_home, tmp_path, mo
     # the per-rank lines are in each rank's log
     for r in range(3):
         log = (logs / f"rank{r}" / "stderr.log").read_text()
-        assert f"ftrun.ft: rank {r} (incarnation 0) joined epoch 1 at step 0" in log, log
+        assert f"ftrun.ft: rank {r} (incarnation 0) joined quorum 1 at step 0" in log, log
         assert f"ftrun: rank {r}: hook allreduce step 100: sent" in log, log
         assert re.search(rf"ftrun: rank {r}: hook allreduce step 250: .* \(at exit\)", log), log
         if r:
@@ -50,7 +50,7 @@ def test_verbose_brings_the_per_rank_lines_back(ftrun_home, tmp_path):
                      env={"FTRUN_VERBOSE": "1"})
     assert proc.returncode == 0, proc.stderr
     for r in range(2):
-        assert f"[rank {r}] ftrun.ft: rank {r} (incarnation 0) joined epoch 1" in proc.stderr, proc.stderr
+        assert f"[rank {r}] ftrun.ft: rank {r} (incarnation 0) joined quorum 1" in proc.stderr, proc.stderr
         assert f"[rank {r}] ftrun: rank {r}: hook allreduce step 100: sent" in proc.stderr, proc.stderr
         assert re.search(rf"\[rank {r}\] ftrun: rank {r}: hook allreduce step 120: .* \(at exit\)", proc.stderr)
     assert "[rank 1] ftrun.ft: rank 1: received" in proc.stderr, proc.stderr

@@ -35,6 +35,18 @@ def test_gradients_are_averaged_when_backward_returns_under_kills(ftrun_home, tm
     assert reports[0]["skipped"] == reports[2]["skipped"] == [0, 25], reports
     assert len({rep["scale"] for rep in reports.values()}) == 1, reports
     _assert_identical(out, 3)
+    # ft.redo(): a step handed out again (a skipped or discarded step) says so, the first time never,
+    # and every replica, the healed one included, says the same of the steps it saw.
+    for rep in reports.values():
+        firsts = [s for s, again in rep["yields"] if not again]
+        assert len(firsts) == len(set(firsts)), rep["yields"]
+        # (a healed replica's first step may be one its peers are redoing: the run's redo)
+        seen = [s for s, _ in rep["yields"]]
+        assert all(s in seen[:k] for k, (s, again) in enumerate(rep["yields"]) if again and k), rep["yields"]
+    assert {0, 25} <= {s for s, again in reports[0]["yields"] if again}, reports[0]["yields"]
+    healed = reports[1]["yields"][-len(reports[0]["yields"]):]
+    tail = reports[0]["yields"][-len(healed):]
+    assert [tuple(y) for y in healed] == [tuple(y) for y in tail], (healed, tail)
 
 
 TUTORIAL = ROOT / "tests" / "ported" / "ddp_tutorial.py"

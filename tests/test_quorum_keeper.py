@@ -113,7 +113,7 @@ def test_joiner_that_will_enter_a_newer_epoch_is_voted_for_in_the_older(keeper):
         keeper.poll(1.0 + poll)
     assert keeper._s.check([keys.decision_key(3, rnd)]), keeper.history
     assert keeper._s.get(keys.decision_key(3, rnd)).decode().startswith("fail")
-    assert any("rank 0 is still joining while epoch 3 waits for its vote" in h for h in keeper.history)
+    assert any("rank 0 is still joining while quorum 3 waits for its vote" in h for h in keeper.history)
 
 
 def test_joiner_of_the_newest_epoch_is_left_to_enter_it(keeper):

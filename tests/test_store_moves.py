@@ -259,7 +259,7 @@ def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
     procs = [_c10d_node(port, "3:4", "cj", out, 160)]
     try:
         procs += [_c10d_start(port, "3:4", "cj", out, 160) for _ in range(2)]
-        _wait_text(procs[0], "epoch 1: 3 replicas", 120)
+        _wait_text(procs[0], "quorum 1: 3 replicas", 120)
         _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
         procs.append(_c10d_start(port, "3:4", "cj", out, 160))
         for p in procs[1:4]:  # the newcomer has joined, and every survivor counts it, before the host goes...

@@ -26,6 +26,8 @@ from typing import Any, Deque, Dict, Optional, Sequence
 from rich.console import Console
 from rich.text import Text
 
+from ftrun.protocol import DETAIL_PREFIX
+
 COLOURS = ("cyan", "green", "magenta", "yellow", "blue", "bright_red", "bright_cyan", "bright_green")
 TAIL_LINES = 30
 DRAIN_S = 5.0
@@ -45,6 +47,8 @@ def chatter(line: str, speaker: bool) -> bool:
     """Is this stderr line of a worker ftrun's own per-rank chatter, kept off the console by
     default? `speaker`: the worker is its node's local rank 0, the one that says what every
     rank would say alike (the hook registered, traffic figures at exit)."""
+    if line.startswith(DETAIL_PREFIX):
+        return True
     if line.startswith(FT_PREFIX):
         return not FT_TROUBLE.search(line)
     m = HOOK_LINE.match(line)

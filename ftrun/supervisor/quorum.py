@@ -394,8 +394,8 @@ class QuorumKeeper:
                     if not self._add_vote(e, rnd, top, keys.FAIL_VOTE, m):
                         continue  # its node's store did not answer: again at the next poll
                     self.unstuck.add((m, k, e, rnd))
-                    at = f"in epoch {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
-                    self.history.append(f"rank {m} is {at} while epoch {e} waits for its "
+                    at = f"in quorum {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
+                    self.history.append(f"rank {m} is {at} while quorum {e} waits for its "
                                         f"vote in round {rnd}: voted fail in its place")
 
     def _all_live_report(self) -> bool:
@@ -630,7 +630,7 @@ class QuorumKeeper:
         n = len(members) // self.k
         shape = f" of {self.k} workers" if self.k > 1 else ""
         rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if steps != self.round_steps else ""
-        self.history.append(f"epoch {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}")
+        self.history.append(f"quorum {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}")
 
     def _survivors_source(self) -> Optional[int]:
         """After the store moved, replicas rejoin holding what they held then: each says which

@@ -141,6 +141,9 @@ class Supervisor:
         # --ft: the supervisor keeps the quorum (ftrun.supervisor.quorum).
         self.quorum: Optional[QuorumKeeper] = None
         self.tick_s = 0.05 if cfg.ft else TICK_S
+        # How often the state file may be rewritten while something changes: with --ft the step
+        # moves every tick, and `ftrun status` must show the current one (a write is a small file).
+        self.write_s = 0.1 if cfg.ft else 0.2
         self.default_hang_s, _ = hang_after_s(os.environ)  # refused at the start when not a number
         self._warned_no_ft_api = False
         self.give_up_why: Optional[str] = None  # why the run ends with a failure, when not a spent budget
@@ -834,7 +837,7 @@ class Supervisor:
             self._dirty = True
         # Step counts change every tick with --ft: `ftrun status` needs them a few times a
         # second, not at the 20 Hz the quorum is polled (each write is a JSON file).
-        if self._dirty and now - self._last_write >= 0.2 or now - self._last_write >= 0.5:
+        if self._dirty and now - self._last_write >= self.write_s or now - self._last_write >= 0.5:
             self._write_state()
 
     def _poll_progress(self, now: float) -> None:
@@ -872,15 +875,21 @@ class Supervisor:
             if w.state == WorkerState.STARTING and self.quorum is None:
                 w.state = WorkerState.RUNNING
                 self._dirty = True
-            if steps != w.steps and steps > 0:
-                if w.last_step_time and steps > w.steps:
-                    dt = max(1e-3, now - w.last_step_time)
-                    rate = (steps - w.steps) / dt
-                    w.steps_per_s = rate if w.steps_per_s == 0 else 0.7 * w.steps_per_s + 0.3 * rate
-                w.steps = steps
-                w.last_step_time = now
-                w.first_step_seen = True
-                self._dirty = True
+            self._note_steps(w, steps, now)
+
+    def _note_steps(self, w: Worker, steps: int, now: float) -> None:
+        """A worker's step count as last reported (its progress key, or under --ft its report to
+        the quorum, read every tick)."""
+        if steps == w.steps or steps <= 0:
+            return
+        if w.last_step_time and steps > w.steps:
+            dt = max(1e-3, now - w.last_step_time)
+            rate = (steps - w.steps) / dt
+            w.steps_per_s = rate if w.steps_per_s == 0 else 0.7 * w.steps_per_s + 0.3 * rate
+        w.steps = steps
+        w.last_step_time = now
+        w.first_step_seen = True
+        self._dirty = True
 
     def _poll_quorum(self, now: float) -> None:
         q = self.quorum
@@ -898,6 +907,11 @@ class Supervisor:
             self._poll_checkpoint()  # a few times a second, with the progress poll
         while q.history:
             self.console.note(q.history.pop(0), style="cyan")
+        for w in self.workers:
+            info = q.info.get(w.rank)
+            if w.alive and info and info.get("inc") == w.incarnation and w.first_step_seen:
+                # Fresher than the progress key (read a few times a second): the step now.
+                self._note_steps(w, int(info.get("step") or 0), now)
         for w in self.workers:
             if w.state in (WorkerState.RECOVERING, WorkerState.STARTING, WorkerState.RUNNING) and w.alive:
                 if q.replica_fields(w.rank)["in_quorum"] and w.state != WorkerState.RUNNING:

@@ -36,6 +36,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -48,7 +49,7 @@ from ftrun import protocol as keys
 from ftrun.worker.ft import vote
 from ftrun.worker.ft.checkpoint import Checkpointer, CheckpointMismatch
 from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
-from ftrun.protocol import Epoch
+from ftrun.protocol import DETAIL_PREFIX, Epoch
 from ftrun.worker.ft.state import ReplicaState
 from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
 
@@ -61,6 +62,26 @@ STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's s
 def _log(msg: str) -> None:
     sys.stderr.write(f"ftrun.ft: {msg}\n")
     sys.stderr.flush()
+
+
+def _log_detail(msg: str) -> None:
+    """A line for the rank's log file only (the console filter keeps it off unless --verbose)."""
+    sys.stderr.write(f"{DETAIL_PREFIX}{msg}\n")
+    sys.stderr.flush()
+
+
+# What a collective says when a peer of the group went away (gloo: the connection reset or
+# closed; ftrun: the member's incarnation is gone, or the group was given up for a newer quorum).
+PEER_LOST = re.compile(r"reset by peer|connection closed|closed by peer|broken pipe|connection refused|"
+                       r"are gone|is out\b|aborted|end of file|EOF", re.IGNORECASE)
+
+
+def _plain(text: str, most: int = 160) -> str:
+    """A collective's error for a person: without the library's source path, cut at a word."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.strip())
+    if len(text) <= most:
+        return text
+    return text[:most].rsplit(" ", 1)[0] + " ..."
 
 
 def _env_number(name: str, default: float, lo: float, hi: float) -> float:
@@ -139,6 +160,10 @@ class Manager:
         self.layout_discard = False
         self.finished = False
         self.looping = False  # inside ft.steps(): rounds begin at its top (opt.step() outside one is a misuse)
+        # ft.redo(): the step just handed to the script was handed out before (a discarded round,
+        # a resume from a checkpoint taken at it); `yielded` travels in heals, so all replicas agree.
+        self.yielded = -1
+        self.redo = False
         self.committed = 0
         self.discarded = 0
         self.failed_in_row = 0
@@ -364,6 +389,8 @@ class Manager:
                 except dist.DistError as e:  # the store moved as the run ended: rejoin, and end there
                     self._relocate(e)
                     continue
+            self.redo = self.step <= self.yielded
+            self.yielded = max(self.yielded, self.step)
             yield self.step
         self._set_phase("done")
         if self._progress is not None:
@@ -425,12 +452,19 @@ class Manager:
         return None
 
     def fail_round(self, why: str = "") -> None:
-        """A collective of this round failed: the round will be voted down."""
+        """A collective of this round failed: the round will be voted down. A peer's loss is an
+        expected event (the supervisor says which replica died): it is said in the log only;
+        anything else is said in ftrun's words too. The full text always goes to the log."""
         if self.round_ok and why:
-            line = why.splitlines()[0][:160]
-            if line != self._last_failure or self.failed_in_row % 100 == 0:
-                _log(f"rank {self.rank}: round {self.round} failed ({line})")
-            self._last_failure = line
+            first = why.splitlines()[0]
+            if first != self._last_failure or self.failed_in_row % 100 == 0:
+                _log_detail(f"rank {self.rank}: round {self.round}: {why.strip()}")
+                if PEER_LOST.search(first):
+                    _log_detail(f"rank {self.rank}: round {self.round} is voted down: a peer left mid-collective")
+                else:
+                    _log(f"rank {self.rank}: round {self.round} failed: {_plain(first)} (the full text is in this "
+                         f"rank's log)")
+            self._last_failure = first
         self.round_ok = False
 
     def before_collective(self) -> None:
@@ -687,7 +721,7 @@ class Manager:
         self._switch(entering, joining=True)
         self.store.set(keys.entered_key(self.rank), str(self.inc))
         if self.epoch is not None and self.in_sync:
-            _log(f"rank {self.rank} (incarnation {self.inc}) joined epoch {entering} at step {self.step} "
+            _log(f"rank {self.rank} (incarnation {self.inc}) joined quorum {entering} at step {self.step} "
                  f"after {time.time() - t0:.2f} s")
 
     def _finish_without_peers(self) -> None:
@@ -734,7 +768,7 @@ class Manager:
     def _switch(self, epoch_id: int, joining: bool = False) -> None:
         epoch = Epoch.from_json(self.store.get(keys.epoch_key(epoch_id)))
         if (self.rank, self.inc) not in epoch.members:
-            _log(f"rank {self.rank}: left out of epoch {epoch_id}; exiting so that ftrun restarts and heals it")
+            _log(f"rank {self.rank}: left out of quorum {epoch_id}; exiting so that ftrun restarts and heals it")
             sys.stderr.flush()
             os._exit(75)
         changed = self.epoch is None or epoch.id != self.epoch.id
@@ -771,10 +805,10 @@ class Manager:
             self.pg = self._form(keys.pg_prefix(epoch.id, self.group_round, self._shard_id), epoch,
                                  self._shard_ranks(epoch))
         except Exception as e:  # a member died while we connected: this round fails, the next epoch fixes it
-            self.fail_round(f"could not form the group of epoch {epoch.id}: {str(e).splitlines()[0]}")
+            self.fail_round(f"could not form the group of quorum {epoch.id}: {str(e).splitlines()[0]}")
         took = time.monotonic() - t0
         if took > SLOW_S:
-            _log(f"rank {self.rank}: forming the group of epoch {epoch.id} (round {self.group_round}) took {took:.1f} s")
+            _log(f"rank {self.rank}: forming the group of quorum {epoch.id} (round {self.group_round}) took {took:.1f} s")
         if epoch.healers or epoch.fresh:
             self._heal(epoch)
         self._plan_layout(epoch)
@@ -793,7 +827,7 @@ class Manager:
         alive = [v.decode() if isinstance(v, bytes) else str(v)
                  for v in self.store.multi_get([keys.inc_key(r) for r in ranks])]
         gone = [r for r, v in zip(ranks, alive) if v != str(epoch.incarnation(r))]
-        return f"ranks {gone} of epoch {epoch.id} are gone" if gone else None
+        return f"ranks {gone} of quorum {epoch.id} are gone" if gone else None
 
     def _form(self, prefix: str, epoch: Epoch, ranks: List[int]) -> dist.ProcessGroup:
         """A group of `ranks` (in that order), given up as soon as one of them dies or a newer
@@ -802,7 +836,7 @@ class Manager:
         the newer epoch, where everyone meets."""
         def why() -> Optional[str]:
             if self.latest_seen > epoch.id:
-                return f"epoch {self.latest_seen} is out"
+                return f"quorum {self.latest_seen} is out"
             return self._gone(epoch, ranks)
 
         return build_group_watched(os.environ["FTRUN_STORE"], prefix, ranks.index(self.rank), len(ranks),
@@ -839,12 +873,12 @@ class Manager:
         sending = self.rank == source
         if self._gone(epoch, ends):
             # An end of the transfer is gone: forming its group would wait for it until the timeout.
-            self.fail_round(f"the state transfer of epoch {epoch.id} lost an end before it began")
+            self.fail_round(f"the state transfer of quorum {epoch.id} lost an end before it began")
             if sending:
                 self._set_heal_done(done_key, "fail")
             return
         if sending and self._tainted:
-            _log(f"rank {self.rank}: named the source of a fresh epoch while holding a half-received state; "
+            _log(f"rank {self.rank}: named the source of a fresh quorum while holding a half-received state; "
                  f"exiting so that ftrun restarts it clean")
             os._exit(75)
         if sending and epoch.fresh and not self.in_sync and self.checkpoints is not None and not self._resumed:
@@ -855,12 +889,13 @@ class Manager:
         try:
             hpg = self._form(keys.pg_prefix(epoch.id, self.group_round, self._shard_id) + "heal/", epoch, ends)
             if sending:
-                stats = send_state(hpg, self.state.capture(self.round, self.step), group_device(), chunk=self._chunk,
+                stats = send_state(hpg, self.state.capture(self.round, self.step, self.yielded), group_device(),
+                                   chunk=self._chunk,
                                    after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
             else:
                 payload, stats, in_place = receive_state(hpg, self.state.targets(), group_device(), chunk=self._chunk,
                                                          on_write=self._taint, timeout_s=self._settle_s)
-                self.round, self.step = self.state.restore(payload, in_place)
+                self.round, self.step, self.yielded = self.state.restore(payload, in_place)
                 self._tainted = False
         except StateMismatch as e:
             # Not a failure of the transfer: this replica's model, optimizer or registered state
@@ -874,7 +909,7 @@ class Manager:
             abort_group(hpg)
             who = "to its healers" if sending else f"from rank {source}"
             self.fail_round(f"state transfer {who} failed ({str(e).splitlines()[0][:120]}); healing again in the "
-                            f"next epoch")
+                            f"next quorum")
             if sending:
                 self._set_heal_done(done_key, "fail")
             return
@@ -914,6 +949,7 @@ class Manager:
         self._resumed = True
         if found is not None:
             self.step = found.step
+            self.yielded = max(self.yielded, found.yielded)
             if self._progress is not None:
                 self._progress.note_step(self.step)
 
@@ -939,7 +975,7 @@ class Manager:
                 return
             time.sleep(POLL_S)
         if time.monotonic() - t0 > SLOW_S:
-            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the state transfer of epoch {epoch.id}")
+            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the state transfer of quorum {epoch.id}")
 
     def _inject_send_delay(self) -> None:
         delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))

@@ -44,9 +44,10 @@ class ReplicaState:
             raise TypeError(f"ftrun.ft.register_state({name!r}, ...): the object needs state_dict() and load_state_dict()")
         self.extras[name] = obj
 
-    def capture(self, round_: int, step: int) -> Dict[str, Any]:
+    def capture(self, round_: int, step: int, yielded: int = -1) -> Dict[str, Any]:
+        """`yielded`: the newest step the loop has handed the script (ft.redo() on the healer)."""
         return {
-            "round": round_, "step": step,
+            "round": round_, "step": step, "yielded": yielded,
             "models": [dict(m.state_dict()) for m in self.models],
             "optimizers": [o.state_dict() for o in self.optimizers],
             "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
@@ -60,8 +61,8 @@ class ReplicaState:
         return {"models": [dict(m.state_dict()) for m in self.models],
                 "optimizers": [o.state_dict() for o in self.optimizers]}
 
-    def restore(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int]:
-        """Load what arrived; returns the (round, step) it was captured at."""
+    def restore(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int, int]:
+        """Load what arrived; returns the (round, step, newest step yielded) it was captured at."""
         if len(payload["models"]) != len(self.models) or len(payload["optimizers"]) != len(self.optimizers):
             raise StateMismatch(f"its peer has {len(payload['models'])} model(s) and {len(payload['optimizers'])} "
                                 f"optimizer(s), this replica {len(self.models)} and {len(self.optimizers)}")
@@ -83,7 +84,7 @@ class ReplicaState:
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
             raise StateMismatch(" ".join(lines[:2])[:300]) from None
-        return int(payload["round"]), int(payload["step"])
+        return int(payload["round"]), int(payload["step"]), int(payload.get("yielded", -1))
 
     def _refuse_if_sharded(self, root: Path, sd: Any, in_place: Set[Path]) -> None:
         """A shard must land in this worker's own shard tensors: one that does not fit means a
