@@ -46,6 +46,8 @@ class Ledger:
         self._timeline_at = 0.0
         self.metrics: Any = None
         self._last: Optional[Breakdown] = None
+        self.spawned_any = False  # a run that failed to join started nothing: no summary to say
+        self.closed = False
 
     # ------------------------------------------------------------ the loop's events
     def lane(self, w: Worker) -> int:
@@ -56,6 +58,7 @@ class Ledger:
         return w.spec.local_rank % self.k == 0
 
     def spawned(self, w: Worker, now: float) -> None:
+        self.spawned_any = True
         if not self._leads(w):
             return
         if self.cfg.ft and w.incarnation > 0:
@@ -225,14 +228,20 @@ class Ledger:
         return self.metrics.url
 
     def finish(self, status: RunStatus, now: float) -> None:
-        """The run ended: close the books, write the timeline, stop serving metrics, say the summary."""
+        """The run ended: close the books, write the timeline, stop serving metrics, say the summary
+        (once: a failed run says it before its failure report; a run that started no worker, never)."""
+        if self.closed:
+            self.fill(status, now)
+            self.write_timeline(status, now)  # the state's final words (exit status, summary)
+            return
+        self.closed = True
         self.books.end(now)
         self.fill(status, now)
         self.write_timeline(status, now)
         if self.metrics is not None:
             self.metrics.close()
         b = self._last
-        if b is not None and b.replica_s > 0:
+        if b is not None and b.replica_s > 0 and self.spawned_any:
             for line in summary_lines(b, self.lanes):
                 self.console.note(line, style="bold blue")
 

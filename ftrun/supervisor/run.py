@@ -740,6 +740,7 @@ class Supervisor:
         attempts = self.give_up_why or (f"restart budget spent ({self.cfg.max_restarts} restart"
                                         f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
         drain([p for w in self.workers for p in w.pumps])  # the report comes after the workers' lines
+        self._fill_goodput(end=True)  # the goodput summary, before the report: the report is the last word
         self.console.renderable(failure_report(first, attempts, self.workers))
         return first.status_code
 
