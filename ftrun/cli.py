@@ -18,8 +18,10 @@ import typer
 from ftrun import __version__
 from ftrun.errors import ConfigError
 from ftrun.options import HOOK_OPTIONS, NEGATED, OPTIONS, OptionError
+from ftrun.protocol import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_USAGE
 
 COMMANDS = ("run", "status", "recipes", "validate", "report")
+RECIPE_HELP = "YAML recipe (file or bundled name); flags on the command line win."
 
 app = typer.Typer(
     name="ftrun",
@@ -100,8 +102,7 @@ def _run_signature() -> inspect.Signature:
                           default=typer.Argument(None, help="Arguments for the script, passed untouched.",
                                                  show_default=False, metavar="[ARGS]...")),
         inspect.Parameter("recipe", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Optional[str],
-                          default=typer.Option(None, "--recipe", help="YAML recipe (file or bundled name); flags on "
-                                               "the command line win.", show_default=False)),
+                          default=typer.Option(None, "--recipe", help=RECIPE_HELP, show_default=False)),
     ]
     for opt in list(OPTIONS.values()) + list(HOOK_OPTIONS.values()):
         if not opt.flags:
@@ -170,8 +171,13 @@ def validate_cmd(file: str = typer.Argument(..., help="Recipe file (or bundled n
 def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
     from ftrun.recipe import config_with_recipe
 
+    dry_run = bool(typed.pop("dry_run", False))
     # Errors that only appear once recipe and flags are merged still point at the recipe's line.
     cfg = config_with_recipe(typed, recipe)
+    if dry_run:
+        from ftrun.plan import plan_text
+
+        raise typer.Exit(_print_plan(plan_text(cfg)))
     from ftrun.supervisor.env import quiet_torch_warnings
 
     quiet_torch_warnings()  # before the supervisor imports torch; workers keep the user's environment
@@ -188,6 +194,22 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def _print_plan(text: str) -> int:
+    """The --dry-run plan on stdout: a reader that stops early (`| head`) is not an error; no stdout is."""
+    try:
+        if sys.stdout is None:
+            raise OSError("standard output is closed")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        sys.stdout = open(os.devnull, "w")  # nothing more to flush into the closed pipe at exit
+    except OSError as e:
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr.write(f"ftrun: error: cannot print the plan ({e.strerror or e}); give ftrun a standard output\n")
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _route(argv: List[str]) -> List[str]:
@@ -219,18 +241,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     except ConfigError as e:
         _fail(str(e))
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(EXIT_SIGINT)
     except SystemExit:
         raise
     except Exception as e:  # typer's own exceptions (its click is vendored: match by class)
         kinds = {c.__name__ for c in type(e).__mro__}
         if "NoArgsIsHelpError" in kinds:
             print(e.format_message() if hasattr(e, "format_message") else str(e))
-            sys.exit(0)
+            sys.exit(EXIT_OK)
         if "UsageError" in kinds:
             _fail(f"{e.format_message()} (see ftrun --help)")
         if "Abort" in kinds:
-            sys.exit(130)
+            sys.exit(EXIT_SIGINT)
         if "Exit" in kinds:
             sys.exit(getattr(e, "exit_code", 0))
         raise
@@ -240,7 +262,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 def _fail(message: str) -> None:
     sys.stderr.write(f"ftrun: error: {message}\n")
     sys.stderr.flush()
-    sys.exit(2)
+    sys.exit(EXIT_USAGE)
 
 
 if __name__ == "__main__":

@@ -256,7 +256,7 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     kw["tee"] = pick("tee") or {}
     if pick("run_path"):
         kw["no_python"] = False  # torchrun: --run-path takes precedence over --no-python
-    # Accepted for torchrun; what ftrun does instead is in the README's table.
+    # Accepted for torchrun; what ftrun does instead is in the reference (docs: Run options).
     for key in ("monitor_interval", "start_method", "event_log_handler", "duplicate_stdout_filters",
                 "duplicate_stderr_filters", "logs_specs", "numa_binding"):
         pick(key)
@@ -273,6 +273,7 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     if hook_raw:
         where = CLI if hook_cli else where_recipe
         sources["hook"] = where
+        sources.update({f"hook.{k}": CLI if k in hook_cli else where_recipe for k in hook_raw if k != "name"})
         if "name" not in hook_raw:
             flags = ", ".join("--" + k.replace("_", "-") for k in hook_raw)
             raise ConfigError(f"{where}: {flags} given without a hook; add --hook NAME (e.g. --hook powersgd)",

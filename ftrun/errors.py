@@ -9,11 +9,13 @@ and never let it carry a traceback to the user.
 
 from typing import Optional
 
+from ftrun.protocol import EXIT_USAGE
+
 
 class ConfigError(Exception):
     """Bad input from the user: one line, exit status 2, nothing started."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
 
     def __init__(self, message: str, key: Optional[str] = None, problem: Optional[str] = None) -> None:
         super().__init__(message)

@@ -1,20 +1,23 @@
 """ftrun's fault-tolerance API for training scripts run with `ftrun --ft`.
 
 A few lines turn a DDP script into one whose replicas survive each other's
-deaths: wrap the model, wrap the optimizer, loop over ftrun's global step,
-register any extra state. Everything else (membership, votes, healing) comes
-from the environment ftrun gives each worker.
+deaths: wrap the model, the optimizer and the data loader, loop over the run's
+epochs (or its global step), register any extra state. Everything else
+(membership, votes, healing, the data's position) comes from the environment
+ftrun gives each worker.
 
     import ftrun.ft as ft
     model = ft.DistributedDataParallel(model)
-    opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = ft.Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
+    loader = ft.DataLoader(dataset, batch_size=32, shuffle=True, num_workers=4)
     ft.register_state("sched", scheduler)
-    for step in ft.steps(1000):
-        x, y = batch(step, ft.replica_index(), ft.num_replicas())
-        opt.zero_grad(); loss_fn(model(x), y).backward()
-        if opt.step():          # False: the round was discarded, nothing changed
-            scheduler.step()
+    for epoch in ft.epochs(10):          # a restarted replica starts at the run's epoch
+        for x, y in loader:              # this replica's batches, from the run's position
+            opt.zero_grad(); loss_fn(model(x), y).backward()
+            if opt.step():               # False: discarded, nothing changed; the batch comes again
+                scheduler.step()
 
+A loop over the global step works too: `for step in ft.steps(1000):`.
 A replica may also be K workers sharding the model (`ftrun --ft --replica-size K`):
 
     mesh = ft.device_mesh()               # this replica's K workers
@@ -23,8 +26,9 @@ A replica may also be K workers sharding the model (`ftrun --ft --replica-size K
     fully_shard(model, mesh=mesh)
     model = ft.replicate(model)           # averaged over the live replicas, healed shard by shard
 
-No init_process_group() is needed. Must never be imported by the launcher.
+No init_process_group() is needed.
 """
+# Worker-side only: the launcher never imports this module (it imports torch).
 
 from typing import Any, Iterator, Optional, Tuple
 
@@ -36,7 +40,8 @@ from ftrun.worker.ft.manager import manager
 from ftrun.worker.ft.optim import ReplicaOptimizer
 
 __all__ = ["DistributedDataParallel", "Optimizer", "register_state", "steps", "replica_index",
-           "num_replicas", "global_step", "replica_rank", "replicate", "device_mesh", "redo"]
+           "num_replicas", "global_step", "replica_rank", "replicate", "device_mesh", "redo", "DataLoader",
+           "epochs"]
 
 
 def DistributedDataParallel(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
@@ -98,8 +103,30 @@ def replica_rank() -> int:
 
 
 def global_step() -> int:
-    """The number of steps the run has committed: the step being trained now."""
+    """The global step this replica is at (the steps the run has committed): the same on every live
+    replica, and where a restarted one resumes."""
     return manager().step
+
+
+def DataLoader(dataset: Any, batch_size: int = 1, shuffle: bool = False, seed: int = 0, drop_last: bool = False,
+               **kwargs: Any) -> Any:
+    """torch's DataLoader for --ft: this replica's batches from the run's current position, every
+    sample of an epoch trained once in committed steps whatever fails. `batch_size` is per
+    worker, `shuffle`/`seed` are DistributedSampler's; every other DataLoader argument works."""
+    from ftrun.worker.ft.data import DataLoader as FtDataLoader
+
+    return FtDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, **kwargs)
+
+
+def epochs(total: int) -> Iterator[int]:
+    """The run's training epochs, from the current one to `total` (a restarted replica, or a run
+    resumed from a checkpoint, starts at the run's current epoch): `for epoch in ft.epochs(10):`."""
+    from ftrun.worker.ft.data import Epochs
+
+    mgr = manager()
+    if mgr.epochs_state is None:
+        mgr.epochs_state = Epochs(mgr)
+    return mgr.epochs_state.run(total)
 
 
 def redo() -> bool:

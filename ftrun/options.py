@@ -3,7 +3,7 @@
 Each Option names its recipe key (also RunConfig's field), its command-line
 spellings (torchrun's dashed and underscored ones included), the PET_ variable
 torchrun reads for it, how a value is read and checked, its default and help,
-and what ftrun does with torchrun's option (the README's table is this table).
+and what ftrun does with torchrun's option (the docs' reference pages are generated from it).
 A value that fails its check raises OptionError carrying the key, so every
 caller can say where the value came from (flag, recipe line, variable).
 This module must never import torch, read files or look at the machine.
@@ -101,6 +101,7 @@ def _count(lo: int) -> Callable[[Any], int]:
         if n > MAX_COUNT:
             raise ValueError(f"must be at most {MAX_COUNT}, not {n}")
         return n
+    read.kind = f"whole number, {lo} to {MAX_COUNT:,}"  # type: ignore[attr-defined]
     return read
 
 
@@ -274,6 +275,7 @@ def _choice(*names: str) -> Callable[[Any], str]:
         if text not in names:
             raise ValueError(f"must be one of {', '.join(names)}, not {_describe(value)}")
         return text
+    read.kind = "one of " + ", ".join(names)  # type: ignore[attr-defined]
     return read
 
 
@@ -293,6 +295,19 @@ def _str_list(value: Any) -> Tuple[str, ...]:
     return tuple(v for v in _text(value).split(",") if v)
 
 
+# What each reader takes, in words (the docs' reference shows it as the option's type).
+for _reader, _kind in ((_int, "whole number"), (_float, "number"), (_bool, "flag (true/false)"),
+                       (_text, "text"), (_seconds, "seconds, 0 to a week"),
+                       (_step_timeout, "seconds: 0 (off), or 1 to a week"),
+                       (_nproc, "whole number >= 1, or auto, cpu, gpu, xpu"),
+                       (_nnodes, f"N, or MIN:MAX (elastic), at most {MAX_NODES} nodes"), (_port, "port, 1 to 65535"),
+                       (_ranks, "ranks, comma-separated (0,1)"), (_std, "0-3, or per local rank (0:3,1:1)"),
+                       (_endpoint, "HOST:PORT"), (_rdzv_conf, "key=value pairs, comma-separated"),
+                       (_signals, "signal names, comma-separated"), (_rdzv_backend, "static or c10d"),
+                       (_str_list, "text, comma-separated")):
+    _reader.kind = _kind  # type: ignore[attr-defined]
+
+
 # --------------------------------------------------------------------------- the schema
 
 
@@ -308,7 +323,7 @@ class Option:
     pet: Optional[str] = None       # torchrun's PET_ variable for it
     is_flag: bool = False           # takes no value on the command line
     recipe: bool = True             # may appear in a recipe
-    torchrun: str = ""              # what ftrun does with torchrun's option of this name (README table)
+    torchrun: str = ""              # what ftrun does with torchrun's option of this name (docs)
     group: str = "run"              # "run", or "hook" for hook parameters (nested under hook: in recipes)
     metavar: str = ""
 
@@ -316,6 +331,11 @@ class Option:
     def flag(self) -> str:
         """The spelling used in messages: the first long one."""
         return next((f for f in self.flags if f.startswith("--")), self.key)
+
+    @property
+    def kind(self) -> str:
+        """What the option takes, in words."""
+        return getattr(self.read, "kind", "any")
 
     def parse(self, value: Any) -> Any:
         try:
@@ -459,6 +479,9 @@ OPTIONS_LIST: Tuple[Option, ...] = (
          "go to the log files only.", pet="FTRUN_VERBOSE", is_flag=True),
     _opt("ranks", ("--ranks",), _ranks, None, "Show only these global ranks on the console, e.g. 0,1.",
          metavar="0,1"),
+    _opt("dry_run", ("--dry-run",), _bool, False,
+         "Print the launch plan (layout, ranks, each worker's environment, every option and where its value "
+         "came from) and exit 0, starting nothing.", is_flag=True, recipe=False),
     _opt("join_timeout", ("--join-timeout",), _seconds, 120.0,
          "Seconds to wait for every node (also --rdzv-conf join_timeout=S). [default: 120]", metavar="S"),
     _opt("hook", ("--hook",), _text, None,
@@ -507,14 +530,3 @@ def pet_values(environ: Mapping[str, str]) -> Dict[str, Tuple[Any, str]]:
         else:
             out[opt.key] = (raw, opt.pet)
     return out
-
-
-def torchrun_table() -> List[Tuple[str, str, str]]:
-    """(torchrun spellings, PET_ name, what ftrun does) for each torchrun option: the README's table."""
-    rows = []
-    for opt in OPTIONS_LIST:
-        if not opt.torchrun:
-            continue
-        spellings = [f for f in opt.flags if f not in ("--nproc", "--run-id", "--run_id")]
-        rows.append((", ".join(f"`{f}`" for f in spellings), f"`{opt.pet}`" if opt.pet else "-", opt.torchrun))
-    return rows

@@ -77,11 +77,12 @@ def _expand_host(pattern: str) -> List[str]:
 
 
 def expand_hostlist(text: str) -> List[str]:
-    """Slurm's compact host list, expanded in order: 'node[01-03,7]' -> node01, node02, node03, node7."""
+    """Slurm's compact host list, expanded in order: 'node[01-03,7]' -> node01, node02, node03, node7.
+    A host named twice counts once, where it first appears (as python-hostlist expands it)."""
     hosts: List[str] = []
     for part in _split_top(text.strip()):
         hosts.extend(_expand_host(part))
-    return hosts
+    return list(dict.fromkeys(hosts))
 
 
 def first_host(text: str) -> str:

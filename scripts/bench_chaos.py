@@ -80,7 +80,7 @@ line by line in threads and time-stamped on arrival):
 
 Everything runs with FTRUN_HOME in a temporary folder, so `ftrun status`
 of the user never sees these runs. The table goes to stdout and to
-docs/bench_chaos.md (between the markers; text outside them is kept).
+docs/benchmarks/chaos.md (between the markers; text outside them is kept).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def command(mode: str, args: argparse.Namespace, run_id: str, ckpt: Path) -> Lis
             "--optim", args.optim, "--lr", str(args.lr), "--print-every", "1", "--announce"]
     if mode == "ft":
         return [str(VENV_BIN / "ftrun"), "--nproc", str(NPROC), "--ft", "--max-restarts", "1000", "--run-id", run_id,
-                str(ROOT / "scripts" / "train_ft.py"), "--batch", str(args.batch)] + work
+                str(ROOT / "scripts" / "train_ft.py"), "--batch", str(args.batch), "--data", "step"] + work
     ddp = [str(ROOT / "scripts" / "train_ddp.py"), "--batch", str(args.batch // NPROC), "--ckpt", str(ckpt),
            "--ckpt-every", str(args.ckpt_every)] + work
     if mode == "group":
@@ -581,7 +581,7 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=120.0)
     p.add_argument("--settle-timeout", type=float, default=60.0)
     p.add_argument("--markdown", action="store_true", help="also print the table as markdown")
-    p.add_argument("--out", default=str(ROOT / "docs" / "bench_chaos.md"), help="markdown file to write ('' for none)")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "chaos.md"), help="markdown file to write ('' for none)")
     p.add_argument("--json", default=None, help="write raw per-kill figures here")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (launcher logs)")
     p.add_argument("--torchrun-shared-store", action="store_true",

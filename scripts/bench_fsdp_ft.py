@@ -1,6 +1,6 @@
 """Sharded replicas benchmark: `ftrun --ft --replica-size 2` against plain torch HSDP, and its heals.
 
-    .venv/bin/python scripts/bench_fsdp_ft.py                    # the README's table (about 10 minutes)
+    .venv/bin/python scripts/bench_fsdp_ft.py                    # the table of docs/benchmarks/sharded.md (about 10 minutes)
     .venv/bin/python scripts/bench_fsdp_ft.py --repeats 1 --heal-sizes 10M   # quicker
 
 Always 2 replicas x 2 workers (4 processes), gloo on CPU, scripts/train_fsdp_ft.py

@@ -1,7 +1,7 @@
 """Benchmark of ftrun's comm hooks: 2 CPU workers, a ~10M-parameter MLP, gloo.
 
     .venv/bin/python scripts/bench_hooks.py                 # the table, a few minutes
-    .venv/bin/python scripts/bench_hooks.py --md docs/bench_hooks.md
+    .venv/bin/python scripts/bench_hooks.py --md docs/benchmarks/hooks.md   # rewrites its tables there
 
 One run per row through the real CLI (`ftrun --nproc 2 --hook ...`). Per hook:
 median step time (forward+backward+optimizer step, after warm-up), bytes
@@ -73,7 +73,7 @@ def _register_by_hand(ddp, name: str):
 
         def powersgd_in_order(state, bucket):
             # torch's hook unchanged, but finished before returning: on gloo its
-            # chained allreduces otherwise race the next bucket's (docs/hooks.md).
+            # chained allreduces otherwise race the next bucket's (docs/guides/hooks.md).
             chained = state.iter >= state.start_powerSGD_iter
             fut = powerSGD_hook.powerSGD_hook(state, bucket)
             if chained:
@@ -233,8 +233,22 @@ def main() -> None:
     text = table(results, pairs, args)
     print(text)
     if args.md:
-        Path(args.md).write_text("# Comm hook benchmark\n\nReproduce: `.venv/bin/python scripts/bench_hooks.py "
-                                 f"--md {args.md}`\n\n{text}\n")
+        write_md(Path(args.md), text)
+
+
+BEGIN, END = "<!-- bench_hooks:begin -->", "<!-- bench_hooks:end -->"
+
+
+def write_md(path: Path, text: str) -> None:
+    """The tables go between the page's markers, and the rest of the page is kept (a page without
+    them is written whole)."""
+    block = f"{BEGIN}\n{text}\n{END}"
+    old = path.read_text() if path.exists() else ""
+    if BEGIN in old and END in old:
+        path.write_text(old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):])
+    else:
+        path.write_text("# Comm hook benchmark\n\nReproduce: `.venv/bin/python scripts/bench_hooks.py "
+                        f"--md {path}`\n\n{block}\n")
 
 
 if __name__ == "__main__":

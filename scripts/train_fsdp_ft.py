@@ -8,11 +8,14 @@ live replicas shard by shard, and a replica that dies restarts as a whole
 and receives its shards from worker j of a live replica. Five lines differ
 from a plain FSDP2 script, marked FT. No init_process_group, no checkpoint.
 
-Data: step s, replica i of n, worker j of k in its replica reads piece
-i*k + j of the n*k pieces of batch s, so the live workers always cover the
-whole batch. With --hsdp-reference the same script trains with plain torch
-HSDP (no ftrun.ft, a 2-D replicate x shard mesh over every worker, run it
-under ftrun without --ft or torchrun) on the same data, for comparison.
+Data: a dataset of --data-size synthetic samples read by ft.DataLoader: every
+worker of every live replica gets a batch of its own (FSDP is data parallel
+inside a replica too), --batch / workers samples each, and every sample is
+trained once an epoch whatever fails. With --hsdp-reference the same script
+trains with plain torch HSDP (no ftrun.ft, a 2-D replicate x shard mesh over
+every worker, run it under ftrun without --ft or torchrun) on the same batches,
+from DistributedSampler and a DataLoader, for comparison: with no failure
+ft.DataLoader gives each worker exactly those.
 """
 
 import argparse
@@ -30,7 +33,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch", type=int, default=32, help="global batch, split over every live worker")
+    p.add_argument("--batch", type=int, default=32, help="global batch with every worker alive: --batch / workers each")
+    p.add_argument("--data-size", type=int, default=8192, help="samples in the dataset")
     p.add_argument("--dim", type=int, default=128, help="width of the residual stream")
     p.add_argument("--hidden", type=int, default=512, help="width inside each block")
     p.add_argument("--blocks", type=int, default=4, help="MLP blocks, each sharded on its own")
@@ -68,17 +72,37 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def batch(step: int, piece: int, pieces: int, args: argparse.Namespace):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(args.batch, args.dim, generator=g)
-    y = x[:, :1] * 0.5 + x[:, 1:2].sin() + 0.01 * torch.randn(args.batch, 1, generator=g)
-    return x.chunk(pieces)[piece], y.chunk(pieces)[piece]
+class Synthetic(torch.utils.data.Dataset):
+    """Samples (x, f(x) + noise), each drawn from its own index: no file to read."""
+
+    def __init__(self, size: int, dim: int) -> None:
+        self.size, self.dim = size, dim
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(1_000_003 + i)
+        x = torch.randn(self.dim, generator=g)
+        return x, x[:1] * 0.5 + x[1:2].sin() + 0.01 * torch.randn(1, generator=g)
+
+
+def batches(loader, set_epoch=None):
+    """The loader's batches pass after pass (an epoch each), for a loop over steps."""
+    epoch = 0
+    while True:
+        if set_epoch is not None:
+            set_epoch(epoch)
+        yield from loader
+        epoch += 1
 
 
 def main() -> None:
     args = parse()
     torch.manual_seed(0)
     model = Net(args.dim, args.hidden, args.blocks)
+    data = Synthetic(args.data_size, args.dim)
+    per_worker = max(1, args.batch // int(os.environ["WORLD_SIZE"]))
     if args.hsdp_reference:
         import itertools
 
@@ -92,8 +116,10 @@ def main() -> None:
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         loop = itertools.takewhile(lambda s: s < args.steps, itertools.count())
-        replica, replicas = mesh.get_local_rank("replicate"), mesh.size(0)
-        j = mesh.get_local_rank("shard")
+        replicas = mesh.size(0)
+        sampler = torch.utils.data.DistributedSampler(data, num_replicas=dist.get_world_size(),
+                                                      rank=dist.get_rank(), shuffle=True, seed=0)
+        feed = batches(torch.utils.data.DataLoader(data, batch_size=per_worker, sampler=sampler), sampler.set_epoch)
         ft = None
     else:
         import ftrun.ft as ft
@@ -105,7 +131,7 @@ def main() -> None:
         model = ft.replicate(model)                                                      # FT
         opt = ft.Optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))           # FT
         loop = ft.steps(args.steps)                                                      # FT
-        k, j = mesh.size(), mesh.get_local_rank()
+        feed = batches(ft.DataLoader(data, batch_size=per_worker, shuffle=True, seed=0))  # FT
 
     # The mesh's device: LOCAL_RANK's GPU where there are GPUs (ft.device_mesh() made it current).
     device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
@@ -113,8 +139,8 @@ def main() -> None:
     announced = not args.announce
     for step in loop:
         if ft is not None:
-            replica, replicas = ft.replica_index(), ft.num_replicas()                    # FT
-        x, y = batch(step, replica * k + j, replicas * k, args)
+            replicas = ft.num_replicas()
+        x, y = next(feed)
         x, y = x.to(device), y.to(device)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=True)

@@ -1,13 +1,18 @@
 """A DDP training script with ftrun's fault-tolerance API (run it with `ftrun --ft`).
 
-Compared with scripts/train_ddp.py it differs in four places, marked FT:
-the model and optimizer are wrapped, the loop runs over ftrun's global step,
-and the LR scheduler is registered so a restarted replica receives it too.
-There is no init_process_group, no checkpoint and no resume logic: a replica
-that dies is restarted by ftrun and healed from a live peer.
+Compared with scripts/train_ddp.py it differs in the places marked FT: the
+model and optimizer are wrapped, the batches come from ft.DataLoader, the loop
+runs over ftrun's global step, and the LR scheduler is registered so a
+restarted replica receives it too. There is no init_process_group, no
+checkpoint and no resume logic: a replica that dies is restarted by ftrun and
+healed from a live peer, and the data loader's position travels with the state.
 
-Data: step s, replica i of n reads the i-th of n shards of batch s, so the
-replicas alive at a step always cover the whole batch between them.
+Data: a dataset of --data-size synthetic samples (x, x @ w + noise), read by
+ft.DataLoader: DistributedSampler's order split over the live replicas, every
+sample trained once an epoch whatever fails, --batch / replicas samples per
+replica and step. `--data step` keeps the old step-indexed global batch of
+--batch samples split over the live replicas (a fixed amount of data per step,
+which the chaos benchmark compares across launchers).
 """
 
 import argparse
@@ -26,7 +31,11 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--batch", type=int, default=96, help="global batch, split over the live replicas")
+    p.add_argument("--batch", type=int, default=96,
+                   help="global batch with every replica alive: --batch / replicas samples per replica")
+    p.add_argument("--data", choices=["loader", "step"], default="loader",
+                   help="loader: a dataset read by ft.DataLoader; step: a synthetic batch drawn from the step")
+    p.add_argument("--data-size", type=int, default=20000, help="samples in the dataset (--data loader)")
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--depth", type=int, default=1, help="hidden layers of HIDDEN x HIDDEN after the first")
@@ -55,6 +64,21 @@ def parse() -> argparse.Namespace:
     if "split" in args.ddp and args.ddp & {"unused", "accumulate"}:
         p.error("--ddp split goes with static and view only")
     return args
+
+
+class Regression(torch.utils.data.Dataset):
+    """Synthetic samples (x, x @ w + noise), each drawn from its own index: no file to read."""
+
+    def __init__(self, size: int, true_w: torch.Tensor) -> None:
+        self.size, self.true_w = size, true_w
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(1_000_003 + i)
+        x = torch.randn(self.true_w.shape[0], generator=g)
+        return x, x @ self.true_w + 0.01 * torch.randn(1, generator=g)
 
 
 class WithUnused(nn.Module):
@@ -108,15 +132,29 @@ def main() -> None:
     ft.register_state("sched", sched)                                                    # FT
 
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1)) / args.dim ** 0.5
+    replicas = int(os.environ["WORLD_SIZE"]) // int(os.environ.get("FTRUN_REPLICA_SIZE", "1"))
+    if args.data == "loader":
+        loader = ft.DataLoader(Regression(args.data_size, true_w), batch_size=max(1, args.batch // replicas),  # FT
+                               shuffle=True, seed=0)
+        batches = iter(loader)
     loss = torch.tensor(0.0)
     announced = not args.announce
     commits = []  # (global step, wall time) of this process's committed steps
     for step in ft.steps(args.steps):                                                    # FT
-        i, n = ft.replica_index(), ft.num_replicas()
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(args.batch, args.dim, generator=g)
-        y = x @ true_w + 0.01 * torch.randn(args.batch, 1, generator=g)
-        x, y = x.chunk(n)[i].to(device), y.chunk(n)[i].to(device)
+        n = ft.num_replicas()
+        if args.data == "step":
+            i = ft.replica_index()
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(args.batch, args.dim, generator=g)
+            y = x @ true_w + 0.01 * torch.randn(args.batch, 1, generator=g)
+            x, y = x.chunk(n)[i], y.chunk(n)[i]
+        else:
+            try:
+                x, y = next(batches)
+            except StopIteration:  # the end of an epoch: the next pass is the next epoch
+                batches = iter(loader)
+                x, y = next(batches)
+        x, y = x.to(device), y.to(device)
         opt.zero_grad(set_to_none=True)
         if "accumulate" in args.ddp:
             half = len(x) // 2

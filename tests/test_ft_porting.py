@@ -49,7 +49,7 @@ def test_gradients_are_averaged_when_backward_returns_under_kills(ftrun_home, tm
     assert [tuple(y) for y in healed] == [tuple(y) for y in tail], (healed, tail)
 
 
-TUTORIAL = ROOT / "tests" / "ported" / "ddp_tutorial.py"
+TUTORIAL = ROOT / "tests" / "ported" / "tutorial_half_ports.py"
 
 
 def test_half_ported_script_stops_at_its_first_step_in_one_line(ftrun_home, tmp_path):

@@ -109,6 +109,56 @@ class RunStatus:
         return cls(replicas=replicas, **fields)
 
 
+# What each field of the state file means: `ftrun status --json` prints every one of them, and
+# the docs' reference is generated from these (a test checks that every field is here).
+RUN_FIELDS: Dict[str, str] = {
+    "run_id": "ftrun's name of the run (--run-id, or generated).",
+    "script": "The script (or module with -m, executable with --no-python).",
+    "argv": "ftrun's own command line, as typed.",
+    "started": "When the supervisor started (Unix seconds).",
+    "pid": "The supervisor's pid.",
+    "hook": "The --hook and its parameters as one line, or null.",
+    "policy": "'group restart', or 'replica restart (ft)' under --ft.",
+    "max_restarts": "The restart budget: per group, or per replica under --ft.",
+    "nproc": "Workers on this node.",
+    "nnodes": "Nodes in the run.",
+    "node_rank": "This node's rank.",
+    "phase": "running or ended (ended too when the supervisor is gone; recorded_phase keeps the file's).",
+    "group_restarts": "Group restarts so far (without --ft).",
+    "exit_code": "ftrun's exit status once the run ended, else null.",
+    "exit_summary": "One line saying why the run ended (the first failure), or null.",
+    "ended": "When the run ended (Unix seconds), or null.",
+    "log_dir": "The folder of the per-rank logs.",
+    "replicas": "One object per worker of this node (the whole run's on several nodes), fields below.",
+    "quorum_id": "--ft: the current epoch (quorum) id.",
+    "quorum_size": "--ft: replicas in the current epoch.",
+    "steps_committed": "--ft: the run's global step (exact once the run ended).",
+    "steps_discarded": "--ft: rounds voted down (a step a failure interrupted).",
+    "checkpoint": "--checkpoint-dir: the newest checkpoint written or resumed from: step, path, bytes, write_s, "
+                  "pause_s, time (and age_s, added by ftrun status).",
+    "updated": "When the supervisor last wrote the file (Unix seconds).",
+}
+REPLICA_FIELDS: Dict[str, str] = {
+    "rank": "Global rank.",
+    "local_rank": "Rank on its node.",
+    "pid": "The worker's pid (null before it started).",
+    "state": "starting, running, stalled, hung, restarting, recovering, failed, done, stopped or lost.",
+    "restarts": "How many times this worker was restarted.",
+    "step": "Optimizer steps taken (the global step under --ft).",
+    "steps_per_s": "Recent optimizer steps per second.",
+    "last_heartbeat": "When its last heartbeat arrived (Unix seconds), or null.",
+    "last_step_time": "When it last took an optimizer step (Unix seconds), or null.",
+    "cpu_percent": "CPU use of the worker's process, % of one core.",
+    "rss_bytes": "Resident memory of the worker's process.",
+    "last_failure": "Why it last failed (exit status or signal, and the exception), or null.",
+    "node_rank": "The node it runs on.",
+    "in_quorum": "--ft: whether it takes part in the current epoch.",
+    "healing": "--ft: whether it is receiving the state from a peer.",
+    "last_heal_s": "--ft: seconds its last heal took (receiving the state from a peer).",
+    "ft_phase": "--ft: where it is in the round: join, group, heal, send, compute, vote, commit, discard, done.",
+}
+
+
 def _shown(value: Any) -> str:
     text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
     return text if len(text) <= 30 else text[:27] + "..."

@@ -82,6 +82,23 @@ def supervisor_alive(status: RunStatus, boot: Optional[float] = None) -> bool:
 # The data shown (the --json output is exactly this)
 
 
+# What `ftrun status` works out and adds to the state file's fields (ftrun.status.state.RUN_FIELDS)
+# in its --json output; the docs' reference is generated from these.
+DERIVED_RUN_FIELDS: Dict[str, str] = {
+    "recorded_phase": "The phase as the state file says it.",
+    "supervisor_gone": "true when the run's supervisor died without writing its end (its workers died with it).",
+    "shown_phase": "The phase as shown: running, ended, or 'ended (supervisor gone)'.",
+    "uptime_s": "Seconds from the start to now, or to the end.",
+    "updated_age_s": "Seconds since the supervisor last wrote the file.",
+    "state_file": "The state file read.",
+    "problem": "Only for a state file that cannot be read (phase 'unreadable'): which field is wrong.",
+}
+DERIVED_REPLICA_FIELDS: Dict[str, str] = {
+    "heartbeat_age_s": "Seconds since the last heartbeat, or null.",
+    "recorded_state": "The state as the file says it (state reads stalled where the heartbeat is over 3 s late).",
+}
+
+
 def snapshot(path: Path, status: RunStatus, now: float, boot: Optional[float]) -> Dict[str, Any]:
     """The state file's data plus what the reader works out: liveness, ages, uptime."""
     d = status.to_dict()

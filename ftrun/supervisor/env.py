@@ -2,20 +2,23 @@
 
 Values match what torchrun gives for the same layout, so torchrun scripts,
 Lightning and Accelerate run unmodified (a test compares the two).
-Must never start anything or import torch.
+Must never start anything, create anything or import torch (`ftrun --dry-run` shows
+what these functions return without starting a run).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Union
 
 from ftrun.config import RunConfig
 
 
-def common_env(cfg: RunConfig, store_addr: str, store_port: int, base: Mapping[str, str]) -> Dict[str, str]:
-    """Variables every worker of this node shares (also the zygote's environment)."""
+def common_env(cfg: RunConfig, store_addr: str, store_port: Union[int, str],
+               base: Mapping[str, str]) -> Dict[str, str]:
+    """Variables every worker of this node shares (also the zygote's environment); a dry run gives
+    a text for a port that only the store's start will pick."""
     env = dict(base)
     env.update(cfg.env)
     env.update({
@@ -76,11 +79,13 @@ def worker_env(common: Mapping[str, str], cfg: RunConfig, local_rank: int, resta
 
 
 def log_dir(cfg: RunConfig) -> Path:
-    """The folder of the run's per-rank logs (the supervisor writes them; workers' error files go there too)."""
-    from ftrun.status.state import run_dir
-    from ftrun.status.state import run_folder_name
+    """The folder of the run's per-rank logs (the supervisor creates and writes it; workers' error files go
+    there too)."""
+    from ftrun.status.state import run_folder_name, runs_root
 
-    return Path(cfg.log_dir) if cfg.log_dir else run_dir(run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank)) / "logs"
+    if cfg.log_dir:
+        return Path(cfg.log_dir)
+    return runs_root() / run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank) / "logs"
 
 
 def stacks_file(cfg: RunConfig, rank: int) -> Path:

@@ -61,7 +61,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from ftrun.protocol import RDZV, RDZV_HOST, NodeKeys, rdzv_admit, rdzv_arrivals
+from ftrun.protocol import (EXIT_FAILED, EXIT_REQUEUE, EXIT_SIGNAL_BASE, EXIT_USAGE, RDZV, RDZV_HOST, NodeKeys, rdzv_admit,
+                            rdzv_arrivals)
 from ftrun.status.state import ReplicaStatus
 from ftrun.supervisor import failover
 from ftrun.supervisor.logs import ConsoleOut
@@ -80,12 +81,11 @@ NODE_TIMEOUT_S = _node_timeout()
 POLL_S = 0.05
 # Exit status for a run that cannot form (duplicate rank, nodes that never
 # came, node 0 unreachable): nothing was started, as for bad input.
-JOIN_FAILED = 2
-NODE_LOST = 1
+JOIN_FAILED = EXIT_USAGE
+NODE_LOST = EXIT_FAILED
 # --ft, node 0 (the run's store and quorum keeper) lost: the other nodes end with this status,
-# documented for schedulers to requeue the job (>= 128: Kubeflow's restartPolicy ExitCode
-# retries it; Slurm and Kubernetes Jobs can key on it), which resumes from --checkpoint-dir.
-REQUEUE = 200
+# for schedulers to requeue the job, which resumes from --checkpoint-dir (ftrun.protocol).
+REQUEUE = EXIT_REQUEUE
 
 KEYS = NodeKeys()
 # Fault injection for tests: a late node holds here, taken in but not yet joined (no beat),
@@ -343,7 +343,7 @@ class NodeCoordinator:
         signum = self._signalled(timeout)
         if signum is not None:
             self._note(f"received {signal.Signals(signum).name}: stopping", style="bold yellow")
-            return 128 + signum
+            return EXIT_SIGNAL_BASE + signum
         return None
 
     def _node_name(self, k: int) -> str:

@@ -65,7 +65,7 @@ import time
 from typing import Any, Optional, Tuple
 
 from ftrun.config import RunConfig, store_listen_addr, store_bind_addr, this_node_name
-from ftrun.protocol import RDZV, RDZV_MOVED, RDZV_RUN, NodeKeys, rdzv_admit, rdzv_arrivals
+from ftrun.protocol import EXIT_SIGNAL_BASE, RDZV, RDZV_MOVED, RDZV_RUN, NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.supervisor import failover, nodes, redirect
 from ftrun.supervisor.env import base_env
 from ftrun.supervisor.logs import ConsoleOut
@@ -202,7 +202,7 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
             n += 1
     except _Stop as e:
         console.note(f"received {signal.Signals(e.signum).name}: stopping", style="bold yellow")
-        code = 128 + e.signum
+        code = EXIT_SIGNAL_BASE + e.signum
         return code
     finally:
         for s in previous:  # the stop is under way: a second signal must not cut the clean-up short

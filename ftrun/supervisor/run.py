@@ -46,8 +46,8 @@ from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, 
                                    signal_group)
 from ftrun.supervisor.store import STORE_TIMEOUT_S, RunStore, open_run_store
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import (CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_CANNOT_GO_ON, NODE_RANKS_ENV, NODE_STORE_ENV,
-                            RUN_STORE, progress_key)
+from ftrun.protocol import (CHECKPOINT, DUMP_STACKS_SIGNAL, EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_SIGNAL_BASE,
+                            EXIT_USAGE, NODE_RANKS_ENV, NODE_STORE_ENV, RUN_STORE, progress_key)
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -200,7 +200,7 @@ class Supervisor:
             style="bold blue")
         if self.status.metrics_url:
             self.console.note(f"metrics at {self.status.metrics_url}", style="blue")
-        code: Optional[int] = 1
+        code: Optional[int] = EXIT_FAILED
         try:
             # With several nodes, no worker starts anywhere before every node has joined.
             if self.nodes is not None:
@@ -222,7 +222,7 @@ class Supervisor:
                     self._spawn(w)
                 code = self._loop()
         finally:
-            code = 1 if code is None else code
+            code = EXIT_FAILED if code is None else code
             self._finish(code)
         return code
 
@@ -347,12 +347,12 @@ class Supervisor:
         if st is None:
             self.console.note(f"received {name}: stopping all workers "
                               f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
-            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, 128 + signum)
+            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
             return
         # Already stopping: the signal ends the grace, and asks for no new attempt.
         instead = ""
         if st.then is AfterStop.RESTART_GROUP:
-            st.then, st.code, instead = AfterStop.EXIT, 128 + signum, "no restart; "
+            st.then, st.code, instead = AfterStop.EXIT, EXIT_SIGNAL_BASE + signum, "no restart; "
         in_grace = any(w.kill_at for w in st.pending.values())
         if in_grace or instead:
             self.console.note(f"received {name}: {instead}{'no more grace, killing the workers now' if in_grace else ''}"
@@ -367,13 +367,13 @@ class Supervisor:
             lost = ", ".join(str(w.rank) for w in self.workers if w.tag in ev.lost) or "none"
             self.console.note(f"internal error: {ev.reason}; workers lost with it: rank {lost}; stopping",
                               style="bold red")
-            self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, 1)
+            self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_FAILED)
             return
         # Mid-stop: the workers being stopped died with it (parent-death signal; the spawner
         # SIGKILLs what is left), and one whose start was still in flight will never report.
         if st.then is AfterStop.RESTART_GROUP:
             self.console.note(f"internal error: {ev.reason}; no worker can be started: stopping", style="bold red")
-            st.then, st.code = AfterStop.EXIT, 1
+            st.then, st.code = AfterStop.EXIT, EXIT_FAILED
         for w in list(st.pending.values()):
             self._stopped(w)
 
@@ -424,7 +424,7 @@ class Supervisor:
         why = why.split("ftrun.ft: ", 1)[-1] or f"rank {w.rank} found that the run cannot go on"
         self.console.note(f"{why}; stopping the run (exit 2)", style="bold red")
         self.status.exit_summary = why
-        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, 2)
+        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_USAGE)
 
     def _on_failure(self, w: Worker, failure: Failure) -> None:
         if isinstance(self.policy, GroupRestartPolicy):
@@ -663,7 +663,7 @@ class Supervisor:
         code = NODE_LOST
         if ev.kind == "store_gone" and self.cfg.ft:
             # Nothing here can go on without the store: a scheduler that requeues on this status
-            # restarts the job, which resumes from --checkpoint-dir (README: Slurm, Kubernetes).
+            # restarts the job, which resumes from --checkpoint-dir (docs/guides/checkpoints.md: requeue).
             code = REQUEUE
             self.console.note(f"exit {REQUEUE}: requeue the job to resume"
                               f"{' from ' + self.cfg.checkpoint_dir if self.cfg.checkpoint_dir else ''}",
@@ -793,7 +793,7 @@ class Supervisor:
             if isinstance(self.spawner, ZygoteSpawner):
                 self.spawner.close()  # workers die with their zygote (parent-death signal)
                 if st.then is AfterStop.RESTART_GROUP:
-                    st.then, st.code = AfterStop.EXIT, 1  # no zygote, no new attempt
+                    st.then, st.code = AfterStop.EXIT, EXIT_FAILED  # no zygote, no new attempt
             for w in list(st.pending.values()):
                 self._stopped(w)
         if st.pending:

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from ftrun.protocol import EXIT_FAILED, EXIT_SIGNAL_BASE
+
 
 class WorkerState(str, enum.Enum):
     """A worker process's life, as the supervisor's loop moves it (and `ftrun status` shows it)."""
@@ -51,8 +53,8 @@ class Failure:
     def status_code(self) -> int:
         """What ftrun exits with when this failure ends the run (shell convention for signals)."""
         if self.signal:
-            return 128 + self.signal
-        return self.exit_code if self.exit_code else 1
+            return EXIT_SIGNAL_BASE + self.signal
+        return self.exit_code if self.exit_code else EXIT_FAILED
 
 
 @dataclass

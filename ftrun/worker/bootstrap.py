@@ -18,6 +18,7 @@ import threading
 import traceback
 from typing import List, Optional
 
+from ftrun.protocol import EXIT_SIGINT, EXIT_USAGE
 from ftrun.worker.proc import DUMP_STACKS_SIGNAL, set_title, worker_title
 
 
@@ -81,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         args = args[1:]
     if not args:
         sys.stderr.write("usage: python -m ftrun.worker.bootstrap [-m] SCRIPT [ARGS...]\n")
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
     target, script_args = args[0], args[1:]
     set_title(worker_title(os.environ.get("RANK", "?"), (["-m"] if as_module else []) + args))
     install()
@@ -100,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         code = _exit_status(exc.code)
     except KeyboardInterrupt:
         _user_traceback(sys.exc_info()[1])
-        code = 130
+        code = EXIT_SIGINT
     except BaseException as exc:  # noqa: BLE001 - the script's own failure, reported as python would
         _user_traceback(exc)
         code = 1

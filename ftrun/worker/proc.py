@@ -16,7 +16,8 @@ from typing import List
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
-from ftrun.protocol import DUMP_STACKS_SIGNAL  # noqa: F401  (the bootstrap installs faulthandler on it)
+# DUMP_STACKS_SIGNAL: the bootstrap installs faulthandler on it.
+from ftrun.protocol import DUMP_STACKS_SIGNAL, EXIT_FAILED  # noqa: F401
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -41,7 +42,7 @@ def become_subreaper() -> None:
 def exit_if_orphaned(expected_parent: int) -> None:
     """Close the race between fork and prctl: the parent may already be gone."""
     if os.getppid() != expected_parent:
-        os._exit(1)
+        os._exit(EXIT_FAILED)
 
 
 def set_title(title: str) -> None:

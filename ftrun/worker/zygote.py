@@ -29,6 +29,7 @@ import sys
 import warnings
 from typing import Dict, List, Optional
 
+from ftrun.protocol import EXIT_FAILED, EXIT_OK
 from ftrun.worker.proc import become_subreaper, set_parent_death_signal, set_title
 
 MAX_MSG = 1 << 20
@@ -119,7 +120,7 @@ def serve(sock: socket.socket, supervisor_pid: int) -> Optional[_Child]:
                         os.killpg(pid, signal.SIGKILL)
                     except OSError:
                         pass
-                os._exit(0)
+                os._exit(EXIT_OK)
             msg = json.loads(data)
             if msg.get("op") != "spawn":
                 continue
@@ -162,7 +163,7 @@ def _become_worker(msg: Dict, fds: List[int], sock: socket.socket, wake: tuple) 
     os.setsid()
     set_parent_death_signal()
     if os.getppid() != zygote_pid:
-        os._exit(1)
+        os._exit(EXIT_FAILED)
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
@@ -205,7 +206,7 @@ def main() -> None:
     supervisor_pid = int(os.environ.pop("FTRUN_SUPERVISOR_PID"))
     set_parent_death_signal()
     if os.getppid() != supervisor_pid:
-        os._exit(1)
+        os._exit(EXIT_FAILED)
     # What a worker leaves behind comes to the zygote, which reaps it when it ends; at the
     # zygote's own end it goes on to the supervisor (a subreaper too), which kills it.
     become_subreaper()

@@ -1,19 +1,15 @@
-"""A training script shaped like pytorch/examples' DDP tutorial (ddp-tutorial-series,
-multigpu_torchrun.py): a Trainer over a DataLoader with a DistributedSampler, an epoch loop,
-snapshots from local rank 0, init_process_group() first and destroy_process_group() last.
+"""A torchrun training script shaped like pytorch/examples' DDP tutorial
+(distributed/ddp-tutorial-series/multigpu_torchrun.py): a Trainer over a DataLoader with a
+DistributedSampler, an epoch loop, a snapshot from local rank 0 every few epochs that a
+restarted run resumes from, init_process_group() first and destroy_process_group() last.
 
---mode picks how far it is ported to ftrun.ft:
-  plain    the tutorial as it is (run it under torchrun or ftrun without --ft)
-  half     ft.DistributedDataParallel and ft.Optimizer, but the tutorial's own epoch loop
-  steps    ported: the loop over ft.steps(), each step mapped to (epoch, batch), the data split
-           over the live replicas; the script's init/destroy_process_group() pair is kept
-  sampler  as steps, but the batches still come from DistributedSampler(dataset), which needs
-           the default group (a restarted replica has none)
-Writes OUT.rankN.json (steps taken, last epoch) when --out is given.
+    torchrun --nproc-per-node 2 ddp_tutorial.py 10 2 --snapshot /tmp/snapshot.pt
+    ftrun --nproc 2 ddp_tutorial.py 10 2 --snapshot /tmp/snapshot.pt
+
+tests/ported/ddp_tutorial_ft.py is the same script ported to `ftrun --ft`.
 """
 
 import argparse
-import json
 import os
 
 import torch
@@ -24,8 +20,8 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 
-class Synthetic(Dataset):
-    """The tutorial's MyTrainDataset: random (input, target) pairs, drawn once."""
+class MyTrainDataset(Dataset):
+    """Random (input, target) pairs, drawn once, as the tutorial's datautils has them."""
 
     def __init__(self, size: int) -> None:
         g = torch.Generator().manual_seed(7)
@@ -34,80 +30,80 @@ class Synthetic(Dataset):
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, i):
-        return self.data[i]
+    def __getitem__(self, index):
+        return self.data[index]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("total_epochs", type=int)
-    p.add_argument("save_every", type=int)
-    p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--mode", choices=["plain", "half", "steps", "sampler"], default="plain")
-    p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+class Trainer:
+    def __init__(self, model, train_data, optimizer, save_every: int, snapshot_path: str) -> None:
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.model = model
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.snapshot_path = snapshot_path
+        self.epochs_run = 0
+        if os.path.exists(snapshot_path):
+            self._load_snapshot(snapshot_path)
+        self.model = DDP(self.model)
 
-    init_process_group(backend="gloo")
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    dataset = Synthetic(2048)
+    def _load_snapshot(self, path: str) -> None:
+        snapshot = torch.load(path)
+        self.model.load_state_dict(snapshot["MODEL_STATE"])
+        self.epochs_run = snapshot["EPOCHS_RUN"]
+        print(f"Resuming training from snapshot at Epoch {self.epochs_run}", flush=True)
+
+    def _run_batch(self, source, targets) -> None:
+        self.optimizer.zero_grad()
+        loss = F.mse_loss(self.model(source), targets)
+        loss.backward()
+        self.optimizer.step()
+
+    def _run_epoch(self, epoch: int) -> None:
+        self.train_data.sampler.set_epoch(epoch)
+        for source, targets in self.train_data:
+            self._run_batch(source, targets)
+
+    def _save_snapshot(self, epoch: int) -> None:
+        snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch + 1}
+        torch.save(snapshot, self.snapshot_path)
+        print(f"Epoch {epoch} | Training snapshot saved at {self.snapshot_path}", flush=True)
+
+    def train(self, max_epochs: int) -> None:
+        for epoch in range(self.epochs_run, max_epochs):
+            self._run_epoch(epoch)
+            if self.local_rank == 0 and epoch % self.save_every == 0:
+                self._save_snapshot(epoch)
+
+
+def load_train_objs():
+    torch.manual_seed(0)  # (not in the tutorial: seeded so that runs can be compared)
+    train_set = MyTrainDataset(2048)
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    taken, last_epoch = 0, -1
-    if args.mode == "plain":
-        loader = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset))
-        ddp = DDP(model)
-        for epoch in range(args.total_epochs):
-            loader.sampler.set_epoch(epoch)
-            for x, y in loader:
-                optimizer.zero_grad()
-                F.mse_loss(ddp(x), y).backward()
-                optimizer.step()
-                taken += 1
-            last_epoch = epoch
-            if local_rank == 0 and epoch % args.save_every == 0:
-                print(f"Epoch {epoch} | snapshot", flush=True)
-    else:
-        import ftrun.ft as ft
+    return train_set, model, optimizer
 
-        ddp = ft.DistributedDataParallel(model)
-        opt = ft.Optimizer(optimizer)
-        if args.mode == "half":
-            loader = DataLoader(dataset, batch_size=args.batch_size, sampler=DistributedSampler(dataset))
-            for epoch in range(args.total_epochs):
-                for x, y in loader:
-                    opt.zero_grad()
-                    F.mse_loss(ddp(x), y).backward()
-                    taken += bool(opt.step())
-                last_epoch = epoch
-        else:
-            sampler = DistributedSampler(dataset) if args.mode == "sampler" else None
-            per_epoch = len(dataset) // (args.batch_size * int(os.environ["WORLD_SIZE"]))
-            for step in ft.steps(args.total_epochs * per_epoch):
-                epoch, b = divmod(step, per_epoch)
-                if sampler is not None:
-                    sampler.set_epoch(epoch)
-                    idx = list(sampler)[b * args.batch_size:(b + 1) * args.batch_size]
-                else:
-                    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch))
-                    glob = order[b * args.batch_size * ft.num_replicas():][:args.batch_size * ft.num_replicas()]
-                    idx = glob.chunk(ft.num_replicas())[ft.replica_index()].tolist()
-                x = torch.stack([dataset[i][0] for i in idx])
-                y = torch.stack([dataset[i][1] for i in idx])
-                opt.zero_grad()
-                F.mse_loss(ddp(x), y).backward()
-                taken += bool(opt.step())
-                last_epoch = epoch
-                if args.step_sleep:
-                    import time
 
-                    time.sleep(args.step_sleep)
-    if args.out:
-        with open(f"{args.out}.rank{rank}.json", "w") as f:
-            json.dump({"taken": taken, "epoch": last_epoch}, f)
+def prepare_dataloader(dataset: Dataset, batch_size: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, pin_memory=False, shuffle=False,
+                      sampler=DistributedSampler(dataset))
+
+
+def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str) -> None:
+    init_process_group(backend="gloo")
+    dataset, model, optimizer = load_train_objs()
+    train_data = prepare_dataloader(dataset, batch_size)
+    trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path)
+    trainer.train(total_epochs)
+    print(f"rank {os.environ['RANK']} weight {trainer.model.module.weight.sum().item()!r}", flush=True)
     destroy_process_group()
-    print(f"rank {rank} done", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description="simple distributed training job")
+    parser.add_argument("total_epochs", type=int, help="Total epochs to train the model")
+    parser.add_argument("save_every", type=int, help="How often to save a snapshot")
+    parser.add_argument("--batch_size", default=32, type=int, help="Input batch size on each device (default: 32)")
+    parser.add_argument("--snapshot", default="snapshot.pt", help="Where the snapshot goes")
+    args = parser.parse_args()
+    main(args.save_every, args.total_epochs, args.batch_size, args.snapshot)

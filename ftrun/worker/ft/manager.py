@@ -159,7 +159,12 @@ class Manager:
         # that wrote the checkpoint, and the resumed run stays bitwise that run.
         self.layout_discard = False
         self.finished = False
-        self.looping = False  # inside ft.steps(): rounds begin at its top (opt.step() outside one is a misuse)
+        self.looping = False  # inside ft.steps() or ft.epochs() (opt.step() outside one is a misuse)
+        self.step_open = False  # a step's top ran (start_round) and opt.step() has not voted on it yet
+        self.step_serial = 0  # counts step tops: an ft.DataLoader rewinds to its committed position at each
+        self.step_listeners: List[Callable[[], None]] = []  # called as this member takes a step
+        self.loaders: List[Any] = []  # every ft.DataLoader (ft/data.py), in the order made
+        self.epochs_state: Any = None  # ft.epochs()' registered epoch (ft/data.py), once asked for
         # ft.redo(): the step just handed to the script was handed out before (a discarded round,
         # a resume from a checkpoint taken at it); `yielded` travels in heals, so all replicas agree.
         self.yielded = -1
@@ -259,7 +264,7 @@ class Manager:
                 break
             if time.monotonic() > deadline:
                 _log(f"rank {self.rank}: no new store within {RELOCATE_S:g} s; exiting")
-                os._exit(75)
+                os._exit(keys.EXIT_REPLICA_RESTART)
             time.sleep(POLL_S * 4)
         gen, addr = moved
         self._drop_group()
@@ -268,7 +273,7 @@ class Manager:
         while not self.store.check([keys.LATEST]):  # the new keeper's first words
             if time.monotonic() > deadline:
                 _log(f"rank {self.rank}: the run's new store at {addr} has no keeper; exiting")
-                os._exit(75)
+                os._exit(keys.EXIT_REPLICA_RESTART)
             time.sleep(POLL_S)
         self.latest_seen = int(self.store.get(keys.LATEST))
         self.store_gen = gen  # the epoch watcher reconnects on this
@@ -389,20 +394,68 @@ class Manager:
                 except dist.DistError as e:  # the store moved as the run ended: rejoin, and end there
                     self._relocate(e)
                     continue
-            self.redo = self.step <= self.yielded
-            self.yielded = max(self.yielded, self.step)
             yield self.step
+        self.looping = False
+        self.step_open = False
         self._set_phase("done")
         if self._progress is not None:
             self._progress.note_step(self.step)
 
+    def begin_step(self) -> None:
+        """The top of a step for a loop that ft.steps() does not drive (ft.DataLoader, ft.epochs()):
+        the round's top runs once per step, at the first of them that asks."""
+        if not self.looping:
+            self._misused("an ft.DataLoader was iterated outside an ftrun.ft loop: drive the training loop "
+                          "with ft.epochs() (`for epoch in ft.epochs(n): for batch in loader: ...`) or ft.steps()")
+        if not self.step_open:
+            self.start_round()
+
     def start_round(self) -> None:
+        """The top of a step: join, switch quorum, heal, checkpoint, as due. A step is then open
+        until opt.step() votes on it."""
         while True:
             try:
                 self._start_round()
-                return
+                break
             except dist.DistError as e:  # the run's store went away: rejoin on the next one
                 self._relocate(e)
+        self.step_open = True
+        self.step_serial += 1
+        self.redo = self.step <= self.yielded
+        self.yielded = max(self.yielded, self.step)
+
+    def finish_loop(self) -> None:
+        """ft.epochs() ran out: the end of the loop, as ft.steps() ends at its total. A round of
+        several steps the last epoch cut short is voted as it stands (every member took the same
+        steps: the same batches), the last step is saved when checkpoints are on, the decision is
+        awaited, and the run is marked finished."""
+        self.close_round()
+        if (self.checkpoints is not None and self.step > 0 and self.epoch is not None and self.in_sync
+                and self.replica_index == 0 and self.checkpoints.due(self.step, self.step)):
+            self._save_due = True
+        while True:
+            self.start_round()
+            try:
+                self._settle()
+                if self.checkpoints is not None:
+                    self.checkpoints.wait()  # the last checkpoint is published before the script goes on
+                if not self.finished:
+                    self.store.compare_set(keys.FINISHED, "", str(self.step))
+                break
+            except dist.DistError as e:  # the store moved as the run ended: rejoin, and end there
+                self._relocate(e)
+        self.step_open = False
+        self.looping = False
+        self._set_phase("done")
+        if self._progress is not None:
+            self._progress.note_step(self.step)
+
+    def close_round(self) -> None:
+        """Vote the steps this member took in the current round, as its last step would."""
+        if self.taken and self.epoch is not None and self.k == 1:
+            self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
+                                self._node_size())
+            self._end_round(True, self.epoch.id)
 
     def _start_round(self) -> None:
         self._settle(block=False)
@@ -489,11 +542,12 @@ class Manager:
         disagree (a rare mixed outcome as a peer dies mid-collective), that member restarts and
         heals from a peer. A member whose round failed votes and waits, as before.
         """
+        self.step_open = False
         if self.epoch is None:
             if not self.looping:
                 self._misused("opt.step() was called outside an ftrun.ft loop, so no step could ever be committed "
-                              "(every one would be discarded): drive the training loop with ft.steps(), as in "
-                              "`for step in ft.steps(total):`")
+                              "(every one would be discarded): drive the training loop with ft.epochs() or "
+                              "ft.steps(), as in `for epoch in ft.epochs(n):` or `for step in ft.steps(total):`")
             return False  # the run's store moved during this round: nothing to vote on
         try:
             return self._vote()
@@ -591,6 +645,8 @@ class Manager:
         self.step += 1
         self.taken += 1
         self.committed += 1
+        for fn in self.step_listeners:
+            fn()
         if self._progress is not None:
             self._progress.note_step(self.step)
         self._set_phase("commit")
@@ -664,7 +720,7 @@ class Manager:
         that ftrun restarts the replica and it heals from a peer like any newcomer."""
         _log(f"rank {self.rank}: {why}; restarting to take the committed state from a peer")
         sys.stderr.flush()
-        os._exit(75)
+        os._exit(keys.EXIT_REPLICA_RESTART)
 
     # ------------------------------------------------------------ membership
     def _watch_epochs(self) -> None:
@@ -743,7 +799,7 @@ class Manager:
         _log(f"{lead}; no peer is left to heal it and no checkpoint holds the final step: exiting now (status 0) "
              f"instead of running the script's code after the loop on an untrained model")
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(keys.EXIT_OK)
 
     def _started_epoch_with_me(self, latest: int):
         """(epoch, round) of the newest epoch that lists this incarnation and that the
@@ -770,7 +826,7 @@ class Manager:
         if (self.rank, self.inc) not in epoch.members:
             _log(f"rank {self.rank}: left out of quorum {epoch_id}; exiting so that ftrun restarts and heals it")
             sys.stderr.flush()
-            os._exit(75)
+            os._exit(keys.EXIT_REPLICA_RESTART)
         changed = self.epoch is None or epoch.id != self.epoch.id
         if changed and not joining and epoch.start_round >= 0:
             # An epoch the supervisor started afresh (no member had entered one when it was
@@ -880,7 +936,7 @@ class Manager:
         if sending and self._tainted:
             _log(f"rank {self.rank}: named the source of a fresh quorum while holding a half-received state; "
                  f"exiting so that ftrun restarts it clean")
-            os._exit(75)
+            os._exit(keys.EXIT_REPLICA_RESTART)
         if sending and epoch.fresh and not self.in_sync and self.checkpoints is not None and not self._resumed:
             self._resume()
         self._set_phase("send" if sending else "heal")
@@ -904,12 +960,17 @@ class Manager:
             _log(f"rank {self.rank}: cannot take the state of rank {source}: {e}. This replica's model, optimizer "
                  f"or ft.register_state() objects differ from its peers'; exiting")
             sys.stderr.flush()
-            os._exit(1)
+            os._exit(keys.EXIT_FAILED)
         except Exception as e:  # an end of the transfer died: this round fails, the next epoch heals again
             abort_group(hpg)
             who = "to its healers" if sending else f"from rank {source}"
-            self.fail_round(f"state transfer {who} failed ({str(e).splitlines()[0][:120]}); healing again in the "
-                            f"next quorum")
+            if self.round_ok:
+                # In ftrun's words on the console (a heal that must be done again is worth a line);
+                # the library's own text in the rank's log.
+                _log_detail(f"rank {self.rank}: state transfer {who}: {str(e).strip()}")
+                _log(f"rank {self.rank}: the state transfer {who} failed"
+                     f"{' (a peer left)' if PEER_LOST.search(str(e)) else ''}; healing again in the next quorum")
+            self.fail_round()
             if sending:
                 self._set_heal_done(done_key, "fail")
             return
@@ -945,7 +1006,7 @@ class Manager:
             os._exit(keys.EXIT_CANNOT_GO_ON)
         except Exception as e:  # a failed read left part of a checkpoint in the tensors: restart clean
             _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}; exiting so that ftrun restarts it clean")
-            os._exit(75)
+            os._exit(keys.EXIT_REPLICA_RESTART)
         self._resumed = True
         if found is not None:
             self.step = found.step

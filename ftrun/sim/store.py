@@ -1,0 +1,144 @@
+"""An in-memory store with the semantics of torch's TCPStore that ftrun uses, each call a
+yield point of the simulator's scheduler: set, get (waiting for the key, with the client's
+timeout), add, compare_set, check, multi_get, delete_key, list_keys, num_keys, wait, and the
+queues. Faults: every call may take longer (latency), and the store may be down for a while
+(calls then wait, then fail with the client's timeout, as a TCPStore client does).
+Must never block outside the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence, Union
+
+import torch.distributed as dist
+
+from ftrun.sim.sched import Sched
+
+Value = Union[str, bytes]
+
+
+def _b(v: Value) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode()
+
+
+class SimStore:
+    """The data, shared by every client."""
+
+    def __init__(self, sched: Sched) -> None:
+        self.sched = sched
+        self.data: Dict[str, bytes] = {}
+        self.queues: Dict[str, Deque[bytes]] = {}
+        self.down_until = -1.0
+        self.extra_latency = 0.0
+        self.writes: List[tuple] = []  # (time, op, key, value) of decisions, for the invariants
+        self.max_keys = 0
+
+    def client(self, timeout_s: float = 600.0) -> "SimClient":
+        return SimClient(self, timeout_s)
+
+
+class SimClient:
+    """One connection: the TCPStore calls ftrun makes, with the connection's timeout."""
+
+    def __init__(self, store: SimStore, timeout_s: float) -> None:
+        self.s, self.timeout_s = store, timeout_s
+
+    # ------------------------------------------------------------ plumbing
+    def _enter(self) -> None:
+        s = self.s
+        sched = s.sched
+        sched.sleep(s.extra_latency * sched.rng.random())
+        if sched.now < s.down_until:
+            if not sched.wait_for(lambda: sched.now >= s.down_until, self.timeout_s):
+                raise dist.DistStoreError("simulated store: timed out (the store is down)")
+
+    def _wait_keys(self, keys: Sequence[str]) -> None:
+        data = self.s.data
+        if not self.s.sched.wait_for(lambda: all(k in data for k in keys), self.timeout_s):
+            raise dist.DistStoreError(f"wait timeout after {self.timeout_s * 1000:.0f}ms, keys: {list(keys)}")
+
+    def _note(self) -> None:
+        self.s.max_keys = max(self.s.max_keys, len(self.s.data))
+
+    # ------------------------------------------------------------ TCPStore's calls
+    def set(self, key: str, value: Value) -> None:
+        self._enter()
+        self.s.data[key] = _b(value)
+        self._note()
+
+    def get(self, key: str) -> bytes:
+        self._enter()
+        self._wait_keys([key])
+        return self.s.data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        self._enter()
+        value = int(self.s.data.get(key, b"0")) + int(amount)
+        self.s.data[key] = str(value).encode()
+        self._note()
+        return value
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        self._enter()
+        data = self.s.data
+        if key not in data:
+            if _b(expected) == b"":
+                data[key] = _b(desired)
+                self._note()
+                self.s.writes.append((self.s.sched.now, "cas", key, data[key]))
+                return data[key]
+            return _b(expected)
+        if data[key] == _b(expected):
+            data[key] = _b(desired)
+            self.s.writes.append((self.s.sched.now, "cas", key, data[key]))
+        return data[key]
+
+    def check(self, keys: Sequence[str]) -> bool:
+        self._enter()
+        return all(k in self.s.data for k in keys)
+
+    def multi_get(self, keys: Sequence[str]) -> List[bytes]:
+        self._enter()
+        self._wait_keys(keys)
+        return [self.s.data[k] for k in keys]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        self._enter()
+        for k, v in zip(keys, values):
+            self.s.data[k] = _b(v)
+        self._note()
+
+    def delete_key(self, key: str) -> bool:
+        self._enter()
+        return self.s.data.pop(key, None) is not None
+
+    def list_keys(self) -> List[str]:
+        self._enter()
+        return sorted(self.s.data)
+
+    def num_keys(self) -> int:
+        self._enter()
+        return len(self.s.data)
+
+    def wait(self, keys: Sequence[str], timeout: Optional[object] = None) -> None:
+        self._enter()
+        self._wait_keys(keys)
+
+    def queue_push(self, key: str, value: Value) -> None:
+        self._enter()
+        self.s.queues.setdefault(key, deque()).append(_b(value))
+
+    def queue_len(self, key: str) -> int:
+        self._enter()
+        return len(self.s.queues.get(key, ()))
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        self._enter()
+        q = self.s.queues.setdefault(key, deque())
+        if not q:
+            if not block:
+                raise dist.DistStoreError(f"simulated store: queue {key} is empty")
+            if not self.s.sched.wait_for(lambda: bool(q), self.timeout_s):
+                raise dist.DistStoreError(f"simulated store: timed out waiting on queue {key}")
+        return q.popleft()

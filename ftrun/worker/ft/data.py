@@ -1,0 +1,326 @@
+"""ft.DataLoader and ft.epochs(): a script's own data pipeline under --ft, every sample of an
+epoch trained once in committed steps, whatever fails.
+
+An epoch is a permutation of the dataset (DistributedSampler's: torch.randperm seeded with
+seed + epoch, or the dataset's order). The run consumes it from a position that advances by
+the samples of every step a replica takes; a step's global batch is the next `n * B` samples
+(n: the data-parallel workers alive in the step, B: batch_size), and worker i of n takes
+every n-th of them from the i-th, which is exactly what DistributedSampler and a DataLoader
+give rank i when nothing fails. A discarded step leaves the position where it was, so the
+same samples come again (the same batch, when the membership is the same); a replica that
+is away leaves its share to the live ones (the global batch shrinks, the epoch takes more
+steps); no worker ever gets more than B samples. The position is registered state: it
+travels in heals and checkpoints with the model. The last step of an epoch splits what is
+left as evenly as it goes (no sample repeated, unlike DistributedSampler's padding).
+
+Batches are loaded by a torch DataLoader (workers, pinned memory, prefetch, collate) from a
+plan of the steps ahead; a batch planned for another position or membership is never
+used: the plan restarts from the current one.
+Must never decide a step's fate (opt.step() does), and never import the supervisor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import Dataset, IterableDataset
+
+from ftrun.worker.ft.manager import Manager
+
+Plan = Tuple[int, int, int, int]  # (epoch, position, workers, this worker's index)
+# DataLoader arguments that would choose the order themselves: ft.DataLoader does.
+CHOOSES_ORDER = ("sampler", "batch_sampler")
+
+
+def share(take: int, workers: int, index: int) -> Tuple[int, int]:
+    """(first offset, count) of worker `index`'s samples among `take` (every workers-th one)."""
+    return index, max(0, math.ceil((take - index) / workers))
+
+
+class _Tagged(Dataset):
+    """The dataset, asked for (plan, index): each sample comes back with the plan it was loaded for."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: Tuple[Plan, int]) -> Tuple[Plan, Any]:
+        plan, index = item
+        return plan, self.dataset[index]
+
+
+class _Collate:
+    """The user's collate_fn over the samples, with the batch's plan kept beside it."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, items: List[Tuple[Plan, Any]]) -> Tuple[Plan, Any]:
+        return items[0][0], self.collate([sample for _, sample in items])
+
+
+class _PlanSampler:
+    """The batches a worker will be given from a plan on, were every step to commit at the
+    current membership: what the loader's workers may prefetch."""
+
+    def __init__(self, loader: "DataLoader", start: Plan) -> None:
+        self.loader, self.start = loader, start
+
+    def __iter__(self) -> Iterator[List[Tuple[Plan, int]]]:
+        epoch, pos, workers, index = self.start
+        order = self.loader.order(epoch)
+        while True:
+            take = self.loader.take(pos, workers)
+            if take == 0:
+                return
+            first, count = share(take, workers, index)
+            if count:
+                plan = (epoch, pos, workers, index)
+                yield [(plan, int(i)) for i in order[pos + first:pos + take:workers]]
+            pos += take
+
+
+class DataLoader:
+    """torch's DataLoader for --ft: this replica's batches from the run's current position.
+
+    `batch_size` is per data-parallel worker (as with DistributedSampler); `shuffle` and `seed`
+    are DistributedSampler's; every other DataLoader argument (num_workers, pin_memory,
+    collate_fn, drop_last, prefetch_factor, persistent_workers, ...) means what it means there.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int = 1, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = False, **kwargs: Any) -> None:
+        from ftrun.worker.ft.manager import manager
+
+        mgr = manager()
+        self._refuse(mgr, dataset, batch_size, seed, kwargs)
+        self.mgr: Manager = mgr
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.drop_last = bool(drop_last)
+        self.collate_fn = kwargs.pop("collate_fn", None) or torch.utils.data.default_collate
+        self.size = len(dataset)
+        # The run's position: the epoch, and the samples of it consumed by the steps this
+        # replica took (`pos`); `cursor` is where the open step's draws have got to.
+        self.epoch = 0
+        self.pos = 0
+        self.cursor: Tuple[int, int] = (0, 0)
+        self._serial = -1     # the step whose draws `cursor` counts (mgr.step_serial)
+        self._orders: Dict[int, Any] = {}
+        # torch's DataLoader does the loading (workers, prefetch, pinned memory, collate) over the
+        # plan ahead; one for the whole run, so persistent workers persist.
+        self._sampler = _PlanSampler(self, (0, 0, 1, 0))
+        self._loader = TorchDataLoader(_Tagged(dataset), batch_sampler=self._sampler,
+                                       collate_fn=_Collate(self.collate_fn), **kwargs)
+        self._inner: Optional[Iterator[Tuple[Plan, Any]]] = None
+        self._inner_next: Optional[Plan] = None  # the plan the inner loader gives next
+        self._template: Any = None  # an empty batch of the dataset's structure (see _empty)
+        self._yielded = 0       # batches the current pass gave (len())
+        self.index = len(mgr.loaders)
+        mgr.loaders.append(self)
+        mgr.register_state(f"ftrun.data.{self.index}", self)
+        mgr.step_listeners.append(self._took_step)
+
+    @staticmethod
+    def _refuse(mgr: Manager, dataset: Any, batch_size: Any, seed: Any, kwargs: Dict[str, Any]) -> None:
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or \
+                not hasattr(dataset, "__len__"):
+            mgr._misused(f"ft.DataLoader needs a map-style dataset (with __len__ and __getitem__), not "
+                         f"{type(dataset).__name__}: an iterable stream has no position to split over the live "
+                         f"replicas or to hand to a healed one. Index your data (a Dataset over its records or "
+                         f"files), or read it by the step in an ft.steps() loop")
+        for key in CHOOSES_ORDER:
+            if kwargs.get(key) is not None:
+                mgr._misused(f"ft.DataLoader({key}=...): ft.DataLoader chooses the order itself (DistributedSampler's "
+                             f"with shuffle= and seed=, split over the live replicas): drop {key}=")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            mgr._misused(f"ft.DataLoader(batch_size={batch_size!r}): the samples per worker and step, a whole "
+                         f"number from 1 (the run's batch is that times the live workers)")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            mgr._misused(f"ft.DataLoader(seed={seed!r}): a whole number (DistributedSampler's seed)")
+
+    # ------------------------------------------------------------ the order and the plan
+    def order(self, epoch: int) -> Any:
+        """The epoch's permutation, as DistributedSampler draws it."""
+        found = self._orders.get(epoch)
+        if found is None:
+            if self.shuffle:
+                g = torch.Generator()
+                g.manual_seed(self.seed + epoch)
+                found = torch.randperm(self.size, generator=g)
+            else:
+                found = torch.arange(self.size)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # a redo may go back one
+            self._orders[epoch] = found
+        return found
+
+    def take(self, pos: int, workers: int) -> int:
+        """Samples of the global batch at `pos` with `workers` live workers: n * B, or what is left
+        at the end. When the next step would be left fewer samples than workers, this one takes
+        fewer, so that every worker gets one in the last (batch_size 2 or more)."""
+        left = self.size - pos
+        full = workers * self.batch_size
+        if left <= 0 or (self.drop_last and left < full):
+            return 0
+        if left <= full:
+            return left
+        if 0 < left - full < workers and self.batch_size > 1:
+            return left - workers
+        return full
+
+    def _workers(self) -> Tuple[int, int]:
+        """(data-parallel workers in this step, this worker's index): every worker of every live
+        replica, since a sharded replica's workers are data parallel too."""
+        k = self.mgr.k
+        return self.mgr.num_replicas * k, self.mgr.replica_index * k + self.mgr.shard
+
+    def __len__(self) -> int:
+        """Batches this worker's current pass gives: those it gave, and those left from where the
+        run is at the current membership (exact at the epoch's last batch, whatever changed)."""
+        _, pos = self.cursor
+        workers, _ = self._workers()
+        left = 0
+        while True:
+            take = self.take(pos, workers)
+            if take == 0:
+                return self._yielded + left
+            left += 1
+            pos += take
+
+    # ------------------------------------------------------------ state (heals, checkpoints)
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self.pos, "size": self.size, "seed": self.seed,
+                "shuffle": self.shuffle, "batch_size": self.batch_size}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        if int(sd.get("size", self.size)) != self.size:
+            self.mgr._misused(f"ft.DataLoader #{self.index}: the run's position is in a dataset of {sd['size']} "
+                              f"samples, this replica's has {self.size}: every replica must load the same dataset")
+        self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
+        self.cursor = (self.epoch, self.pos)
+        self._serial = -1
+        self._drop_inner()
+
+    def _took_step(self) -> None:
+        """This member took a step: what it drew for it is consumed."""
+        if self._serial == self.mgr.step_serial:
+            self.epoch, self.pos = self.cursor
+
+    # ------------------------------------------------------------ iteration
+    def __iter__(self) -> "DataLoader":
+        self._yielded = 0
+        return self
+
+    def on_epoch(self, epoch: int) -> None:
+        """ft.epochs() moved on to `epoch`: begin it, unless the open step still holds draws of the
+        last one (a step that spans the two: a redo must give the end of the last one again)."""
+        if self._serial == self.mgr.step_serial and self.cursor != (self.epoch, self.pos):
+            return
+        if epoch != self.epoch:
+            self.epoch, self.pos = epoch, 0
+            self.cursor = (epoch, 0)
+            self._yielded = 0
+
+    def __next__(self) -> Any:
+        mgr = self.mgr
+        mgr.begin_step()
+        if self._serial != mgr.step_serial:  # a new step (or a redo): draw from the committed position
+            self._serial = mgr.step_serial
+            self.cursor = (self.epoch, self.pos)
+        epoch, pos = self.cursor
+        workers, index = self._workers()
+        take = self.take(pos, workers)
+        if take == 0:  # the end of the epoch the cursor is in
+            epochs = mgr.epochs_state
+            if epochs is not None and epochs.looping and epochs.epoch > epoch:
+                epoch = epochs.epoch  # on to ft.epochs()'s (a redo gave the last one's end again)
+            elif (epochs is None or not epochs.looping) and self._yielded == 0:
+                epoch += 1  # iter() again in an ft.steps() loop: the next epoch
+            else:
+                raise StopIteration
+            pos, self._yielded = 0, 0
+            if self.cursor == (self.epoch, self.pos):  # the open step drew nothing yet
+                self.epoch, self.pos = epoch, 0
+            take = self.take(0, workers)
+            if take == 0:
+                raise StopIteration  # an epoch too short for one step (drop_last)
+        plan = (epoch, pos, workers, index)
+        self.cursor = (epoch, pos + take)
+        self._yielded += 1
+        if share(take, workers, index)[1] == 0:
+            return self._empty()
+        return self._fetch(plan)
+
+    def _fetch(self, plan: Plan) -> Any:
+        if self._inner is None or self._inner_next != plan:
+            self._sampler.start = plan  # what the workers prefetch from now on
+            self._inner = iter(self._loader)
+        got, batch = next(self._inner)
+        if got != plan:  # never: the plan ahead is what this worker draws as long as nothing changes
+            raise RuntimeError(f"ft.DataLoader: loaded a batch for {got}, expected {plan}")
+        self._inner_next = self._following(plan)
+        if self._template is None:
+            self._template = tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, batch)
+        return batch
+
+    def _following(self, plan: Plan) -> Optional[Plan]:
+        """The plan of this worker's next non-empty batch after `plan`, were nothing to change."""
+        epoch, pos, workers, index = plan
+        while True:
+            pos += self.take(pos, workers)
+            take = self.take(pos, workers)
+            if take == 0:
+                return None
+            if share(take, workers, index)[1]:
+                return epoch, pos, workers, index
+
+    def _drop_inner(self) -> None:
+        """Forget what the loader's workers prefetched (another position or membership)."""
+        self._inner = None
+        self._inner_next = None
+
+    def _empty(self) -> Any:
+        """A batch of no samples, of the dataset's structure: the last step of an epoch left fewer
+        samples than workers (batch_size 1, or the membership grew)."""
+        if self._template is None:
+            batch = self.collate_fn([self.dataset[0]])
+            self._template = tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, batch)
+        return self._template
+
+
+class Epochs:
+    """ft.epochs(): the run's training epoch, registered state like the model's."""
+
+    def __init__(self, mgr: Manager) -> None:
+        self.mgr = mgr
+        self.epoch = 0
+        self.looping = False
+        mgr.register_state("ftrun.epochs", self)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.epoch = int(sd["epoch"])
+
+    def run(self, total: int) -> Iterator[int]:
+        """Yield the run's epochs from the current one (a restarted replica learns it in its heal,
+        a resumed run from the checkpoint) until `total`; then end the loop on every replica."""
+        mgr = self.mgr
+        mgr.looping = self.looping = True
+        mgr.begin_step()  # a restarted replica joins and heals first: it learns the run's epoch
+        while not mgr.finished and self.epoch < total:
+            for loader in mgr.loaders:
+                loader.on_epoch(self.epoch)
+            yield self.epoch
+            self.epoch += 1
+        self.looping = False
+        mgr.finish_loop()

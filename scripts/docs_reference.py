@@ -1,0 +1,323 @@
+"""The docs site's reference pages, rendered from the code so that they cannot drift from it.
+
+Each function returns one page's Markdown, read from the one place the code
+declares it: the options schema (ftrun.options), the hook catalogue
+(ftrun.hookspec), the registry of environment variables (ftrun.envvars), the
+exit statuses (ftrun.protocol), the state file's fields (ftrun.status) and the
+command line's own --help. scripts/docs_gen.py writes them into the site at
+build time; tests call them directly. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GENERATED = ("<!-- Generated from the code at build time by scripts/docs_reference.py: edit the code, not "
+             "this page. -->\n\n")
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
+
+
+def _code(text: str) -> str:
+    return f"`{text}`" if text else ""
+
+
+# ---------------------------------------------------------------- run options
+
+_DEFAULT_IN_HELP = re.compile(r"\s*\[default: ([^\]]*)\]")
+
+
+def option_default(opt: Any) -> str:
+    """The default as a reader should see it: the help's own words where it gives them."""
+    m = _DEFAULT_IN_HELP.search(opt.help)
+    if m:
+        return m.group(1)
+    d = opt.default
+    if d is None:
+        return "-"
+    if isinstance(d, bool):
+        return "on" if d else "off"
+    if opt.key == "nnodes":
+        return str(d[0])
+    if isinstance(d, (tuple, list)):
+        return ",".join(map(str, d))
+    return f"{d:g}" if isinstance(d, float) else str(d)
+
+
+def option_meaning(opt: Any) -> str:
+    return _DEFAULT_IN_HELP.sub("", opt.help).strip()
+
+
+def _option_entry(opt: Any, recipe_key: str) -> str:
+    """One option as a heading (linkable as #key) and what it takes, its default, PET_ name and recipe key."""
+    first, rest = opt.flags[0], opt.flags[1:]
+    facts = [f"takes: {opt.kind}" if not opt.is_flag else "a flag", f"default: {option_default(opt)}"]
+    if opt.pet:
+        facts.append(f"environment: `{opt.pet}`")
+    facts.append(f"recipe: `{recipe_key}`" if opt.recipe else "not in recipes")
+    lines = [f"### `{first}` {{#{opt.key.replace('_', '-')}}}\n", option_meaning(opt) + "\n",
+             " · ".join(facts) + "\n"]
+    if rest:
+        lines.append("Also spelled " + ", ".join(f"`{f}`" for f in rest) + ".\n")
+    if opt.torchrun:
+        lines.append(f"torchrun's option; what ftrun does with it: {opt.torchrun}.\n")
+    return "\n".join(lines)
+
+
+def _option_entries(options: Iterable[Any], recipe_key=lambda o: o.key) -> str:
+    return "\n".join(_option_entry(o, recipe_key(o)) for o in options if o.flags)
+
+
+def torchrun_table() -> list:
+    """(torchrun spellings, PET_ name, what ftrun does) for each of torchrun's options."""
+    from ftrun.options import OPTIONS_LIST
+
+    rows = []
+    for opt in OPTIONS_LIST:
+        if not opt.torchrun:
+            continue
+        spellings = [f for f in opt.flags if f not in ("--nproc", "--run-id", "--run_id")]
+        rows.append((", ".join(f"`{f}`" for f in spellings), f"`{opt.pet}`" if opt.pet else "-", opt.torchrun))
+    return rows
+
+
+def options_page() -> str:
+    from ftrun.cli import RECIPE_HELP
+    from ftrun.options import HOOK_FLAGS, OPTIONS_LIST
+
+    torchruns = [o for o in OPTIONS_LIST if o.torchrun]
+    own = [o for o in OPTIONS_LIST if not o.torchrun]
+    summary = _table(["option", "meaning"], [[", ".join(f"[`{f}`](#{o.key.replace('_', '-')})" for f in o.flags[:1]),
+                                              option_meaning(o)] for o in list(OPTIONS_LIST) + list(HOOK_FLAGS)
+                                             if o.flags]
+                     + [["[`--recipe`](#recipe)", RECIPE_HELP]])
+    page = ["# Run options\n", GENERATED,
+            "Every option of `ftrun run` (and of `ftrun SCRIPT ...`, the same command), from the one options "
+            "schema in `ftrun/options.py`. Options come before SCRIPT; everything after SCRIPT goes to the "
+            "script. A value comes from, key by key: **the command line > a recipe > `PET_*` > Slurm > the "
+            "default** ([where a value comes from](../guides/running.md#where-a-value-comes-from)); "
+            "`ftrun --dry-run ...` shows each value and its source. A bad value from any of them is one line "
+            "naming it, exit 2, nothing started.\n",
+            "## At a glance\n", summary,
+            "\n## torchrun's options\n",
+            "Both of torchrun's spellings are accepted. The environment variable is the `PET_` one torchrun "
+            "(and ftrun) reads when the option is not given.\n",
+            _option_entries(torchruns),
+            "\n## ftrun's own options\n",
+            f"### `--recipe` {{#recipe}}\n\n{RECIPE_HELP} See [Recipes](../guides/recipes.md).\n\n"
+            f"takes: a file, or a bundled recipe's name · default: - · not in recipes\n",
+            _option_entries(own),
+            "\n## Hook parameters\n",
+            "They go with `--hook` (see [Hooks](hooks.md) for which hook takes which); in a recipe they are "
+            "keys of the `hook:` mapping.\n",
+            _option_entries(HOOK_FLAGS, recipe_key=_hook_recipe_key),
+            "\n## What ftrun does with each of torchrun's options\n",
+            _table(["torchrun option", "`PET_` variable", "what ftrun does with it"], torchrun_table()),
+            "\n`--nproc` and `--run-id` are ftrun's spellings of `--nproc-per-node` and `--rdzv-id`.\n"]
+    return "\n".join(page)
+
+
+def _hook_recipe_key(opt: Any) -> str:
+    from ftrun.options import NEGATED
+
+    if opt.key in NEGATED:
+        return f"hook.{opt.key}: false"
+    return f"hook.{opt.key}"
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _help(*args: str) -> str:
+    env = dict(os.environ, COLUMNS="100", TERM="dumb", NO_COLOR="1")
+    out = subprocess.run([sys.executable, "-m", "ftrun", *args, "--help"], capture_output=True, text=True,
+                         env=env, cwd=str(ROOT), timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"ftrun {' '.join(args)} --help failed ({out.returncode}): {out.stderr.strip()}")
+    return out.stdout.rstrip()
+
+
+def cli_page() -> str:
+    parts = ["# Command line\n", GENERATED,
+             "What `--help` prints for each command. `ftrun [RUN OPTIONS] SCRIPT [ARGS]...` is the same as "
+             "`ftrun run ...`; `--help`, `status`, `recipes` and `validate` never import torch. Every run "
+             "option is described in [Run options](options.md).\n"]
+    for args, title in (((), "ftrun"), (("run",), "ftrun run"), (("status",), "ftrun status"),
+                        (("recipes",), "ftrun recipes"), (("validate",), "ftrun validate")):
+        parts += [f"## `{title}`\n", "```text", _help(*args), "```\n"]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- hooks
+
+
+def hooks_page() -> str:
+    from ftrun.hookspec import DEFAULT_OVERRIDES, HOOK_NAMES, HOOK_PARAMS, PARAMS, REQUIRED, WRAP_NAMES, WRAPPABLE
+
+    rows = []
+    for name in HOOK_NAMES:
+        params = ", ".join(f"`{PARAMS[p].flag}`" + (" (required)" if p in REQUIRED.get(name, ()) else "")
+                           for p in HOOK_PARAMS[name]) or "none"
+        rows.append([f"`{name}`", params, "yes" if name in WRAPPABLE else "no"])
+    prow = []
+    for key, p in PARAMS.items():
+        hooks = [n for n in HOOK_NAMES if key in HOOK_PARAMS[n]]
+        default = "required" if p.default is None else ("on" if p.default is True else "off" if p.default is False
+                                                         else p.default)
+        overrides = [f"{n}: {DEFAULT_OVERRIDES[n][key]}" for n in hooks if key in DEFAULT_OVERRIDES.get(n, {})]
+        if overrides:
+            default = f"{default} ({', '.join(overrides)})"
+        kind = "flag" if p.kind is bool else ("whole number" if p.kind is int else "number")
+        bound = "" if p.minimum is None or p.kind is bool else f" >= {p.minimum:g}"
+        key_text = f"`{key}: false`" if p.flag.startswith("--no-") else f"`{key}`"
+        prow.append([f"`{p.flag}`", key_text, kind + bound, default, ", ".join(hooks), p.help])
+    return "\n".join([
+        "# Hooks\n", GENERATED,
+        "The DDP communication hooks `--hook` puts on every DDP model of the script, from the catalogue in "
+        "`ftrun/hookspec.py`; how to choose one is in the [hooks guide](../guides/hooks.md).\n",
+        "## Hooks and the parameters each takes\n",
+        _table(["`--hook`", "parameters", f"`--wrap {'|'.join(WRAP_NAMES)}`"], rows),
+        "\nA parameter a hook does not take is refused with one line (exit 2), as is a `--wrap` on a hook "
+        "that cannot be wrapped.\n",
+        "## Parameters\n",
+        _table(["flag", "recipe key (under `hook:`)", "takes", "default", "hooks", "meaning"], prow),
+        f"\n`--wrap {'|'.join(WRAP_NAMES)}` (recipe: `hook.wrap`) sends whatever the hook sends in half "
+        f"precision; it applies to {', '.join(f'`{n}`' for n in WRAPPABLE)}.\n",
+    ])
+
+
+# ---------------------------------------------------------------- environment
+
+
+def environment_page() -> str:
+    from ftrun.envvars import INTERNAL, KINDS, SETTING, TEST, TORCHRUN, WORKER, DEVELOPMENT, of_kind
+
+    parts = ["# Environment variables\n", GENERATED,
+             "Every variable ftrun sets in a worker or reads, from the registry in `ftrun/envvars.py` (a test "
+             "checks that every `FTRUN_` name in the code is listed there). `ftrun --dry-run ...` prints the "
+             "environment each worker of a launch line gets.\n",
+             "A pod's or a job's own `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` never "
+             "reach the workers: every torchrun variable is ftrun's. A recipe's `env:` adds variables of its "
+             "own. The `PET_*` variables torchrun reads are options: see [Run options](options.md).\n"]
+    for kind in (TORCHRUN, WORKER):
+        parts += [f"## {KINDS[kind][0].upper()}{KINDS[kind][1:]}\n",
+                  _table(["variable", "when", "meaning"],
+                         [[f"`{v.name}`", v.when or "always", v.meaning] for v in of_kind(kind)])]
+    for kind in (SETTING, INTERNAL, TEST, DEVELOPMENT):
+        parts += [f"\n## {KINDS[kind][0].upper()}{KINDS[kind][1:]}\n",
+                  _table(["variable", "default", "meaning"],
+                         [[f"`{v.name}`", v.default or "-", v.meaning] for v in of_kind(kind)])]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------- exit statuses
+
+
+def exit_codes_page() -> str:
+    from ftrun.protocol import EXIT_STATUSES
+
+    own = [[f"**{e.code}**", _code(e.name) if e.name != "-" else "", e.meaning] for e in EXIT_STATUSES
+           if e.who == "ftrun"]
+    worker = [[f"**{e.code}**", _code(e.name), e.meaning] for e in EXIT_STATUSES if e.who == "worker"]
+    return "\n".join([
+        "# Exit statuses\n", GENERATED,
+        "From the named constants in `ftrun/protocol.py`.\n",
+        "## What `ftrun` exits with\n",
+        _table(["status", "constant", "meaning"], own),
+        "\nA scheduler that retries on a status: retry on 200 (and, if you like, on 128 + N for a signal a "
+        "pre-emption sends); 2 is a mistake to fix, and retrying it changes nothing. See "
+        "[Checkpoints](../guides/checkpoints.md#requeue) for Slurm and Kubernetes.\n",
+        "## Between a worker and its ftrun\n",
+        "A worker of a `--ft` run may exit with these on purpose; ftrun reads them and acts:\n",
+        _table(["status", "constant", "meaning"], worker),
+    ])
+
+
+# ---------------------------------------------------------------- recipes
+
+
+def recipes_page() -> str:
+    from ftrun.options import OPTIONS_LIST
+    from ftrun.recipe import bundled_recipes
+
+    rows = []
+    for opt in OPTIONS_LIST:
+        if not opt.recipe:
+            continue
+        flag = opt.flag if opt.flags else "-"
+        rows.append([f"`{opt.key}`", opt.kind if opt.key not in ("env", "args") else
+                     ("mapping NAME: value" if opt.key == "env" else "list"),
+                     option_default(opt), f"`{flag}`" if opt.flags else "-", option_meaning(opt)])
+    rows.append(["`hook`", "a name, or a mapping with `name:` and the parameters", "none", "`--hook` and "
+                 "its parameters", "See [Hooks](hooks.md): keys are the parameters' names (`rank`, `start_iter`, "
+                 "..., `wrap`)."])
+    bundled = []
+    for path in bundled_recipes():
+        desc = ""
+        for line in path.read_text().splitlines():
+            if line.startswith("description:"):
+                desc = line.split(":", 1)[1].strip()
+        bundled.append([f"`{path.stem}`", desc])
+    return "\n".join([
+        "# Recipe schema\n", GENERATED,
+        "A recipe is a YAML mapping of these keys (the run options, spelled with underscores), read with "
+        "`yaml.safe_load` only. Every key is optional; a key with no value means the default. How to write "
+        "and check one: [the recipes guide](../guides/recipes.md).\n",
+        _table(["key", "takes", "default", "flag", "meaning"], sorted(rows, key=lambda r: r[0])),
+        "\n## Bundled recipes\n",
+        "`ftrun recipes NAME` prints one, comments included.\n",
+        _table(["name", "description"], bundled),
+    ])
+
+
+# ---------------------------------------------------------------- ftrun status --json
+
+
+def status_json_page() -> str:
+    from ftrun.status.state import REPLICA_FIELDS, RUN_FIELDS
+    from ftrun.status.view import DERIVED_REPLICA_FIELDS, DERIVED_RUN_FIELDS
+
+    return "\n".join([
+        "# `ftrun status --json`\n", GENERATED,
+        "A list with one object per run: every field of the run's state file (`ftrun/status/state.py`), plus "
+        "what `ftrun status` works out as it reads it (`ftrun/status/view.py`). Times are Unix seconds. "
+        "`--watch --json` prints one such document per line.\n",
+        "## A run\n",
+        _table(["field", "meaning"], [[f"`{k}`", v] for k, v in RUN_FIELDS.items()]),
+        "\nAdded by `ftrun status`:\n",
+        _table(["field", "meaning"], [[f"`{k}`", v] for k, v in DERIVED_RUN_FIELDS.items()]),
+        "\n## A replica (each item of `replicas`)\n",
+        _table(["field", "meaning"], [[f"`{k}`", v] for k, v in REPLICA_FIELDS.items()]),
+        "\nAdded by `ftrun status`:\n",
+        _table(["field", "meaning"], [[f"`{k}`", v] for k, v in DERIVED_REPLICA_FIELDS.items()]),
+        "\nA field written by a newer ftrun that this `ftrun status` does not know is left out, not an error; "
+        "a state file that cannot be read shows as `phase: \"unreadable\"` with its `problem`.\n",
+    ])
+
+
+PAGES: Dict[str, Any] = {
+    "reference/options.md": options_page,
+    "reference/cli.md": cli_page,
+    "reference/hooks.md": hooks_page,
+    "reference/environment.md": environment_page,
+    "reference/exit-codes.md": exit_codes_page,
+    "reference/recipes.md": recipes_page,
+    "reference/status-json.md": status_json_page,
+}
