@@ -136,6 +136,16 @@ RUN_FIELDS: Dict[str, str] = {
     "steps_discarded": "--ft: rounds voted down (a step a failure interrupted).",
     "checkpoint": "--checkpoint-dir: the newest checkpoint written or resumed from: step, path, bytes, write_s, "
                   "pause_s, time (and age_s, added by ftrun status).",
+    "goodput": "The share of this node's replica-time so far spent on committed steps (0..1; docs: Goodput, "
+               "report and metrics).",
+    "lost_s": "Replica-seconds not spent on committed steps, by cause: startup, failures, hangs, checkpoints, "
+              "waiting, end.",
+    "replica_s": "This node's replica-time so far: its replicas times the seconds since ftrun started.",
+    "steps_lost": "Steps discarded or redone (--ft: discarded rounds; without --ft: the steps since the script's "
+                  "own last save, at each group restart).",
+    "failures": "Each failure (the newest 100): time, rank, replica, node_rank, cause, kind (exit, signal, hang, "
+                "remote), detect_s, back_s (null while away), lost_s, lost_steps.",
+    "metrics_url": "--metrics-port: where the Prometheus text is served, or null.",
     "updated": "When the supervisor last wrote the file (Unix seconds).",
 }
 REPLICA_FIELDS: Dict[str, str] = {
