@@ -145,7 +145,7 @@ def test_failure_free_goodput_is_at_least_95_percent_after_startup(tmp_path):
     _finish(proc)
     st = _state(home, run_id)
     after_startup = (st["replica_s"] * st["goodput"]) / (st["replica_s"] - st["lost_s"]["startup"])
-    assert after_startup >= 0.95, (st["goodput"], st["lost_s"], st["replica_s"])
+    assert after_startup >= 0.95, json.dumps([st["goodput"], st["lost_s"], st["replica_s"]])
     logs = [(Path(st["log_dir"]) / f"rank{r}" / "stdout.log").read_text() for r in range(2)]
     firsts = [float(re.search(r"\[announce\] .* t ([\d.]+)", log).group(1)) for log in logs]
     measured = sum(f - t_start for f in firsts)
