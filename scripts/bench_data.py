@@ -111,7 +111,10 @@ def worker(args: argparse.Namespace) -> None:
                 del iters[name]
                 epochs[name] += 1
 
-    pattern = ["torch", "ft", "ft", "torch"] if not args.heal else ["ft"]
+    other = {"ft": "torch", "torch": "ft"}[args.first]
+    pattern = [args.first, other, other, args.first] if not args.heal else ["ft"]
+    fetch_cpu = {name: 0.0 for name in arms}
+    fetched = {name: 0 for name in arms}
     spent = {name: 0.0 for name in arms}
     samples = {name: 0 for name in arms}
     first = None
@@ -120,7 +123,10 @@ def worker(args: argparse.Namespace) -> None:
         arm = pattern[(step // args.block) % len(pattern)]
         if step < args.warmup:
             arm = pattern[step % len(pattern)]  # both arms' workers started before anything is timed
+        c0 = time.process_time()
         x, y = next_batch(arm)
+        fetch_cpu[arm] += time.process_time() - c0
+        fetched[arm] += 1
         if first is None:
             first = time.time()
             mgr = manager()
@@ -140,8 +146,16 @@ def worker(args: argparse.Namespace) -> None:
             time.sleep(args.step_sleep)
         t_prev = time.perf_counter()
     if not args.heal:
-        print("[result] " + json.dumps({"rank": rank, "samples_per_s": {a: samples[a] / spent[a] for a in arms},
-                                        "cold_first_batch_s": cold}), flush=True)
+        import psutil
+
+        # The CPU each arm's loader workers used, per sample this replica took from it (their
+        # prefetch beyond the last batch taken is the same few batches for both).
+        pids = {"ft": [w.pid for w in ours._inner._workers], "torch": [w.pid for w in iters["torch"]._workers]}
+        worker_cpu = {a: sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids[a]) for a in arms}
+        print("[result] " + json.dumps({
+            "rank": rank, "samples_per_s": {a: samples[a] / spent[a] for a in arms}, "cold_first_batch_s": cold,
+            "worker_cpu_ms_per_sample": {a: worker_cpu[a] * 1e3 / (fetched[a] * args.batch) for a in arms},
+            "fetch_cpu_us_per_batch": {a: fetch_cpu[a] * 1e6 / fetched[a] for a in arms}}), flush=True)
 
 
 # ---------------------------------------------------------------- the driver
@@ -196,6 +210,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=408, help="steps in a run (after 8 of warm-up: 8 blocks)")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--first", choices=["torch", "ft"], default="torch", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -203,11 +218,15 @@ def main() -> None:
     shape = ["--size", args.size, "--side", args.side, "--batch", args.batch, "--workers", args.workers]
     runs = []
     for i in range(args.runs):
-        rows = _rows(_ftrun([*shape, "--block", args.block, "--steps", args.steps, "--warmup", args.warmup]),
-                     "result")
+        first = ("torch", "ft")[i % 2]  # which arm starts its workers, and its blocks, first: ABBA or BAAB
+        rows = _rows(_ftrun([*shape, "--block", args.block, "--steps", args.steps, "--warmup", args.warmup,
+                             "--first", first]), "result")
         run = {arm: statistics.mean(r["samples_per_s"][arm] for r in rows) for arm in ("torch", "ft")}
         run["ratio"] = run["ft"] / run["torch"]
-        run["cold"] = {arm: statistics.mean(r["cold_first_batch_s"][arm] for r in rows) for arm in ("torch", "ft")}
+        for key in ("worker_cpu_ms_per_sample", "fetch_cpu_us_per_batch"):
+            run[key] = {arm: statistics.mean(r[key][arm] for r in rows) for arm in ("torch", "ft")}
+        run["first"] = first
+        run["cold_first"] = statistics.mean(r["cold_first_batch_s"][first] for r in rows)
         runs.append(run)
         print(f"run {i + 1}: {json.dumps(run)}", flush=True)
     heals = []
@@ -222,11 +241,15 @@ def main() -> None:
 
     med = {k: statistics.median(r[k] for r in runs) for k in ("torch", "ft", "ratio")} if runs else {}
     if runs:
-        print("\n| loader | samples/s (median) | cold start to first batch (median) |")
-        print("|---|---:|---:|")
-        print(f"| DataLoader + DistributedSampler | {med['torch']:.0f} | "
-              f"{statistics.median(r['cold']['torch'] for r in runs) * 1e3:.0f} ms |")
-        print(f"| ft.DataLoader | {med['ft']:.0f} | {statistics.median(r['cold']['ft'] for r in runs) * 1e3:.0f} ms |")
+        print("\n| loader | samples/s (median) | loader workers' CPU per sample | main process's CPU per batch "
+              "taken | cold start to first batch |")
+        print("|---|---:|---:|---:|---:|")
+        for arm, name in (("torch", "DataLoader + DistributedSampler"), ("ft", "ft.DataLoader")):
+            cold = [r["cold_first"] for r in runs if r["first"] == arm]
+            cold_ms = f"{statistics.median(cold) * 1e3:.0f} ms" if cold else "-"
+            print(f"| {name} | {med[arm]:.0f} | "
+                  f"{statistics.median(r['worker_cpu_ms_per_sample'][arm] for r in runs):.2f} ms | "
+                  f"{statistics.median(r['fetch_cpu_us_per_batch'][arm] for r in runs):.0f} us | {cold_ms} |")
         ratios = sorted(r["ratio"] for r in runs)
         print(f"\nft.DataLoader / DataLoader + DistributedSampler: {med['ratio']:.3f} (median of {len(runs)} runs; "
               f"{', '.join(f'{x:.3f}' for x in ratios)})")
