@@ -6,15 +6,21 @@
 Throughput. Each run is `ftrun --nproc 2 --ft scripts/bench_data.py --worker`: two replicas,
 each with both loaders over the same CPU-bound map-style dataset (every sample an image
 "decoded" from its seed, blurred, randomly cropped and resized, flipped and colour-jittered
-with torch ops: a few ms of CPU each), num_workers=2 and persistent workers each, batch 32 a
-replica, shuffled. One ft.steps() loop takes its batches from one loader or the other in
-blocks of --block steps, in the order ABBA ABBA... (both arms see the same machine, and
-neither always goes first); every step trains a small convolutional net on the batch (DDP
-over the live replicas, ft.Optimizer), so that ft.DataLoader's position advances as in a
-real loop while the loader, not the model, sets the pace. An arm's samples/s is the samples
-both replicas trained over the time of its blocks; the ratio is ft.DataLoader's over
-DataLoader + DistributedSampler's, per run, with medians over --runs runs. Also reported:
-a cold start (iter() to the first batch, the loader's workers started) of each.
+with torch ops: about 0.5 ms of CPU each), num_workers=2 and persistent workers each, batch
+32 a replica, shuffled. One ft.steps() loop takes its batches from one loader or the other in
+blocks of --block steps, in the order ABBA ABBA... or BAAB BAAB... (alternate runs), so that
+both arms see the same machine and neither always goes first; every step trains a small
+convolutional net on the batch (DDP over the live replicas, ft.Optimizer): ft.DataLoader's
+position advances only in committed steps, as in a real loop, and the loader, not the
+model, takes most of the CPU. Per run and arm, after 8 steps of warm-up that start both
+loaders' workers:
+- samples/s: the samples both replicas trained over the time of the arm's steps;
+- CPU time per sample: the replica's main process in the arm's steps, plus the arm's loader
+  workers, over the samples the replica took (what neighbours on a shared machine do not move);
+- the main process's CPU in next() per batch, the loader workers' CPU per sample.
+Ratios are ft.DataLoader's over DataLoader + DistributedSampler's; medians over --runs runs.
+Also reported: a cold start (the first iter() to the first batch, its workers started) of the
+arm that went first.
 
 Heal. Each heal run trains with ft.DataLoader alone and SIGKILLs replica 1 after a few steps;
 ftrun restarts it and it heals from its peer. The restarted replica reports the time from
@@ -113,20 +119,30 @@ def worker(args: argparse.Namespace) -> None:
 
     other = {"ft": "torch", "torch": "ft"}[args.first]
     pattern = [args.first, other, other, args.first] if not args.heal else ["ft"]
-    fetch_cpu = {name: 0.0 for name in arms}
-    fetched = {name: 0 for name in arms}
+    fetch_cpu = {name: 0.0 for name in arms}   # the main process's CPU in next(), after warm-up
+    step_cpu = {name: 0.0 for name in arms}    # the main process's CPU in whole steps, after warm-up
+    taken = {name: 0 for name in arms}         # samples this replica took, after warm-up
+    workers_at = {}                            # the loader workers' CPU when warm-up ended
+
+    def workers_cpu() -> dict:
+        import psutil
+
+        pids = {"ft": [w.pid for w in ours._inner._workers], "torch": [w.pid for w in iters["torch"]._workers]}
+        return {a: sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids[a]) for a in arms}
     spent = {name: 0.0 for name in arms}
     samples = {name: 0 for name in arms}
     first = None
-    t_prev = time.perf_counter()
+    t_prev, c_prev = time.perf_counter(), time.process_time()
     for step in ft.steps(args.steps):
         arm = pattern[(step // args.block) % len(pattern)]
         if step < args.warmup:
             arm = pattern[step % len(pattern)]  # both arms' workers started before anything is timed
+        if step == args.warmup and not args.heal:
+            workers_at = workers_cpu()
         c0 = time.process_time()
         x, y = next_batch(arm)
-        fetch_cpu[arm] += time.process_time() - c0
-        fetched[arm] += 1
+        if step >= args.warmup:
+            fetch_cpu[arm] += time.process_time() - c0
         if first is None:
             first = time.time()
             mgr = manager()
@@ -139,23 +155,25 @@ def worker(args: argparse.Namespace) -> None:
         loss.backward()
         opt.step()
         end = time.perf_counter()
+        c_end = time.process_time()
         if step >= args.warmup:  # the whole step (the loop's own top included), as the arm's
             spent[arm] += end - t_prev
+            step_cpu[arm] += c_end - c_prev
             samples[arm] += len(y) * ft.num_replicas()
+            taken[arm] += len(y)
         if args.step_sleep:
             time.sleep(args.step_sleep)
-        t_prev = time.perf_counter()
+        t_prev, c_prev = time.perf_counter(), time.process_time()
     if not args.heal:
-        import psutil
-
-        # The CPU each arm's loader workers used, per sample this replica took from it (their
-        # prefetch beyond the last batch taken is the same few batches for both).
-        pids = {"ft": [w.pid for w in ours._inner._workers], "torch": [w.pid for w in iters["torch"]._workers]}
-        worker_cpu = {a: sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids[a]) for a in arms}
+        # The CPU each arm's loader workers used after warm-up, per sample this replica took from
+        # it (their prefetch at either end is the same few batches for both).
+        now = workers_cpu()
+        worker_cpu = {a: now[a] - workers_at[a] for a in arms}
         print("[result] " + json.dumps({
             "rank": rank, "samples_per_s": {a: samples[a] / spent[a] for a in arms}, "cold_first_batch_s": cold,
-            "worker_cpu_ms_per_sample": {a: worker_cpu[a] * 1e3 / (fetched[a] * args.batch) for a in arms},
-            "fetch_cpu_us_per_batch": {a: fetch_cpu[a] * 1e6 / fetched[a] for a in arms}}), flush=True)
+            "worker_cpu_ms_per_sample": {a: worker_cpu[a] * 1e3 / taken[a] for a in arms},
+            "fetch_cpu_us_per_batch": {a: fetch_cpu[a] * 1e6 * args.batch / taken[a] for a in arms},
+            "cpu_ms_per_sample": {a: (worker_cpu[a] + step_cpu[a]) * 1e3 / taken[a] for a in arms}}), flush=True)
 
 
 # ---------------------------------------------------------------- the driver
@@ -206,8 +224,8 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=96, help="the decoded image's side, in pixels")
     ap.add_argument("--batch", type=int, default=32, help="samples per replica and step")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers per replica")
-    ap.add_argument("--block", type=int, default=50, help="steps in a row from one loader")
-    ap.add_argument("--steps", type=int, default=408, help="steps in a run (after 8 of warm-up: 8 blocks)")
+    ap.add_argument("--block", type=int, default=25, help="steps in a row from one loader")
+    ap.add_argument("--steps", type=int, default=408, help="steps in a run (after 8 of warm-up: 16 blocks)")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--first", choices=["torch", "ft"], default="torch", help=argparse.SUPPRESS)
@@ -223,8 +241,9 @@ def main() -> None:
                              "--first", first]), "result")
         run = {arm: statistics.mean(r["samples_per_s"][arm] for r in rows) for arm in ("torch", "ft")}
         run["ratio"] = run["ft"] / run["torch"]
-        for key in ("worker_cpu_ms_per_sample", "fetch_cpu_us_per_batch"):
+        for key in ("worker_cpu_ms_per_sample", "fetch_cpu_us_per_batch", "cpu_ms_per_sample"):
             run[key] = {arm: statistics.mean(r[key][arm] for r in rows) for arm in ("torch", "ft")}
+        run["cpu_ratio"] = run["cpu_ms_per_sample"]["torch"] / run["cpu_ms_per_sample"]["ft"]
         run["first"] = first
         run["cold_first"] = statistics.mean(r["cold_first_batch_s"][first] for r in rows)
         runs.append(run)
@@ -251,8 +270,10 @@ def main() -> None:
                   f"{statistics.median(r['worker_cpu_ms_per_sample'][arm] for r in runs):.2f} ms | "
                   f"{statistics.median(r['fetch_cpu_us_per_batch'][arm] for r in runs):.0f} us | {cold_ms} |")
         ratios = sorted(r["ratio"] for r in runs)
-        print(f"\nft.DataLoader / DataLoader + DistributedSampler: {med['ratio']:.3f} (median of {len(runs)} runs; "
-              f"{', '.join(f'{x:.3f}' for x in ratios)})")
+        cpu = sorted(r["cpu_ratio"] for r in runs)
+        print(f"\nft.DataLoader / DataLoader + DistributedSampler, samples/s: {med['ratio']:.3f} (median of {len(runs)} "
+              f"runs; {', '.join(f'{x:.3f}' for x in ratios)}); by CPU time per sample (a replica's main process and "
+              f"its loader's workers): {statistics.median(cpu):.3f} ({', '.join(f'{x:.3f}' for x in cpu)})")
     if heals:
         h = [r["heal_to_batch_s"] for r in heals]
         print(f"a restarted replica, end of its heal -> its first batch: {statistics.median(h) * 1e3:.0f} ms median "
