@@ -47,7 +47,6 @@ p.add_argument("--grad_clip", type=float, default=1.0)
 p.add_argument("--warmup_iters", type=int, default=10)
 p.add_argument("--lr_decay_iters", type=int, default=100)
 p.add_argument("--min_lr", type=float, default=3e-4)
-p.add_argument("--step_sleep", type=float, default=0.0)  # tests: a slower step, to signal mid-run
 p.add_argument("--out", default=None)
 args = p.parse_args()
 globals().update(vars(args))
@@ -171,8 +170,6 @@ while True:
     if iter_num % log_interval == 0 and master_process:
         lossf = loss.item() * gradient_accumulation_steps
         print(f"iter {iter_num}: loss {lossf:.4f}, time {dt * 1000:.2f}ms", flush=True)
-    if step_sleep:
-        time.sleep(step_sleep)
     iter_num += 1
     if iter_num > max_iters:
         break
