@@ -271,9 +271,9 @@ def main() -> None:
                   f"{statistics.median(r['fetch_cpu_us_per_batch'][arm] for r in runs):.0f} us | {cold_ms} |")
         ratios = sorted(r["ratio"] for r in runs)
         cpu = sorted(r["cpu_ratio"] for r in runs)
-        print(f"\nft.DataLoader / DataLoader + DistributedSampler, samples/s: {med['ratio']:.3f} (median of {len(runs)} "
-              f"runs; {', '.join(f'{x:.3f}' for x in ratios)}); by CPU time per sample (a replica's main process and "
-              f"its loader's workers): {statistics.median(cpu):.3f} ({', '.join(f'{x:.3f}' for x in cpu)})")
+        print(f"\nft.DataLoader / DataLoader + DistributedSampler, samples/s: {med['ratio']:.3f} (median of "
+              f"{len(runs)} runs; {', '.join(f'{x:.3f}' for x in ratios)}); by CPU time per sample (a replica's main "
+              f"process and its loader's workers): {statistics.median(cpu):.3f} ({', '.join(f'{x:.3f}' for x in cpu)})")
     if heals:
         h = [r["heal_to_batch_s"] for r in heals]
         print(f"a restarted replica, end of its heal -> its first batch: {statistics.median(h) * 1e3:.0f} ms median "

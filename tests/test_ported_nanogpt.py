@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_ftrun
-from test_ft import _assert_identical, _finish, _state, _wait_replica, start_ftrun
+from test_ft import _assert_identical, _finish, _wait_replica
 
 PORTED = ROOT / "tests" / "ported"
 BEFORE = PORTED / "nanogpt_like.py"
