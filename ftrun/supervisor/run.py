@@ -401,7 +401,7 @@ class Supervisor:
             self.ledger.done(w, w.finished_at)
             return
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
-        if self.cfg.ft and ev.exit_code == EXIT_CANNOT_GO_ON and not w.hang_reason:
+        if ev.exit_code == EXIT_CANNOT_GO_ON and not w.hang_reason and any(l.startswith("ftrun.ft: ") for l in tail):
             self._cannot_go_on(w, tail)
             return
         reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
