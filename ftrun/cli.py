@@ -1,9 +1,9 @@
-"""The `ftrun` command line: run (the default), status, recipes, validate.
+"""The `ftrun` command line: run (the default), status, recipes, validate, report.
 
 Parses flags with typer, turns the ones the user typed into a RunConfig and
 hands it to the supervisor. A user's mistake becomes one line and exit 2.
 This module must never import torch at module level: `--help`, `status`,
-`recipes` and `validate` stay torch-free; only `run` reaches the supervisor.
+`recipes`, `validate` and `report` stay torch-free; only `run` reaches the supervisor.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ftrun.errors import ConfigError
 from ftrun.options import HOOK_OPTIONS, NEGATED, OPTIONS, OptionError
 from ftrun.protocol import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_USAGE
 
-COMMANDS = ("run", "status", "recipes", "validate")
+COMMANDS = ("run", "status", "recipes", "validate", "report")
 RECIPE_HELP = "YAML recipe (file or bundled name); flags on the command line win."
 
 app = typer.Typer(
@@ -145,6 +145,19 @@ def recipes_cmd(name: Optional[str] = typer.Argument(None, help="Print this bund
     from ftrun.recipe import recipes_main
 
     raise typer.Exit(recipes_main(name))
+
+
+@app.command("report")
+def report_cmd(
+    run_id: Optional[str] = typer.Argument(None, help="The run (its id or a unique prefix); the newest run if left "
+                                           "out.", show_default=False),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Where to write the page. [default: "
+                                         "RUN-report.html here]", show_default=False, metavar="FILE"),
+) -> None:
+    """Write one self-contained HTML page of a run: replicas over time, failures, steps/s, checkpoints, goodput."""
+    from ftrun.status.run_report import report_main
+
+    raise typer.Exit(report_main(run_id, output))
 
 
 @app.command("validate")

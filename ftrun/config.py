@@ -73,6 +73,7 @@ class RunConfig:
     checkpoint_keep: int = 2
     hook: Optional[HookSpec] = None
     step_timeout: Optional[float] = None
+    metrics_port: Optional[Tuple[str, int]] = None  # --metrics-port: (host, port) of the Prometheus endpoint
     shutdown_timeout: float = 5.0
     log_dir: Optional[str] = None
     quiet: bool = False
@@ -245,7 +246,7 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     kw["nproc"] = resolve_nproc(pick("nproc"), sources["nproc"])
     for key in ("max_restarts", "min_replicas", "replica_size", "step_timeout", "shutdown_timeout", "node_rank",
                 "master_addr", "master_port", "join_timeout", "ft", "quiet", "verbose", "module", "no_python",
-                "log_dir", "ranks",
+                "log_dir", "ranks", "metrics_port",
                 "local_ranks_filter", "role", "signals_to_handle", "virtual_local_rank", "local_addr"):
         kw[key] = pick(key)
     kw["checkpoint_dir"] = pick("checkpoint_dir")
@@ -483,9 +484,23 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
                                                      or cfg.sources.get("rdzv_endpoint") != "default"):
         key = "master_addr" if cfg.sources.get("master_addr") != "default" else "rdzv_endpoint"
         _check_master_addr_is_here(cfg.master_addr, "--master-addr", cfg.sources.get(key, CLI))
+    if cfg.metrics_port is not None:
+        _check_metrics_port(cfg)
     if cfg.rdzv != "c10d":
         # c10d: node ranks (and so the run's folder here) are known only after the join.
         _check_no_live_twin(cfg)
+
+
+def _check_metrics_port(cfg: RunConfig) -> None:
+    """--metrics-port: its address must be this machine's and its port free (a port per node)."""
+    host, port = cfg.metrics_port
+    shown = f"--metrics-port {host}:{port}{_from(cfg.sources.get('metrics_port', CLI))}"
+    if not is_local_address(host):
+        raise _fail("metrics_port", f"{shown}: {host} is not an address of this machine; give a port alone "
+                                    f"(served on 127.0.0.1) or this machine's address")
+    if port and not port_is_free(host, port):
+        raise _fail("metrics_port", f"{shown}: the port is already in use (another run on this machine, or "
+                                    f"another node of this run?); pick another, one per node, or 0 for a free one")
 
 
 def python_path_for(cwd: str) -> list:

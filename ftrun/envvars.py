@@ -95,6 +95,8 @@ VARIABLES: Tuple[EnvVar, ...] = (
            "$XDG_RUNTIME_DIR/ftrun, else /tmp/ftrun-UID"),
     EnvVar("FTRUN_VERBOSE", SETTING, "1: as --verbose (ftrun's per-rank lines on the console too); --quiet wins "
            "over it.", "0"),
+    EnvVar("FTRUN_PROGRESS", SETTING, "0: no progress line for ftrun's own long waits (nodes joining, a replica "
+           "healing or resuming from a checkpoint); it is drawn only when stderr is a terminal.", "1"),
     EnvVar("FTRUN_NO_SLURM", SETTING, "1: ignore the SLURM_* variables altogether.", "0"),
     EnvVar("FTRUN_NODE_TIMEOUT", SETTING, "Seconds without a node's heartbeat before it counts as lost "
            "(0.5 to 3600).", "3"),

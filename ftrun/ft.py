@@ -130,8 +130,10 @@ def epochs(total: int) -> Iterator[int]:
 
 
 def redo() -> bool:
-    """True when the step ft.steps() just handed out was handed out before: the round before was
-    discarded (a peer died mid-step), or the run resumed from a checkpoint taken at this step.
-    The same on every replica. Gate the script's own side effects on it (an evaluation, a save,
-    a log line) to run them once per step: `if step % 500 == 0 and not ft.redo(): evaluate()`."""
+    """True when the step just handed out was handed out before on this state: the step before
+    was discarded (a peer died mid-step) or not stepped. The same on every replica. Gate the
+    script's own side effects on it (an evaluation, a save, a log line) to run them once per
+    step: `if step % 500 == 0 and not ft.redo(): evaluate()`. A run resumed from a checkpoint
+    hands out the checkpoint's step as a new one: the checkpoint holds the state from before
+    that step's side effects."""
     return manager().redo

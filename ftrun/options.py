@@ -210,6 +210,23 @@ def _endpoint(value: Any) -> Tuple[str, Optional[int]]:
     return m.group(1), port
 
 
+def _metrics_addr(value: Any) -> Tuple[str, int]:
+    """'PORT' (on loopback) or 'HOST:PORT' / '[v6]:PORT' -> (host, port); port 0 picks a free one."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    text = _text(value).strip()
+    host, port = ("127.0.0.1", text) if text.isdigit() else (None, None)
+    if host is None:
+        try:
+            host, port = _endpoint(text)
+        except ValueError:
+            port = None
+    if host is None or port is None or not str(port).isdigit() or int(port) > 65535:
+        raise ValueError(f"must be a port (served on 127.0.0.1) or HOST:PORT such as 0.0.0.0:9400, not "
+                         f"{_describe(value)}")
+    return host, int(port)
+
+
 RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "read_timeout", "timeout", "is_host",
                   "keep_alive_interval", "keep_alive_max_attempt", "heartbeat", "store_type", "use_libuv")
 
@@ -454,6 +471,10 @@ OPTIONS_LIST: Tuple[Option, ...] = (
          "Seconds without an optimizer step before a replica counts as hung (stacks dumped, killed, restarted); "
          "0: off.",
          metavar="S"),
+    _opt("metrics_port", _both("--metrics-port"), _metrics_addr, None,
+         "Serve Prometheus metrics at http://HOST:PORT/metrics: a port (on loopback), or HOST:PORT to listen "
+         "elsewhere (0.0.0.0:PORT: every interface); port 0 picks a free one (ftrun status --json shows it).",
+         pet=True, metavar="[HOST:]PORT"),
     _opt("quiet", ("--quiet", "-q"), _bool, False, "Print only ftrun's own lines, not the workers'.", is_flag=True),
     _opt("verbose", ("--verbose",), _bool, False,
          "Also print ftrun's per-rank lines (joins, state transfers, traffic every 100 steps); by default they "

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_ft_overhead.py              # tiny and 2.1M-parameter AdamW models, 3 runs each
     .venv/bin/python scripts/bench_ft_overhead.py --runs 1
+    .venv/bin/python scripts/bench_ft_overhead.py --metrics --runs 5   # what --metrics-port costs the step
 
 Each run is `ftrun --nproc 3 --ft scripts/train_ft_vs_ddp.py`: every worker
 builds the model three times: under torch's DDP on a gloo group of its own,
@@ -12,6 +13,15 @@ random order, so all see the same machine at the same moments. A run's figure is
 time over the three workers; the ratio is plain DDP's time over ftrun.ft's
 (1.0 = --ft costs nothing), and the Python-hook DDP's over ftrun.ft's. Medians over
 --runs runs are printed as a markdown table.
+
+--metrics: what goodput accounting and --metrics-port cost the failure-free step.
+Each run is a pair of the same runs, one without and one with --metrics-port while
+a scraper reads /metrics every second (Prometheus's default is every 15 s), in a
+random order; the figure is ftrun.ft's step time with over without, per pair, and
+its median. The accounting itself runs in both (it cannot be turned off): its cost
+is the supervisor's CPU time per second of run, measured in-process on the same
+stream of events the supervisor sees (3 lanes, a report every 0.25 s, a state write
+every 0.2 s).
 """
 
 from __future__ import annotations
@@ -19,10 +29,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +48,52 @@ MODELS = {
 }
 
 
-def one(args: list) -> dict:
+def _scrape(port: int, stop: threading.Event, seen: list) -> None:
+    """Read http://127.0.0.1:PORT/metrics every second until `stop` (the run's metrics server)."""
+    while not stop.wait(1.0):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                seen.append(len(r.read()))
+        except OSError:
+            pass
+
+
+def one(args: list, metrics: bool = False) -> dict:
     env = dict(os.environ, FTRUN_HOME=tempfile.mkdtemp(prefix="bench-ftov-"))
-    out = subprocess.run([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft",
-                          str(ROOT / "scripts" / "train_ft_vs_ddp.py"), *args], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=900)
+    extra, stop, seen = [], threading.Event(), []
+    if metrics:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        extra = ["--metrics-port", str(port)]
+        threading.Thread(target=_scrape, args=(port, stop, seen), daemon=True).start()
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", *extra,
+                             str(ROOT / "scripts" / "train_ft_vs_ddp.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    sup = psutil.Process(proc.pid)
+    cpu = (0.0, 0.0, time.monotonic())  # the supervisor's own CPU seconds, sampled while it runs
+    out_parts: list = []
+    reader = threading.Thread(target=lambda: out_parts.append(proc.communicate(timeout=900)), daemon=True)
+    reader.start()
+    try:
+        t_first = None
+        while reader.is_alive():
+            try:
+                times = sup.cpu_times()
+                now = time.monotonic()
+                t_first = t_first or (times.user + times.system, now)
+                cpu = (t_first[0], times.user + times.system, now - t_first[1])
+            except psutil.Error:
+                pass
+            reader.join(0.5)
+    finally:
+        stop.set()
+    stdout, stderr = out_parts[0]
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    if metrics and not seen:
+        raise SystemExit("bench_ft_overhead: --metrics-port served nothing to the scraper")
     rows = [json.loads(line.split("[result] ", 1)[1]) for line in (out.stdout + out.stderr).splitlines()
             if "[result] " in line]
     if out.returncode != 0 or len(rows) != 3:
@@ -45,13 +101,66 @@ def one(args: list) -> dict:
     ddp = statistics.mean(r["ddp_mean_ms"] for r in rows)
     py = statistics.mean(r["pyhook_mean_ms"] for r in rows)
     ft = statistics.mean(r["ft_mean_ms"] for r in rows)
-    return {"ddp_ms": ddp, "pyhook_ms": py, "ft_ms": ft, "ratio": ddp / ft, "py_ratio": py / ft}
+    sup_cpu = (cpu[1] - cpu[0]) / cpu[2] if cpu[2] > 0 else 0.0
+    return {"ddp_ms": ddp, "pyhook_ms": py, "ft_ms": ft, "ratio": ddp / ft, "py_ratio": py / ft, "sup_cpu": sup_cpu}
+
+
+def accounting_cost(seconds: float = 20.0) -> float:
+    """The supervisor's CPU seconds per second of run spent on goodput accounting: the events
+    of `seconds` of a 3-replica run at 50 steps/s (a report per replica every 0.25 s, a state
+    write every 0.2 s), fed to the accountant as the supervisor feeds them."""
+    from ftrun.supervisor.goodput import Accountant
+
+    acc = Accountant(3, started=0.0, ft=True)
+    for r in range(3):
+        acc.spawned(r, 0.0)
+    t, step, writes = 1.0, 0, 0
+    c0 = time.process_time()
+    while t < seconds:
+        step += 12
+        for r in range(3):
+            acc.progress(r, t + 0.01, step, t, 1.0)
+        for _ in range(round(0.25 / 0.2)):
+            acc.snapshot(t)
+            writes += 1
+        t += 0.25
+    return (time.process_time() - c0) / seconds
+
+
+def metrics_main(runs: int) -> None:
+    table = []
+    for name, margs in MODELS.items():
+        pairs = []
+        for _ in range(runs):
+            order = [False, True]
+            random.shuffle(order)
+            got = {m: one(margs, metrics=m) for m in order}
+            pairs.append((got[False]["ft_ms"], got[True]["ft_ms"], got[False]["sup_cpu"], got[True]["sup_cpu"]))
+            print(f"{name}: without {pairs[-1][0]:.3f} ms (supervisor {100 * pairs[-1][2]:.2f}% of a core), "
+                  f"with --metrics-port {pairs[-1][1]:.3f} ms ({100 * pairs[-1][3]:.2f}%)", flush=True)
+        ratios = [p[1] / p[0] for p in pairs]
+        table.append((name, statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs),
+                      statistics.median(ratios), min(ratios), max(ratios),
+                      statistics.median(p[2] for p in pairs), statistics.median(p[3] for p in pairs)))
+    print("\n| model | --ft step | --ft step, --metrics-port scraped every 1 s | with / without (median of pairs) "
+          "| min - max | supervisor CPU without | with |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, wo, w, med, lo, hi, cwo, cw in table:
+        print(f"| {name} | {wo:.3f} ms | {w:.3f} ms | {med:.4f} | {lo:.4f} - {hi:.4f} | {100 * cwo:.2f}% "
+              f"| {100 * cw:.2f}% |")
+    cost = accounting_cost()
+    print(f"\n{runs} pairs each, 3 workers, gloo on CPU; load average {os.getloadavg()[0]:.1f}; goodput accounting "
+          f"(on in both): {1e6 * cost:.0f} us of the supervisor's CPU per second of run ({100 * cost:.3f}% of a core)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--metrics", action="store_true", help="with and without --metrics-port, in pairs")
     args = ap.parse_args()
+    if args.metrics:
+        metrics_main(args.runs)
+        return
     table = []
     for name, margs in MODELS.items():
         runs = [one(margs) for _ in range(args.runs)]

@@ -16,5 +16,5 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -c "import torch" || { echo "setup: could not install ${FTRUN_TORCH:-torch==2.13.0}; install torch into .venv yourself and rerun" >&2; exit 1; }
 fi
 "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
-"$VPY" -c "import ftrun, torch, typer, rich, psutil, yaml, numpy, setproctitle" || { echo "setup: dependencies missing after install" >&2; exit 1; }
+"$VPY" -c "import ftrun, torch, typer, rich, psutil, yaml, numpy, setproctitle, prometheus_client" || { echo "setup: dependencies missing after install" >&2; exit 1; }
 echo "setup: ready (.venv/bin/ftrun, torch $("$VPY" -c 'import torch; print(torch.__version__)'))"

@@ -10,6 +10,7 @@ for a in "$@"; do
   if [ "$a" = "--quick" ]; then quick=1; else args+=("$a"); fi
 done
 bash scripts/setup.sh
+bash scripts/setup_system.sh  # chromium and prometheus, for the report's and the metrics' tests
 if [ "$quick" = 1 ]; then
   exec .venv/bin/python -m pytest -q -p no:cacheprovider -m quick tests ${args[@]+"${args[@]}"}
 fi

@@ -20,12 +20,13 @@ def test_a_failure_free_ft_run_prints_only_what_matters(ftrun_home, tmp_path, mo
     proc = run_ftrun(["--nproc", 3, "--ft", "--log-dir", logs, TRAIN, "--steps", 250, "--print-every", 100])
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr.splitlines()
-    # ftrun's own lines: the start, the quorum, the end
+    # ftrun's own lines: the start, the quorum, the end and the goodput summary (two lines)
     ours = [line for line in err if line.startswith("ftrun: ")]
-    assert len(ours) == 3, err
+    assert len(ours) == 5, err
     assert ours[0].startswith("ftrun: run ") and "3 workers of" in ours[0], ours
     assert ours[1] == "ftrun: quorum 1: 3 replicas (first replicas joined)", ours
     assert re.fullmatch(r"ftrun: run \S+ finished in [\d.]+ s", ours[2]), ours
+    assert re.match(r"ftrun: goodput [\d.]+%: ", ours[3]) and ours[4].startswith("ftrun: lost: start-up "), ours
     # from the workers' stderr: the traffic figures once, at the end, from one rank
     from_workers = [line for line in err if line.startswith("[rank")]
     assert len(from_workers) == 1 and re.fullmatch(AT_EXIT, from_workers[0]), from_workers

@@ -250,7 +250,7 @@ def test_every_option_is_a_recipe_key():
                "log_dir": "logs", "local_addr": "n1", "logs_specs": "x", "numa_binding": "node",
                "duplicate_stdout_filters": "a,b", "duplicate_stderr_filters": "a", "ranks": "0",
                "local_ranks_filter": "0,1", "step_timeout": 5, "max_restarts": 1, "master_port": 29500,
-               "checkpoint_dir": "ck"}
+               "checkpoint_dir": "ck", "metrics_port": 9400}
     for key, opt in OPTIONS.items():
         value = samples.get(key, opt.default)
         assert value is not None, f"no sample for {key}"

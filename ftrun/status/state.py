@@ -77,6 +77,15 @@ class RunStatus:
     # write_s, pause_s, time (wall clock when it was published); and the saves that failed:
     # failed_total, failed_since (since that one), last_failure {step, why, final, time}
     checkpoint: Optional[Dict[str, Any]] = None
+    # Goodput (ftrun.supervisor.goodput): the share of this node's replica-time spent on committed
+    # steps, the rest in replica-seconds by cause, and each failure (time, rank, replica, cause,
+    # kind, detect_s, back_s, lost_s, lost_steps, node_rank)
+    goodput: Optional[float] = None
+    lost_s: Optional[Dict[str, float]] = None
+    replica_s: Optional[float] = None
+    steps_lost: Optional[int] = None
+    failures: List[Dict[str, Any]] = field(default_factory=list)
+    metrics_url: Optional[str] = None    # --metrics-port: where the Prometheus text is served
     updated: float = field(default_factory=time.time)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -129,6 +138,16 @@ RUN_FIELDS: Dict[str, str] = {
     "checkpoint": "--checkpoint-dir: the newest good checkpoint written or resumed from: step, path, bytes, "
                   "write_s, pause_s, time (and age_s, added by ftrun status); the saves that failed: failed_total, "
                   "failed_since (since that one), last_failure (step, why, final: the loop's last step, time).",
+    "goodput": "The share of this node's replica-time so far spent on committed steps (0..1; docs: Goodput, "
+               "report and metrics).",
+    "lost_s": "Replica-seconds not spent on committed steps, by cause: startup, failures, hangs, checkpoints, "
+              "waiting, end.",
+    "replica_s": "This node's replica-time so far: its replicas times the seconds since ftrun started.",
+    "steps_lost": "Steps discarded or redone (--ft: discarded rounds; without --ft: the steps since the script's "
+                  "own last save, at each group restart).",
+    "failures": "Each failure (the newest 100): time, rank, replica, node_rank, cause, kind (exit, signal, hang, "
+                "remote), detect_s, back_s (null while away), lost_s, lost_steps.",
+    "metrics_url": "--metrics-port: where the Prometheus text is served, or null.",
     "updated": "When the supervisor last wrote the file (Unix seconds).",
 }
 REPLICA_FIELDS: Dict[str, str] = {

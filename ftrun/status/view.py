@@ -285,6 +285,9 @@ def render_run(run: Dict[str, Any], width: Optional[int] = None) -> "RenderableT
         lines.append(Text(f"  checkpoint saves failed: {since} since the last good one, {ck['failed_total']} in all"
                           + (f"; last, step {last.get('step')}: {last.get('why')}" if last else ""),
                           style="bold red" if since else "yellow"))
+    gp = _goodput_line(run)
+    if gp is not None:
+        lines.append(gp)
     if ended:
         code = run.get("exit_code")
         summary = run.get("exit_summary") or ""
@@ -329,6 +332,30 @@ def render_run(run: Dict[str, Any], width: Optional[int] = None) -> "RenderableT
     if reps:
         lines.append(table)
     return Group(*lines)
+
+
+CAUSE_WORDS = {"startup": "start-up", "failures": "failures", "hangs": "hangs", "checkpoints": "checkpoints",
+               "waiting": "waiting", "end": "end"}
+
+
+def _goodput_line(run: Dict[str, Any]) -> Optional[Any]:
+    """'goodput 97.1%; lost: start-up 4.2s, failures 1.3s; 2 failures, back in 0.84s, 0.91s' (None before any figure)."""
+    from rich.text import Text
+
+    gp = run.get("goodput")
+    if not isinstance(gp, (int, float)):
+        return None
+    lost = run.get("lost_s") if isinstance(run.get("lost_s"), dict) else {}
+    parts = [f"{CAUSE_WORDS.get(c, c)} {_age(s)}" for c, s in sorted(lost.items(), key=lambda cs: -(cs[1] or 0))
+             if isinstance(s, (int, float)) and s >= 0.05]
+    text = f"  goodput {100 * gp:.1f}%" + ("; lost: " + ", ".join(parts) if parts else "")
+    fails = [f for f in run.get("failures") or [] if isinstance(f, dict)]
+    if fails:
+        backs = [_age(f["back_s"]) if isinstance(f.get("back_s"), (int, float)) else "not back" for f in fails[-3:]]
+        text += f"; {len(fails)} failure{'s' if len(fails) != 1 else ''}, back in {', '.join(backs)}"
+    if run.get("metrics_url") and run.get("phase") != RunPhase.ENDED.value:
+        text += f"; metrics {run['metrics_url']}"
+    return Text(text, style="cyan")
 
 
 def render(runs: List[Dict[str, Any]], run_id: Optional[str] = None, width: Optional[int] = None) -> "RenderableType":

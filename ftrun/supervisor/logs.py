@@ -76,6 +76,9 @@ class ConsoleOut:
         self.hidden = dict(hidden or {})  # local rank (-1: every one) -> torchrun Std bits kept off the console
         self.verbose = verbose  # ftrun's per-rank chatter on the console too (--verbose, FTRUN_VERBOSE=1)
         self.lock = threading.Lock()
+        # A progress line is drawn on the terminal (ftrun.supervisor.waits): every line goes through
+        # self.err, which prints above it; stdout's console would write through the drawing.
+        self.live = False
 
     @classmethod
     def for_config(cls, cfg: Any) -> "ConsoleOut":
@@ -105,7 +108,7 @@ class ConsoleOut:
             text.append(f"[rank {rank}] ", style=style)
             text.append(line + ("\n" if i < len(lines) - 1 else ""))
         with self.lock:
-            (self.err if stderr else self.out).print(text)
+            (self.err if stderr or (self.live and self.out.is_terminal) else self.out).print(text)
 
     def note(self, message: str, style: str = "bold") -> None:
         """One of ftrun's own lines, on stderr."""

@@ -286,6 +286,7 @@ class NodeCoordinator:
         self.arrivals_key = rdzv_arrivals(cfg.round) if cfg.admits_late and self.me == 0 else ""
         self._next_arrival = cfg.nnodes
         self.waiting: List[int] = []  # node 0: late nodes waiting for a place (the run has max nodes)
+        self.waits: Any = None  # ftrun.supervisor.waits.Waits: progress while the nodes join, on a terminal
         # --ft on three nodes or more: the store moves when its node is lost
         # (ftrun.supervisor.failover). Every node but node 0 hosts a standby store from the start.
         self.host_node = 0
@@ -404,9 +405,14 @@ class NodeCoordinator:
                     f"(0..{cfg.nnodes - 1})")
             store.set(KEYS.who(self.me), f"{socket.gethostname()} pid {os.getpid()}")
             claims = [KEYS.claim(k) for k in range(self.nnodes)]
+            since = time.time()
             while True:
                 if store.check(claims):
                     break
+                if self.waits is not None and self.waits.enabled:  # a person waits at a terminal
+                    joined = sum(1 for c in claims if store.check([c]))
+                    self.waits.sync({"nodes": (f"waiting for the nodes of run {cfg.run_id} to join", since, joined,
+                                               self.nnodes)}, time.time())
                 if time.monotonic() > deadline:
                     missing = [str(k) for k in range(self.nnodes) if not store.check([KEYS.claim(k)])]
                     hint = (" (under Slurm: start ftrun with srun, one task per node)"

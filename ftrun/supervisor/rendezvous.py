@@ -71,6 +71,7 @@ from ftrun.supervisor.env import base_env
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.spawn import ZygoteSpawner
 from ftrun.supervisor.store import RunStore, bind_listener
+from ftrun.supervisor.waits import Waits
 
 POLL_S = 0.05
 JOIN_FAILED = nodes.JOIN_FAILED
@@ -336,9 +337,16 @@ def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, ne
     deadline = t0 + cfg.join_timeout
     last_call: Optional[float] = None
     least = max(cfg.min_nodes, need)
+    waits, since = Waits(console), time.time()  # on a terminal: the nodes arriving, while the round forms
     while True:
-        _check_moved(s)
+        try:
+            _check_moved(s)
+        except BaseException:  # the run's store moved (the caller joins it there): no line left drawn
+            waits.close()
+            raise
         count = _count(store, n)
+        waits.sync({"round": (f"waiting for nodes to form round {n} of run {cfg.run_id}", since, count,
+                              cfg.max_nodes)}, time.time())
         now = time.monotonic()
         if count >= least and last_call is None:
             # A first round short of MAX stays open long enough for the word that this run's
@@ -349,6 +357,7 @@ def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, ne
             size = min(count, cfg.max_nodes)
             break
         if last_call is None and now > deadline:
+            waits.close()
             s.set(_key(f"{n}/size"), "0")
             if need > cfg.min_nodes:
                 _fail(console, f"only {count} node{'s' if count != 1 else ''} came back within --rdzv-conf "
@@ -360,6 +369,7 @@ def _host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, ne
                            f"join_timeout={cfg.join_timeout:g}; start ftrun with the same line on the others")
             return JOIN_FAILED
         time.sleep(POLL_S)
+    waits.close()
     s.set(_key(f"{n}/size"), str(size))
     console.note(f"round {n}: {size} node{'s' if size != 1 else ''} formed run {cfg.run_id} at "
                  f"{cfg.master_addr}:{cfg.master_port} in {time.monotonic() - t0:.1f} s; this node is node 0",

@@ -16,7 +16,6 @@ and never wait on the queue outside the loop.
 from __future__ import annotations
 
 import enum
-import json
 import os
 import queue
 import signal
@@ -33,6 +32,8 @@ from ftrun.supervisor.env import base_env, common_env, log_dir, stacks_file, wor
 from ftrun.supervisor import activity
 from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
 from ftrun.supervisor.failover import NoMajority
+from ftrun.supervisor.ledger import Ledger
+from ftrun.supervisor.waits import Waits, replica_waits
 from ftrun.supervisor.nodes import NODE_LOST, REQUEUE, NodeCoordinator, NodeEvent
 from ftrun.supervisor.nodes import _one_line as nodes_one_line
 from ftrun.supervisor.quorum import QuorumKeeper
@@ -134,6 +135,9 @@ class Supervisor:
             log_dir=str(self.log_dir),
         )
         self.state_path = self.run_dir / "state.json"
+        self.ledger = Ledger(cfg, self.started, self.run_dir, self.console)  # goodput, timeline, metrics
+        self._ledger_failed = False
+        self.waits = Waits(self.console)  # progress of ftrun's own long waits, on a terminal only
         self._dirty = True
         self._last_write = 0.0
         self._last_poll = 0.0
@@ -198,16 +202,22 @@ class Supervisor:
         else:
             self.spawner = PopenSpawner(self.events)
         self.use_zygote = use_zygote
+        self.status.metrics_url = self.ledger.start_metrics()
         self._write_state()
         self.console.note(
             f"run {cfg.run_id}: {cfg.nproc} worker{'s' if cfg.nproc != 1 else ''} of {cfg.script}"
             f"{' (' + self.policy.name + ', ' + str(cfg.max_restarts) + ' restarts)' if cfg.max_restarts else ''}"
             f"{', hook ' + cfg.hook.describe() if cfg.hook else ''}; logs in {self.log_dir}",
             style="bold blue")
+        if self.status.metrics_url:
+            self.console.note(f"metrics at {self.status.metrics_url}", style="blue")
         code: Optional[int] = EXIT_FAILED
         try:
             # With several nodes, no worker starts anywhere before every node has joined.
+            if self.nodes is not None:
+                self.nodes.waits = self.waits
             code = self.nodes.join() if self.nodes is not None else None
+            self.waits.sync({}, time.time())
             if code is not None and self.nodes.summary:
                 self.status.exit_summary = self.nodes.summary
             if code is None and cfg.ft:
@@ -247,6 +257,7 @@ class Supervisor:
         w.begin_incarnation(f"{w.rank}.{w.incarnation}.{time.monotonic_ns()}",
                             WorkerState.RECOVERING if self.cfg.ft and w.incarnation else WorkerState.STARTING,
                             keep_steps=self.cfg.ft)
+        self.ledger.spawned(w, time.time())
         self.by_tag[w.tag] = w
         self._progress_seen.pop(w.rank, None)
         if self.quorum is not None:
@@ -452,9 +463,10 @@ class Supervisor:
         if ev.exit_code == 0 and not w.hang_reason:
             w.state = WorkerState.DONE
             w.finished_at = time.time()
+            self.ledger.done(w, w.finished_at)
             return
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
-        if self.cfg.ft and ev.exit_code == EXIT_CANNOT_GO_ON and not w.hang_reason:
+        if ev.exit_code == EXIT_CANNOT_GO_ON and not w.hang_reason and any(l.startswith("ftrun.ft: ") for l in tail):
             self._cannot_go_on(w, tail)
             return
         reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
@@ -465,6 +477,7 @@ class Supervisor:
         w.last_failure = failure
         if self.first_failure is None:
             self.first_failure = failure
+        self.ledger.failed(w, failure, time.time(), ev.seen)
         self._on_failure(w, failure)
 
     def _cannot_go_on(self, w: Worker, tail: List[str]) -> None:
@@ -521,6 +534,7 @@ class Supervisor:
         why = (REPEATED if self.policy.repeated else
                f"its restart budget ({self.policy.max_restarts}) is spent")
         if decision is Decision.DROP_REPLICA:
+            self.ledger.given_up(w, time.time())
             self.console.note(f"{who} {failure.reason}; {why}: carrying on with {live_after} "
                               f"replica{'s' if live_after != 1 else ''} (--min-replicas {self.policy.min_replicas})",
                               style="bold red")
@@ -618,6 +632,8 @@ class Supervisor:
                 return waited
         else:
             self._clean_store_for_new_attempt()
+        self._read_last_reports()  # where each rank stopped and last saved: the steps this attempt lost
+        self.ledger.group_restart(time.time(), self._rank0_report())
         self.status.group_restarts = self.policy.restarts
         for o in self.workers:
             o.incarnation = self.policy.restarts
@@ -667,6 +683,7 @@ class Supervisor:
     def _on_node_event(self, ev: NodeEvent) -> None:
         """What the other nodes' coordinator saw: the store gone, a node lost, another node's failure."""
         if ev.kind == "remote_failure":
+            self.ledger.remote_failure(ev.info, time.time())
             self._group_failure(None, None, ev.info)
             return
         live = [w for w in self.workers if w.alive]
@@ -794,6 +811,7 @@ class Supervisor:
         attempts = self.give_up_why or (f"restart budget spent ({self.cfg.max_restarts} restart"
                                         f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
         drain([p for w in self.workers for p in w.pumps])  # the report comes after the workers' lines
+        self._fill_goodput(end=True)  # the goodput summary, before the report: the report is the last word
         self.console.renderable(failure_report(first, attempts, self.workers))
         return first.status_code
 
@@ -824,6 +842,7 @@ class Supervisor:
         if self.stopping is not None:
             self.stopping.pending.pop(w.tag, None)
         w.kill_at = None
+        self.ledger.stopped(w, time.time())
         if w.state not in (WorkerState.RESTARTING, WorkerState.FAILED):
             w.state = WorkerState.STOPPED
         if self.quorum is not None:
@@ -877,6 +896,9 @@ class Supervisor:
                 self._poll_progress(now)
                 if self.cfg.step_timeout != 0:
                     self._check_hangs(now)
+                if self.quorum is not None and self.waits.enabled:
+                    q = self.quorum
+                    self.waits.sync(replica_waits(q.info, q.alive, self.k, q.local), now)
             if self.quorum is not None:
                 self._poll_quorum(now)
                 if self.nodes is not None and self.nodes.waiting:
@@ -921,6 +943,7 @@ class Supervisor:
             steps = int(parts[1])
             w.last_heartbeat = now
             w.note_activity(parts, now)
+            self.ledger.progress(w, parts, now)
             if w.state == WorkerState.STARTING and self.quorum is None:
                 w.state = WorkerState.RUNNING
                 self._dirty = True
@@ -996,6 +1019,7 @@ class Supervisor:
             return
         if ck is not None:
             self.status.checkpoint = ck
+            self.ledger.checkpoint(ck)  # once per good checkpoint (a failed save changes nothing there)
             self._dirty = True
 
     def _reports_store(self) -> RunStore:
@@ -1036,6 +1060,7 @@ class Supervisor:
                 continue
             w.hang_reason = reason
             w.state = WorkerState.HUNG
+            self.ledger.hung(w, now, limit)
             named.add(w.rank // self.k)
             self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: killing it; its Python stacks "
                               f"go to {stacks_file(self.cfg, w.rank)}", style="bold red")
@@ -1139,12 +1164,40 @@ class Supervisor:
         self.status.replicas = [self._replica_status(w) for w in self.workers]
         if self.nodes is not None:
             self.status.replicas = self.nodes.all_replicas(self.status.replicas)
+        self._fill_goodput()
         try:
             write_state(self.state_path, self.status)
         except OSError:
             pass
         self._last_write = time.time()
         self._dirty = False
+
+    def _rank0_report(self) -> Optional[List[str]]:
+        """Rank 0's last progress report, on a node that does not run it (without --ft every
+        worker reports to the run's store): a script's checkpoint is usually saved there."""
+        if self.cfg.node_rank == 0 or self.store is None or self.store.store is None:
+            return None
+        try:
+            if not self.store.store.check([progress_key(0)]):
+                return None
+            raw = self.store.multi_get([progress_key(0)])[0]
+        except Exception:  # the store went away: this node's own reports stand
+            return None
+        return (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split()
+
+    def _fill_goodput(self, end: bool = False) -> None:
+        """The goodput figures (state, timeline, metrics; at the end the summary too). Accounting
+        must never take the run down: an error in it is said once, and the run goes on."""
+        try:
+            if end:
+                self.ledger.finish(self.status, self.status.ended or time.time())
+            else:
+                self.ledger.fill(self.status, time.time())
+        except Exception as e:  # noqa: BLE001
+            if not self._ledger_failed:
+                self._ledger_failed = True
+                self.console.note(f"internal error in the goodput accounting ({type(e).__name__}: {e}); "
+                                  f"the run goes on without it", style="yellow")
 
     def _read_last_reports(self) -> None:
         """Take in the report each worker writes as it exits (ftrun.worker.progress), so the
@@ -1163,6 +1216,7 @@ class Supervisor:
             parts = (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split()
             if len(parts) >= 5 and int(parts[0]) == w.incarnation and int(parts[1]) > 0:
                 w.steps = int(parts[1])
+                self.ledger.progress(w, parts, time.time())
         if self.quorum is not None:
             try:
                 self.quorum.poll(time.time())  # the replicas' last info: the run's final figures
@@ -1172,6 +1226,7 @@ class Supervisor:
     def _finish(self, code: int) -> None:
         # Nothing may outlive ftrun: whatever still runs (the loop was left by an error, or a
         # stop is under way) is killed now, by the same stopping state the loop drives.
+        self.waits.close()
         if self.stopping is not None:
             self.stopping.then, self.stopping.code = AfterStop.EXIT, code
             self._kill_stopping_now()
@@ -1208,6 +1263,8 @@ class Supervisor:
         self._write_state()
         if code == 0:
             self.console.note(f"run {self.cfg.run_id} finished in {time.time() - self.started:.1f} s", style="bold green")
+        self._fill_goodput(end=True)  # the books closed, the timeline's last write, the summary
+        self._write_state()
         for line, style in checkpoints.last_lines(self.status.checkpoint):
             self.console.note(line, style=style)
 

@@ -22,7 +22,8 @@ import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import psutil
@@ -43,6 +44,7 @@ class Exited:
     pid: int
     exit_code: Optional[int]   # None when killed by a signal
     signal: Optional[int]
+    seen: float = field(default_factory=time.time, compare=False)  # when the exit was reaped (time to detect)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 A global optimizer step hook counts steps with no change to the user's script;
 with --step-timeout, a global module forward hook and wrappers of
 torch.save/torch.load count other progress (evaluation, checkpoints), so a
-long evaluation or save is not taken for a hang. A daemon thread writes
-`incarnation steps last_step_time now pid activity` (and, under --ft, the
+long evaluation or save is not taken for a hang. Without --ft, torch.save and
+torch.distributed.checkpoint's saves note the step count they were made at:
+a group restart loses the steps since then (the supervisor's goodput). A daemon thread writes
+`incarnation steps last_step_time now pid activity first_step_time saved_steps` (and, under --ft, the
 counters of ftrun.ft) to the supervisor's store every HEARTBEAT_S (and at
 once after the first step, and once more as the worker exits), so the
 supervisor can show live health, spot a hung rank, and record where each
@@ -54,6 +56,11 @@ class ProgressReporter:
         self.activity = 0           # forward passes and torch.save/torch.load calls
         self.busy = 0               # torch.save/torch.load calls running now: progress while they last
         self.global_step: Optional[int] = None  # set by ftrun.ft, which counts committed steps
+        self.first_step_time = 0.0  # this process's first step: when its replica was back (goodput)
+        # Without --ft: the step count when the script's latest save returned (-1: none yet);
+        # a group restart loses the steps after it (ftrun.supervisor.goodput).
+        self.saved_steps = -1
+        self._dcp_wrapped = False
         self.info_provider = None  # ftrun.ft: a callable returning a JSON-able dict for `ftrun status`
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -78,6 +85,8 @@ class ProgressReporter:
             warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
             torch.save = self._counted(torch.save)
             torch.load = self._counted(torch.load)
+        if os.environ.get("FTRUN_FT") != "1":
+            torch.save = self._saving(torch.save)
         self._thread.start()
         atexit.register(self.stop)
 
@@ -93,6 +102,7 @@ class ProgressReporter:
         self.steps += 1
         self.last_step_time = time.time()
         if self.steps == 1:
+            self.first_step_time = self.last_step_time
             self._wake.set()
 
     def _on_forward(self, *_args: Any) -> None:
@@ -110,6 +120,28 @@ class ProgressReporter:
                 self.activity += 1
         return wrapper
 
+    def _saving(self, fn: Callable) -> Callable:
+        """`fn` (a save) that notes the step count it saved at, once it returns."""
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if self.saved_steps != self.steps:
+                self.saved_steps = self.steps
+                self._wake.set()  # reported at once: a failure right after a save loses nothing
+            return out
+        return wrapper
+
+    def _wrap_dcp(self) -> None:
+        """Once the script has imported torch.distributed.checkpoint (importing it here would cost
+        every worker its import time), its saves note their step count as torch.save's do."""
+        dcp = sys.modules.get("torch.distributed.checkpoint")
+        if dcp is None or self._dcp_wrapped or os.environ.get("FTRUN_FT") == "1":
+            return
+        self._dcp_wrapped = True
+        for name in ("save", "async_save"):
+            if callable(getattr(dcp, name, None)):
+                setattr(dcp, name, self._saving(getattr(dcp, name)))
+
     def move_to(self, addr: str) -> None:
         """The run's store moved (ftrun.ft follows it): report there from now on, unless the
         reports go to the node's store, which stays where it is (its ftrun relays them on)."""
@@ -126,6 +158,8 @@ class ProgressReporter:
         self.global_step = step
         now = time.time()
         self.last_step_time = now
+        if not self.first_step_time:
+            self.first_step_time = now
         if now - self._written_at >= STEP_REPORT_S:
             self._wake.set()
 
@@ -151,8 +185,10 @@ class ProgressReporter:
         steps = self.global_step if self.global_step is not None else self.steps
         if self.busy:
             self.activity += 1  # a save or load that takes long is progress while it runs
+        self._wrap_dcp()
         store.set(progress_key(self.rank), f"{self.incarnation} {steps} {self.last_step_time:.3f} "
-                                           f"{time.time():.3f} {os.getpid()} {self.activity}")
+                                           f"{time.time():.3f} {os.getpid()} {self.activity} "
+                                           f"{self.first_step_time:.3f} {self.saved_steps}")
         if self.info_provider is not None:
             # "beat" changes every report, so the keeper can tell a live report from a stale one.
             store.set(info_key(self.rank), json.dumps({**self.info_provider(), "beat": beat}))

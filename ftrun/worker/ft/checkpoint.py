@@ -126,14 +126,6 @@ class Resumed:
     path: Path
     info: Dict[str, Any]
 
-    @property
-    def yielded(self) -> int:
-        """The newest step the run that wrote it had handed to its script (ft.redo())."""
-        try:
-            return int(self.info.get("yielded", self.step - 1))
-        except (TypeError, ValueError):
-            return self.step - 1
-
 
 @dataclass
 class _Job:

@@ -108,7 +108,13 @@ class Manager:
 
     def __init__(self) -> None:
         store_addr = os.environ.get("FTRUN_STORE")
-        if not store_addr or os.environ.get("FTRUN_FT") != "1":
+        if store_addr and os.environ.get("FTRUN_FT") != "1":
+            # Under ftrun without --ft: the same in every worker, on every restart. One line, the run stops.
+            _log(f"rank {os.environ.get('RANK', '?')}: this script uses ftrun.ft, which needs replica fault "
+                 f"tolerance: add --ft to the ftrun command line (or drop ftrun.ft for group restarts)")
+            sys.stderr.flush()
+            os._exit(keys.EXIT_CANNOT_GO_ON)
+        if not store_addr:
             raise RuntimeError("ftrun.ft needs to run under `ftrun --ft` (FTRUN_STORE and FTRUN_FT=1 are not set)")
         self._timeout = datetime.timedelta(seconds=float(os.environ.get("FTRUN_FT_VOTE_TIMEOUT", "600")))
         # On several nodes this member votes through its node's store (vote.Node), which lives as
@@ -168,8 +174,9 @@ class Manager:
         self.step_listeners: List[Callable[[], None]] = []  # called as this member takes a step
         self.loaders: List[Any] = []  # every ft.DataLoader (ft/data.py), in the order made
         self.epochs_state: Any = None  # ft.epochs()' registered epoch (ft/data.py), once asked for
-        # ft.redo(): the step just handed to the script was handed out before (a discarded round,
-        # a resume from a checkpoint taken at it); `yielded` travels in heals, so all replicas agree.
+        # ft.redo(): the step just handed to the script was handed out before on this state (a
+        # discarded round); `yielded` travels in heals, so all replicas agree. A checkpoint holds the
+        # state from before its step's side effects: a resumed run hands that step out as new.
         self.yielded = -1
         self.redo = False
         self.committed = 0
@@ -1082,7 +1089,7 @@ class Manager:
         self._resumed = True
         if found is not None:
             self.step = found.step
-            self.yielded = max(self.yielded, found.yielded)
+            self.yielded = max(self.yielded, found.step - 1)
             if self._progress is not None:
                 self._progress.note_step(self.step)
 
