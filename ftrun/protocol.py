@@ -64,6 +64,11 @@ class NodeKeys:
     def go(self, attempt: int) -> str:
         return f"{self.prefix}go/{attempt}"       # node 0's word that attempt+1 may start
 
+    def report0(self, attempt: int) -> str:
+        # rank 0's last progress report of a stopped attempt, copied by node 0 before attempt+1
+        # starts (the new rank 0 overwrites its progress key at once): where its script saved
+        return f"{self.prefix}report0/{attempt}"
+
     def standby(self, k: int) -> str:
         return f"{self.prefix}standby/{k}"        # host:port of node k's standby store (--ft; nodes >= 1)
 

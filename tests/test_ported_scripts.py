@@ -51,7 +51,14 @@ def test_tutorial_port_survives_kills(ftrun_home, tmp_path):
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
-    assert err.count("restarting it alone") == 2 and err.count("healed from a peer") >= 2, err[-3000:]
+    # Each killed replica restarts alone. A survivor may restart too, by the protocol's rule and
+    # never otherwise: its collective of step k+1 went through while a peer's of step k had
+    # failed, so the round keeps k steps it cannot take back (exit 75, healed like any other).
+    restarts = [line for line in err.splitlines() if "restarting it alone" in line]
+    killed = [line for line in restarts if "killed by SIGKILL" in line]
+    assert len(killed) == 2 and all("exited with code 75;" in line for line in restarts if line not in killed), \
+        err[-3000:]
+    assert err.count("healed from a peer") >= len(restarts), err[-3000:]
     logs = [(ftrun_home / "tut" / "logs" / f"rank{r}" / "stdout.log").read_text() for r in range(3)]
     finals = [_weights(log.split("=====")[-1]) for log in logs]
     assert len({w for f in finals for w in f.values()}) == 1, finals

@@ -61,7 +61,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from ftrun.protocol import (EXIT_FAILED, EXIT_REQUEUE, EXIT_SIGNAL_BASE, EXIT_USAGE, RDZV, RDZV_HOST, NodeKeys, rdzv_admit,
+from ftrun.protocol import (EXIT_FAILED, progress_key, EXIT_REQUEUE, EXIT_SIGNAL_BASE, EXIT_USAGE, RDZV, RDZV_HOST, NodeKeys, rdzv_admit,
                             rdzv_arrivals)
 from ftrun.status.state import ReplicaStatus
 from ftrun.supervisor import failover
@@ -693,6 +693,25 @@ class NodeCoordinator:
                 return False
         return True
 
+    def _keep_rank0_report(self, n: int) -> None:
+        """Node 0, every node stopped: keep rank 0's last report of attempt n for the other nodes
+        (rank0_report), before attempt n+1's rank 0 replaces it."""
+        try:
+            if self.run_store.store.check([progress_key(0)]):
+                self.store.set(KEYS.report0(n), self.run_store.store.get(progress_key(0)))
+        except Exception:  # only the goodput estimate of the other nodes depends on it
+            pass
+
+    def rank0_report(self, n: int) -> Optional[List[str]]:
+        """Rank 0's last progress report of attempt n, as node 0 kept it; None when it did not."""
+        try:
+            if not self.store.check([KEYS.report0(n)]):
+                return None
+            raw = self.store.get(KEYS.report0(n))
+        except Exception:  # the store went away: this node's own reports stand
+            return None
+        return (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split()
+
     def attempt_barrier(self, fail_code: int) -> Optional[NodeEvent | int]:
         """After this node stopped its workers of the current attempt n: wait until every node
         has; node 0 then clears the workers' keys and lets attempt n+1 start.
@@ -713,6 +732,7 @@ class NodeCoordinator:
                             self.run_store.clear_worker_keys()
                         except Exception as e:  # the attempt may still work; say why it might not
                             self._note(f"could not clear the store between attempts: {e}")
+                        self._keep_rank0_report(n)
                         store.compare_set(KEYS.fail(n + 1), "", "")
                         store.set(KEYS.go(n + 1), "1")
                         self.attempt = n + 1

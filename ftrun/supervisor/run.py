@@ -623,6 +623,7 @@ class Supervisor:
     def _restart_group(self, code: int) -> Optional[int]:
         """Every worker of this node has stopped: start the next attempt once every node has
         (`code`: the failure's status, for a node that ended meanwhile); else ftrun's exit status."""
+        attempt = self.nodes.attempt if self.nodes is not None else 0
         if self.nodes is not None:
             waited = self.nodes.attempt_barrier(code)
             if isinstance(waited, NodeEvent):
@@ -633,7 +634,7 @@ class Supervisor:
         else:
             self._clean_store_for_new_attempt()
         self._read_last_reports()  # where each rank stopped and last saved: the steps this attempt lost
-        self.ledger.group_restart(time.time(), self._rank0_report())
+        self.ledger.group_restart(time.time(), self._rank0_report(attempt))
         self.status.group_restarts = self.policy.restarts
         for o in self.workers:
             o.incarnation = self.policy.restarts
@@ -1172,18 +1173,13 @@ class Supervisor:
         self._last_write = time.time()
         self._dirty = False
 
-    def _rank0_report(self) -> Optional[List[str]]:
-        """Rank 0's last progress report, on a node that does not run it (without --ft every
-        worker reports to the run's store): a script's checkpoint is usually saved there."""
-        if self.cfg.node_rank == 0 or self.store is None or self.store.store is None:
+    def _rank0_report(self, attempt: int) -> Optional[List[str]]:
+        """Rank 0's last progress report of the stopped `attempt`, on a node that does not run it
+        (a script's checkpoint is usually saved there). Node 0 keeps a copy before the next
+        attempt starts: by the time this node reads, the new rank 0 has replaced its report."""
+        if self.cfg.node_rank == 0 or self.nodes is None:
             return None
-        try:
-            if not self.store.store.check([progress_key(0)]):
-                return None
-            raw = self.store.multi_get([progress_key(0)])[0]
-        except Exception:  # the store went away: this node's own reports stand
-            return None
-        return (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split()
+        return self.nodes.rank0_report(attempt)
 
     def _fill_goodput(self, end: bool = False) -> None:
         """The goodput figures (state, timeline, metrics; at the end the summary too). Accounting
