@@ -25,3 +25,17 @@ class ConfigError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+# The command line as a source of values (ConfigError's "where:" and `--dry-run`'s table).
+CLI = "command line"
+
+
+def blame(key: str, message: str) -> ConfigError:
+    """A cross-key problem, blamed on `key` (a recipe error lands on that key's line)."""
+    return ConfigError(message, key=key, problem=message)
+
+
+def from_source(source: str) -> str:
+    """' (from PET_MASTER_ADDR)' for a value that did not come from the command line."""
+    return "" if source in (CLI, "default") else f" (from {source})"

@@ -16,7 +16,9 @@ import re
 import shlex
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ftrun.config import CLI, RunConfig, is_local_address, this_node_name
+from ftrun.config import RunConfig
+from ftrun.errors import CLI
+from ftrun.machine import is_local_address, this_node_name
 from ftrun.options import HOOK_OPTIONS, OPTIONS_LIST, Option
 from ftrun.supervisor.env import base_env, common_env, log_dir, worker_env
 

@@ -18,18 +18,10 @@ from pathlib import Path
 import pytest
 
 from conftest import FTRUN, ROOT, SCRIPTS, STEP_LOOP, run_ftrun, start_ftrun, wait_for_line
+from helpers import assert_bad
 
 TRAIN = SCRIPTS / "train_ddp.py"
 LONG_ID = "r" * 300
-
-
-def _assert_bad(proc, *needles):
-    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("ftrun: error:") and "Traceback" not in proc.stderr, proc.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 def _nothing_started(home: Path) -> None:
@@ -93,7 +85,7 @@ def test_numbers_that_are_not_numbers(ftrun_home, args, needles):
         _parse_cli(args)
     assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
     if NUMBERS.index((args, needles)) in CLI_NUMBERS:
-        _assert_bad(run_ftrun(args + [TRAIN], timeout=30), *needles)
+        assert_bad(run_ftrun(args + [TRAIN], timeout=30), *needles)
     _nothing_started(ftrun_home)
 
 
@@ -106,7 +98,7 @@ def test_numbers_in_recipes_and_validate(ftrun_home, tmp_path, key, value, needl
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"nproc: 1\n{key}: {value}\n")
     for args in (["validate", recipe], ["--recipe", recipe, TRAIN]):
-        _assert_bad(run_ftrun(args, timeout=30), f"{recipe}:2", needle)
+        assert_bad(run_ftrun(args, timeout=30), f"{recipe}:2", needle)
     _nothing_started(ftrun_home)
 
 
@@ -120,13 +112,13 @@ def test_numbers_in_recipes_and_validate(ftrun_home, tmp_path, key, value, needl
     ("FTRUN_STORE_MOVES", "no", "FTRUN_STORE_MOVES='no' must be 0 or 1"),
 ])
 def test_numbers_and_names_from_the_environment(ftrun_home, var, value, needle):
-    _assert_bad(run_ftrun([TRAIN], timeout=30, env={var: value}), needle)
+    assert_bad(run_ftrun([TRAIN], timeout=30, env={var: value}), needle)
     _nothing_started(ftrun_home)
 
 
 @pytest.mark.parametrize("value", ["0", "abc", "1e9", "2000"])
 def test_steps_per_ft_round_from_the_environment(ftrun_home, value):
-    _assert_bad(run_ftrun(["--ft", TRAIN], timeout=30, env={"FTRUN_FT_ROUND_STEPS": value}),
+    assert_bad(run_ftrun(["--ft", TRAIN], timeout=30, env={"FTRUN_FT_ROUND_STEPS": value}),
                 f"FTRUN_FT_ROUND_STEPS={value!r} is not a whole number of steps from 1 to 1024")
     _nothing_started(ftrun_home)
 
@@ -147,10 +139,10 @@ def test_paths_ftrun_must_write(ftrun_home, tmp_path):
         (["--run-id", "ün"], ["--run-id", "ASCII"]),
     ]
     for args, needles in cases:
-        _assert_bad(run_ftrun(args + [TRAIN], timeout=30), *needles)
+        assert_bad(run_ftrun(args + [TRAIN], timeout=30), *needles)
     _nothing_started(ftrun_home)
     # The runs folder itself (FTRUN_HOME) under a regular file.
-    _assert_bad(run_ftrun([TRAIN], timeout=30, env={"FTRUN_HOME": str(a_file / "home")}), "FTRUN_HOME",
+    assert_bad(run_ftrun([TRAIN], timeout=30, env={"FTRUN_HOME": str(a_file / "home")}), "FTRUN_HOME",
                 f"{a_file} is a file")
 
 
@@ -174,7 +166,7 @@ def test_paths_ftrun_must_write(ftrun_home, tmp_path):
     (["--node-rank", "1", TRAIN], ["--node-rank 1", "one-node"]),
 ])
 def test_options_that_would_do_nothing(ftrun_home, args, needles):
-    _assert_bad(run_ftrun(args, timeout=30), *needles)
+    assert_bad(run_ftrun(args, timeout=30), *needles)
     _nothing_started(ftrun_home)
 
 
@@ -199,10 +191,10 @@ def test_validate_refuses_what_a_run_refuses(ftrun_home, tmp_path):
     for i, (name, (text, needles)) in enumerate(cases.items()):
         recipe = tmp_path / f"{name}.yaml"
         recipe.write_text(text)
-        _assert_bad(run_ftrun(["validate", recipe], timeout=30), str(recipe), *needles)
+        assert_bad(run_ftrun(["validate", recipe], timeout=30), str(recipe), *needles)
         if i < 4:  # the first four through `ftrun --recipe` too: a run refuses what validate refused
             run_args = ["--recipe", recipe] + ([] if "script:" in text else [good])
-            _assert_bad(run_ftrun(run_args, timeout=30), *needles)
+            assert_bad(run_ftrun(run_args, timeout=30), *needles)
     _nothing_started(ftrun_home)
     ok = tmp_path / "ok.yaml"
     ok.write_text(f"script: {good}\nnproc: 2\nlog_dir: {tmp_path / 'logs'}\n")
@@ -234,10 +226,10 @@ def test_one_node_master_addr_elsewhere(ftrun_home):
     for args in (["--master-addr", "192.0.2.7"], ["--master-addr", "192.0.2.7", "--master-port", port],
                  ["--rdzv-backend", "c10d", "--rdzv-endpoint", "192.0.2.7:0"], ["--master-addr", "no-such-host.invalid"]):
         t0 = time.monotonic()
-        _assert_bad(run_ftrun(args + [TRAIN], timeout=30), args[1].split(":")[0] if args[0] != "--rdzv-backend"
+        assert_bad(run_ftrun(args + [TRAIN], timeout=30), args[1].split(":")[0] if args[0] != "--rdzv-backend"
                     else "192.0.2.7", "one-node")
         assert time.monotonic() - t0 < 20
-    _assert_bad(run_ftrun([TRAIN], timeout=30, env={"PET_MASTER_ADDR": "192.0.2.7", "PET_MASTER_PORT": str(port)}),
+    assert_bad(run_ftrun([TRAIN], timeout=30, env={"PET_MASTER_ADDR": "192.0.2.7", "PET_MASTER_PORT": str(port)}),
                 "192.0.2.7 (from PET_MASTER_ADDR)")
     _nothing_started(ftrun_home)
 
@@ -255,28 +247,28 @@ def test_one_node_master_addr_of_this_machine_runs(ftrun_home, tmp_path):
 def test_script_that_cannot_compile(ftrun_home, tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\n\nprint('x'\nx = 1\n")
-    _assert_bad(run_ftrun(["--max-restarts", "5", bad], timeout=30), f"{bad}:3", "SyntaxError")
+    assert_bad(run_ftrun(["--max-restarts", "5", bad], timeout=30), f"{bad}:3", "SyntaxError")
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('__init__ ran in the launcher')\n")
     (tmp_path / "pkg" / "train.py").write_text("for i in range(3)\n    pass\n")
     (tmp_path / "pkg" / "__main__.py").write_text("\tx = 1\n  y = 2\n")
-    _assert_bad(run_ftrun(["-m", "pkg.train"], timeout=30, cwd=tmp_path), "pkg/train.py:1", "SyntaxError")
-    _assert_bad(run_ftrun(["-m", "pkg"], timeout=30, cwd=tmp_path), "pkg/__main__.py:1", "IndentationError")
+    assert_bad(run_ftrun(["-m", "pkg.train"], timeout=30, cwd=tmp_path), "pkg/train.py:1", "SyntaxError")
+    assert_bad(run_ftrun(["-m", "pkg"], timeout=30, cwd=tmp_path), "pkg/__main__.py:1", "IndentationError")
     nul = tmp_path / "nul.py"
     nul.write_bytes(b"print(1)\x00\n")
-    _assert_bad(run_ftrun([nul], timeout=30), str(nul), "--no-python")
+    assert_bad(run_ftrun([nul], timeout=30), str(nul), "--no-python")
     _nothing_started(ftrun_home)
 
 
 # --------------------------------------------------------------------------- 7. more workers than the machine
 def test_nproc_beyond_this_machine(ftrun_home):
-    from ftrun.config import max_workers
+    from ftrun.machine import max_workers
 
     limit, why = max_workers()
     t0 = time.monotonic()
-    _assert_bad(run_ftrun(["--nproc", "100000", TRAIN], timeout=30), "--nproc 100000", f"at most {limit}",
+    assert_bad(run_ftrun(["--nproc", "100000", TRAIN], timeout=30), "--nproc 100000", f"at most {limit}",
                 "lower --nproc")
-    _assert_bad(run_ftrun(["--nproc", str(limit + 1), TRAIN], timeout=30), f"at most {limit}")
+    assert_bad(run_ftrun(["--nproc", str(limit + 1), TRAIN], timeout=30), f"at most {limit}")
     assert time.monotonic() - t0 < 20
     _nothing_started(ftrun_home)
 
@@ -288,15 +280,15 @@ def test_torch_too_old_is_one_line(ftrun_home, tmp_path):
     fake.mkdir(parents=True)
     (fake / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.3.1\n")
     env = {"PYTHONPATH": str(tmp_path / "site")}
-    _assert_bad(run_ftrun([TRAIN], timeout=30, env=env), "torch 2.3.1 is too old", "torch>=2.10")
+    assert_bad(run_ftrun([TRAIN], timeout=30, env=env), "torch 2.3.1 is too old", "torch>=2.10")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("nproc: 1\n")
-    _assert_bad(run_ftrun(["validate", recipe], timeout=30, env=env), "torch>=2.10")
+    assert_bad(run_ftrun(["validate", recipe], timeout=30, env=env), "torch>=2.10")
     _nothing_started(ftrun_home)
 
 
 def test_pyproject_states_the_torch_floor():
-    from ftrun.config import TORCH_FLOOR
+    from ftrun.preflight import TORCH_FLOOR
 
     text = (ROOT / "pyproject.toml").read_text()
     assert f'"torch>={TORCH_FLOOR[0]}.{TORCH_FLOOR[1]}"' in text
@@ -426,7 +418,7 @@ def test_stalled_rank_and_a_second_run_of_the_same_id(ftrun_home, tmp_path):
                     "2 running replicas", "twin")
         # 2. the same run id while it runs: refused, nothing of the first touched.
         twin = run_ftrun(["--nproc", "1", "--run-id", "twin", script, stop], timeout=60, cwd=tmp_path)
-        _assert_bad(twin, "--run-id twin", "already running", f"pid {sup.pid}")
+        assert_bad(twin, "--run-id twin", "already running", f"pid {sup.pid}")
         assert sup.poll() is None
 
         # 9. SIGSTOP one worker: it is shown as stalled, the other stays running.

@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from conftest import FTRUN, ROOT, SCRIPTS, free_port, really_alive, run_ftrun
+from helpers import assert_bad
 
 TRAIN = SCRIPTS / "train_ft.py"
 WORKER = ROOT / "tests" / "ckpt_worker.py"
@@ -244,14 +245,6 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
     assert _complete(d) == [55, 60, 65]  # a foreign run writes nothing
 
 
-def _assert_bad(proc, *needles):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("ftrun: error:"), proc.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-
-
 def test_checkpoint_options_bad_input(ftrun_home, tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
@@ -268,10 +261,10 @@ def test_checkpoint_options_bad_input(ftrun_home, tmp_path):
          ["--checkpoint-keep", "whole number"]),
     ]
     for args, needles in cases:
-        _assert_bad(run_ftrun(["--nproc", 2, *args, script], timeout=30), *needles)
+        assert_bad(run_ftrun(["--nproc", 2, *args, script], timeout=30), *needles)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"nproc: 2\nft: true\ncheckpoint_dir: {a_file}\ncheckpoint_every: 10\n")
-    _assert_bad(run_ftrun(["validate", recipe], timeout=30), "checkpoint_dir", "is a file")
+    assert_bad(run_ftrun(["validate", recipe], timeout=30), "checkpoint_dir", "is a file")
     recipe.write_text(f"nproc: 2\nft: true\ncheckpoint_dir: {tmp_path / 'ck'}\ncheckpoint_every: 10\n")
     ok = run_ftrun(["validate", recipe], timeout=30)
     assert ok.returncode == 0 and "checkpoint_dir" in ok.stdout, ok

@@ -10,18 +10,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, SCRIPTS, run_ftrun
+from helpers import assert_bad
 
 TRAIN = SCRIPTS / "train_ddp.py"
-
-
-def _assert_bad(proc, *needles):
-    assert proc.returncode == 2, (proc.returncode, proc.stderr)
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("ftrun: error:"), lines[0]
-    assert "Traceback" not in proc.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("args,needles", [
@@ -40,7 +31,7 @@ def _assert_bad(proc, *needles):
 @pytest.mark.quick
 def test_bad_input_exits_2_with_one_line(ftrun_home, args, needles):
     proc = run_ftrun(args, timeout=30)
-    _assert_bad(proc, *needles)
+    assert_bad(proc, *needles)
     assert not ftrun_home.exists() or not any(ftrun_home.iterdir()), "a run was started"
 
 
@@ -50,7 +41,7 @@ def test_port_in_use(ftrun_home):
         s.listen(1)
         port = s.getsockname()[1]
         proc = run_ftrun(["--master-port", port, TRAIN], timeout=30)
-    _assert_bad(proc, f"--master-port {port}", "in use")
+    assert_bad(proc, f"--master-port {port}", "in use")
 
 
 @pytest.mark.quick
@@ -87,7 +78,7 @@ def test_python_dash_m_ftrun_works():
 ])
 def test_bad_torchrun_input_exits_2_with_one_line(ftrun_home, args, env, needles):
     proc = run_ftrun(args, timeout=30, env=env)
-    _assert_bad(proc, *needles)
+    assert_bad(proc, *needles)
     assert not ftrun_home.exists() or not any(ftrun_home.iterdir()), "a run was started"
 
 
@@ -100,9 +91,9 @@ def test_module_is_found_from_the_working_directory(ftrun_home, tmp_path):
     ftrun_bin = [str(Path(sys.executable).parent / "ftrun")]
     run = lambda *a: subprocess.run(ftrun_bin + list(a), capture_output=True, text=True, timeout=60,  # noqa: E731
                                     cwd=tmp_path / "proj")
-    _assert_bad(run("-m", "pkg.sub"), "package without a __main__", "pkg.sub.train")
-    _assert_bad(run("-m", "pkg.nope"), "no module named 'pkg.nope'")
-    _assert_bad(run("-m", "pkg/train.py"), "not a module name")
+    assert_bad(run("-m", "pkg.sub"), "package without a __main__", "pkg.sub.train")
+    assert_bad(run("-m", "pkg.nope"), "no module named 'pkg.nope'")
+    assert_bad(run("-m", "pkg/train.py"), "not a module name")
 
 
 def test_every_torchrun_option_is_accepted_with_its_pet_name():

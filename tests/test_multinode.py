@@ -23,9 +23,10 @@ import pytest
 import torch
 
 from conftest import FTRUN, ROOT, SCRIPTS, free_port, really_alive, run_ftrun, start_ftrun
+from helpers import read_state
 from test_env_contract import CONTRACT
 
-from ftrun.config import store_bind_addr
+from ftrun.machine import store_bind_addr
 from ftrun.slurm import expand_hostlist, first_host, job_port, layout_from_env
 
 TRAIN = SCRIPTS / "train_ddp.py"
@@ -67,23 +68,16 @@ def _finish(procs, timeout=120):
     return out
 
 
-def _state(home, run_id, k):
-    try:
-        return json.loads((home / f"{run_id}.node{k}" / "state.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _wait_running(home, run_id, k, ranks, min_step=1, timeout=30):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        st = _state(home, run_id, k)
+        st = read_state(home, f"{run_id}.node{k}")
         if st:
             reps = {r["rank"]: r for r in st["replicas"]}
             if all(r in reps and reps[r]["state"] == "running" and reps[r]["step"] >= min_step for r in ranks):
                 return st
         time.sleep(0.1)
-    raise AssertionError(f"node {k} never ran ranks {ranks}: {_state(home, run_id, k)}")
+    raise AssertionError(f"node {k} never ran ranks {ranks}: {read_state(home, f'{run_id}.node{k}')}")
 
 
 def _params(out, world):
@@ -170,7 +164,7 @@ def test_worker_kill_on_node1_restarts_every_node_under_slurm(ftrun_home, tmp_pa
         # `ftrun status` on node 0 shows every node's replicas, here those of the restarted attempt.
         deadline = time.time() + 30
         while True:
-            st0 = _state(ftrun_home, run_id, 0)
+            st0 = read_state(ftrun_home, f"{run_id}.node{0}")
             # Node 1's table reaches node 0 through the store a moment later: wait for all four.
             if st0 and st0["group_restarts"] == 1 and sum(r["state"] == "running" and r["restarts"] == 1
                                                           for r in st0["replicas"]) == 4:

@@ -64,7 +64,8 @@ import socket
 import time
 from typing import Any, Optional, Tuple
 
-from ftrun.config import RunConfig, store_listen_addr, store_bind_addr, this_node_name
+from ftrun.config import RunConfig
+from ftrun.machine import store_bind_addr, store_listen_addr, this_node_name
 from ftrun.protocol import EXIT_SIGNAL_BASE, RDZV, RDZV_MOVED, RDZV_RUN, NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.supervisor import failover, nodes, redirect
 from ftrun.supervisor.env import base_env

@@ -1,0 +1,64 @@
+"""Helpers that several test files share, written once: the one-line error of bad input, a run's
+state file, and ftrun started with its stderr in a file (so a failing test can show it).
+
+Fixtures and the plain runners (run_ftrun, start_ftrun, wait_for_line) are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional, Tuple
+
+from conftest import FTRUN, ROOT
+
+
+def assert_bad(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """Bad input: exit 2, one line on stderr, `ftrun: error: ...` naming each needle, no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ftrun: error:") and "Traceback" not in proc.stderr, proc.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def read_state(home: Path, folder: str) -> Optional[dict]:
+    """The state file of run folder `folder` (a run id, or `ID.nodeK`) under `home`; None while it
+    is missing or half-written."""
+    try:
+        return json.loads((home / folder / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def start_logged(args, env=None, cwd=ROOT) -> subprocess.Popen:
+    """ftrun with `args`, its stdout discarded and its stderr in a file (`err_text`)."""
+    err = tempfile.NamedTemporaryFile("w+", prefix="ftrun-err-", suffix=".log", delete=False)
+    proc = subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=err, text=True,
+                            env={**os.environ, **(env or {})}, cwd=cwd)
+    proc.err_path = err.name
+    return proc
+
+
+def err_text(proc: subprocess.Popen) -> str:
+    """What a start_logged ftrun wrote to stderr so far."""
+    return Path(proc.err_path).read_text()
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120.0, expect: Optional[int] = None) -> Tuple[int, str]:
+    """(exit status, stderr) of a start_logged ftrun; a run still going after `timeout` s is killed
+    and fails the test with its stderr, as does an exit status other than `expect` (when given)."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"ftrun did not finish in {timeout:g} s\n{err_text(proc)[-4000:]}") from None
+    err = err_text(proc)
+    if expect is not None:
+        assert proc.returncode == expect, err[-4000:]
+    return proc.returncode, err
