@@ -154,7 +154,7 @@ def test_every_state_file_field_is_documented():
     status = RunStatus(run_id="r", script="x.py", argv=[], started=1.0, pid=-1, hook=None, policy="group restart",
                        max_restarts=0, nproc=1, replicas=[ReplicaStatus(rank=0, local_rank=0, last_heartbeat=1.0)],
                        checkpoint={"step": 1, "time": 1.0})
-    shown = snapshot(Path("state.json"), status, now=2.0, boot=None)
+    shown = snapshot(Path("state.json"), status, now=2.0)
     assert not set(shown) - set(RUN_FIELDS) - set(DERIVED_RUN_FIELDS)
     assert not set(shown["replicas"][0]) - set(REPLICA_FIELDS) - set(DERIVED_REPLICA_FIELDS)
     assert not set(unreadable(Path("x/state.json"), "bad")) - set(RUN_FIELDS) - set(DERIVED_RUN_FIELDS)

@@ -104,7 +104,8 @@ def test_live_run_table_and_json(home, sup):
 
 
 def test_multinode_run_shows_node_column(home, sup):
-    from ftrun.status.view import collect, render
+    from ftrun.status.render import render
+    from ftrun.status.view import collect
     from rich.console import Console
 
     path = make_run("ftrun-2nodes", sup, n=4, nnodes=2)

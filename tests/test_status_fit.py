@@ -19,7 +19,8 @@ def test_piped_and_narrow_status_cut_no_value(home, sup):  # noqa: F811
     state, "104…" for a step)."""
     from rich.console import Console
 
-    from ftrun.status.view import collect, render
+    from ftrun.status.render import render
+    from ftrun.status.view import collect
 
     make_run("ftrun-narrow", sup, ft=True, n=3)
     piped = run_ftrun(["status"], timeout=30, env={"FTRUN_HOME": str(home), "COLUMNS": "40"})
