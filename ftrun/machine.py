@@ -44,6 +44,7 @@ def cpu_count() -> int:
 
 
 def port_is_free(addr: str, port: int) -> bool:
+    """Whether a listener could bind `addr:port` now."""
     with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as s:
         # As the store's own listener does: connections of an earlier run still in
         # TIME_WAIT must not make a free port look taken.
