@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
-from conftest import FTRUN, ROOT
+from conftest import FTRUN, ROOT, run_ftrun
 
 
 def assert_bad(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -62,3 +62,17 @@ def finish(proc: subprocess.Popen, timeout: float = 120.0, expect: Optional[int]
     if expect is not None:
         assert proc.returncode == expect, err[-4000:]
     return proc.returncode, err
+
+
+def status_record(run_id: str, home: Optional[Path] = None) -> dict:
+    """`ftrun status RUN_ID --json`'s record of the run (in runs folder `home`, else FTRUN_HOME's)."""
+    r = run_ftrun(["status", run_id, "--json"], timeout=30, env={"FTRUN_HOME": str(home)} if home else None)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)[0]
+
+
+def load_params(out, world: int) -> list:
+    """The parameters each rank of `world` saved to OUT.rankR.pt (the training scripts' --out)."""
+    import torch  # here, not at the top: the CLI's tests never load torch in the test process
+
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]

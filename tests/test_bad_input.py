@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FTRUN, ROOT, SCRIPTS, STEP_LOOP, run_ftrun, start_ftrun, wait_for_line
-from helpers import assert_bad
+from helpers import assert_bad, status_record
 
 TRAIN = SCRIPTS / "train_ddp.py"
 LONG_ID = "r" * 300
@@ -387,18 +387,12 @@ def test_status_with_damaged_state_files(ftrun_home):
 # --------------------------------------------------------------------------- 9 and 2: a live run
 
 
-def _status(run_id: str) -> dict:
-    r = run_ftrun(["status", run_id, "--json"], timeout=30)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)[0]
-
-
 def _wait(pred, timeout: float, what: str, run_id: str) -> dict:
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
         try:
-            last = _status(run_id)
+            last = status_record(run_id)
         except AssertionError:
             last = None
         if last is not None and pred(last):

@@ -11,16 +11,14 @@ losing node 0 under --ft ends the other node with the requeue status.
 from __future__ import annotations
 
 import json
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import psutil
 import torch
 
-from conftest import FTRUN, ROOT, SCRIPTS, free_port, really_alive, run_ftrun
-from helpers import assert_bad
+from conftest import ROOT, SCRIPTS, free_port, really_alive, run_ftrun
+from helpers import assert_bad, err_text, start_logged
 
 TRAIN = SCRIPTS / "train_ft.py"
 WORKER = ROOT / "tests" / "ckpt_worker.py"
@@ -29,33 +27,16 @@ FSDP = SCRIPTS / "train_fsdp_ft.py"
 BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr", 0.001]
 
 
-def _start(args, env=None) -> subprocess.Popen:
-    """ftrun in the background, its stderr in a file (read with _err)."""
-    import os
-
-    full = dict(os.environ)
-    full.update(env or {})
-    err = tempfile.NamedTemporaryFile("w+", prefix="ftrun-ck-", suffix=".log", delete=False)
-    proc = subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=err, text=True,
-                            env=full, cwd=ROOT)
-    proc.err_path = err.name
-    return proc
-
-
-def _err(proc) -> str:
-    return Path(proc.err_path).read_text()
-
-
 def _wait_for(pred, proc, what: str, timeout: float = 90.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if pred():
             return
         if proc.poll() is not None:
-            raise AssertionError(f"ftrun ended (exit {proc.returncode}) before {what}\n{_err(proc)[-3000:]}")
+            raise AssertionError(f"ftrun ended (exit {proc.returncode}) before {what}\n{err_text(proc)[-3000:]}")
         time.sleep(0.02)
     proc.kill()
-    raise AssertionError(f"never saw {what}\n{_err(proc)[-3000:]}")
+    raise AssertionError(f"never saw {what}\n{err_text(proc)[-3000:]}")
 
 
 def _kill_everything(proc) -> None:
@@ -111,27 +92,27 @@ def test_everything_killed_resumes_bitwise(ftrun_home, tmp_path):
     # The uninterrupted run goes on beside the others (a run mostly waits while it starts).
     # It stages each save with a fresh stager, as ftrun does on torch 2.11 (whose stager fails
     # every stage after its first).
-    ref = _start(cmd(ref_dir, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home"),
+    ref = start_logged(cmd(ref_dir, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home"),
                                                       "FTRUN_CHECKPOINT_FRESH_STAGER": "1"})
-    first = _start(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "6:120"})
+    first = start_logged(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "6:120"})
     partial = d / ".step-6.ck.partial"  # .step-N.<run id>.partial
     _wait_for(lambda: (partial / ".metadata").exists() and (d / "step-3").is_dir(), first,
               "the checkpoint of step 6 written but not published")
     _kill_everything(first)
     assert _complete(d) == [3] and (partial / ".metadata").exists()
 
-    second = _start(cmd(d, tmp_path / "out"))
+    second = start_logged(cmd(d, tmp_path / "out"))
     _wait_for(lambda: (d / "step-6").is_dir(), second, "the checkpoint of step 6 published")
     _kill_everything(second)
-    assert f"resumed from checkpoint {d}/step-3 at step 3" in _err(second), _err(second)[-3000:]
+    assert f"resumed from checkpoint {d}/step-3 at step 3" in err_text(second), err_text(second)[-3000:]
     newest = _complete(d)[-1]
     assert newest == 6, _complete(d)
 
     third = run_ftrun(cmd(d, tmp_path / "out"), timeout=180)
-    assert ref.wait(timeout=180) == 0, _err(ref)[-3000:]
+    assert ref.wait(timeout=180) == 0, err_text(ref)[-3000:]
     assert _complete(ref_dir) == [6, 9], _complete(ref_dir)
-    assert not [w for w in ("not written", "failed while writing", "not published") if w in _err(ref)], \
-        _err(ref)[-3000:]
+    assert not [w for w in ("not written", "failed while writing", "not published") if w in err_text(ref)], \
+        err_text(ref)[-3000:]
     size = json.loads((ref_dir / "step-9" / "ftrun.json").read_text())["bytes"]
     assert size > 100e6, size
     assert third.returncode == 0, third.stderr[-3000:]
@@ -187,15 +168,15 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
         return ["--nproc", nproc, "--ft", "--run-id", run_id, "--checkpoint-dir", folder, "--checkpoint-every", 5,
                 "--checkpoint-keep", 3, WORKER, steps, out, *extra]
 
-    ref = _start(cmd("ref", tmp_path / "ref-ck", 60, tmp_path / "ref", "--step-sleep", 0.03))
-    run = _start(cmd("hold", d, 60, tmp_path / "out", "--step-sleep", 0.03))
+    ref = start_logged(cmd("ref", tmp_path / "ref-ck", 60, tmp_path / "ref", "--step-sleep", 0.03))
+    run = start_logged(cmd("hold", d, 60, tmp_path / "out", "--step-sleep", 0.03))
     _wait_for(lambda: (d / "step-15").is_dir(), run, "the checkpoint of step 15")
     state = json.loads((ftrun_home / "hold" / "state.json").read_text())
     for r in state["replicas"]:
         psutil.Process(r["pid"]).kill()
     killed_after = _complete(d)[-1]
-    assert run.wait(timeout=120) == 0, _err(run)[-3000:]
-    err = _err(run)
+    assert run.wait(timeout=120) == 0, err_text(run)[-3000:]
+    err = err_text(run)
     assert "no replica holding the trained state is left: resuming from the newest checkpoint" in err, err[-3000:]
     resumed = [line for line in err.splitlines() if "resumed from checkpoint" in line]
     assert len(resumed) == 1 and int(resumed[0].rsplit("at step ", 1)[1].split()[0]) >= killed_after, resumed
@@ -203,7 +184,7 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
     back = [line for line in err.splitlines() if "is training again" in line]
     assert back and all("no replica held the trained state: resuming from the newest checkpoint" in line
                         for line in back), back
-    assert ref.wait(timeout=120) == 0, _err(ref)[-3000:]
+    assert ref.wait(timeout=120) == 0, err_text(ref)[-3000:]
     for r in range(2):
         a = torch.load(f"{tmp_path / 'ref'}.rank{r}.pt", weights_only=True)
         b = torch.load(f"{tmp_path / 'out'}.rank{r}.pt", weights_only=True)
@@ -235,8 +216,8 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
              "optimizer": (["--optim", "sgd"], "optimizer entry optim.state.0.weight.momentum_buffer")}
     for name, (extra, needle) in cases.items():  # one after the other: one run at a time on a folder
         t0 = time.monotonic()
-        run = _start(["-q", *cmd(name, d, 100, tmp_path / name, *extra, nproc=1)])
-        code, err = run.wait(timeout=120), _err(run)
+        run = start_logged(["-q", *cmd(name, d, 100, tmp_path / name, *extra, nproc=1)])
+        code, err = run.wait(timeout=120), err_text(run)
         assert code == 2, (name, code, err[-2000:])
         lines = [line for line in err.splitlines() if "does not fit this run" in line]
         assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("ftrun: rank 0: checkpoint "), err
@@ -278,7 +259,7 @@ def test_store_node_lost_under_ft_exits_for_requeue(ftrun_home, tmp_path):
     port = free_port()
     procs = {}
     for k in (1, 0):
-        procs[k] = _start(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+        procs[k] = start_logged(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                            "--nproc", 1, "--ft", "--run-id", "lost", "--checkpoint-dir", tmp_path / "ck",
                            "--checkpoint-every", 5, TRAIN, "--steps", 100_000, "--step-sleep", 0.02])
     try:
@@ -289,7 +270,7 @@ def test_store_node_lost_under_ft_exits_for_requeue(ftrun_home, tmp_path):
     finally:
         for p in procs.values():
             p.kill()
-    err = _err(procs[1])
+    err = err_text(procs[1])
     assert procs[1].returncode == 200, (procs[1].returncode, err[-3000:])
     assert "node 0 (the run's store at 127.0.0.1:" in err and f"exit 200: requeue the job to resume from {tmp_path / 'ck'}" \
         in err, err[-3000:]

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS, run_ftrun
-from test_checkpoint import _assert_bitwise, _complete, _err, _final_state, _kill_everything, _start, _wait_for
+from helpers import err_text, start_logged, status_record
+from test_checkpoint import _assert_bitwise, _complete, _final_state, _kill_everything, _wait_for
 
 TRAIN = SCRIPTS / "train_ft.py"
 SMALL = ["--dim", 64, "--hidden", 224, "--depth", 2, "--optim", "adam"]  # 0.85 MB of checkpoint
@@ -48,12 +49,6 @@ def _fill(disk: Path) -> Path:
         except OSError:
             pass
     return filler
-
-
-def _status(home: Path, run_id: str) -> dict:
-    r = run_ftrun(["status", run_id, "--json"], timeout=30, env={"FTRUN_HOME": str(home)})
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)[0]
 
 
 def _checkpoint_status(home: Path, run_id: str) -> dict:
@@ -100,7 +95,7 @@ def test_full_disk_from_the_start_never_hangs(ftrun_home, small_disk):
     assert last[0].startswith("ftrun: the checkpoint of the last step (60) could not be written"), last
     assert last[1] == "ftrun: 8 checkpoint saves failed in this run; no checkpoint was written", last
     assert _no_partials(d) == [] and _complete(d) == []
-    ck = _status(ftrun_home, "full")["checkpoint"]
+    ck = status_record("full", ftrun_home)["checkpoint"]
     assert ck["failed_total"] == 8 and ck["failed_since"] == 8 and ck["last_failure"]["final"], ck
 
 
@@ -111,33 +106,33 @@ def test_full_disk_mid_run_recovers_and_no_replica_is_killed(ftrun_home, small_d
     writes. Then the disk fills again and the run is stopped with SIGTERM: the save before
     stopping fails in one line, and ftrun exits with the usual status."""
     d = small_disk / "ck"
-    run = _start(["--nproc", 2, "--ft", "--run-id", "fills", "--checkpoint-dir", d, "--checkpoint-every", 10,
+    run = start_logged(["--nproc", 2, "--ft", "--run-id", "fills", "--checkpoint-dir", d, "--checkpoint-every", 10,
                   TRAIN, *SMALL, "--steps", 100_000, "--step-sleep", 0.02, "--print-every", 100_000])
     try:
         _wait_for(lambda: (d / "step-20" / "ftrun.json").exists(), run, "the checkpoint of step 20")
         filler = _fill(small_disk)
-        _wait_for(lambda: _err(run).count("not written") >= 2, run, "two failed saves")
+        _wait_for(lambda: err_text(run).count("not written") >= 2, run, "two failed saves")
         # `ftrun status` follows within a fraction of a second (the supervisor reads the store a few times a second)
         _wait_for(lambda: _checkpoint_status(ftrun_home, "fills").get("failed_since", 0) >= 2, run,
                   "two failed saves in ftrun status", timeout=30)
-        ck = _status(ftrun_home, "fills")["checkpoint"]
+        ck = status_record("fills", ftrun_home)["checkpoint"]
         assert ck["step"] >= 20 and "full or over quota" in ck["last_failure"]["why"], ck
-        failed_steps = [int(s) for s in re.findall(r"checkpoint of step (\d+) not written", _err(run))]
+        failed_steps = [int(s) for s in re.findall(r"checkpoint of step (\d+) not written", err_text(run))]
         filler.unlink()
         _wait_for(lambda: any(s > max(failed_steps) for s in _complete(d)), run, "a checkpoint after the failures")
         _wait_for(lambda: _checkpoint_status(ftrun_home, "fills").get("failed_since") == 0, run,
                   "the new checkpoint in ftrun status", timeout=30)
-        ck = _status(ftrun_home, "fills")["checkpoint"]
+        ck = status_record("fills", ftrun_home)["checkpoint"]
         assert ck["failed_total"] >= 2, ck
         assert _no_partials(d) == [], list(d.iterdir())
         _fill(small_disk)
-        seen = _err(run).count("not written")
-        _wait_for(lambda: _err(run).count("not written") > seen, run, "a failed save on the full disk again")
+        seen = err_text(run).count("not written")
+        _wait_for(lambda: err_text(run).count("not written") > seen, run, "a failed save on the full disk again")
         run.send_signal(signal.SIGTERM)
-        assert run.wait(timeout=60) == 128 + signal.SIGTERM, _err(run)[-3000:]
+        assert run.wait(timeout=60) == 128 + signal.SIGTERM, err_text(run)[-3000:]
     finally:
         run.kill()
-    err = _err(run)
+    err = err_text(run)
     assert "failed before stopping" in err, err[-3000:]
     assert not re.search(r"hung|restarting|Traceback|CheckpointException", err), err[-3000:]
     assert _no_partials(d) == [], list(d.iterdir())
@@ -170,7 +165,7 @@ def test_damaged_content_falls_back_to_the_newest_good_checkpoint(ftrun_home, tm
                  "--checkpoint-keep", 5, TRAIN, *SMALL, "--steps", steps, "--print-every", 1000]
                 + (["--out", out] if out else []))
 
-    ref = _start(cmd(tmp_path / "ref-ck", 60, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")})
+    ref = start_logged(cmd(tmp_path / "ref-ck", 60, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")})
     first = run_ftrun(cmd(d, 50), timeout=120)
     assert first.returncode == 0 and _complete(d) == [10, 20, 30, 40, 50], (_complete(d), first.stderr[-2000:])
     data = "__0_0.distcp"
@@ -192,7 +187,7 @@ def test_damaged_content_falls_back_to_the_newest_good_checkpoint(ftrun_home, tm
         assert (d / f"step-{step}.damaged").is_dir()
     assert f"resumed from checkpoint {d}/step-10 at step 10" in again.stderr, again.stderr[-3000:]
     assert "Traceback" not in again.stderr
-    assert ref.wait(timeout=120) == 0, _err(ref)[-2000:]
+    assert ref.wait(timeout=120) == 0, err_text(ref)[-2000:]
     _assert_bitwise(_final_state(tmp_path / "ref", [0]), _final_state(tmp_path / "out", [0]))
 
 
@@ -233,7 +228,7 @@ def test_two_runs_on_one_folder(ftrun_home, tmp_path):
         return ["--nproc", 1, "--ft", "--run-id", run_id, "--checkpoint-dir", d, "--checkpoint-every", 10,
                 TRAIN, "--steps", steps, "--step-sleep", 0.01, "--print-every", 100_000]
 
-    first = _start(cmd("first"))
+    first = start_logged(cmd("first"))
     try:
         _wait_for(lambda: (d / "step-10").is_dir(), first, "a first checkpoint")
         second = run_ftrun(cmd("second"), timeout=60)
@@ -290,8 +285,8 @@ def test_sigterm_saves_the_last_step_and_the_next_run_resumes_exactly(ftrun_home
         return ["--nproc", 2, "--ft", "--run-id", run_id, "--checkpoint-dir", folder, "--checkpoint-every", 1000,
                 "--shutdown-timeout", 60, TRAIN, *AT_SIZE, "--steps", 24, "--print-every", 1, "--out", out]
 
-    ref = _start(cmd("ref", tmp_path / "ref-ck", tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")})
-    run = _start(cmd("pre", d, tmp_path / "out"))
+    ref = start_logged(cmd("ref", tmp_path / "ref-ck", tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")})
+    run = start_logged(cmd("pre", d, tmp_path / "out"))
     try:
         _wait_for(lambda: _printed_step(ftrun_home, "pre") >= 6, run, "step 6", timeout=180)
         t0 = time.monotonic()
@@ -300,7 +295,7 @@ def test_sigterm_saves_the_last_step_and_the_next_run_resumes_exactly(ftrun_home
         took = time.monotonic() - t0
     finally:
         run.kill()
-    err = _err(run)
+    err = err_text(run)
     assert code == 128 + signal.SIGTERM, (code, err[-3000:])
     saved = re.search(rf"ftrun: checkpoint of step (\d+) written to {re.escape(str(d))}/step-(\d+) in", err)
     assert saved and saved.group(1) == saved.group(2), err[-3000:]
@@ -311,7 +306,7 @@ def test_sigterm_saves_the_last_step_and_the_next_run_resumes_exactly(ftrun_home
     resumed = run_ftrun(cmd("pre", d, tmp_path / "out"), timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from checkpoint {d}/step-{step} at step {step}" in resumed.stderr, resumed.stderr[-3000:]
-    assert ref.wait(timeout=300) == 0, _err(ref)[-3000:]
+    assert ref.wait(timeout=300) == 0, err_text(ref)[-3000:]
     _assert_bitwise(_final_state(tmp_path / "ref", range(2)), _final_state(tmp_path / "out", range(2)))
 
 
@@ -327,21 +322,21 @@ def test_sigint_mid_save_and_sigterm_at_start(ftrun_home, tmp_path):
         return ["--nproc", 2, "--ft", "--run-id", run_id, "--checkpoint-dir", d, "--checkpoint-every", 10,
                 "--shutdown-timeout", 30, TRAIN, "--steps", steps, "--step-sleep", 0.01, "--print-every", 100_000]
 
-    early = _start(cmd("early"))
-    _wait_for(lambda: "2 workers of" in _err(early), early, "the run's first line")  # its workers are starting
+    early = start_logged(cmd("early"))
+    _wait_for(lambda: "2 workers of" in err_text(early), early, "the run's first line")  # its workers are starting
     early.send_signal(signal.SIGTERM)
     assert early.wait(timeout=30) == 128 + signal.SIGTERM
-    assert "received SIGTERM: stopping all workers" in _err(early) and "Traceback" not in _err(early), _err(early)
+    assert "received SIGTERM: stopping all workers" in err_text(early) and "Traceback" not in err_text(early), err_text(early)
     assert _complete(d) == []
 
-    run = _start(cmd("int"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "10:3"})
+    run = start_logged(cmd("int"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "10:3"})
     try:
         _wait_for(lambda: "holding checkpoint" in _log(ftrun_home, "int"), run, "the checkpoint of step 10 held")
         run.send_signal(signal.SIGINT)
         code = run.wait(timeout=60)
     finally:
         run.kill()
-    err = _err(run)
+    err = err_text(run)
     assert code == 128 + signal.SIGINT, (code, err[-3000:])
     assert "received SIGINT: saving a checkpoint of the last committed step" in err, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +19,8 @@ import psutil
 import pytest
 import torch
 
-from conftest import FTRUN, ROOT, SCRIPTS, free_port, run_ftrun
+from conftest import SCRIPTS, free_port, run_ftrun
+from helpers import err_text, finish, read_state, start_logged
 
 TRAIN = SCRIPTS / "train_fsdp_ft.py"
 # 8.4M parameters with AdamW: 101 MB of parameters and optimizer state per replica.
@@ -31,48 +30,19 @@ SMALL = ["--dim", 64, "--hidden", 128, "--blocks", 2]
 MID = ["--dim", 256, "--hidden", 1024, "--blocks", 2]
 
 
-def _start(args, env=None) -> subprocess.Popen:
-    err = tempfile.NamedTemporaryFile("w+", prefix="ftrun-err-", suffix=".log", delete=False)
-    proc = subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=err, text=True,
-                            env={**os.environ, **(env or {})}, cwd=ROOT)
-    proc.err_path = err.name
-    return proc
-
-
-def _err(proc) -> str:
-    return Path(proc.err_path).read_text()
-
-
-def _state(home: Path, folder: str):
-    try:
-        return json.loads((home / folder / "state.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _wait(home: Path, folder: str, pred, proc, timeout: float = 120.0) -> dict:
     """Wait until pred({rank: replica dict}, state) holds; fail loudly with ftrun's output if not."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        st = _state(home, folder)
+        st = read_state(home, folder)
         if st and st.get("phase") == "ended":
-            raise AssertionError(f"run ended while waiting: {st.get('exit_summary')}\n{_err(proc)[-3000:]}")
+            raise AssertionError(f"run ended while waiting: {st.get('exit_summary')}\n{err_text(proc)[-3000:]}")
         if st:
             reps = {r["rank"]: r for r in st["replicas"]}
             if pred(reps, st):
                 return reps
         time.sleep(0.02)
-    raise AssertionError(f"never reached the awaited state; last: {_state(home, folder)}\n{_err(proc)[-3000:]}")
-
-
-def _finish(proc, timeout: float = 300.0):
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"ftrun did not finish\n{_err(proc)[-4000:]}") from None
-    return proc.returncode, _err(proc)
+    raise AssertionError(f"never reached the awaited state; last: {read_state(home, folder)}\n{err_text(proc)[-3000:]}")
 
 
 def _shards(out: Path, rank: int) -> dict:
@@ -98,7 +68,7 @@ def _assert_shards_identical(out: Path, replicas: int, k: int) -> None:
 
 
 def _restarts(home: Path, folder: str) -> dict:
-    return {r["rank"]: r["restarts"] for r in _state(home, folder)["replicas"]}
+    return {r["rank"]: r["restarts"] for r in read_state(home, folder)["replicas"]}
 
 
 def test_2x2_big_two_kills_only_their_replica_restarts(ftrun_home, tmp_path):
@@ -106,7 +76,7 @@ def test_2x2_big_two_kills_only_their_replica_restarts(ftrun_home, tmp_path):
     replica 0 is back (replica 0 is then the source): each time exactly the killed worker's replica
     restarts, the run finishes, and both replicas hold identical shards."""
     out = tmp_path / "p"
-    proc = _start(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "big", TRAIN, *BIG, "--steps", 36,
+    proc = start_logged(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "big", TRAIN, *BIG, "--steps", 36,
                    "--out", out])
     try:
         reps = _wait(ftrun_home, "big", lambda r, st: r[1]["step"] >= 6 and r[1]["state"] == "running", proc)
@@ -115,7 +85,7 @@ def test_2x2_big_two_kills_only_their_replica_restarts(ftrun_home, tmp_path):
                                                  for i in (0, 1)), proc)
         reps = _wait(ftrun_home, "big", lambda r, st: r[2]["state"] == "running", proc)
         os.kill(reps[2]["pid"], signal.SIGKILL)
-        rc, err = _finish(proc)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -134,14 +104,14 @@ def test_3x2_source_killed_mid_transfer(ftrun_home, tmp_path):
     by an injected delay), a worker of replica 1 is killed too. Replica 0 heals from replica 2,
     replica 1 restarts and heals, replica 2 never restarts, and all three end identical."""
     out = tmp_path / "p"
-    proc = _start(["--nproc", 6, "--ft", "--replica-size", 2, "--run-id", "six", TRAIN, *MID, "--steps", 60,
+    proc = start_logged(["--nproc", 6, "--ft", "--replica-size", 2, "--run-id", "six", TRAIN, *MID, "--steps", 60,
                    "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5", "FTRUN_FT_CHUNK_MB": "1"})
     try:
         reps = _wait(ftrun_home, "six", lambda r, st: r[0]["step"] >= 10 and r[0]["state"] == "running", proc)
         os.kill(reps[0]["pid"], signal.SIGKILL)
         reps = _wait(ftrun_home, "six", lambda r, st: r[3].get("ft_phase") == "send", proc, 60)
         os.kill(reps[3]["pid"], signal.SIGKILL)
-        rc, err = _finish(proc)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -177,12 +147,12 @@ def test_sigstopped_worker_restarts_only_its_replica(ftrun_home, tmp_path):
     """No flag (the default rule, its 60 s shortened to 3): a SIGSTOPped worker is found hung, and
     only its replica restarts; its mate and the other replica wait for it, but are not stopped."""
     out = tmp_path / "p"
-    proc = _start(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "stop", TRAIN,
+    proc = start_logged(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "stop", TRAIN,
                    *SMALL, "--steps", 150, "--out", out], env={"FTRUN_HANG_AFTER_S": "3", "FTRUN_FT_TIMEOUT": "2"})
     try:
         reps = _wait(ftrun_home, "stop", lambda r, st: r[3]["step"] >= 10 and r[3]["state"] == "running", proc)
         os.kill(reps[3]["pid"], signal.SIGSTOP)
-        rc, err = _finish(proc)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -196,7 +166,7 @@ def test_node_lost_with_a_replica_per_node(ftrun_home, tmp_path):
     SIGKILLed; node 0 carries on without it and finishes."""
     port = free_port()
     out = tmp_path / "p"
-    procs = [_start(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+    procs = [start_logged(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                      "--nproc", 2, "--ft", "--replica-size", 2, "--run-id", "nodes", TRAIN, *SMALL,
                      "--steps", 200, "--out", out], env={"FTRUN_NODE_TIMEOUT": "2"}) for k in (0, 1)]
     try:
@@ -208,7 +178,7 @@ def test_node_lost_with_a_replica_per_node(ftrun_home, tmp_path):
         step_at_kill = reps[0]["step"]
         _wait(ftrun_home, "nodes.node0", lambda r, st: st["quorum_size"] == 2 and r[0]["step"] > step_at_kill + 5,
               procs[0], 30)
-        rc, err = _finish(procs[0])
+        rc, err = finish(procs[0], 300)
     finally:
         for p in procs:
             p.kill()
@@ -257,11 +227,11 @@ def test_fsdp_replicas_of_one_worker_heal(ftrun_home, tmp_path):
     so a killed replica heals (it once waited for ever for a group of every worker). Nothing says
     the script called init_process_group(): it did not."""
     out = tmp_path / "p"
-    proc = _start(["--nproc", 2, "--ft", "--run-id", "one", TRAIN, *MID, "--steps", 80, "--out", out])
+    proc = start_logged(["--nproc", 2, "--ft", "--run-id", "one", TRAIN, *MID, "--steps", 80, "--out", out])
     try:
         reps = _wait(ftrun_home, "one", lambda r, st: r[1]["step"] >= 20 and r[1]["state"] == "running", proc)
         os.kill(reps[1]["pid"], signal.SIGKILL)
-        rc, err = _finish(proc, 180)
+        rc, err = finish(proc, 180)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]

@@ -19,20 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FTRUN, ROOT, SCRIPTS, free_port, run_ftrun
+from conftest import ROOT, SCRIPTS, free_port, run_ftrun
+from helpers import finish, read_state, start_logged
 
 
 def start_ftrun(args, env=None):
-    """Start ftrun with its stderr in a file, so a failing test can show it (see _finish)."""
-    import subprocess
-    import tempfile
-
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    err = tempfile.NamedTemporaryFile("w+", prefix="ftrun-err-", suffix=".log", delete=False)
-    proc = subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=err,
-                            text=True, env=full_env, cwd=ROOT)
-    proc.err_path = err.name
+    """Start ftrun with its stderr in a file, so a failing test can show it (see finish)."""
+    proc = start_logged(args, env)
     _RUNNING[:] = [proc]
     return proc
 
@@ -43,19 +36,12 @@ BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr",
 MID = ["--dim", 256, "--hidden", 512, "--depth", 5, "--optim", "adam", "--lr", 0.001]
 
 
-def _state(home: Path, run_id: str):
-    try:
-        return json.loads((home / run_id / "state.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 _RUNNING = []
 
 
 def _rank_log(home: Path, run_folder: str, rank: int) -> str:
     """What rank `rank` wrote to its stderr (all incarnations), from the run's log folder."""
-    st = _state(home, run_folder)
+    st = read_state(home, run_folder)
     assert st, f"no state for {run_folder}"
     return (Path(st["log_dir"]) / f"rank{rank}" / "stderr.log").read_text()
 
@@ -71,7 +57,7 @@ def _wait_replica(home, run_id, rank, pred, timeout=60.0):
     """Wait until replica `rank` satisfies pred(replica_dict, run_dict); return the replica dict."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        st = _state(home, run_id)
+        st = read_state(home, run_id)
         if st:
             if st.get("phase") == "ended":
                 raise AssertionError(f"run ended while waiting: {st.get('exit_summary')}")
@@ -80,17 +66,7 @@ def _wait_replica(home, run_id, rank, pred, timeout=60.0):
                     return r
         time.sleep(0.02)
     tails = "".join(Path(p.err_path).read_text()[-3000:] for p in _RUNNING if hasattr(p, "err_path"))
-    raise AssertionError(f"rank {rank} never reached the awaited state; last: {_state(home, run_id)}\n{tails}")
-
-
-def _finish(proc, timeout=120):
-    try:
-        proc.wait(timeout=timeout)
-    except Exception:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"ftrun did not finish\n{Path(proc.err_path).read_text()[-4000:]}")
-    return proc.returncode, "", Path(proc.err_path).read_text()
+    raise AssertionError(f"rank {rank} never reached the awaited state; last: {read_state(home, run_id)}\n{tails}")
 
 
 def _assert_identical(out: Path, world):
@@ -122,7 +98,7 @@ def _run_killing(home, args, run_id, rank, at_step, sig=signal.SIGKILL):
     try:
         r = _wait_replica(home, run_id, rank, lambda r, st: r["step"] >= at_step and r["state"] == "running")
         os.kill(r["pid"], sig)
-        rc, _, err = _finish(proc)
+        rc, err = finish(proc)
     finally:
         proc.kill()
     return rc, err
@@ -152,7 +128,7 @@ def test_large_model_two_kills_bitwise_identical(ftrun_home, tmp_path):
         _wait_replica(ftrun_home, run_id, 2, lambda r, st: r["restarts"] == 1 and r["state"] == "running", 120)
         r = _wait_replica(ftrun_home, run_id, 0, lambda r, st: r["state"] == "running", 120)
         os.kill(r["pid"], signal.SIGKILL)
-        rc, _, err = _finish(proc, 240)
+        rc, err = finish(proc, 240)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -190,7 +166,7 @@ def test_chaos_kills_keep_replicas_identical(ftrun_home, tmp_path, failure_free)
                                   and r["pid"] not in killed)
                 os.kill(r["pid"], signal.SIGKILL)
                 killed.append(r["pid"])
-        rc, _, err = _finish(proc)
+        rc, err = finish(proc)
     finally:
         proc.kill()
     assert rc == 0, err[-4000:]
@@ -242,7 +218,7 @@ def test_powersgd_under_kills(ftrun_home, tmp_path):
         for victim, at in ((1, 30), (0, 80)):
             r = _wait_replica(ftrun_home, run_id, victim, lambda r, st: r["step"] >= at and r["state"] == "running")
             os.kill(r["pid"], signal.SIGKILL)
-        rc, _, err = _finish(proc)
+        rc, err = finish(proc)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -261,7 +237,7 @@ def test_budget_spent_for_one_replica_others_finish(ftrun_home, tmp_path):
         os.kill(r["pid"], signal.SIGKILL)
         r = _wait_replica(ftrun_home, run_id, 1, lambda r, st: r["restarts"] == 1 and r["state"] == "running")
         os.kill(r["pid"], signal.SIGKILL)
-        rc, _, err = _finish(proc)
+        rc, err = finish(proc)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -285,7 +261,7 @@ def test_source_dies_mid_transfer_joiner_heals_from_another(ftrun_home, tmp_path
         os.kill(r["pid"], signal.SIGKILL)
         src = _wait_replica(ftrun_home, run_id, 0, lambda r, st: r.get("ft_phase") == "send", 120)
         os.kill(src["pid"], signal.SIGKILL)
-        rc, _, err = _finish(proc, 240)
+        rc, err = finish(proc, 240)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -304,7 +280,7 @@ def test_two_of_three_die_at_once(ftrun_home, tmp_path):
         b = _wait_replica(ftrun_home, run_id, 2, lambda r, st: r["state"] == "running")
         os.kill(a["pid"], signal.SIGKILL)
         os.kill(b["pid"], signal.SIGKILL)
-        rc, _, err = _finish(proc)
+        rc, err = finish(proc)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -329,13 +305,13 @@ def test_two_nodes_heal_across_nodes_and_status_shows_every_replicas_steps(ftrun
         live = run_ftrun(["status", "--json"], env={"FTRUN_HOME": str(ftrun_home)}, check=True)
         r = _wait_replica(ftrun_home, "xn.node1", 3, lambda r, st: r["state"] == "running", 30)
         os.kill(r["pid"], signal.SIGKILL)
-        results = [_finish(p) for p in procs]
+        results = [finish(p) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for rc, _, err in results:
+    for rc, err in results:
         assert rc == 0, err[-3000:]
-    assert "rank 3 is training again, healed from a peer" in results[1][2]
+    assert "rank 3 is training again, healed from a peer" in results[1][1]
     _, stats = _assert_identical(out, 4)
     assert stats["step"] == 300
     views = {Path(run["state_file"]).parent.name: {r["rank"]: r["step"] for r in run["replicas"]}
@@ -347,7 +323,7 @@ def test_two_nodes_heal_across_nodes_and_status_shows_every_replicas_steps(ftrun
     ended = {r: json.loads(Path(f"{out}.rank{r}.json").read_text())["step"] for r in range(4)}
     assert set(ended.values()) == {300}
     for node in (0, 1):
-        st = _state(ftrun_home, f"xn.node{node}")
+        st = read_state(ftrun_home, f"xn.node{node}")
         steps = {r["rank"]: r["step"] for r in st["replicas"]}
         own = (2 * node, 2 * node + 1)
         assert st["phase"] == "ended" and [steps[r] for r in own] == [ended[r] for r in own], (node, steps)
@@ -373,7 +349,7 @@ def test_node_lost_survivors_keep_committing(ftrun_home, tmp_path):
         _wait_replica(ftrun_home, "lost.node0", 0, lambda r, st: st["quorum_size"] == 2 and r["step"] > step_at_kill + 5,
                       30)
         resumed_s = time.time() - killed_at
-        rc, _, err = _finish(procs[0], 180)
+        rc, err = finish(procs[0], 180)
     finally:
         for p in procs:
             p.kill()
@@ -395,7 +371,7 @@ def test_node0_lost_under_ft_is_one_line_on_the_others(ftrun_home, tmp_path):
     try:
         _wait_replica(ftrun_home, "z0.node1", 1, lambda r, st: r["step"] >= 10 and r["state"] == "running", 120)
         procs[0].kill()
-        rc, _, err = _finish(procs[1], 60)
+        rc, err = finish(procs[1], 60)
     finally:
         for p in procs:
             p.kill()
@@ -449,13 +425,13 @@ def test_a_lost_nodes_place_goes_to_a_waiting_node(ftrun_home, tmp_path):
         _wait_text(procs[0], "waits for a place")
         procs[1].kill()
         _wait_text(procs[0], "node 2 joins the running run", 60)
-        results = [_finish(procs[0], 180), _finish(procs[2], 180)]
+        results = [finish(procs[0], 180), finish(procs[2], 180)]
     finally:
         for p in procs:
             p.kill()
-    for rc, _, err in results:
+    for rc, err in results:
         assert rc == 0, err[-3000:]
-    assert "carrying on without its replicas" in results[0][2]
+    assert "carrying on without its replicas" in results[0][1]
     _, stats = _assert_identical(out, [0, 2])
     assert stats["step"] == 400
 
@@ -498,7 +474,7 @@ def test_each_committed_step_reaches_the_loop_once(ftrun_home, tmp_path):
                                         "--print-every", 1, "--step-sleep", 0.02], "once", 2, 15)
     assert rc == 0, err[-3000:]
     assert "rank 2 is training again" in err, err[-3000:]
-    logs = Path(_state(ftrun_home, "once")["log_dir"])
+    logs = Path(read_state(ftrun_home, "once")["log_dir"])
     first, again = _printed_steps((logs / "rank2" / "stdout.log").read_text())
     assert first[:15] == list(range(15)), first
     assert again == list(range(again[0], 60)) and again[0] >= 15, again
@@ -521,7 +497,7 @@ def test_members_that_stepped_past_a_failed_round_restart_and_heal(ftrun_home, t
     proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *MID, "--steps", 50, "--out", out],
                        env={"FTRUN_FT_INJECT_FAIL": "1:20"})
     try:
-        rc, _, err = _finish(proc, 240)
+        rc, err = finish(proc, 240)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]

@@ -16,7 +16,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from conftest import ROOT, run_ftrun
-from test_ft import _finish, _wait_replica, start_ftrun
+from helpers import finish
+from test_ft import _wait_replica, start_ftrun
 
 WORKER = ROOT / "tests" / "ft_data_worker.py"
 
@@ -73,7 +74,7 @@ def _kill_run(home, tmp_path, run_id, args, plan, extra=()):
                         *args[1:]])
     try:
         _kill_at(home, run_id, proc, plan)
-        rc, _, err = _finish(proc, 300)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     return rc, err, out
@@ -129,7 +130,7 @@ def test_sharded_replicas_each_worker_its_own_batch(ftrun_home, tmp_path):
                         "--size", size, "--batch", 2, "--step-sleep", 0.03])
     try:
         _kill_at(ftrun_home, "shard", proc, [(3, 6)])
-        rc, _, err = _finish(proc, 300)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -149,7 +150,7 @@ def test_step_loop_with_a_loader_resumes_its_position(ftrun_home, tmp_path):
                         "--accumulate", 2, "--style", "steps", "--steps", steps, "--step-sleep", 0.03])
     try:
         _kill_at(ftrun_home, "steps", proc, [(1, 10)])
-        rc, _, err = _finish(proc, 300)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -169,7 +170,7 @@ def test_a_hung_replica_is_replaced_and_each_sample_trained_once(ftrun_home, tmp
     try:
         r = _wait_replica(ftrun_home, "hang", 2, lambda r, st: r["step"] >= 8 and r["state"] == "running", 180)
         os.kill(r["pid"], signal.SIGSTOP)
-        rc, _, err = _finish(proc, 300)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
@@ -191,11 +192,11 @@ def test_store_host_node_lost_each_sample_trained_once(ftrun_home, tmp_path):
     try:
         _wait_replica(ftrun_home, "nodes.node1", 1, lambda r, st: r["step"] >= 12 and r["state"] == "running", 180)
         _kill_tree(procs[0])
-        results = {k: _finish(procs[k], 300) for k in (1, 2)}
+        results = {k: finish(procs[k], 300) for k in (1, 2)}
     finally:
         for p in procs.values():
             p.kill()
-    for k, (rc, _, err) in results.items():
+    for k, (rc, err) in results.items():
         assert rc == 0, (k, err[-3000:])
         assert "moving the run's store" in err, err[-3000:]
     _assert_each_sample_once(_reports(out, (1, 2)), 2, size)

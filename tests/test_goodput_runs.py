@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FTRUN, ROOT, SCRIPTS
+from helpers import finish, read_state, start_logged
 
 TRAIN_FT = SCRIPTS / "train_ft.py"
 TRAIN_DDP = SCRIPTS / "train_ddp.py"
@@ -26,25 +27,13 @@ BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr",
 
 
 def _start(args, home: Path) -> subprocess.Popen:
-    env = dict(os.environ, FTRUN_HOME=str(home))
-    err = open(home.parent / f"ftrun-{time.monotonic_ns()}.err", "w+")
-    proc = subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=err, text=True,
-                            env=env, cwd=ROOT)
-    proc.err_file = err
-    return proc
-
-
-def _state(home: Path, run_id: str):
-    try:
-        return json.loads((home / run_id / "state.json").read_text())
-    except (OSError, ValueError):
-        return None
+    return start_logged(args, {"FTRUN_HOME": str(home)})
 
 
 def _wait(home: Path, run_id: str, pred, timeout: float = 120.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        st = _state(home, run_id)
+        st = read_state(home, run_id)
         if st and st.get("phase") == "ended":
             raise AssertionError(f"run ended while waiting: {st.get('exit_summary')}")
         if st:
@@ -52,18 +41,7 @@ def _wait(home: Path, run_id: str, pred, timeout: float = 120.0):
             if got:
                 return got
         time.sleep(0.02)
-    raise AssertionError(f"never reached the awaited state; last: {_state(home, run_id)}")
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 240.0) -> str:
-    try:
-        proc.wait(timeout=timeout)
-    finally:
-        proc.kill()
-    proc.err_file.seek(0)
-    err = proc.err_file.read()
-    assert proc.returncode == 0, err[-4000:]
-    return err
+    raise AssertionError(f"never reached the awaited state; last: {read_state(home, run_id)}")
 
 
 def _replica(st, rank):
@@ -95,14 +73,14 @@ def test_ft_two_kills_cost_what_the_replicas_measured(tmp_path):
         back = _wait(home, run_id, lambda st: _replica(st, 2)["restarts"] == 1
                      and _replica(st, 2)["state"] == "running" and _replica(st, 2)["step"])
         pid = _wait(home, run_id, lambda st: (st["steps_committed"] or 0) >= back + 8 and _replica(st, 0)["pid"])
-        kill_step_2 = _state(home, run_id)["steps_committed"]
+        kill_step_2 = read_state(home, run_id)["steps_committed"]
         kills.append(time.time())
         os.kill(pid, signal.SIGKILL)
-        err = _finish(proc)
+        err = finish(proc, 240, expect=0)[1]
     finally:
         proc.kill()
     wall = time.time() - t_start
-    st = _state(home, run_id)
+    st = read_state(home, run_id)
     commits = {r: json.loads(Path(f"{out}.rank{r}.json").read_text())["commits"] for r in range(3)}
     times = {r: [t for _, t in commits[r]] for r in range(3)}
     median = statistics.median(b - a for a, b in zip(times[1], times[1][1:]))
@@ -142,8 +120,8 @@ def test_failure_free_goodput_is_at_least_95_percent_after_startup(tmp_path):
     home, run_id = tmp_path / "home", "gp-free"
     t_start = time.time()
     proc = _start(["--nproc", 2, "--ft", "--run-id", run_id, TRAIN_FT, *BIG, "--steps", 80, "--announce"], home)
-    _finish(proc)
-    st = _state(home, run_id)
+    finish(proc, 240, expect=0)
+    st = read_state(home, run_id)
     after_startup = (st["replica_s"] * st["goodput"]) / (st["replica_s"] - st["lost_s"]["startup"])
     assert after_startup >= 0.95, json.dumps([st["goodput"], st["lost_s"], st["replica_s"]])
     logs = [(Path(st["log_dir"]) / f"rank{r}" / "stdout.log").read_text() for r in range(2)]
@@ -163,10 +141,10 @@ def test_group_restart_counts_the_steps_lost_since_the_scripts_checkpoint(tmp_pa
     try:
         pid = _wait(home, run_id, lambda st: _replica(st, 1)["step"] >= 35 and _replica(st, 1)["pid"])
         os.kill(pid, signal.SIGKILL)
-        _finish(proc)
+        finish(proc, 240, expect=0)
     finally:
         proc.kill()
-    st = _state(home, run_id)
+    st = read_state(home, run_id)
     log = (Path(st["log_dir"]) / "rank0" / "stdout.log").read_text()
     first, second = log.split("incarnation 1", 1)
     done = max(int(s) for s in re.findall(r"^step (\d+) ", first, re.M)) + 1
@@ -196,11 +174,11 @@ def test_group_restart_on_two_nodes_counts_the_lost_steps_on_both(tmp_path):
         pid = _wait(home, f"{run_id}.node1", lambda st: _replica(st, 1)["step"] >= 35 and _replica(st, 1)["pid"])
         os.kill(pid, signal.SIGKILL)
         for p in procs:
-            _finish(p)
+            finish(p, 240, expect=0)
     finally:
         for p in procs:
             p.kill()
-    st0, st1 = _state(home, f"{run_id}.node0"), _state(home, f"{run_id}.node1")
+    st0, st1 = read_state(home, f"{run_id}.node0"), read_state(home, f"{run_id}.node1")
     log = (Path(st0["log_dir"]) / "rank0" / "stdout.log").read_text()
     first, second = log.split("incarnation 1", 1)
     done = max(int(s) for s in re.findall(r"^step (\d+) ", first, re.M)) + 1

@@ -12,19 +12,16 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, really_alive, run_ftrun, start_ftrun, wait_for_line
+from helpers import load_params
 
 TRAIN = SCRIPTS / "train_ddp.py"
-
-
-def _params(out, world):
-    return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]
 
 
 def test_two_workers_train_to_identical_parameters(ftrun_home, tmp_path):
     out = tmp_path / "p"
     proc = run_ftrun(["--nproc", 2, TRAIN, "--steps", 30, "--out", out])
     assert proc.returncode == 0, proc.stderr
-    p0, p1 = _params(out, 2)
+    p0, p1 = load_params(out, 2)
     for k in p0:
         assert torch.equal(p0[k], p1[k]), k
     # every console line of a worker carries its rank
@@ -59,7 +56,7 @@ def test_failure_restarts_group_and_script_resumes(ftrun_home, tmp_path):
     assert "restarting all 2 workers (restart 1 of 2)" in proc.stderr
     assert "injected failure at step 12" in proc.stderr
     assert "resumed from step 10" in proc.stdout
-    p0, p1 = _params(out, 2)
+    p0, p1 = load_params(out, 2)
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
 
 

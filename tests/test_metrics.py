@@ -15,12 +15,12 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
 
 from conftest import FTRUN, ROOT, SCRIPTS, free_port, run_ftrun
+from helpers import read_state
 
 METRICS = ("ftrun_replicas", "ftrun_steps_committed_total", "ftrun_steps_discarded_total", "ftrun_failures_total",
            "ftrun_restarts_total", "ftrun_heal_seconds_bucket", "ftrun_heal_seconds_count", "ftrun_goodput_ratio",
@@ -40,13 +40,6 @@ def _samples(text: str, name: str) -> dict:
             labels, _, value = line.rpartition(" ")
             out[labels[len(name):]] = float(value)
     return out
-
-
-def _state(home: Path, run_id: str):
-    try:
-        return json.loads((home / run_id / "state.json").read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _wait(pred, what: str, timeout: float = 90.0):
@@ -73,7 +66,7 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     server = None
     try:
-        st = _wait(lambda: (s := _state(home, run_id)) and (s.get("steps_committed") or 0) >= 5 and s,
+        st = _wait(lambda: (s := read_state(home, run_id)) and (s.get("steps_committed") or 0) >= 5 and s,
                    "the run's first steps")
         assert st["metrics_url"] == f"http://127.0.0.1:{port}/metrics"
         text = _get(st["metrics_url"])
@@ -117,9 +110,9 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
         assert re.search(r"goodput [\d.]+%; lost: start-up ", table), table
 
         # A kill: counted by cause, restarted, and its time until back in the heal histogram.
-        victim = next(r for r in _state(home, run_id)["replicas"] if r["rank"] == 1)
+        victim = next(r for r in read_state(home, run_id)["replicas"] if r["rank"] == 1)
         os.kill(victim["pid"], signal.SIGKILL)
-        _wait(lambda: (s := _state(home, run_id)) and s["failures"] and s["failures"][0]["back_s"] is not None,
+        _wait(lambda: (s := read_state(home, run_id)) and s["failures"] and s["failures"][0]["back_s"] is not None,
               "the replica back")
         text = _get(st["metrics_url"])
         assert _samples(text, "ftrun_failures_total")['{cause="signal",node="0",run_id="metrics-run"}'] == 1

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from conftest import FTRUN, ROOT, SCRIPTS, free_port, really_alive, run_ftrun, start_ftrun
-from helpers import read_state
+from helpers import load_params, read_state
 from test_env_contract import CONTRACT
 
 from ftrun.machine import store_bind_addr
@@ -80,12 +80,8 @@ def _wait_running(home, run_id, k, ranks, min_step=1, timeout=30):
     raise AssertionError(f"node {k} never ran ranks {ranks}: {read_state(home, f'{run_id}.node{k}')}")
 
 
-def _params(out, world):
-    return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]
-
-
 def _assert_identical(out, world):
-    ps = _params(out, world)
+    ps = load_params(out, world)
     for r in range(1, world):
         for key in ps[0]:
             assert torch.equal(ps[0][key], ps[r][key]), (r, key)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from conftest import ROOT, run_ftrun
-from test_ft import _assert_identical, _finish, _wait_replica
+from helpers import finish
+from test_ft import _assert_identical, _wait_replica
 
 PORTED = ROOT / "tests" / "ported"
 BEFORE = PORTED / "nanogpt_like.py"
@@ -43,7 +44,7 @@ def tokens(tmp_path_factory):
 
 def _start(args):
     """test_ft.start_ftrun, with the console's standard output kept in a file (the evaluation
-    lines) next to its standard error (read by _finish)."""
+    lines) next to its standard error (read by finish)."""
     import tempfile
 
     import test_ft
@@ -130,7 +131,7 @@ def test_port_under_two_kills(ftrun_home, tmp_path, tokens):
         os.kill(victim["pid"], signal.SIGKILL)
         r0 = _wait_replica(ftrun_home, "ng", 0, lambda r, st: r["step"] >= 45 and r["state"] == "running", 180)
         os.kill(r0["pid"], signal.SIGKILL)
-        rc, _, err = _finish(proc, 300)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     console = Path(proc.out_path).read_text()
@@ -164,7 +165,7 @@ def test_port_resumes_from_checkpoint_after_a_whole_run_kill(ftrun_home, tmp_pat
     args[args.index("first")] = "second"
     proc = _start(args)
     try:
-        rc, _, err = _finish(proc, 300)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     console = Path(proc.out_path).read_text()

@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 from conftest import FTRUN, ROOT, run_ftrun
-from test_ft import _finish, _wait_replica, start_ftrun
+from helpers import finish
+from test_ft import _wait_replica, start_ftrun
 
 ORIGINAL = ROOT / "tests" / "ported" / "ddp_tutorial.py"
 PORTED = ROOT / "tests" / "ported" / "ddp_tutorial_ft.py"
@@ -47,7 +48,7 @@ def test_tutorial_port_survives_kills(ftrun_home, tmp_path):
         for rank, step in ((1, 20), (2, 70)):
             r = _wait_replica(ftrun_home, "tut", rank, lambda r, st: r["step"] >= step and r["state"] == "running")
             os.kill(r["pid"], 9)
-        rc, _, err = _finish(proc, 300)
+        rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]

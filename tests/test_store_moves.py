@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from conftest import free_port, listening
-from test_ft import MID, TRAIN, _assert_identical, _finish, _rank_log, _received_mb, _wait_replica, start_ftrun
+from helpers import finish
+from test_ft import MID, TRAIN, _assert_identical, _rank_log, _received_mb, _wait_replica, start_ftrun
 
 
 def _three_nodes(port, run_id, out, steps, env=None, model=MID):
@@ -31,11 +32,11 @@ def _three_nodes(port, run_id, out, steps, env=None, model=MID):
 def _survivors_finish(procs):
     """Nodes 1 and 2 finish 0, each saying the store moved to node 1; node 0 was killed."""
     try:
-        results = {k: _finish(procs[k], 180) for k in (1, 2)}
+        results = {k: finish(procs[k], 180) for k in (1, 2)}
     finally:
         for p in procs.values():
             p.kill()
-    for k, (rc, _, err) in results.items():
+    for k, (rc, err) in results.items():
         assert rc == 0, (k, err[-4000:])
         assert "moving the run's store" in err and "node 1 hosts the run's store now" in err, err[-3000:]
 
@@ -92,9 +93,9 @@ def test_node_cut_off_never_forms_a_second_run(ftrun_home, tmp_path):
                               120)
             subprocess.run(["ip", "-n", ns1, "link", "set", d1, "down"], check=True)
             cut_at = time.monotonic()
-            rc2, _, err2 = _finish(procs[2], 60)
+            rc2, err2 = finish(procs[2], 60)
             stopped_s = time.monotonic() - cut_at
-            results = {k: _finish(procs[k], 240) for k in (0, 1)}
+            results = {k: finish(procs[k], 240) for k in (0, 1)}
         finally:
             for p in procs.values():
                 p.kill()
@@ -102,7 +103,7 @@ def test_node_cut_off_never_forms_a_second_run(ftrun_home, tmp_path):
         _netns_teardown(ns0, ns1)
     assert rc2 == 200, err2[-3000:]
     assert "no second run can form" in err2 and "hosts the run's store now" not in err2, err2[-3000:]
-    for k, (rc, _, err) in results.items():
+    for k, (rc, err) in results.items():
         assert rc == 0, (k, err[-3000:])
         assert "carrying on without its replicas" in err or k == 1, err[-3000:]
     _, stats = _assert_identical(out, [0, 1])
@@ -275,15 +276,15 @@ def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
         resumed_s = time.time() - killed_at
         procs.append(_c10d_start(port, "3:4", "cj", out, 160))  # binds the endpoint's port afresh
         _wait_text(procs[4], "joining the run there", 30)
-        results = {k: _finish(procs[k], 180) for k in (1, 2, 3, 4)}
+        results = {k: finish(procs[k], 180) for k in (1, 2, 3, 4)}
     finally:
         for p in procs:
             p.kill()
-    for k, (rc, _, err) in results.items():
+    for k, (rc, err) in results.items():
         assert rc == 0, (k, "\n".join(line for line in err.splitlines() if not line.startswith("[rank"))[-4000:])
         if k < 4:
             assert "moving the run's store" in err and "node 1 hosts the run's store now" in err, err[-3000:]
-    assert "joined the running run cj" in results[4][2] and "round 0: 1 node" not in results[4][2], results[4][2]
+    assert "joined the running run cj" in results[4][1] and "round 0: 1 node" not in results[4][1], results[4][1]
     # node 4's replica received the trained state (1.3M parameters with Adam: 16 MB) from a peer
     heals = _received_mb(_rank_log(ftrun_home, "cj.node4", 4))
     assert heals and heals[-1] > 10, heals
@@ -315,15 +316,15 @@ def test_late_node_that_loses_the_store_mid_join_is_not_counted(ftrun_home, tmp_
             _wait_text(p, "joined the running run", 60)
         _kill_tree(procs[0])
         gate.write_text("")  # the newcomer goes on joining, on a store that is gone
-        results = {k: _finish(procs[k], 180) for k in (1, 2, 3)}
+        results = {k: finish(procs[k], 180) for k in (1, 2, 3)}
     finally:
         for p in procs:
             p.kill()
     for k in (1, 2):
-        rc, _, err = results[k]
+        rc, err = results[k]
         assert rc == 0, (k, "\n".join(line for line in err.splitlines() if not line.startswith("[rank"))[-4000:])
         assert "node 1 hosts the run's store now, at" in err and "(2 of 3 nodes" in err, err[-3000:]
-    rc, _, err = results[3]
+    rc, err = results[3]
     assert rc != 0 and "Traceback" not in err, err[-3000:]
     assert "lost node 0's store" in err and "while joining" in err, err[-3000:]
     _, stats = _assert_identical(out, [1, 2])
