@@ -84,11 +84,11 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
     _check_ignored_options(cfg)
     if cfg.rdzv == "static" and cfg.node_rank >= cfg.nnodes:
         raise blame("node_rank", f"--node-rank {cfg.node_rank} is out of range for --nnodes {cfg.nnodes}; "
-                                      f"use 0..{cfg.nnodes - 1}")
+                                 f"use 0..{cfg.nnodes - 1}")
     if cfg.rdzv == "static" and cfg.nnodes > 1 and cfg.master_port is None:
         raise blame("master_port", f"--nnodes {cfg.nnodes} needs --master-port: the same port on every node, "
-                                        f"where node 0's ftrun hosts the run's store (e.g. --master-port 29500), "
-                                        f"or --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
+                                   f"where node 0's ftrun hosts the run's store (e.g. --master-port 29500), "
+                                   f"or --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
     if cfg.rdzv != "local" and not cfg.master_addr.strip():
         raise blame("master_addr", "--master-addr is empty; give node 0's address (the same on every node)")
     if cfg.ranks is not None:
@@ -96,18 +96,18 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
         bad = [r for r in cfg.ranks if r >= cfg.world_size]
         if bad:
             raise blame("ranks", f"--ranks {','.join(map(str, bad))}: no such rank; this run has ranks "
-                                      f"0..{cfg.world_size - 1}")
+                                 f"0..{cfg.world_size - 1}")
     if cfg.local_ranks_filter is not None:
         bad = [r for r in cfg.local_ranks_filter if r >= cfg.nproc]
         if bad:
             raise blame("local_ranks_filter", f"--local-ranks-filter {','.join(map(str, bad))}: no such local "
-                                                   f"rank; this node has local ranks 0..{cfg.nproc - 1}")
+                                              f"rank; this node has local ranks 0..{cfg.nproc - 1}")
     if cfg.ft and cfg.replica_size > 1:
         _check_replica_size(cfg)
     replicas = cfg.world_size // cfg.replica_size
     if cfg.ft and cfg.min_nodes == cfg.max_nodes and cfg.min_replicas > replicas:
         raise blame("min_replicas", f"--min-replicas {cfg.min_replicas} exceeds the {replicas} replicas "
-                                         f"of this run; lower it")
+                                    f"of this run; lower it")
     if check_paths:
         preflight(cfg, check_script)
 

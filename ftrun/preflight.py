@@ -163,11 +163,11 @@ def check_master_addr_is_here(host: str, flag: str, source: str) -> None:
     key = "rdzv_endpoint" if flag == "--rdzv-endpoint" else "master_addr"
     here = is_local_address(host)
     if here is None:
-        raise blame(key, f"{flag} {host}{from_source(source)} does not resolve on this machine; this is a one-node run, "
-                         f"whose store runs here: drop {flag}, or give --nnodes N for several machines")
+        raise blame(key, f"{flag} {host}{from_source(source)} does not resolve on this machine; this is a "
+                         f"one-node run, whose store runs here: drop {flag}, or give --nnodes N for several machines")
     if not here:
-        raise blame(key, f"{flag} {host}{from_source(source)} is not an address of this machine, but this is a one-node "
-                         f"run, whose store runs here; drop {flag} (or give this machine's address), or give "
+        raise blame(key, f"{flag} {host}{from_source(source)} is not an address of this machine, but this is a "
+                         f"one-node run, whose store runs here; drop {flag} (or give this machine's address), or give "
                          f"--nnodes N for several machines")
 
 
