@@ -48,6 +48,7 @@ from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
 from ftrun.protocol import (DUMP_STACKS_SIGNAL, EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_USAGE,
                             NODE_RANKS_ENV, NODE_STORE_ENV, RUN_STORE, progress_key)
 from ftrun.supervisor import checkpoints, folder_lock
+from ftrun.wire import NO_PROGRESS, ProgressReport
 
 TICK_S = 0.25
 HANG_DUMP_GRACE_S = 1.0
@@ -143,7 +144,7 @@ class Supervisor:
         self._last_poll = 0.0
         self._last_progress = 0.0
         self._last_metrics = 0.0
-        self._progress_seen: Dict[int, str] = {}
+        self._progress_seen: Dict[int, object] = {}  # rank -> the raw report last decoded
         self._checkpoints = checkpoints.CheckpointWatch()
         self._procs: Dict[int, activity.ProcessWatch] = {}
         self.store: Optional[RunStore] = None
@@ -934,17 +935,16 @@ class Supervisor:
         except Exception:
             return
         for w, raw in zip(self.workers, values):
-            text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-            if text == self._progress_seen.get(w.rank):
+            if raw == self._progress_seen.get(w.rank):
                 continue
-            self._progress_seen[w.rank] = text
-            parts = text.split()
-            if len(parts) < 5 or int(parts[0]) != w.incarnation or not w.alive:
+            self._progress_seen[w.rank] = raw
+            report = ProgressReport.decode(raw)
+            if report is None or report.incarnation != w.incarnation or not w.alive:
                 continue
-            steps = int(parts[1])
+            steps = report.steps
             w.last_heartbeat = now
-            w.note_activity(parts, now)
-            self.ledger.progress(w, parts, now)
+            w.note_activity(report.activity, now)
+            self.ledger.progress(w, report, now)
             if w.state == WorkerState.STARTING and self.quorum is None:
                 w.state = WorkerState.RUNNING
                 self._dirty = True
@@ -1036,7 +1036,7 @@ class Supervisor:
         reports.wait(STORE_TIMEOUT_S)  # the node's store, built alongside the run's: up by now
         for w in self.workers:
             try:
-                reports.store.compare_set(progress_key(w.rank), "", "-1 0 0 0 0")
+                reports.store.compare_set(progress_key(w.rank), "", NO_PROGRESS.encode())
             except Exception:
                 pass
 
@@ -1173,7 +1173,7 @@ class Supervisor:
         self._last_write = time.time()
         self._dirty = False
 
-    def _rank0_report(self, attempt: int) -> Optional[List[str]]:
+    def _rank0_report(self, attempt: int) -> Optional[ProgressReport]:
         """Rank 0's last progress report of the stopped `attempt`, on a node that does not run it
         (a script's checkpoint is usually saved there). Node 0 keeps a copy before the next
         attempt starts: by the time this node reads, the new rank 0 has replaced its report."""
@@ -1209,10 +1209,10 @@ class Supervisor:
         except Exception:  # the store (node 0's) is gone: the last figures read stand
             return
         for w, raw in zip(self.workers, values):
-            parts = (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split()
-            if len(parts) >= 5 and int(parts[0]) == w.incarnation and int(parts[1]) > 0:
-                w.steps = int(parts[1])
-                self.ledger.progress(w, parts, time.time())
+            report = ProgressReport.decode(raw)
+            if report is not None and report.incarnation == w.incarnation and report.steps > 0:
+                w.steps = report.steps
+                self.ledger.progress(w, report, time.time())
         if self.quorum is not None:
             try:
                 self.quorum.poll(time.time())  # the replicas' last info: the run's final figures

@@ -1,0 +1,35 @@
+"""The payload codecs (ftrun.wire), in-process: what the worker writes is what the supervisor reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrun.wire import NO_PROGRESS, InfoReport, ProgressReport
+
+pytestmark = pytest.mark.quick
+
+
+def test_progress_round_trip_keeps_every_field():
+    r = ProgressReport(3, 1200, 1700000000.125, 1700000001.5, 4242, 77, 1699999990.25, 1100)
+    assert ProgressReport.decode(r.encode()) == r
+    assert ProgressReport.decode(r.encode().encode()) == r  # the store hands back bytes
+
+
+def test_progress_seed_and_short_reports_decode_with_defaults():
+    assert ProgressReport.decode(b"-1 0 0 0 0") == NO_PROGRESS
+    assert ProgressReport.decode(NO_PROGRESS.encode()) == NO_PROGRESS
+    old = ProgressReport.decode("2 10 5.0 6.0 99 4")  # a writer without the goodput fields
+    assert old is not None and old.activity == 4 and old.saved_steps == -1 and old.first_step_time == 0.0
+
+
+@pytest.mark.parametrize("raw", [None, b"", "1 2 3", "x 1 2 3 4", "1 2 nan-ish 3 4", "1 2 3 4 5.5"])
+def test_progress_damaged_is_none_never_an_error(raw):
+    assert ProgressReport.decode(raw) is None
+
+
+def test_info_round_trip_and_damage():
+    r = InfoReport({"step": 12, "inc": 1, "phase": "train"}, beat=7)
+    back = InfoReport.decode(r.encode().encode())
+    assert back is not None and dict(back.fields) == dict(r.fields) and back.beat == 7
+    assert InfoReport.decode(b"{not json") is None and InfoReport.decode(b"[1, 2]") is None
+    assert InfoReport.decode(b"") is None
