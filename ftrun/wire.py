@@ -90,3 +90,55 @@ class InfoReport:
         fields: Dict[str, Any] = dict(obj)
         beat = fields.pop("beat", 0)
         return cls(fields, beat if isinstance(beat, int) else 0)
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """A worker's uncaught exception, in TORCHELASTIC_ERROR_FILE (protocol: LOG_DIR/rank<N>/error.json).
+
+    The format is torch elastic's (what its @record writes): {"message": {"message":
+    "<Type>: <text>", "extraInfo": {"py_callstack": "<traceback>", "timestamp": "<s>"}}}, so a
+    script's own @record and ftrun's bootstrap write the same file, and the supervisor reads the
+    failure from it instead of from the worker's stderr. `where` is the innermost frame of the
+    script's own code ('File "x.py", line 12, in f'): with `message`, what identifies a failure
+    across restarts."""
+
+    message: str
+    where: str = ""
+    callstack: str = ""
+    timestamp: int = 0
+
+    def encode(self) -> str:
+        return json.dumps({"message": {"message": self.message,
+                                       "extraInfo": {"py_callstack": self.callstack, "where": self.where,
+                                                     "timestamp": str(self.timestamp)}}})
+
+    @classmethod
+    def decode(cls, raw: Raw) -> Optional["WorkerError"]:
+        """The error in `raw` (either of torch's formats: the message an object or a string);
+        None when it holds none."""
+        try:
+            obj = json.loads(_text(raw) or "null")
+        except ValueError:
+            return None
+        msg = obj.get("message") if isinstance(obj, dict) else None
+        if isinstance(msg, str):
+            return cls(msg.strip().splitlines()[0][:200]) if msg.strip() else None
+        if not isinstance(msg, dict) or not isinstance(msg.get("message"), str) or not msg["message"].strip():
+            return None
+        extra = msg.get("extraInfo") if isinstance(msg.get("extraInfo"), dict) else {}
+        stack = extra.get("py_callstack") if isinstance(extra.get("py_callstack"), str) else ""
+        where = extra.get("where") if isinstance(extra.get("where"), str) else ""
+        if not where:  # torch's @record: the innermost frame of its traceback
+            frames = [line.strip() for line in stack.splitlines() if line.lstrip().startswith('File "')]
+            where = frames[-1] if frames else ""
+        try:
+            ts = int(extra.get("timestamp") or 0)
+        except (TypeError, ValueError):
+            ts = 0
+        return cls(msg["message"].strip().splitlines()[0][:200], where, stack, ts)
+
+    @property
+    def signature(self) -> str:
+        """The same failure, restart after restart: the exception and where it was raised."""
+        return f"{self.message} | {self.where}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.wire import NO_PROGRESS, InfoReport, ProgressReport
+from ftrun.wire import NO_PROGRESS, InfoReport, ProgressReport, WorkerError
 
 pytestmark = pytest.mark.quick
 
@@ -33,3 +33,26 @@ def test_info_round_trip_and_damage():
     assert back is not None and dict(back.fields) == dict(r.fields) and back.beat == 7
     assert InfoReport.decode(b"{not json") is None and InfoReport.decode(b"[1, 2]") is None
     assert InfoReport.decode(b"") is None
+
+
+def test_worker_error_reads_what_torchs_record_writes(tmp_path, monkeypatch):
+    """TORCHELASTIC_ERROR_FILE as torch elastic's own ErrorHandler (behind @record) writes it."""
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def inner():
+        raise ValueError("bad batch shape")
+
+    try:
+        inner()
+    except ValueError as e:
+        ErrorHandler().record_exception(e)
+    err = WorkerError.decode(path.read_bytes())
+    assert err is not None and err.message == "ValueError: bad batch shape"
+    assert err.where.startswith('File "') and "in inner" in err.where and err.timestamp > 0
+    assert WorkerError.decode(err.encode()) == err
+    assert WorkerError.decode(b'{"message": "RuntimeError: plain\\nmore"}') == WorkerError("RuntimeError: plain")
+    for damaged in (b"", b"{", b"[]", b'{"message": 3}', b'{"message": {"message": ""}}'):
+        assert WorkerError.decode(damaged) is None

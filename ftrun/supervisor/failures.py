@@ -19,7 +19,8 @@ from typing import List, Optional
 from ftrun.protocol import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_USAGE
 from ftrun.supervisor.logs import drain
 from ftrun.supervisor.nodes import NodeEvent, one_line
-from ftrun.supervisor.report import early_signature, exit_reason, failure_report
+from ftrun.supervisor.env import error_file
+from ftrun.supervisor.report import early_signature, error_reason, exit_reason, failure_report, worker_error
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy
 from ftrun.supervisor.spawn import Exited, SpawnerDied, signal_group
 from ftrun.supervisor.stopping import AfterStop
@@ -82,11 +83,15 @@ class FailureDecisions:
         if ev.exit_code == EXIT_CANNOT_GO_ON and not w.hang_reason and any(l.startswith("ftrun.ft: ") for l in tail):
             self._cannot_go_on(w, tail)
             return
-        reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
+        # The worker's own structured error (TORCHELASTIC_ERROR_FILE) before its stderr's words.
+        error = None if ev.signal or w.hang_reason else worker_error(error_file(self.cfg, w.rank), w.started)
+        reason = w.hang_reason or (error_reason(ev.exit_code, error) if error is not None
+                                   else exit_reason(ev.exit_code, ev.signal, tail))
         early = not w.first_step_seen and not w.hang_reason and not ev.signal
+        signature = (error.signature if error is not None else early_signature(tail)) if early else None
         failure = Failure(rank=w.rank, pid=ev.pid, exit_code=ev.exit_code, signal=ev.signal, reason=reason,
                           when=time.time(), stderr_tail=tail, log_path=str(self.logs[w.rank].stderr_path),
-                          signature=early_signature(tail) if early else None)
+                          signature=signature)
         w.last_failure = failure
         if self.first_failure is None:
             self.first_failure = failure

@@ -28,7 +28,7 @@ from ftrun.config import RunConfig, hang_after_s, store_listen_addr
 from ftrun.protocol import DUMP_STACKS_SIGNAL, EXIT_FAILED, NODE_RANKS_ENV, NODE_STORE_ENV
 from ftrun.status.state import RunPhase, RunStatus, run_dir, run_folder_name
 from ftrun.supervisor import activity, checkpoints, folder_lock
-from ftrun.supervisor.env import base_env, common_env, log_dir, stacks_file, worker_env
+from ftrun.supervisor.env import base_env, common_env, error_file, log_dir, stacks_file, worker_env
 from ftrun.supervisor.failures import FailureDecisions
 from ftrun.supervisor.ft_follow import QuorumFollow
 from ftrun.supervisor.hangs import HANG_DUMP_GRACE_S, find_hung
@@ -209,6 +209,10 @@ class Supervisor(StopControl, FailureDecisions, NodeDecisions, QuorumFollow):
 
     def _spawn(self, w: Worker) -> None:
         env = worker_env(self.common, self.cfg, w.spec.local_rank, w.incarnation)
+        try:  # a previous incarnation's error is not this one's
+            error_file(self.cfg, w.rank).unlink()
+        except OSError:
+            pass
         (out_r, out_w), (err_r, err_w) = open_pipes()
         log = self.logs[w.rank]
         banner = f"===== ftrun: rank {w.rank}, incarnation {w.incarnation}, {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
