@@ -52,6 +52,10 @@ TICK_S = 0.25
 
 
 class Supervisor(StopControl, FailureDecisions, NodeDecisions, QuorumFollow):
+    """One node's agent. Its state (the workers' records, the policy, the quorum keeper, the
+    stopping state, the status) is set here and shared by the loop's decisions in the mixins;
+    only the loop's thread touches it (a signal handler only posts to the queue)."""
+
     def __init__(self, cfg: RunConfig, store: Optional[RunStore] = None,
                  zygote: Optional[ZygoteSpawner] = None, standby: Optional[RunStore] = None,
                  repeats: Optional[Repeats] = None) -> None:
