@@ -142,3 +142,33 @@ class WorkerError:
     def signature(self) -> str:
         """The same failure, restart after restart: the exception and where it was raised."""
         return f"{self.message} | {self.where}"
+
+
+@dataclass(frozen=True)
+class FirstFailure:
+    """The first failure of a group attempt, as the nodes agree on it (protocol.NodeKeys.fail,
+    compare-and-set: the first writer wins): every node decides from the same one."""
+
+    node: int
+    rank: int
+    reason: str = "failed"
+    code: int = 1                     # the failure's exit status
+    signature: Optional[str] = None   # ftrun.supervisor.restart: the same failure twice in a row
+
+    def encode(self) -> str:
+        return json.dumps({"node": self.node, "rank": self.rank, "reason": self.reason, "code": self.code,
+                           "signature": self.signature})
+
+    @classmethod
+    def decode(cls, raw: Raw) -> "FirstFailure":
+        """The failure in `raw`; a damaged one is still a failure, of an unknown rank."""
+        try:
+            obj = json.loads(_text(raw) or "null")
+            return cls(int(obj["node"]), int(obj["rank"]), str(obj.get("reason") or "failed"),
+                       int(obj.get("code") or 1), obj.get("signature") if isinstance(obj.get("signature"), str)
+                       else None)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return UNKNOWN_FAILURE
+
+
+UNKNOWN_FAILURE = FirstFailure(node=-1, rank=-1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.wire import NO_PROGRESS, InfoReport, ProgressReport, WorkerError
+from ftrun.wire import NO_PROGRESS, UNKNOWN_FAILURE, FirstFailure, InfoReport, ProgressReport, WorkerError
 
 pytestmark = pytest.mark.quick
 
@@ -56,3 +56,12 @@ def test_worker_error_reads_what_torchs_record_writes(tmp_path, monkeypatch):
     assert WorkerError.decode(b'{"message": "RuntimeError: plain\\nmore"}') == WorkerError("RuntimeError: plain")
     for damaged in (b"", b"{", b"[]", b'{"message": 3}', b'{"message": {"message": ""}}'):
         assert WorkerError.decode(damaged) is None
+
+
+def test_first_failure_round_trip_and_damage_is_an_unknown_failure():
+    f = FirstFailure(node=2, rank=9, reason="exited 1 with a traceback: ValueError: x", code=1,
+                     signature="ValueError: x | File \"t.py\", line 3, in main")
+    assert FirstFailure.decode(f.encode().encode()) == f
+    assert FirstFailure.decode('{"node": 1, "rank": 3}') == FirstFailure(1, 3)
+    for damaged in (b"", b"{", b"[]", b'{"rank": 1}', b'{"node": "a", "rank": 1}'):
+        assert FirstFailure.decode(damaged) == UNKNOWN_FAILURE

@@ -25,7 +25,7 @@ from ftrun.supervisor.restart import Decision, GroupRestartPolicy
 from ftrun.supervisor.spawn import Exited, SpawnerDied, signal_group
 from ftrun.supervisor.stopping import AfterStop
 from ftrun.supervisor.worker import Failure, Worker, WorkerState
-from ftrun.wire import ProgressReport
+from ftrun.wire import UNKNOWN_FAILURE, FirstFailure, ProgressReport
 
 STORE_READY_TIMEOUT_S = 30.0
 
@@ -187,15 +187,14 @@ class FailureDecisions:
                 self._spawn(o)
 
     def _group_failure(self, w: Optional[Worker], failure: Optional[Failure],
-                       remote: Optional[dict] = None) -> None:
+                       remote: Optional[FirstFailure] = None) -> None:
         """Without --ft: a failure here (w, failure) or on another node (remote) stops every
         worker; the group restarts while the budget lasts. With several nodes the first
         failure of the attempt is agreed in the store, so every node decides alike."""
         if w is not None:
             w.state = WorkerState.FAILED
-        info = {"node": self.cfg.node_rank, "rank": failure.rank if failure else -1,
-                "reason": failure.reason if failure else "failed", "code": failure.status_code if failure else 1,
-                "signature": failure.signature if failure else None}
+        info = (FirstFailure(self.cfg.node_rank, failure.rank, failure.reason, failure.status_code, failure.signature)
+                if failure is not None else remote or UNKNOWN_FAILURE)
         if self.nodes is not None:
             try:
                 info = self.nodes.first_failure(failure, remote)
@@ -203,21 +202,21 @@ class FailureDecisions:
                 if failure is not None and not self.nodes.store_reachable():
                     self._on_node_event(self.nodes.store_gone(one_line(e)))
                     return
-        code = int(info.get("code") or 1)
-        here = self.nodes is None or (failure is not None and info["node"] == self.cfg.node_rank
-                                      and info["rank"] == failure.rank)
-        origin = (f"rank {info['rank']} on node {info['node']}" if self.nodes is not None
-                  else f"rank {info['rank']} (pid {failure.pid})" if failure is not None else f"rank {info['rank']}")
-        decision = self.policy.on_failure(int(info["rank"]), info.get("signature"))
+        code = info.code or 1
+        here = self.nodes is None or (failure is not None and info.node == self.cfg.node_rank
+                                      and info.rank == failure.rank)
+        origin = (f"rank {info.rank} on node {info.node}" if self.nodes is not None
+                  else f"rank {info.rank} (pid {failure.pid})" if failure is not None else f"rank {info.rank}")
+        decision = self.policy.on_failure(info.rank, info.signature)
         grace = self.cfg.shutdown_timeout
         if decision is not Decision.RESTART_GROUP:
             if self.policy.repeated:
                 self.give_up_why = REPEATED
-            self.status.exit_summary = f"{origin} {info['reason']}"
+            self.status.exit_summary = f"{origin} {info.reason}"
             if self._can_reform() and not self.policy.repeated:
                 # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
                 self.reform = True
-                self.console.note(f"{origin} {info['reason']}; ending round {self.cfg.round}: every node stops its "
+                self.console.note(f"{origin} {info.reason}; ending round {self.cfg.round}: every node stops its "
                                   f"workers and the run re-forms (restart {self.cfg.round + 1} of "
                                   f"{self.cfg.total_restarts})", style="bold yellow")
                 self._begin_stop(signal.SIGTERM, grace, AfterStop.EXIT, code)
@@ -226,12 +225,12 @@ class FailureDecisions:
             else:
                 budget = self.cfg.max_restarts if self.cfg.total_restarts is None else self.cfg.total_restarts
                 why = self.give_up_why or f"restart budget spent ({budget} restart{'s' if budget != 1 else ''})"
-                self.console.note(f"{origin} {info['reason']}; {why}; stopping this node's workers",
+                self.console.note(f"{origin} {info.reason}; {why}; stopping this node's workers",
                                   style="bold red")
                 self._begin_stop(signal.SIGTERM, grace, AfterStop.EXIT, code)
             return
         where = "" if self.nodes is None else f" on {self.cfg.nnodes} nodes"
-        self.console.note(f"{origin} {info['reason']}; restarting all {self.cfg.world_size} workers{where} "
+        self.console.note(f"{origin} {info.reason}; restarting all {self.cfg.world_size} workers{where} "
                           f"(restart {self.policy.restarts} of {self.policy.max_restarts})", style="bold yellow")
         for o in self.workers:
             o.state = WorkerState.RESTARTING if o is w or o.alive else o.state

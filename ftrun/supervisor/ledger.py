@@ -21,7 +21,7 @@ from ftrun.status.state import RunStatus
 from ftrun.supervisor.goodput import Accountant, Breakdown, LaneState
 from ftrun.supervisor.timeline import Checkpoints, StepSeries, write_timeline
 from ftrun.supervisor.worker import Failure, Worker
-from ftrun.wire import ProgressReport
+from ftrun.wire import FirstFailure, ProgressReport
 
 TIMELINE_EVERY_S = 5.0
 STATE_FAILURES = 100  # the newest failures in the state file (the timeline keeps up to 1000)
@@ -85,11 +85,11 @@ class Ledger:
         if not self.cfg.ft:
             self._stop_group(idx, failure.when)
 
-    def remote_failure(self, info: Dict[str, Any], now: float) -> None:
+    def remote_failure(self, info: FirstFailure, now: float) -> None:
         """Without --ft: another node's failure stops this node's group too."""
         if self.group_failure is not None:
             return
-        idx = self.books.failed(0, now, rank=int(info.get("rank", -1)), cause=str(info.get("reason", "failed")),
+        idx = self.books.failed(0, now, rank=info.rank, cause=info.reason,
                                 kind="remote", detect_s=0.0)
         self.books.failures[idx].replica = -1
         self._stop_group(idx, now)

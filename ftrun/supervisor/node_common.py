@@ -13,9 +13,10 @@ import json
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 from ftrun.protocol import EXIT_FAILED, EXIT_REQUEUE, EXIT_USAGE, NodeKeys
+from ftrun.wire import FirstFailure
 
 BEAT_S = 0.25
 def _node_timeout() -> float:
@@ -57,14 +58,14 @@ class NodeState(str, enum.Enum):
 class NodeEvent:
     """What check() saw. kind: "store_gone" (the store's host went away), "node_lost" (node `node`
     went away or ended in failure; `text` says which), "remote_failure" (another node's
-    first failure of the current attempt, `info` as agreed in the store); with --ft on an
+    first failure of the current attempt, `failure` as agreed in the store); with --ft on an
     elastic c10d run, "node_waiting" (node 0: late node `node` asks to join the running
     round) and "node_joined" (node 0 took late node `node` in)."""
 
     kind: str
     text: str = ""
     node: int = -1
-    info: Optional[Dict[str, Any]] = None
+    failure: Optional[FirstFailure] = None
 
 
 class StoreState(str, enum.Enum):

@@ -72,8 +72,8 @@ class NodeDecisions:
     def _on_node_event(self, ev: NodeEvent) -> None:
         """What the other nodes' coordinator saw: the store gone, a node lost, another node's failure."""
         if ev.kind == "remote_failure":
-            self.ledger.remote_failure(ev.info, time.time())
-            self._group_failure(None, None, ev.info)
+            self.ledger.remote_failure(ev.failure, time.time())
+            self._group_failure(None, None, ev.failure)
             return
         live = [w for w in self.workers if w.alive]
         if ev.kind == "node_waiting":

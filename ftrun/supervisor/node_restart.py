@@ -12,31 +12,29 @@ Must never start, stop or signal a worker, and never decide whether the group re
 
 from __future__ import annotations
 
-import json
 import socket
 import time
-from typing import Any, Dict, Optional
+from typing import Optional
 
 from ftrun.protocol import progress_key
 from ftrun.supervisor import node_common as nc
 from ftrun.supervisor.node_common import NODE_LOST, NODE_TIMEOUT_S, POLL_S, NodeEvent, one_line
 from ftrun.supervisor.worker import Failure
-from ftrun.wire import ProgressReport
+from ftrun.wire import UNKNOWN_FAILURE, FirstFailure, ProgressReport
 
 
 class RestartAgreements:
     """The group-restart agreements of NodeCoordinator (see its attributes there)."""
 
-    def first_failure(self, failure: Optional[Failure], remote: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    def first_failure(self, failure: Optional[Failure], remote: Optional[FirstFailure] = None) -> FirstFailure:
         """The first failure of the current attempt, the same on every node: this node's
         (`failure`, written with compare_set: the first writer wins) or another node's
         (`remote`, already agreed). Raises if the store is unreachable."""
         self._handled_attempt = self.attempt
         if failure is None:
-            return remote or {"node": -1, "rank": -1, "reason": "failed", "code": 1}
-        mine = json.dumps({"node": self.me, "rank": failure.rank, "reason": failure.reason,
-                           "code": failure.status_code, "signature": failure.signature})
-        return json.loads(self.store.compare_set(nc.KEYS.fail(self.attempt), "", mine).decode())
+            return remote or UNKNOWN_FAILURE
+        mine = FirstFailure(self.me, failure.rank, failure.reason, failure.status_code, failure.signature)
+        return FirstFailure.decode(self.store.compare_set(nc.KEYS.fail(self.attempt), "", mine.encode()))
 
     def store_reachable(self, probes: int = 5) -> bool:
         """Whether the store's port still answers: `probes` connections 0.1 s apart all get in. One

@@ -49,6 +49,7 @@ from ftrun.supervisor.node_moves import StoreMoves
 from ftrun.supervisor.node_restart import RestartAgreements
 from ftrun.supervisor.node_watch import NodeWatch
 from ftrun.supervisor.store import RunStore, bind_listener
+from ftrun.wire import FirstFailure
 
 
 class NodeCoordinator(Join, StoreMoves, RestartAgreements):
@@ -165,10 +166,7 @@ class NodeCoordinator(Join, StoreMoves, RestartAgreements):
         # Another node's failure first: a node that gave up on it also ends, and
         # its end must not be reported as the cause.
         if fail and not self.cfg.ft and self._handled_attempt < self.attempt:
-            try:
-                return NodeEvent("remote_failure", info=json.loads(fail))
-            except ValueError:
-                return NodeEvent("remote_failure", info={"node": -1, "rank": -1, "reason": "failed", "code": 1})
+            return NodeEvent("remote_failure", failure=FirstFailure.decode(fail))
         if joined is not None:
             self._learn_who(joined)
             if joined not in self.live:
