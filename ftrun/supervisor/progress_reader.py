@@ -63,19 +63,19 @@ class ProgressReader:
                 out.append((w, report))
         return out
 
-    def read_last(self, workers: Sequence[Worker]) -> Reports:
+    def read_last(self, workers: Sequence[Worker]) -> Optional[Reports]:
         """The report each worker wrote as it exited (ftrun.worker.progress), of its last
-        incarnation and after at least one step; none when the keys or the store are gone."""
+        incarnation and after at least one step; None when the keys or the store are gone."""
         st = self._where()
         if st is None or st.store is None:
-            return []
+            return None
         wanted = [progress_key(w.rank) for w in workers]
         try:
             if not st.store.check(wanted):
-                return []
+                return None
             values = st.multi_get(wanted)
         except Exception:  # the store (node 0's) is gone: the last figures read stand
-            return []
+            return None
         out: Reports = []
         for w, raw in zip(workers, values):
             report = ProgressReport.decode(raw)

@@ -431,7 +431,10 @@ class Supervisor(StopControl, FailureDecisions, NodeDecisions, QuorumFollow):
         ended run's state says where every replica stopped, not where it was a beat earlier."""
         if not self._store_announced:
             return  # the keys were never created: a read would wait for them (for minutes)
-        for w, report in self.progress.read_last(self.workers):
+        reports = self.progress.read_last(self.workers)
+        if reports is None:
+            return  # the store is gone: the last figures read stand
+        for w, report in reports:
             w.steps = report.steps
             self.ledger.progress(w, report, time.time())
         if self.quorum is not None:
