@@ -62,7 +62,8 @@ VARIABLES: Tuple[EnvVar, ...] = (
            "a static layout without --rdzv-id."),
     EnvVar("TORCHELASTIC_USE_AGENT_STORE", TORCHRUN, "True: the workers' store is the agent's (ftrun's)."),
     EnvVar("TORCHELASTIC_ERROR_FILE", TORCHRUN, "LOG_DIR/rank<N>/error.json, where torch's @record writes a "
-           "worker's error."),
+           "worker's error (ftrun's bootstrap writes it too when the script does not); ftrun names a "
+           "failure from it."),
     EnvVar("TORCHELASTIC_SIGNALS_TO_HANDLE", TORCHRUN, "--signals-to-handle, comma-separated."),
     EnvVar("TORCH_NCCL_ASYNC_ERROR_HANDLING", TORCHRUN, "1 unless already set, as torchrun sets it."),
     EnvVar("OMP_NUM_THREADS", TORCHRUN, "1 when unset and more than one worker runs on the node, as torchrun "

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import List, Mapping, NamedTuple, Optional, Tuple
 
 # ---------------------------------------------------------------- workers -> supervisor: progress
-# "<incarnation> <steps> <last step time> <now> <pid> <activity>", rewritten by every
-# worker's heartbeat thread every HEARTBEAT_S (ftrun/worker/progress.py); activity
-# counts other progress (forward passes, torch.save/load) for --step-timeout. In the run's
+# A ftrun.wire.ProgressReport (its codec holds the fields), rewritten by every worker's
+# heartbeat thread every HEARTBEAT_S (ftrun/worker/progress.py). In the run's
 # store, or in the worker's node's store when its node relays (node_info_key).
 HEARTBEAT_S = 0.25
 

@@ -6,6 +6,7 @@ almost no CPU, yet makes progress: its read and write counters move, or its chil
 So a sample is quiet only when the process used (almost) no CPU, its I/O counters did not
 move, and its child processes neither changed, used CPU, nor moved their I/O counters.
 psutil reads /proc; the reads count against this process, never the worker's.
+ProcessSampler keeps each worker's record of those samples.
 Must never signal or change a process: it only looks.
 """
 
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import psutil
+
+from ftrun.supervisor.worker import Worker
 
 # Below this share of one CPU a process is idle (a worker's progress thread costs a fraction of it).
 IDLE_CPU_PERCENT = 5.0
@@ -89,3 +92,30 @@ def watch(pid: Optional[int]) -> Optional[ProcessWatch]:
         return ProcessWatch(pid)
     except psutil.Error:
         return None
+
+
+class ProcessSampler:
+    """Once a second: every live worker's CPU, memory, and whether it is stopped or quiet, into
+    its record (the state file shows them; the default hang rule reads them)."""
+
+    def __init__(self) -> None:
+        self._procs: Dict[int, ProcessWatch] = {}
+
+    def sample(self, workers: Sequence[Worker], now: float) -> None:
+        for w in workers:
+            if not w.pid or not w.alive:
+                continue
+            proc = self._procs.get(w.pid)
+            if proc is None:
+                proc = watch(w.pid)  # its first sample comes a second from now
+                if proc is not None:
+                    self._procs[w.pid] = proc
+                continue
+            try:
+                sample = proc.sample()
+            except (psutil.Error, OSError):
+                self._procs.pop(w.pid, None)
+                continue
+            w.cpu_percent = sample.cpu_percent
+            w.rss_bytes = sample.rss_bytes
+            w.note_process(sample.stopped, sample.quiet, now)

@@ -61,7 +61,7 @@ def worker_env(common: Mapping[str, str], cfg: RunConfig, local_rank: int, resta
     env = dict(common)
     env.update({
         # Where torch.distributed.elastic's @record writes a worker's error, as under torchrun.
-        "TORCHELASTIC_ERROR_FILE": str(log_dir(cfg) / f"rank{rank}" / "error.json"),
+        "TORCHELASTIC_ERROR_FILE": str(error_file(cfg, rank)),
         # Where a hung worker's Python stacks go when ftrun asks for them: its log folder, not the console.
         "FTRUN_STACKS_FILE": str(stacks_file(cfg, rank)),
         "RANK": str(rank),
@@ -86,6 +86,12 @@ def log_dir(cfg: RunConfig) -> Path:
     if cfg.log_dir:
         return Path(cfg.log_dir)
     return runs_root() / run_folder_name(cfg.run_id, cfg.nnodes, cfg.node_rank) / "logs"
+
+
+def error_file(cfg: RunConfig, rank: int) -> Path:
+    """TORCHELASTIC_ERROR_FILE: a worker's uncaught exception, as torch's @record writes it
+    (ftrun.wire.WorkerError; ftrun's bootstrap writes it too when the script does not)."""
+    return log_dir(cfg) / f"rank{rank}" / "error.json"
 
 
 def stacks_file(cfg: RunConfig, rank: int) -> Path:

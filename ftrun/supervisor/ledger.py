@@ -21,6 +21,7 @@ from ftrun.status.state import RunStatus
 from ftrun.supervisor.goodput import Accountant, Breakdown, LaneState
 from ftrun.supervisor.timeline import Checkpoints, StepSeries, write_timeline
 from ftrun.supervisor.worker import Failure, Worker
+from ftrun.wire import FirstFailure, ProgressReport
 
 TIMELINE_EVERY_S = 5.0
 STATE_FAILURES = 100  # the newest failures in the state file (the timeline keeps up to 1000)
@@ -65,17 +66,12 @@ class Ledger:
             self.restarts += 1
         self.books.spawned(self.lane(w), now)
 
-    def progress(self, w: Worker, parts: List[str], now: float) -> None:
+    def progress(self, w: Worker, report: ProgressReport, now: float) -> None:
         """A progress report (ftrun.worker.progress) of `w`'s current incarnation."""
-        try:
-            steps, last = int(parts[1]), float(parts[2])
-            first = float(parts[6]) if len(parts) > 6 else 0.0
-            saved = int(parts[7]) if len(parts) > 7 else -1
-        except (IndexError, ValueError):
-            return
-        self.reported[w.rank] = (steps, saved)
+        self.reported[w.rank] = (report.steps, report.saved_steps)
         if self._leads(w):
-            self.books.progress(self.lane(w), now, steps, last, first or None)
+            self.books.progress(self.lane(w), now, report.steps, report.last_step_time,
+                                report.first_step_time or None)
 
     def failed(self, w: Worker, failure: Failure, now: float, seen: Optional[float] = None) -> None:
         """A worker failed (its replica's lane, with --ft; the group stops for it, without);
@@ -89,11 +85,11 @@ class Ledger:
         if not self.cfg.ft:
             self._stop_group(idx, failure.when)
 
-    def remote_failure(self, info: Dict[str, Any], now: float) -> None:
+    def remote_failure(self, info: FirstFailure, now: float) -> None:
         """Without --ft: another node's failure stops this node's group too."""
         if self.group_failure is not None:
             return
-        idx = self.books.failed(0, now, rank=int(info.get("rank", -1)), cause=str(info.get("reason", "failed")),
+        idx = self.books.failed(0, now, rank=info.rank, cause=info.reason,
                                 kind="remote", detect_s=0.0)
         self.books.failures[idx].replica = -1
         self._stop_group(idx, now)
@@ -118,16 +114,14 @@ class Ledger:
         """ftrun stopped `w` (a signal, the run's end, its replica's or group's failure)."""
         self.books.stopped(self.lane(w), now, failure=self.group_failure if not self.cfg.ft else None)
 
-    def group_restart(self, now: float, elsewhere: Optional[List[str]] = None) -> None:
+    def group_restart(self, now: float, elsewhere: Optional[ProgressReport] = None) -> None:
         """Without --ft, the next attempt starts: the last one lost the steps since the script's
         own last save (all of them when it saved nothing), estimated from the step counts.
         `elsewhere`: rank 0's last report, read by a node that does not run it (scripts save there)."""
         steps = max((s for s, _ in self.reported.values()), default=0)
         saved = max((v for _, v in self.reported.values()), default=-1)
-        try:
-            saved = max(saved, int(elsewhere[7])) if elsewhere and len(elsewhere) > 7 else saved
-        except ValueError:
-            pass
+        if elsewhere is not None:
+            saved = max(saved, elsewhere.saved_steps)
         lost = max(0, steps - max(saved, 0))
         if self.group_failure is not None:
             self.books.group_restart(self.group_failure, lost)

@@ -1,13 +1,15 @@
 """Words for what happened to a worker: exit reasons and the final failure report.
 
 Names the reasons a user meets (killed by a signal, exited with a traceback,
-hung) and prints the report of the first failure with the tail of its stderr
+hung), from the worker's error file (TORCHELASTIC_ERROR_FILE) when it wrote one,
+else from the tail of its stderr, and prints the report of the first failure with the tail of its stderr
 and where the full log is. Must never decide anything or touch processes.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 from rich.text import Text
@@ -15,6 +17,7 @@ from rich.text import Text
 from ftrun.supervisor.spawn import signal_name
 from ftrun.supervisor.worker import WorkerState
 from ftrun.supervisor.worker import Failure, Worker
+from ftrun.wire import WorkerError
 
 SIGNAL_HINTS = {
     "SIGKILL": "often the out-of-memory killer",
@@ -34,6 +37,22 @@ def exit_reason(exit_code: Optional[int], sig: Optional[int], stderr_tail: List[
     if last_error:
         return f"exited {exit_code} with a traceback: {last_error}"
     return f"exited with code {exit_code}"
+
+
+def worker_error(path: Path, since: float) -> Optional[WorkerError]:
+    """The error a worker wrote to its TORCHELASTIC_ERROR_FILE at `path` since `since` (its
+    incarnation's start; an older file is a previous incarnation's); None when it wrote none."""
+    try:
+        if path.stat().st_mtime < since - 1.0:  # file times may be coarser than the clock
+            return None
+        return WorkerError.decode(path.read_bytes()[:1_000_000])
+    except OSError:
+        return None
+
+
+def error_reason(exit_code: Optional[int], error: WorkerError) -> str:
+    """exit_reason() for a worker that wrote its error file."""
+    return f"exited {exit_code} with a traceback: {error.message}"
 
 
 def _last_exception_line(tail: List[str]) -> Optional[str]:

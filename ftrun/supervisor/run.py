@@ -3,94 +3,59 @@
 One event loop on one queue: worker exits (from the spawner, within
 milliseconds), forwarded signals, and a 0.25 s tick that reads progress from
 the store (hang detection, live status). The loop is the only code that
-changes worker states and the only consumer of the queue; policies decide,
-the spawner acts. Stopping is a state of the loop, not a wait of its own:
-the workers are signalled, the loop goes on taking events (their exits, a
-second signal that ends the grace) and enforcing the SIGKILL deadline, and
-once the last of them has exited it carries out what the stop was for (end
-the run, report the failure, restart the group).
+changes worker states and the only consumer of the queue; the event sources
+only report (the spawner's events, ProgressReader, find_hung, the node
+coordinator's check(), the quorum keeper), the loop decides, and the spawner,
+the stopping state and the stores carry the decisions out. torch elastic's
+`_invoke_run` is the pattern. The loop's decisions are grouped by topic in
+mixins over its one state: stopping (stopping.py), worker failures and
+restarts (failures.py), other nodes' news (node_decisions.py), the --ft
+quorum's view (ft_follow.py).
 Must never import torch on the main thread before the workers have started,
 and never wait on the queue outside the loop.
 """
 
 from __future__ import annotations
 
-import enum
 import os
 import queue
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-import psutil
-
 from ftrun.config import RunConfig, hang_after_s, store_listen_addr
-from ftrun.status.state import ReplicaStatus, RunPhase, RunStatus, run_dir, run_folder_name, write_state
-from ftrun.supervisor.env import base_env, common_env, log_dir, stacks_file, worker_env
-from ftrun.supervisor import activity
-from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, drain, open_pipes
-from ftrun.supervisor.failover import NoMajority
+from ftrun.protocol import DUMP_STACKS_SIGNAL, EXIT_FAILED, NODE_RANKS_ENV, NODE_STORE_ENV
+from ftrun.status.state import RunPhase, RunStatus, run_dir, run_folder_name
+from ftrun.supervisor import activity, checkpoints, folder_lock
+from ftrun.supervisor.env import base_env, common_env, error_file, log_dir, stacks_file, worker_env
+from ftrun.supervisor.failures import FailureDecisions
+from ftrun.supervisor.ft_follow import QuorumFollow
+from ftrun.supervisor.hangs import HANG_DUMP_GRACE_S, find_hung
 from ftrun.supervisor.ledger import Ledger
-from ftrun.supervisor.waits import Waits, replica_waits
-from ftrun.supervisor.nodes import NODE_LOST, REQUEUE, NodeCoordinator, NodeEvent
-from ftrun.supervisor.nodes import _one_line as nodes_one_line
+from ftrun.supervisor.logs import ConsoleOut, Pump, RankLog, open_pipes
+from ftrun.supervisor.node_decisions import NodeDecisions
+from ftrun.supervisor.nodes import NodeCoordinator
+from ftrun.supervisor.progress_reader import ProgressReader, note_steps
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.supervisor.redirect import Redirect
-from ftrun.supervisor.relay import NodeRelay, Routes
-from ftrun.supervisor.report import early_signature, exit_reason, failure_report
-from ftrun.supervisor.restart import Decision, GroupRestartPolicy, ReplicaRestartPolicy, Repeats
-from ftrun.supervisor.spawn import (Exited, PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner,
+from ftrun.supervisor.relay import NodeRelay
+from ftrun.supervisor.restart import GroupRestartPolicy, ReplicaRestartPolicy, Repeats
+from ftrun.supervisor.spawn import (PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner, Exited,
                                    signal_group)
-from ftrun.supervisor.store import STORE_TIMEOUT_S, RunStore, open_run_store
+from ftrun.supervisor.status_writer import StatusWriter
+from ftrun.supervisor.stopping import AfterStop, StopControl, Stopping, forwarded_signals
+from ftrun.supervisor.store import RunStore, open_run_store
+from ftrun.supervisor.waits import Waits, replica_waits
 from ftrun.supervisor.worker import Failure, Worker, WorkerSpec, WorkerState
-from ftrun.protocol import (DUMP_STACKS_SIGNAL, EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_SIGNAL_BASE, EXIT_USAGE,
-                            NODE_RANKS_ENV, NODE_STORE_ENV, RUN_STORE, progress_key)
-from ftrun.supervisor import checkpoints, folder_lock
 
 TICK_S = 0.25
-HANG_DUMP_GRACE_S = 1.0
-STORE_READY_TIMEOUT_S = 30.0
-ADMIT_GAP_S = 1.0  # --ft, elastic: at most one late node taken in per this long (_admit_waiting)
-# After SIGKILL a process is gone within milliseconds unless the kernel holds it (uninterruptible
-# I/O); past this much longer the stop stops waiting for it.
-KILL_WAIT_S = 10.0
 
 
-# Why a failure is not restarted although budget is left (ftrun.supervisor.restart).
-REPEATED = ("not restarted again: it failed the same way (the same exception at the same line) twice in a row "
-            "right after start, before any step, which a restart cannot fix")
+class Supervisor(StopControl, FailureDecisions, NodeDecisions, QuorumFollow):
+    """One node's agent. Its state (the workers' records, the policy, the quorum keeper, the
+    stopping state, the status) is set here and shared by the loop's decisions in the mixins;
+    only the loop's thread touches it (a signal handler only posts to the queue)."""
 
-
-class AfterStop(enum.Enum):
-    """What the loop does once every worker being stopped has exited."""
-
-    EXIT = "end the run"                                 # with Stopping.code
-    REPORT = "end the run with the failure report"       # of Stopping.failure
-    RESTART_GROUP = "start the next attempt"             # once every node has stopped (attempt_barrier)
-
-
-@dataclass
-class Stopping:
-    """The agent's stopping state: the workers signalled and not yet exited, and what comes next.
-
-    Each worker's SIGKILL deadline is its own `kill_at` (the tick enforces it)."""
-
-    pending: Dict[str, Worker]    # spawner tag -> worker whose exit has not been seen
-    sig: int                      # the signal they were sent (a late-started one gets it too)
-    then: AfterStop
-    code: int                     # EXIT: ftrun's exit status; RESTART_GROUP: the failure's, for the barrier
-    give_up_at: float             # grace + KILL_WAIT_S: the rest are counted as gone
-    failure: Optional[Failure] = None  # REPORT
-
-
-def forwarded_signals(cfg: RunConfig) -> List[int]:
-    """torchrun's --signals-to-handle: the signals that stop the workers (sent on to them)."""
-    return [getattr(signal, name) for name in cfg.signals_to_handle]
-
-
-class Supervisor:
     def __init__(self, cfg: RunConfig, store: Optional[RunStore] = None,
                  zygote: Optional[ZygoteSpawner] = None, standby: Optional[RunStore] = None,
                  repeats: Optional[Repeats] = None) -> None:
@@ -136,16 +101,16 @@ class Supervisor:
         )
         self.state_path = self.run_dir / "state.json"
         self.ledger = Ledger(cfg, self.started, self.run_dir, self.console)  # goodput, timeline, metrics
-        self._ledger_failed = False
+        self.writer = StatusWriter(self.status, self.state_path, self.ledger, self.console, cfg.node_rank)
         self.waits = Waits(self.console)  # progress of ftrun's own long waits, on a terminal only
         self._dirty = True
         self._last_write = 0.0
         self._last_poll = 0.0
         self._last_progress = 0.0
         self._last_metrics = 0.0
-        self._progress_seen: Dict[int, str] = {}
+        self.progress = ProgressReader(self._reports_store)
         self._checkpoints = checkpoints.CheckpointWatch()
-        self._procs: Dict[int, activity.ProcessWatch] = {}
+        self._sampler = activity.ProcessSampler()
         self.store: Optional[RunStore] = None
         self._store_announced = False
         # --ft: the supervisor keeps the quorum (ftrun.supervisor.quorum).
@@ -248,6 +213,10 @@ class Supervisor:
 
     def _spawn(self, w: Worker) -> None:
         env = worker_env(self.common, self.cfg, w.spec.local_rank, w.incarnation)
+        try:  # a previous incarnation's error is not this one's
+            error_file(self.cfg, w.rank).unlink()
+        except OSError:
+            pass
         (out_r, out_w), (err_r, err_w) = open_pipes()
         log = self.logs[w.rank]
         banner = f"===== ftrun: rank {w.rank}, incarnation {w.incarnation}, {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
@@ -259,7 +228,7 @@ class Supervisor:
                             keep_steps=self.cfg.ft)
         self.ledger.spawned(w, time.time())
         self.by_tag[w.tag] = w
-        self._progress_seen.pop(w.rank, None)
+        self.progress.forget(w.rank)
         if self.quorum is not None:
             self.quorum.on_spawn(w.rank, w.incarnation)
         try:
@@ -360,523 +329,7 @@ class Supervisor:
         elif isinstance(ev, Exited):
             self._on_exit(ev)
 
-    def _on_stop_signal(self, signum: int) -> None:
-        self.stopped_by_signal = signum
-        name = signal.Signals(signum).name
-        st = self.stopping
-        if st is None and self.saving is not None:
-            self.console.note(f"received {name} again: stopping without waiting for the checkpoint", style="bold yellow")
-            self.saving = None
-            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
-            return
-        if st is None and self._save_before_stop(signum):
-            return
-        if st is None:
-            self.console.note(f"received {name}: stopping all workers "
-                              f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
-            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
-            return
-        # Already stopping: the signal ends the grace, and asks for no new attempt.
-        instead = ""
-        if st.then is AfterStop.RESTART_GROUP:
-            st.then, st.code, instead = AfterStop.EXIT, EXIT_SIGNAL_BASE + signum, "no restart; "
-        in_grace = any(w.kill_at for w in st.pending.values())
-        if in_grace or instead:
-            self.console.note(f"received {name}: {instead}{'no more grace, killing the workers now' if in_grace else ''}"
-                              .rstrip("; "), style="bold yellow")
-        self._kill_stopping_now()
-
-    def _save_before_stop(self, signum: int) -> bool:
-        """--ft with --checkpoint-dir, on the node keeping the quorum: have the replicas stop at one
-        round boundary and save the last committed step before they are signalled. False when
-        there is nothing to save (no epoch yet, nobody holds the trained state, the loop ended)."""
-        q = self.quorum
-        if not (self.cfg.checkpoint_dir and q is not None and q.leader) or \
-                any(w.state == WorkerState.DONE for w in self.workers):
-            return False
-        try:
-            writer = q.stop()
-        except Exception:  # noqa: BLE001 - the store is gone: nothing can coordinate a save
-            return False
-        if writer is None:
-            return False
-        now = time.time()
-        grace = self.cfg.shutdown_timeout
-        self.saving = checkpoints.SaveBeforeStop(signum, now, now + grace)
-        self.console.note(f"received {signal.Signals(signum).name}: saving a checkpoint of the last committed step "
-                          f"(replica {writer}), then stopping all workers (at most {grace:g} s in all: "
-                          f"--shutdown-timeout)", style="bold yellow")
-        self._dirty = True
-        return True
-
-    def _check_saving(self) -> None:
-        """While the replicas save before stopping: signal the workers once that is over."""
-        sv = self.saving
-        now = time.time()
-        try:
-            said = sv.outcome(self.store, now, any(w.alive for w in self.workers))
-        except Exception:  # noqa: BLE001 - the store went away: nothing is coming
-            said = ("the run's store went away before the checkpoint was written; stopping all workers", "bold red")
-        if said is None:
-            return
-        self.saving = None
-        self.console.note(said[0], style=said[1])
-        self._begin_stop(sv.sig, max(min(1.0, self.cfg.shutdown_timeout), sv.deadline - now), AfterStop.EXIT,
-                         EXIT_SIGNAL_BASE + sv.sig)
-
-    def _on_spawner_died(self, ev: SpawnerDied) -> None:
-        st = self.stopping
-        if st is None and not any(w.alive for w in self.workers):
-            return
-        if st is None:
-            lost = ", ".join(str(w.rank) for w in self.workers if w.tag in ev.lost) or "none"
-            self.console.note(f"internal error: {ev.reason}; workers lost with it: rank {lost}; stopping",
-                              style="bold red")
-            self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_FAILED)
-            return
-        # Mid-stop: the workers being stopped died with it (parent-death signal; the spawner
-        # SIGKILLs what is left), and one whose start was still in flight will never report.
-        if st.then is AfterStop.RESTART_GROUP:
-            self.console.note(f"internal error: {ev.reason}; no worker can be started: stopping", style="bold red")
-            st.then, st.code = AfterStop.EXIT, EXIT_FAILED
-        for w in list(st.pending.values()):
-            self._stopped(w)
-
-    def _on_exit(self, ev: Exited) -> None:
-        w = self.by_tag.get(ev.tag)
-        if w is None or ev.tag != w.tag:
-            self.by_tag.pop(ev.tag, None)
-            return  # an old incarnation that was already accounted for
-        signal_group(ev.pid, signal.SIGKILL)  # nothing the worker started may outlive it
-        w.pid = ev.pid
-        if w.stop_requested:
-            self._stopped(w)
-            return
-        self.by_tag.pop(ev.tag)
-        w.kill_at = None
-        if self.quorum is not None:
-            # first: the survivors may be waiting for its vote
-            self.quorum.on_exit(w.rank, w.incarnation, finished=ev.exit_code == 0 and not w.hang_reason)
-        for p in w.pumps:
-            p.done.wait(0.5)
-        self._dirty = True
-        if ev.exit_code == 0 and not w.hang_reason:
-            w.state = WorkerState.DONE
-            w.finished_at = time.time()
-            self.ledger.done(w, w.finished_at)
-            return
-        tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
-        if ev.exit_code == EXIT_CANNOT_GO_ON and not w.hang_reason and any(l.startswith("ftrun.ft: ") for l in tail):
-            self._cannot_go_on(w, tail)
-            return
-        reason = w.hang_reason or exit_reason(ev.exit_code, ev.signal, tail)
-        early = not w.first_step_seen and not w.hang_reason and not ev.signal
-        failure = Failure(rank=w.rank, pid=ev.pid, exit_code=ev.exit_code, signal=ev.signal, reason=reason,
-                          when=time.time(), stderr_tail=tail, log_path=str(self.logs[w.rank].stderr_path),
-                          signature=early_signature(tail) if early else None)
-        w.last_failure = failure
-        if self.first_failure is None:
-            self.first_failure = failure
-        self.ledger.failed(w, failure, time.time(), ev.seen)
-        self._on_failure(w, failure)
-
-    def _cannot_go_on(self, w: Worker, tail: List[str]) -> None:
-        """A worker found that the run cannot go on as started (a checkpoint of another model or
-        optimizer, a script that misuses ftrun.ft): restarting cannot change that. End the run
-        as bad input, with the worker's own line."""
-        w.state = WorkerState.FAILED
-        why = next((line.strip() for line in reversed(tail) if line.startswith("ftrun.ft: ")), "")
-        why = why.split("ftrun.ft: ", 1)[-1] or f"rank {w.rank} found that the run cannot go on"
-        self.console.note(f"{why}; stopping the run (exit 2)", style="bold red")
-        self.status.exit_summary = why
-        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_USAGE)
-
-    def _on_failure(self, w: Worker, failure: Failure) -> None:
-        if isinstance(self.policy, GroupRestartPolicy):
-            self._group_failure(w, failure)
-            return
-        # replica policy (--ft): the failed worker's replica fails as a unit
-        rep = w.rank // self.k
-        mates = [o for o in self._replica(rep) if o is not w]
-        if self.saving is not None:  # the run is stopping: nothing restarts
-            w.state = WorkerState.FAILED
-            self._stop_mates(mates, WorkerState.FAILED)
-            self.console.note(f"rank {w.rank} {failure.reason} while the run saves before stopping; not restarted",
-                              style="yellow")
-            return
-        live_after = len({o.rank // self.k for o in self.workers if o.alive and o.rank // self.k != rep})
-        who = f"rank {w.rank}" if self.k == 1 else f"rank {w.rank} of replica {rep}"
-        if any(o.state == WorkerState.DONE for o in self.workers):
-            # The others have left the training loop: there is no step left to heal into.
-            w.state = WorkerState.FAILED
-            self._stop_mates(mates, WorkerState.FAILED)
-            self.console.note(f"{who} {failure.reason} after the others finished; not restarted",
-                              style="yellow")
-            return
-        decision = self.policy.on_failure(rep, live_after, failure.signature)
-        if decision is Decision.RESTART_REPLICA:
-            used = self.policy.restarts[rep]
-            alone = ("it alone" if self.k == 1 else
-                     f"its replica ({self.k} workers, ranks {rep * self.k}-{rep * self.k + self.k - 1}) alone")
-            self.console.note(f"{who} (pid {failure.pid}) {failure.reason}; restarting {alone} "
-                              f"(restart {used} of {self.policy.max_restarts}); the others keep training",
-                              style="bold yellow")
-            w.state = WorkerState.RESTARTING
-            self._stop_mates(mates, WorkerState.RESTARTING)
-            for o in [w] + mates:
-                o.restarts = used
-            self._write_state()  # `ftrun status` shows it restarting, then recovering, then running
-            self.respawning[rep] = True
-            self._respawn_replicas()
-            return
-        w.state = WorkerState.FAILED
-        self._stop_mates(mates, WorkerState.FAILED)
-        why = (REPEATED if self.policy.repeated else
-               f"its restart budget ({self.policy.max_restarts}) is spent")
-        if decision is Decision.DROP_REPLICA:
-            self.ledger.given_up(w, time.time())
-            self.console.note(f"{who} {failure.reason}; {why}: carrying on with {live_after} "
-                              f"replica{'s' if live_after != 1 else ''} (--min-replicas {self.policy.min_replicas})",
-                              style="bold red")
-            return
-        self.give_up_why = why
-        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.REPORT, failure.status_code, failure)
-
-    def _replica(self, rep: int) -> List[Worker]:
-        return [o for o in self.workers if o.rank // self.k == rep]
-
-    def _stop_mates(self, mates: List[Worker], state: WorkerState) -> None:
-        """The other workers of a failed replica: SIGKILL at once (nothing of theirs is worth a
-        grace, and a collective with their dead peer would hold them, NCCL included)."""
-        for o in mates:
-            if self.by_tag.get(o.tag) is o:
-                o.state = state
-                o.stop_requested = True  # its exit is a stop, not a failure of its own
-                signal_group(o.pid, signal.SIGKILL)  # one not started yet gets it once it is
-            elif o.alive:
-                o.state = state
-
-    def _respawn_replicas(self) -> None:
-        """Start every replica whose restart waits, once the last of its old processes is gone."""
-        if self.stopping is not None:
-            return
-        for rep in [r for r in self.respawning if not any(self.by_tag.get(o.tag) is o for o in self._replica(r))]:
-            del self.respawning[rep]
-            workers = self._replica(rep)
-            inc = max(o.incarnation for o in workers) + 1  # one incarnation for the whole replica
-            for o in workers:
-                o.incarnation = inc
-                self._spawn(o)
-
-    def _group_failure(self, w: Optional[Worker], failure: Optional[Failure],
-                       remote: Optional[dict] = None) -> None:
-        """Without --ft: a failure here (w, failure) or on another node (remote) stops every
-        worker; the group restarts while the budget lasts. With several nodes the first
-        failure of the attempt is agreed in the store, so every node decides alike."""
-        if w is not None:
-            w.state = WorkerState.FAILED
-        info = {"node": self.cfg.node_rank, "rank": failure.rank if failure else -1,
-                "reason": failure.reason if failure else "failed", "code": failure.status_code if failure else 1,
-                "signature": failure.signature if failure else None}
-        if self.nodes is not None:
-            try:
-                info = self.nodes.first_failure(failure, remote)
-            except Exception as e:
-                if failure is not None and not self.nodes.store_reachable():
-                    self._on_node_event(self.nodes.store_gone(nodes_one_line(e)))
-                    return
-        code = int(info.get("code") or 1)
-        here = self.nodes is None or (failure is not None and info["node"] == self.cfg.node_rank
-                                      and info["rank"] == failure.rank)
-        origin = (f"rank {info['rank']} on node {info['node']}" if self.nodes is not None
-                  else f"rank {info['rank']} (pid {failure.pid})" if failure is not None else f"rank {info['rank']}")
-        decision = self.policy.on_failure(int(info["rank"]), info.get("signature"))
-        grace = self.cfg.shutdown_timeout
-        if decision is not Decision.RESTART_GROUP:
-            if self.policy.repeated:
-                self.give_up_why = REPEATED
-            self.status.exit_summary = f"{origin} {info['reason']}"
-            if self._can_reform() and not self.policy.repeated:
-                # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
-                self.reform = True
-                self.console.note(f"{origin} {info['reason']}; ending round {self.cfg.round}: every node stops its "
-                                  f"workers and the run re-forms (restart {self.cfg.round + 1} of "
-                                  f"{self.cfg.total_restarts})", style="bold yellow")
-                self._begin_stop(signal.SIGTERM, grace, AfterStop.EXIT, code)
-            elif here and failure is not None:
-                self._begin_stop(signal.SIGTERM, grace, AfterStop.REPORT, code, failure)
-            else:
-                budget = self.cfg.max_restarts if self.cfg.total_restarts is None else self.cfg.total_restarts
-                why = self.give_up_why or f"restart budget spent ({budget} restart{'s' if budget != 1 else ''})"
-                self.console.note(f"{origin} {info['reason']}; {why}; stopping this node's workers",
-                                  style="bold red")
-                self._begin_stop(signal.SIGTERM, grace, AfterStop.EXIT, code)
-            return
-        where = "" if self.nodes is None else f" on {self.cfg.nnodes} nodes"
-        self.console.note(f"{origin} {info['reason']}; restarting all {self.cfg.world_size} workers{where} "
-                          f"(restart {self.policy.restarts} of {self.policy.max_restarts})", style="bold yellow")
-        for o in self.workers:
-            o.state = WorkerState.RESTARTING if o is w or o.alive else o.state
-        self._write_state()  # `ftrun status` shows the restart while the group stops
-        self._begin_stop(signal.SIGTERM, grace, AfterStop.RESTART_GROUP, code)
-
-    def _restart_group(self, code: int) -> Optional[int]:
-        """Every worker of this node has stopped: start the next attempt once every node has
-        (`code`: the failure's status, for a node that ended meanwhile); else ftrun's exit status."""
-        attempt = self.nodes.attempt if self.nodes is not None else 0
-        if self.nodes is not None:
-            waited = self.nodes.attempt_barrier(code)
-            if isinstance(waited, NodeEvent):
-                self._on_node_event(waited)
-                return None
-            if waited is not None:
-                return waited
-        else:
-            self._clean_store_for_new_attempt()
-        self._read_last_reports()  # where each rank stopped and last saved: the steps this attempt lost
-        self.ledger.group_restart(time.time(), self._rank0_report(attempt))
-        self.status.group_restarts = self.policy.restarts
-        for o in self.workers:
-            o.incarnation = self.policy.restarts
-            o.restarts = self.policy.restarts
-            self._spawn(o)
-        self.first_failure = None  # a new attempt: its first failure is what counts
-        return None
-
-    def _node_ranks(self, k: int) -> List[int]:
-        return list(range(k * self.cfg.nproc, (k + 1) * self.cfg.nproc))
-
-    def _routes(self, live: List[int]) -> Optional[Routes]:
-        """The nodes of `live` whose workers vote through their node's store (each published its
-        store as it joined; node 0's workers vote in the run's store it hosts)."""
-        if self.nodes is None or not self.nodes.standby:
-            return None
-        return Routes({k: (self.nodes.standby[k], self._node_ranks(k)) for k in live if k in self.nodes.standby})
-
-    def _add_node(self, k: int) -> None:
-        """Late node k's replicas become ranks of the quorum, voting through its own store."""
-        standby = self.nodes.standby.get(k)
-        self.quorum.add_ranks(self._node_ranks(k), (k, standby) if standby else None)
-
-    def _admit_waiting(self) -> None:
-        """Node 0, --ft on an elastic run: late nodes take free places, first come first served,
-        one a second at most (the tick calls again): every other node learns of one from the node
-        list before the next comes, so no two nodes count the run's nodes more than one apart
-        (ftrun.supervisor.failover.keeps_running)."""
-        nodes = self.nodes
-        while nodes.waiting and len(nodes.live) < self.cfg.max_nodes:
-            if time.monotonic() - self._admitted_at < ADMIT_GAP_S:
-                return
-            k = nodes.waiting.pop(0)
-            if not nodes.still_waiting(k):
-                continue
-            self._add_node(k)  # their keys exist before anyone reads them
-            nodes.admit(k)
-            self._admitted_at = time.monotonic()
-            self.console.note(f"node {k} joins the running run ({len(nodes.live)} of at most {self.cfg.max_nodes} "
-                              f"nodes); its replicas heal from a peer", style="bold cyan")
-        if nodes.waiting and not self._told_full:
-            self._told_full = True
-            self.console.note(f"node{'s' if len(nodes.waiting) > 1 else ''} {', '.join(map(str, nodes.waiting))} "
-                              f"wait{'s' if len(nodes.waiting) == 1 else ''} for a place: the run has its "
-                              f"{self.cfg.max_nodes} nodes", style="yellow")
-
-    def _on_node_event(self, ev: NodeEvent) -> None:
-        """What the other nodes' coordinator saw: the store gone, a node lost, another node's failure."""
-        if ev.kind == "remote_failure":
-            self.ledger.remote_failure(ev.info, time.time())
-            self._group_failure(None, None, ev.info)
-            return
-        live = [w for w in self.workers if w.alive]
-        if ev.kind == "node_waiting":
-            self.nodes.waiting.append(ev.node)
-            self._admit_waiting()
-            return
-        if ev.kind == "node_joined":
-            if self.quorum is not None:
-                self._add_node(ev.node)
-            self.console.note(f"{ev.text}; its replicas heal from a peer", style="cyan")
-            return
-        if ev.kind == "store_gone" and self.cfg.ft and self.nodes.may_move():
-            self._move_store(ev)
-            return
-        if ev.kind == "store_gone" and self._can_reform() and self.nodes.may_move_between_rounds():
-            self.reform = self.store_lost = True
-            self.status.exit_summary = "node 0 (the run's store) went away"
-            self.console.note(f"{ev.text}; ending round {self.cfg.round}: the nodes that remain move the run's store "
-                              f"and re-form the run (restart {self.cfg.round + 1} of {self.cfg.total_restarts})",
-                              style="bold yellow")
-            self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, NODE_LOST)
-            return
-        if ev.kind == "node_lost" and self.cfg.ft and not self.nodes.majority_kept():
-            self._lost_majority(f"{ev.text}; this node and the nodes it still sees are fewer than half of the "
-                                f"run's {self.nodes.layout_size}")
-            return
-        if ev.kind == "node_lost" and self.cfg.ft:
-            self.console.note(f"{ev.text}; carrying on without its replicas (--ft)", style="bold yellow")
-            self._on_node_lost(ev.node)
-            if self.cfg.admits_late and self.nodes.me == self.nodes.host_node:
-                self.nodes.drop(ev.node)
-                self._told_full = False
-                self._admit_waiting()
-            return
-        if ev.kind == "node_lost" and self._can_reform():
-            self.reform = True
-            self.console.note(f"{ev.text}; ending round {self.cfg.round}: the nodes that remain re-form the run "
-                              f"(restart {self.cfg.round + 1} of {self.cfg.total_restarts})", style="bold yellow")
-        elif ev.kind == "node_lost":
-            self.console.note(f"{ev.text}; stopping this node's workers (without --ft the run needs every node)",
-                              style="bold red")
-        else:
-            what = (f"stopping this node's {len(live)} worker{'s' if len(live) != 1 else ''}" if live
-                    else "ending this node's run")
-            self.console.note(f"{ev.text}; {what}", style="bold red")
-        self.status.exit_summary = ev.text if ev.kind == "node_lost" else "node 0 (the run's store) went away"
-        code = NODE_LOST
-        if ev.kind == "store_gone" and self.cfg.ft:
-            # Nothing here can go on without the store: a scheduler that requeues on this status
-            # restarts the job, which resumes from --checkpoint-dir (docs/guides/checkpoints.md: requeue).
-            code = REQUEUE
-            self.console.note(f"exit {REQUEUE}: requeue the job to resume"
-                              f"{' from ' + self.cfg.checkpoint_dir if self.cfg.checkpoint_dir else ''}",
-                              style="bold yellow")
-        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, code)
-
-    def _move_store(self, ev: NodeEvent) -> None:
-        """--ft: the run's store is lost with its node; the surviving nodes agree on a new host
-        (ftrun.supervisor.failover), and this node's keeper and workers follow it. The replicas
-        keep their state: each rejoins, and the first epoch on the new store is healed from the
-        replica holding the newest complete step."""
-        t0 = time.monotonic()
-        self.console.note(f"{ev.text}; moving the run's store to a surviving node", style="bold yellow")
-        before = self.nodes.layout_size  # an elastic run counts only the new layout after the move
-        try:
-            elected = self.nodes.fail_over()
-        except NoMajority as e:
-            self._lost_majority(f"the run's store could not move: {e}")
-            return
-        host, _, port = elected.addr.rpartition(":")
-        if not self.cfg.workers_master_addr:
-            self.common["MASTER_ADDR"] = host
-        self.common["MASTER_PORT"] = port
-        self.common["FTRUN_STORE"] = elected.addr
-        old = self.quorum
-        self.quorum = QuorumKeeper(self.store, [r for k in elected.nodes for r in self._node_ranks(k)],
-                                   [w.rank for w in self.workers], leader=elected.host == self.cfg.node_rank,
-                                   replica_size=self.k, routes=self._routes(elected.nodes))
-        self.quorum.fresh_start = old.fresh_start
-        self.quorum.epoch_id = old.epoch_id + 1  # above every epoch a replica may have seen
-        self.quorum.info = dict(old.info)  # the replicas' last words, until they speak again
-        self.quorum.moved = True
-        self.quorum.awaited = set(old.members) or None
-        for w in self.workers:
-            self.quorum.alive[w.rank] = w.incarnation if w.alive else None
-        self._on_store_ready()
-        self.nodes.node_store.store.set(RUN_STORE, f"{self.nodes.gen} {elected.addr}")
-        if self.cfg.admits_late and elected.host == self.cfg.node_rank:
-            # Nodes started from now on with the run's line find the run here (c10d, elastic).
-            self.nodes.open_to_late_nodes(host)
-            Redirect(self.cfg.endpoint, self.cfg.run_id, elected.addr).start()
-        if self.relay is not None:  # members waiting for a decision of the old store follow the new one
-            self.relay.moved(old.epoch_id + 1)
-        self.console.note(f"node {elected.host} hosts the run's store now, at {elected.addr} ({len(elected.nodes)} "
-                          f"of {before} nodes, agreed in {time.monotonic() - t0:.1f} s); the "
-                          f"replicas keep their state and rejoin", style="bold cyan")
-        self._dirty = True
-
-    def _lost_majority(self, why: str) -> None:
-        """--ft: this node may no longer go on (a second run could form elsewhere): stop its workers."""
-        text = f"{why}; stopping this node so that no second run can form"
-        self.console.note(text, style="bold red")
-        self.status.exit_summary = text
-        self.console.note(f"exit {REQUEUE}: requeue the job to resume"
-                          f"{' from ' + self.cfg.checkpoint_dir if self.cfg.checkpoint_dir else ''}",
-                          style="bold yellow")
-        self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, REQUEUE)
-
-    def _can_reform(self) -> bool:
-        """c10d without --ft: torchrun's restart is a new round of the rendezvous, within its budget."""
-        return (self.cfg.rdzv == "c10d" and not self.cfg.ft and self.cfg.total_restarts is not None
-                and self.cfg.round < self.cfg.total_restarts)
-
-    def _clean_store_for_new_attempt(self) -> None:
-        if self.store is None or not self.store.wait(STORE_READY_TIMEOUT_S):
-            return
-        try:
-            self.store.clear_worker_keys()
-        except Exception as e:  # the attempt may still work; say why it might not
-            self.console.note(f"could not clear the store between attempts: {e}", style="yellow")
-
-    def _give_up(self, failure: Failure) -> int:
-        first = self.first_failure or failure
-        attempts = self.give_up_why or (f"restart budget spent ({self.cfg.max_restarts} restart"
-                                        f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
-        drain([p for w in self.workers for p in w.pumps])  # the report comes after the workers' lines
-        self._fill_goodput(end=True)  # the goodput summary, before the report: the report is the last word
-        self.console.renderable(failure_report(first, attempts, self.workers))
-        return first.status_code
-
-    # ---------------------------------------------------------------- stopping
-    def _begin_stop(self, sig: int, grace: float, then: AfterStop, code: int,
-                    failure: Optional[Failure] = None) -> None:
-        """Enter the stopping state: `sig` to every worker that still has a process (a stop is
-        always the whole node's), SIGKILL after `grace`; the loop does `then` once all have exited."""
-        now = time.time()
-        pending = {w.tag: w for w in self.workers if self.by_tag.get(w.tag) is w}
-        for w in pending.values():
-            w.stop_requested = True
-            signal_group(w.pid, sig)
-            if sig != signal.SIGKILL:
-                w.kill_at = now + grace if w.kill_at is None else min(w.kill_at, now + grace)
-        self.stopping = Stopping(pending, sig, then, code, now + grace + KILL_WAIT_S, failure)
-        self._dirty = True
-
-    def _kill_stopping_now(self) -> None:
-        """End the grace: SIGKILL every worker being stopped (one not started yet gets it once it is)."""
-        for w in self.stopping.pending.values():
-            signal_group(w.pid, signal.SIGKILL)
-            w.kill_at = None
-
-    def _stopped(self, w: Worker) -> None:
-        """A worker being stopped is gone (its exit seen, or counted as gone)."""
-        self.by_tag.pop(w.tag, None)
-        if self.stopping is not None:
-            self.stopping.pending.pop(w.tag, None)
-        w.kill_at = None
-        self.ledger.stopped(w, time.time())
-        if w.state not in (WorkerState.RESTARTING, WorkerState.FAILED):
-            w.state = WorkerState.STOPPED
-        if self.quorum is not None:
-            self.quorum.on_exit(w.rank, w.incarnation)
-        for p in w.pumps:
-            p.done.wait(0.5)
-        self._dirty = True
-        if self.respawning:
-            self._respawn_replicas()
-
-    def _advance_stop(self) -> Optional[int]:
-        """After each turn while stopping: once the last worker is gone, do what the stop was
-        for; ftrun's exit status when that ends the run."""
-        st = self.stopping
-        if st.pending and time.time() >= st.give_up_at:
-            ranks = ", ".join(str(w.rank) for w in st.pending.values())
-            self.console.note(f"rank {ranks} still running {KILL_WAIT_S:g} s past the grace, SIGKILL notwithstanding; "
-                              f"no longer waiting", style="bold red")
-            if isinstance(self.spawner, ZygoteSpawner):
-                self.spawner.close()  # workers die with their zygote (parent-death signal)
-                if st.then is AfterStop.RESTART_GROUP:
-                    st.then, st.code = AfterStop.EXIT, EXIT_FAILED  # no zygote, no new attempt
-            for w in list(st.pending.values()):
-                self._stopped(w)
-        if st.pending:
-            return None
-        self.stopping = None
-        if st.then is AfterStop.RESTART_GROUP:
-            return self._restart_group(st.code)
-        if st.then is AfterStop.REPORT:
-            return self._give_up(st.failure)
-        return st.code
-
+    # ---------------------------------------------------------------- tick
     # ---------------------------------------------------------------- tick
     def _tick(self) -> None:
         now = time.time()
@@ -906,7 +359,7 @@ class Supervisor:
                     self._admit_waiting()
         if now - self._last_metrics >= 1.0:
             self._last_metrics = now
-            self._sample_metrics(now)
+            self._sampler.sample(self.workers, now)
             self._dirty = True
         # Step counts change every tick with --ft: `ftrun status` needs them a few times a
         # second, not at the 20 Hz the quorum is polled (each write is a JSON file).
@@ -925,103 +378,15 @@ class Supervisor:
         if not self._store_announced:
             self._store_announced = True
             self._on_store_ready()
-        reports = self._reports_store()
-        if reports.store is None:
-            return
-        keys = [progress_key(w.rank) for w in self.workers]
-        try:
-            values = reports.multi_get(keys)
-        except Exception:
-            return
-        for w, raw in zip(self.workers, values):
-            text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-            if text == self._progress_seen.get(w.rank):
-                continue
-            self._progress_seen[w.rank] = text
-            parts = text.split()
-            if len(parts) < 5 or int(parts[0]) != w.incarnation or not w.alive:
-                continue
-            steps = int(parts[1])
+        for w, report in self.progress.read_new(self.workers):
             w.last_heartbeat = now
-            w.note_activity(parts, now)
-            self.ledger.progress(w, parts, now)
+            w.note_activity(report.activity, now)
+            self.ledger.progress(w, report, now)
             if w.state == WorkerState.STARTING and self.quorum is None:
                 w.state = WorkerState.RUNNING
                 self._dirty = True
-            self._note_steps(w, steps, now)
-
-    def _note_steps(self, w: Worker, steps: int, now: float) -> None:
-        """A worker's step count as last reported (its progress key, or under --ft its report to
-        the quorum, read every tick)."""
-        if steps == w.steps or steps <= 0:
-            return
-        if w.last_step_time and steps > w.steps:
-            dt = max(1e-3, now - w.last_step_time)
-            rate = (steps - w.steps) / dt
-            w.steps_per_s = rate if w.steps_per_s == 0 else 0.7 * w.steps_per_s + 0.3 * rate
-        w.steps = steps
-        w.last_step_time = now
-        w.first_step_seen = True
-        self._dirty = True
-
-    def _poll_quorum(self, now: float) -> None:
-        q = self.quorum
-        try:
-            if self.relay is not None:
-                self.relay.poll(now)
-            q.poll(now)
-        except Exception as e:  # the store went away: the loop's other checks will say so
-            if not self._quorum_failing:
-                self._quorum_failing = True
-                self.console.note(f"quorum poll failed: {nodes_one_line(e)}", style="yellow")
-            return
-        self._quorum_failing = False
-        if self.cfg.checkpoint_dir and now == self._last_progress:
-            self._poll_checkpoint()  # a few times a second, with the progress poll
-        while q.history:
-            self.console.note(q.history.pop(0), style="cyan")
-        for w in self.workers:
-            info = q.info.get(w.rank)
-            if w.alive and info and info.get("inc") == w.incarnation and w.first_step_seen:
-                # Fresher than the progress key (read a few times a second): the step now.
-                self._note_steps(w, int(info.get("step") or 0), now)
-        for w in self.workers:
-            if w.state in (WorkerState.RECOVERING, WorkerState.STARTING, WorkerState.RUNNING) and w.alive:
-                if q.replica_fields(w.rank)["in_quorum"] and w.state != WorkerState.RUNNING:
-                    if w.state == WorkerState.RECOVERING and w.last_failure is not None:
-                        took = now - w.last_failure.when
-                        w.rejoin_s = took
-                        who = (f"rank {w.rank}" if self.k == 1 else
-                               f"replica {w.rank // self.k} (rank {w.rank} failed)")
-                        if q.epoch_id in q.fresh_epochs:
-                            self.console.note(f"{who} is training again {took:.2f} s after it failed; no replica "
-                                              f"held the trained state: {q.fresh_start}", style="green")
-                        else:
-                            self.console.note(f"{who} is training again, healed from a peer "
-                                              f"{took:.2f} s after it failed", style="green")
-                    w.state = WorkerState.RUNNING
-                    self._dirty = True
-        if not self._warned_no_ft_api:
-            plain = [w.rank for w in self.workers if w.first_step_seen and not q.info.get(w.rank)]
-            if plain:
-                self._warned_no_ft_api = True
-                self.console.note(
-                    f"--ft: rank {plain[0]} trains without ftrun.ft (it never asked to join a quorum), so a failed "
-                    f"replica cannot heal from a peer; wrap the model, optimizer and loop with ftrun.ft "
-                    f"(see scripts/train_ft.py), or drop --ft for group restarts", style="bold yellow")
-        if self.status.quorum_id != q.epoch_id:
-            self._dirty = True  # the run's figures are taken at every write (_write_state)
-
-    def _poll_checkpoint(self) -> None:
-        """The newest good checkpoint and the saves failed since, for `ftrun status`."""
-        try:
-            ck = self._checkpoints.poll(self.store)
-        except Exception:
-            return
-        if ck is not None:
-            self.status.checkpoint = ck
-            self.ledger.checkpoint(ck)  # once per good checkpoint (a failed save changes nothing there)
-            self._dirty = True
+            if note_steps(w, report.steps, now):
+                self._dirty = True
 
     def _reports_store(self) -> RunStore:
         """Where this node's workers report progress: the node's own store when it relays their
@@ -1031,38 +396,17 @@ class Supervisor:
     def _on_store_ready(self) -> None:
         if self.quorum is not None:
             self.quorum.on_store_ready()
-        # Every progress key exists from the start, so multi_get never waits for one.
-        reports = self._reports_store()
-        reports.wait(STORE_TIMEOUT_S)  # the node's store, built alongside the run's: up by now
-        for w in self.workers:
-            try:
-                reports.store.compare_set(progress_key(w.rank), "", "-1 0 0 0 0")
-            except Exception:
-                pass
+        self.progress.seed([w.rank for w in self.workers])
 
     def _check_hangs(self, now: float) -> None:
-        """Name and kill hung workers: by --step-timeout's rule when given, else by the default
-        rule, which can only take a worker that does nothing (stopped, or idle while waited for)."""
+        """Name and kill hung workers (ftrun.supervisor.hangs says which, and why)."""
         explicit = self.cfg.step_timeout is not None
         limit = self.cfg.step_timeout if explicit else self.default_hang_s
-        live = (WorkerState.RUNNING, WorkerState.RECOVERING, WorkerState.STARTING)
-        # A replica of several workers hangs as one: its other workers wait for the hung one inside
-        # the replica's own collectives. One culprit per replica is killed (the replica restarts
-        # whole): a worker whose process is stopped or whose heartbeat stopped before one that waits.
-        order = sorted(self.workers, key=lambda o: not (o.stopped_for(now) >= limit or
-                                                         (o.last_heartbeat and now - o.last_heartbeat > limit)))
-        named = {o.rank // self.k for o in self.workers if o.kill_at or o.state == WorkerState.HUNG}
-        for w in order:
-            if w.state not in live or not w.alive or w.kill_at or w.rank // self.k in named:
-                continue
-            reason = self._hung_restarting(w, now, limit) or (
-                self._hung_by_step_timeout(w, now, limit) if explicit else self._hung_by_default(w, now, limit))
-            if reason is None:
-                continue
-            w.hang_reason = reason
+        for hung in find_hung(self.workers, now, limit, explicit, self.k, self.quorum):
+            w = hung.worker
+            w.hang_reason = hung.reason
             w.state = WorkerState.HUNG
             self.ledger.hung(w, now, limit)
-            named.add(w.rank // self.k)
             self.console.note(f"rank {w.rank} (pid {w.pid}) is {w.hang_reason}: killing it; its Python stacks "
                               f"go to {stacks_file(self.cfg, w.rank)}", style="bold red")
             if w.pid:
@@ -1073,146 +417,26 @@ class Supervisor:
             w.kill_at = now + HANG_DUMP_GRACE_S
             self._dirty = True
 
-    def _hung_by_step_timeout(self, w: Worker, now: float, limit: float) -> Optional[str]:
-        """--step-timeout S: no heartbeat, or no step (with --ft: its peers waited for its step) for S."""
-        if w.last_heartbeat and now - w.last_heartbeat > limit:
-            return f"hung (no heartbeat for {limit:g} s)"
-        if self.quorum is not None:
-            # With --ft every replica stalls while one hangs: only the one the others have
-            # been waiting for all along is hung, never a replica that waits for it.
-            if self.quorum.waited_for_s(w.rank) > limit:
-                return f"hung (its peers waited {limit:g} s for its step)"
-        elif (w.state == WorkerState.RUNNING and w.first_step_seen and w.last_step_time
-              and w.since_progress(now) > limit):
-            return f"hung (no optimizer step or other progress for {limit:g} s)"
-        return None
-
-    def _hung_restarting(self, w: Worker, now: float, limit: float) -> Optional[str]:
-        """--ft, either rule: a restarted replica that has not asked to join the run yet and whose
-        every worker has done nothing (no CPU, no I/O, no child at work) for the limit is hung as
-        any other, e.g. one blocked in a group its peers formed long ago. Its peers do not wait
-        for it (it is in no epoch yet), so the waited-for rules never see it."""
-        if self.quorum is None or w.state != WorkerState.RECOVERING:
-            return None
-        mates = self._replica(w.rank // self.k)
-        if any(self.quorum.replica_fields(m.rank)["ft_phase"] not in (None, "init") for m in mates):
-            return None  # it asked to join: the quorum's own waits and timeouts take over
-        if all(m.idle_for(now) >= limit for m in mates):
-            return f"hung (restarted, it did nothing for {limit:g} s before asking to rejoin: no CPU, no I/O)"
-        return None
-
-    def _hung_by_default(self, w: Worker, now: float, limit: float) -> Optional[str]:
-        """No --step-timeout: a worker whose process has been stopped (SIGSTOP, SIGTSTP) for the
-        limit; with --ft also one its peers have waited for that long while it did nothing (no CPU,
-        no I/O, no child process at work: ftrun.supervisor.activity). A worker that computes (an
-        evaluation, a save) or waits on I/O or a child process is never taken by this rule."""
-        if w.stopped_for(now) >= limit:
-            return f"hung (its process was stopped for {limit:g} s)"
-        if self.quorum is not None and self.quorum.waited_for_s(w.rank) >= limit and w.idle_for(now) >= limit:
-            mates = [m for m in self.workers if m is not w and m.rank // self.k == w.rank // self.k]
-            if any(m.stopped_since is not None for m in mates):
-                return None  # it waits for a stopped mate: that one is the culprit, named by its stop
-            return (f"hung (its peers waited {limit:g} s for its step while it did nothing: no CPU, no I/O, "
-                    f"no child at work)")
-        return None
-
-    def _on_node_lost(self, node: int) -> None:
-        """--ft: a lost node's replicas are dead in the quorum at once (only node 0's keeper decides)."""
-        q = self.quorum
-        if q is None or not q.leader:
-            return
-        if q.routes is not None:  # its store went with it: votes for its members go to the run's store
-            q.routes.lose(node)
-        for rank in range(node * self.cfg.nproc, (node + 1) * self.cfg.nproc):
-            inc = q.alive.get(rank)
-            if inc is not None:
-                q.on_exit(rank, inc)
-
-    def _sample_metrics(self, now: float) -> None:
-        for w in self.workers:
-            if not w.pid or not w.alive:
-                continue
-            proc = self._procs.get(w.pid)
-            if proc is None:
-                proc = activity.watch(w.pid)  # its first sample comes a second from now
-                if proc is not None:
-                    self._procs[w.pid] = proc
-                continue
-            try:
-                sample = proc.sample()
-            except (psutil.Error, OSError):
-                self._procs.pop(w.pid, None)
-                continue
-            w.cpu_percent = sample.cpu_percent
-            w.rss_bytes = sample.rss_bytes
-            w.note_process(sample.stopped, sample.quiet, now)
-
     # ---------------------------------------------------------------- state
-    def _replica_status(self, w: Worker) -> ReplicaStatus:
-        return ReplicaStatus(
-            rank=w.rank, local_rank=w.spec.local_rank, pid=w.pid, state=w.state.value, restarts=w.restarts,
-            step=w.steps, steps_per_s=round(w.steps_per_s, 3), last_heartbeat=w.last_heartbeat,
-            last_step_time=w.last_step_time, cpu_percent=w.cpu_percent, rss_bytes=w.rss_bytes,
-            last_failure=w.last_failure.reason if w.last_failure else None, node_rank=self.cfg.node_rank,
-            **(self.quorum.replica_fields(w.rank) if self.quorum is not None else {}),
-        )
-
     def _write_state(self) -> None:
-        if self.quorum is not None:
-            # Every write, not only when the epoch changes: the figures move with every step.
-            for k, v in self.quorum.run_fields().items():
-                setattr(self.status, k, v)
-        self.status.replicas = [self._replica_status(w) for w in self.workers]
-        if self.nodes is not None:
-            self.status.replicas = self.nodes.all_replicas(self.status.replicas)
-        self._fill_goodput()
-        try:
-            write_state(self.state_path, self.status)
-        except OSError:
-            pass
+        self.writer.write(self.workers, self.quorum, self.nodes)
         self._last_write = time.time()
         self._dirty = False
 
-    def _rank0_report(self, attempt: int) -> Optional[List[str]]:
-        """Rank 0's last progress report of the stopped `attempt`, on a node that does not run it
-        (a script's checkpoint is usually saved there). Node 0 keeps a copy before the next
-        attempt starts: by the time this node reads, the new rank 0 has replaced its report."""
-        if self.cfg.node_rank == 0 or self.nodes is None:
-            return None
-        return self.nodes.rank0_report(attempt)
-
     def _fill_goodput(self, end: bool = False) -> None:
-        """The goodput figures (state, timeline, metrics; at the end the summary too). Accounting
-        must never take the run down: an error in it is said once, and the run goes on."""
-        try:
-            if end:
-                self.ledger.finish(self.status, self.status.ended or time.time())
-            else:
-                self.ledger.fill(self.status, time.time())
-        except Exception as e:  # noqa: BLE001
-            if not self._ledger_failed:
-                self._ledger_failed = True
-                self.console.note(f"internal error in the goodput accounting ({type(e).__name__}: {e}); "
-                                  f"the run goes on without it", style="yellow")
+        self.writer.fill_goodput(end)
 
     def _read_last_reports(self) -> None:
         """Take in the report each worker writes as it exits (ftrun.worker.progress), so the
         ended run's state says where every replica stopped, not where it was a beat earlier."""
-        st = self._reports_store()
-        if st is None or st.store is None or not self._store_announced:
+        if not self._store_announced:
             return  # the keys were never created: a read would wait for them (for minutes)
-        wanted = [progress_key(w.rank) for w in self.workers]
-        try:
-            if not st.store.check(wanted):
-                return
-            values = st.multi_get(wanted)
-        except Exception:  # the store (node 0's) is gone: the last figures read stand
-            return
-        for w, raw in zip(self.workers, values):
-            parts = (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split()
-            if len(parts) >= 5 and int(parts[0]) == w.incarnation and int(parts[1]) > 0:
-                w.steps = int(parts[1])
-                self.ledger.progress(w, parts, time.time())
+        reports = self.progress.read_last(self.workers)
+        if reports is None:
+            return  # the store is gone: the last figures read stand
+        for w, report in reports:
+            w.steps = report.steps
+            self.ledger.progress(w, report, time.time())
         if self.quorum is not None:
             try:
                 self.quorum.poll(time.time())  # the replicas' last info: the run's final figures

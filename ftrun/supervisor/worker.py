@@ -72,7 +72,7 @@ class Worker:
     first_step_seen: bool = False
     last_activity: Optional[float] = None   # forward passes, torch.save/load: progress that is not a step
     finished_at: Optional[float] = None     # when this incarnation exited 0
-    _activity_seen: str = ""
+    _activity_seen: Optional[int] = None
     last_heartbeat: Optional[float] = None
     steps_per_s: float = 0.0
     # when hung: SIGKILL deadline after the stack dump was requested
@@ -97,7 +97,7 @@ class Worker:
         self.last_step_time = None
         self.last_activity = None
         self.finished_at = None
-        self._activity_seen = ""
+        self._activity_seen = None
         self.last_heartbeat = None
         self.steps_per_s = 0.0
         self.kill_at = None
@@ -110,10 +110,10 @@ class Worker:
         if not keep_steps:
             self.steps = 0
 
-    def note_activity(self, fields: List[str], now: float) -> None:
-        """Read the progress report's activity count (6th field): a change is progress."""
-        if len(fields) > 5 and fields[5] != self._activity_seen:
-            self._activity_seen = fields[5]
+    def note_activity(self, activity: int, now: float) -> None:
+        """The progress report's activity count (ftrun.wire.ProgressReport): a change is progress."""
+        if activity != self._activity_seen:
+            self._activity_seen = activity
             self.last_activity = now
 
     def note_process(self, stopped: bool, idle: bool, now: float) -> None:

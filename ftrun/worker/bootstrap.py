@@ -15,6 +15,7 @@ import os
 import runpy
 import sys
 import threading
+import time
 import traceback
 from typing import List, Optional
 
@@ -73,6 +74,34 @@ def _user_traceback(exc: BaseException) -> None:
                               or tb.tb_frame.f_code.co_filename.endswith(("runpy.py", "<frozen runpy>"))):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb)
+
+
+def _record_error(exc: BaseException) -> None:
+    """The failure, structured, in TORCHELASTIC_ERROR_FILE as torch's @record would write it
+    (ftrun.wire.WorkerError), for the supervisor to read instead of the traceback's words. A
+    file the script's own @record wrote (it re-raises after writing) is left as it is."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    from ftrun.wire import WorkerError
+
+    tb = exc.__traceback__
+    here = os.path.dirname(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(here)
+              and not f.filename.endswith(("runpy.py", "<frozen runpy>"))]
+    where = f'File "{frames[-1].filename}", line {frames[-1].lineno}, in {frames[-1].name}' if frames else ""
+    # As the traceback's own exception line: the first unindented line (a SyntaxError's comes
+    # after its quoted source).
+    lines = [line for part in traceback.format_exception_only(type(exc), exc) for line in part.splitlines()]
+    message = next((line.strip() for line in lines if line.strip() and not line[0].isspace()), type(exc).__name__)
+    error = WorkerError(message, where, "".join(traceback.format_exception(type(exc), exc, tb)), int(time.time()))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(error.encode())
+        os.replace(path + ".tmp", path)
+    except OSError:  # a full disk: the supervisor reads the traceback from the log instead
+        pass
 
 
 # The one line an interrupted worker writes instead of a traceback (ftrun.supervisor.logs keeps it
@@ -134,6 +163,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         code = EXIT_SIGINT
     except BaseException as exc:  # noqa: BLE001 - the script's own failure, reported as python would
         _user_traceback(exc)
+        _record_error(exc)
         code = 1
     fast_exit(code)
 

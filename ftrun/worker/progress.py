@@ -5,10 +5,9 @@ with --step-timeout, a global module forward hook and wrappers of
 torch.save/torch.load count other progress (evaluation, checkpoints), so a
 long evaluation or save is not taken for a hang. Without --ft, torch.save and
 torch.distributed.checkpoint's saves note the step count they were made at:
-a group restart loses the steps since then (the supervisor's goodput). A daemon thread writes
-`incarnation steps last_step_time now pid activity first_step_time saved_steps` (and, under --ft, the
-counters of ftrun.ft) to the supervisor's store every HEARTBEAT_S (and at
-once after the first step, and once more as the worker exits), so the
+a group restart loses the steps since then (the supervisor's goodput). A daemon thread
+writes a ftrun.wire.ProgressReport (and, under --ft, the counters of ftrun.ft as a
+wire.InfoReport) to the supervisor's store every HEARTBEAT_S (and at once after the first step, and once more as the worker exits), so the
 supervisor can show live health, spot a hung rank, and record where each
 worker stopped. On a node that relays (FTRUN_NODE_STORE, several
 nodes under --ft) that store is the node's own, which never moves: the
@@ -24,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import json
 import os
 import sys
 import threading
@@ -33,6 +31,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 from ftrun.protocol import HEARTBEAT_S, info_key, progress_key, relayed_node
+from ftrun.wire import InfoReport, ProgressReport
 
 RECONNECT_MAX_S = 1.0       # back-off cap between reconnects to the store
 RECONNECT_TIMEOUT_S = 5.0   # one connection attempt; the first one may wait for the store longer
@@ -186,12 +185,12 @@ class ProgressReporter:
         if self.busy:
             self.activity += 1  # a save or load that takes long is progress while it runs
         self._wrap_dcp()
-        store.set(progress_key(self.rank), f"{self.incarnation} {steps} {self.last_step_time:.3f} "
-                                           f"{time.time():.3f} {os.getpid()} {self.activity} "
-                                           f"{self.first_step_time:.3f} {self.saved_steps}")
+        report = ProgressReport(self.incarnation, steps, self.last_step_time, time.time(), os.getpid(),
+                                self.activity, self.first_step_time, self.saved_steps)
+        store.set(progress_key(self.rank), report.encode())
         if self.info_provider is not None:
             # "beat" changes every report, so the keeper can tell a live report from a stale one.
-            store.set(info_key(self.rank), json.dumps({**self.info_provider(), "beat": beat}))
+            store.set(info_key(self.rank), InfoReport(self.info_provider(), beat).encode())
 
     def _loop(self) -> None:
         parent = os.getppid()

@@ -1,0 +1,174 @@
+"""Typed codecs for the payloads ftrun's processes exchange through the store.
+
+ftrun.protocol names every key; this module says what the values of the
+reports look like, once, as small dataclasses with encode() and decode(), so
+the writer (a worker) and the readers (supervisors) can never disagree on a
+field's position. Kept apart from protocol.py so each stays one idea (keys
+and statuses there, payload formats here).
+Must never import torch nor anything else of ftrun's: both the worker and
+the torch-free supervisor path import it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Union
+
+Raw = Union[bytes, str, None]
+
+
+def _text(raw: Raw) -> str:
+    if raw is None:
+        return ""
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    """A worker's progress report (protocol.progress_key), rewritten every HEARTBEAT_S by
+    ftrun.worker.progress and read by the supervisor (health, hangs, goodput).
+
+    On the wire: space-separated fields, in this order. Readers must accept a report
+    with only the first five fields (the key's seed, written before the worker starts)."""
+
+    incarnation: int           # TORCHELASTIC_RESTART_COUNT of the writer; -1: no report yet
+    steps: int                 # optimizer steps (under --ft: the global committed step)
+    last_step_time: float = 0.0
+    time: float = 0.0          # when the report was written (the heartbeat)
+    pid: int = 0
+    activity: int = 0          # forward passes and torch.save/load calls (--step-timeout)
+    first_step_time: float = 0.0
+    saved_steps: int = -1      # the step count at the script's last save; -1: none yet
+
+    def encode(self) -> str:
+        return (f"{self.incarnation} {self.steps} {self.last_step_time:.3f} {self.time:.3f} {self.pid} "
+                f"{self.activity} {self.first_step_time:.3f} {self.saved_steps}")
+
+    @classmethod
+    def decode(cls, raw: Raw) -> Optional["ProgressReport"]:
+        """The report in `raw`; None when it is not one (empty, damaged, too short)."""
+        parts = _text(raw).split()
+        if len(parts) < 5:
+            return None
+        try:
+            return cls(incarnation=int(parts[0]), steps=int(parts[1]), last_step_time=float(parts[2]),
+                       time=float(parts[3]), pid=int(parts[4]),
+                       activity=int(parts[5]) if len(parts) > 5 else 0,
+                       first_step_time=float(parts[6]) if len(parts) > 6 else 0.0,
+                       saved_steps=int(parts[7]) if len(parts) > 7 else -1)
+        except ValueError:
+            return None
+
+
+# What a progress key holds before its worker first reports: every key exists from the start,
+# so the supervisor's multi_get never waits for one.
+NO_PROGRESS = ProgressReport(incarnation=-1, steps=0)
+
+
+@dataclass(frozen=True)
+class InfoReport:
+    """Under --ft, a worker's ftrun.ft counters for `ftrun status` (protocol.info_key): a JSON
+    object of the manager's fields plus `beat`, which changes with every report so a reader can
+    tell a live report from a stale one."""
+
+    fields: Mapping[str, Any]
+    beat: int = 0
+
+    def encode(self) -> str:
+        return json.dumps({**self.fields, "beat": self.beat})
+
+    @classmethod
+    def decode(cls, raw: Raw) -> Optional["InfoReport"]:
+        """The report in `raw`; None when empty or not a JSON object."""
+        try:
+            obj = json.loads(_text(raw) or "null")
+        except ValueError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        fields: Dict[str, Any] = dict(obj)
+        beat = fields.pop("beat", 0)
+        return cls(fields, beat if isinstance(beat, int) else 0)
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """A worker's uncaught exception, in TORCHELASTIC_ERROR_FILE (protocol: LOG_DIR/rank<N>/error.json).
+
+    The format is torch elastic's (what its @record writes): {"message": {"message":
+    "<Type>: <text>", "extraInfo": {"py_callstack": "<traceback>", "timestamp": "<s>"}}}, so a
+    script's own @record and ftrun's bootstrap write the same file, and the supervisor reads the
+    failure from it instead of from the worker's stderr. `where` is the innermost frame of the
+    script's own code ('File "x.py", line 12, in f'): with `message`, what identifies a failure
+    across restarts."""
+
+    message: str
+    where: str = ""
+    callstack: str = ""
+    timestamp: int = 0
+
+    def encode(self) -> str:
+        return json.dumps({"message": {"message": self.message,
+                                       "extraInfo": {"py_callstack": self.callstack, "where": self.where,
+                                                     "timestamp": str(self.timestamp)}}})
+
+    @classmethod
+    def decode(cls, raw: Raw) -> Optional["WorkerError"]:
+        """The error in `raw` (either of torch's formats: the message an object or a string);
+        None when it holds none."""
+        try:
+            obj = json.loads(_text(raw) or "null")
+        except ValueError:
+            return None
+        msg = obj.get("message") if isinstance(obj, dict) else None
+        if isinstance(msg, str):
+            return cls(msg.strip().splitlines()[0][:200]) if msg.strip() else None
+        if not isinstance(msg, dict) or not isinstance(msg.get("message"), str) or not msg["message"].strip():
+            return None
+        extra = msg.get("extraInfo") if isinstance(msg.get("extraInfo"), dict) else {}
+        stack = extra.get("py_callstack") if isinstance(extra.get("py_callstack"), str) else ""
+        where = extra.get("where") if isinstance(extra.get("where"), str) else ""
+        if not where:  # torch's @record: the innermost frame of its traceback
+            frames = [line.strip() for line in stack.splitlines() if line.lstrip().startswith('File "')]
+            where = frames[-1] if frames else ""
+        try:
+            ts = int(extra.get("timestamp") or 0)
+        except (TypeError, ValueError):
+            ts = 0
+        return cls(msg["message"].strip().splitlines()[0][:200], where, stack, ts)
+
+    @property
+    def signature(self) -> str:
+        """The same failure, restart after restart: the exception and where it was raised."""
+        return f"{self.message} | {self.where}"
+
+
+@dataclass(frozen=True)
+class FirstFailure:
+    """The first failure of a group attempt, as the nodes agree on it (protocol.NodeKeys.fail,
+    compare-and-set: the first writer wins): every node decides from the same one."""
+
+    node: int
+    rank: int
+    reason: str = "failed"
+    code: int = 1                     # the failure's exit status
+    signature: Optional[str] = None   # ftrun.supervisor.restart: the same failure twice in a row
+
+    def encode(self) -> str:
+        return json.dumps({"node": self.node, "rank": self.rank, "reason": self.reason, "code": self.code,
+                           "signature": self.signature})
+
+    @classmethod
+    def decode(cls, raw: Raw) -> "FirstFailure":
+        """The failure in `raw`; a damaged one is still a failure, of an unknown rank."""
+        try:
+            obj = json.loads(_text(raw) or "null")
+            return cls(int(obj["node"]), int(obj["rank"]), str(obj.get("reason") or "failed"),
+                       int(obj.get("code") or 1), obj.get("signature") if isinstance(obj.get("signature"), str)
+                       else None)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return UNKNOWN_FAILURE
+
+
+UNKNOWN_FAILURE = FirstFailure(node=-1, rank=-1)
