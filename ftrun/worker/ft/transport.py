@@ -118,10 +118,6 @@ def _is_slot(node: Any) -> bool:
     return type(node) is dict and len(node) == 1 and _SLOT in node
 
 
-def _fill(skel: Any, tensors: List[torch.Tensor]) -> Any:
-    return pytree.tree_map(lambda x: tensors[x[_SLOT]] if _is_slot(x) else x, skel, is_leaf=_is_slot)
-
-
 def _local_tensors(local: Any) -> Dict[Path, torch.Tensor]:
     """This replica's own tensors by path, each as it receives (a DTensor's own shard)."""
     return {path: _local(t) for path, t in tensor_leaves(local)}
@@ -245,13 +241,13 @@ def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk
         raise StateMismatch(f"the state header a peer sent does not load with weights_only=True: "
                             f"{str(e).splitlines()[0][:200]}") from None
     skel, meta = header["skeleton"], header["meta"]
-    paths = _slot_paths(skel, len(meta))
+    received = _Skeleton(skel, len(meta))
     own = _local_tensors(local)
     stats = TransferStats()
     in_place = set()
     tensors: List[torch.Tensor] = []
     local_cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    for path, (dtype_name, shape, dev_type) in zip(paths, meta):
+    for path, (dtype_name, shape, dev_type) in zip(received.paths, meta):
         dtype = _dtype(dtype_name)
         mine = own.get(path)
         if mine is not None and mine.dtype == dtype and tuple(mine.shape) == tuple(shape) and mine.is_contiguous():
@@ -300,13 +296,18 @@ def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk
     _settled(timeout_s)
     stats.bytes = ch.sent
     stats.seconds = time.perf_counter() - t0
-    return _fill(skel, tensors), stats, in_place
+    return received.fill(tensors), stats, in_place
 
 
-def _slot_paths(skel: Any, count: int) -> List[Path]:
-    """The path of every slot of a skeleton, in slot order (the order the source sent them)."""
-    leaves, _ = pytree.tree_flatten_with_path(skel, is_leaf=_is_slot)
-    found = {int(v[_SLOT]): tuple(_key(k) for k in kp) for kp, v in leaves if _is_slot(v)}
-    if sorted(found) != list(range(count)):
-        raise StateMismatch("a peer sent a state header whose tensor slots do not match its tensor list")
-    return [found[i] for i in range(count)]
+class _Skeleton:
+    """A received skeleton, flattened once: the path of every slot, and the state it fills in."""
+
+    def __init__(self, skel: Any, count: int) -> None:
+        self.leaves, self.spec = pytree.tree_flatten_with_path(skel, is_leaf=_is_slot)
+        found = {int(v[_SLOT]): tuple(_key(k) for k in kp) for kp, v in self.leaves if _is_slot(v)}
+        if sorted(found) != list(range(count)):
+            raise StateMismatch("a peer sent a state header whose tensor slots do not match its tensor list")
+        self.paths = [found[i] for i in range(count)]  # in slot order (the order the source sent them)
+
+    def fill(self, tensors: List[torch.Tensor]) -> Any:
+        return pytree.tree_unflatten([tensors[v[_SLOT]] if _is_slot(v) else v for _, v in self.leaves], self.spec)
