@@ -1,6 +1,6 @@
 """`python -m ftrun.worker.bootstrap [-m] SCRIPT ARGS...`: run a user's script as a worker.
 
-Reads FTRUN_* from the environment, installs what ftrun adds to a worker
+Reads the environment once (ftrun.worker.settings), installs what ftrun adds to a worker
 (progress reports, stack dumps on request, the DDP comm hook), then runs the
 script exactly as `python SCRIPT ARGS` (or `python -m MODULE`) would: same
 sys.argv, sys.path[0], __main__ and exit status.
@@ -20,6 +20,7 @@ import traceback
 from typing import List, Optional
 
 from ftrun.protocol import EXIT_SIGINT, EXIT_USAGE
+from ftrun.worker import settings
 from ftrun.worker.proc import DUMP_STACKS_SIGNAL, set_title, worker_title
 
 
@@ -39,7 +40,7 @@ def _stacks_file():
     """Where ftrun's request for this worker's stacks (a hang) writes them: the file ftrun named
     (its log folder: a dump is for the log, not the console), else stderr."""
     global _stacks
-    path = os.environ.get("FTRUN_STACKS_FILE")
+    path = settings.current().stacks_file
     if path and _stacks is None:
         try:
             _stacks = open(path, "a", buffering=1)
@@ -50,17 +51,18 @@ def _stacks_file():
 
 def install() -> None:
     """Everything ftrun adds inside a worker, before the user's code runs."""
+    s = settings.current()
     _prepare_stdio()
     faulthandler.register(DUMP_STACKS_SIGNAL, file=_stacks_file(), all_threads=True)
     from ftrun.worker import progress
 
     progress.start_from_env()
-    if os.environ.get("FTRUN_FT") == "1" and os.environ.get("FTRUN_REPLICA_SIZE", "1") == "1":
+    if s.ft and s.replica_size == "1":
         from ftrun.worker.ft import world
 
         world.install()
     # With --ft the hook goes through ftrun.ft's DDP (over the live replicas), not plain DDP.
-    if os.environ.get("FTRUN_HOOK") and os.environ.get("FTRUN_FT") != "1":
+    if s.hook and not s.ft:
         from ftrun.worker.inject import install_from_env
 
         install_from_env()
@@ -131,7 +133,7 @@ def _interrupted(exc: BaseException) -> None:
     frame = user or ours
     where = (f"{frame.tb_frame.f_code.co_filename} line {frame.tb_lineno} ({frame.tb_frame.f_code.co_name})"
              if frame is not None else "ftrun's code")
-    sys.stderr.write(INTERRUPTED_LINE.format(rank=os.environ.get("RANK", "?"), where=where) + "\n")
+    sys.stderr.write(INTERRUPTED_LINE.format(rank=settings.current().rank_text, where=where) + "\n")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -143,7 +145,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.stderr.write("usage: python -m ftrun.worker.bootstrap [-m] SCRIPT [ARGS...]\n")
         sys.exit(EXIT_USAGE)
     target, script_args = args[0], args[1:]
-    set_title(worker_title(os.environ.get("RANK", "?"), (["-m"] if as_module else []) + args))
+    # The environment, read once: a zygote's fork gave this process the worker's own by now.
+    s = settings.load()
+    set_title(worker_title(s.rank_text, (["-m"] if as_module else []) + args))
     install()
     code = 0
     try:

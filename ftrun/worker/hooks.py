@@ -5,7 +5,7 @@ Builds every hook of the catalogue from torch's own
 on CPU/gloo (bf16 without NCCL, a batched PowerSGD that compresses, a local
 SGD subgroup built without CUDA, collectives issued in a deterministic order).
 Also keeps per-rank traffic figures (`current_stats()`; one line every
-LOG_EVERY steps and one at exit, totals across every registration a model had,
+FTRUN_HOOK_LOG_EVERY steps (default 100) and one at exit, totals across every registration a model had,
 so --ft's rebuilt hooks add up) and exports, imports and resets hook state for
 the fault-tolerance code.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import math
-import os
 import sys
 import types
 import weakref
@@ -33,11 +32,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ftrun.hookspec import HookSpec
+from ftrun.worker import settings
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
-# A line with traffic figures every LOG_EVERY steps (0: only at exit).
-LOG_EVERY = int(os.environ.get("FTRUN_HOOK_LOG_EVERY", "100") or 0)
 
 _TORCH_HOOK_NAMES = {
     "allreduce": "allreduce_hook",
@@ -61,7 +59,7 @@ def _log(line: str) -> None:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return dist.get_rank() if dist.is_initialized() else (settings.current().rank or 0)
 
 
 # --------------------------------------------------------------------------- stats
@@ -127,7 +125,7 @@ def _local_subgroup(pg: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:
     when the node holds the whole group: then local SGD sends no gradients at all.
     """
     world = dist.get_world_size()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)) or world)
+    local = settings.current().local_world_size or world
     if pg.size() != world or local <= 1 or local >= world or world % local:
         return None  # a one-rank node has nothing to average with; a whole-group node is the group
     ranks = [list(range(n * local, (n + 1) * local)) for n in range(world // local)]
@@ -199,6 +197,7 @@ class Registration:
         self.group = pg if pg is not None else dist.group.WORLD
         self.state, self.torch_hook, self.extras = build(spec, pg)
         self.name = comm_hook_name(spec)
+        self._log_every = settings.current().hook_log_every
         before = _newest.get(id(model))
         same = before is not None and before[0]() is model  # not a new model at a freed one's address
         self.stats = before[2] if same else Stats()
@@ -273,7 +272,8 @@ class Registration:
         stats.last_step_bytes = stats.step_bytes
         stats.bytes_sent += stats.step_bytes
         stats.step_bytes = 0
-        if LOG_EVERY and stats.steps % LOG_EVERY == 0:
+        # A line with traffic figures every FTRUN_HOOK_LOG_EVERY steps (0: only at exit).
+        if self._log_every and stats.steps % self._log_every == 0:
             _log(self.figures_line())
 
     def count_step(self, nbytes: int) -> None:

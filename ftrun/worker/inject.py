@@ -4,7 +4,8 @@
 script runs. It reads FTRUN_HOOK (HookSpec JSON; absent or empty: do nothing)
 and patches `torch.nn.parallel.DistributedDataParallel` at class level, so
 plain scripts, subclasses, PyTorch Lightning and Accelerate all get the hook,
-built with each model's own process group.
+built with each model's own process group (the patch is listed in
+ftrun/worker/patches.py; `uninstall()` undoes it).
 
 DDP accepts one hook, once, before the first backward. So ftrun registers its
 hook lazily, right after the model's first forward; a script that registers
@@ -15,11 +16,11 @@ hook on a model twice.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 from ftrun.errors import ConfigError
 from ftrun.hookspec import HookSpec, parse_hook
+from ftrun.worker import patches, settings
 
 _spec: Optional[HookSpec] = None
 _originals: dict = {}
@@ -27,7 +28,7 @@ _originals: dict = {}
 
 def install_from_env() -> Optional[HookSpec]:
     """Patch DDP construction with the hook in FTRUN_HOOK; returns the spec, or None."""
-    text = os.environ.get("FTRUN_HOOK", "").strip()
+    text = settings.current().hook.strip()
     if not text:
         return None
     spec = HookSpec.from_json(text)
@@ -47,9 +48,7 @@ def install(spec: HookSpec) -> None:
     _spec = spec
     if _originals:
         return
-    _originals.update(init=DDP.__init__, register=DDP.register_comm_hook,
-                      builtin=DDP._register_builtin_comm_hook)
-    orig_init = _originals["init"]
+    orig_init = DDP.__init__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         orig_init(self, *args, **kwargs)
@@ -71,20 +70,17 @@ def install(spec: HookSpec) -> None:
         return _originals["builtin"](self, comm_hook_type)
 
     __init__.__wrapped__ = orig_init  # type: ignore[attr-defined]
-    DDP.__init__ = __init__
-    DDP.register_comm_hook = register_comm_hook
-    DDP._register_builtin_comm_hook = _register_builtin_comm_hook
+    _originals["init"] = patches.install("ddp.hook", DDP, "__init__", __init__)
+    _originals["register"] = patches.install("ddp.hook", DDP, "register_comm_hook", register_comm_hook)
+    _originals["builtin"] = patches.install("ddp.hook", DDP, "_register_builtin_comm_hook",
+                                            _register_builtin_comm_hook)
 
 
 def uninstall() -> None:
     """Undo install() (tests, and scripts that need torch's DDP untouched)."""
     global _spec
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     if _originals:
-        DDP.__init__ = _originals["init"]
-        DDP.register_comm_hook = _originals["register"]
-        DDP._register_builtin_comm_hook = _originals["builtin"]
+        patches.undo("ddp.hook")
         _originals.clear()
     _spec = None
 

@@ -2,7 +2,8 @@
 
 A global optimizer step hook counts steps with no change to the user's script;
 with --step-timeout, a global module forward hook and wrappers of
-torch.save/torch.load count other progress (evaluation, checkpoints), so a
+torch.save/torch.load count other progress (evaluation, checkpoints; the
+patches are listed in ftrun/worker/patches.py), so a
 long evaluation or save is not taken for a hang. Without --ft, torch.save and
 torch.distributed.checkpoint's saves note the step count they were made at:
 a group restart loses the steps since then (the supervisor's goodput). A daemon thread
@@ -30,8 +31,9 @@ import time
 import warnings
 from typing import Any, Callable, Optional
 
-from ftrun.protocol import HEARTBEAT_S, info_key, progress_key, relayed_node
+from ftrun.protocol import HEARTBEAT_S, info_key, progress_key
 from ftrun.wire import InfoReport, ProgressReport
+from ftrun.worker import patches, settings
 
 RECONNECT_MAX_S = 1.0       # back-off cap between reconnects to the store
 RECONNECT_TIMEOUT_S = 5.0   # one connection attempt; the first one may wait for the store longer
@@ -65,7 +67,7 @@ class ProgressReporter:
         self._stop = threading.Event()
         self._writes = 0
         self._written_at = 0.0  # when the last report went out
-        self._inject = _parse_inject(os.environ.get(INJECT_ENV, ""))
+        self._inject = _parse_inject(settings.current().inject_progress_fail)
         self._moved = False
         self._thread = threading.Thread(target=self._loop, name="ftrun-progress", daemon=True)
 
@@ -74,18 +76,19 @@ class ProgressReporter:
         from torch.nn.modules.module import register_module_forward_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
+        s = settings.current()
         register_optimizer_step_post_hook(self._on_step)
-        if os.environ.get("FTRUN_STEP_TIMEOUT"):
+        if s.step_timeout:
             # Only --step-timeout counts progress that is not a step (the default hang rule reads
             # the process's state and CPU instead): without it no worker pays a call per forward.
             register_module_forward_hook(self._on_forward)
             # torch.compile(module) warns that global hooks fire once more for its wrapper: for a
             # counter of progress that is harmless, and the user did not register this hook.
             warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
-            torch.save = self._counted(torch.save)
-            torch.load = self._counted(torch.load)
-        if os.environ.get("FTRUN_FT") != "1":
-            torch.save = self._saving(torch.save)
+            patches.install("save.load", torch, "save", self._counted(torch.save))
+            patches.install("save.load", torch, "load", self._counted(torch.load))
+        if not s.ft:
+            patches.install("save.load", torch, "save", self._saving(torch.save))
         self._thread.start()
         atexit.register(self.stop)
 
@@ -134,12 +137,12 @@ class ProgressReporter:
         """Once the script has imported torch.distributed.checkpoint (importing it here would cost
         every worker its import time), its saves note their step count as torch.save's do."""
         dcp = sys.modules.get("torch.distributed.checkpoint")
-        if dcp is None or self._dcp_wrapped or os.environ.get("FTRUN_FT") == "1":
+        if dcp is None or self._dcp_wrapped or settings.current().ft:
             return
         self._dcp_wrapped = True
         for name in ("save", "async_save"):
             if callable(getattr(dcp, name, None)):
-                setattr(dcp, name, self._saving(getattr(dcp, name)))
+                patches.install("dcp.save", dcp, name, self._saving(getattr(dcp, name)))
 
     def move_to(self, addr: str) -> None:
         """The run's store moved (ftrun.ft follows it): report there from now on, unless the
@@ -242,13 +245,12 @@ def start_from_env() -> Optional[ProgressReporter]:
     """Start reporting if this process runs under ftrun (FTRUN_STORE is set): to its node's
     store when its node relays, else to the run's."""
     global _reporter
-    store = os.environ.get("FTRUN_STORE")
-    if not store or _reporter is not None:
+    s = settings.current()
+    if not s.store or _reporter is not None:
         return _reporter
-    node = relayed_node(os.environ)
-    host, _, port = (node[3] if node is not None else store).rpartition(":")
-    _reporter = ProgressReporter(host, int(port), int(os.environ.get("RANK", "0")),
-                                 int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), relayed=node is not None)
+    node = s.relayed
+    host, _, port = (node[3] if node is not None else s.store).rpartition(":")
+    _reporter = ProgressReporter(host, int(port), s.rank or 0, s.restart_count, relayed=node is not None)
     _reporter.start()
     return _reporter
 

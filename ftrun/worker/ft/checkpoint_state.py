@@ -88,21 +88,20 @@ class StateDicts:
 
 
 def copy_small(obj: Any) -> Any:
-    """A copy of a registered object's state, made now: containers and plain values copied,
-    small tensors cloned, large tensors left for the background staging."""
-    if isinstance(obj, torch.Tensor):
-        if obj.numel() * obj.element_size() <= SMALL_TENSOR_BYTES:
-            with torch.no_grad():
-                return obj.clone()
-        return obj
-    if isinstance(obj, dict):
-        copied = {k: copy_small(v) for k, v in obj.items()}
-        return copied if type(obj) is dict else type(obj)(copied)  # an OrderedDict stays one
-    if isinstance(obj, list):
-        return [copy_small(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(copy_small(v) for v in obj)
-    return copy.deepcopy(obj)
+    """A copy of a registered object's state, made now: containers (those torch.utils._pytree
+    knows) and plain values copied, small tensors cloned, large tensors left for the
+    background staging."""
+    from torch.utils._pytree import tree_map
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.numel() * x.element_size() <= SMALL_TENSOR_BYTES:
+                with torch.no_grad():
+                    return x.clone()
+            return x
+        return copy.deepcopy(x)
+
+    return tree_map(leaf, obj)
 
 
 def tensor_bytes(sd: Any) -> int:

@@ -7,7 +7,8 @@ bucket, so a failure-free --ft step costs what plain DDP's does. ftrun
 points the reducer at the epoch's group before each backward (at a group of
 one when the round must not send) and turns a collective that fails inside
 the backward into a failed round (`torch.autograd.backward` is wrapped for
-that, and only re-raises what is not a collective failure). Any other hook
+that, listed in ftrun/worker/patches.py, and only re-raises what is not a
+collective failure). Any other hook
 (--hook, --wrap) is a Python comm hook that sends through the run's chosen
 hook (ftrun.worker.hooks) on the epoch's group. Either way the hook state is
 rebuilt on every member whenever the group changes, so it never silently
@@ -15,7 +16,6 @@ diverges, and nothing raises into the user's loop for a failed collective.
 Must never import the supervisor.
 """
 
-import os
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ftrun.hookspec import HookSpec
+from ftrun.worker import patches, settings
 from ftrun.worker.ft.group import local_group
 from ftrun.worker.ft.manager import Manager
 
@@ -236,9 +237,8 @@ def _guard_backward(path: _Replicated) -> None:
     _paths[:] = [r for r in _paths if r() is not None] + [weakref.ref(path)]
     if _torch_backward is None:
         # Tensor.backward() calls torch.autograd.backward by name, as do Lightning and Accelerate.
-        _torch_backward = torch.autograd.backward
-        _guarded_backward.__doc__ = _torch_backward.__doc__
-        torch.autograd.backward = _guarded_backward
+        _guarded_backward.__doc__ = torch.autograd.backward.__doc__
+        _torch_backward = patches.install("autograd.backward", torch.autograd, "backward", _guarded_backward)
 
 
 def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP:
@@ -256,7 +256,7 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
     mgr.register_model(module)
     mgr.uses_ddp = True
     if torch.cuda.is_available() and "device_ids" not in kwargs:
-        kwargs["device_ids"] = [int(os.environ.get("LOCAL_RANK", "0"))]
+        kwargs["device_ids"] = [settings.current().local_rank]
     ddp = TorchDDP(module, process_group=local_group(), **kwargs)
     # DDP rebuilds its buckets once, at the second forward, in the order the
     # gradients became ready in the first backward (reverse order of use, which
@@ -270,7 +270,7 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
     # parameter order (average_gradients), and the round is voted like any
     # other, so the user's loop never sees a step twice. (Forcing parameter
     # order on every replica instead cost 20% of a small model's step: no overlap.)
-    raw = os.environ.get("FTRUN_HOOK")
+    raw = settings.current().hook
     spec = HookSpec.from_json(raw) if raw else HookSpec("allreduce")
     sparse = any(getattr(m, "sparse", False) is True for m in module.modules())  # nn.Embedding(sparse=True)
     if spec.name == "allreduce" and spec.wrap is None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import os
 from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from ftrun.worker import settings
 
 
 # Every NCCL backend this process built and has not aborted yet, aborted at exit: torch warns
@@ -44,11 +45,7 @@ def _nccl(backend: Any) -> Any:
 
 
 def _timeout() -> datetime.timedelta:
-    try:
-        seconds = float(os.environ.get("FTRUN_FT_TIMEOUT", "10"))
-    except ValueError:
-        seconds = 10.0
-    return datetime.timedelta(seconds=seconds if 0.5 <= seconds <= 3600 else 10.0)  # nan fails both tests
+    return datetime.timedelta(seconds=settings.current().ft_timeout_s)
 
 
 def build_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.ProcessGroup:

@@ -15,12 +15,12 @@ Must never import the supervisor.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
 from ftrun.hookspec import HookSpec
+from ftrun.worker import settings
 from ftrun.worker.ft.manager import Manager
 
 # What --hook / --wrap may ask of the cross-replica reduce of a shard (the launcher refuses
@@ -72,7 +72,7 @@ def replicate_sharded(mgr: Manager, model: torch.nn.Module) -> torch.nn.Module:
     if not isinstance(model, FSDPModule):
         raise TypeError("ftrun.ft.replicate(model): the model's root is not fully_shard-ed; call "
                         "fully_shard(model, mesh=ft.device_mesh()) on the root too (after its blocks)")
-    raw = os.environ.get("FTRUN_HOOK")
+    raw = settings.current().hook
     hook = CrossReplicaMean(mgr, _compression(HookSpec.from_json(raw) if raw else None))
     for m in modules:
         # Sum inside the replica and let FSDP2 divide by its size after our hook; the hook

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Set, Tuple
 
 import torch
 
-from ftrun.worker.ft.transport import StateMismatch
+from ftrun.worker.ft.transport import StateMismatch, tensor_leaves
 
 Path = Tuple[Any, ...]
 
@@ -91,21 +91,11 @@ class ReplicaState:
         different model, optimizer, mesh or replica size, never something to load."""
         if not self.sharded:
             return
-        missing = [p for p in _tensor_paths(sd, root) if p not in in_place]
+        missing = [p for p, _ in tensor_leaves(sd, root) if p not in in_place]
         if missing:
             where = "/".join(str(x) for x in missing[0])
             raise StateMismatch(f"{len(missing)} tensor(s) of its shard do not fit this worker's shard (first: "
                                 f"{where}); the model, optimizer, mesh or --replica-size differ")
-
-
-def _tensor_paths(obj: Any, path: Path) -> List[Path]:
-    if isinstance(obj, torch.Tensor):
-        return [path]
-    if isinstance(obj, dict):
-        return [p for k, v in obj.items() for p in _tensor_paths(v, path + (k,))]
-    if isinstance(obj, (list, tuple)):
-        return [p for i, v in enumerate(obj) for p in _tensor_paths(v, path + (i,))]
-    return []
 
 
 def _load_hyperparameters(opt: torch.optim.Optimizer, sd: Dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ Must never put training state in the store, and never import the supervisor.
 
 from __future__ import annotations
 
+import collections
 import io
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from ftrun.worker.ft.group import settle
 
@@ -32,6 +34,10 @@ CHUNK_BYTES = 64 << 20
 _SLOT = "__ftrun_tensor__"
 
 Path = Tuple[Any, ...]
+
+
+def _children(spec: pytree.TreeSpec) -> List[pytree.TreeSpec]:
+    return spec.children() if callable(getattr(spec, "children", None)) else spec.children_specs
 
 
 class StateMismatch(RuntimeError):
@@ -61,40 +67,60 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _flatten(obj: Any, path: Path, out: List[Tuple[Path, torch.Tensor]]) -> Any:
-    """The skeleton of `obj`, with each tensor replaced by a slot naming its index in `out`."""
-    if isinstance(obj, torch.Tensor):
-        obj = _local(obj)
-        # Sparse (or other non-strided) tensors travel dense: bytes are sent, not layouts.
-        out.append((path, obj if obj.layout == torch.strided else obj.to_dense()))
-        return {_SLOT: len(out) - 1}
-    if isinstance(obj, dict):
-        return {k: _flatten(v, path + (k,), out) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        items = [_flatten(v, path + (i,), out) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
+def _key(entry: Any) -> Any:
+    """A pytree key entry as the plain key or index it stands for."""
+    for attr in ("key", "idx", "name"):  # MappingKey, SequenceKey, GetAttrKey (a namedtuple's field)
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return entry
 
 
-def _fill(skel: Any, tensors: List[torch.Tensor]) -> Any:
-    if isinstance(skel, dict):
-        if len(skel) == 1 and _SLOT in skel:
-            return tensors[skel[_SLOT]]
-        return {k: _fill(v, tensors) for k, v in skel.items()}
-    if isinstance(skel, list):
-        return [_fill(v, tensors) for v in skel]
-    if isinstance(skel, tuple):
-        return tuple(_fill(v, tensors) for v in skel)
-    return skel
+def tensor_leaves(obj: Any, root: Path = ()) -> List[Tuple[Path, torch.Tensor]]:
+    """Every tensor in `obj` (nested containers) with its path of plain keys and indices below `root`."""
+    leaves, _ = pytree.tree_flatten_with_path(obj)
+    return [(root + tuple(_key(k) for k in kp), v) for kp, v in leaves if isinstance(v, torch.Tensor)]
 
 
-def _lookup(obj: Any, path: Path) -> Optional[torch.Tensor]:
-    for key in path:
-        try:
-            obj = obj[key]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return _local(obj) if isinstance(obj, torch.Tensor) else None
+def _wire_spec(spec: pytree.TreeSpec) -> pytree.TreeSpec:
+    """The same tree in the containers a skeleton travels in (dict, list, tuple), which
+    weights_only loads: an OrderedDict or defaultdict goes as a dict, a namedtuple or
+    torch.Size as a tuple, a deque as a list."""
+    if spec.is_leaf():
+        return spec
+    children = [_wire_spec(c) for c in _children(spec)]
+    kind = spec.type
+    if kind is dict or kind is collections.OrderedDict:
+        return pytree.TreeSpec(dict, list(spec.context), children)
+    if kind is collections.defaultdict:
+        return pytree.TreeSpec(dict, list(spec.context[1]), children)
+    if kind is list or kind is collections.deque:
+        return pytree.TreeSpec(list, None, children)
+    if kind is tuple or kind is collections.namedtuple or (isinstance(kind, type) and issubclass(kind, tuple)):
+        return pytree.TreeSpec(tuple, None, children)
+    return pytree.TreeSpec(kind, spec.context, children)  # another registered container: as it is
+
+
+def _flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
+    """The skeleton of `obj` (each tensor replaced by a slot naming its index in the list), and
+    its tensors, in slot order, as they travel."""
+    leaves, spec = pytree.tree_flatten(obj)
+    tensors: List[torch.Tensor] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            t = _local(leaf)
+            # Sparse (or other non-strided) tensors travel dense: bytes are sent, not layouts.
+            tensors.append(t if t.layout == torch.strided else t.to_dense())
+            leaves[i] = {_SLOT: len(tensors) - 1}
+    return pytree.tree_unflatten(leaves, _wire_spec(spec)), tensors
+
+
+def _is_slot(node: Any) -> bool:
+    return type(node) is dict and len(node) == 1 and _SLOT in node
+
+
+def _local_tensors(local: Any) -> Dict[Path, torch.Tensor]:
+    """This replica's own tensors by path, each as it receives (a DTensor's own shard)."""
+    return {path: _local(t) for path, t in tensor_leaves(local)}
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -142,9 +168,8 @@ def send_state(pg: dist.ProcessGroup, state: Any, device: torch.device, chunk: i
                after_first_chunk: Optional[Callable[[], None]] = None, timeout_s: float = 10.0) -> TransferStats:
     """Broadcast `state` (nested dicts/lists of tensors and plain values) from this rank (0 of `pg`)."""
     t0 = time.perf_counter()
-    flat: List[Tuple[Path, torch.Tensor]] = []
-    skel = _flatten(state, (), flat)
-    meta = [(str(t.dtype), tuple(t.shape), t.device.type) for _, t in flat]
+    skel, flat = _flatten(state)
+    meta = [(str(t.dtype), tuple(t.shape), t.device.type) for t in flat]
     buf = io.BytesIO()
     torch.save({"skeleton": skel, "meta": meta}, buf)
     head = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
@@ -170,7 +195,7 @@ def send_state(pg: dist.ProcessGroup, state: Any, device: torch.device, chunk: i
         used = 0
         pending.clear()
 
-    for _, t in flat:
+    for t in flat:
         n = t.numel() * t.element_size()
         if n == 0:
             continue
@@ -216,15 +241,15 @@ def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk
         raise StateMismatch(f"the state header a peer sent does not load with weights_only=True: "
                             f"{str(e).splitlines()[0][:200]}") from None
     skel, meta = header["skeleton"], header["meta"]
-    paths: List[Path] = []
-    _flatten_paths(skel, (), paths, len(meta))
+    received = _Skeleton(skel, len(meta))
+    own = _local_tensors(local)
     stats = TransferStats()
     in_place = set()
     tensors: List[torch.Tensor] = []
     local_cuda = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    for path, (dtype_name, shape, dev_type) in zip(paths, meta):
+    for path, (dtype_name, shape, dev_type) in zip(received.paths, meta):
         dtype = _dtype(dtype_name)
-        mine = _lookup(local, path)
+        mine = own.get(path)
         if mine is not None and mine.dtype == dtype and tuple(mine.shape) == tuple(shape) and mine.is_contiguous():
             tensors.append(mine.detach())
             in_place.add(path)
@@ -271,25 +296,18 @@ def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk
     _settled(timeout_s)
     stats.bytes = ch.sent
     stats.seconds = time.perf_counter() - t0
-    return _fill(skel, tensors), stats, in_place
+    return received.fill(tensors), stats, in_place
 
 
-def _flatten_paths(skel: Any, path: Path, out: List[Path], count: int) -> None:
-    """The path of every slot of a skeleton, in slot order (the order the source sent them)."""
-    found: Dict[int, Path] = {}
+class _Skeleton:
+    """A received skeleton, flattened once: the path of every slot, and the state it fills in."""
 
-    def walk(node: Any, p: Path) -> None:
-        if isinstance(node, dict):
-            if len(node) == 1 and _SLOT in node:
-                found[int(node[_SLOT])] = p
-                return
-            for k, v in node.items():
-                walk(v, p + (k,))
-        elif isinstance(node, (list, tuple)):
-            for i, v in enumerate(node):
-                walk(v, p + (i,))
+    def __init__(self, skel: Any, count: int) -> None:
+        self.leaves, self.spec = pytree.tree_flatten_with_path(skel, is_leaf=_is_slot)
+        found = {int(v[_SLOT]): tuple(_key(k) for k in kp) for kp, v in self.leaves if _is_slot(v)}
+        if sorted(found) != list(range(count)):
+            raise StateMismatch("a peer sent a state header whose tensor slots do not match its tensor list")
+        self.paths = [found[i] for i in range(count)]  # in slot order (the order the source sent them)
 
-    walk(skel, path)
-    if sorted(found) != list(range(count)):
-        raise StateMismatch("a peer sent a state header whose tensor slots do not match its tensor list")
-    out.extend(found[i] for i in range(count))
+    def fill(self, tensors: List[torch.Tensor]) -> Any:
+        return pytree.tree_unflatten([tensors[v[_SLOT]] if _is_slot(v) else v for _, v in self.leaves], self.spec)

@@ -12,15 +12,17 @@ default group then fails with torch's own "not initialized" error). The
 script's `destroy_process_group()` of the group it asked for is then a no-op,
 so the pair works on every incarnation. ftrun's own calls (ft.device_mesh())
 go to torch's function itself (`torch_init_process_group`), never through this.
+The patch is listed, with how to undo it, in ftrun/worker/patches.py.
 Must never skip the call on a first incarnation, and never import the supervisor.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Any, Callable, Optional
+
+from ftrun.worker import patches, settings
 
 
 def _log(msg: str) -> None:
@@ -47,13 +49,14 @@ def install() -> None:
 
     real = _torch_init = dist.init_process_group
     real_destroy = dist.destroy_process_group
-    rank = os.environ.get("RANK", "?")
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    s = settings.current()
+    rank = s.rank_text
+    world = "?" if s.world_size is None else str(s.world_size)
+    restarted = s.restart_count != 0
 
     @functools.wraps(real)
     def init_process_group(*args: Any, **kwargs: Any) -> None:
         global _skipped
-        world = os.environ.get("WORLD_SIZE", "?")
         if restarted:
             _skipped = True
             _log(f"rank {rank}: skipped the script's init_process_group(): this replica restarted and cannot join "
@@ -73,5 +76,5 @@ def install() -> None:
             return None  # the group the script asked for was never made on this incarnation
         return real_destroy(group)
 
-    dist.init_process_group = init_process_group
-    dist.destroy_process_group = destroy_process_group
+    patches.install("process_group", dist, "init_process_group", init_process_group)
+    patches.install("process_group", dist, "destroy_process_group", destroy_process_group)

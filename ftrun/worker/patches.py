@@ -1,0 +1,107 @@
+"""Every global patch ftrun applies to torch inside a worker: the one list, with why and how each is undone.
+
+A worker replaces a few of torch's module-level functions and one class's
+methods, because a user's unchanged script (and Lightning, Accelerate) calls
+them by name. Each is listed in PATCHES, and each is applied through
+`install()`, which records the original so that `undo()` puts it back:
+
+- `torch.autograd.backward` (ft/ddp.py, --ft with ftrun.ft's DDP): a peer's
+  death inside a backward's allreduce fails the round instead of raising,
+  and a layout round averages the gradients once the backward returns.
+  Tensor.backward() calls it by name. Installed at the first wrap_model();
+  a pass-through (torch's own backward) for a model that is not armed.
+- `torch.save` and `torch.load` (progress.py): with --step-timeout, a long
+  save or load counts as progress, not a hang; without --ft, torch.save (and
+  `torch.distributed.checkpoint.save`/`async_save`, once the script imported
+  DCP) notes the step count it saved at, for the goodput of a group restart.
+  The wrappers only bump counters and call torch's function.
+- `torch.distributed.init_process_group` and `destroy_process_group`
+  (ft/world.py, --ft with one worker per replica): a restarted replica cannot
+  join the group of all workers formed at the start, so its call is skipped
+  with one line, and the destroy of that group is then a no-op. ftrun's own
+  calls go to torch's function (`world.torch_init_process_group()`).
+- `DistributedDataParallel.__init__` with `register_comm_hook` and
+  `_register_builtin_comm_hook` (inject.py, --hook without --ft): every DDP
+  model gets the run's comm hook after its first forward, unless the script
+  registers its own. `inject.uninstall()` undoes it.
+
+Not patches, but global too: progress.py registers an optimizer step
+post-hook and (with --step-timeout) a module forward hook through torch's
+own API (`register_optimizer_step_post_hook`, `register_module_forward_hook`);
+they last as long as the worker. ft/manager.py patches nothing of torch.
+
+Each patch lasts as long as the worker process unless undone: `undo(name)`
+restores what `install()` replaced for that patch, newest first (a function
+wrapped twice comes back as torch's own).
+Must never patch anything not listed in PATCHES, never import torch at
+import time (the bootstrap imports this before the user's script), and
+never import the supervisor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+
+@dataclass(frozen=True)
+class Patch:
+    targets: Tuple[str, ...]  # what is replaced
+    where: str                # the module that installs it
+    why: str
+    undo: str
+
+
+PATCHES: Dict[str, Patch] = {
+    "autograd.backward": Patch(
+        ("torch.autograd.backward",), "ftrun.worker.ft.ddp",
+        "a collective failure in a backward on an epoch's group fails the round instead of raising; a layout "
+        "round averages the gradients after the backward",
+        "undo('autograd.backward'); otherwise a pass-through to torch's backward for models ftrun does not arm"),
+    "save.load": Patch(
+        ("torch.save", "torch.load"), "ftrun.worker.progress",
+        "--step-timeout: a save or load in progress is progress, not a hang; without --ft: the step count of "
+        "the script's latest save (goodput)",
+        "undo('save.load'); the wrappers call torch's own function"),
+    "dcp.save": Patch(
+        ("torch.distributed.checkpoint.save", "torch.distributed.checkpoint.async_save"), "ftrun.worker.progress",
+        "without --ft: the step count of the script's latest DCP save (goodput)",
+        "undo('dcp.save'); the wrappers call DCP's own function"),
+    "process_group": Patch(
+        ("torch.distributed.init_process_group", "torch.distributed.destroy_process_group"), "ftrun.worker.ft.world",
+        "--ft, one worker per replica: a restarted replica skips the script's group of all workers, which it "
+        "could never join again",
+        "undo('process_group'); ftrun's own calls use world.torch_init_process_group()"),
+    "ddp.hook": Patch(
+        ("torch.nn.parallel.DistributedDataParallel.__init__",
+         "torch.nn.parallel.DistributedDataParallel.register_comm_hook",
+         "torch.nn.parallel.DistributedDataParallel._register_builtin_comm_hook"), "ftrun.worker.inject",
+        "--hook without --ft: every DDP model gets the run's comm hook after its first forward, unless the "
+        "script registers its own",
+        "inject.uninstall(), which calls undo('ddp.hook')"),
+}
+
+# name -> [(owner, attribute, what it held before)], in the order they were installed
+_installed: Dict[str, List[Tuple[Any, str, Any]]] = {}
+
+
+def install(name: str, owner: Any, attr: str, replacement: Any) -> Any:
+    """Set `owner.attr` to `replacement` as part of the patch `name`; returns what it held."""
+    patch = PATCHES[name]  # a KeyError here: a patch that is not on the list
+    if not any(t.endswith("." + attr) for t in patch.targets):
+        raise ValueError(f"ftrun: patch {name!r} does not list {attr!r}")
+    original = getattr(owner, attr)
+    _installed.setdefault(name, []).append((owner, attr, original))
+    setattr(owner, attr, replacement)
+    return original
+
+
+def undo(name: str) -> None:
+    """Put back everything the patch `name` replaced (newest first)."""
+    for owner, attr, original in reversed(_installed.pop(name, [])):
+        setattr(owner, attr, original)
+
+
+def installed() -> List[str]:
+    """The names of the patches in force in this process."""
+    return [name for name, done in _installed.items() if done]
