@@ -82,7 +82,7 @@ def _record_error(exc: BaseException) -> None:
     """The failure, structured, in TORCHELASTIC_ERROR_FILE as torch's @record would write it
     (ftrun.wire.WorkerError), for the supervisor to read instead of the traceback's words. A
     file the script's own @record wrote (it re-raises after writing) is left as it is."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = settings.current().error_file
     if not path or os.path.exists(path):
         return
     from ftrun.wire import WorkerError

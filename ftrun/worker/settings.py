@@ -52,6 +52,7 @@ class Settings:
     world_size: Optional[int]           # WORLD_SIZE
     local_world_size: Optional[int]     # LOCAL_WORLD_SIZE
     restart_count: int                  # TORCHELASTIC_RESTART_COUNT: this worker's incarnation
+    error_file: str                     # TORCHELASTIC_ERROR_FILE: where a failure is recorded ("" when unset)
     # ftrun's own
     run_id: str                         # FTRUN_RUN_ID
     store: str                          # FTRUN_STORE at the start (it may move later: run_store())
@@ -82,6 +83,7 @@ class Settings:
             world_size=_int_or_none(env.get("WORLD_SIZE")),
             local_world_size=_int_or_none(env.get("LOCAL_WORLD_SIZE")),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT") or "0"),
+            error_file=env.get("TORCHELASTIC_ERROR_FILE", ""),
             run_id=env.get("FTRUN_RUN_ID", ""),
             store=env.get("FTRUN_STORE", ""),
             ft=env.get("FTRUN_FT") == "1",
