@@ -36,7 +36,8 @@ import json
 import os
 import time
 from collections import deque
-from typing import Deque, Dict, List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Mapping, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import EVENTS, Epoch
@@ -53,9 +54,27 @@ INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its las
 STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another epoch
 
 
+@dataclass(frozen=True)
+class KeeperSettings:
+    """What the keeper takes from the environment, read once (the simulator passes its own)."""
+
+    round_steps: int = keys.ROUND_STEPS
+    round_steps_chosen: bool = False  # the user set the round length: it is kept, not paced
+    note: Optional[str] = None  # a line saying why the environment's value was not taken
+
+    @staticmethod
+    def from_env(env: Mapping[str, str]) -> "KeeperSettings":
+        steps, why = keys.round_steps_from_env(env)
+        return KeeperSettings(steps, why is None and keys.ROUND_STEPS_ENV in env, why)
+
+
 class QuorumKeeper:
     def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True,
-                 replica_size: int = 1, routes: Optional[Routes] = None) -> None:
+                 replica_size: int = 1, routes: Optional[Routes] = None, settings: Optional[KeeperSettings] = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        # Time comes in: poll(now) is given it, and the events between polls (a death) read `clock`,
+        # the same clock the supervisor passes to poll (the simulator passes its virtual one).
+        self.clock = clock
         self.store = store  # RunStore; its .store is the TCPStore once ready
         # Several nodes: the nodes whose members vote through their node's store (ftrun.supervisor.relay).
         self.routes = routes
@@ -74,11 +93,12 @@ class QuorumKeeper:
         self.pending_since: Optional[float] = None  # the first join of the epoch being formed
         self.ready = False
         self.history: List[str] = []
-        self.round_steps, why = keys.round_steps_from_env(os.environ)
-        if why:
-            self.history.append(why)
+        settings = settings if settings is not None else KeeperSettings.from_env(os.environ)
+        self.round_steps = settings.round_steps
+        if settings.note:
+            self.history.append(settings.note)
         # A round length the user chose is kept; the default follows the run's pace (Pace).
-        self.round_steps_chosen = why is None and keys.ROUND_STEPS_ENV in os.environ
+        self.round_steps_chosen = settings.round_steps_chosen
         self.pace = Pace()
         self._dead_pending: List[Tuple[int, int]] = []
         # Members that died while listed in an epoch, and the rounds abstained for them,
@@ -89,7 +109,7 @@ class QuorumKeeper:
         self.voting_since: Dict[int, Tuple[Tuple[object, object], float]] = {}
         self.unstuck: Set[Tuple[int, int, int, int]] = set()
         self._collected_at = -2
-        self._collected_when = 0.0
+        self._collected_when = float("-inf")
         self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
         # When each replica's info last changed (by this keeper's clock): a replica whose
         # reports stopped says nothing true about what it is doing now.
@@ -219,10 +239,11 @@ class QuorumKeeper:
                 self._publish(f"rank {rank} left" if self.k == 1 else
                               f"replica {rank // self.k} left (rank {rank} of ranks {mates[0]}-{mates[-1]})")
             top = self._top()
+            now = self.clock()
             for m, k in leaving.items():
                 if m != rank:
                     self._s.set(keys.inc_key(m), "dead")  # peers forming a group with it give up now
-                self._fill_votes(m, k, top)
+                self._fill_votes(m, k, top, now)
         if self.alive.get(rank) is None:
             self._s.set(keys.inc_key(rank), "dead")
 
@@ -341,7 +362,7 @@ class QuorumKeeper:
                 rounds |= {int(info["round"]), int(info["round"]) + 1}
         return rounds
 
-    def _fill_votes(self, rank: int, inc: int, top: int) -> None:
+    def _fill_votes(self, rank: int, inc: int, top: int, now: float) -> None:
         """Abstain for a dead member in the rounds its peers may be waiting on, in every
         epoch that lists it and that live members may still be in or enter. Not a failed
         vote: the live members' own votes say whether the round's collectives went through
@@ -363,7 +384,7 @@ class QuorumKeeper:
                 if self._add_vote(e, rnd, top, vote, rank):
                     done.add(rnd)
             for rnd in sorted(rounds & done):
-                self._close_orphaned_node(rank, e, rnd, top, time.monotonic())
+                self._close_orphaned_node(rank, e, rnd, top, now)
                 self._close_orphaned(e, rnd, top)
 
     def _unstick(self, now: float, top: int) -> None:
@@ -388,17 +409,21 @@ class QuorumKeeper:
             e, rnd = int(where[0]), int(where[1])
             for m, k in self.epochs[e]:
                 mi = self.info.get(m) or {}
-                # In another epoch; or in none yet while a newer one is published: a joining
-                # replica enters the newest epoch, never this older one that listed it.
-                elsewhere = (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
-                             and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))
-                if elsewhere and (m, k, e, rnd) not in self.unstuck:
+                if self._elsewhere(m, k, e, now) and (m, k, e, rnd) not in self.unstuck:
                     if not self._add_vote(e, rnd, top, keys.FAIL_VOTE, m):
                         continue  # its node's store did not answer: again at the next poll
                     self.unstuck.add((m, k, e, rnd))
                     at = f"in quorum {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
                     self.history.append(f"rank {m} is {at} while quorum {e} waits for its "
                                         f"vote in round {rnd}: voted fail in its place")
+
+    def _elsewhere(self, m: int, k: int, e: int, now: float) -> bool:
+        """Whether member (m, k) of epoch `e` will never vote there: it reports being in another
+        epoch; or in none yet while a newer one is published (a joining replica enters the
+        newest epoch, never this older one that listed it)."""
+        mi = self.info.get(m) or {}
+        return (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
+                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))
 
     def _all_live_report(self) -> bool:
         """Every live replica's newest report, of its own incarnation, names the epoch it is in."""
@@ -416,7 +441,7 @@ class QuorumKeeper:
                 live.add(int(info["epoch"]))
         return live
 
-    def _refill(self, top: int) -> None:
+    def _refill(self, top: int, now: float) -> None:
         """Keep abstaining for dead members some live replica may still wait for."""
         live_epochs = self._live_epochs()
         settled = self._all_live_report()  # a joiner may yet enter an old epoch that lists the dead
@@ -425,14 +450,13 @@ class QuorumKeeper:
             if settled and live_epochs and min(live_epochs) > newest:
                 del self.dead[member]  # every live replica is past every epoch that listed it
             else:
-                self._fill_votes(member[0], member[1], top)
+                self._fill_votes(member[0], member[1], top, now)
 
-    def _collect(self, top: int) -> None:
+    def _collect(self, top: int, now: float) -> None:
         """Delete the keys of rounds every live member is past (counters, decisions, transfer
         words, group addresses) and of epochs nobody can still be in, so a long run's store
         stays the same size. "Past" is judged per epoch, by the newest round decided in it:
         rounds are numbered per epoch, and one that restarted afresh may count from anywhere."""
-        now = time.monotonic()
         if top == self._collected_at or now - self._collected_when < COLLECT_EVERY_S:
             return
         self._collected_at, self._collected_when = top, now
@@ -462,14 +486,18 @@ class QuorumKeeper:
                 now_inc = self.alive.get(rep * self.k)
                 if now_inc is not None and inc < now_inc:
                     s.delete_key(key)
-        # An epoch's keys go once every live replica reports being past it. A live replica that
-        # reports no epoch of its own yet (joining, or its first report not read) may be about to
-        # enter any epoch that lists it: nothing is deleted by epoch meanwhile (this once took a
-        # joiner's epoch, and the decision it was about to read, from under it).
-        oldest = min(self._live_epochs(), default=-1) - 2 if self._all_live_report() else -1
+        # An epoch's keys go once every live replica reports being past it (_oldest_kept_epoch).
+        oldest = self._oldest_kept_epoch()
         for key, kind, (e, rnd) in ours:
             if e < oldest or kind in ("n", "d", "p", "heal", "pg") and rnd < newest.get(e, -1) - ROUND_KEYS_KEPT:
                 s.delete_key(key)
+
+    def _oldest_kept_epoch(self) -> int:
+        """Epochs below this one have their keys deleted (-1: none). A live replica that reports no
+        epoch of its own yet (joining, or its first report not read) may be about to enter any
+        epoch that lists it: nothing is deleted by epoch meanwhile (this once took a joiner's
+        epoch, and the decision it was about to read, from under it)."""
+        return min(self._live_epochs(), default=-1) - 2 if self._all_live_report() else -1
 
     # ------------------------------------------------------------ polling
     def _drain_events(self) -> None:
@@ -492,7 +520,7 @@ class QuorumKeeper:
             self.epoch_id = latest
             self.members = dict(epoch.members)
         healed, infos = self._read_with_reports([keys.healed_key(r) for r in self.ranks])
-        self._absorb(healed, infos)
+        self._absorb(healed, infos, self.clock())
 
     def _node_of(self, rank: int) -> Optional[int]:
         return self.routes.node_of(rank) if self.routes is not None else None
@@ -519,9 +547,8 @@ class QuorumKeeper:
                 reports[r] = relayed.get(str(r))
         return vals[:n], [reports.get(r) for r in self.ranks]
 
-    def _absorb(self, healed: List[bytes], infos: List[object]) -> None:
+    def _absorb(self, healed: List[bytes], infos: List[object], now: float) -> None:
         """Take in the replicas' healed incarnations and status counters (as _read_with_reports gives them)."""
-        now = time.monotonic()
         for r, h, info in zip(self.ranks, healed, infos):
             if int(h) >= 0:
                 self.healed.add((r, int(h)))
@@ -549,15 +576,15 @@ class QuorumKeeper:
         self._drain_events()
         top = self._top()
         if self.dead:
-            self._refill(top)
-        self._collect(top)
+            self._refill(top, now)
+        self._collect(top, now)
         n = len(self.ranks)
         vals, infos = self._read_with_reports([keys.join_key(r) for r in self.ranks]
                                               + [keys.healed_key(r) for r in self.ranks])
-        self._absorb(vals[n:], infos)
+        self._absorb(vals[n:], infos, now)
         if now - self.pace.noted_at >= PACE_EVERY_S:  # global_step() reads every report: not at every tick
             self.pace.note(now, self.global_step())
-        self._unstick(time.monotonic(), top)
+        self._unstick(now, top)
         if self.stopping:  # nobody joins a run that is stopping
             return
         asked: Dict[int, int] = {}
@@ -753,7 +780,7 @@ class QuorumKeeper:
     def waited_for_s(self, rank: int) -> float:
         """How long the others have been waiting for this replica without a break (0: they are not)."""
         since = self.waited_since.get(rank)
-        return time.monotonic() - since if since is not None else 0.0
+        return self.clock() - since if since is not None else 0.0
 
     def global_step(self) -> int:
         return max((int((self.info.get(r) or {}).get("step", 0)) for r in self.ranks), default=0)

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun import protocol as keys
-from ftrun.worker.ft import vote
+from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.checkpoint import SAVE_ERRORS, Checkpointer, CheckpointMismatch
 from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
 from ftrun.protocol import DETAIL_PREFIX, Epoch
@@ -788,21 +788,15 @@ class Manager:
         """Ask the supervisor to take this incarnation in, and wait for an epoch that has it."""
         self._set_phase("join")
         t0 = time.time()
-        self.store.set(keys.join_key(self.rank), str(self.inc))
-        while True:
-            if self.store.check([keys.FINISHED]):
-                self.finished = True
-                self.step = int(self.store.get(keys.FINISHED))
-                if not self.in_sync:
-                    self._finish_without_peers()
-                return
-            latest = int(self.store.get(keys.LATEST)) if self.store.check([keys.LATEST]) else 0
-            found = self._started_epoch_with_me(latest)
-            if found is not None:
-                entering, self.round = found
-                break
-            time.sleep(POLL_S)
-        self.latest_seen = latest  # the newest epoch: a round we close names it, so members move on to it
+        entry = membership.wait_to_enter(self.store, (self.rank, self.inc), time.sleep, POLL_S)
+        if entry.finished is not None:
+            self.finished = True
+            self.step = entry.finished
+            if not self.in_sync:
+                self._finish_without_peers()
+            return
+        entering, self.round = entry.epoch, entry.round
+        self.latest_seen = entry.latest  # the newest epoch: a round we close names it, so members move on to it
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch_epochs, name="ftrun-epochs", daemon=True)
             self._watcher.start()
@@ -833,28 +827,8 @@ class Manager:
         sys.stderr.flush()
         os._exit(keys.EXIT_OK)
 
-    def _started_epoch_with_me(self, latest: int):
-        """(epoch, round) of the newest epoch that lists this incarnation and that the
-        others have entered, or None. Not simply the newest epoch: members enter
-        epochs by their votes and may still be in an older one that lists us, and
-        they cannot leave it without our vote."""
-        me = (self.rank, self.inc)
-        for e in range(latest, 0, -1):
-            # An old epoch's key may be gone (the keeper deletes epochs nobody is in): a get
-            # would wait for it for the store's whole timeout, deaf to newer epochs meanwhile.
-            if not self.store.check([keys.epoch_key(e)]):
-                return None
-            epoch = Epoch.from_json(self.store.get(keys.epoch_key(e)))
-            if me not in epoch.members:
-                return None  # older epochs were published before we asked to join
-            if epoch.start_round >= 0:
-                return e, epoch.start_round
-            if self.store.check([keys.start_key(e)]):
-                return e, int(self.store.get(keys.start_key(e)))
-        return None
-
     def _switch(self, epoch_id: int, joining: bool = False) -> None:
-        epoch = Epoch.from_json(self.store.get(keys.epoch_key(epoch_id)))
+        epoch = membership.read_epoch(self.store, epoch_id)
         if (self.rank, self.inc) not in epoch.members:
             _log(f"rank {self.rank}: left out of quorum {epoch_id}; exiting so that ftrun restarts and heals it")
             sys.stderr.flush()
@@ -862,17 +836,8 @@ class Manager:
         if epoch.stop:
             self._stop_here(epoch)
         changed = self.epoch is None or epoch.id != self.epoch.id
-        if changed and not joining and epoch.start_round >= 0:
-            # An epoch the supervisor started afresh (no member had entered one when it was
-            # published): everyone in it begins at its start round, even a member that was
-            # still on its way into an older epoch then. Rounds are counted per epoch.
-            self.round = epoch.start_round
-        elif changed and not joining:
-            # Every member begins the epoch at one round, as joiners do: the first to enter it
-            # writes its round, the others take that one. Continuing members may come from
-            # different epochs at different rounds (each left its own by its own votes); on
-            # their own rounds they would form groups and vote where the others never come.
-            self.round = int(self.store.compare_set(keys.start_key(epoch.id), "", str(self.round)))
+        if changed and not joining:  # every member begins the epoch at one round
+            self.round = membership.entry_round(self.store, epoch, self.round)
         self.group_round = self.round
         self.epoch = epoch
         self.target_epoch = None
@@ -959,10 +924,7 @@ class Manager:
         self.layout_discard = bool(epoch.fresh) and self.checkpoints is not None
 
     def _gone(self, epoch: Epoch, ranks: List[int]) -> Optional[str]:
-        alive = [v.decode() if isinstance(v, bytes) else str(v)
-                 for v in self.store.multi_get([keys.inc_key(r) for r in ranks])]
-        gone = [r for r, v in zip(ranks, alive) if v != str(epoch.incarnation(r))]
-        return f"ranks {gone} of quorum {epoch.id} are gone" if gone else None
+        return membership.gone(self.store, epoch, ranks)
 
     def _form(self, prefix: str, epoch: Epoch, ranks: List[int]) -> dist.ProcessGroup:
         """A group of `ranks` (in that order), given up as soon as one of them dies or a newer
@@ -1106,14 +1068,9 @@ class Manager:
         """A member that neither sends nor receives waits for the transfer to end, or for
         one of its ends to die (then the round fails and the next epoch moves on)."""
         self._set_phase("heal-wait")
-        watch = [keys.inc_key(r) for r in ends]
-        expected = [str(epoch.incarnation(r)) for r in ends]
         t0 = time.monotonic()
-        while not self.store.check([done_key]):
-            alive = [v.decode() if isinstance(v, bytes) else str(v) for v in self.store.multi_get(watch)]
-            if alive != expected:
-                return
-            time.sleep(POLL_S)
+        if not membership.await_transfer(self.store, epoch, ends, done_key, time.sleep, POLL_S):
+            return
         if time.monotonic() - t0 > SLOW_S:
             _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the state transfer of quorum {epoch.id}")
 
