@@ -49,9 +49,12 @@ class SimClient:
         s = self.s
         sched = s.sched
         sched.sleep(s.extra_latency * sched.rng.random())
-        if sched.now < s.down_until:
-            if not sched.wait_for(lambda: sched.now >= s.down_until, self.timeout_s):
+        deadline = sched.now + self.timeout_s
+        while sched.now < s.down_until:  # a wait on time alone: a deadline, which the scheduler jumps to
+            if s.down_until > deadline:
+                sched.sleep(deadline - sched.now)
                 raise dist.DistStoreError("simulated store: timed out (the store is down)")
+            sched.sleep(s.down_until - sched.now)
 
     def _wait_keys(self, keys: Sequence[str]) -> None:
         data = self.s.data

@@ -111,6 +111,9 @@ class QuorumKeeper:
         self._collected_at = -2
         self._collected_when = float("-inf")
         self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
+        # Per epoch, the rounds below this one had their keys collected: nobody waits on them, and
+        # a vote there would start a fresh counter and write a second decision of a decided round.
+        self.collected_below: Dict[int, int] = {}
         # When each replica's info last changed (by this keeper's clock): a replica whose
         # reports stopped says nothing true about what it is doing now.
         self.info_seen: Dict[int, float] = {}
@@ -379,7 +382,7 @@ class QuorumKeeper:
             if (rank, inc) not in members or e < oldest:
                 continue
             done = filled.setdefault(e, set())
-            rounds = self._rounds_of(e, top)
+            rounds = {r for r in self._rounds_of(e, top) if r >= self.collected_below.get(e, -1)}
             for rnd in sorted(rounds - done):
                 if self._add_vote(e, rnd, top, vote, rank):
                     done.add(rnd)
@@ -488,6 +491,8 @@ class QuorumKeeper:
                     s.delete_key(key)
         # An epoch's keys go once every live replica reports being past it (_oldest_kept_epoch).
         oldest = self._oldest_kept_epoch()
+        for e, rnd in newest.items():
+            self.collected_below[e] = max(self.collected_below.get(e, -1), rnd - ROUND_KEYS_KEPT)
         for key, kind, (e, rnd) in ours:
             if e < oldest or kind in ("n", "d", "p", "heal", "pg") and rnd < newest.get(e, -1) - ROUND_KEYS_KEPT:
                 s.delete_key(key)
