@@ -32,22 +32,24 @@ from ftrun.sim.world import Fault, Schedule, run_schedule  # noqa: E402
 
 CI_SCHEDULES = 200
 SOAK_SCHEDULES = 5000
-KINDS = ["kill"] * 8 + ["heal-kill"] * 3 + ["pause"] * 3 + ["slow"] * 2 + ["late"] * 2 + ["store-down"] * 2 + \
+KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + ["slow"] * 2 + ["late"] * 2 + ["store-down"] * 2 + \
         ["store-slow"]
 
 
 def make_schedule(seed: int) -> Schedule:
-    """A random schedule: 2-4 replicas, 8-20 rounds, 0-5 faults within the run's first 1.5 s."""
+    """A random schedule: 2-5 replicas, 8-20 rounds, 0-6 faults within the run's first 1.5 s."""
     rng = random.Random(seed)
-    replicas = rng.randint(2, 4)
+    replicas = rng.randint(2, 5)
     total = rng.randint(8, 20)
     faults: List[Fault] = []
-    for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 3, 4, 5])):
+    for _ in range(rng.choice([0, 1, 2, 2, 3, 3, 4, 5, 6])):
         kind = rng.choice(KINDS)
         at = round(rng.uniform(0.0, 1.5), 3)
         rank = rng.randrange(replicas)
         if kind in ("kill", "heal-kill"):
             faults.append(Fault(at, kind, rank))
+        elif kind == "kill-call":
+            faults.append(Fault(at, kind, rank, x=float(rng.randrange(12))))
         elif kind == "pause":
             faults.append(Fault(at, kind, rank, dur=round(rng.uniform(0.05, 3.0), 3)))
         elif kind == "slow":

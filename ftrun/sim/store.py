@@ -9,7 +9,7 @@ Must never block outside the scheduler.
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
@@ -33,6 +33,7 @@ class SimStore:
         self.extra_latency = 0.0
         self.writes: List[tuple] = []  # (time, op, key, value) of decisions, for the invariants
         self.max_keys = 0
+        self.on_call: Optional[Callable[[str], None]] = None  # told the calling process before each call
 
     def client(self, timeout_s: float = 600.0) -> "SimClient":
         return SimClient(self, timeout_s)
@@ -48,6 +49,8 @@ class SimClient:
     def _enter(self) -> None:
         s = self.s
         sched = s.sched
+        if s.on_call is not None:  # a fault may kill the caller here, before its call takes effect
+            s.on_call(sched.me().proc)
         sched.sleep(s.extra_latency * sched.rng.random())
         deadline = sched.now + self.timeout_s
         while sched.now < s.down_until:  # a wait on time alone: a deadline, which the scheduler jumps to

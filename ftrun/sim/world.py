@@ -31,6 +31,7 @@ KEYS_BASE = 100
 @dataclass(frozen=True)
 class Fault:
     """One fault of a schedule, at virtual time `at`: kill (a replica's current incarnation),
+    kill-call (killed at its `x`-th store call from then on, before the call takes effect),
     pause (SIGSTOP for `dur`), slow (its turns `x` times slower for `dur`), late (its first
     start delayed by `dur`), heal-kill (killed as soon as it next sends or receives state),
     store-down (every store call waits `dur`), store-slow (latency `x` for `dur`)."""
@@ -146,6 +147,8 @@ class World:
         self.done: Set[int] = set()
         self.events: List[Tuple[float, str, int, int]] = []  # (when, what, rank, inc) for the supervisor
         self.heal_kill: Dict[int, bool] = {}
+        self.call_kill: Dict[str, int] = {}  # proc -> store calls it makes before it is killed at the next
+        self.store.on_call = self._on_call
         self.decided: Dict[str, bytes] = {}
         self.committed: Dict[Tuple[int, int], str] = {}  # (lineage, step) -> the digest of the state committed
         self.outcome: Dict[Tuple[int, int], bool] = {}
@@ -205,6 +208,17 @@ class World:
         self._died(rank, m.inc)
 
     # ------------------------------------------------------------ faults
+    def _on_call(self, proc: str) -> None:
+        left = self.call_kill.get(proc)
+        if left is None:
+            return
+        if left > 0:
+            self.call_kill[proc] = left - 1
+            return
+        del self.call_kill[proc]
+        self.kill(int(proc[1:].split(".")[0]))
+        self.sched.block()  # the caller dies here: its call never reaches the store
+
     def _faults(self) -> None:
         for f in sorted(self.sch.faults, key=lambda f: f.at):
             self.sched.sleep(f.at - self.sched.now)
@@ -212,6 +226,9 @@ class World:
             proc = m.proc if m is not None else f"r{f.rank}.?"
             if f.kind == "kill":
                 self.kill(f.rank)
+            elif f.kind == "kill-call":
+                if m is not None and f.rank not in self.done:
+                    self.call_kill[m.proc] = int(f.x)
             elif f.kind == "heal-kill":
                 self.heal_kill[f.rank] = True
             elif f.kind == "pause":
