@@ -11,9 +11,19 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Union
 
-import torch.distributed as dist
-
 from ftrun.sim.sched import Sched
+
+
+class DistStoreError(Exception):
+    """What a TCPStore client raises on a timeout (torch.distributed.DistStoreError), without
+    importing torch: the simulator starts in a fraction of a second."""
+
+
+class _Dist:
+    DistStoreError = DistStoreError
+
+
+dist = _Dist
 
 Value = Union[str, bytes]
 
