@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from ftrun import protocol as keys
-from ftrun.supervisor import quorum
+from ftrun.supervisor import quorum, quorum_votes
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.relay import NodeRelay, Routes
 from ftrun.worker.ft import vote
@@ -31,7 +31,7 @@ class _RunStore:
 
 @pytest.fixture
 def keeper(monkeypatch):
-    monkeypatch.setattr(quorum, "STUCK_S", 0.0)  # decide on the second poll, not after 2 s
+    monkeypatch.setattr(quorum_votes, "STUCK_S", 0.0)  # decide on the second poll, not after 2 s
     q = QuorumKeeper(_RunStore(), [0, 1, 2])
     q.on_store_ready()
     return q
@@ -357,7 +357,7 @@ class _Counting:
 @pytest.fixture
 def relayed(monkeypatch):
     """Four replicas on two relaying nodes (ranks 0-1 on node 1, 2-3 on node 2), epoch 1 formed."""
-    monkeypatch.setattr(quorum, "STUCK_S", 0.0)
+    monkeypatch.setattr(quorum_votes, "STUCK_S", 0.0)
     nodes = {1: _Node(), 2: _Node()}
     q = QuorumKeeper(_RunStore(), [0, 1, 2, 3], routes=Routes({1: (nodes[1].addr, [0, 1]),
                                                                  2: (nodes[2].addr, [2, 3])}))
