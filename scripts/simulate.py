@@ -37,14 +37,20 @@ KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + [
 
 
 def make_schedule(seed: int) -> Schedule:
-    """A random schedule: 2-5 replicas, 8-20 rounds, 0-6 faults within the run's first 1.5 s."""
+    """A random schedule: 2-5 replicas, 8-20 rounds, 0-6 faults within the run's first 1.5 s, or
+    4-8 within 0.3 s."""
     rng = random.Random(seed)
     replicas = rng.randint(2, 5)
     total = rng.randint(8, 20)
     faults: List[Fault] = []
-    for _ in range(rng.choice([0, 1, 2, 2, 3, 3, 4, 5, 6])):
+    # A third of the schedules are bursts: many faults within a fraction of a second, the churn
+    # of epochs in which joiners and voters race.
+    burst = rng.random() < 1 / 3
+    lo = rng.uniform(0.0, 1.2) if burst else 0.0
+    hi = lo + 0.3 if burst else 1.5
+    for _ in range(rng.choice([4, 5, 6, 7, 8] if burst else [0, 1, 2, 2, 3, 3, 4, 5, 6])):
         kind = rng.choice(KINDS)
-        at = round(rng.uniform(0.0, 1.5), 3)
+        at = round(rng.uniform(lo, hi), 3)
         rank = rng.randrange(replicas)
         if kind in ("kill", "heal-kill"):
             faults.append(Fault(at, kind, rank))
