@@ -113,7 +113,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="the first schedule's seed (schedule i uses seed*100000+i)")
     ap.add_argument("--soak", action="store_true", help=f"a longer exploration ({SOAK_SCHEDULES} schedules)")
     ap.add_argument("--replay", help="run one schedule, given as the line a violation prints")
-    ap.add_argument("--bug", default=os.environ.get("FTRUN_SIM_BUG", "none"), choices=sorted(BUGS),
+    ap.add_argument("--bug", default="none", choices=sorted(BUGS),
                     help="put a historic bug back (tests of the simulator itself)")
     ap.add_argument("--stop-at-first", action="store_true", help="stop at the first violation")
     ap.add_argument("--no-shrink", action="store_true")
