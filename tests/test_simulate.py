@@ -25,6 +25,14 @@ START_ROUND = {"seed": 100186, "replicas": 5, "total": 2, "faults": [
     {"at": 0.128, "kind": "store-down", "rank": -1, "dur": 0.993, "x": 0.0},
     {"at": 0.072, "kind": "pause", "rank": 1, "dur": 1.254, "x": 0.0}]}
 
+COLLECT_JOINER = {"seed": 100952, "replicas": 3, "total": 11, "faults": [
+    {"at": 0.782, "kind": "kill-call", "rank": 1, "dur": 0.0, "x": 10.0},
+    {"at": 0.0, "kind": "late", "rank": 2, "dur": 0.617, "x": 0.0},
+    {"at": 0.097, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 8.0},
+    {"at": 0.869, "kind": "pause", "rank": 2, "dur": 0.926, "x": 0.0},
+    {"at": 1.325, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 7.0},
+    {"at": 1.135, "kind": "slow", "rank": 2, "dur": 1.808, "x": 5.0}]}
+
 
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
     p = subprocess.run([sys.executable, str(SIMULATE), *args], capture_output=True, text=True, timeout=timeout,
@@ -50,6 +58,16 @@ def test_start_round_bug_fails_a_schedule_the_product_passes():
     come; the run stops making progress."""
     assert _replay(START_ROUND)[-1] == "1 schedules, 0 violations"
     bad = _replay(START_ROUND, "start-round")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0], bad
+
+
+@pytest.mark.quick
+def test_collect_joiner_bug_fails_a_schedule_the_product_passes():
+    """(c) 3b9d79e: the keeper deleted the epochs older than every reported epoch while a
+    replica that had not reported one yet was entering such an epoch: it waits for ever."""
+    assert _replay(COLLECT_JOINER)[-1] == "1 schedules, 0 violations"
+    bad = _replay(COLLECT_JOINER, "collect-joiner")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "no progress" in bad[0], bad
 
