@@ -86,6 +86,8 @@ class _DeafKeeper(QuorumKeeper):
     def _elsewhere(self, m: int, k: int, e: int, now: float) -> bool:
         """Before 0a17702: only a member reporting ANOTHER epoch was voted for; a joiner that
         reports none yet, and will enter the newest epoch, left the old epoch's voters waiting."""
+        if (m, k) in self.finished_members:
+            return True
         mi = self.info.get(m) or {}
         return (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
                 and mi.get("epoch") not in (None, e))

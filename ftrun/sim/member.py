@@ -221,6 +221,12 @@ class SimMember:
             if self.failed_in_row > 3 and target <= self.epoch.id:
                 self.sleep(min(0.2, 0.005 * 2 ** min(self.failed_in_row - 3, 6)))
             self.note_target(target, self.round)
+            ended = membership.finished_step(self.store)
+            if ended is not None:
+                self.finished = True
+                self.step = ended
+                if not self.in_sync:
+                    self.exit(keys.EXIT_OK, "the run finished while this replica's rounds failed")
         self.round_ok = True
         self.phase = "commit" if commit else "discard"
 

@@ -14,10 +14,9 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.sim.member import SimMember
-from ftrun.sim.sched import Deadlock, Sched, SimKilled
+from ftrun.sim.sched import Deadlock, Sched
 from ftrun.sim.store import SimStore
 from ftrun.supervisor.quorum import KeeperSettings
-from ftrun.worker.ft import membership
 
 STEP_S = 0.05  # a training step's compute, on average (virtual)
 TICK_S = 0.05  # the supervisor's loop under --ft (supervisor/run.py)

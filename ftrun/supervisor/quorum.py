@@ -114,6 +114,7 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         # Per epoch, the rounds below this one had their keys collected: nobody waits on them, and
         # a vote there would start a fresh counter and write a second decision of a decided round.
         self.collected_below: Dict[int, int] = {}
+        self.finished_members: Set[Tuple[int, int]] = set()  # incarnations that left the loop (exit 0)
         # When each replica's info last changed (by this keeper's clock): a replica whose
         # reports stopped says nothing true about what it is doing now.
         self.info_seen: Dict[int, float] = {}
@@ -232,8 +233,9 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         for m in mates:  # a replica joins whole: one worker less and it waits for its next incarnation
             self.pending.pop(m, None)
         if self.members.get(rank) == inc:
-            if finished:  # it left the loop with the others: nobody waits for it
+            if finished:  # it left the loop with the others: it never votes again (_elsewhere)
                 del self.members[rank]
+                self.finished_members.add((rank, inc))
                 return
             # The replica leaves whole: its other workers are being killed and its shard groups
             # are broken, so nobody may wait for any of them.

@@ -180,9 +180,11 @@ class DeadVotes:
                                         f"vote in round {rnd}: voted fail in its place")
 
     def _elsewhere(self, m: int, k: int, e: int, now: float) -> bool:
-        """Whether member (m, k) of epoch `e` will never vote there: it reports being in another
-        epoch; or in none yet while a newer one is published (a joining replica enters the
-        newest epoch, never this older one that listed it)."""
+        """Whether member (m, k) of epoch `e` will never vote there: it finished; it reports being
+        in another epoch; or in none yet while a newer one is published (a joining replica enters
+        the newest epoch, never this older one that listed it)."""
+        if (m, k) in self.finished_members:  # it left the loop: a joiner left behind would wait for ever
+            return True
         mi = self.info.get(m) or {}
         return (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
                 and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))

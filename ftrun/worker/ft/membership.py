@@ -70,6 +70,11 @@ def wait_to_enter(store: Any, me: Member, sleep: Callable[[float], None], poll_s
         sleep(poll_s)
 
 
+def finished_step(store: Any) -> Optional[int]:
+    """The run's final step once a member has left the loop (protocol.FINISHED), else None."""
+    return int(store.get(keys.FINISHED)) if store.check([keys.FINISHED]) else None
+
+
 def entry_round(store: Any, epoch: Epoch, current: int) -> int:
     """The round at which a continuing member (one coming from another epoch) begins `epoch`.
     An epoch the keeper started afresh (nobody had entered one when it was published) names its

@@ -12,7 +12,7 @@ from typing import Callable, List, Optional
 import torch.distributed as dist
 
 from ftrun import protocol as keys
-from ftrun.worker.ft import vote
+from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.group import settle
 from ftrun.worker.ft.member_io import PEER_LOST, SLOW_S, _log, _log_detail, _plain, leave, restart_replica
 
@@ -189,6 +189,14 @@ class Rounds:
             self._note_target(target, self.round)
             if self._progress is not None:
                 self._progress.note_step(self.step)
+            ended = membership.finished_step(self.store)
+            if ended is not None:
+                # The others left the loop (a joiner whose heal failed at the last boundary is
+                # left alone in a round nobody else votes in): this member's run is over too.
+                self.finished = True
+                self.step = ended
+                if not self.in_sync:
+                    self._finish_without_peers()
         self.round_ok = True
         self._set_phase("commit" if commit else "discard")
 
