@@ -27,7 +27,7 @@ from typing import List, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from ftrun.sim.bugs import BUGS  # noqa: E402
+from ftrun.sim.bugs import BASELINE, BUGS  # noqa: E402
 from ftrun.sim.world import Fault, Schedule, run_schedule  # noqa: E402
 
 CI_SCHEDULES = 400
@@ -122,6 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     bug = BUGS[a.bug]
+    baseline = BUGS[BASELINE.get(a.bug, "none")]
     if a.replay:
         schedules = [parse_schedule(a.replay)]
     else:
@@ -134,11 +135,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         found = run_schedule(s, bug)
         if found is None:
             continue
-        if a.only_bug and a.bug != "none" and run_schedule(s, BUGS["none"]) is not None:
-            continue  # the product's own code fails there too: not this bug's doing
+        if a.only_bug and a.bug != "none" and run_schedule(s, baseline) is not None:
+            continue  # the code without this bug fails there too: not this bug's doing
         violations += 1
         print(f"violation (schedule seed {s.seed}, {len(s.faults)} faults, {time.monotonic() - t0:.1f} s in): {found}")
-        small = s if a.no_shrink else shrink(s, bug, BUGS["none"] if a.only_bug else None)
+        small = s if a.no_shrink else shrink(s, bug, baseline if a.only_bug else None)
         again = run_schedule(small, bug)
         print(f"  shortest failing schedule: {len(small.faults)} fault(s), {small.total} rounds, "
               f"{small.replicas} replicas: {', '.join(map(str, small.faults)) or 'no faults'}")

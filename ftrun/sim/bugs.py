@@ -65,10 +65,6 @@ def _wait_to_enter_blocking(store: Any, me: Member, sleep: Callable[[float], Non
         sleep(poll_s)
 
 
-class DeletedEpoch(Wiring):
-    wait_to_enter = staticmethod(_wait_to_enter_blocking)
-
-
 # ---------------------------------------------------------------- (c) 3b9d79e
 class _CollectingKeeper(QuorumKeeper):
     def _oldest_kept_epoch(self) -> int:
@@ -79,6 +75,15 @@ class _CollectingKeeper(QuorumKeeper):
 
 class CollectJoiners(Wiring):
     keeper = _CollectingKeeper
+
+
+class DeletedEpoch(Wiring):
+    """b1dd880 came before 3b9d79e: then the keeper still deleted epochs while a joiner scanned
+    them, which the keeper no longer does. The bug is shown on the keeper of its time: a schedule
+    that fails with both and passes with the keeper's bug alone (BASELINE)."""
+
+    keeper = _CollectingKeeper
+    wait_to_enter = staticmethod(_wait_to_enter_blocking)
 
 
 # ---------------------------------------------------------------- (d) 0a17702's keeper half
@@ -104,3 +109,5 @@ BUGS: Dict[str, type] = {
     "collect-joiner": CollectJoiners,  # (c) the keeper deleting keys a joiner needed
     "voter-waits": VoterWaits,        # (d) a voter waiting for a joiner that never comes
 }
+# What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
+BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}
