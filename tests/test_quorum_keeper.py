@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from ftrun import protocol as keys
-from ftrun.supervisor import quorum
+from ftrun.supervisor import quorum, quorum_votes
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.relay import NodeRelay, Routes
 from ftrun.worker.ft import vote
@@ -31,7 +31,7 @@ class _RunStore:
 
 @pytest.fixture
 def keeper(monkeypatch):
-    monkeypatch.setattr(quorum, "STUCK_S", 0.0)  # decide on the second poll, not after 2 s
+    monkeypatch.setattr(quorum_votes, "STUCK_S", 0.0)  # decide on the second poll, not after 2 s
     q = QuorumKeeper(_RunStore(), [0, 1, 2])
     q.on_store_ready()
     return q
@@ -200,18 +200,16 @@ def test_joiner_scanning_epochs_never_waits_on_a_deleted_one():
     import time
 
     from ftrun.protocol import Epoch
-    from ftrun.worker.ft.manager import Manager
+    from ftrun.worker.ft.membership import started_epoch_with_me
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30))
     for e in (4, 5):
         store.set(keys.epoch_key(e), Epoch(e, ((0, 1), (1, 1))).to_json())
-    mgr = Manager.__new__(Manager)  # only the scan: no store connection, no threads
-    mgr.store, mgr.rank, mgr.inc = store, 0, 1
     t0 = time.monotonic()
-    assert mgr._started_epoch_with_me(5) is None  # 4 and 5 not started, 3 deleted
+    assert started_epoch_with_me(store, (0, 1), 5) is None  # 4 and 5 not started, 3 deleted
     assert time.monotonic() - t0 < 5
     store.set(keys.start_key(5), "17")
-    assert mgr._started_epoch_with_me(5) == (5, 17)
+    assert started_epoch_with_me(store, (0, 1), 5) == (5, 17)
 
 
 def test_no_epoch_is_deleted_while_a_live_replica_is_joining(keeper):
@@ -359,7 +357,7 @@ class _Counting:
 @pytest.fixture
 def relayed(monkeypatch):
     """Four replicas on two relaying nodes (ranks 0-1 on node 1, 2-3 on node 2), epoch 1 formed."""
-    monkeypatch.setattr(quorum, "STUCK_S", 0.0)
+    monkeypatch.setattr(quorum_votes, "STUCK_S", 0.0)
     nodes = {1: _Node(), 2: _Node()}
     q = QuorumKeeper(_RunStore(), [0, 1, 2, 3], routes=Routes({1: (nodes[1].addr, [0, 1]),
                                                                  2: (nodes[2].addr, [2, 3])}))

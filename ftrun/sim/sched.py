@@ -127,7 +127,8 @@ class Sched:
         self.threads = [t for t in self.threads if not t.done]
         ready = [t for t in self.threads if t.runnable(self.now) and self.paused.get(t.proc, -1.0) <= self.now]
         if not ready:
-            deadlines = [t.until for t in self.threads if t.until is not None and not t.killed]
+            # Only deadlines still ahead: a paused process's thread may be past its own.
+            deadlines = [t.until for t in self.threads if t.until is not None and not t.killed and t.until > self.now]
             deadlines += [p for p in self.paused.values() if p > self.now]
             if not deadlines:
                 if any(not t.done for t in self.threads):

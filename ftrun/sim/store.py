@@ -9,11 +9,21 @@ Must never block outside the scheduler.
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Union
-
-import torch.distributed as dist
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Union
 
 from ftrun.sim.sched import Sched
+
+
+class DistStoreError(Exception):
+    """What a TCPStore client raises on a timeout (torch.distributed.DistStoreError), without
+    importing torch: the simulator starts in a fraction of a second."""
+
+
+class _Dist:
+    DistStoreError = DistStoreError
+
+
+dist = _Dist
 
 Value = Union[str, bytes]
 
@@ -33,6 +43,7 @@ class SimStore:
         self.extra_latency = 0.0
         self.writes: List[tuple] = []  # (time, op, key, value) of decisions, for the invariants
         self.max_keys = 0
+        self.on_call: Optional[Callable[[str], None]] = None  # told the calling process before each call
 
     def client(self, timeout_s: float = 600.0) -> "SimClient":
         return SimClient(self, timeout_s)
@@ -48,10 +59,15 @@ class SimClient:
     def _enter(self) -> None:
         s = self.s
         sched = s.sched
+        if s.on_call is not None:  # a fault may kill the caller here, before its call takes effect
+            s.on_call(sched.me().proc)
         sched.sleep(s.extra_latency * sched.rng.random())
-        if sched.now < s.down_until:
-            if not sched.wait_for(lambda: sched.now >= s.down_until, self.timeout_s):
+        deadline = sched.now + self.timeout_s
+        while sched.now < s.down_until:  # a wait on time alone: a deadline, which the scheduler jumps to
+            if s.down_until > deadline:
+                sched.sleep(deadline - sched.now)
                 raise dist.DistStoreError("simulated store: timed out (the store is down)")
+            sched.sleep(s.down_until - sched.now)
 
     def _wait_keys(self, keys: Sequence[str]) -> None:
         data = self.s.data

@@ -35,27 +35,46 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import deque
-from typing import Deque, Dict, List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import EVENTS, Epoch
+from ftrun.supervisor.quorum_collect import KeyCollection
+from ftrun.supervisor.quorum_status import Pace, StatusReports
+from ftrun.supervisor.quorum_votes import DeadVotes
 from ftrun.supervisor.relay import Routes
 
 # How long an epoch that starts from nothing (the first, or one after every replica was lost)
 # waits for the replicas being started: one that began alone would train on its own gradients
 # until the others caught up, and a resumed run would not be the run it resumes.
 FIRST_EPOCH_WAIT_S = 30.0
-COLLECT_EVERY_S = 0.25  # one list_keys per status report: a few dozen keys of rounds in flight at most
-ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
 PACE_EVERY_S = 0.25  # the run's pace is sampled as often as the replicas report
-INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
-STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another epoch
 
 
-class QuorumKeeper:
+@dataclass(frozen=True)
+class KeeperSettings:
+    """What the keeper takes from the environment, read once (the simulator passes its own)."""
+
+    round_steps: int = keys.ROUND_STEPS
+    round_steps_chosen: bool = False  # the user set the round length: it is kept, not paced
+    note: Optional[str] = None  # a line saying why the environment's value was not taken
+
+    @staticmethod
+    def from_env(env: Mapping[str, str]) -> "KeeperSettings":
+        steps, why = keys.round_steps_from_env(env)
+        return KeeperSettings(steps, why is None and keys.ROUND_STEPS_ENV in env, why)
+
+
+class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
+    """Epochs: who takes part, who heals, from which round; the events that change them."""
+
     def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True,
-                 replica_size: int = 1, routes: Optional[Routes] = None) -> None:
+                 replica_size: int = 1, routes: Optional[Routes] = None, settings: Optional[KeeperSettings] = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        # Time comes in: poll(now) is given it, and the events between polls (a death) read `clock`,
+        # the same clock the supervisor passes to poll (the simulator passes its virtual one).
+        self.clock = clock
         self.store = store  # RunStore; its .store is the TCPStore once ready
         # Several nodes: the nodes whose members vote through their node's store (ftrun.supervisor.relay).
         self.routes = routes
@@ -74,11 +93,12 @@ class QuorumKeeper:
         self.pending_since: Optional[float] = None  # the first join of the epoch being formed
         self.ready = False
         self.history: List[str] = []
-        self.round_steps, why = keys.round_steps_from_env(os.environ)
-        if why:
-            self.history.append(why)
+        settings = settings if settings is not None else KeeperSettings.from_env(os.environ)
+        self.round_steps = settings.round_steps
+        if settings.note:
+            self.history.append(settings.note)
         # A round length the user chose is kept; the default follows the run's pace (Pace).
-        self.round_steps_chosen = why is None and keys.ROUND_STEPS_ENV in os.environ
+        self.round_steps_chosen = settings.round_steps_chosen
         self.pace = Pace()
         self._dead_pending: List[Tuple[int, int]] = []
         # Members that died while listed in an epoch, and the rounds abstained for them,
@@ -89,8 +109,12 @@ class QuorumKeeper:
         self.voting_since: Dict[int, Tuple[Tuple[object, object], float]] = {}
         self.unstuck: Set[Tuple[int, int, int, int]] = set()
         self._collected_at = -2
-        self._collected_when = 0.0
+        self._collected_when = float("-inf")
         self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
+        # Per epoch, the rounds below this one had their keys collected: nobody waits on them, and
+        # a vote there would start a fresh counter and write a second decision of a decided round.
+        self.collected_below: Dict[int, int] = {}
+        self.finished_members: Set[Tuple[int, int]] = set()  # incarnations that left the loop (exit 0)
         # When each replica's info last changed (by this keeper's clock): a replica whose
         # reports stopped says nothing true about what it is doing now.
         self.info_seen: Dict[int, float] = {}
@@ -209,8 +233,9 @@ class QuorumKeeper:
         for m in mates:  # a replica joins whole: one worker less and it waits for its next incarnation
             self.pending.pop(m, None)
         if self.members.get(rank) == inc:
-            if finished:  # it left the loop with the others: nobody waits for it
+            if finished:  # it left the loop with the others: it never votes again (_elsewhere)
                 del self.members[rank]
+                self.finished_members.add((rank, inc))
                 return
             # The replica leaves whole: its other workers are being killed and its shard groups
             # are broken, so nobody may wait for any of them.
@@ -219,10 +244,11 @@ class QuorumKeeper:
                 self._publish(f"rank {rank} left" if self.k == 1 else
                               f"replica {rank // self.k} left (rank {rank} of ranks {mates[0]}-{mates[-1]})")
             top = self._top()
+            now = self.clock()
             for m, k in leaving.items():
                 if m != rank:
                     self._s.set(keys.inc_key(m), "dead")  # peers forming a group with it give up now
-                self._fill_votes(m, k, top)
+                self._fill_votes(m, k, top, now)
         if self.alive.get(rank) is None:
             self._s.set(keys.inc_key(rank), "dead")
 
@@ -233,243 +259,6 @@ class QuorumKeeper:
 
     def _top(self) -> int:
         return int(self._s.get(keys.TOP))
-
-    def _add_vote(self, e: int, rnd: int, top: int, vote: int, member: int) -> bool:
-        """Add a vote in `member`'s place to round `rnd` of epoch `e`; decide the round if it
-        closes it, as a member would (commit: no failed vote, one ok at least). Through the
-        member's node while that node relays and answers (ftrun.supervisor.relay): an add that
-        completes the node's count forwards it, as the node's last voter would. Only a node the
-        supervisor declared lost has its members' votes go to the run's store: a node store that
-        does not answer now is tried again at the next poll (False: not cast), since the node's
-        own count could never complete without this vote."""
-        node = self.routes.node_of(member) if self.routes is not None else None
-        if node is None or node in self.routes.lost:
-            self._add_run_vote(e, rnd, top, vote)
-            return True
-        local = self._node_client(node)
-        if local is None:
-            return False
-        try:
-            total = local.add(keys.node_count_key(node, e, rnd), vote)
-        except Exception:
-            self.routes.drop(node)  # a new connection next time
-            return False
-        self._node_added.setdefault((node, e, rnd), []).append(vote)
-        if keys.tally(total).votes == self._node_size(e, node):
-            self._forward(node, local, e, rnd, top, total)
-        return True
-
-    def _add_run_vote(self, e: int, rnd: int, top: int, total: int) -> None:
-        t = keys.tally(self._s.add(keys.count_key(e, rnd), total))
-        if t.votes == len(self.epochs[e]):  # this closed the round: nobody else decides it
-            self._decide(e, rnd, top, t.commit)
-
-    def _node_client(self, node: Optional[int]):
-        if node is None:
-            return None
-        try:
-            return self.routes.client(node)
-        except Exception:
-            self.routes.drop(node)
-            return None
-
-    def _node_size(self, e: int, node: int) -> int:
-        ranks = self.routes.ranks(node)
-        return sum(1 for r, _ in self.epochs[e] if r in ranks)
-
-    def _forward(self, node: int, local, e: int, rnd: int, top: int, total: int) -> None:
-        """Forward a node's completed count to the run's store in place of its last voter; the
-        decision reaches the node's members through its relay (ftrun.supervisor.relay.NodeRelay)."""
-        self._add_run_vote(e, rnd, top, total)
-        local.set(keys.node_forwarded_key(node, e, rnd), "1")
-
-    def _close_orphaned_node(self, member: int, e: int, rnd: int, top: int, now: float) -> None:
-        """A dead member's node counted every vote of the round but never marked it forwarded:
-        the member may have been that node's last voter and died before forwarding. After
-        STUCK_S (a live forwarder marks it within a store round trip) the keeper forwards the
-        node's count less its own votes. Had the dead forwarder reached the run's store after
-        all, the round is over-counted and decided by _close_orphaned, as after any double vote."""
-        node = self.routes.node_of(member) if self.routes is not None else None
-        local = self._node_client(node)
-        if local is None:
-            return
-        where = (node, e, rnd)
-        try:
-            total = local.add(keys.node_count_key(node, e, rnd), 0)
-            size = self._node_size(e, node)
-            excess = keys.tally(total).votes - size
-            if excess < 0 or local.check([keys.node_forwarded_key(node, e, rnd)]):
-                self._orphan_seen.pop(where, None)
-                return
-            since = self._orphan_seen.setdefault(where, now)
-            if now - since < STUCK_S:
-                return
-            self._orphan_seen.pop(where, None)
-            # The votes past the node's size are the keeper's own, for members that had voted themselves.
-            mine = self._node_added.get(where, [])
-            self._forward(node, local, e, rnd, top, total - sum(mine[len(mine) - excess:] if excess else []))
-            self.history.append(f"round {rnd}: rank {member} died before it forwarded node {node}'s votes; "
-                                f"forwarded them in its place")
-        except Exception:  # tried again at the next poll
-            self.routes.drop(node)
-
-    def _decide(self, e: int, rnd: int, top: int, commit: bool) -> None:
-        s = self._s
-        kept = 0 if commit else keys.read_kept(s, e, rnd)
-        s.compare_set(keys.decision_key(e, rnd), "", keys.decision_text(commit, self.epoch_id, kept))
-        if rnd > top:
-            s.set(keys.TOP, str(rnd))
-
-    def _close_orphaned(self, e: int, rnd: int, top: int) -> None:
-        """A round every member voted in but nobody decided: its closer died between its vote
-        and its decision. Decide it by its votes, as the closer would have (members that voted
-        ok have stepped already; compare_set: a decision already written stands)."""
-        s = self._s
-        t = keys.tally(s.add(keys.count_key(e, rnd), 0))
-        if t.votes >= len(self.epochs[e]) and not s.check([keys.decision_key(e, rnd)]):
-            self._decide(e, rnd, top, t.commit)
-
-    def _rounds_of(self, e: int, top: int) -> Set[int]:
-        """Rounds of epoch `e` its live members may be waiting on: the two after the newest
-        decided one, its start, and the round each live member in it last reported."""
-        rounds = {top + 1, top + 2}
-        if self.starts.get(e, -1) >= 0:
-            rounds |= {self.starts[e], self.starts[e] + 1}
-        for r, inc in self.alive.items():
-            info = self.info.get(r) or {}
-            if inc is not None and info.get("inc") == inc and info.get("epoch") == e and "round" in info:
-                rounds |= {int(info["round"]), int(info["round"]) + 1}
-        return rounds
-
-    def _fill_votes(self, rank: int, inc: int, top: int) -> None:
-        """Abstain for a dead member in the rounds its peers may be waiting on, in every
-        epoch that lists it and that live members may still be in or enter. Not a failed
-        vote: the live members' own votes say whether the round's collectives went through
-        (if the dead one had sent its part, they did), and those that voted ok have stepped.
-        Sharded replicas (--replica-size > 1) wait for the decision before stepping: for them
-        the dead member's vote is a failed one, as it was before the vote left the critical
-        path. A dead member's own vote may count besides the keeper's; a failed one then
-        discards a round nobody has stepped past, where an abstention could commit a round
-        whose other shard failed, and the replica holding that shard would restart whole."""
-        vote = keys.ABSTAIN_VOTE if self.k == 1 else keys.FAIL_VOTE
-        filled = self.dead.setdefault((rank, inc), {})
-        oldest = min(self._live_epochs(), default=0) if self._all_live_report() else 0
-        for e, members in self.epochs.items():
-            if (rank, inc) not in members or e < oldest:
-                continue
-            done = filled.setdefault(e, set())
-            rounds = self._rounds_of(e, top)
-            for rnd in sorted(rounds - done):
-                if self._add_vote(e, rnd, top, vote, rank):
-                    done.add(rnd)
-            for rnd in sorted(rounds & done):
-                self._close_orphaned_node(rank, e, rnd, top, time.monotonic())
-                self._close_orphaned(e, rnd, top)
-
-    def _unstick(self, now: float, top: int) -> None:
-        """A member that has waited STUCK_S for a round's decision while another member of
-        its epoch reports being in another epoch (or, still joining, in none while a newer
-        epoch is out) would wait forever: that member will never vote there. Vote FAIL in its
-        place (the round fails; everyone moves on)."""
-        for v in self.ranks:
-            info = self.info.get(v) or {}
-            inc = self.alive.get(v)
-            where = (info.get("epoch"), info.get("round"))
-            if (inc is None or info.get("inc") != inc or info.get("phase") != "vote" or not self._fresh(v, now)
-                    or where[0] not in self.epochs):
-                self.voting_since.pop(v, None)
-                continue
-            since = self.voting_since.get(v)
-            if since is None or since[0] != where:
-                self.voting_since[v] = (where, now)
-                continue
-            if now - since[1] < STUCK_S:
-                continue
-            e, rnd = int(where[0]), int(where[1])
-            for m, k in self.epochs[e]:
-                mi = self.info.get(m) or {}
-                # In another epoch; or in none yet while a newer one is published: a joining
-                # replica enters the newest epoch, never this older one that listed it.
-                elsewhere = (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
-                             and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))
-                if elsewhere and (m, k, e, rnd) not in self.unstuck:
-                    if not self._add_vote(e, rnd, top, keys.FAIL_VOTE, m):
-                        continue  # its node's store did not answer: again at the next poll
-                    self.unstuck.add((m, k, e, rnd))
-                    at = f"in quorum {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
-                    self.history.append(f"rank {m} is {at} while quorum {e} waits for its "
-                                        f"vote in round {rnd}: voted fail in its place")
-
-    def _all_live_report(self) -> bool:
-        """Every live replica's newest report, of its own incarnation, names the epoch it is in."""
-        for r, inc in self.alive.items():
-            info = self.info.get(r) or {}
-            if inc is not None and not (info.get("inc") == inc and info.get("epoch")):
-                return False
-        return True
-
-    def _live_epochs(self) -> Set[int]:
-        live = set()
-        for r, inc in self.alive.items():
-            info = self.info.get(r) or {}
-            if inc is not None and info.get("inc") == inc and info.get("epoch"):
-                live.add(int(info["epoch"]))
-        return live
-
-    def _refill(self, top: int) -> None:
-        """Keep abstaining for dead members some live replica may still wait for."""
-        live_epochs = self._live_epochs()
-        settled = self._all_live_report()  # a joiner may yet enter an old epoch that lists the dead
-        for member in list(self.dead):
-            newest = max((e for e, m in self.epochs.items() if member in m), default=0)
-            if settled and live_epochs and min(live_epochs) > newest:
-                del self.dead[member]  # every live replica is past every epoch that listed it
-            else:
-                self._fill_votes(member[0], member[1], top)
-
-    def _collect(self, top: int) -> None:
-        """Delete the keys of rounds every live member is past (counters, decisions, transfer
-        words, group addresses) and of epochs nobody can still be in, so a long run's store
-        stays the same size. "Past" is judged per epoch, by the newest round decided in it:
-        rounds are numbered per epoch, and one that restarted afresh may count from anywhere."""
-        now = time.monotonic()
-        if top == self._collected_at or now - self._collected_when < COLLECT_EVERY_S:
-            return
-        self._collected_at, self._collected_when = top, now
-        s = self._s
-        for where in [w for w in self._node_added if w[2] < top - 4 * ROUND_KEYS_KEPT]:
-            del self._node_added[where]
-        ours = []
-        newest: Dict[int, int] = {}
-        for key in s.list_keys():
-            if not key.startswith(keys.PREFIX):
-                continue
-            parts = key[len(keys.PREFIX):].split("/")
-            if parts[0] in ("n", "d", "p", "heal", "pg", "epoch", "start") and len(parts) > 1:
-                try:
-                    nums = (int(parts[1]), int(parts[2]) if parts[0] in ("n", "d", "p", "heal", "pg") else -1)
-                except (IndexError, ValueError):
-                    continue
-                ours.append((key, parts[0], nums))
-                if parts[0] == "d":
-                    newest[nums[0]] = max(newest.get(nums[0], -1), nums[1])
-            elif parts[0] == "replica" and len(parts) > 2:
-                # A sharded replica's own group of an earlier incarnation: nobody uses it again.
-                try:
-                    rep, inc = int(parts[1]), int(parts[2])
-                except ValueError:
-                    continue
-                now_inc = self.alive.get(rep * self.k)
-                if now_inc is not None and inc < now_inc:
-                    s.delete_key(key)
-        # An epoch's keys go once every live replica reports being past it. A live replica that
-        # reports no epoch of its own yet (joining, or its first report not read) may be about to
-        # enter any epoch that lists it: nothing is deleted by epoch meanwhile (this once took a
-        # joiner's epoch, and the decision it was about to read, from under it).
-        oldest = min(self._live_epochs(), default=-1) - 2 if self._all_live_report() else -1
-        for key, kind, (e, rnd) in ours:
-            if e < oldest or kind in ("n", "d", "p", "heal", "pg") and rnd < newest.get(e, -1) - ROUND_KEYS_KEPT:
-                s.delete_key(key)
 
     # ------------------------------------------------------------ polling
     def _drain_events(self) -> None:
@@ -492,52 +281,7 @@ class QuorumKeeper:
             self.epoch_id = latest
             self.members = dict(epoch.members)
         healed, infos = self._read_with_reports([keys.healed_key(r) for r in self.ranks])
-        self._absorb(healed, infos)
-
-    def _node_of(self, rank: int) -> Optional[int]:
-        return self.routes.node_of(rank) if self.routes is not None else None
-
-    def _read_with_reports(self, wanted: List[str]) -> Tuple[List[bytes], List[object]]:
-        """Read `wanted` and every replica's status report in one multi_get: (the values of
-        `wanted`, the reports in self.ranks order). A report is the raw text of the replica's own
-        key, or the object its node relayed (ftrun.supervisor.relay); None when its node's key
-        has not changed since the last read (nothing new from any of its replicas)."""
-        nodes = self.routes.nodes if self.routes is not None else []
-        direct = [r for r in self.ranks if self._node_of(r) is None]
-        n, d = len(wanted), len(direct)
-        vals = self._s.multi_get(wanted + [keys.info_key(r) for r in direct] + [keys.node_info_key(k) for k in nodes])
-        reports: Dict[int, object] = dict(zip(direct, vals[n:n + d]))
-        for k, raw in zip(nodes, vals[n + d:]):
-            if raw == self._relayed_raw.get(k):
-                continue
-            self._relayed_raw[k] = raw
-            try:
-                relayed = json.loads(raw)
-            except ValueError:
-                continue
-            for r in self.routes.ranks(k):
-                reports[r] = relayed.get(str(r))
-        return vals[:n], [reports.get(r) for r in self.ranks]
-
-    def _absorb(self, healed: List[bytes], infos: List[object]) -> None:
-        """Take in the replicas' healed incarnations and status counters (as _read_with_reports gives them)."""
-        now = time.monotonic()
-        for r, h, info in zip(self.ranks, healed, infos):
-            if int(h) >= 0:
-                self.healed.add((r, int(h)))
-            # "{}": no report yet (a new store, or a worker of a relaying node that has not reported)
-            if info is None or info == self._info_raw.get(r) or info == b"{}" or info == {}:
-                continue
-            self._info_raw[r] = info
-            self.info_seen[r] = now
-            if isinstance(info, dict):
-                self.info[r] = info
-                continue
-            try:
-                self.info[r] = json.loads(info)
-            except ValueError:
-                pass
-        self._track_waits(now)
+        self._absorb(healed, infos, self.clock())
 
     def poll(self, now: float) -> None:
         if not self.ready:
@@ -549,15 +293,15 @@ class QuorumKeeper:
         self._drain_events()
         top = self._top()
         if self.dead:
-            self._refill(top)
-        self._collect(top)
+            self._refill(top, now)
+        self._collect(top, now)
         n = len(self.ranks)
         vals, infos = self._read_with_reports([keys.join_key(r) for r in self.ranks]
                                               + [keys.healed_key(r) for r in self.ranks])
-        self._absorb(vals[n:], infos)
+        self._absorb(vals[n:], infos, now)
         if now - self.pace.noted_at >= PACE_EVERY_S:  # global_step() reads every report: not at every tick
             self.pace.note(now, self.global_step())
-        self._unstick(time.monotonic(), top)
+        self._unstick(now, top)
         if self.stopping:  # nobody joins a run that is stopping
             return
         asked: Dict[int, int] = {}
@@ -702,92 +446,6 @@ class QuorumKeeper:
         if not whole:
             return None
         return max(whole, key=lambda rep: (whole[rep], -rep))
-
-    # ------------------------------------------------------------ status and hangs
-    def replica_fields(self, rank: int) -> dict:
-        info = self.info.get(rank) or {}
-        inc = self.alive.get(rank)
-        return {
-            "in_quorum": inc is not None and self.members.get(rank) == inc and (rank, inc) in self.healed,
-            "healing": bool(info.get("healing")) and info.get("inc") == inc,
-            "last_heal_s": info.get("last_heal_s"),
-            "ft_phase": info.get("phase") if info.get("inc") == inc else None,
-        }
-
-    def run_fields(self) -> dict:
-        """The run's figures for `ftrun status`. From every replica's last report, not only the
-        members': after the run (or while a replica heals) the members may be few or none, and
-        a replica's last report still holds the steps it saw. Committed steps are the global
-        step (the furthest replica's); discarded rounds are counted by each incarnation, so the
-        longest-lived replica's count is the run's (a lower bound once every first replica
-        has been restarted)."""
-        reports = [self.info.get(r) or {} for r in self.ranks]
-        return {
-            "quorum_id": self.epoch_id,
-            "quorum_size": len(self.members),
-            "steps_committed": max((int(i.get("step", 0)) for i in reports), default=0),
-            "steps_discarded": max((int(i.get("discarded", 0)) for i in reports), default=0),
-        }
-
-    def _fresh(self, rank: int, now: float) -> bool:
-        return now - self.info_seen.get(rank, -1e9) <= INFO_FRESH_S
-
-    def _track_waits(self, now: float) -> None:
-        """A member is waited on when others of its epoch have voted in its round and it has
-        not. Only replicas that still report count, on both sides: a stopped replica's last
-        report is stale (its heartbeat check catches it) and must not make a waiting peer
-        look hung. O(N) per poll: the newest round any fresh member is voting in is enough."""
-        fresh = {r for r in self.members if self._fresh(r, now)}
-        voting = [int((self.info.get(r) or {}).get("round", -1)) for r in fresh
-                  if (self.info.get(r) or {}).get("phase") == "vote"]
-        newest_vote = max(voting, default=None)
-        for r in self.ranks:
-            mine = self.info.get(r) or {}
-            waited = (newest_vote is not None and r in fresh and mine.get("phase") not in ("vote", "done", None)
-                      and newest_vote >= int(mine.get("round", 0)))
-            if waited:
-                self.waited_since.setdefault(r, now)
-            else:
-                self.waited_since.pop(r, None)
-
-    def waited_for_s(self, rank: int) -> float:
-        """How long the others have been waiting for this replica without a break (0: they are not)."""
-        since = self.waited_since.get(rank)
-        return time.monotonic() - since if since is not None else 0.0
-
-    def global_step(self) -> int:
-        return max((int((self.info.get(r) or {}).get("step", 0)) for r in self.ranks), default=0)
-
-
-class Pace:
-    """The run's recent time per step, from the global step the keeper sees rise: the last
-    WINDOW_S seconds of it, so that a run that slows down (or speeds up) is followed."""
-
-    WINDOW_S = 30.0
-
-    def __init__(self) -> None:
-        self.samples: Deque[Tuple[float, int]] = deque()
-        self.noted_at = float("-inf")
-
-    def note(self, t: float, step: int) -> None:
-        self.noted_at = t
-        if self.samples and step < self.samples[-1][1]:  # a fresh start: the old pace says nothing
-            self.samples.clear()
-        if self.samples and step == self.samples[-1][1]:
-            return
-        self.samples.append((t, step))
-        while len(self.samples) > 2 and t - self.samples[0][0] > self.WINDOW_S:
-            self.samples.popleft()
-
-    def step_s(self) -> Optional[float]:
-        """Seconds per step, or None before a few steps over half a second at least were seen."""
-        if len(self.samples) < 2:
-            return None
-        (t0, s0), (t1, s1) = self.samples[0], self.samples[-1]
-        if s1 - s0 < 3 or t1 - t0 < 0.5:
-            return None
-        return (t1 - t0) / (s1 - s0)
-
 
 def now() -> float:
     return time.time()

@@ -1,0 +1,113 @@
+"""Historic --ft bugs, re-introduced for the simulator only: each is the product's code as it
+was before its fix (git commit named), as an override the simulator wires in by name
+(scripts/simulate.py --bug NAME). The product never imports this module; with no bug the
+simulator runs the product's own functions and keeper unchanged.
+Must never be imported by the product.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from ftrun import protocol as keys
+from ftrun.protocol import Epoch
+from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.worker.ft import membership
+from ftrun.worker.ft.membership import Entry, Member
+
+
+class Wiring:
+    """What the simulator runs: the keeper's class and the member's membership functions."""
+
+    keeper = QuorumKeeper
+    wait_to_enter = staticmethod(membership.wait_to_enter)
+    entry_round = staticmethod(membership.entry_round)
+
+
+# ---------------------------------------------------------------- (a) 0a17702
+def _entry_round_own(store: Any, epoch: Epoch, current: int) -> int:
+    """Before 0a17702: a continuing member wrote its round as the epoch's start and began the
+    epoch at its OWN round, whatever the first member to enter had written."""
+    if epoch.start_round >= 0:
+        return epoch.start_round
+    store.compare_set(keys.start_key(epoch.id), "", str(current))
+    return current
+
+
+class StartRound(Wiring):
+    entry_round = staticmethod(_entry_round_own)
+
+
+# ---------------------------------------------------------------- (b) b1dd880
+def _scan_blocking(store: Any, me: Member, latest: int) -> Optional[Tuple[int, int]]:
+    """Before b1dd880: the scan read each epoch with a blocking get, even one the keeper had
+    deleted (the get then waits for the store's whole timeout, deaf to newer epochs)."""
+    for e in range(latest, 0, -1):
+        epoch = Epoch.from_json(store.get(keys.epoch_key(e)))
+        if me not in epoch.members:
+            return None
+        if epoch.start_round >= 0:
+            return e, epoch.start_round
+        if store.check([keys.start_key(e)]):
+            return e, int(store.get(keys.start_key(e)))
+    return None
+
+
+def _wait_to_enter_blocking(store: Any, me: Member, sleep: Callable[[float], None], poll_s: float) -> Entry:
+    store.set(keys.join_key(me[0]), str(me[1]))
+    while True:
+        if store.check([keys.FINISHED]):
+            return Entry(finished=int(store.get(keys.FINISHED)))
+        latest = int(store.get(keys.LATEST)) if store.check([keys.LATEST]) else 0
+        found = _scan_blocking(store, me, latest)
+        if found is not None:
+            return Entry(found[0], found[1], latest)
+        sleep(poll_s)
+
+
+# ---------------------------------------------------------------- (c) 3b9d79e
+class _CollectingKeeper(QuorumKeeper):
+    def _oldest_kept_epoch(self) -> int:
+        """Before 3b9d79e: epochs older than every live replica's reported epoch were deleted even
+        while a live replica (a joiner) reported none yet and was about to enter one of them."""
+        return min(self._live_epochs(), default=self.epoch_id) - 2
+
+
+class CollectJoiners(Wiring):
+    keeper = _CollectingKeeper
+
+
+class DeletedEpoch(Wiring):
+    """b1dd880 came before 3b9d79e: then the keeper still deleted epochs while a joiner scanned
+    them, which the keeper no longer does. The bug is shown on the keeper of its time: a schedule
+    that fails with both and passes with the keeper's bug alone (BASELINE)."""
+
+    keeper = _CollectingKeeper
+    wait_to_enter = staticmethod(_wait_to_enter_blocking)
+
+
+# ---------------------------------------------------------------- (d) 0a17702's keeper half
+class _DeafKeeper(QuorumKeeper):
+    def _elsewhere(self, m: int, k: int, e: int, now: float) -> bool:
+        """Before 0a17702: only a member reporting ANOTHER epoch was voted for; a joiner that
+        reports none yet, and will enter the newest epoch, left the old epoch's voters waiting."""
+        if (m, k) in self.finished_members:
+            return True
+        mi = self.info.get(m) or {}
+        return (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
+                and mi.get("epoch") not in (None, e))
+
+
+class VoterWaits(Wiring):
+    keeper = _DeafKeeper
+
+
+BUGS: Dict[str, type] = {
+    "none": Wiring,
+    "start-round": StartRound,        # (a) members entering an epoch at different rounds
+    "deleted-epoch": DeletedEpoch,    # (b) a joiner blocked on a deleted epoch
+    "collect-joiner": CollectJoiners,  # (c) the keeper deleting keys a joiner needed
+    "voter-waits": VoterWaits,        # (d) a voter waiting for a joiner that never comes
+}
+# What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
+BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}

@@ -1,0 +1,380 @@
+"""One simulated replica (one worker, --replica-size 1) running the member's side of --ft: the
+real store protocol of ft/membership.py (join, entry round, who is gone, transfer waits) and
+ft/vote.py (cast, with ok votes off the training thread as the manager's Ballot does), in the
+order ft/manager.py calls them. The model is a digest of the rounds it stepped on, the
+collectives and transfers are the world's simulated groups. Threads: the training loop, the
+epoch watcher, the status reporter and the ballot, all of one simulated process.
+Must never be imported by the product.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+from ftrun import protocol as keys
+from ftrun.protocol import Epoch
+from ftrun.sim.sched import SimKilled
+from ftrun.worker.ft import membership, vote
+
+if TYPE_CHECKING:
+    from ftrun.sim.world import World
+
+POLL_S = 0.02  # the member's store polls (the product's 5 ms, coarser: fewer simulated turns)
+REPORT_S = 0.25  # protocol.HEARTBEAT_S: the status report the keeper reads
+VOTE_TIMEOUT_S = 600.0  # FTRUN_FT_VOTE_TIMEOUT's default: the member's store client timeout
+
+
+class Exited(BaseException):
+    """The member exits (os._exit in the product): restart (75) or finished (0)."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.code, self.why = code, why
+
+
+class Ballot:
+    """The manager's vote.Ballot: one ok vote at a time, cast by a thread of the same process."""
+
+    def __init__(self, m: "SimMember") -> None:
+        self.m = m
+        self.job: Optional[Tuple[int, int, int, int]] = None
+        self.round: Optional[Tuple[int, int]] = None
+        self.result_: Optional[object] = None
+        self.done = False
+        self.after: Tuple[int, int, str] = (0, 0, "")  # (step, digest) of the member after stepping this round
+        m.w.sched.spawn(self._run, "ballot", m.proc)
+
+    def submit(self, epoch: int, rnd: int, size: int, latest: int, after: Tuple[int, int, str]) -> None:
+        assert self.round is None, "a vote is already in flight"
+        self.round, self.after, self.done, self.result_ = (epoch, rnd), after, False, None
+        self.job = (epoch, rnd, size, latest)
+
+    def ready(self) -> bool:
+        return self.round is not None and self.done
+
+    def result(self) -> vote.Decision:
+        sched = self.m.w.sched
+        sched.wait_for(lambda: self.done, None)
+        res, self.round, self.done, self.result_ = self.result_, None, False, None
+        if isinstance(res, BaseException):
+            raise res
+        return res  # type: ignore[return-value]
+
+    def _run(self) -> None:
+        sched = self.m.w.sched
+        store = self.m.w.store.client(VOTE_TIMEOUT_S)
+        while True:
+            sched.wait_for(lambda: self.job is not None, None)
+            (epoch, rnd, size, latest), self.job = self.job, None
+            try:
+                self.result_ = vote.cast(store, epoch, rnd, size, True, latest)
+            except Exception as e:  # handed to the training thread
+                self.result_ = e
+            self.done = True
+
+
+class SimMember:
+    def __init__(self, world: "World", rank: int, inc: int) -> None:
+        self.w, self.rank, self.inc = world, rank, inc
+        self.proc = f"r{rank}.{inc}"
+        self.store = world.store.client(VOTE_TIMEOUT_S)
+        self.epoch: Optional[Epoch] = None
+        self.round = 0
+        self.group_round = -1
+        self.step = 0
+        self.digest = "0"
+        self.lineage = 0  # the fresh epoch this state descends from (a run with nobody holding its state starts again)
+        self.stepped: List[Tuple[int, int]] = []  # rounds stepped on since the last settle
+        self.in_sync = False
+        self.tainted = False
+        self.round_ok = True
+        self.latest_seen = 0
+        self.target_epoch: Optional[int] = None
+        self.switch_round: Optional[int] = None
+        self.rebuild = False
+        self.group = None
+        self.failed_in_row = 0
+        self.phase = "init"
+        self.waiting_round: Optional[int] = None
+        self.finished = False
+        self.heal_written: Optional[str] = None
+        self.ballot: Optional[Ballot] = None
+        self.watching = False
+
+    # ------------------------------------------------------------ plumbing
+    def sleep(self, s: float) -> None:
+        self.w.sched.sleep(s)
+
+    def exit(self, code: int, why: str) -> None:
+        raise Exited(code, why)
+
+    def info(self) -> dict:
+        return {"inc": self.inc, "epoch": self.epoch.id if self.epoch else None,
+                "round": self.waiting_round if self.waiting_round is not None else self.round,
+                "phase": self.phase, "step": self.step}
+
+    # ------------------------------------------------------------ threads
+    def main(self) -> None:
+        try:
+            self.ballot = Ballot(self)
+            self.w.sched.spawn(self._report, "report", self.proc)
+            self._loop()
+            self.w.on_member_exit(self, 0, "finished")
+        except Exited as e:
+            self.w.on_member_exit(self, e.code, e.why)
+        except SimKilled:
+            raise
+        self.w.sched.kill(self.proc)  # its other threads end with the process
+        raise SimKilled()
+
+    def _report(self) -> None:
+        beat = 0
+        store = self.w.store.client(VOTE_TIMEOUT_S)
+        while True:
+            beat += 1
+            try:
+                store.set(keys.info_key(self.rank), json.dumps({**self.info(), "beat": beat}))
+            except Exception:  # noqa: BLE001 - the store is down: go on beating
+                pass
+            self.sleep(REPORT_S)
+
+    def _watch(self) -> None:
+        store = self.w.store.client(86400.0)
+        nxt = self.latest_seen + 1
+        while True:
+            try:
+                store.get(keys.epoch_key(nxt))
+            except Exception:  # noqa: BLE001 - a timeout: wait again
+                continue
+            self.latest_seen = max(self.latest_seen, nxt)
+            nxt += 1
+
+    # ------------------------------------------------------------ the loop (ft.steps)
+    def _loop(self) -> None:
+        total = self.w.total
+        while True:
+            self.start_round()
+            if self.finished or self.step >= total:
+                self.settle()
+                self.store.compare_set(keys.FINISHED, "", str(self.step))
+                break
+            self.sleep(self.w.step_s * (0.5 + self.w.sched.rng.random()))  # the forward and backward passes
+            self.settle()  # before_collective
+            self.w.check_state(self)
+            if self.group is not None:
+                err = self.w.groups.allreduce(self, self.group)
+                if err:
+                    self.fail_round(err)
+            self.vote()
+        self.phase = "done"
+
+    def start_round(self) -> None:
+        self.settle(block=False)
+        if self.ballot.round is not None and (self.due_switch() is not None or self.step >= self.w.total):
+            self.settle()
+        if self.epoch is None:
+            self.join()
+        else:
+            target = self.due_switch()
+            if target is not None:
+                self.switch(target)
+        self.round_ok = self.round_ok and self.in_sync
+        self.phase = "compute"
+
+    def vote(self) -> None:
+        self.phase = "vote"
+        self.settle()
+        ok = self.round_ok and self.in_sync and self.group is not None
+        e = self.epoch
+        if ok:
+            self.take_step()
+            self.ballot.submit(e.id, self.round, len(e.members), self.latest_seen,
+                               (self.lineage, self.step, self.digest))
+            self.end_round(True, e.id)
+            return
+        if self.group is not None:
+            self.drop_group()
+        self.w.note_vote(self, e.id, self.round, False)
+        commit, target, _, kept = vote.cast(self.store, e.id, self.round, len(e.members), False, self.latest_seen)
+        if commit:
+            self.exit(keys.EXIT_REPLICA_RESTART, f"round {self.round} committed while this member failed")
+        if kept != 0:
+            self.exit(keys.EXIT_REPLICA_RESTART, f"round {self.round} keeps {kept} steps")
+        self.end_round(False, target)
+
+    def take_step(self) -> None:
+        e = self.epoch
+        self.digest = hashlib.blake2b(f"{self.digest}/{e.id}/{self.round}".encode(), digest_size=6).hexdigest()
+        self.step += 1
+        self.stepped.append((e.id, self.round))
+        self.w.note_vote(self, e.id, self.round, True)
+
+    def end_round(self, commit: bool, target: int) -> None:
+        self.round += 1
+        if commit:
+            self.failed_in_row = 0
+        else:
+            self.failed_in_row += 1
+            self.rebuild = True
+            if self.failed_in_row > 3 and target <= self.epoch.id:
+                self.sleep(min(0.2, 0.005 * 2 ** min(self.failed_in_row - 3, 6)))
+            self.note_target(target, self.round)
+            ended = membership.finished_step(self.store)
+            if ended is not None:
+                self.finished = True
+                self.step = ended
+                if not self.in_sync:
+                    self.exit(keys.EXIT_OK, "the run finished while this replica's rounds failed")
+        self.round_ok = True
+        self.phase = "commit" if commit else "discard"
+
+    def note_target(self, target: int, at_round: int) -> None:
+        if target > self.epoch.id:
+            self.target_epoch = max(target, self.target_epoch or 0)
+            self.switch_round = at_round if self.switch_round is None else min(self.switch_round, at_round)
+
+    def settle(self, block: bool = True) -> None:
+        b = self.ballot
+        if b.round is None or not (block or b.ready()):
+            return
+        epoch_id, rnd = b.round
+        after = b.after
+        waiting = not b.ready()
+        back = self.phase
+        if waiting:
+            self.waiting_round, self.phase = rnd, "vote"
+        try:
+            commit, target, _, _ = b.result()
+        finally:
+            if waiting:
+                self.waiting_round, self.phase = None, back
+        if not commit:
+            self.exit(keys.EXIT_REPLICA_RESTART, f"round {rnd} was voted down after this member stepped past it")
+        self.w.note_commit(self, epoch_id, rnd, after)
+        self.stepped = [s for s in self.stepped if s != (epoch_id, rnd)]
+        self.note_target(target, rnd + 2)
+
+    def due_switch(self) -> Optional[int]:
+        if self.target_epoch is not None and (self.rebuild or self.round >= (self.switch_round or 0)):
+            return self.target_epoch
+        if self.rebuild:
+            return self.epoch.id
+        return None
+
+    def fail_round(self, why: str = "") -> None:
+        self.round_ok = False
+
+    def drop_group(self) -> None:
+        old, self.group = self.group, None
+        self.w.groups.leave(self, old)
+
+    # ------------------------------------------------------------ membership
+    def join(self) -> None:
+        self.phase = "join"
+        entry = self.w.bugs.wait_to_enter(self.store, (self.rank, self.inc), self.sleep, POLL_S)
+        if entry.finished is not None:
+            self.finished = True
+            self.step = entry.finished
+            if not self.in_sync:
+                self.exit(keys.EXIT_OK, "the run finished while this replica was restarting")
+            return
+        self.round = entry.round
+        self.latest_seen = entry.latest
+        if not self.watching:
+            self.watching = True
+            self.w.sched.spawn(self._watch, "epochs", self.proc)
+        self.switch(entry.epoch, joining=True)
+        self.store.set(keys.entered_key(self.rank), str(self.inc))
+
+    def switch(self, epoch_id: int, joining: bool = False) -> None:
+        epoch = membership.read_epoch(self.store, epoch_id)
+        if (self.rank, self.inc) not in epoch.members:
+            self.exit(keys.EXIT_REPLICA_RESTART, f"left out of quorum {epoch_id}")
+        changed = self.epoch is None or epoch.id != self.epoch.id
+        if changed and not joining:
+            self.round = self.w.bugs.entry_round(self.store, epoch, self.round)
+        self.group_round = self.round
+        self.epoch = epoch
+        self.target_epoch = None
+        self.switch_round = None
+        self.rebuild = False
+        self.phase = "group"
+        self.drop_group()
+        gone = membership.gone(self.store, epoch, epoch.ranks)
+        if gone:
+            self.fail_round(gone)
+            if epoch.healers or epoch.fresh:
+                self.heal(epoch)
+            return
+        self.group = self.w.groups.form(self, keys.pg_prefix(epoch.id, self.group_round, None), epoch.ranks,
+                                        lambda: self.why_give_up(epoch, epoch.ranks))
+        if self.group is None:
+            self.fail_round(f"could not form the group of quorum {epoch.id}")
+        if epoch.healers or epoch.fresh:
+            self.heal(epoch)
+
+    def why_give_up(self, epoch: Epoch, ranks: List[int]) -> Optional[str]:
+        if self.latest_seen > epoch.id:
+            return f"quorum {self.latest_seen} is out"
+        return membership.gone(self.store, epoch, ranks)
+
+    # ------------------------------------------------------------ healing
+    def heal(self, epoch: Epoch) -> None:
+        holders = [r for r in epoch.ranks if r not in epoch.healers]
+        source = min(holders or epoch.ranks)
+        ends = [source] + [r for r in sorted(epoch.healers) if r != source]
+        done_key = keys.heal_key(epoch.id, self.group_round, None)
+        if self.rank not in ends:
+            self.phase = "heal-wait"
+            membership.await_transfer(self.store, epoch, ends, done_key, self.sleep, POLL_S)
+            return
+        sending = self.rank == source
+        if membership.gone(self.store, epoch, ends):
+            self.fail_round("an end is gone")
+            if sending:
+                self.set_heal_done(done_key, "fail")
+            return
+        if sending and self.tainted:
+            self.exit(keys.EXIT_REPLICA_RESTART, "the source of a fresh quorum holds a half-received state")
+        if sending and not epoch.fresh and not self.in_sync:
+            self.w.violation(f"rank {self.rank} sends its state in quorum {epoch.id} while not in sync")
+        self.phase = "send" if sending else "heal"
+        payload = self.w.groups.transfer(self, keys.pg_prefix(epoch.id, self.group_round, None) + "heal/", ends,
+                                         sending, lambda: self.why_give_up(epoch, ends))
+        if payload is None:
+            self.fail_round("the transfer failed")
+            if sending:
+                self.set_heal_done(done_key, "fail")
+            return
+        if sending:
+            if epoch.fresh:
+                self.lineage = epoch.id
+            self.set_heal_done(done_key, "ok")
+            if not self.in_sync:
+                self.in_sync = True
+                self.store.set(keys.healed_key(self.rank), str(self.inc))
+            return
+        self.round, self.step, self.digest, self.lineage = payload
+        self.stepped = []
+        self.tainted = False
+        self.in_sync = True
+        self.store.set(keys.healed_key(self.rank), str(self.inc))
+
+    def capture(self) -> Tuple[int, int, str, int]:
+        return self.round, self.step, self.digest, epoch_lineage(self)
+
+    def set_heal_done(self, key: str, what: str) -> None:
+        if self.heal_written:
+            try:
+                self.store.delete_key(self.heal_written)
+            except Exception:  # noqa: BLE001
+                pass
+        self.store.set(key, what)
+        self.heal_written = key
+
+
+def epoch_lineage(m: SimMember) -> int:
+    """The lineage a transfer hands on: a fresh epoch's source starts a new one."""
+    return m.epoch.id if m.epoch is not None and m.epoch.fresh else m.lineage

@@ -1,0 +1,325 @@
+"""One simulated run of --ft: the real keeper (ftrun.supervisor.quorum.QuorumKeeper) polled by a
+simulated supervisor that sees deaths and restarts replicas, simulated members (sim/member.py),
+simulated process groups (a collective succeeds only if every member of the group reaches it
+and none has died or left it), a schedule of faults, and the protocol's invariants, checked
+after every scheduled turn. `run(schedule)` returns the first violation, or None.
+Must never be imported by the product.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+from ftrun import protocol as keys
+from ftrun.sim.member import SimMember
+from ftrun.sim.sched import Deadlock, Sched
+from ftrun.sim.store import SimStore
+from ftrun.supervisor.quorum import KeeperSettings
+
+STEP_S = 0.05  # a training step's compute, on average (virtual)
+TICK_S = 0.05  # the supervisor's loop under --ft (supervisor/run.py)
+FORM_TIMEOUT_S = 10.0  # FTRUN_FT_TIMEOUT's default: a group formation, a collective's settle
+PROGRESS_BOUND_S = 120.0  # after the last fault ends, the run finishes within this (virtual) time
+TURNS_BOUND = 400_000  # a livelock that keeps time from moving is a violation too
+KEYS_PER_RANK = 40  # the store holds at most this many keys per rank, plus KEYS_BASE (rounds in flight)
+KEYS_BASE = 100
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault of a schedule, at virtual time `at`: kill (a replica's current incarnation),
+    kill-call (killed at its `x`-th store call from then on, before the call takes effect),
+    pause (SIGSTOP for `dur`), slow (its turns `x` times slower for `dur`), late (its first
+    start delayed by `dur`), heal-kill (killed as soon as it next sends or receives state),
+    store-down (every store call waits `dur`), store-slow (latency `x` for `dur`)."""
+
+    at: float
+    kind: str
+    rank: int = -1
+    dur: float = 0.0
+    x: float = 0.0
+
+    def __str__(self) -> str:
+        who = f" rank {self.rank}" if self.rank >= 0 else ""
+        extra = (f" {self.dur:.2f}s" if self.dur else "") + (f" x{self.x:g}" if self.x else "")
+        return f"{self.at:.3f}s {self.kind}{who}{extra}"
+
+
+@dataclass
+class Schedule:
+    seed: int
+    replicas: int
+    total: int
+    faults: List[Fault] = field(default_factory=list)
+
+
+class Group:
+    def __init__(self, key: str, ranks: List[int]) -> None:
+        self.key, self.ranks = key, list(ranks)
+        self.procs: Dict[int, str] = {}
+        self.left: Set[int] = set()
+        self.seq: Dict[int, int] = {}
+        self.ops: Dict[int, Set[int]] = {}
+        self.payload: Optional[Tuple[int, int, str, int]] = None
+
+
+class Groups:
+    """Process groups: formed once every rank arrives; a collective completes once every rank
+    reaches it, and fails at once when a rank of the group died or left it (a reset connection)."""
+
+    def __init__(self, world: "World") -> None:
+        self.w = world
+        self.groups: Dict[str, Group] = {}
+
+    def _broken(self, g: Group) -> bool:
+        return bool(g.left) or any(not self.w.sched.alive(p) for p in g.procs.values())
+
+    def form(self, m: SimMember, key: str, ranks: List[int], why: Callable[[], Optional[str]]) -> Optional[Group]:
+        g = self.groups.setdefault(key, Group(key, ranks))
+        g.procs[m.rank] = m.proc
+        g.left.discard(m.rank)
+        m.store.set(f"{key}{m.rank}", m.proc)  # the formation's own store traffic
+        deadline = self.w.sched.now + FORM_TIMEOUT_S
+        while True:
+            if len(g.procs) == len(g.ranks) and not self._broken(g):
+                return g
+            if why() or self.w.sched.now >= deadline:
+                self.leave(m, g)
+                return None
+            m.sleep(0.05)
+
+    def leave(self, m: SimMember, g: Optional[Group]) -> None:
+        if g is not None:
+            g.left.add(m.rank)
+
+    def allreduce(self, m: SimMember, g: Group) -> Optional[str]:
+        i = g.seq.get(m.rank, 0)
+        g.seq[m.rank] = i + 1
+        arrived = g.ops.setdefault(i, set())
+        arrived.add(m.rank)
+        whole = len(g.ranks)
+        self.w.sched.wait_for(lambda: len(arrived) == whole or self._broken(g), FORM_TIMEOUT_S)
+        if len(arrived) == whole:
+            return None
+        return "a peer left mid-collective" if self._broken(g) else "the collective timed out"
+
+    def transfer(self, m: SimMember, key: str, ends: List[int], sending: bool,
+                 why: Callable[[], Optional[str]]) -> Optional[Tuple[int, int, str, int]]:
+        """The state moves in two collectives: a receiver's tensors are written between them
+        (it is tainted should the second fail)."""
+        if self.w.heal_kill.pop(m.rank, None) is not None:
+            self.w.kill(m.rank)
+            m.sleep(0.0)
+        g = self.form(m, key, ends, why)
+        if g is None:
+            return None
+        if sending:
+            g.payload = m.capture()
+        if self.allreduce(m, g):
+            return None
+        if not sending:
+            m.tainted = True
+        m.sleep(0.001)  # the bulk of the transfer
+        if self.allreduce(m, g):
+            return None
+        return g.payload
+
+
+class Violation(Exception):
+    pass
+
+
+class World:
+    def __init__(self, sched: Sched, schedule: Schedule, bugs) -> None:
+        self.sched = sched
+        self.sch = schedule
+        self.bugs = bugs
+        self.total = schedule.total
+        self.step_s = STEP_S
+        self.store = SimStore(sched)
+        self.groups = Groups(self)
+        self.ranks = list(range(schedule.replicas))
+        self.members: Dict[int, SimMember] = {}
+        self.inc: Dict[int, int] = {r: -1 for r in self.ranks}
+        self.done: Set[int] = set()
+        self.events: List[Tuple[float, str, int, int]] = []  # (when, what, rank, inc) for the supervisor
+        self.heal_kill: Dict[int, bool] = {}
+        self.call_kill: Dict[str, int] = {}  # proc -> store calls it makes before it is killed at the next
+        self.store.on_call = self._on_call
+        self.decided: Dict[str, bytes] = {}
+        self.committed: Dict[Tuple[int, int], str] = {}  # (lineage, step) -> the digest of the state committed
+        self.outcome: Dict[Tuple[int, int], bool] = {}
+        self.first_violation: Optional[str] = None
+        self.log: List[str] = []  # what happened to the replicas, for a violation's report
+        self._writes_seen = 0
+        self.last_fault_end = max([f.at + f.dur for f in schedule.faults], default=0.0)
+        self.keeper = bugs.keeper(_RunStore(self.store.client(600.0)), self.ranks,
+                                  settings=KeeperSettings(1, True), clock=lambda: sched.now)
+
+    # ------------------------------------------------------------ the supervisor
+    def _supervise(self) -> None:
+        k = self.keeper
+        k.on_store_ready()
+        late = {f.rank: f.dur for f in self.sch.faults if f.kind == "late"}
+        for r in self.ranks:
+            self.events.append((late.get(r, 0.0), "spawn", r, 0))
+        while len(self.done) < len(self.ranks):
+            now = self.sched.now
+            due = sorted(e for e in self.events if e[0] <= now)
+            self.events = [e for e in self.events if e[0] > now]
+            for _, what, r, inc in due:
+                if what == "spawn":
+                    self.inc[r] = inc
+                    k.on_spawn(r, inc)
+                    m = SimMember(self, r, inc)
+                    self.members[r] = m
+                    self.sched.spawn(m.main, "main", m.proc)
+                else:
+                    k.on_exit(r, inc, finished=what == "finished")
+            try:
+                k.poll(now)
+            except Exception:  # noqa: BLE001 - the store is down: the next tick tries again
+                pass
+            self.sched.sleep(TICK_S)
+
+    def on_member_exit(self, m: SimMember, code: int, why: str) -> None:
+        """The member's process ends (its own thread, just before it unwinds)."""
+        self.log.append(f"{self.sched.now:.3f}s rank {m.rank}.{m.inc} exits {code}: {why} (step {m.step})")
+        if code == 0:
+            self.events.append((self.sched.now + 0.01, "finished", m.rank, m.inc))
+            self.done.add(m.rank)
+            return
+        self._died(m.rank, m.inc)
+
+    def _died(self, rank: int, inc: int) -> None:
+        now = self.sched.now
+        self.events.append((now + 0.005 + 0.02 * self.sched.rng.random(), "died", rank, inc))
+        self.events.append((now + 0.3 + 0.7 * self.sched.rng.random(), "spawn", rank, inc + 1))
+
+    def kill(self, rank: int) -> None:
+        m = self.members.get(rank)
+        if m is None or rank in self.done or not self.sched.alive(m.proc):
+            return
+        self.sched.kill(m.proc)
+        self.log.append(f"{self.sched.now:.3f}s rank {rank}.{m.inc} killed (step {m.step}, {m.phase})")
+        self._died(rank, m.inc)
+
+    # ------------------------------------------------------------ faults
+    def _on_call(self, proc: str) -> None:
+        left = self.call_kill.get(proc)
+        if left is None:
+            return
+        if left > 0:
+            self.call_kill[proc] = left - 1
+            return
+        del self.call_kill[proc]
+        self.kill(int(proc[1:].split(".")[0]))
+        self.sched.block()  # the caller dies here: its call never reaches the store
+
+    def _faults(self) -> None:
+        for f in sorted(self.sch.faults, key=lambda f: f.at):
+            self.sched.sleep(f.at - self.sched.now)
+            m = self.members.get(f.rank)
+            proc = m.proc if m is not None else f"r{f.rank}.?"
+            if f.kind == "kill":
+                self.kill(f.rank)
+            elif f.kind == "kill-call":
+                if m is not None and f.rank not in self.done:
+                    self.call_kill[m.proc] = int(f.x)
+            elif f.kind == "heal-kill":
+                self.heal_kill[f.rank] = True
+            elif f.kind == "pause":
+                self.sched.paused[proc] = self.sched.now + f.dur
+            elif f.kind == "slow":
+                self.sched.slow[proc] = f.x
+                self.events.append((self.sched.now + f.dur, "noop", f.rank, -1))
+            elif f.kind == "store-down":
+                self.store.down_until = self.sched.now + f.dur
+            elif f.kind == "store-slow":
+                self.store.extra_latency = f.x
+        self.sched.sleep(max(0.0, self.last_fault_end - self.sched.now))
+        self.sched.slow.clear()
+        self.store.extra_latency = 0.0
+
+    # ------------------------------------------------------------ invariants
+    def violation(self, what: str) -> None:
+        if self.first_violation is None:
+            self.first_violation = f"t={self.sched.now:.3f}s: {what}"
+
+    def note_vote(self, m: SimMember, e: int, rnd: int, ok: bool) -> None:
+        pass
+
+    def note_commit(self, m: SimMember, e: int, rnd: int, after: Tuple[int, int, str]) -> None:
+        """A member learned that round (e, rnd), on which it stepped to `after`, committed."""
+        lineage, step, digest = after
+        seen = self.committed.setdefault((lineage, step), digest)
+        if seen != digest:
+            self.violation(f"step {step} committed with two states: rank {m.rank} (incarnation {m.inc}) holds "
+                           f"{digest}, another member {seen} (round {rnd} of quorum {e})")
+
+    def check_state(self, m: SimMember) -> None:
+        """Before a member sends its gradients: no round it stepped on may have been decided
+        otherwise, and its state is the state every member committed at its step."""
+        if not m.in_sync:
+            return
+        for e, rnd in m.stepped:
+            if self.decided.get(keys.decision_key(e, rnd), b"commit").startswith(b"fail"):
+                self.violation(f"rank {m.rank} (incarnation {m.inc}) goes on from round {rnd} of quorum {e}, "
+                               f"which was voted down")
+        seen = self.committed.get((m.lineage, m.step))
+        if seen is not None and seen != m.digest:
+            self.violation(f"rank {m.rank} (incarnation {m.inc}) goes on at step {m.step} holding {m.digest}, "
+                           f"while the committed state is {seen}")
+
+    def _check(self) -> None:
+        s = self.store
+        for _, op, key, value in s.writes[self._writes_seen:]:
+            if "/d/" in key:
+                first = self.decided.setdefault(key, value)
+                if first != value:
+                    self.violation(f"{key} decided twice: {first.decode()!r}, then {value.decode()!r}")
+        self._writes_seen = len(s.writes)
+        if s.max_keys > KEYS_BASE + KEYS_PER_RANK * len(self.ranks):
+            self.violation(f"the store grew to {s.max_keys} keys")
+        if self.sched.now > self.last_fault_end + PROGRESS_BOUND_S:
+            self.violation(f"no progress: the run has not finished {PROGRESS_BOUND_S:g} s after the last fault "
+                           f"({self._where()})")
+        if self.sched.turns > TURNS_BOUND:
+            self.violation(f"livelock: {TURNS_BOUND} turns without finishing ({self._where()})")
+        if self.sched.errors:
+            e = self.sched.errors[0]
+            self.violation(f"a crash in protocol code: {type(e).__name__}: {e}")
+
+    def _where(self) -> str:
+        return "; ".join(f"rank {r}: {m.info()}" for r, m in sorted(self.members.items()) if r not in self.done)
+
+    # ------------------------------------------------------------ the run
+    def run(self) -> Optional[str]:
+        self.sched.spawn(self._supervise, "keeper", "supervisor")
+        self.sched.spawn(self._faults, "faults", "sim")
+        try:
+            while len(self.done) < len(self.ranks) and self.first_violation is None:
+                try:
+                    if not self.sched.turn():
+                        break
+                except Deadlock as e:
+                    self.violation(f"deadlock: every thread waits for ever ({e}; {self._where()})")
+                    break
+                self._check()
+        finally:
+            self.sched.shutdown()
+        return self.first_violation
+
+
+class _RunStore:
+    """What the keeper holds: its .store is the run's store (supervisor/store.py's RunStore)."""
+
+    def __init__(self, client) -> None:
+        self.store = client
+
+
+def run_schedule(schedule: Schedule, bugs) -> Optional[str]:
+    sched = Sched(random.Random(schedule.seed))
+    return World(sched, schedule, bugs).run()

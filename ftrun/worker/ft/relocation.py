@@ -1,0 +1,114 @@
+"""The member's run's store, and its moves (mixed into manager.Manager): connecting, telling a
+store that went away from a slow one, and rejoining on the store the nodes agreed on next,
+holding this replica's state. Must never rewrite anything but the store's address, and never
+import the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional, Tuple
+
+import torch.distributed as dist
+
+from ftrun import protocol as keys
+from ftrun.worker.ft import vote
+from ftrun.worker.ft.member_io import POLL_S, _log, restart_replica
+
+RELOCATE_S = 120.0  # the nodes agree on a new store in seconds; a node that cannot stops its workers
+STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's store to count as up
+
+
+class StoreMoves:
+    """Where the run's store is; the state is Manager's."""
+
+    # ------------------------------------------------------------ the run's store, and its moves
+    def _connect(self, addr: str) -> None:
+        self.store = self._store_client(addr)
+        self._ballot = vote.Ballot(lambda: self._store_client(addr),
+                                   lambda: vote.Node.from_env(self._store_client))
+
+    def _store_client(self, addr: str) -> dist.TCPStore:
+        host, _, port = addr.rpartition(":")
+        return dist.TCPStore(host, int(port), None, False, self._timeout)
+
+    def _announced_store(self) -> Optional[Tuple[int, str]]:
+        """(generation, host:port) of the run's store as this node's ftrun last announced it, or
+        None when it never moved (or cannot move: one node, two, or node 0's own workers)."""
+        if self.node is None or not self.node.store.check([keys.RUN_STORE]):
+            return None
+        gen, where = self.node.store.get(keys.RUN_STORE).decode().split()
+        return int(gen), where
+
+    @staticmethod
+    def _follow_env(addr: str) -> None:
+        """Everything that connects to the run's store by itself (group formation, checkpoint
+        reports, the script's own init_process_group) reads the environment."""
+        host, _, port = addr.rpartition(":")
+        os.environ["FTRUN_STORE"] = addr
+        os.environ["MASTER_PORT"] = port
+        os.environ["MASTER_ADDR"] = host
+
+    def _store_gone(self) -> bool:
+        """Whether the run's store stopped answering (as opposed to a slow wait on a live one).
+        One answer is not enough: a store whose process is being killed resets its connections
+        before the kernel closes its listening socket. A live store answers every probe."""
+        import socket
+
+        host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
+        for i in range(STORE_PROBES):
+            if i:
+                time.sleep(0.1)
+            try:
+                with socket.create_connection((host, int(port)), timeout=2.0):
+                    pass
+            except OSError:
+                return True
+        return False
+
+    def _relocate(self, error: BaseException) -> None:
+        """The run's store went away under a store operation (its node was lost). Wait for this
+        node's ftrun to announce the next one, connect to it, and rejoin holding this replica's
+        state: the keeper of the new store heals every replica from the one holding the newest
+        whole step. Re-raises `error` when the store did not move."""
+        if self.node is None or not self._store_gone():
+            raise error
+        _log(f"rank {self.rank}: lost the run's store at {os.environ['FTRUN_STORE']} "
+             f"({str(error).splitlines()[0][:120]}); waiting for the nodes to agree on the next one")
+        t0 = time.monotonic()
+        deadline = t0 + RELOCATE_S
+        while True:
+            moved = self._announced_store()
+            if moved is not None and moved[0] > self.store_gen:
+                break
+            if time.monotonic() > deadline:
+                restart_replica(f"rank {self.rank}: no new store within {RELOCATE_S:g} s; exiting")
+            time.sleep(POLL_S * 4)
+        gen, addr = moved
+        self._drop_group()
+        self._follow_env(addr)
+        self._connect(addr)
+        while not self.store.check([keys.LATEST]):  # the new keeper's first words
+            if time.monotonic() > deadline:
+                restart_replica(f"rank {self.rank}: the run's new store at {addr} has no keeper; exiting")
+            time.sleep(POLL_S)
+        self.latest_seen = int(self.store.get(keys.LATEST))
+        self.store_gen = gen  # the epoch watcher reconnects on this
+        if self._progress is not None:
+            self._progress.move_to(addr)
+        self.epoch = None
+        self.target_epoch = None
+        self.switch_round = None
+        self.rebuild = False
+        self.layout_round = False
+        self._waiting_round = None
+        self._save_due = False
+        self.taken = 0
+        self._heal_written = None
+        self.round_ok = True
+        self.store.set(keys.survivor_key(self.rank), json.dumps(
+            {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self._tainted}))
+        _log(f"rank {self.rank}: the run's store moved to {addr} after {time.monotonic() - t0:.2f} s; rejoining "
+             f"at step {self.step}")

@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Explore the --ft protocol's interleavings: seeded schedules of faults, each run by a
+deterministic simulator (ftrun/sim) that drives the real keeper, vote and membership code over
+an in-memory store, simulated process groups and a virtual clock, with the protocol's
+invariants checked after every scheduled turn.
+
+    scripts/simulate.py --schedules 400 --seed 1        # the CI budget
+    scripts/simulate.py --soak --seed 7                 # longer: 5000 schedules
+    scripts/simulate.py --replay '{"seed": ..., "faults": [...]}'   # one schedule, as printed
+
+A violation prints the shortest schedule that still fails (faults removed one at a time while
+it does), as a line to replay, and the run exits 1. The last line is always
+`N schedules, V violations`. --bug NAME runs with a historic bug put back (ftrun/sim/bugs.py),
+to show that the simulator finds it; the product never runs that code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict
+from typing import List, Optional
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from ftrun.sim.bugs import BASELINE, BUGS  # noqa: E402
+from ftrun.sim.world import Fault, Schedule, run_schedule  # noqa: E402
+
+CI_SCHEDULES = 400
+SOAK_SCHEDULES = 5000
+KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + ["slow"] * 2 + ["late"] * 2 + ["store-down"] * 2 + \
+        ["store-slow"]
+
+
+def make_schedule(seed: int) -> Schedule:
+    """A random schedule: 2-5 replicas, 8-20 rounds, 0-6 faults within the run's first 1.5 s, or
+    4-8 within 0.3 s."""
+    rng = random.Random(seed)
+    replicas = rng.randint(2, 5)
+    total = rng.randint(8, 20)
+    faults: List[Fault] = []
+    # A third of the schedules are bursts: many faults within a fraction of a second, the churn
+    # of epochs in which joiners and voters race.
+    burst = rng.random() < 1 / 3
+    lo = rng.uniform(0.0, 1.2) if burst else 0.0
+    hi = lo + 0.3 if burst else 1.5
+    for _ in range(rng.choice([4, 5, 6, 7, 8] if burst else [0, 1, 2, 2, 3, 3, 4, 5, 6])):
+        kind = rng.choice(KINDS)
+        at = round(rng.uniform(lo, hi), 3)
+        rank = rng.randrange(replicas)
+        if kind in ("kill", "heal-kill"):
+            faults.append(Fault(at, kind, rank))
+        elif kind == "kill-call":
+            faults.append(Fault(at, kind, rank, x=float(rng.randrange(12))))
+        elif kind == "pause":
+            faults.append(Fault(at, kind, rank, dur=round(rng.uniform(0.05, 3.0), 3)))
+        elif kind == "slow":
+            faults.append(Fault(at, kind, rank, dur=round(rng.uniform(0.1, 2.0), 3), x=float(rng.choice([5, 20, 100]))))
+        elif kind == "late":
+            faults.append(Fault(0.0, kind, rank, dur=round(rng.uniform(0.05, 2.0), 3)))
+        elif kind == "store-down":
+            faults.append(Fault(at, kind, dur=round(rng.uniform(0.05, 1.0), 3)))
+        else:
+            faults.append(Fault(at, kind, dur=round(rng.uniform(0.1, 1.0), 3), x=round(rng.uniform(0.002, 0.02), 4)))
+    return Schedule(seed, replicas, total, faults)
+
+
+def schedule_line(s: Schedule) -> str:
+    return json.dumps({"seed": s.seed, "replicas": s.replicas, "total": s.total,
+                       "faults": [asdict(f) for f in s.faults]}, separators=(",", ":"))
+
+
+def parse_schedule(text: str) -> Schedule:
+    d = json.loads(text)
+    return Schedule(int(d["seed"]), int(d["replicas"]), int(d["total"]), [Fault(**f) for f in d["faults"]])
+
+
+def shrink(s: Schedule, bug, correct=None, budget_s: float = 60.0) -> Schedule:
+    """The shortest schedule found that still fails: drop faults one at a time while it fails,
+    then fewer rounds. Each try is one deterministic replay. With `correct` (the product's own
+    wiring), a smaller schedule counts only if the product's code passes it."""
+    t0 = time.monotonic()
+
+    def fails(trial: Schedule) -> bool:
+        return run_schedule(trial, bug) is not None and (correct is None or run_schedule(trial, correct) is None)
+
+    changed = True
+    while changed and time.monotonic() - t0 < budget_s:
+        changed = False
+        for i in range(len(s.faults)):
+            trial = Schedule(s.seed, s.replicas, s.total, s.faults[:i] + s.faults[i + 1:])
+            if fails(trial):
+                s, changed = trial, True
+                break
+    for total in range(2, s.total):
+        if time.monotonic() - t0 >= budget_s:
+            break
+        trial = Schedule(s.seed, s.replicas, total, s.faults)
+        if fails(trial):
+            s = trial
+            break
+    return s
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schedules", type=int, default=None, help=f"how many schedules (default {CI_SCHEDULES})")
+    ap.add_argument("--seed", type=int, default=1, help="the first schedule's seed (schedule i uses seed*100000+i)")
+    ap.add_argument("--soak", action="store_true", help=f"a longer exploration ({SOAK_SCHEDULES} schedules)")
+    ap.add_argument("--replay", help="run one schedule, given as the line a violation prints")
+    ap.add_argument("--bug", default="none", choices=sorted(BUGS),
+                    help="put a historic bug back (tests of the simulator itself)")
+    ap.add_argument("--stop-at-first", action="store_true", help="stop at the first violation")
+    ap.add_argument("--no-shrink", action="store_true")
+    ap.add_argument("--only-bug", action="store_true",
+                    help="with --bug: count only violations the product's own code does not show on that schedule")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    bug = BUGS[a.bug]
+    baseline = BUGS[BASELINE.get(a.bug, "none")]
+    if a.replay:
+        schedules = [parse_schedule(a.replay)]
+    else:
+        n = a.schedules if a.schedules is not None else (SOAK_SCHEDULES if a.soak else CI_SCHEDULES)
+        schedules = (make_schedule(a.seed * 100000 + i) for i in range(n))
+    t0 = time.monotonic()
+    runs = violations = 0
+    for s in schedules:
+        runs += 1
+        found = run_schedule(s, bug)
+        if found is None:
+            continue
+        if a.only_bug and a.bug != "none" and run_schedule(s, baseline) is not None:
+            continue  # the code without this bug fails there too: not this bug's doing
+        violations += 1
+        print(f"violation (schedule seed {s.seed}, {len(s.faults)} faults, {time.monotonic() - t0:.1f} s in): {found}")
+        small = s if a.no_shrink else shrink(s, bug, baseline if a.only_bug else None)
+        again = run_schedule(small, bug)
+        print(f"  shortest failing schedule: {len(small.faults)} fault(s), {small.total} rounds, "
+              f"{small.replicas} replicas: {', '.join(map(str, small.faults)) or 'no faults'}")
+        print(f"  it fails with: {again}")
+        print(f"  replay: scripts/simulate.py{' --bug ' + a.bug if a.bug != 'none' else ''} "
+              f"--replay '{schedule_line(small)}'")
+        sys.stdout.flush()
+        if a.stop_at_first:
+            break
+    if not a.quiet:
+        print(f"explored in {time.monotonic() - t0:.1f} s")
+    print(f"{runs} schedules, {violations} violations")
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The --ft simulator (scripts/simulate.py): the real keeper, vote and membership code run under
+seeded fault schedules. The CI budget of schedules passes with no violation; each historic bug,
+put back (ftrun/sim/bugs.py), fails a schedule the product's own code passes, and a search from
+a seed finds it. The simulator never imports torch, so each run starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SIMULATE = ROOT / "scripts" / "simulate.py"
+CI_SCHEDULES = 400  # scripts/simulate.py's default: about a minute on two busy cores
+
+# Shrunk schedules printed by `simulate.py --bug NAME --only-bug --seed 1 --stop-at-first`.
+START_ROUND = {"seed": 100186, "replicas": 5, "total": 2, "faults": [
+    {"at": 1.227, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 0.0},
+    {"at": 0.365, "kind": "kill", "rank": 1, "dur": 0.0, "x": 0.0},
+    {"at": 0.128, "kind": "store-down", "rank": -1, "dur": 0.993, "x": 0.0},
+    {"at": 0.072, "kind": "pause", "rank": 1, "dur": 1.254, "x": 0.0}]}
+
+COLLECT_JOINER = {"seed": 100952, "replicas": 3, "total": 11, "faults": [
+    {"at": 0.782, "kind": "kill-call", "rank": 1, "dur": 0.0, "x": 10.0},
+    {"at": 0.0, "kind": "late", "rank": 2, "dur": 0.617, "x": 0.0},
+    {"at": 0.097, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 8.0},
+    {"at": 0.869, "kind": "pause", "rank": 2, "dur": 0.926, "x": 0.0},
+    {"at": 1.325, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 7.0},
+    {"at": 1.135, "kind": "slow", "rank": 2, "dur": 1.808, "x": 5.0}]}
+
+
+def _simulate(*args: str, timeout: float = 300) -> List[str]:
+    p = subprocess.run([sys.executable, str(SIMULATE), *args], capture_output=True, text=True, timeout=timeout,
+                       cwd=ROOT)
+    lines = p.stdout.strip().splitlines()
+    assert lines, p.stderr
+    assert p.returncode == (0 if lines[-1].endswith(" 0 violations") else 1), p.stdout + p.stderr
+    return lines
+
+
+def _replay(schedule: dict, bug: str = "none") -> List[str]:
+    return _simulate("--replay", json.dumps(schedule), "--bug", bug, "--no-shrink")
+
+
+def test_ci_budget_of_schedules_finds_no_violation():
+    lines = _simulate("--seed", "1", timeout=600)
+    assert lines[-1] == f"{CI_SCHEDULES} schedules, 0 violations", "\n".join(lines[-20:])
+
+
+@pytest.mark.quick
+def test_start_round_bug_fails_a_schedule_the_product_passes():
+    """(a) 0a17702: members entering an epoch each at its own round vote where the others never
+    come; the run stops making progress."""
+    assert _replay(START_ROUND)[-1] == "1 schedules, 0 violations"
+    bad = _replay(START_ROUND, "start-round")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0], bad
+
+
+@pytest.mark.quick
+def test_collect_joiner_bug_fails_a_schedule_the_product_passes():
+    """(c) 3b9d79e: the keeper deleted the epochs older than every reported epoch while a
+    replica that had not reported one yet was entering such an epoch: it waits for ever."""
+    assert _replay(COLLECT_JOINER)[-1] == "1 schedules, 0 violations"
+    bad = _replay(COLLECT_JOINER, "collect-joiner")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0], bad
+
+
+@pytest.mark.quick
+def test_a_failing_schedule_replays_exactly():
+    def found(lines: List[str]) -> str:  # the violation, without the wall-clock figures
+        return lines[0].split("): ", 1)[1]
+
+    assert found(_replay(START_ROUND, "start-round")) == found(_replay(START_ROUND, "start-round"))
+
+
+@pytest.mark.parametrize("bug,schedules", [("start-round", 200)])
+def test_search_from_a_seed_finds_the_bug(bug, schedules):
+    lines = _simulate("--bug", bug, "--only-bug", "--seed", "1", "--schedules", str(schedules),
+                      "--stop-at-first", "--no-shrink")
+    assert lines[-1].endswith(" schedules, 1 violations"), "\n".join(lines)
