@@ -62,7 +62,6 @@ def test_start_round_bug_fails_a_schedule_the_product_passes():
     assert "no progress" in bad[0], bad
 
 
-@pytest.mark.quick
 def test_collect_joiner_bug_fails_a_schedule_the_product_passes():
     """(c) 3b9d79e: the keeper deleted the epochs older than every reported epoch while a
     replica that had not reported one yet was entering such an epoch: it waits for ever."""
