@@ -476,7 +476,8 @@ def test_each_committed_step_reaches_the_loop_once(ftrun_home, tmp_path):
     assert "rank 2 is training again" in err, err[-3000:]
     logs = Path(read_state(ftrun_home, "once")["log_dir"])
     first, again = _printed_steps((logs / "rank2" / "stdout.log").read_text())
-    assert first[:15] == list(range(15)), first
+    # killed once it reported step 15: its last printed lines may not have reached the log yet
+    assert first == list(range(len(first))) and len(first) >= 10, first
     assert again == list(range(again[0], 60)) and again[0] >= 15, again
     for rank in (0, 1):
         (steps,) = _printed_steps((logs / f"rank{rank}" / "stdout.log").read_text())

@@ -94,7 +94,8 @@ def test_report_renders_in_chromium(killed_run):
     states = set(re.findall(r'class="seg" data-state="(\w+)"', html))
     assert {"starting", "training", "away", "healing", "done"} <= states, states
     marks = re.findall(r'class="failure-mark" data-rank="(\d+)" data-kind="(\w+)"', html)
-    assert marks == [("1", "signal")], marks
+    # the kill; a survivor may also restart by the protocol's rule (exit 75: a round it cannot take back)
+    assert marks[0] == ("1", "signal") and all(kind == "exit" for _, kind in marks[1:]), marks
     assert "killed by SIGKILL" in html
     assert re.search(r'<path id="rate-line" d="M[\d.]+ [\d.]+ L', html), "no steps/s line"
     assert len(re.findall(r'class="checkpoint-mark"', html)) >= 3
