@@ -31,8 +31,15 @@ def test_gradients_are_averaged_when_backward_returns_under_kills(ftrun_home, tm
     for s in steps:
         seen = {r: rep["norms"][str(s)] for r, rep in reports.items() if str(s) in rep["norms"]}
         assert len(set(seen.values())) == 1, (s, seen)
-    # Every replica that lived through the overflows skipped them, and nothing else.
-    assert reports[0]["skipped"] == reports[2]["skipped"] == [0, 25], reports
+    # Every replica skipped the overflows it lived through (it saw the step twice: the skip, then
+    # the redo), and nothing else. A survivor may restart by the protocol's rule (exit 75, see
+    # test_tutorial_port_survives_kills); its report then holds only its last incarnation.
+    restarts = [line for line in err.splitlines() if "restarting it alone" in line]
+    assert all("killed by SIGKILL" in line or "exited with code 75;" in line for line in restarts), err[-3000:]
+    for r, rep in reports.items():
+        twice = [s for s in (0, 25) if [y for y, _ in rep["yields"]].count(s) >= 2]
+        assert rep["skipped"] == twice, (r, rep["skipped"], rep["yields"])
+    assert {s for rep in reports.values() for s in rep["skipped"]} == {0, 25}, reports
     assert len({rep["scale"] for rep in reports.values()}) == 1, reports
     _assert_identical(out, 3)
     # ft.redo(): a step handed out again (a skipped or discarded step) says so, the first time never,
@@ -43,7 +50,7 @@ def test_gradients_are_averaged_when_backward_returns_under_kills(ftrun_home, tm
         # (a healed replica's first step may be one its peers are redoing: the run's redo)
         seen = [s for s, _ in rep["yields"]]
         assert all(s in seen[:k] for k, (s, again) in enumerate(rep["yields"]) if again and k), rep["yields"]
-    assert {0, 25} <= {s for s, again in reports[0]["yields"] if again}, reports[0]["yields"]
+    assert any({0, 25} <= {s for s, again in rep["yields"] if again} for rep in reports.values()), reports
     healed = reports[1]["yields"][-len(reports[0]["yields"]):]
     tail = reports[0]["yields"][-len(healed):]
     assert [tuple(y) for y in healed] == [tuple(y) for y in tail], (healed, tail)

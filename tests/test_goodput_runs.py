@@ -183,7 +183,9 @@ def test_group_restart_on_two_nodes_counts_the_lost_steps_on_both(tmp_path):
     first, second = log.split("incarnation 1", 1)
     done = max(int(s) for s in re.findall(r"^step (\d+) ", first, re.M)) + 1
     resumed = int(re.search(r"resumed from step (\d+)", second).group(1))
-    assert 4 < done - resumed < 10
+    # killed at a reported step of 35 or more, 30 saved; rank 0 prints a step after its sleep, so
+    # its last printed step may be one behind the step it was taking
+    assert 3 <= done - resumed < 10, (done, resumed)
     for st in (st0, st1):
         assert done - resumed - 3 <= st["steps_lost"] <= done - resumed + 1, (st["node_rank"], st["steps_lost"],
                                                                               done, resumed)
