@@ -33,6 +33,22 @@ COLLECT_JOINER = {"seed": 100952, "replicas": 3, "total": 11, "faults": [
     {"at": 1.325, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 7.0},
     {"at": 1.135, "kind": "slow", "rank": 2, "dur": 1.808, "x": 5.0}]}
 
+DELETED_EPOCH = {"seed": 100093, "replicas": 3, "total": 8, "faults": [
+    {"at": 0.374, "kind": "kill-call", "rank": 1, "dur": 0.0, "x": 11.0},
+    {"at": 0.747, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0},
+    {"at": 0.335, "kind": "kill", "rank": 2, "dur": 0.0, "x": 0.0},
+    {"at": 0.489, "kind": "pause-call", "rank": 2, "dur": 1.152, "x": 11.0}]}
+
+REVOTE = {"seed": 100131, "replicas": 2, "total": 9, "faults": [
+    {"at": 0.148, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 1.0},
+    {"at": 0.107, "kind": "kill-call", "rank": 1, "dur": 0.0, "x": 6.0},
+    {"at": 1.05, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 4.0}]}
+
+FINISHED_VOTER = {"seed": 400061, "replicas": 3, "total": 9, "faults": [
+    {"at": 0.391, "kind": "kill", "rank": 1, "dur": 0.0, "x": 0.0},
+    {"at": 0.721, "kind": "pause", "rank": 1, "dur": 0.852, "x": 0.0},
+    {"at": 0.614, "kind": "heal-kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
+
 
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
     p = subprocess.run([sys.executable, str(SIMULATE), *args], capture_output=True, text=True, timeout=timeout,
@@ -71,6 +87,39 @@ def test_collect_joiner_bug_fails_a_schedule_the_product_passes():
     assert "no progress" in bad[0], bad
 
 
+def test_deleted_epoch_bug_fails_a_schedule_the_keeper_of_its_time_passes():
+    """(b) b1dd880: a joiner stopped in the middle of its scan of the epochs (rank 2, SIGSTOPped
+    at a store call for 1.2 s) while two kills moved the others three epochs on, so the keeper of
+    that time (before 3b9d79e) deleted the epoch it was about to read: its blocking get waited
+    for the store's whole timeout, deaf to the epoch the others then waited in for it."""
+    assert _replay(DELETED_EPOCH)[-1] == "1 schedules, 0 violations"
+    assert _replay(DELETED_EPOCH, "collect-joiner")[-1] == "1 schedules, 0 violations"
+    bad = _replay(DELETED_EPOCH, "deleted-epoch")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0] and "rank 2: {'inc': 1, 'epoch': None" in bad[0] and "'phase': 'join'" in bad[0], bad
+
+
+@pytest.mark.quick
+def test_revote_bug_fails_a_schedule_the_product_passes():
+    """(e) d5bb6bf, found by this simulator: the keeper abstained for a dead member in a round
+    whose keys it had already collected; the vote began a fresh count and the round was decided
+    a second time, the other way."""
+    assert _replay(REVOTE)[-1] == "1 schedules, 0 violations"
+    bad = _replay(REVOTE, "revote")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "decided twice: 'commit" in bad[0], bad
+
+
+def test_finished_voter_bug_fails_a_schedule_the_product_passes():
+    """(f) 9b10420, found by this simulator: a restarted replica whose heal failed at the last
+    round boundary voted in a round the others, who had left the loop, never vote in; nobody
+    voted in their place and it waited for the vote's whole timeout."""
+    assert _replay(FINISHED_VOTER)[-1] == "1 schedules, 0 violations"
+    bad = _replay(FINISHED_VOTER, "finished-voter")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0] and "'phase': 'vote'" in bad[0], bad
+
+
 @pytest.mark.quick
 def test_a_failing_schedule_replays_exactly():
     def found(lines: List[str]) -> str:  # the violation, without the wall-clock figures
@@ -79,7 +128,7 @@ def test_a_failing_schedule_replays_exactly():
     assert found(_replay(START_ROUND, "start-round")) == found(_replay(START_ROUND, "start-round"))
 
 
-@pytest.mark.parametrize("bug,schedules", [("start-round", 200)])
+@pytest.mark.parametrize("bug,schedules", [("start-round", 200), ("deleted-epoch", 200)])
 def test_search_from_a_seed_finds_the_bug(bug, schedules):
     lines = _simulate("--bug", bug, "--only-bug", "--seed", "1", "--schedules", str(schedules),
                       "--stop-at-first", "--no-shrink")

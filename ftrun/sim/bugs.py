@@ -22,6 +22,7 @@ class Wiring:
     keeper = QuorumKeeper
     wait_to_enter = staticmethod(membership.wait_to_enter)
     entry_round = staticmethod(membership.entry_round)
+    finished_step = staticmethod(membership.finished_step)  # read by a member after a failed round
 
 
 # ---------------------------------------------------------------- (a) 0a17702
@@ -102,12 +103,60 @@ class VoterWaits(Wiring):
     keeper = _DeafKeeper
 
 
+# ---------------------------------------------------------------- (e) d5bb6bf, found by the simulator
+class _RevotingKeeper(QuorumKeeper):
+    def _fill_votes(self, rank: int, inc: int, top: int, now: float) -> None:
+        """Before d5bb6bf: the keeper kept abstaining for a dead member in every round its peers
+        might wait on, even rounds whose keys it had collected: the vote started a fresh counter
+        and closed the round a second time, with another decision."""
+        vote = keys.ABSTAIN_VOTE if self.k == 1 else keys.FAIL_VOTE
+        filled = self.dead.setdefault((rank, inc), {})
+        oldest = min(self._live_epochs(), default=0) if self._all_live_report() else 0
+        for e, members in self.epochs.items():
+            if (rank, inc) not in members or e < oldest:
+                continue
+            done = filled.setdefault(e, set())
+            rounds = self._rounds_of(e, top)
+            for rnd in sorted(rounds - done):
+                if self._add_vote(e, rnd, top, vote, rank):
+                    done.add(rnd)
+            for rnd in sorted(rounds & done):
+                self._close_orphaned_node(rank, e, rnd, top, now)
+                self._close_orphaned(e, rnd, top)
+
+
+class Revote(Wiring):
+    keeper = _RevotingKeeper
+
+
+# ---------------------------------------------------------------- (f) 9b10420's keeper half, found by the simulator
+class _FinishedDeafKeeper(QuorumKeeper):
+    def _elsewhere(self, m: int, k: int, e: int, now: float) -> bool:
+        """Before 9b10420: a member that had left the loop (exit 0) was not voted for; a member
+        whose heal failed at the last round boundary then waited in a round nobody else votes in."""
+        mi = self.info.get(m) or {}
+        return (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
+                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))
+
+
+def _never_finished(store: Any) -> Optional[int]:
+    """Before 9b10420: a member whose round failed did not look whether the others had left the loop."""
+    return None
+
+
+class FinishedVoter(Wiring):
+    keeper = _FinishedDeafKeeper
+    finished_step = staticmethod(_never_finished)
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering an epoch at different rounds
     "deleted-epoch": DeletedEpoch,    # (b) a joiner blocked on a deleted epoch
     "collect-joiner": CollectJoiners,  # (c) the keeper deleting keys a joiner needed
     "voter-waits": VoterWaits,        # (d) a voter waiting for a joiner that never comes
+    "revote": Revote,                 # (e) a decided round decided again (found by the simulator)
+    "finished-voter": FinishedVoter,  # (f) a voter waiting for a member that left the loop (found by it)
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}

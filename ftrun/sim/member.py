@@ -221,7 +221,7 @@ class SimMember:
             if self.failed_in_row > 3 and target <= self.epoch.id:
                 self.sleep(min(0.2, 0.005 * 2 ** min(self.failed_in_row - 3, 6)))
             self.note_target(target, self.round)
-            ended = membership.finished_step(self.store)
+            ended = self.w.bugs.finished_step(self.store)
             if ended is not None:
                 self.finished = True
                 self.step = ended

@@ -21,7 +21,8 @@ from ftrun.supervisor.quorum import KeeperSettings
 STEP_S = 0.05  # a training step's compute, on average (virtual)
 TICK_S = 0.05  # the supervisor's loop under --ft (supervisor/run.py)
 FORM_TIMEOUT_S = 10.0  # FTRUN_FT_TIMEOUT's default: a group formation, a collective's settle
-PROGRESS_BOUND_S = 120.0  # after the last fault ends, the run finishes within this (virtual) time
+PROGRESS_BOUND_S = 60.0  # after the last fault ends, the run finishes within this (virtual) time:
+# six group formations' timeouts, more than any schedule of the product's own code has needed
 TURNS_BOUND = 400_000  # a livelock that keeps time from moving is a violation too
 KEYS_PER_RANK = 40  # the store holds at most this many keys per rank, plus KEYS_BASE (rounds in flight)
 KEYS_BASE = 100
@@ -31,7 +32,8 @@ KEYS_BASE = 100
 class Fault:
     """One fault of a schedule, at virtual time `at`: kill (a replica's current incarnation),
     kill-call (killed at its `x`-th store call from then on, before the call takes effect),
-    pause (SIGSTOP for `dur`), slow (its turns `x` times slower for `dur`), late (its first
+    pause (SIGSTOP for `dur`), pause-call (SIGSTOP for `dur` at the rank's `x`-th store call from
+    then on, whichever incarnation makes it: a restarted replica stopped mid-join), slow (its turns `x` times slower for `dur`), late (its first
     start delayed by `dur`), heal-kill (killed as soon as it next sends or receives state),
     store-down (every store call waits `dur`), store-slow (latency `x` for `dur`)."""
 
@@ -147,6 +149,7 @@ class World:
         self.events: List[Tuple[float, str, int, int]] = []  # (when, what, rank, inc) for the supervisor
         self.heal_kill: Dict[int, bool] = {}
         self.call_kill: Dict[str, int] = {}  # proc -> store calls it makes before it is killed at the next
+        self.call_pause: Dict[int, Tuple[int, float]] = {}  # rank -> (store calls before the pause, its length)
         self.store.on_call = self._on_call
         self.decided: Dict[str, bytes] = {}
         self.committed: Dict[Tuple[int, int], str] = {}  # (lineage, step) -> the digest of the state committed
@@ -208,6 +211,15 @@ class World:
 
     # ------------------------------------------------------------ faults
     def _on_call(self, proc: str) -> None:
+        rank = int(proc[1:].split(".")[0]) if proc.startswith("r") else -1
+        pause = self.call_pause.get(rank)
+        if pause is not None:
+            if pause[0] > 0:
+                self.call_pause[rank] = (pause[0] - 1, pause[1])
+            else:
+                del self.call_pause[rank]
+                self.sched.paused[proc] = self.sched.now + pause[1]
+                self.sched.sleep(0.0)  # stopped before its call takes effect
         left = self.call_kill.get(proc)
         if left is None:
             return
@@ -230,6 +242,8 @@ class World:
                     self.call_kill[m.proc] = int(f.x)
             elif f.kind == "heal-kill":
                 self.heal_kill[f.rank] = True
+            elif f.kind == "pause-call":
+                self.call_pause[f.rank] = (int(f.x), f.dur)
             elif f.kind == "pause":
                 self.sched.paused[proc] = self.sched.now + f.dur
             elif f.kind == "slow":
@@ -320,6 +334,13 @@ class _RunStore:
         self.store = client
 
 
-def run_schedule(schedule: Schedule, bugs) -> Optional[str]:
+def run_schedule(schedule: Schedule, bugs, stats: Optional[Dict[str, float]] = None) -> Optional[str]:
+    """The schedule's first violation, or None. `stats` gets the longest time any run took to
+    finish after its last fault ended (the margin under PROGRESS_BOUND_S)."""
     sched = Sched(random.Random(schedule.seed))
-    return World(sched, schedule, bugs).run()
+    world = World(sched, schedule, bugs)
+    found = world.run()
+    if stats is not None and found is None:
+        after = max(0.0, sched.now - world.last_fault_end)
+        stats["after_last_fault_s"] = max(stats.get("after_last_fault_s", 0.0), after)
+    return found
