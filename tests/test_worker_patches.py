@@ -19,8 +19,7 @@ DIRECT_PATCH = re.compile(r"^\s*(torch|dist|dcp|DDP|TorchDDP)(\.\w+)+\s*=[^=]|se
 # Modules that read os.environ themselves: the settings, the zygote (not a worker yet: it sets
 # the worker's environment), and the --ft member's modules (ft/relocation.py still rewrites
 # FTRUN_STORE when the store moves, and the others read it and the member's tuning knobs at use).
-READS_ENV = {"settings.py", "zygote.py", "ft/manager.py", "ft/vote.py", "ft/epochs.py", "ft/healing.py",
-             "ft/member_io.py", "ft/relocation.py"}
+READS_ENV = {"settings.py", "zygote.py", "ft/manager.py", "ft/vote.py", "ft/healing.py", "ft/member_io.py"}
 
 
 def _sources():
@@ -72,6 +71,15 @@ def test_the_worker_side_reads_the_environment_in_one_place():
 
 
 @pytest.mark.quick
+def test_only_the_zygote_writes_the_environment():
+    """The environment is the worker's input, as under torchrun: the zygote sets it at the fork,
+    and nothing else in ftrun writes it (a moved store is told through settings.store_moved)."""
+    writes = re.compile(r"os\.environ\[[^]]+\]\s*=(?!=)|os\.environ\.(update|setdefault|pop|clear)\(|os\.putenv|del os\.environ")
+    writers = sorted(name for name, text in _sources() if writes.search(text) and name != "zygote.py")
+    assert writers == [], f"write the environment: {writers}"
+
+
+@pytest.mark.quick
 def test_settings_parse_as_the_readers_did():
     from ftrun.worker.settings import Settings
 
@@ -89,13 +97,15 @@ def test_settings_parse_as_the_readers_did():
 
 @pytest.mark.quick
 def test_a_worker_reads_its_environment_once():
-    """After the bootstrap's load(), a change to os.environ changes nothing (FTRUN_STORE, which
-    follows a moved store, is read where it is used)."""
+    """After the bootstrap's load(), a change to os.environ changes nothing; the run's store
+    is where it started until the worker follows it elsewhere (store_moved)."""
     code = ("import os; from ftrun.worker import settings\n"
             "os.environ['FTRUN_HOOK_LOG_EVERY'] = '7'; os.environ['FTRUN_STORE'] = 'a:1'\n"
             "settings.load()\n"
             "os.environ['FTRUN_HOOK_LOG_EVERY'] = '9'; os.environ['FTRUN_STORE'] = 'b:2'\n"
-            "print(settings.current().hook_log_every, settings.current().store, settings.run_store())\n")
+            "print(settings.current().hook_log_every, settings.current().store, settings.run_store())\n"
+            "settings.store_moved('c:3')\n"
+            "print(settings.run_store(), os.environ['FTRUN_STORE'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["7", "a:1", "b:2"]
+    assert out.stdout.split() == ["7", "a:1", "a:1", "c:3", "b:2"]

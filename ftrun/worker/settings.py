@@ -7,9 +7,10 @@ the worker's own environment. `current()` is that object; in a process that
 never ran the bootstrap (an in-process test, a benchmark) it is read afresh
 at each call, so such a process sees the environment it set.
 
-Not in it: FTRUN_STORE after the start. The run's store may move, and
-ft/manager.py then rewrites FTRUN_STORE (and MASTER_ADDR/PORT) for whatever
-connects to it later, so `run_store()` reads it when it is needed.
+Not in it: where the run's store is after the start. It may move (a lost
+node's store, ftrun/worker/ft/relocation.py), which tells `store_moved()`;
+whatever connects to it later asks `run_store()`. The environment keeps what
+the worker was started with, as torchrun's does.
 Values are parsed as their readers always parsed them: a malformed value a
 reader tolerated is tolerated here too (FTRUN_FT_TIMEOUT), and a checkpoint
 setting is parsed only with --checkpoint-dir.
@@ -144,6 +145,15 @@ def current() -> Settings:
     return _loaded if _loaded is not None else Settings.from_env()
 
 
+_moved_to: Optional[str] = None  # where the run's store moved to, once it has
+
+
 def run_store() -> str:
     """host:port of the run's store now (it may have moved since the start; see the docstring)."""
-    return os.environ.get("FTRUN_STORE", "")
+    return _moved_to or current().store
+
+
+def store_moved(addr: str) -> None:
+    """The run's store is at `addr` from now on (this process followed it there)."""
+    global _moved_to
+    _moved_to = addr

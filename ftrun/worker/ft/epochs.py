@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import os
 import threading
 import time
 from typing import List, Optional
@@ -19,6 +18,7 @@ from ftrun.protocol import Epoch
 from ftrun.worker.ft import membership
 from ftrun.worker.ft.group import abort_group, build_group_watched
 from ftrun.worker.ft.member_io import POLL_S, SLOW_S, _log, restart_replica
+from ftrun.worker.settings import run_store
 
 
 class Epochs:
@@ -33,7 +33,7 @@ class Epochs:
         while True:
             if gen != self.store_gen:
                 gen = self.store_gen
-                host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
+                host, _, port = run_store().rpartition(":")
                 try:
                     # A long timeout: waiting is this thread's whole job (and each timeout logs a warning).
                     store = dist.TCPStore(host, int(port), None, False, datetime.timedelta(days=1))
@@ -139,7 +139,7 @@ class Epochs:
                 return f"quorum {self.latest_seen} is out"
             return self._gone(epoch, ranks)
 
-        return build_group_watched(os.environ["FTRUN_STORE"], prefix, ranks.index(self.rank), len(ranks),
+        return build_group_watched(run_store(), prefix, ranks.index(self.rank), len(ranks),
                                    why, POLL_S)
 
     def _drop_group(self) -> None:

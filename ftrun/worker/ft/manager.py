@@ -52,6 +52,7 @@ from ftrun.worker.ft.relocation import StoreMoves
 from ftrun.worker.ft.rounds import Rounds
 from ftrun.worker.ft.state import ReplicaState
 from ftrun.worker.ft.stopping import Stopping
+from ftrun.worker.settings import store_moved
 
 class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
     """One per worker process; created by ftrun.ft on first use."""
@@ -74,7 +75,7 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
         moved = self._announced_store()
         if moved is not None:  # started just before a move: the address it was given is gone
             self.store_gen, store_addr = moved
-            self._follow_env(store_addr)
+            store_moved(store_addr)
         self._connect(store_addr)
         self.rank = int(os.environ["RANK"])
         self.inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -7,7 +7,6 @@ import the supervisor.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Optional, Tuple
 
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from ftrun import protocol as keys
 from ftrun.worker.ft import vote
 from ftrun.worker.ft.member_io import POLL_S, _log, restart_replica
+from ftrun.worker.settings import run_store, store_moved
 
 RELOCATE_S = 120.0  # the nodes agree on a new store in seconds; a node that cannot stops its workers
 STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's store to count as up
@@ -42,22 +42,13 @@ class StoreMoves:
         gen, where = self.node.store.get(keys.RUN_STORE).decode().split()
         return int(gen), where
 
-    @staticmethod
-    def _follow_env(addr: str) -> None:
-        """Everything that connects to the run's store by itself (group formation, checkpoint
-        reports, the script's own init_process_group) reads the environment."""
-        host, _, port = addr.rpartition(":")
-        os.environ["FTRUN_STORE"] = addr
-        os.environ["MASTER_PORT"] = port
-        os.environ["MASTER_ADDR"] = host
-
     def _store_gone(self) -> bool:
         """Whether the run's store stopped answering (as opposed to a slow wait on a live one).
         One answer is not enough: a store whose process is being killed resets its connections
         before the kernel closes its listening socket. A live store answers every probe."""
         import socket
 
-        host, _, port = os.environ["FTRUN_STORE"].rpartition(":")
+        host, _, port = run_store().rpartition(":")
         for i in range(STORE_PROBES):
             if i:
                 time.sleep(0.1)
@@ -75,7 +66,7 @@ class StoreMoves:
         whole step. Re-raises `error` when the store did not move."""
         if self.node is None or not self._store_gone():
             raise error
-        _log(f"rank {self.rank}: lost the run's store at {os.environ['FTRUN_STORE']} "
+        _log(f"rank {self.rank}: lost the run's store at {run_store()} "
              f"({str(error).splitlines()[0][:120]}); waiting for the nodes to agree on the next one")
         t0 = time.monotonic()
         deadline = t0 + RELOCATE_S
@@ -88,7 +79,7 @@ class StoreMoves:
             time.sleep(POLL_S * 4)
         gen, addr = moved
         self._drop_group()
-        self._follow_env(addr)
+        store_moved(addr)  # group formation, the epoch watcher and checkpoint reports connect there
         self._connect(addr)
         while not self.store.check([keys.LATEST]):  # the new keeper's first words
             if time.monotonic() > deadline:
