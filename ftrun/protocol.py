@@ -425,6 +425,23 @@ EXIT_STATUSES: Tuple[ExitStatus, ...] = (
 )
 
 
+def parse_key(key: str) -> Optional[Tuple[str, Tuple[int, ...]]]:
+    """The kind of one of the keys above and the numbers it names, in order ("d", (epoch,
+    round)); ("ln", (node, epoch, round)); ("pg", (epoch, round[, shard])) for a group's keys,
+    whatever follows), or None for a key outside the protocol's prefix. The keeper and the
+    node relays find the keys they collect by this, not by splitting names of their own."""
+    if not key.startswith(PREFIX):
+        return None
+    kind, *rest = key[len(PREFIX):].split("/")
+    nums = []
+    for part in rest:
+        try:
+            nums.append(int(part))
+        except ValueError:
+            break
+    return kind, tuple(nums)
+
+
 def pg_prefix(epoch: int, round_: int, shard: Optional[int] = None) -> str:
     # Named by the round at which members (re)build it: every member rebuilds at the
     # same rounds (after a switch or a failed round), so the name needs no counter.

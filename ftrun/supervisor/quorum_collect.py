@@ -30,23 +30,18 @@ class KeyCollection:
         ours = []
         newest: Dict[int, int] = {}
         for key in s.list_keys():
-            if not key.startswith(keys.PREFIX):
+            parsed = keys.parse_key(key)
+            if parsed is None:
                 continue
-            parts = key[len(keys.PREFIX):].split("/")
-            if parts[0] in ("n", "d", "p", "heal", "pg", "epoch", "start") and len(parts) > 1:
-                try:
-                    nums = (int(parts[1]), int(parts[2]) if parts[0] in ("n", "d", "p", "heal", "pg") else -1)
-                except (IndexError, ValueError):
-                    continue
-                ours.append((key, parts[0], nums))
-                if parts[0] == "d":
-                    newest[nums[0]] = max(newest.get(nums[0], -1), nums[1])
-            elif parts[0] == "replica" and len(parts) > 2:
+            kind, nums = parsed
+            if kind in ("n", "d", "p", "heal", "pg") and len(nums) >= 2 or kind in ("epoch", "start") and nums:
+                where = (nums[0], nums[1] if kind not in ("epoch", "start") else -1)
+                ours.append((key, kind, where))
+                if kind == "d":
+                    newest[where[0]] = max(newest.get(where[0], -1), where[1])
+            elif kind == "replica" and len(nums) >= 2:
                 # A sharded replica's own group of an earlier incarnation: nobody uses it again.
-                try:
-                    rep, inc = int(parts[1]), int(parts[2])
-                except ValueError:
-                    continue
+                rep, inc = nums[0], nums[1]
                 now_inc = self.alive.get(rep * self.k)
                 if now_inc is not None and inc < now_inc:
                     s.delete_key(key)

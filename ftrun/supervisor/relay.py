@@ -93,15 +93,10 @@ class Routes:
 
 def _parse(key: str, node: int) -> Optional[Tuple[str, int, int]]:
     """("ln" | "ld" | "lf", epoch, round) of one of this node's relay keys, else None."""
-    if not key.startswith(keys.PREFIX):
+    parsed = keys.parse_key(key)
+    if parsed is None or parsed[0] not in ("ln", "ld", "lf") or len(parsed[1]) != 3 or parsed[1][0] != node:
         return None
-    parts = key[len(keys.PREFIX):].split("/")
-    if len(parts) != 4 or parts[0] not in ("ln", "ld", "lf") or parts[1] != str(node):
-        return None
-    try:
-        return parts[0], int(parts[2]), int(parts[3])
-    except ValueError:
-        return None
+    return parsed[0], parsed[1][1], parsed[1][2]
 
 
 class NodeRelay:
