@@ -85,6 +85,11 @@ class InfoReport:
             obj = json.loads(_text(raw) or "null")
         except ValueError:
             return None
+        return cls.from_object(obj)
+
+    @classmethod
+    def from_object(cls, obj: Any) -> Optional["InfoReport"]:
+        """The report in an already parsed JSON value (a node relays its workers' reports so)."""
         if not isinstance(obj, dict):
             return None
         fields: Dict[str, Any] = dict(obj)

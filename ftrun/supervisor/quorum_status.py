@@ -11,6 +11,7 @@ from collections import deque
 from typing import Deque, Dict, List, Optional, Tuple
 
 from ftrun import protocol as keys
+from ftrun.wire import InfoReport
 
 INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
 
@@ -52,13 +53,9 @@ class StatusReports:
                 continue
             self._info_raw[r] = info
             self.info_seen[r] = now
-            if isinstance(info, dict):
-                self.info[r] = info
-                continue
-            try:
-                self.info[r] = json.loads(info)
-            except ValueError:
-                pass
+            report = InfoReport.from_object(info) if isinstance(info, dict) else InfoReport.decode(info)
+            if report is not None:
+                self.info[r] = {**report.fields, "beat": report.beat}
         self._track_waits(now)
 
     def replica_fields(self, rank: int) -> dict:
