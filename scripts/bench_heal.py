@@ -157,7 +157,7 @@ def one_run(size: str, home: Path) -> dict:
         raise SystemExit(f"bench_heal: run {size} failed (exit {proc.returncode}):\n{text[-3000:]}")
     back = [float(m.group(1)) for m in re.finditer(r"\[announce\] rank 1 pid \d+ first step \d+ t ([\d.]+)", text)]
     back_t = [t for t in back if t > killed_at]
-    heal = [m for m in re.finditer(r"\[rank 1\] ftrun\.ft: rank 1: received ([\d.]+) MB of state from rank \d+ in "
+    heal = [m for m in re.finditer(r"\[rank 1\] ftrun\.ft: detail: rank 1: received ([\d.]+) MB of state from rank \d+ in "
                                    r"([\d.]+) s \(([\d.]+) GB/s", text)]
     mb, secs, gbps = (float(x) for x in heal[-1].groups())
     back_at = back_t[0]

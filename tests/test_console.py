@@ -37,11 +37,11 @@ def test_a_failure_free_ft_run_prints_only_what_matters(ftrun_home, tmp_path, mo
     # the per-rank lines are in each rank's log
     for r in range(3):
         log = (logs / f"rank{r}" / "stderr.log").read_text()
-        assert f"ftrun.ft: rank {r} (incarnation 0) joined quorum 1 at step 0" in log, log
+        assert f"ftrun.ft: detail: rank {r} (incarnation 0) joined quorum 1 at step 0" in log, log
         assert f"ftrun: rank {r}: hook allreduce step 100: sent" in log, log
         assert re.search(rf"ftrun: rank {r}: hook allreduce step 250: .* \(at exit\)", log), log
         if r:
-            assert re.search(rf"ftrun\.ft: rank {r}: received [\d.]+ MB of state from rank 0", log), log
+            assert re.search(rf"ftrun\.ft: detail: rank {r}: received [\d.]+ MB of state from rank 0", log), log
 
 
 @pytest.mark.quick
@@ -50,10 +50,10 @@ def test_verbose_brings_the_per_rank_lines_back(ftrun_home, tmp_path):
                      env={"FTRUN_VERBOSE": "1"})
     assert proc.returncode == 0, proc.stderr
     for r in range(2):
-        assert f"[rank {r}] ftrun.ft: rank {r} (incarnation 0) joined quorum 1" in proc.stderr, proc.stderr
+        assert f"[rank {r}] ftrun.ft: detail: rank {r} (incarnation 0) joined quorum 1" in proc.stderr, proc.stderr
         assert f"[rank {r}] ftrun: rank {r}: hook allreduce step 100: sent" in proc.stderr, proc.stderr
         assert re.search(rf"\[rank {r}\] ftrun: rank {r}: hook allreduce step 120: .* \(at exit\)", proc.stderr)
-    assert "[rank 1] ftrun.ft: rank 1: received" in proc.stderr, proc.stderr
+    assert "[rank 1] ftrun.ft: detail: rank 1: received" in proc.stderr, proc.stderr
 
 
 USER = """\

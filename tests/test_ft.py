@@ -50,7 +50,7 @@ def _received_mb(log: str) -> list:
     """MB of state each heal brought into this rank, from its log (the line only a transfer writes)."""
     import re
 
-    return [float(m) for m in re.findall(r"ftrun\.ft: rank \d+: received ([\d.]+) MB of state from rank \d+", log)]
+    return [float(m) for m in re.findall(r"ftrun\.ft: detail: rank \d+: received ([\d.]+) MB of state from rank \d+", log)]
 
 
 def _wait_replica(home, run_id, rank, pred, timeout=60.0):

@@ -32,14 +32,12 @@ COLOURS = ("cyan", "green", "magenta", "yellow", "blue", "bright_red", "bright_c
 TAIL_LINES = 30
 DRAIN_S = 5.0
 
-# What ftrun's worker-side code writes into a worker's stderr. ftrun.ft's lines (joins, state
-# received, groups formed, slow waits) are for the log file, unless they say something went
-# wrong; the hooks' traffic lines are for the log file, except the figures at exit of one rank
-# per node; which hook was registered is said by that rank too.
+# What ftrun's worker-side code writes into a worker's stderr. ftrun.ft says which of its lines
+# are for the log file (DETAIL_PREFIX: joins, state received, groups formed, slow waits, saves
+# written) and which a person must see (FT_PREFIX: something went wrong, a resume from a
+# checkpoint); the hooks' traffic lines are for the log file, except the figures at exit of one
+# rank per node; which hook was registered is said by that rank too.
 FT_PREFIX = "ftrun.ft: "
-# ...and what a person must see: trouble, and a resume from a checkpoint (where the run starts).
-FT_TROUBLE = re.compile(r"\b(fail(s|ed|ure)?|error|cannot|exiting|not a number|damaged|skipping|"
-                        r"not written|not published|removed before|resumed from checkpoint)\b", re.IGNORECASE)
 HOOK_LINE = re.compile(r"ftrun: rank \d+: (?:(registered DDP comm hook )|hook \S+ step \d+: .*?( \(at exit\))?$)")
 # A worker stopped by Ctrl-C says where, in its log (ftrun.worker.bootstrap): the console has ftrun's line.
 INTERRUPTED_LINE = re.compile(r"ftrun: rank \d+: stopped by SIGINT \(KeyboardInterrupt\) in ")
@@ -52,7 +50,7 @@ def chatter(line: str, speaker: bool) -> bool:
     if line.startswith(DETAIL_PREFIX):
         return True
     if line.startswith(FT_PREFIX):
-        return not FT_TROUBLE.search(line)
+        return False
     if INTERRUPTED_LINE.match(line):
         return True
     m = HOOK_LINE.match(line)

@@ -76,7 +76,8 @@ class Resumed:
 class Checkpointer:
     """One per worker; saves only when the manager says this replica writes."""
 
-    def __init__(self, settings: Settings, rank: int, shard: int, k: int, log: Callable[[str], None]) -> None:
+    def __init__(self, settings: Settings, rank: int, shard: int, k: int, log: Callable[[str], None],
+                 detail: Optional[Callable[[str], None]] = None) -> None:
         worker = current()
         self.settings = settings
         self.rank, self.shard, self.k = rank, shard, k
@@ -91,14 +92,16 @@ class Checkpointer:
         self._run_id = worker.run_id
         self._folder = Folder(settings.root, settings.keep, self._verify_mode != "0", rank, log)
         self._status = StoreStatus()
-        self._writer = Writer(self._folder, self._status, rank, shard, k, log)
+        self._writer = Writer(self._folder, self._status, rank, shard, k, log, detail or log)
         self.saves = 0
         import torch.distributed.checkpoint  # noqa: F401 - now, not inside the first save's pause
 
     @classmethod
-    def from_env(cls, rank: int, shard: int, k: int, log: Callable[[str], None]) -> Optional["Checkpointer"]:
+    def from_env(cls, rank: int, shard: int, k: int, log: Callable[[str], None],
+                 detail: Optional[Callable[[str], None]] = None) -> Optional["Checkpointer"]:
+        """`log`: lines a person must see (a save not written); `detail`: the log file's (a save written)."""
         settings = current().checkpoint
-        return cls(settings, rank, shard, k, log) if settings else None
+        return cls(settings, rank, shard, k, log, detail) if settings else None
 
     @property
     def result(self) -> Optional[Tuple[int, bool]]:

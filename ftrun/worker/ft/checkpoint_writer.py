@@ -84,10 +84,11 @@ class Writer:
     """The writer thread of one worker, started by its first job."""
 
     def __init__(self, folder: Folder, status: StoreStatus, rank: int, shard: int, k: int,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], detail: Callable[[str], None]) -> None:
         self.folder, self.status = folder, status
         self.rank, self.shard, self.k = rank, shard, k
         self._log = log
+        self._detail = detail
         self._thread: Optional[threading.Thread] = None
         self._jobs: "queue.SimpleQueue[Job]" = queue.SimpleQueue()
         self.group: Optional[dist.ProcessGroup] = None
@@ -162,7 +163,7 @@ class Writer:
         info: Optional[Dict[str, Any]] = None
         if why is None and self.shard == 0:
             if self._inject and self._inject[0] == job.step:
-                self._log(f"rank {self.rank}: holding checkpoint {job.partial} for {self._inject[1]:g} s "
+                self._detail(f"rank {self.rank}: holding checkpoint {job.partial} for {self._inject[1]:g} s "
                           f"(fault injection, {INJECT_ENV})")
                 time.sleep(self._inject[1])
             try:
@@ -180,7 +181,7 @@ class Writer:
             self._failed(job, why or "the replica's first worker could not publish it")
         elif info is not None:
             self.last_failure = None
-            self._log(f"rank {self.rank}: checkpoint of step {job.step} written to {info['path']} "
+            self._detail(f"rank {self.rank}: checkpoint of step {job.step} written to {info['path']} "
                       f"({info['bytes'] / 1e6:.1f} MB in {info['write_s']:.2f} s; the loop paused {info['pause_s']:.3f} s)")
             try:
                 self.folder.prune(job.step)

@@ -17,7 +17,7 @@ from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.worker.ft import membership
 from ftrun.worker.ft.group import abort_group, build_group_watched
-from ftrun.worker.ft.member_io import POLL_S, SLOW_S, _log, restart_replica
+from ftrun.worker.ft.member_io import POLL_S, SLOW_S, _log_detail, restart_replica
 from ftrun.worker.settings import run_store
 
 
@@ -73,7 +73,7 @@ class Epochs:
         self._switch(entering, joining=True)
         self.store.set(keys.entered_key(self.rank), str(self.inc))
         if self.epoch is not None and self.in_sync:
-            _log(f"rank {self.rank} (incarnation {self.inc}) joined quorum {entering} at step {self.step} "
+            _log_detail(f"rank {self.rank} (incarnation {self.inc}) joined quorum {entering} at step {self.step} "
                  f"after {time.time() - t0:.2f} s")
 
     def _switch(self, epoch_id: int, joining: bool = False) -> None:
@@ -111,7 +111,7 @@ class Epochs:
             self.fail_round(f"could not form the group of quorum {epoch.id}: {str(e).splitlines()[0]}")
         took = time.monotonic() - t0
         if took > SLOW_S:
-            _log(f"rank {self.rank}: forming the group of quorum {epoch.id} (round {self.group_round}) took {took:.1f} s")
+            _log_detail(f"rank {self.rank}: forming the group of quorum {epoch.id} (round {self.group_round}) took {took:.1f} s")
         if epoch.healers or epoch.fresh:
             self._heal(epoch)
         self._plan_layout(epoch)

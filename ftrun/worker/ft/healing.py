@@ -101,7 +101,7 @@ class Healing:
         self._healed_gen = self.store_gen
         self.heals += 1
         self.last_heal_s = round(took, 4)
-        _log(f"rank {self.rank}: received {stats.bytes / 1e6:.1f} MB of state from rank {source} in "
+        _log_detail(f"rank {self.rank}: received {stats.bytes / 1e6:.1f} MB of state from rank {source} in "
              f"{stats.seconds:.2f} s ({stats.gbps:.2f} GB/s, {stats.in_place} tensors in place)")
         self.store.set(keys.healed_key(self.rank), str(self.inc))
 
@@ -140,7 +140,7 @@ class Healing:
         if not membership.await_transfer(self.store, epoch, ends, done_key, time.sleep, POLL_S):
             return
         if time.monotonic() - t0 > SLOW_S:
-            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the state transfer of quorum {epoch.id}")
+            _log_detail(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the state transfer of quorum {epoch.id}")
 
     def _inject_send_delay(self) -> None:
         delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))

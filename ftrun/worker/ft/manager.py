@@ -47,7 +47,7 @@ from ftrun.worker.ft import vote
 from ftrun.worker.ft.checkpoint import Checkpointer
 from ftrun.worker.ft.epochs import Epochs
 from ftrun.worker.ft.healing import Healing
-from ftrun.worker.ft.member_io import _env_number, _log, leave
+from ftrun.worker.ft.member_io import _env_number, _log, _log_detail, leave
 from ftrun.worker.ft.relocation import StoreMoves
 from ftrun.worker.ft.rounds import Rounds
 from ftrun.worker.ft.state import ReplicaState
@@ -153,7 +153,7 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
             i.strip().isdigit() for i in inject) else None
         # Durable state (--checkpoint-dir): saved at the top of the round after a due commit,
         # before any switch, so it is exactly the state of the step just committed.
-        self.checkpoints = Checkpointer.from_env(self.rank, self.shard, self.k, _log)
+        self.checkpoints = Checkpointer.from_env(self.rank, self.shard, self.k, _log, _log_detail)
         self.total: Optional[int] = None
         self._save_due = False
         self._loop_ending = False  # ft.epochs() ran out (finish_loop): its save is the loop's last

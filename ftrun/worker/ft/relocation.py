@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ftrun import protocol as keys
 from ftrun.worker.ft import vote
-from ftrun.worker.ft.member_io import POLL_S, _log, restart_replica
+from ftrun.worker.ft.member_io import POLL_S, _log, _log_detail, restart_replica
 from ftrun.worker.settings import run_store, store_moved
 
 RELOCATE_S = 120.0  # the nodes agree on a new store in seconds; a node that cannot stops its workers
@@ -101,5 +101,5 @@ class StoreMoves:
         self.round_ok = True
         self.store.set(keys.survivor_key(self.rank), json.dumps(
             {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self._tainted}))
-        _log(f"rank {self.rank}: the run's store moved to {addr} after {time.monotonic() - t0:.2f} s; rejoining "
+        _log_detail(f"rank {self.rank}: the run's store moved to {addr} after {time.monotonic() - t0:.2f} s; rejoining "
              f"at step {self.step}")

@@ -112,7 +112,7 @@ class Rounds:
         commit, target, _, kept = vote.cast(self.store, self.epoch.id, self.round, len(self.epoch.members), ok,
                                             self.latest_seen, self.node, self._node_size(), self.taken)
         if time.monotonic() - t0 > SLOW_S:
-            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {self.round}")
+            _log_detail(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {self.round}")
         if commit and not ok:  # possible only when a dead member's own vote and its abstention both counted
             self._restart(f"round {self.round} was committed by its other members while this member's "
                           f"collectives had failed")
@@ -227,7 +227,7 @@ class Rounds:
                 self._waiting_round = None
                 self._set_phase(back)
         if time.monotonic() - t0 > SLOW_S:
-            _log(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {rnd}")
+            _log_detail(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {rnd}")
         if not commit:
             self._restart(f"round {rnd} was voted down after this member had stepped past it")
         self._note_target(target, rnd + 2)

@@ -14,7 +14,7 @@ from typing import Any, Dict
 from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.worker.ft.checkpoint import SAVE_ERRORS
-from ftrun.worker.ft.member_io import _log, leave
+from ftrun.worker.ft.member_io import _log, _log_detail, leave
 
 FINAL_SAVE_RETRIES = 2  # a failed checkpoint of the loop's last step is tried again this often,
 FINAL_SAVE_RETRY_S = 1.0  # after this many seconds times the attempt's number
@@ -32,7 +32,7 @@ class Stopping:
         for attempt in range(1, FINAL_SAVE_RETRIES + 1):
             if ck.result != (self.step, False):
                 return
-            _log(f"rank {self.rank}: trying the checkpoint of the last step {self.step} again in "
+            _log_detail(f"rank {self.rank}: trying the checkpoint of the last step {self.step} again in "
                  f"{FINAL_SAVE_RETRY_S * attempt:g} s (attempt {attempt + 1} of {FINAL_SAVE_RETRIES + 1})")
             time.sleep(FINAL_SAVE_RETRY_S * attempt)
             ck.save(self.state, self.step, "final")
