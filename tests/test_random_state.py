@@ -26,9 +26,19 @@ if seed:
 inc = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 draw = {"initial_seed": torch.initial_seed(), "torch": torch.rand(1).item(), "random": random.random(),
         "numpy": float(numpy.random.rand()), "dropout": torch.nn.functional.dropout(torch.ones(64), 0.5).tolist()}
-with open(os.path.join(sys.argv[1], f"{os.environ['RANK']}.{inc}.json"), "w") as f:
+path = os.path.join(sys.argv[1], f"{os.environ['RANK']}.{inc}.json")
+with open(path + ".tmp", "w") as f:
     json.dump(draw, f)
+os.replace(path + ".tmp", path)  # whole or absent, should the group be stopped now
 if os.environ.get("FAIL_FIRST") and inc == "0":
+    # fail once every rank has drawn: a rank that fails first would have the group stopped
+    # before a slower peer wrote its draw (torchrun's behaviour too)
+    import time
+    world = int(os.environ["WORLD_SIZE"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(sys.argv[1], f"{r}.0.json")) for r in range(world)):
+        time.sleep(0.05)
     sys.exit(3)
 """
 
