@@ -68,7 +68,7 @@ import os, time, torch
 model = torch.nn.Linear(8, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 print(f"ready {os.environ['RANK']} {os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
-for _ in range(300):
+for _ in range(120):
     opt.zero_grad(); model(torch.randn(4, 8)).sum().backward(); opt.step(); time.sleep(0.02)
 print("done", flush=True)
 """
