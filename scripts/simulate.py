@@ -4,8 +4,8 @@ deterministic simulator (ftrun/sim) that drives the real keeper, vote and member
 an in-memory store, simulated process groups and a virtual clock, with the protocol's
 invariants checked after every scheduled turn.
 
-    scripts/simulate.py --schedules 400 --seed 1        # the CI budget
-    scripts/simulate.py --soak --seed 7                 # longer: 5000 schedules
+    scripts/simulate.py --schedules 2000 --seed 1       # the CI budget (about 30 s)
+    scripts/simulate.py --soak --seed 7                 # longer: 20,000 schedules (about 5 minutes)
     scripts/simulate.py --replay '{"seed": ..., "faults": [...]}'   # one schedule, as printed
 
 A violation prints the shortest schedule that still fails (faults removed one at a time while
@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ftrun.sim.bugs import BASELINE, BUGS  # noqa: E402
 from ftrun.sim.world import PROGRESS_BOUND_S, Fault, Schedule, run_schedule  # noqa: E402
 
-CI_SCHEDULES = 400
-SOAK_SCHEDULES = 5000
+CI_SCHEDULES = 2000
+SOAK_SCHEDULES = 20000
 KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + ["pause-call"] * 3 + ["slow"] * 2 + ["late"] * 2 + ["store-down"] * 2 + \
         ["store-slow"]
 

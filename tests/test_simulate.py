@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMULATE = ROOT / "scripts" / "simulate.py"
-CI_SCHEDULES = 400  # scripts/simulate.py's default: about a minute on two busy cores
+CI_SCHEDULES = 2000  # scripts/simulate.py's default: about 30 s
 
 # Shrunk schedules printed by `simulate.py --bug NAME --only-bug --seed 1 --stop-at-first`.
 START_ROUND = {"seed": 100186, "replicas": 5, "total": 2, "faults": [

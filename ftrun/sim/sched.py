@@ -1,19 +1,22 @@
-"""Cooperative, seeded scheduling of real threads on a virtual clock.
+"""Cooperative, seeded scheduling of simulated threads on a virtual clock.
 
-Every simulated thread is a real thread, but only one runs at a time: it runs until it
-reaches a yield point (a store call, a sleep, a wait on a queue or a future), and there the
-scheduler picks, with its seeded random source, which thread goes next. Time is virtual: it
+Every simulated thread is a greenlet (its own stack, switched in user space: a turn costs
+microseconds, where handing the turn between OS threads cost about 90), and only one runs at
+a time: it runs until it reaches a yield point (a store call, a sleep, a wait on a queue or a
+future), and there the scheduler picks, with its seeded random source, which thread goes next. Time is virtual: it
 moves by a small random latency per scheduled turn, and jumps to the earliest deadline when
 every thread waits. The same seed gives the same interleaving, so a failing schedule replays.
 A killed thread is resumed once more to raise SimKilled, so that its stack unwinds.
-Must never let two simulated threads run at once.
+Must never let two simulated threads run at once, and simulated code must never block on a
+real primitive (a lock, a real sleep): the whole simulator would wait with it.
 """
 
 from __future__ import annotations
 
 import random
-import threading
 from typing import Any, Callable, Dict, List, Optional
+
+import greenlet
 
 
 class SimKilled(BaseException):
@@ -28,17 +31,14 @@ class Deadlock(Exception):
 class SimThread:
     def __init__(self, sched: "Sched", fn: Callable[[], Any], name: str, proc: str) -> None:
         self.sched, self.fn, self.name, self.proc = sched, fn, name, proc
-        self.go = threading.Event()
         self.done = False
         self.killed = False
         self.until: Optional[float] = None          # runnable again at this virtual time
         self.pred: Optional[Callable[[], bool]] = None  # runnable again once this holds
         self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._body, name=f"sim-{proc}-{name}", daemon=True)
+        self.glet = greenlet.greenlet(self._body, parent=sched.hub)
 
     def _body(self) -> None:
-        self.go.wait()
-        self.go.clear()
         try:
             if self.killed:
                 raise SimKilled()
@@ -48,8 +48,7 @@ class SimThread:
         except BaseException as e:  # a crash in simulated code: the simulator reports it
             self.error = e
         finally:
-            self.done = True
-            self.sched._back.set()
+            self.done = True  # returning switches back to the scheduler (the hub)
 
     def runnable(self, now: float) -> bool:
         if self.done:
@@ -72,7 +71,7 @@ class Sched:
         self.latency_s = latency_s
         self.threads: List[SimThread] = []
         self.current: Optional[SimThread] = None
-        self._back = threading.Event()
+        self.hub = greenlet.getcurrent()  # the scheduler's own greenlet: every turn comes back to it
         self.turns = 0
         self.errors: List[BaseException] = []
         self.slow: Dict[str, float] = {}  # proc -> its turns cost this much more time (a slow member)
@@ -82,21 +81,18 @@ class Sched:
     def spawn(self, fn: Callable[[], Any], name: str, proc: str) -> SimThread:
         t = SimThread(self, fn, name, proc)
         self.threads.append(t)
-        t.thread.start()
         return t
 
     def me(self) -> SimThread:
         t = self.current
-        assert t is not None and t.thread is threading.current_thread(), "a yield point outside a simulated thread"
+        assert t is not None and t.glet is greenlet.getcurrent(), "a yield point outside a simulated thread"
         return t
 
     def block(self, pred: Optional[Callable[[], bool]] = None, until: Optional[float] = None) -> None:
         """Give the turn back; come back when `pred()` holds or at `until` (both None: at once)."""
         t = self.me()
         t.pred, t.until = pred, until
-        self._back.set()
-        t.go.wait()
-        t.go.clear()
+        self.hub.switch()
         t.pred = t.until = None
         if t.killed:
             raise SimKilled()
@@ -139,10 +135,7 @@ class Sched:
         t = self.rng.choice(ready)
         self.now += self.rng.random() * self.latency_s * (1.0 + self.slow.get(t.proc, 0.0))
         self.current = t
-        self._back.clear()
-        t.go.set()
-        if not self._back.wait(30.0):  # real time: a thread that blocked outside the simulator
-            raise Deadlock(f"{t.proc}/{t.name} did not come back to the scheduler (a wait outside it)")
+        t.glet.switch()
         self.current = None
         self.turns += 1
         if t.error is not None:
