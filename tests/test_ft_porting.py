@@ -94,7 +94,10 @@ def test_deterministic_error_of_a_restarted_replica_is_not_retried(ftrun_home, t
     rc, err = _run_killing(ftrun_home, ["--nproc", 3, "--ft", "--run-id", "sampler", TUTORIAL, 4, 1, "--mode",
                                         "sampler", "--step-sleep", 0.01], "sampler", 1, 20)
     assert rc == 0, err[-3000:]
-    assert err.count("restarting it alone") == 2, err[-3000:]  # the kill, then the first failure
+    # the kill, then the first failure (a survivor's protocol restart, exit 75, may come beside
+    # them: see test_tutorial_port_survives_kills)
+    restarts = [line for line in err.splitlines() if "restarting it alone" in line]
+    assert len([line for line in restarts if "exited with code 75;" not in line]) == 2, err[-3000:]
     left = [line for line in err.splitlines() if "not restarted again" in line]
     assert len(left) == 1 and "carrying on with 2 replicas" in left[0], err[-3000:]
     assert "Default process group has not been initialized" in left[0], left

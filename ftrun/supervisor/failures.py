@@ -80,9 +80,11 @@ class FailureDecisions:
             self.ledger.done(w, w.finished_at)
             return
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
-        if ev.exit_code == EXIT_CANNOT_GO_ON and not w.hang_reason and any(l.startswith("ftrun.ft: ") for l in tail):
-            self._cannot_go_on(w, tail)
-            return
+        if ev.exit_code == EXIT_CANNOT_GO_ON and not w.hang_reason:
+            why = self._why_it_cannot_go_on(w, tail)
+            if why:
+                self._cannot_go_on(w, why)
+                return
         # The worker's own structured error (TORCHELASTIC_ERROR_FILE) before its stderr's words.
         error = None if ev.signal or w.hang_reason else worker_error(error_file(self.cfg, w.rank), w.started)
         reason = w.hang_reason or (error_reason(ev.exit_code, error) if error is not None
@@ -98,13 +100,20 @@ class FailureDecisions:
         self.ledger.failed(w, failure, time.time(), ev.seen)
         self._on_failure(w, failure)
 
-    def _cannot_go_on(self, w: Worker, tail: List[str]) -> None:
+    def _why_it_cannot_go_on(self, w: Worker, tail: List[str]) -> str:
+        """The reason a worker that exited EXIT_CANNOT_GO_ON recorded in its error file; from its
+        last ftrun.ft line when the file could not be written; "" for a script's own exit 78."""
+        recorded = worker_error(error_file(self.cfg, w.rank), w.started)
+        if recorded is not None:
+            return recorded.message
+        line = next((line.strip() for line in reversed(tail) if line.startswith("ftrun.ft: ")), "")
+        return line.split("ftrun.ft: ", 1)[-1].removeprefix("detail: ")
+
+    def _cannot_go_on(self, w: Worker, why: str) -> None:
         """A worker found that the run cannot go on as started (a checkpoint of another model or
         optimizer, a script that misuses ftrun.ft): restarting cannot change that. End the run
         as bad input, with the worker's own line."""
         w.state = WorkerState.FAILED
-        why = next((line.strip() for line in reversed(tail) if line.startswith("ftrun.ft: ")), "")
-        why = why.split("ftrun.ft: ", 1)[-1] or f"rank {w.rank} found that the run cannot go on"
         self.console.note(f"{why}; stopping the run (exit 2)", style="bold red")
         self.status.exit_summary = why
         self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_USAGE)

@@ -60,11 +60,36 @@ def _env_number(name: str, default: float, lo: float, hi: float) -> float:
 
 def leave(code: int, line: str = "") -> NoReturn:
     """Exit the process at once with `code` (protocol's EXIT_*), after `line` in ftrun's words:
-    the supervisor reads the code; no atexit handler, no thread left to join."""
-    if line:
+    the supervisor reads the code; no atexit handler, no thread left to join. The run cannot go
+    on (EXIT_CANNOT_GO_ON): the line is the run's reason to stop, recorded in the worker's error
+    file (wire.WorkerError) for the supervisor, which says it; the log file keeps it too."""
+    if line and code == keys.EXIT_CANNOT_GO_ON and _record(line):
+        _log_detail(line)
+    elif line:
         _log(line)
     sys.stderr.flush()
     os._exit(code)
+
+
+def _record(line: str) -> bool:
+    """Write `line` as this worker's recorded error (TORCHELASTIC_ERROR_FILE); False when it
+    could not be written (no such file set, a full disk): the line then goes to stderr as is."""
+    import time
+
+    from ftrun.wire import WorkerError
+    from ftrun.worker.settings import current
+
+    path = current().error_file
+    if not path:
+        return False
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(WorkerError(line, timestamp=int(time.time())).encode())
+        os.replace(path + ".tmp", path)
+        return True
+    except OSError:
+        return False
 
 
 def restart_replica(line: str) -> NoReturn:
