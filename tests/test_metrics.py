@@ -74,7 +74,11 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
             assert name in text, f"{name} missing from\n{text}"
         labels = '{node="0",run_id="metrics-run"}'
         assert _samples(text, "ftrun_steps_committed_total")[labels] >= 5
-        assert _samples(text, "ftrun_replicas")['{node="0",run_id="metrics-run",state="training"}'] == 2
+        # Each replica's lane turns to training on its own progress report, which may come a
+        # beat after the quorum's count of committed steps: read again until it has.
+        training = '{node="0",run_id="metrics-run",state="training"}'
+        _wait(lambda: _samples(_get(st["metrics_url"]), "ftrun_replicas").get(training) == 2,
+              "both replicas counted as training", timeout=10)
         assert 0 < _samples(text, "ftrun_goodput_ratio")[labels] <= 1
         # bound to loopback: the one listening socket on that port is 127.0.0.1's
         sup = psutil.Process(proc.pid)
