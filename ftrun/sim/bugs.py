@@ -7,7 +7,7 @@ Must never be imported by the product.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Epoch
@@ -105,24 +105,11 @@ class VoterWaits(Wiring):
 
 # ---------------------------------------------------------------- (e) d5bb6bf, found by the simulator
 class _RevotingKeeper(QuorumKeeper):
-    def _fill_votes(self, rank: int, inc: int, top: int, now: float) -> None:
+    def _rounds_to_fill(self, e: int, top: int) -> Set[int]:
         """Before d5bb6bf: the keeper kept abstaining for a dead member in every round its peers
         might wait on, even rounds whose keys it had collected: the vote started a fresh counter
         and closed the round a second time, with another decision."""
-        vote = keys.ABSTAIN_VOTE if self.k == 1 else keys.FAIL_VOTE
-        filled = self.dead.setdefault((rank, inc), {})
-        oldest = min(self._live_epochs(), default=0) if self._all_live_report() else 0
-        for e, members in self.epochs.items():
-            if (rank, inc) not in members or e < oldest:
-                continue
-            done = filled.setdefault(e, set())
-            rounds = self._rounds_of(e, top)
-            for rnd in sorted(rounds - done):
-                if self._add_vote(e, rnd, top, vote, rank):
-                    done.add(rnd)
-            for rnd in sorted(rounds & done):
-                self._close_orphaned_node(rank, e, rnd, top, now)
-                self._close_orphaned(e, rnd, top)
+        return self._rounds_of(e, top)
 
 
 class Revote(Wiring):

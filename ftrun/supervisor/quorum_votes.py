@@ -141,13 +141,19 @@ class DeadVotes:
             if (rank, inc) not in members or e < oldest:
                 continue
             done = filled.setdefault(e, set())
-            rounds = {r for r in self._rounds_of(e, top) if r >= self.collected_below.get(e, -1)}
+            rounds = self._rounds_to_fill(e, top)
             for rnd in sorted(rounds - done):
                 if self._add_vote(e, rnd, top, vote, rank):
                     done.add(rnd)
             for rnd in sorted(rounds & done):
                 self._close_orphaned_node(rank, e, rnd, top, now)
                 self._close_orphaned(e, rnd, top)
+
+    def _rounds_to_fill(self, e: int, top: int) -> Set[int]:
+        """The rounds of epoch `e` to abstain in for a dead member: those its peers may wait on,
+        never one below the collected horizon (a vote there would start a fresh count and
+        decide a decided round a second time, d5bb6bf)."""
+        return {r for r in self._rounds_of(e, top) if r >= self.collected_below.get(e, -1)}
 
     def _unstick(self, now: float, top: int) -> None:
         """A member that has waited STUCK_S for a round's decision while another member of
