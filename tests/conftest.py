@@ -25,6 +25,18 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_pytests_folder(tmp_path_factory):
+    """Temporary files the tests make (consoles captured to files, scratch scripts) go under
+    pytest's own folder, which it prunes, not loose in /tmp (the children keep TMPDIR)."""
+    import tempfile
+
+    before = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
+    yield
+    tempfile.tempdir = before
+
+
 @pytest.fixture
 def ftrun_home(tmp_path, monkeypatch):
     """A private runs folder per test, so tests never see each other's runs."""

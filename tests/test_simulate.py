@@ -49,6 +49,12 @@ FINISHED_VOTER = {"seed": 400061, "replicas": 3, "total": 9, "faults": [
     {"at": 0.721, "kind": "pause", "rank": 1, "dur": 0.852, "x": 0.0},
     {"at": 0.614, "kind": "heal-kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
+# Found by the soak (seed 7, --soak), shrunk from 6 faults.
+STORE_GROWTH = {"seed": 700046, "replicas": 4, "total": 10, "faults": [
+    {"at": 0.297, "kind": "kill", "rank": 3, "dur": 0.0, "x": 0.0},
+    {"at": 1.044, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0},
+    {"at": 1.051, "kind": "pause-call", "rank": 2, "dur": 2.631, "x": 3.0}]}
+
 
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
     p = subprocess.run([sys.executable, str(SIMULATE), *args], capture_output=True, text=True, timeout=timeout,
@@ -118,6 +124,16 @@ def test_finished_voter_bug_fails_a_schedule_the_product_passes():
     bad = _replay(FINISHED_VOTER, "finished-voter")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "no progress" in bad[0] and "'phase': 'vote'" in bad[0], bad
+
+
+def test_store_growth_bug_fails_a_schedule_the_product_passes():
+    """(g) found by the soak: the keeper abstained for the dead in the newest rounds of every
+    epoch that lists them, also old epochs nobody is in while a restarted replica starts; those
+    rounds never close, and a store of 4 replicas grew past 250 keys (the bound is 260)."""
+    assert _replay(STORE_GROWTH)[-1] == "1 schedules, 0 violations"
+    bad = _replay(STORE_GROWTH, "store-growth")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "the store grew to" in bad[0], bad
 
 
 @pytest.mark.quick

@@ -66,8 +66,30 @@ def _wait_to_enter_blocking(store: Any, me: Member, sleep: Callable[[float], Non
         sleep(poll_s)
 
 
+# ---------------------------------------------------------------- the keeper's abstentions of that time
+class _AbstainingEverywhere(QuorumKeeper):
+    def _rounds_of(self, e: int, top: int) -> Set[int]:
+        """Before the store-growth fix (found by the simulator's soak): the keeper abstained for
+        the dead in the two rounds after the newest decided one in every epoch that lists them,
+        also old epochs nobody reports being in. Every keeper the historic bugs below ran with
+        did; the bugs that need such an abstention (it decides a round before a joiner reports)
+        are shown on it."""
+        rounds = {top + 1, top + 2}
+        if self.starts.get(e, -1) >= 0:
+            rounds |= {self.starts[e], self.starts[e] + 1}
+        for r, inc in self.alive.items():
+            info = self.info.get(r) or {}
+            if inc is not None and info.get("inc") == inc and info.get("epoch") == e and "round" in info:
+                rounds |= {int(info["round"]), int(info["round"]) + 1}
+        return rounds
+
+
+class StoreGrowth(Wiring):
+    keeper = _AbstainingEverywhere
+
+
 # ---------------------------------------------------------------- (c) 3b9d79e
-class _CollectingKeeper(QuorumKeeper):
+class _CollectingKeeper(_AbstainingEverywhere):
     def _oldest_kept_epoch(self) -> int:
         """Before 3b9d79e: epochs older than every live replica's reported epoch were deleted even
         while a live replica (a joiner) reported none yet and was about to enter one of them."""
@@ -144,6 +166,7 @@ BUGS: Dict[str, type] = {
     "voter-waits": VoterWaits,        # (d) a voter waiting for a joiner that never comes
     "revote": Revote,                 # (e) a decided round decided again (found by the simulator)
     "finished-voter": FinishedVoter,  # (f) a voter waiting for a member that left the loop (found by it)
+    "store-growth": StoreGrowth,      # (g) abstentions piling up in epochs nobody is in (found by its soak)
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}

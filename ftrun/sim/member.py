@@ -1,10 +1,11 @@
 """One simulated replica (one worker, --replica-size 1) running the member's side of --ft: the
-real store protocol of ft/membership.py (join, entry round, who is gone, transfer waits) and
-ft/vote.py (cast, with ok votes off the training thread as the manager's Ballot does), in the
-order ft/manager.py calls them. The model is a digest of the rounds it stepped on, the
-collectives and transfers are the world's simulated groups. Threads: the training loop, the
-epoch watcher, the status reporter and the ballot, all of one simulated process.
-Must never be imported by the product.
+product's own decisions (ft/member_core.py: this class is its second driver, beside the
+worker's manager), the real store protocol of ft/membership.py (join, entry round, who is gone,
+transfer waits) and ft/vote.py (cast, with ok votes off the training thread as the manager's
+Ballot does), in the order ft/manager.py calls them. The model is a digest of the rounds it
+stepped on, the collectives and transfers are the world's simulated groups. Threads: the
+training loop, the epoch watcher, the status reporter and the ballot, all of one simulated
+process. Must never be imported by the product.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.sim.sched import SimKilled
 from ftrun.worker.ft import membership, vote
+from ftrun.worker.ft.member_core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Command, Computing,
+                                         Decided, Entered, Entering, Finish, FinishedRead, InSync, Join, Joined,
+                                         MemberCore, ReadFinished, Restart, RoundTop, Voted, source_refuses,
+                                         transfer_ends)
 
 if TYPE_CHECKING:
     from ftrun.sim.world import World
@@ -75,30 +80,31 @@ class Ballot:
             self.done = True
 
 
+def _core(name: str) -> property:
+    return property(lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v))
+
+
 class SimMember:
+    epoch = _core("epoch")
+    round = _core("round")
+    group_round = _core("group_round")
+    in_sync = _core("in_sync")
+    finished = _core("finished")
+
     def __init__(self, world: "World", rank: int, inc: int) -> None:
         self.w, self.rank, self.inc = world, rank, inc
         self.proc = f"r{rank}.{inc}"
         self.store = world.store.client(VOTE_TIMEOUT_S)
-        self.epoch: Optional[Epoch] = None
-        self.round = 0
-        self.group_round = -1
+        self.core = MemberCore()
         self.step = 0
         self.digest = "0"
         self.lineage = 0  # the fresh epoch this state descends from (a run with nobody holding its state starts again)
         self.stepped: List[Tuple[int, int]] = []  # rounds stepped on since the last settle
-        self.in_sync = False
         self.tainted = False
-        self.round_ok = True
         self.latest_seen = 0
-        self.target_epoch: Optional[int] = None
-        self.switch_round: Optional[int] = None
-        self.rebuild = False
         self.group = None
-        self.failed_in_row = 0
         self.phase = "init"
         self.waiting_round: Optional[int] = None
-        self.finished = False
         self.heal_written: Optional[str] = None
         self.ballot: Optional[Ballot] = None
         self.watching = False
@@ -172,37 +178,32 @@ class SimMember:
 
     def start_round(self) -> None:
         self.settle(block=False)
-        if self.ballot.round is not None and (self.due_switch() is not None or self.step >= self.w.total):
+        if self.ballot.round is not None and (self.core.due_switch() is not None or self.step >= self.w.total):
             self.settle()
-        if self.epoch is None:
-            self.join()
-        else:
-            target = self.due_switch()
-            if target is not None:
-                self.switch(target)
-        self.round_ok = self.round_ok and self.in_sync
+        for c in self.core.handle(RoundTop()):
+            if isinstance(c, Join):
+                self.join()
+            else:
+                self.switch(c.epoch)
+        self.core.handle(Computing())
         self.phase = "compute"
 
     def vote(self) -> None:
         self.phase = "vote"
         self.settle()
-        ok = self.round_ok and self.in_sync and self.group is not None
+        ok = self.core.round_ok and self.in_sync and self.group is not None
         e = self.epoch
         if ok:
             self.take_step()
             self.ballot.submit(e.id, self.round, len(e.members), self.latest_seen,
                                (self.lineage, self.step, self.digest))
-            self.end_round(True, e.id)
+            self.end_round(True, self.core.handle(ClosedOk()))
             return
         if self.group is not None:
             self.drop_group()
         self.w.note_vote(self, e.id, self.round, False)
         commit, target, _, kept = vote.cast(self.store, e.id, self.round, len(e.members), False, self.latest_seen)
-        if commit:
-            self.exit(keys.EXIT_REPLICA_RESTART, f"round {self.round} committed while this member failed")
-        if kept != 0:
-            self.exit(keys.EXIT_REPLICA_RESTART, f"round {self.round} keeps {kept} steps")
-        self.end_round(False, target)
+        self.end_round(commit, self.core.handle(Voted(False, 0, commit, target, kept)))
 
     def take_step(self) -> None:
         e = self.epoch
@@ -211,29 +212,22 @@ class SimMember:
         self.stepped.append((e.id, self.round))
         self.w.note_vote(self, e.id, self.round, True)
 
-    def end_round(self, commit: bool, target: int) -> None:
-        self.round += 1
-        if commit:
-            self.failed_in_row = 0
-        else:
-            self.failed_in_row += 1
-            self.rebuild = True
-            if self.failed_in_row > 3 and target <= self.epoch.id:
-                self.sleep(min(0.2, 0.005 * 2 ** min(self.failed_in_row - 3, 6)))
-            self.note_target(target, self.round)
-            ended = self.w.bugs.finished_step(self.store)
-            if ended is not None:
-                self.finished = True
-                self.step = ended
-                if not self.in_sync:
-                    self.exit(keys.EXIT_OK, "the run finished while this replica's rounds failed")
-        self.round_ok = True
+    def end_round(self, commit: bool, commands: List[Command]) -> None:
+        self.carry_out(commands)
         self.phase = "commit" if commit else "discard"
 
-    def note_target(self, target: int, at_round: int) -> None:
-        if target > self.epoch.id:
-            self.target_epoch = max(target, self.target_epoch or 0)
-            self.switch_round = at_round if self.switch_round is None else min(self.switch_round, at_round)
+    def carry_out(self, commands: List[Command]) -> None:
+        for c in commands:
+            if isinstance(c, Restart):
+                self.exit(keys.EXIT_REPLICA_RESTART, c.why)
+            elif isinstance(c, Backoff):
+                self.sleep(c.seconds)
+            elif isinstance(c, ReadFinished):
+                self.carry_out(self.core.handle(FinishedRead(self.w.bugs.finished_step(self.store))))
+            elif isinstance(c, Finish):
+                self.step = c.step
+                if c.alone:
+                    self.exit(keys.EXIT_OK, "the run finished while this replica was not in sync")
 
     def settle(self, block: bool = True) -> None:
         b = self.ballot
@@ -250,21 +244,12 @@ class SimMember:
         finally:
             if waiting:
                 self.waiting_round, self.phase = None, back
-        if not commit:
-            self.exit(keys.EXIT_REPLICA_RESTART, f"round {rnd} was voted down after this member stepped past it")
+        self.carry_out(self.core.handle(Decided(rnd, commit, target)))
         self.w.note_commit(self, epoch_id, rnd, after)
         self.stepped = [s for s in self.stepped if s != (epoch_id, rnd)]
-        self.note_target(target, rnd + 2)
-
-    def due_switch(self) -> Optional[int]:
-        if self.target_epoch is not None and (self.rebuild or self.round >= (self.switch_round or 0)):
-            return self.target_epoch
-        if self.rebuild:
-            return self.epoch.id
-        return None
 
     def fail_round(self, why: str = "") -> None:
-        self.round_ok = False
+        self.core.handle(CollectiveFailed())
 
     def drop_group(self) -> None:
         old, self.group = self.group, None
@@ -274,32 +259,24 @@ class SimMember:
     def join(self) -> None:
         self.phase = "join"
         entry = self.w.bugs.wait_to_enter(self.store, (self.rank, self.inc), self.sleep, POLL_S)
-        if entry.finished is not None:
-            self.finished = True
-            self.step = entry.finished
-            if not self.in_sync:
-                self.exit(keys.EXIT_OK, "the run finished while this replica was restarting")
-            return
-        self.round = entry.round
-        self.latest_seen = entry.latest
-        if not self.watching:
-            self.watching = True
-            self.w.sched.spawn(self._watch, "epochs", self.proc)
-        self.switch(entry.epoch, joining=True)
+        if entry.finished is None:
+            self.latest_seen = entry.latest
+            if not self.watching:
+                self.watching = True
+                self.w.sched.spawn(self._watch, "epochs", self.proc)
+        for c in self.core.handle(Joined(entry.epoch, entry.round, entry.finished)):
+            if isinstance(c, Finish):
+                self.carry_out([c])
+                return
+            self.switch(c.epoch, joining=True)
         self.store.set(keys.entered_key(self.rank), str(self.inc))
 
     def switch(self, epoch_id: int, joining: bool = False) -> None:
         epoch = membership.read_epoch(self.store, epoch_id)
-        if (self.rank, self.inc) not in epoch.members:
-            self.exit(keys.EXIT_REPLICA_RESTART, f"left out of quorum {epoch_id}")
-        changed = self.epoch is None or epoch.id != self.epoch.id
-        if changed and not joining:
-            self.round = self.w.bugs.entry_round(self.store, epoch, self.round)
-        self.group_round = self.round
-        self.epoch = epoch
-        self.target_epoch = None
-        self.switch_round = None
-        self.rebuild = False
+        commands = self.core.handle(Entering(epoch, (self.rank, self.inc), joining))
+        self.carry_out([c for c in commands if isinstance(c, Restart)])
+        asked = any(isinstance(c, AskEntryRound) for c in commands)
+        self.core.handle(Entered(epoch, self.w.bugs.entry_round(self.store, epoch, self.round) if asked else self.round))
         self.phase = "group"
         self.drop_group()
         gone = membership.gone(self.store, epoch, epoch.ranks)
@@ -322,9 +299,8 @@ class SimMember:
 
     # ------------------------------------------------------------ healing
     def heal(self, epoch: Epoch) -> None:
-        holders = [r for r in epoch.ranks if r not in epoch.healers]
-        source = min(holders or epoch.ranks)
-        ends = [source] + [r for r in sorted(epoch.healers) if r != source]
+        ends = transfer_ends(epoch, self.rank)
+        source = ends[0]
         done_key = keys.heal_key(epoch.id, self.group_round, None)
         if self.rank not in ends:
             self.phase = "heal-wait"
@@ -336,8 +312,9 @@ class SimMember:
             if sending:
                 self.set_heal_done(done_key, "fail")
             return
-        if sending and self.tainted:
-            self.exit(keys.EXIT_REPLICA_RESTART, "the source of a fresh quorum holds a half-received state")
+        refused = source_refuses(sending, self.tainted)
+        if refused is not None:
+            self.carry_out([refused])
         if sending and not epoch.fresh and not self.in_sync:
             self.w.violation(f"rank {self.rank} sends its state in quorum {epoch.id} while not in sync")
         self.phase = "send" if sending else "heal"
@@ -353,13 +330,13 @@ class SimMember:
                 self.lineage = epoch.id
             self.set_heal_done(done_key, "ok")
             if not self.in_sync:
-                self.in_sync = True
+                self.core.handle(InSync())
                 self.store.set(keys.healed_key(self.rank), str(self.inc))
             return
         self.round, self.step, self.digest, self.lineage = payload
         self.stepped = []
         self.tainted = False
-        self.in_sync = True
+        self.core.handle(InSync())
         self.store.set(keys.healed_key(self.rank), str(self.inc))
 
     def capture(self) -> Tuple[int, int, str, int]:

@@ -113,15 +113,25 @@ class DeadVotes:
             self._decide(e, rnd, top, t.commit)
 
     def _rounds_of(self, e: int, top: int) -> Set[int]:
-        """Rounds of epoch `e` its live members may be waiting on: the two after the newest
-        decided one, its start, and the round each live member in it last reported."""
-        rounds = {top + 1, top + 2}
+        """Rounds of epoch `e` its live members may be waiting on: its start, the round each live
+        member in it last reported, and, in an epoch a live member reports being in (or the
+        newest, which members are entering), the two after the newest decided round. Not those
+        two in an older epoch nobody reports being in: a joiner that enters such an epoch begins
+        at its start and reports its rounds, while votes in rounds nobody else comes to never
+        close, and their keys stay until the epoch is collected (found by the simulator: a store
+        of 4 replicas grew past 300 keys while a restarted replica was still starting)."""
+        rounds: Set[int] = set()
         if self.starts.get(e, -1) >= 0:
             rounds |= {self.starts[e], self.starts[e] + 1}
+        someone = e == self.epoch_id
         for r, inc in self.alive.items():
             info = self.info.get(r) or {}
-            if inc is not None and info.get("inc") == inc and info.get("epoch") == e and "round" in info:
-                rounds |= {int(info["round"]), int(info["round"]) + 1}
+            if inc is not None and info.get("inc") == inc and info.get("epoch") == e:
+                someone = True
+                if "round" in info:
+                    rounds |= {int(info["round"]), int(info["round"]) + 1}
+        if someone:
+            rounds |= {top + 1, top + 2}
         return rounds
 
     def _fill_votes(self, rank: int, inc: int, top: int, now: float) -> None:

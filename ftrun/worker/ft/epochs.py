@@ -17,6 +17,7 @@ from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.worker.ft import membership
 from ftrun.worker.ft.group import abort_group, build_group_watched
+from ftrun.worker.ft.member_core import AskEntryRound, Entered, Entering, Finish, Joined, Restart
 from ftrun.worker.ft.member_io import POLL_S, SLOW_S, _log_detail, restart_replica
 from ftrun.worker.settings import run_store
 
@@ -59,38 +60,33 @@ class Epochs:
         self._set_phase("join")
         t0 = time.time()
         entry = membership.wait_to_enter(self.store, (self.rank, self.inc), time.sleep, POLL_S)
-        if entry.finished is not None:
-            self.finished = True
-            self.step = entry.finished
-            if not self.in_sync:
-                self._finish_without_peers()
-            return
-        entering, self.round = entry.epoch, entry.round
-        self.latest_seen = entry.latest  # the newest epoch: a round we close names it, so members move on to it
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch_epochs, name="ftrun-epochs", daemon=True)
-            self._watcher.start()
-        self._switch(entering, joining=True)
+        if entry.finished is None:
+            self.latest_seen = entry.latest  # the newest epoch: a round we close names it, so members move on to it
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_epochs, name="ftrun-epochs", daemon=True)
+                self._watcher.start()
+        for c in self.core.handle(Joined(entry.epoch, entry.round, entry.finished)):
+            if isinstance(c, Finish):
+                self.step = c.step
+                if c.alone:
+                    self._finish_without_peers()
+                return
+            self._switch(c.epoch, joining=True)
         self.store.set(keys.entered_key(self.rank), str(self.inc))
         if self.epoch is not None and self.in_sync:
-            _log_detail(f"rank {self.rank} (incarnation {self.inc}) joined quorum {entering} at step {self.step} "
+            _log_detail(f"rank {self.rank} (incarnation {self.inc}) joined quorum {entry.epoch} at step {self.step} "
                  f"after {time.time() - t0:.2f} s")
 
     def _switch(self, epoch_id: int, joining: bool = False) -> None:
         epoch = membership.read_epoch(self.store, epoch_id)
-        if (self.rank, self.inc) not in epoch.members:
-            restart_replica(f"rank {self.rank}: left out of quorum {epoch_id}; exiting so that ftrun restarts and "
-                            f"heals it")
+        commands = self.core.handle(Entering(epoch, (self.rank, self.inc), joining))
+        for c in commands:
+            if isinstance(c, Restart):
+                restart_replica(f"rank {self.rank}: {c.why}; exiting so that ftrun restarts and heals it")
         if epoch.stop:
             self._stop_here(epoch)
-        changed = self.epoch is None or epoch.id != self.epoch.id
-        if changed and not joining:  # every member begins the epoch at one round
-            self.round = membership.entry_round(self.store, epoch, self.round)
-        self.group_round = self.round
-        self.epoch = epoch
-        self.target_epoch = None
-        self.switch_round = None
-        self.rebuild = False
+        asked = any(isinstance(c, AskEntryRound) for c in commands)
+        self.core.handle(Entered(epoch, membership.entry_round(self.store, epoch, self.round) if asked else self.round))
         self._set_phase("group")
         old, self.pg = self.pg, None
         abort_group(old)

@@ -15,6 +15,7 @@ from ftrun.protocol import Epoch
 from ftrun.worker.ft import membership
 from ftrun.worker.ft.checkpoint import SAVE_ERRORS, CheckpointMismatch
 from ftrun.worker.ft.group import abort_group, group_device
+from ftrun.worker.ft.member_core import InSync, source_refuses, transfer_ends
 from ftrun.worker.ft.member_io import PEER_LOST, POLL_S, SLOW_S, _log, _log_detail, leave, restart_replica
 from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
 
@@ -23,18 +24,12 @@ class Healing:
     """State transfers between replicas; the state is Manager's."""
 
     # ------------------------------------------------------------ healing
-    def _source(self, epoch: Epoch) -> int:
-        """This worker's source: its own shard index in the lowest replica holding the state
-        (one source replica for every shard, so all shards come from the same step)."""
-        holders = [r for r in epoch.ranks if r not in epoch.healers]
-        return (min(holders or epoch.ranks) // self.k) * self.k + self.shard
-
     def _heal(self, epoch: Epoch) -> None:
         """Move the committed state from the epoch's source to its healers, over a group of
         just those replicas; the other members wait (bounded by the liveness of the
         transfer's ends) so their next collective does not time out behind the transfer."""
-        source = self._source(epoch)
-        ends = [source] + [r for r in sorted(epoch.healers) if r != source and r % self.k == self.shard]
+        ends = transfer_ends(epoch, self.rank, self.k)
+        source = ends[0]
         done_key = keys.heal_key(epoch.id, self.group_round, self._shard_id)
         if self.rank not in ends:
             self._await_heal(epoch, ends, done_key)
@@ -46,9 +41,9 @@ class Healing:
             if sending:
                 self._set_heal_done(done_key, "fail")
             return
-        if sending and self._tainted:
-            restart_replica(f"rank {self.rank}: named the source of a fresh quorum while holding a half-received "
-                            f"state; exiting so that ftrun restarts it clean")
+        refused = source_refuses(sending, self._tainted)
+        if refused is not None:
+            restart_replica(f"rank {self.rank}: {refused.why}; exiting so that ftrun restarts it clean")
         if sending and epoch.fresh and not self.in_sync and self.checkpoints is not None and not self._resumed:
             self._resume()
         self._set_phase("send" if sending else "heal")
@@ -93,11 +88,11 @@ class Healing:
             if not self.in_sync or self._healed_gen != self.store_gen:
                 # A fresh epoch's source (its state is the run's state from now on), or the
                 # source of the first epoch on a store that moved, which knows nothing yet.
-                self.in_sync = True
+                self.core.handle(InSync())
                 self._healed_gen = self.store_gen
                 self.store.set(keys.healed_key(self.rank), str(self.inc))
             return
-        self.in_sync = True
+        self.core.handle(InSync())
         self._healed_gen = self.store_gen
         self.heals += 1
         self.last_heal_s = round(took, 4)

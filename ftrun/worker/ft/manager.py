@@ -47,6 +47,7 @@ from ftrun.worker.ft import vote
 from ftrun.worker.ft.checkpoint import Checkpointer
 from ftrun.worker.ft.epochs import Epochs
 from ftrun.worker.ft.healing import Healing
+from ftrun.worker.ft.member_core import ClosedOk, Computing, Join, MemberCore, RoundTop
 from ftrun.worker.ft.member_io import _env_number, _log, _log_detail, leave
 from ftrun.worker.ft.relocation import StoreMoves
 from ftrun.worker.ft.rounds import Rounds
@@ -54,8 +55,24 @@ from ftrun.worker.ft.state import ReplicaState
 from ftrun.worker.ft.stopping import Stopping
 from ftrun.worker.settings import store_moved
 
+def _core(name: str) -> property:
+    """A field of the member's decision state (MemberCore), read and written as the manager's own."""
+    return property(lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v))
+
+
 class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
     """One per worker process; created by ftrun.ft on first use."""
+
+    epoch = _core("epoch")
+    round = _core("round")
+    group_round = _core("group_round")
+    round_ok = _core("round_ok")
+    in_sync = _core("in_sync")
+    finished = _core("finished")
+    target_epoch = _core("target_epoch")
+    switch_round = _core("switch_round")
+    rebuild = _core("rebuild")
+    failed_in_row = _core("failed_in_row")
 
     def __init__(self) -> None:
         store_addr = os.environ.get("FTRUN_STORE")
@@ -84,24 +101,19 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
         self.mesh: Any = None  # the replica's own DeviceMesh (device_mesh())
         self.uses_ddp = False  # a layout round follows each heal only for DDP's buckets (ft/ddp.py)
         self.layout_each_group = False  # DDP's reducer sends (ft/ddp.py): a layout round on every new group
-        self.epoch: Optional[Epoch] = None
+        # The member's decision state (epoch, round, switch, sync; ft/member_core.py): this
+        # manager and its mixins are its driver, as the simulator's member is.
+        self.core = MemberCore()
         self._index_of: Tuple[int, int] = (-1, 0)  # (epoch id, replica index in it)
         self._node_count: Tuple[int, int] = (-1, 0)  # (epoch id, its members voting through this node)
         self.pg: Optional[dist.ProcessGroup] = None
-        self.group_round = -1   # the round at which the current group was built
-        self.round = 0
         self.step = 0
         # A round is up to epoch.round_steps steps; `round_len` is this round's, fixed at its top
         # from what every member knows alike (the epoch, the step, the total, the checkpoint
         # schedule), and `taken` how many of them this member has stepped.
         self.round_len = 1
         self.taken = 0
-        self.in_sync = False
-        self.round_ok = True
         self.latest_seen = 0
-        self.target_epoch: Optional[int] = None
-        self.switch_round: Optional[int] = None  # the round at whose top the member switches to target_epoch
-        self.rebuild = False
         self._waiting_round: Optional[int] = None  # the round whose decision the member waits for
         # The first round after a heal (with DDP's own reducer sending, on every new group):
         # nothing is sent during the backward, so every member's DDP records the order in which
@@ -117,7 +129,6 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
         # discarded, so the resumed step runs on the rebuilt buckets as it did in the run
         # that wrote the checkpoint, and the resumed run stays bitwise that run.
         self.layout_discard = False
-        self.finished = False
         self.looping = False  # inside ft.steps() or ft.epochs() (opt.step() outside one is a misuse)
         self.step_open = False  # a step's top ran (start_round) and opt.step() has not voted on it yet
         self.step_serial = 0  # counts step tops: an ft.DataLoader rewinds to its committed position at each
@@ -131,7 +142,6 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
         self.redo = False
         self.committed = 0
         self.discarded = 0
-        self.failed_in_row = 0
         self._last_failure: Optional[str] = None
         self.heals = 0
         self.last_heal_s: Optional[float] = None
@@ -328,15 +338,15 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
         if self.taken and self.epoch is not None and self.k == 1:
             self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
                                 self._node_size())
-            self._end_round(True, self.epoch.id)
+            self._end_round(True, self.core.handle(ClosedOk()))
 
     def _start_round(self) -> None:
         self._settle(block=False)
         if self.taken:  # inside a round of several steps: nothing happens between them
-            self.round_ok = self.round_ok and self.in_sync
+            self.core.handle(Computing())
             self._set_phase("compute")
             return
-        if self._ballot.round is not None and (self._save_due or self._due_switch() is not None
+        if self._ballot.round is not None and (self._save_due or self.core.due_switch() is not None
                                                or (self.total is not None and self.step >= self.total)):
             # A checkpoint, a switch (whose heal sends this state) and the end of the loop all
             # need the last step decided, not merely taken.
@@ -346,14 +356,13 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
             self._set_phase("checkpoint")
             last = self._loop_ending or (self.total is not None and self.step >= self.total)
             self.checkpoints.save(self.state, self.step, "final" if last else "periodic")
-        if self.epoch is None:
-            self._join()
-        else:
-            target = self._due_switch()
-            if target is not None:
-                self._switch(target)
+        for c in self.core.handle(RoundTop()):
+            if isinstance(c, Join):
+                self._join()
+            else:
+                self._switch(c.epoch)
         self.round_len = self._round_length()
-        self.round_ok = self.round_ok and self.in_sync
+        self.core.handle(Computing())
         self._set_phase("compute")
 
     def _round_length(self) -> int:
@@ -370,13 +379,6 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
                     return s - self.step
         return n
 
-    def _due_switch(self) -> Optional[int]:
-        """The epoch to switch to (or to rebuild the group of) at the top of this round, if any."""
-        if self.target_epoch is not None and (self.rebuild or self.round >= (self.switch_round or 0)):
-            return self.target_epoch
-        if self.rebuild:
-            return self.epoch.id
-        return None
 
 _manager: Optional[Manager] = None
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ftrun import protocol as keys
 from ftrun.worker.ft import vote
+from ftrun.worker.ft.member_core import StoreLost
 from ftrun.worker.ft.member_io import POLL_S, _log, _log_detail, restart_replica
 from ftrun.worker.settings import run_store, store_moved
 
@@ -89,16 +90,12 @@ class StoreMoves:
         self.store_gen = gen  # the epoch watcher reconnects on this
         if self._progress is not None:
             self._progress.move_to(addr)
-        self.epoch = None
-        self.target_epoch = None
-        self.switch_round = None
-        self.rebuild = False
+        self.core.handle(StoreLost())
         self.layout_round = False
         self._waiting_round = None
         self._save_due = False
         self.taken = 0
         self._heal_written = None
-        self.round_ok = True
         self.store.set(keys.survivor_key(self.rank), json.dumps(
             {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self._tainted}))
         _log_detail(f"rank {self.rank}: the run's store moved to {addr} after {time.monotonic() - t0:.2f} s; rejoining "

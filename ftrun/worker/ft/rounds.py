@@ -14,6 +14,8 @@ import torch.distributed as dist
 from ftrun import protocol as keys
 from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.group import settle
+from ftrun.worker.ft.member_core import (Backoff, ClosedOk, CollectiveFailed, Command, Decided, Finish, FinishedRead,
+                                         ReadFinished, Restart, Skipped, TakeStep, Voted)
 from ftrun.worker.ft.member_io import PEER_LOST, SLOW_S, _log, _log_detail, _plain, leave, restart_replica
 
 
@@ -34,7 +36,7 @@ class Rounds:
                     _log(f"rank {self.rank}: round {self.round} failed: {_plain(first)} (the full text is in this "
                          f"rank's log)")
             self._last_failure = first
-        self.round_ok = False
+        self.core.handle(CollectiveFailed())
 
     def before_collective(self) -> None:
         """Called before the round's first collective: the previous round's decision must be in
@@ -76,8 +78,7 @@ class Rounds:
             self.layout_round = False
             if not self.layout_averaging():
                 # Agreed by all (it follows the same switch): nothing was sent, nothing is voted.
-                self.round += 1
-                self.round_ok = True
+                self.core.handle(Skipped())
                 self._set_phase("discard")
                 return False
             # As a rule each model's average ran as its backward returned (ft/ddp.py), so the
@@ -99,7 +100,7 @@ class Rounds:
             if self.taken >= self.round_len:
                 self._ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
                                     self._node_size())
-                self._end_round(True, self.epoch.id)
+                self._end_round(True, self.core.handle(ClosedOk()))
             return True
         # A sharded replica (--replica-size > 1) waits for the decision even when its collectives
         # went through: its shards may disagree (one shard group's collective completed, its
@@ -113,18 +114,8 @@ class Rounds:
                                             self.latest_seen, self.node, self._node_size(), self.taken)
         if time.monotonic() - t0 > SLOW_S:
             _log_detail(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {self.round}")
-        if commit and not ok:  # possible only when a dead member's own vote and its abstention both counted
-            self._restart(f"round {self.round} was committed by its other members while this member's "
-                          f"collectives had failed")
-        if not commit and kept != self.taken:  # a peer's collective failed earlier in the round than ours
-            self._restart(f"round {self.round} keeps its first {kept} steps while this member had taken "
-                          f"{self.taken}")
-        if commit:  # a sharded replica's one-step round
-            self._took_step()
-        self._end_round(commit, target)
-        if commit:  # every member read this decision before stepping: they all switch at the next round
-            self._note_target(target, self.round)
-        elif ok:
+        self._end_round(commit, self.core.handle(Voted(ok, self.taken, commit, target, kept)))
+        if not commit and ok:
             self._drop_group()
         return commit
 
@@ -167,49 +158,42 @@ class Rounds:
             self._progress.note_step(self.step)
         self._set_phase("commit")
 
-    def _end_round(self, commit: bool, target: int) -> None:
-        self.round += 1
+    def _end_round(self, commit: bool, commands: List[Command]) -> None:
+        """Carry out the end of a round the core decided (member_core.py), with this worker's
+        own bookkeeping: steps, counters, a checkpoint due, the progress report."""
+        for c in commands:
+            if isinstance(c, Restart):
+                self._restart(c.why)
+            elif isinstance(c, TakeStep):
+                self._took_step()
         self.taken = 0
         if commit:
-            self.failed_in_row = 0
             self._last_failure = None
             # The same on every worker of a replica (all of them stepped).
             self._save_due = (self.checkpoints is not None and self.checkpoints.due(self.step, self.total)
                               and self.replica_index == 0)
         else:
             self.discarded += 1
-            self.failed_in_row += 1
-            self.rebuild = True  # the group may be broken: every member builds a fresh one
-            if self.failed_in_row > 3 and target <= self.epoch.id:
-                # Rounds keep failing and no new epoch is in sight: wait a little for the
-                # supervisor to change membership instead of spinning (bounded back-off).
-                time.sleep(min(0.2, 0.005 * 2 ** min(self.failed_in_row - 3, 6)))
-            # Every member that goes on from a failed round voted it down and waited for its
-            # decision: they all switch at the next round.
-            self._note_target(target, self.round)
             if self._progress is not None:
                 self._progress.note_step(self.step)
-            ended = membership.finished_step(self.store)
-            if ended is not None:
-                # The others left the loop (a joiner whose heal failed at the last boundary is
-                # left alone in a round nobody else votes in): this member's run is over too.
-                self.finished = True
-                self.step = ended
-                if not self.in_sync:
-                    self._finish_without_peers()
-        self.round_ok = True
+        self._carry_out(commands)
         self._set_phase("commit" if commit else "discard")
 
-    def _note_target(self, target: int, at_round: int) -> None:
-        if target > self.epoch.id:
-            self.target_epoch = max(target, self.target_epoch or 0)
-            self.switch_round = at_round if self.switch_round is None else min(self.switch_round, at_round)
+    def _carry_out(self, commands: List[Command]) -> None:
+        """The core's commands after a round's end or a join: wait, look for the run's end, finish."""
+        for c in commands:
+            if isinstance(c, Backoff):
+                time.sleep(c.seconds)
+            elif isinstance(c, ReadFinished):
+                self._carry_out(self.core.handle(FinishedRead(membership.finished_step(self.store))))
+            elif isinstance(c, Finish):
+                self.step = c.step
+                if c.alone:
+                    self._finish_without_peers()
 
     def _settle(self, block: bool = True) -> None:
-        """Take in the decision of the round this member voted ok on and stepped past. A commit
-        naming a newer epoch switches at the top of the round after the current one: members
-        read the decision at different moments of the current round, and that is the first
-        boundary every one of them reaches knowing it."""
+        """Take in the decision of the round this member voted ok on and stepped past (the core
+        decides what it means: member_core.Decided)."""
         ballot = self._ballot
         if ballot.round is None or not (block or ballot.ready()):
             return
@@ -228,9 +212,9 @@ class Rounds:
                 self._set_phase(back)
         if time.monotonic() - t0 > SLOW_S:
             _log_detail(f"rank {self.rank}: waited {time.monotonic() - t0:.1f} s for the decision of round {rnd}")
-        if not commit:
-            self._restart(f"round {rnd} was voted down after this member had stepped past it")
-        self._note_target(target, rnd + 2)
+        for c in self.core.handle(Decided(rnd, commit, target)):
+            if isinstance(c, Restart):
+                self._restart(c.why)
 
     def _misused(self, why: str) -> None:
         """The script uses ftrun.ft in a way that can never train: say so in one line and stop the

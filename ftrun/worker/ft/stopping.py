@@ -14,6 +14,7 @@ from typing import Any, Dict
 from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.worker.ft.checkpoint import SAVE_ERRORS
+from ftrun.worker.ft.member_core import InSync
 from ftrun.worker.ft.member_io import _log, _log_detail, leave
 
 FINAL_SAVE_RETRIES = 2  # a failed checkpoint of the loop's last step is tried again this often,
@@ -54,7 +55,7 @@ class Stopping:
                 _log(f"rank {self.rank}: {str(e).splitlines()[0][:300]}")
                 found = None
             if found is not None and found.step == self.step:
-                self.in_sync = True
+                self.core.handle(InSync())
                 _log(f"{lead}; no peer is left to heal it: it resumed from checkpoint step {found.step}, the final one")
                 return
         leave(keys.EXIT_OK, f"{lead}; no peer is left to heal it and no checkpoint holds the final step: exiting now "

@@ -1,0 +1,334 @@
+"""A member's decisions, without IO: what a replica does at the top of a round, after its vote,
+when the decision of a round it stepped past comes in, when it joins or enters an epoch, who
+sends and who receives in a heal, and when the run ended without it.
+
+A state machine: `MemberCore.handle(event) -> commands`. Its drivers turn store replies,
+group results and timers into events and carry out the commands, in order: the worker's
+manager (ft/manager.py and its mixins) in the product, the simulator's member
+(ftrun/sim/member.py) under seeded faults, so both run exactly these decisions. The store
+protocol they speak is ft/membership.py and ft/vote.py.
+
+A hot spare fits these events without a new mechanism: a spare is a joiner the keeper leaves
+out of its epochs until a member is lost (its `Join` waits as any joiner's does), and its
+promotion is the epoch that lists it as a healer (`Joined`, `Entering`, `Entered`, then a heal
+with it as a receiving end). Only the keeper's choice of members changes.
+
+Must never import torch, touch a store, read a clock or the environment, sleep, or exit: it
+returns commands, and the driver acts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple, Union
+
+from ftrun.protocol import Epoch
+
+Member = Tuple[int, int]  # (global rank, incarnation)
+
+# The longest back-off between failed rounds with no new epoch in sight (seconds).
+BACKOFF_MAX_S = 0.2
+
+
+# ------------------------------------------------------------------ events (what happened)
+@dataclass(frozen=True)
+class RoundTop:
+    """The top of a round: join, or switch to the epoch a decision named, as due."""
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The keeper took this incarnation in: enter `epoch` at `round` (or the run finished at
+    step `finished` while it was joining)."""
+
+    epoch: int = 0
+    round: int = 0
+    finished: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Entering:
+    """The epoch about to be entered was read (a join, a switch, or a rebuild of the group)."""
+
+    epoch: Epoch
+    me: Member
+    joining: bool = False
+
+
+@dataclass(frozen=True)
+class Entered:
+    """The epoch is entered at `round` (the agreed entry round, or the joiner's)."""
+
+    epoch: Epoch
+    round: int
+
+
+@dataclass(frozen=True)
+class Computing:
+    """The round's compute begins (after any join or switch): only a member in sync may vote ok."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A round every member discards alike with no vote (a layout round with nothing to average)."""
+
+
+@dataclass(frozen=True)
+class CollectiveFailed:
+    """A collective of this round failed (or could not begin): the round is voted down."""
+
+
+@dataclass(frozen=True)
+class InSync:
+    """This member holds the committed state: it received it, or it is the source of a fresh
+    epoch, or it resumed the final step from a checkpoint."""
+
+
+@dataclass(frozen=True)
+class Voted:
+    """The decision of this member's own vote, read at once (a failed round, or a sharded
+    replica's round): `taken` steps it took in the round, `kept` the steps the round keeps."""
+
+    ok: bool
+    taken: int
+    commit: bool
+    target: int
+    kept: int
+
+
+@dataclass(frozen=True)
+class ClosedOk:
+    """This member voted ok and stepped; its vote goes to the store off the training thread."""
+
+
+@dataclass(frozen=True)
+class Decided:
+    """The decision of round `round`, which this member voted ok on and stepped past."""
+
+    round: int
+    commit: bool
+    target: int
+
+
+@dataclass(frozen=True)
+class FinishedRead:
+    """After a failed round: the step at which the others left the loop, or None."""
+
+    step: Optional[int]
+
+
+@dataclass(frozen=True)
+class StoreLost:
+    """The run's store went away: the member rejoins on the next one."""
+
+
+Event = Union[RoundTop, Joined, Entering, Entered, Computing, Skipped, CollectiveFailed, InSync, Voted, ClosedOk,
+              Decided, FinishedRead, StoreLost]
+
+
+# ------------------------------------------------------------------ commands (what to do)
+@dataclass(frozen=True)
+class Join:
+    """Ask the keeper to take this incarnation in and wait for an epoch (membership.wait_to_enter)."""
+
+
+@dataclass(frozen=True)
+class Switch:
+    """Read epoch `epoch` and enter it (a new epoch, or the same one to rebuild its group)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class AskEntryRound:
+    """Agree with the epoch's other members on the round to begin it at (membership.entry_round)."""
+
+
+@dataclass(frozen=True)
+class TakeStep:
+    """The round was committed by the vote just read: step (a sharded replica's round)."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Rounds keep failing with no new epoch in sight: wait before the next one."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReadFinished:
+    """Read whether the others left the loop (membership.finished_step), then report FinishedRead."""
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run finished at `step`; `alone`: this member is not in sync and nobody is left to heal
+    it (it exits with status 0, or resumes the final checkpoint)."""
+
+    step: int
+    alone: bool
+
+
+@dataclass(frozen=True)
+class Restart:
+    """This member's state is not the committed one: exit 75, restart and heal like a newcomer."""
+
+    why: str
+
+
+Command = Union[Join, Switch, AskEntryRound, TakeStep, Backoff, ReadFinished, Finish, Restart]
+
+
+# ------------------------------------------------------------------ the machine
+@dataclass
+class MemberCore:
+    """A member's decision state; its drivers read it and feed it events."""
+
+    epoch: Optional[Epoch] = None
+    round: int = 0
+    group_round: int = -1  # the round at which the current group was built
+    target_epoch: Optional[int] = None
+    switch_round: Optional[int] = None  # the round at whose top the member switches to target_epoch
+    rebuild: bool = False
+    round_ok: bool = True
+    in_sync: bool = False
+    finished: bool = False
+    failed_in_row: int = 0
+
+    def handle(self, event: Event) -> List[Command]:
+        return getattr(self, "_on_" + type(event).__name__)(event)
+
+    # -------------------------------------------------------------- queries
+    def due_switch(self) -> Optional[int]:
+        """The epoch to switch to (or to rebuild the group of) at the top of this round, if any."""
+        if self.target_epoch is not None and (self.rebuild or self.round >= (self.switch_round or 0)):
+            return self.target_epoch
+        if self.rebuild:
+            return self.epoch.id
+        return None
+
+    # -------------------------------------------------------------- handlers
+    def _on_RoundTop(self, e: RoundTop) -> List[Command]:
+        if self.epoch is None:
+            return [Join()]
+        target = self.due_switch()
+        return [Switch(target)] if target is not None else []
+
+    def _on_Joined(self, e: Joined) -> List[Command]:
+        if e.finished is not None:
+            self.finished = True
+            return [Finish(e.finished, alone=not self.in_sync)]
+        self.round = e.round
+        return [Switch(e.epoch)]
+
+    def _on_Entering(self, e: Entering) -> List[Command]:
+        if e.me not in e.epoch.members:
+            return [Restart(f"left out of quorum {e.epoch.id}")]
+        changed = self.epoch is None or e.epoch.id != self.epoch.id
+        # Every continuing member begins the epoch at one round; a joiner at the one it was given.
+        return [AskEntryRound()] if changed and not e.joining else []
+
+    def _on_Entered(self, e: Entered) -> List[Command]:
+        self.round = self.group_round = e.round
+        self.epoch = e.epoch
+        self.target_epoch = self.switch_round = None
+        self.rebuild = False
+        return []
+
+    def _on_Computing(self, e: Computing) -> List[Command]:
+        self.round_ok = self.round_ok and self.in_sync
+        return []
+
+    def _on_Skipped(self, e: Skipped) -> List[Command]:
+        self.round += 1
+        self.round_ok = True
+        return []
+
+    def _on_CollectiveFailed(self, e: CollectiveFailed) -> List[Command]:
+        self.round_ok = False
+        return []
+
+    def _on_InSync(self, e: InSync) -> List[Command]:
+        self.in_sync = True
+        return []
+
+    def _on_ClosedOk(self, e: ClosedOk) -> List[Command]:
+        return self._end_round(True, self.epoch.id)
+
+    def _on_Voted(self, e: Voted) -> List[Command]:
+        if e.commit and not e.ok:  # possible only when a dead member's own vote and its abstention both counted
+            return [Restart(f"round {self.round} was committed by its other members while this member's "
+                            f"collectives had failed")]
+        if not e.commit and e.kept != e.taken:  # a peer's collective failed earlier in the round than ours
+            return [Restart(f"round {self.round} keeps its first {e.kept} steps while this member had taken "
+                            f"{e.taken}")]
+        out: List[Command] = [TakeStep()] if e.commit else []  # a sharded replica's one-step round
+        out += self._end_round(e.commit, e.target)
+        if e.commit:  # every member read this decision before stepping: they all switch at the next round
+            self._note_target(e.target, self.round)
+        return out
+
+    def _on_Decided(self, e: Decided) -> List[Command]:
+        if not e.commit:
+            return [Restart(f"round {e.round} was voted down after this member had stepped past it")]
+        # Members read a commit at different moments of the round after it: the round after
+        # that is the first boundary every one of them reaches knowing it.
+        self._note_target(e.target, e.round + 2)
+        return []
+
+    def _on_FinishedRead(self, e: FinishedRead) -> List[Command]:
+        if e.step is None:
+            return []
+        # The others left the loop (a joiner whose heal failed at the last boundary is left
+        # alone in a round nobody else votes in): this member's run is over too.
+        self.finished = True
+        return [Finish(e.step, alone=not self.in_sync)]
+
+    def _on_StoreLost(self, e: StoreLost) -> List[Command]:
+        self.epoch = None
+        self.target_epoch = self.switch_round = None
+        self.rebuild = False
+        self.round_ok = True
+        return []
+
+    # -------------------------------------------------------------- the round's end
+    def _end_round(self, commit: bool, target: int) -> List[Command]:
+        self.round += 1
+        self.round_ok = True
+        if commit:
+            self.failed_in_row = 0
+            return []
+        self.failed_in_row += 1
+        self.rebuild = True  # the group may be broken: every member builds a fresh one
+        out: List[Command] = []
+        if self.failed_in_row > 3 and target <= self.epoch.id:
+            # Rounds keep failing and no new epoch is in sight: wait a little for the keeper
+            # to change membership instead of spinning (bounded).
+            out.append(Backoff(min(BACKOFF_MAX_S, 0.005 * 2 ** min(self.failed_in_row - 3, 6))))
+        # Every member that goes on from a failed round voted it down and waited for its
+        # decision: they all switch at the next round.
+        self._note_target(target, self.round)
+        return out + [ReadFinished()]
+
+    def _note_target(self, target: int, at_round: int) -> None:
+        if target > self.epoch.id:
+            self.target_epoch = max(target, self.target_epoch or 0)
+            self.switch_round = at_round if self.switch_round is None else min(self.switch_round, at_round)
+
+
+def transfer_ends(epoch: Epoch, rank: int, k: int = 1) -> List[int]:
+    """The ends of a heal's transfer for worker `rank` (shard rank % k): first the source, its own
+    shard in the lowest replica holding the state (one source replica for every shard, so all
+    shards come from the same step), then the healers of that shard."""
+    shard = rank % k
+    holders = [r for r in epoch.ranks if r not in epoch.healers]
+    source = (min(holders or epoch.ranks) // k) * k + shard
+    return [source] + [r for r in sorted(epoch.healers) if r != source and r % k == shard]
+
+
+def source_refuses(sending: bool, tainted: bool) -> Optional[Restart]:
+    """The source of a transfer must never send a half-received state: it restarts clean."""
+    if sending and tainted:
+        return Restart("named the source of a fresh quorum while holding a half-received state")
+    return None
