@@ -7,6 +7,8 @@ invariants checked after every scheduled turn.
     scripts/simulate.py --schedules 2000 --seed 1       # the CI budget (about 30 s)
     scripts/simulate.py --soak --seed 7                 # longer: 20,000 schedules (about 5 minutes)
     scripts/simulate.py --replay '{"seed": ..., "faults": [...]}'   # one schedule, as printed
+    scripts/simulate.py --replica-size 2 --schedules 500  # sharded replicas: K workers each
+    scripts/simulate.py --nodes 2 --schedules 500         # two machines: node relays, a lost node
 
 A violation prints the shortest schedule that still fails (faults removed one at a time while
 it does), as a line to replay, and the run exits 1. The last line is always
@@ -22,7 +24,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import List, Optional
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -36,11 +38,14 @@ KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + [
         ["store-slow"]
 
 
-def make_schedule(seed: int) -> Schedule:
-    """A random schedule: 2-5 replicas, 8-20 rounds, 0-6 faults within the run's first 1.5 s, or
-    3-8 within 0.6 s."""
+def make_schedule(seed: int, k: int = 1, nodes: int = 1) -> Schedule:
+    """A random schedule: 2-5 replicas (2-3 of K workers with K > 1; 1-2 per node on several
+    nodes), 8-20 rounds, 0-6 faults within the run's first 1.5 s, or 3-8 within 0.6 s; a fault's
+    rank is any worker. On several nodes a quarter of the schedules lose a node besides."""
     rng = random.Random(seed)
-    replicas = rng.randint(2, 5)
+    replicas = rng.randint(2, 5) if k == 1 else rng.randint(2, 3)
+    if nodes > 1:
+        replicas = nodes * rng.randint(1, 2)
     total = rng.randint(8, 20)
     faults: List[Fault] = []
     # A third of the schedules are bursts: many faults within a fraction of a second, the churn
@@ -51,7 +56,7 @@ def make_schedule(seed: int) -> Schedule:
     for _ in range(rng.choice([3, 4, 5, 6, 7, 8] if burst else [0, 1, 2, 2, 3, 3, 4, 5, 6])):
         kind = rng.choice(KINDS)
         at = round(rng.uniform(lo, hi), 3)
-        rank = rng.randrange(replicas)
+        rank = rng.randrange(replicas * k)
         if kind in ("kill", "heal-kill"):
             faults.append(Fault(at, kind, rank))
         elif kind == "kill-call":
@@ -68,17 +73,21 @@ def make_schedule(seed: int) -> Schedule:
             faults.append(Fault(at, kind, dur=round(rng.uniform(0.05, 1.0), 3)))
         else:
             faults.append(Fault(at, kind, dur=round(rng.uniform(0.1, 1.0), 3), x=round(rng.uniform(0.002, 0.02), 4)))
-    return Schedule(seed, replicas, total, faults)
+    if nodes > 1 and rng.random() < 0.25:
+        faults.append(Fault(round(rng.uniform(0.0, 1.5), 3), "node-lost", rng.randrange(1, nodes)))
+    return Schedule(seed, replicas, total, faults, k, nodes)
 
 
 def schedule_line(s: Schedule) -> str:
-    return json.dumps({"seed": s.seed, "replicas": s.replicas, "total": s.total,
+    shape = {**({"k": s.k} if s.k > 1 else {}), **({"nodes": s.nodes} if s.nodes > 1 else {})}
+    return json.dumps({"seed": s.seed, "replicas": s.replicas, **shape, "total": s.total,
                        "faults": [asdict(f) for f in s.faults]}, separators=(",", ":"))
 
 
 def parse_schedule(text: str) -> Schedule:
     d = json.loads(text)
-    return Schedule(int(d["seed"]), int(d["replicas"]), int(d["total"]), [Fault(**f) for f in d["faults"]])
+    return Schedule(int(d["seed"]), int(d["replicas"]), int(d["total"]), [Fault(**f) for f in d["faults"]],
+                    int(d.get("k", 1)), int(d.get("nodes", 1)))
 
 
 def shrink(s: Schedule, bug, correct=None, budget_s: float = 60.0) -> Schedule:
@@ -94,14 +103,14 @@ def shrink(s: Schedule, bug, correct=None, budget_s: float = 60.0) -> Schedule:
     while changed and time.monotonic() - t0 < budget_s:
         changed = False
         for i in range(len(s.faults)):
-            trial = Schedule(s.seed, s.replicas, s.total, s.faults[:i] + s.faults[i + 1:])
+            trial = replace(s, faults=s.faults[:i] + s.faults[i + 1:])
             if fails(trial):
                 s, changed = trial, True
                 break
     for total in range(2, s.total):
         if time.monotonic() - t0 >= budget_s:
             break
-        trial = Schedule(s.seed, s.replicas, total, s.faults)
+        trial = replace(s, total=total)
         if fails(trial):
             s = trial
             break
@@ -115,6 +124,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=1, help="the first schedule's seed (schedule i uses seed*100000+i)")
     ap.add_argument("--soak", action="store_true", help=f"a longer exploration ({SOAK_SCHEDULES} schedules)")
     ap.add_argument("--replay", help="run one schedule, given as the line a violation prints")
+    ap.add_argument("--replica-size", type=int, default=1, choices=range(1, 5), metavar="K",
+                    help="workers per replica, sharding it (--replica-size of ftrun; default 1)")
+    ap.add_argument("--nodes", type=int, default=1, choices=range(1, 5), metavar="N",
+                    help="machines, each relaying its workers' votes and reports through its own store (default 1)")
     ap.add_argument("--bug", default="none", choices=sorted(BUGS),
                     help="put a historic bug back (tests of the simulator itself)")
     ap.add_argument("--stop-at-first", action="store_true", help="stop at the first violation")
@@ -129,7 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         schedules = [parse_schedule(a.replay)]
     else:
         n = a.schedules if a.schedules is not None else (SOAK_SCHEDULES if a.soak else CI_SCHEDULES)
-        schedules = (make_schedule(a.seed * 100000 + i) for i in range(n))
+        schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes) for i in range(n))
     t0 = time.monotonic()
     runs = violations = 0
     stats: dict = {}
@@ -145,7 +158,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         small = s if a.no_shrink else shrink(s, bug, baseline if a.only_bug else None)
         again = run_schedule(small, bug)
         print(f"  shortest failing schedule: {len(small.faults)} fault(s), {small.total} rounds, "
-              f"{small.replicas} replicas: {', '.join(map(str, small.faults)) or 'no faults'}")
+              f"{small.replicas} replicas{f' of {small.k} workers' if small.k > 1 else ''}"
+              f"{f' on {small.nodes} nodes' if small.nodes > 1 else ''}: {', '.join(map(str, small.faults)) or 'no faults'}")
         print(f"  it fails with: {again}")
         print(f"  replay: scripts/simulate.py{' --bug ' + a.bug if a.bug != 'none' else ''} "
               f"--replay '{schedule_line(small)}'")

@@ -152,6 +152,16 @@ def test_heals_come_from_one_source_replica_for_every_shard():
     assert source_refuses(False, tainted=True) is None
 
 
+def test_a_fresh_epochs_sharded_source_never_sends_shards_of_two_steps():
+    """Fresh: no replica holds the whole state. A worker of the source replica that holds its
+    shard of it (its mate never healed) restarts with its replica instead of sending."""
+    assert source_refuses(True, False, fresh=True, holds_state=True, k=1) is None  # whole replicas: its own state
+    assert source_refuses(True, False, fresh=True, holds_state=False, k=2) is None  # initial shards, like its mates'
+    assert source_refuses(True, False, fresh=False, holds_state=True, k=2) is None  # a holder heals the others
+    out = source_refuses(True, False, fresh=True, holds_state=True, k=2)
+    assert isinstance(out, Restart) and "starts again whole" in out.why
+
+
 def test_the_core_does_no_io():
     """No torch, no store, no clock, no environment: what it needs comes in as events."""
     code = ("import sys; import ftrun.worker.ft.member_core as m; "

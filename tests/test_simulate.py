@@ -49,6 +49,17 @@ FINISHED_VOTER = {"seed": 400061, "replicas": 3, "total": 9, "faults": [
     {"at": 0.721, "kind": "pause", "rank": 1, "dur": 0.852, "x": 0.0},
     {"at": 0.614, "kind": "heal-kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
+# Found by the first search of sharded replicas (--replica-size 2, seed 1, schedule 1713).
+MIXED_SHARDS = {"seed": 101713, "replicas": 2, "k": 2, "total": 13, "faults": [
+    {"at": 0.291, "kind": "pause-call", "rank": 0, "dur": 1.231, "x": 13.0},
+    {"at": 0.479, "kind": "heal-kill", "rank": 2, "dur": 0.0, "x": 0.0},
+    {"at": 0.083, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
+
+# Found by the first search over two nodes (--nodes 2, seed 1, schedule 71), shrunk from 9 faults.
+LOST_FORWARD = {"seed": 100071, "replicas": 4, "nodes": 2, "total": 9, "faults": [
+    {"at": 0.716, "kind": "kill-call", "rank": 3, "dur": 0.0, "x": 0.0},
+    {"at": 1.097, "kind": "node-lost", "rank": 1, "dur": 0.0, "x": 0.0}]}
+
 # Found by the soak (seed 7, --soak), shrunk from 6 faults.
 STORE_GROWTH = {"seed": 700046, "replicas": 4, "total": 10, "faults": [
     {"at": 0.297, "kind": "kill", "rank": 3, "dur": 0.0, "x": 0.0},
@@ -134,6 +145,49 @@ def test_store_growth_bug_fails_a_schedule_the_product_passes():
     bad = _replay(STORE_GROWTH, "store-growth")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "the store grew to" in bad[0], bad
+
+
+def test_sharded_replicas_budget_finds_no_violation():
+    """Replicas of 2 workers (--replica-size 2): a worker's death restarts its replica whole,
+    every worker votes and waits for the decision, each shard heals from its own source."""
+    lines = _simulate("--replica-size", "2", "--schedules", "800", "--seed", "1", timeout=600)
+    assert lines[-1] == "800 schedules, 0 violations", "\n".join(lines[-20:])
+
+
+def test_mixed_shards_bug_fails_a_schedule_the_product_passes():
+    """(h) found by the simulator on sharded replicas: replica 0 restarts; its worker 1 heals
+    its shard while worker 0 is stopped mid-join, and the source replica dies in the transfer.
+    The next epoch is fresh (no replica holds the whole state), and replica 0's workers each sent
+    what they held: shard 1 of step 6 beside shard 0 of step 0. Now the worker holding trained
+    state restarts with its replica, and both begin again from the first step."""
+    assert _replay(MIXED_SHARDS)[-1] == "1 schedules, 0 violations"
+    bad = _replay(MIXED_SHARDS, "mixed-shards")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "committed with two states" in bad[0], bad
+
+
+def test_two_nodes_budget_finds_no_violation():
+    """Two machines: node 1's workers vote and report through its own store, kept by the real
+    node relay and a follower keeper; a quarter of the schedules lose node 1 for good."""
+    lines = _simulate("--nodes", "2", "--schedules", "800", "--seed", "1", timeout=600)
+    assert lines[-1] == "800 schedules, 0 violations", "\n".join(lines[-20:])
+
+
+def test_lost_forward_bug_fails_a_schedule_the_product_passes():
+    """(i) found by the simulator on two nodes: rank 3, node 1's last voter of a round, died
+    before forwarding the node's count; then node 1 was lost, its store with it. The keeper
+    took the votes it had cast there for rank 3 as counted, and the round waited for ever. Now
+    a lost node's votes are cast again in the run's store."""
+    assert _replay(LOST_FORWARD)[-1] == "1 schedules, 0 violations"
+    bad = _replay(LOST_FORWARD, "lost-forward")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0], bad
+
+
+def test_search_over_two_nodes_finds_the_lost_forward_bug():
+    lines = _simulate("--bug", "lost-forward", "--only-bug", "--seed", "1", "--nodes", "2", "--schedules", "200",
+                      "--stop-at-first", "--no-shrink")
+    assert lines[-1].endswith(" schedules, 1 violations"), "\n".join(lines)
 
 
 @pytest.mark.quick

@@ -7,12 +7,12 @@ Must never be imported by the product.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.worker.ft import membership
+from ftrun.worker.ft import member_core, membership
 from ftrun.worker.ft.membership import Entry, Member
 
 
@@ -23,6 +23,7 @@ class Wiring:
     wait_to_enter = staticmethod(membership.wait_to_enter)
     entry_round = staticmethod(membership.entry_round)
     finished_step = staticmethod(membership.finished_step)  # read by a member after a failed round
+    source_refuses = staticmethod(member_core.source_refuses)  # whether a transfer's source restarts instead
 
 
 # ---------------------------------------------------------------- (a) 0a17702
@@ -158,6 +159,36 @@ class FinishedVoter(Wiring):
     finished_step = staticmethod(_never_finished)
 
 
+# ---------------------------------------------------------------- (h) found by the simulator, sharded replicas
+def _source_sends_any_shard(sending: bool, tainted: bool, fresh: bool = False, holds_state: bool = False,
+                            k: int = 1) -> Optional[member_core.Restart]:
+    """Before the fix: in a fresh epoch of sharded replicas a source worker that held its shard
+    of the trained state sent it, while its mate (never healed) sent its initial shard: one
+    replica of shards from different steps."""
+    return member_core.source_refuses(sending, tainted)
+
+
+class MixedShards(Wiring):
+    source_refuses = staticmethod(_source_sends_any_shard)
+
+
+# ---------------------------------------------------------------- (i) found by the simulator, several nodes
+class _NodeForgettingKeeper(QuorumKeeper):
+    def on_node_lost(self, node: int, ranks: List[int]) -> None:
+        """Before the fix: the keeper took a lost node's votes as cast. Those it had cast through
+        the node's store for a member that died as the node's last voter were never forwarded,
+        and the round waited for ever for them."""
+        self.routes.lose(node)
+        for rank in ranks:
+            inc = self.alive.get(rank)
+            if inc is not None:
+                self.on_exit(rank, inc)
+
+
+class LostForward(Wiring):
+    keeper = _NodeForgettingKeeper
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering an epoch at different rounds
@@ -167,6 +198,8 @@ BUGS: Dict[str, type] = {
     "revote": Revote,                 # (e) a decided round decided again (found by the simulator)
     "finished-voter": FinishedVoter,  # (f) a voter waiting for a member that left the loop (found by it)
     "store-growth": StoreGrowth,      # (g) abstentions piling up in epochs nobody is in (found by its soak)
+    "mixed-shards": MixedShards,      # (h) a fresh epoch's sharded source of shards from two steps (found by it)
+    "lost-forward": LostForward,      # (i) a lost node's unforwarded votes taken as cast (found by it)
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}

@@ -1,4 +1,4 @@
-"""One simulated replica (one worker, --replica-size 1) running the member's side of --ft: the
+"""One simulated worker of a replica (--replica-size K: K workers, one per shard) running the member's side of --ft: the
 product's own decisions (ft/member_core.py: this class is its second driver, beside the
 worker's manager), the real store protocol of ft/membership.py (join, entry round, who is gone,
 transfer waits) and ft/vote.py (cast, with ok votes off the training thread as the manager's
@@ -20,7 +20,7 @@ from ftrun.sim.sched import SimKilled
 from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.member_core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Command, Computing,
                                          Decided, Entered, Entering, Finish, FinishedRead, InSync, Join, Joined,
-                                         MemberCore, ReadFinished, Restart, RoundTop, Voted, source_refuses,
+                                         MemberCore, ReadFinished, Restart, RoundTop, TakeStep, Voted,
                                          transfer_ends)
 
 if TYPE_CHECKING:
@@ -70,11 +70,12 @@ class Ballot:
     def _run(self) -> None:
         sched = self.m.w.sched
         store = self.m.w.store.client(VOTE_TIMEOUT_S)
+        node = self.m.node_client()  # the ballot's own connection to its node's store, as the product's
         while True:
             sched.wait_for(lambda: self.job is not None, None)
             (epoch, rnd, size, latest), self.job = self.job, None
             try:
-                self.result_ = vote.cast(store, epoch, rnd, size, True, latest)
+                self.result_ = vote.cast(store, epoch, rnd, size, True, latest, node, self.m.node_size())
             except Exception as e:  # handed to the training thread
                 self.result_ = e
             self.done = True
@@ -95,7 +96,11 @@ class SimMember:
         self.w, self.rank, self.inc = world, rank, inc
         self.proc = f"r{rank}.{inc}"
         self.store = world.store.client(VOTE_TIMEOUT_S)
+        self.node = self.node_client()  # on a node other than node 0: votes and reports go through its store
         self.core = MemberCore()
+        self.k = world.k
+        self.shard = rank % self.k
+        self.shard_id = self.shard if self.k > 1 else None  # names its groups and heal keys, as the product's
         self.step = 0
         self.digest = "0"
         self.lineage = 0  # the fresh epoch this state descends from (a run with nobody holding its state starts again)
@@ -115,6 +120,17 @@ class SimMember:
 
     def exit(self, code: int, why: str) -> None:
         raise Exited(code, why)
+
+    def node_client(self) -> Optional[vote.Node]:
+        """A connection to this worker's node's store (vote.Node), or None on node 0."""
+        n = self.w.node_of(self.rank)
+        if n == 0:
+            return None
+        return vote.Node(n, n * self.w.per_node, self.w.per_node, self.w.node_store[n].client(VOTE_TIMEOUT_S))
+
+    def node_size(self) -> int:
+        """How many of the epoch's members vote through this worker's node (0: none)."""
+        return self.node.size(self.epoch.members) if self.node is not None and self.epoch is not None else 0
 
     def info(self) -> dict:
         return {"inc": self.inc, "epoch": self.epoch.id if self.epoch else None,
@@ -137,7 +153,7 @@ class SimMember:
 
     def _report(self) -> None:
         beat = 0
-        store = self.w.store.client(VOTE_TIMEOUT_S)
+        store = self.w.store.client(VOTE_TIMEOUT_S) if self.node is None else self.node_client().store
         while True:
             beat += 1
             try:
@@ -193,24 +209,34 @@ class SimMember:
         self.settle()
         ok = self.core.round_ok and self.in_sync and self.group is not None
         e = self.epoch
-        if ok:
-            self.take_step()
+        if ok and self.k == 1:
+            self.take_step(self.round)
             self.ballot.submit(e.id, self.round, len(e.members), self.latest_seen,
                                (self.lineage, self.step, self.digest))
             self.end_round(True, self.core.handle(ClosedOk()))
             return
-        if self.group is not None:
+        # A sharded replica waits for the decision even when its collectives went through: its
+        # shards step only on a commit (ft/rounds.py).
+        if not ok and self.group is not None:
             self.drop_group()
-        self.w.note_vote(self, e.id, self.round, False)
-        commit, target, _, kept = vote.cast(self.store, e.id, self.round, len(e.members), False, self.latest_seen)
-        self.end_round(commit, self.core.handle(Voted(False, 0, commit, target, kept)))
+        rnd = self.round
+        commit, target, _, kept = vote.cast(self.store, e.id, rnd, len(e.members), ok, self.latest_seen, self.node,
+                                            self.node_size())
+        commands = self.core.handle(Voted(ok, 0, commit, target, kept))
+        self.carry_out([c for c in commands if isinstance(c, Restart)])
+        if any(isinstance(c, TakeStep) for c in commands):
+            self.take_step(rnd)
+            self.stepped.remove((e.id, rnd))
+            self.w.note_commit(self, e.id, rnd, (self.lineage, self.step, self.digest))
+        self.end_round(commit, commands)
+        if not commit and ok:
+            self.drop_group()
 
-    def take_step(self) -> None:
+    def take_step(self, rnd: int) -> None:
         e = self.epoch
-        self.digest = hashlib.blake2b(f"{self.digest}/{e.id}/{self.round}".encode(), digest_size=6).hexdigest()
+        self.digest = hashlib.blake2b(f"{self.digest}/{e.id}/{rnd}".encode(), digest_size=6).hexdigest()
         self.step += 1
-        self.stepped.append((e.id, self.round))
-        self.w.note_vote(self, e.id, self.round, True)
+        self.stepped.append((e.id, rnd))
 
     def end_round(self, commit: bool, commands: List[Command]) -> None:
         self.carry_out(commands)
@@ -285,8 +311,9 @@ class SimMember:
             if epoch.healers or epoch.fresh:
                 self.heal(epoch)
             return
-        self.group = self.w.groups.form(self, keys.pg_prefix(epoch.id, self.group_round, None), epoch.ranks,
-                                        lambda: self.why_give_up(epoch, epoch.ranks))
+        mine = [r for r in epoch.ranks if r % self.k == self.shard]  # worker `shard` of every replica
+        self.group = self.w.groups.form(self, keys.pg_prefix(epoch.id, self.group_round, self.shard_id), mine,
+                                        lambda: self.why_give_up(epoch, mine))
         if self.group is None:
             self.fail_round(f"could not form the group of quorum {epoch.id}")
         if epoch.healers or epoch.fresh:
@@ -299,9 +326,9 @@ class SimMember:
 
     # ------------------------------------------------------------ healing
     def heal(self, epoch: Epoch) -> None:
-        ends = transfer_ends(epoch, self.rank)
+        ends = transfer_ends(epoch, self.rank, self.k)
         source = ends[0]
-        done_key = keys.heal_key(epoch.id, self.group_round, None)
+        done_key = keys.heal_key(epoch.id, self.group_round, self.shard_id)
         if self.rank not in ends:
             self.phase = "heal-wait"
             membership.await_transfer(self.store, epoch, ends, done_key, self.sleep, POLL_S)
@@ -312,13 +339,13 @@ class SimMember:
             if sending:
                 self.set_heal_done(done_key, "fail")
             return
-        refused = source_refuses(sending, self.tainted)
+        refused = self.w.bugs.source_refuses(sending, self.tainted, epoch.fresh, self.in_sync, self.k)
         if refused is not None:
             self.carry_out([refused])
         if sending and not epoch.fresh and not self.in_sync:
             self.w.violation(f"rank {self.rank} sends its state in quorum {epoch.id} while not in sync")
         self.phase = "send" if sending else "heal"
-        payload = self.w.groups.transfer(self, keys.pg_prefix(epoch.id, self.group_round, None) + "heal/", ends,
+        payload = self.w.groups.transfer(self, keys.pg_prefix(epoch.id, self.group_round, self.shard_id) + "heal/", ends,
                                          sending, lambda: self.why_give_up(epoch, ends))
         if payload is None:
             self.fail_round("the transfer failed")

@@ -3,6 +3,10 @@ simulated supervisor that sees deaths and restarts replicas, simulated members (
 simulated process groups (a collective succeeds only if every member of the group reaches it
 and none has died or left it), a schedule of faults, and the protocol's invariants, checked
 after every scheduled turn. `run(schedule)` returns the first violation, or None.
+On several nodes every node but node 0 has its own store, through which its workers vote and
+report, kept by the real node relay (ftrun.supervisor.relay.NodeRelay) and a follower keeper
+that tells node 0's leader of its workers' starts and deaths; a lost node's workers die with
+it and its store is gone, and node 0 declares it lost NODE_LOST_S later, as its node watch does.
 Must never be imported by the product.
 """
 
@@ -16,7 +20,8 @@ from ftrun import protocol as keys
 from ftrun.sim.member import SimMember
 from ftrun.sim.sched import Deadlock, Sched
 from ftrun.sim.store import SimStore
-from ftrun.supervisor.quorum import KeeperSettings
+from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
+from ftrun.supervisor.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
 
 STEP_S = 0.05  # a training step's compute, on average (virtual)
 TICK_S = 0.05  # the supervisor's loop under --ft (supervisor/run.py)
@@ -26,6 +31,7 @@ PROGRESS_BOUND_S = 60.0  # after the last fault ends, the run finishes within th
 TURNS_BOUND = 400_000  # a livelock that keeps time from moving is a violation too
 KEYS_PER_RANK = 40  # the store holds at most this many keys per rank, plus KEYS_BASE (rounds in flight)
 KEYS_BASE = 100
+NODE_LOST_S = 3.0  # node 0 declares a node lost this long after its beats stop (supervisor/node_watch.py)
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,8 @@ class Fault:
     pause (SIGSTOP for `dur`), pause-call (SIGSTOP for `dur` at the rank's `x`-th store call from
     then on, whichever incarnation makes it: a restarted replica stopped mid-join), slow (its turns `x` times slower for `dur`), late (its first
     start delayed by `dur`), heal-kill (killed as soon as it next sends or receives state),
-    store-down (every store call waits `dur`), store-slow (latency `x` for `dur`)."""
+    store-down (every store call waits `dur`), store-slow (latency `x` for `dur`), node-lost (node
+    `rank` and every worker on it are gone for good, its store with them)."""
 
     at: float
     kind: str
@@ -55,6 +62,8 @@ class Schedule:
     replicas: int
     total: int
     faults: List[Fault] = field(default_factory=list)
+    k: int = 1  # workers per replica (--replica-size): ranks are replicas * k, a fault's rank is a worker
+    nodes: int = 1  # machines: each runs replicas / nodes replicas (whole), in rank order
 
 
 class Group:
@@ -142,10 +151,16 @@ class World:
         self.step_s = STEP_S
         self.store = SimStore(sched)
         self.groups = Groups(self)
-        self.ranks = list(range(schedule.replicas))
+        self.k = schedule.k
+        self.ranks = list(range(schedule.replicas * self.k))
         self.members: Dict[int, SimMember] = {}
         self.inc: Dict[int, int] = {r: -1 for r in self.ranks}
         self.done: Set[int] = set()
+        self.gone: Set[int] = set()  # ranks of lost nodes: never back
+        self.nodes = schedule.nodes
+        self.per_node = len(self.ranks) // self.nodes
+        self.node_store: Dict[int, SimStore] = {n: SimStore(sched) for n in range(1, self.nodes)}
+        self.lost_at: Dict[int, float] = {}  # node -> when it was lost
         self.events: List[Tuple[float, str, int, int]] = []  # (when, what, rank, inc) for the supervisor
         self.heal_kill: Dict[int, bool] = {}
         self.call_kill: Dict[str, int] = {}  # proc -> store calls it makes before it is killed at the next
@@ -158,34 +173,83 @@ class World:
         self.log: List[str] = []  # what happened to the replicas, for a violation's report
         self._writes_seen = 0
         self.last_fault_end = max([f.at + f.dur for f in schedule.faults], default=0.0)
-        self.keeper = bugs.keeper(_RunStore(self.store.client(600.0)), self.ranks,
-                                  settings=KeeperSettings(1, True), clock=lambda: sched.now)
+        self.restarted: Set[Tuple[int, int]] = set()  # (replica, incarnation) already restarted whole
+        self.routes: Optional[Routes] = None
+        shape = {}
+        if self.nodes > 1:
+            self.routes = _SimRoutes(self, {n: (f"node{n}", self.node_ranks(n)) for n in range(1, self.nodes)})
+            shape = {"local_ranks": self.node_ranks(0), "routes": self.routes}
+        self.keeper = bugs.keeper(_RunStore(self.store.client(600.0)), self.ranks, replica_size=self.k,
+                                  settings=KeeperSettings(1, True), clock=lambda: sched.now, **shape)
+        # Every other node's ftrun: a follower keeper (it reports its workers to node 0's) and the relay.
+        self.followers: Dict[int, QuorumKeeper] = {
+            n: QuorumKeeper(_RunStore(self.store.client(600.0)), self.ranks, local_ranks=self.node_ranks(n),
+                            leader=False, replica_size=self.k, routes=self.routes, settings=KeeperSettings(1, True),
+                            clock=lambda: sched.now)
+            for n in range(1, self.nodes)}
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.per_node
+
+    def node_ranks(self, node: int) -> List[int]:
+        return list(range(node * self.per_node, (node + 1) * self.per_node))
+
+    def over(self) -> bool:
+        return len(self.done | self.gone) >= len(self.ranks)
 
     # ------------------------------------------------------------ the supervisor
     def _supervise(self) -> None:
+        """Node 0's ftrun: the leader keeper, its own workers' starts and deaths, lost nodes."""
         k = self.keeper
         k.on_store_ready()
+        for n in range(1, self.nodes):
+            self.sched.spawn(lambda n=n: self._supervise_node(n), "ftrun", f"node{n}")
         late = {f.rank: f.dur for f in self.sch.faults if f.kind == "late"}
         for r in self.ranks:
             self.events.append((late.get(r, 0.0), "spawn", r, 0))
-        while len(self.done) < len(self.ranks):
+        while not self.over():
             now = self.sched.now
-            due = sorted(e for e in self.events if e[0] <= now)
-            self.events = [e for e in self.events if e[0] > now]
-            for _, what, r, inc in due:
-                if what == "spawn":
-                    self.inc[r] = inc
-                    k.on_spawn(r, inc)
-                    m = SimMember(self, r, inc)
-                    self.members[r] = m
-                    self.sched.spawn(m.main, "main", m.proc)
-                else:
-                    k.on_exit(r, inc, finished=what == "finished")
+            self._take_events(0, k)
+            for n, at in sorted(self.lost_at.items()):
+                if now >= at + NODE_LOST_S and n not in self.routes.lost:
+                    self.log.append(f"{now:.3f}s node {n} declared lost")
+                    k.on_node_lost(n, self.node_ranks(n))  # as node 0's ftrun does on its node watch's word
             try:
                 k.poll(now)
             except Exception:  # noqa: BLE001 - the store is down: the next tick tries again
                 pass
             self.sched.sleep(TICK_S)
+
+    def _supervise_node(self, n: int) -> None:
+        """Node n's ftrun: its workers' starts and deaths told to node 0 through the follower
+        keeper, and the relay of its workers' votes and reports."""
+        keeper = self.followers[n]
+        keeper.on_store_ready()
+        local = self.node_store[n].client(NODE_OP_TIMEOUT_S)
+        run = self.store.client(NODE_OP_TIMEOUT_S)
+        relay = NodeRelay(n, self.node_ranks(n), lambda: local, lambda: run)
+        while not self.over():
+            self._take_events(n, keeper)
+            for step in (keeper.poll, relay.poll):
+                try:
+                    step(self.sched.now)
+                except Exception:  # noqa: BLE001 - a store does not answer: the next tick tries again
+                    pass
+            self.sched.sleep(TICK_S)
+
+    def _take_events(self, node: int, keeper: QuorumKeeper) -> None:
+        now = self.sched.now
+        due = sorted(e for e in self.events if e[0] <= now and (e[2] < 0 or self.node_of(e[2]) == node))
+        self.events = [e for e in self.events if e not in due]
+        for _, what, r, inc in due:
+            if what == "spawn":
+                self.inc[r] = inc
+                keeper.on_spawn(r, inc)
+                m = SimMember(self, r, inc)
+                self.members[r] = m
+                self.sched.spawn(m.main, "main", m.proc)
+            else:  # died, finished (a "noop" wake-up too: an exit of no incarnation, which changes nothing)
+                keeper.on_exit(r, inc, finished=what == "finished")
 
     def on_member_exit(self, m: SimMember, code: int, why: str) -> None:
         """The member's process ends (its own thread, just before it unwinds)."""
@@ -197,9 +261,28 @@ class World:
         self._died(m.rank, m.inc)
 
     def _died(self, rank: int, inc: int) -> None:
+        """A worker died or exited to restart: the supervisor sees it, and restarts its replica
+        whole (with --replica-size K > 1 its other workers are killed first, as ftrun does)."""
         now = self.sched.now
         self.events.append((now + 0.005 + 0.02 * self.sched.rng.random(), "died", rank, inc))
-        self.events.append((now + 0.3 + 0.7 * self.sched.rng.random(), "spawn", rank, inc + 1))
+        replica = rank // self.k
+        if self.k > 1:
+            if (replica, inc) in self.restarted:
+                return
+            self.restarted.add((replica, inc))
+            # A mate still starting (a late start) is part of the incarnation being replaced.
+            self.events = [e for e in self.events
+                           if not (e[1] == "spawn" and e[2] // self.k == replica and e[3] <= inc)]
+            for mate in range(replica * self.k, replica * self.k + self.k):
+                m = self.members.get(mate)
+                if mate != rank and m is not None and mate not in self.done and self.sched.alive(m.proc):
+                    self.sched.kill(m.proc)
+                    self.log.append(f"{now:.3f}s rank {mate}.{m.inc} killed with its replica (step {m.step})")
+                    self.events.append((now + 0.005 + 0.02 * self.sched.rng.random(), "died", mate, m.inc))
+        back = now + 0.3 + 0.7 * self.sched.rng.random()
+        for mate in range(replica * self.k, replica * self.k + self.k):
+            if mate == rank or (self.k > 1 and mate not in self.done):
+                self.events.append((back, "spawn", mate, inc + 1))
 
     def kill(self, rank: int) -> None:
         m = self.members.get(rank)
@@ -253,17 +336,32 @@ class World:
                 self.store.down_until = self.sched.now + f.dur
             elif f.kind == "store-slow":
                 self.store.extra_latency = f.x
+            elif f.kind == "node-lost":
+                self._lose_node(f.rank)
         self.sched.sleep(max(0.0, self.last_fault_end - self.sched.now))
         self.sched.slow.clear()
         self.store.extra_latency = 0.0
+
+    def _lose_node(self, n: int) -> None:
+        if n in self.lost_at or not 0 < n < self.nodes:
+            return
+        now = self.sched.now
+        self.lost_at[n] = now
+        self.sched.kill(f"node{n}")
+        self.node_store[n].down_until = float("inf")  # its store went with it
+        for r in self.node_ranks(n):
+            m = self.members.get(r)
+            if m is not None and r not in self.done and self.sched.alive(m.proc):
+                self.sched.kill(m.proc)
+                self.log.append(f"{now:.3f}s rank {r}.{m.inc} lost with node {n} (step {m.step}, {m.phase})")
+            if r not in self.done:
+                self.gone.add(r)
+        self.events = [e for e in self.events if e[2] < 0 or self.node_of(e[2]) != n]
 
     # ------------------------------------------------------------ invariants
     def violation(self, what: str) -> None:
         if self.first_violation is None:
             self.first_violation = f"t={self.sched.now:.3f}s: {what}"
-
-    def note_vote(self, m: SimMember, e: int, rnd: int, ok: bool) -> None:
-        pass
 
     def note_commit(self, m: SimMember, e: int, rnd: int, after: Tuple[int, int, str]) -> None:
         """A member learned that round (e, rnd), on which it stepped to `after`, committed."""
@@ -297,6 +395,9 @@ class World:
         self._writes_seen = len(s.writes)
         if s.max_keys > KEYS_BASE + KEYS_PER_RANK * len(self.ranks):
             self.violation(f"the store grew to {s.max_keys} keys")
+        for n, ns in self.node_store.items():
+            if ns.max_keys > KEYS_BASE + KEYS_PER_RANK * self.per_node:
+                self.violation(f"node {n}'s store grew to {ns.max_keys} keys")
         if self.sched.now > self.last_fault_end + PROGRESS_BOUND_S:
             self.violation(f"no progress: the run has not finished {PROGRESS_BOUND_S:g} s after the last fault "
                            f"({self._where()})")
@@ -314,7 +415,7 @@ class World:
         self.sched.spawn(self._supervise, "keeper", "supervisor")
         self.sched.spawn(self._faults, "faults", "sim")
         try:
-            while len(self.done) < len(self.ranks) and self.first_violation is None:
+            while not self.over() and self.first_violation is None:
                 try:
                     if not self.sched.turn():
                         break
@@ -325,6 +426,22 @@ class World:
         finally:
             self.sched.shutdown()
         return self.first_violation
+
+
+class _SimRoutes(Routes):
+    """The keeper's clients of the nodes' stores: the simulated ones (None once a node is lost)."""
+
+    def __init__(self, world: World, nodes) -> None:
+        super().__init__(nodes)
+        self._world = world
+
+    def client(self, node: int):
+        if node in self.lost:
+            return None
+        client = self._clients.get(node)
+        if client is None:
+            client = self._clients[node] = self._world.node_store[node].client(NODE_OP_TIMEOUT_S)
+        return client
 
 
 class _RunStore:

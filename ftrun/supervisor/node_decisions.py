@@ -192,9 +192,4 @@ class NodeDecisions:
         q = self.quorum
         if q is None or not q.leader:
             return
-        if q.routes is not None:  # its store went with it: votes for its members go to the run's store
-            q.routes.lose(node)
-        for rank in range(node * self.cfg.nproc, (node + 1) * self.cfg.nproc):
-            inc = q.alive.get(rank)
-            if inc is not None:
-                q.on_exit(rank, inc)
+        q.on_node_lost(node, self._node_ranks(node))

@@ -252,6 +252,23 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         if self.alive.get(rank) is None:
             self._s.set(keys.inc_key(rank), "dead")
 
+    def on_node_lost(self, node: int, ranks: List[int]) -> None:
+        """Node `node` is lost (the supervisor's node watch said so), its store and its workers
+        `ranks` with it. Its members are voted for in the run's store from now on, and so again
+        are the rounds this keeper had voted in through that store for its members that died
+        before: those votes may never have been forwarded (their node's last voter died before
+        forwarding, found by the simulator), and a round short of them would wait for ever. A
+        vote counted twice is decided by its votes (_close_orphaned), as after any double vote."""
+        if self.routes is not None:
+            self.routes.lose(node)
+            for (m, _), filled in self.dead.items():
+                if self.routes.node_of(m) == node:
+                    filled.clear()
+        for rank in ranks:
+            inc = self.alive.get(rank)
+            if inc is not None:
+                self.on_exit(rank, inc)
+
     def _mates(self, rank: int) -> List[int]:
         """The ranks of `rank`'s replica, itself included."""
         first = rank - rank % self.k

@@ -115,7 +115,8 @@ class DeadVotes:
     def _rounds_of(self, e: int, top: int) -> Set[int]:
         """Rounds of epoch `e` its live members may be waiting on: its start, the round each live
         member in it last reported, and, in an epoch a live member reports being in (or the
-        newest, which members are entering), the two after the newest decided round. Not those
+        newest while a member it lists lives: it may be entering), the two after the newest
+        decided round. Not those
         two in an older epoch nobody reports being in: a joiner that enters such an epoch begins
         at its start and reports its rounds, while votes in rounds nobody else comes to never
         close, and their keys stay until the epoch is collected (found by the simulator: a store
@@ -123,7 +124,9 @@ class DeadVotes:
         rounds: Set[int] = set()
         if self.starts.get(e, -1) >= 0:
             rounds |= {self.starts[e], self.starts[e] + 1}
-        someone = e == self.epoch_id
+        # The newest epoch while a member it lists lives (it may be entering, before it reports):
+        # with every one of them dead, each abstention would close the next round, and the next.
+        someone = e == self.epoch_id and any(self.alive.get(r) == inc for r, inc in self.epochs.get(e, ()))
         for r, inc in self.alive.items():
             info = self.info.get(r) or {}
             if inc is not None and info.get("inc") == inc and info.get("epoch") == e:

@@ -41,7 +41,8 @@ class Healing:
             if sending:
                 self._set_heal_done(done_key, "fail")
             return
-        refused = source_refuses(sending, self._tainted)
+        refused = source_refuses(sending, self._tainted, epoch.fresh,
+                                 self.in_sync and self._healed_gen == self.store_gen, self.k)
         if refused is not None:
             restart_replica(f"rank {self.rank}: {refused.why}; exiting so that ftrun restarts it clean")
         if sending and epoch.fresh and not self.in_sync and self.checkpoints is not None and not self._resumed:

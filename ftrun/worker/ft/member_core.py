@@ -327,8 +327,18 @@ def transfer_ends(epoch: Epoch, rank: int, k: int = 1) -> List[int]:
     return [source] + [r for r in sorted(epoch.healers) if r != source and r % k == shard]
 
 
-def source_refuses(sending: bool, tainted: bool) -> Optional[Restart]:
-    """The source of a transfer must never send a half-received state: it restarts clean."""
+def source_refuses(sending: bool, tainted: bool, fresh: bool = False, holds_state: bool = False,
+                   k: int = 1) -> Optional[Restart]:
+    """Whether the source of a transfer must restart clean instead of sending: never a half-received
+    state; and in a fresh epoch of sharded replicas (k > 1), never a worker that holds the trained
+    state (`holds_state`: in sync on this store). An epoch is fresh when no replica holds the whole
+    state, so such a worker's mates do not hold their shards of that step: sent with theirs, the
+    replica would be a model whose shards come from different steps (found by the simulator). The
+    whole replica restarts and begins again from the first step or the checkpoint, as its
+    mates do."""
     if sending and tainted:
         return Restart("named the source of a fresh quorum while holding a half-received state")
+    if sending and fresh and holds_state and k > 1:
+        return Restart("named the source of a fresh quorum while the other workers of its replica do not hold "
+                       "their shards of the trained state; the replica starts again whole")
     return None
