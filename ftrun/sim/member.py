@@ -21,7 +21,7 @@ from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.member_core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Command, Computing,
                                          Decided, Entered, Entering, Finish, FinishedRead, InSync, Join, Joined,
                                          MemberCore, ReadFinished, Restart, RoundTop, TakeStep, Voted,
-                                         transfer_ends)
+                                         core_field, transfer_ends)
 
 if TYPE_CHECKING:
     from ftrun.sim.world import World
@@ -81,16 +81,12 @@ class Ballot:
             self.done = True
 
 
-def _core(name: str) -> property:
-    return property(lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v))
-
-
 class SimMember:
-    epoch = _core("epoch")
-    round = _core("round")
-    group_round = _core("group_round")
-    in_sync = _core("in_sync")
-    finished = _core("finished")
+    epoch = core_field("epoch")
+    round = core_field("round")
+    group_round = core_field("group_round")
+    in_sync = core_field("in_sync")
+    finished = core_field("finished")
 
     def __init__(self, world: "World", rank: int, inc: int) -> None:
         self.w, self.rank, self.inc = world, rank, inc

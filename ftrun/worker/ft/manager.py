@@ -47,7 +47,7 @@ from ftrun.worker.ft import vote
 from ftrun.worker.ft.checkpoint import Checkpointer
 from ftrun.worker.ft.epochs import Epochs
 from ftrun.worker.ft.healing import Healing
-from ftrun.worker.ft.member_core import ClosedOk, Computing, Join, MemberCore, RoundTop
+from ftrun.worker.ft.member_core import ClosedOk, Computing, Join, MemberCore, RoundTop, core_field
 from ftrun.worker.ft.member_io import _env_number, _log, _log_detail, leave
 from ftrun.worker.ft.relocation import StoreMoves
 from ftrun.worker.ft.rounds import Rounds
@@ -55,24 +55,19 @@ from ftrun.worker.ft.state import ReplicaState
 from ftrun.worker.ft.stopping import Stopping
 from ftrun.worker.settings import store_moved
 
-def _core(name: str) -> property:
-    """A field of the member's decision state (MemberCore), read and written as the manager's own."""
-    return property(lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v))
-
-
 class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
     """One per worker process; created by ftrun.ft on first use."""
 
-    epoch = _core("epoch")
-    round = _core("round")
-    group_round = _core("group_round")
-    round_ok = _core("round_ok")
-    in_sync = _core("in_sync")
-    finished = _core("finished")
-    target_epoch = _core("target_epoch")
-    switch_round = _core("switch_round")
-    rebuild = _core("rebuild")
-    failed_in_row = _core("failed_in_row")
+    epoch = core_field("epoch")
+    round = core_field("round")
+    group_round = core_field("group_round")
+    round_ok = core_field("round_ok")
+    in_sync = core_field("in_sync")
+    finished = core_field("finished")
+    target_epoch = core_field("target_epoch")
+    switch_round = core_field("switch_round")
+    rebuild = core_field("rebuild")
+    failed_in_row = core_field("failed_in_row")
 
     def __init__(self) -> None:
         store_addr = os.environ.get("FTRUN_STORE")

@@ -317,6 +317,11 @@ class MemberCore:
             self.switch_round = at_round if self.switch_round is None else min(self.switch_round, at_round)
 
 
+def core_field(name: str) -> property:
+    """A field of a driver's MemberCore (`self.core`), read and written as the driver's own."""
+    return property(lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v))
+
+
 def transfer_ends(epoch: Epoch, rank: int, k: int = 1) -> List[int]:
     """The ends of a heal's transfer for worker `rank` (shard rank % k): first the source, its own
     shard in the lowest replica holding the state (one source replica for every shard, so all
