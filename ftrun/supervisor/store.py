@@ -15,7 +15,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 STORE_TIMEOUT_S = 60
 CLIENT_OP_TIMEOUT_S = 10  # other nodes' ops on the hosting node's store

@@ -17,11 +17,10 @@ collective that the other ranks do not run in the same order.
 from __future__ import annotations
 
 import atexit
-import math
 import sys
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
