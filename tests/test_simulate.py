@@ -60,6 +60,20 @@ LOST_FORWARD = {"seed": 100071, "replicas": 4, "nodes": 2, "total": 9, "faults":
     {"at": 0.716, "kind": "kill-call", "rank": 3, "dur": 0.0, "x": 0.0},
     {"at": 1.097, "kind": "node-lost", "rank": 1, "dur": 0.0, "x": 0.0}]}
 
+# Found by a search of replicas of 2 workers from seed 2 (schedule 1852), shrunk from 6 faults.
+EPOCH_REVOTE = {"seed": 201852, "replicas": 3, "k": 2, "total": 2, "faults": [
+    {"at": 0.171, "kind": "kill-call", "rank": 5, "dur": 0.0, "x": 11.0},
+    {"at": 0.976, "kind": "heal-kill", "rank": 1, "dur": 0.0, "x": 0.0},
+    {"at": 1.477, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 8.0},
+    {"at": 0.188, "kind": "pause-call", "rank": 3, "dur": 2.518, "x": 4.0},
+    {"at": 0.108, "kind": "kill-call", "rank": 3, "dur": 0.0, "x": 2.0}]}
+
+# Found by a search over three nodes from seed 3 (schedule 142).
+UNSTICK_OVERCOUNT = {"seed": 300142, "replicas": 6, "nodes": 3, "total": 4, "faults": [
+    {"at": 1.042, "kind": "pause", "rank": 1, "dur": 2.701, "x": 0.0},
+    {"at": 0.784, "kind": "store-down", "rank": -1, "dur": 0.221, "x": 0.0},
+    {"at": 0.414, "kind": "kill", "rank": 4, "dur": 0.0, "x": 0.0}]}
+
 # Found by the soak (seed 7, --soak), shrunk from 6 faults.
 STORE_GROWTH = {"seed": 700046, "replicas": 4, "total": 10, "faults": [
     {"at": 0.297, "kind": "kill", "rank": 3, "dur": 0.0, "x": 0.0},
@@ -180,6 +194,28 @@ def test_lost_forward_bug_fails_a_schedule_the_product_passes():
     a lost node's votes are cast again in the run's store."""
     assert _replay(LOST_FORWARD)[-1] == "1 schedules, 0 violations"
     bad = _replay(LOST_FORWARD, "lost-forward")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0], bad
+
+
+def test_epoch_revote_bug_fails_a_schedule_the_product_passes():
+    """(j) found by the simulator on sharded replicas: the keeper deleted every key of an epoch
+    nobody was in any more, kept no horizon for it, and later voted for a member of it that
+    had died (an epoch's start round is always filled): a fresh count, and a decided round
+    decided a second time."""
+    assert _replay(EPOCH_REVOTE)[-1] == "1 schedules, 0 violations"
+    bad = _replay(EPOCH_REVOTE, "epoch-revote")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "decided twice" in bad[0], bad
+
+
+def test_unstick_overcount_bug_fails_a_schedule_the_product_passes():
+    """(k) found by the simulator over three nodes: rank 1 was SIGSTOPped in an old epoch; the
+    keeper voted fail in its place in the round the others waited on; rank 1 resumed, entered
+    the epoch and voted too. The round was counted past its size, no add completed it, and
+    everyone waited for ever. Now the keeper decides such a round by its votes."""
+    assert _replay(UNSTICK_OVERCOUNT)[-1] == "1 schedules, 0 violations"
+    bad = _replay(UNSTICK_OVERCOUNT, "unstick-overcount")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "no progress" in bad[0], bad
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.quorum_collect import EPOCH_COLLECTED
 from ftrun.worker.ft import member_core, membership
 from ftrun.worker.ft.membership import Entry, Member
 
@@ -189,6 +190,32 @@ class LostForward(Wiring):
     keeper = _NodeForgettingKeeper
 
 
+# ---------------------------------------------------------------- (j) found by the simulator, sharded replicas
+class _EpochRevotingKeeper(QuorumKeeper):
+    def _rounds_to_fill(self, e: int, top: int) -> Set[int]:
+        """Before the fix: an epoch whose keys were all collected kept no horizon, so a vote for a
+        member that died later (its start round is always filled) began a fresh count there and
+        decided a decided round a second time."""
+        below = self.collected_below.get(e, -1)
+        below = -1 if below >= EPOCH_COLLECTED else below
+        return {r for r in self._rounds_of(e, top) if r >= below}
+
+
+class EpochRevote(Wiring):
+    keeper = _EpochRevotingKeeper
+
+
+# ---------------------------------------------------------------- (k) found by the simulator, three nodes
+class _UnstickOvercountKeeper(QuorumKeeper):
+    def _close_unstuck(self, top: int, now: float) -> None:
+        """Before the fix: a round the keeper voted fail in for a member that then voted itself
+        (SIGSTOPped, then resumed into the epoch) was counted past its size and never decided."""
+
+
+class UnstickOvercount(Wiring):
+    keeper = _UnstickOvercountKeeper
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering an epoch at different rounds
@@ -200,6 +227,8 @@ BUGS: Dict[str, type] = {
     "store-growth": StoreGrowth,      # (g) abstentions piling up in epochs nobody is in (found by its soak)
     "mixed-shards": MixedShards,      # (h) a fresh epoch's sharded source of shards from two steps (found by it)
     "lost-forward": LostForward,      # (i) a lost node's unforwarded votes taken as cast (found by it)
+    "epoch-revote": EpochRevote,      # (j) a vote in an epoch whose keys were all collected (found by it)
+    "unstick-overcount": UnstickOvercount,  # (k) a round voted for a stopped member, then by it (found by it)
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}

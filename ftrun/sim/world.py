@@ -228,7 +228,7 @@ class World:
         local = self.node_store[n].client(NODE_OP_TIMEOUT_S)
         run = self.store.client(NODE_OP_TIMEOUT_S)
         relay = NodeRelay(n, self.node_ranks(n), lambda: local, lambda: run)
-        while not self.over():
+        while not self.over() and n not in self.lost_at:
             self._take_events(n, keeper)
             for step in (keeper.poll, relay.poll):
                 try:
@@ -242,6 +242,8 @@ class World:
         due = sorted(e for e in self.events if e[0] <= now and (e[2] < 0 or self.node_of(e[2]) == node))
         self.events = [e for e in self.events if e not in due]
         for _, what, r, inc in due:
+            if r in self.gone:  # its node is lost: nothing of it starts again
+                continue
             if what == "spawn":
                 self.inc[r] = inc
                 keeper.on_spawn(r, inc)

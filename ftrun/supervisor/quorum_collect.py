@@ -12,6 +12,7 @@ from ftrun import protocol as keys
 
 COLLECT_EVERY_S = 0.25  # one list_keys per status report: a few dozen keys of rounds in flight at most
 ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
+EPOCH_COLLECTED = 1 << 62  # the collected horizon of an epoch whose keys are all gone: no round of it is voted in again
 
 
 class KeyCollection:
@@ -49,6 +50,11 @@ class KeyCollection:
         oldest = self._oldest_kept_epoch()
         for e, rnd in newest.items():
             self.collected_below[e] = max(self.collected_below.get(e, -1), rnd - ROUND_KEYS_KEPT)
+        for e in {e for _, _, (e, _) in ours if e < oldest}:
+            # Its decisions go too: a vote there later (for a member that dies after, while a
+            # restarted replica has not reported yet) would start a fresh count and decide a
+            # decided round again (found by the simulator on sharded replicas).
+            self.collected_below[e] = EPOCH_COLLECTED
         for key, kind, (e, rnd) in ours:
             if e < oldest or kind in ("n", "d", "p", "heal", "pg") and rnd < newest.get(e, -1) - ROUND_KEYS_KEPT:
                 s.delete_key(key)
