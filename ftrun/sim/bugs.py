@@ -205,17 +205,6 @@ class EpochRevote(Wiring):
     keeper = _EpochRevotingKeeper
 
 
-# ---------------------------------------------------------------- (k) found by the simulator, three nodes
-class _UnstickOvercountKeeper(QuorumKeeper):
-    def _close_unstuck(self, top: int, now: float) -> None:
-        """Before the fix: a round the keeper voted fail in for a member that then voted itself
-        (SIGSTOPped, then resumed into the epoch) was counted past its size and never decided."""
-
-
-class UnstickOvercount(Wiring):
-    keeper = _UnstickOvercountKeeper
-
-
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering an epoch at different rounds
@@ -228,7 +217,6 @@ BUGS: Dict[str, type] = {
     "mixed-shards": MixedShards,      # (h) a fresh epoch's sharded source of shards from two steps (found by it)
     "lost-forward": LostForward,      # (i) a lost node's unforwarded votes taken as cast (found by it)
     "epoch-revote": EpochRevote,      # (j) a vote in an epoch whose keys were all collected (found by it)
-    "unstick-overcount": UnstickOvercount,  # (k) a round voted for a stopped member, then by it (found by it)
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}

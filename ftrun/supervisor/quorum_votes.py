@@ -197,20 +197,6 @@ class DeadVotes:
                     at = f"in quorum {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
                     self.history.append(f"rank {m} is {at} while quorum {e} waits for its "
                                         f"vote in round {rnd}: voted fail in its place")
-        self._close_unstuck(top, now)
-
-    def _close_unstuck(self, top: int, now: float) -> None:
-        """A member voted for by _unstick may vote after all (it was stopped, and resumed into
-        that epoch): its round is then counted past its size, and no add completes it. Decide
-        such a round by its votes, as after any double vote (found by the simulator over three
-        nodes: a SIGSTOPped member resumed, voted, and the round waited for ever)."""
-        for where in list(self.unstuck):
-            m, _, e, rnd = where
-            if e not in self.epochs or rnd < self.collected_below.get(e, -1):
-                self.unstuck.discard(where)  # its keys are gone: nobody waits there
-                continue
-            self._close_orphaned_node(m, e, rnd, top, now)
-            self._close_orphaned(e, rnd, top)
 
     def _elsewhere(self, m: int, k: int, e: int, now: float) -> bool:
         """Whether member (m, k) of epoch `e` will never vote there: it finished; it reports being
