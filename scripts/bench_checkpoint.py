@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 50
@@ -294,4 +295,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--worker" in sys.argv:  # a worker of the benchmark: no scratch of its own
+        main()
+    else:
+        with scratch("ftrun-bench-checkpoint-"):
+            main()

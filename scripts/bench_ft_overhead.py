@@ -39,6 +39,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {
@@ -178,4 +179,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with scratch("ftrun-bench-ft-overhead-"):
+        main()

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import psutil
+from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train_ft.py"
@@ -216,4 +217,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with scratch("ftrun-bench-heal-"):
+        main()

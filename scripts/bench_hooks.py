@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -252,4 +253,8 @@ def write_md(path: Path, text: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--worker" in sys.argv:  # a worker of the benchmark: no scratch of its own
+        main()
+    else:
+        with scratch("ftrun-bench-hooks-"):
+            main()

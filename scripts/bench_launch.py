@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -177,4 +178,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with scratch("ftrun-bench-launch-"):
+        main()

@@ -52,6 +52,7 @@ import torch.distributed as dist  # noqa: E402
 from ftrun import protocol as keys  # noqa: E402
 from ftrun.worker.ft import vote  # noqa: E402
 from ftrun.protocol import Epoch  # noqa: E402
+from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -378,7 +379,7 @@ def failover_once(i: int, root: Path, c10d: bool = False) -> float:
 def failover(runs: int) -> None:
     import tempfile
 
-    print(f"\n| store host SIGKILLed (3 nodes, --ft) | runs | to the next committed step: median | min - max | target |")
+    print("\n| store host SIGKILLed (3 nodes, --ft) | runs | to the next committed step: median | min - max | target |")
     print("|---|---:|---:|---:|---:|")
     for c10d in (False, True):
         with tempfile.TemporaryDirectory() as d:
@@ -435,4 +436,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with scratch("ftrun-bench-quorum-"):
+        main()

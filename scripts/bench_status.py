@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
+from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 LOOP = """\
 import os, sys, time
@@ -125,4 +126,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with scratch("ftrun-bench-status-"):
+        main()

@@ -30,6 +30,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
 
 ROOT = Path(__file__).resolve().parent.parent
 DUMP_STACKS = signal.SIGRTMIN + 7  # ftrun.protocol.DUMP_STACKS_SIGNAL
@@ -182,4 +183,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with scratch("ftrun-stress-chaos-"):
+        main()

@@ -9,7 +9,6 @@ script runs under ftrun; plus OUT.rankN.pt with the final parameters.
 
 import argparse
 import json
-import os
 
 import torch
 import torch.distributed as dist

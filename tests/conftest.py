@@ -27,14 +27,19 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 @pytest.fixture(scope="session", autouse=True)
 def _temporary_files_in_pytests_folder(tmp_path_factory):
-    """Temporary files the tests make (consoles captured to files, scratch scripts) go under
-    pytest's own folder, which it prunes, not loose in /tmp (the children keep TMPDIR)."""
+    """Temporary files the tests and every process they start make (consoles captured to files,
+    scratch scripts, torchrun's and multiprocessing's folders) go under pytest's own folder,
+    which it prunes, not loose in /tmp."""
     import tempfile
 
-    before = tempfile.tempdir
-    tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
+    before, env_before = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
     yield
     tempfile.tempdir = before
+    if env_before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = env_before
 
 
 @pytest.fixture
