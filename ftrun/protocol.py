@@ -261,6 +261,17 @@ def tally(total: int) -> Tally:
     return Tally(oks + abstains + fails, fails, oks)
 
 
+def closes(total: int, added: int, size: int) -> bool:
+    """Whether the add of `added` that left a counter at `total` completed a count of `size`
+    votes: it took the count from below `size` to `size` or past it. Exactly one add does,
+    even where the count goes past its size, which it can: the keeper votes for a member
+    it finds elsewhere, and that member may vote after all (it was stopped, then resumed
+    into the epoch); a node's forward then adds several votes at once, and a test of
+    `== size` would let the count jump over it and leave the round undecided for ever
+    (found by the simulator on three nodes)."""
+    return tally(int(total) - int(added)).votes < size <= tally(total).votes
+
+
 # Votes through a node's relay (--ft on several nodes): a node's workers vote in their
 # node's own store (its standby store, FTRUN_NODE_STORE; the run's store itself on the node
 # hosting it) and the run's store sees one vote per node and round. A member adds its vote to

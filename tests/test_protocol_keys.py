@@ -29,3 +29,19 @@ def test_every_numbered_key_parses_back_to_its_numbers():
     for key, want in built.items():
         assert keys.parse_key(key) == want, key
     assert keys.parse_key("torch.distributed/whatever/1/2") is None
+
+
+@pytest.mark.quick
+def test_exactly_one_add_closes_a_count_even_one_that_goes_past_its_size():
+    """A count of 4 votes gets the keeper's fail vote for a stopped member, then a node's forward
+    of 2, then that member's own vote forwarded with another's: it goes 1, 3, 5 and never sits
+    at 4. The add that crossed 4 closes it; no other add does."""
+    adds = [keys.FAIL_VOTE, 2 * keys.OK_VOTE, keys.OK_VOTE + keys.FAIL_VOTE, keys.OK_VOTE]
+    total, closers = 0, []
+    for added in adds:
+        total += added
+        closers.append(keys.closes(total, added, 4))
+    assert closers == [False, False, True, False]
+    assert keys.tally(total).votes == 6 and not keys.tally(total).commit
+    # A count that lands on its size closes there, as before.
+    assert keys.closes(4 * keys.OK_VOTE, keys.OK_VOTE, 4) and not keys.closes(3 * keys.OK_VOTE, keys.OK_VOTE, 4)

@@ -68,6 +68,12 @@ EPOCH_REVOTE = {"seed": 201852, "replicas": 3, "k": 2, "total": 2, "faults": [
     {"at": 0.188, "kind": "pause-call", "rank": 3, "dur": 2.518, "x": 4.0},
     {"at": 0.108, "kind": "kill-call", "rank": 3, "dur": 0.0, "x": 2.0}]}
 
+# Found by a search of three nodes (seed 3, schedule 142), shrunk to 3 faults.
+UNSTICK_OVERCOUNT = {"seed": 300142, "replicas": 6, "nodes": 3, "total": 4, "faults": [
+    {"at": 1.042, "kind": "pause", "rank": 1, "dur": 2.701, "x": 0.0},
+    {"at": 0.784, "kind": "store-down", "rank": -1, "dur": 0.221, "x": 0.0},
+    {"at": 0.414, "kind": "kill", "rank": 4, "dur": 0.0, "x": 0.0}]}
+
 # Found by the soak (seed 7, --soak), shrunk from 6 faults.
 STORE_GROWTH = {"seed": 700046, "replicas": 4, "total": 10, "faults": [
     {"at": 0.297, "kind": "kill", "rank": 3, "dur": 0.0, "x": 0.0},
@@ -201,6 +207,17 @@ def test_epoch_revote_bug_fails_a_schedule_the_product_passes():
     bad = _replay(EPOCH_REVOTE, "epoch-revote")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "decided twice" in bad[0], bad
+
+
+def test_unstick_overcount_bug_fails_a_schedule_the_product_passes():
+    """(k) found by the simulator on three nodes: the keeper voted fail for rank 1, stopped and
+    in no epoch, and rank 1 resumed and voted too; a node's forward took the round's count from
+    below its size to past it, and a count that closed only at exactly its size was never
+    closed. Now the add that takes a count to its size or past it closes it."""
+    assert _replay(UNSTICK_OVERCOUNT)[-1] == "1 schedules, 0 violations"
+    bad = _replay(UNSTICK_OVERCOUNT, "unstick-overcount")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0], bad
 
 
 def test_search_over_two_nodes_finds_the_lost_forward_bug():

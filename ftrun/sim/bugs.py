@@ -25,6 +25,7 @@ class Wiring:
     entry_round = staticmethod(membership.entry_round)
     finished_step = staticmethod(membership.finished_step)  # read by a member after a failed round
     source_refuses = staticmethod(member_core.source_refuses)  # whether a transfer's source restarts instead
+    closes = staticmethod(keys.closes)  # whether an add completed a count (members, forwarders, keeper)
 
 
 # ---------------------------------------------------------------- (a) 0a17702
@@ -205,6 +206,19 @@ class EpochRevote(Wiring):
     keeper = _EpochRevotingKeeper
 
 
+# ---------------------------------------------------------------- (k) found by the simulator, three nodes
+def _closes_at_size(total: int, added: int, size: int) -> bool:  # noqa: ARG001
+    """Before the fix: an add completed a count only where it left it at exactly its size. The
+    keeper had voted fail for a member it found in no epoch (SIGSTOPped), the member resumed and
+    voted too; a node's forward then took the run's count from below its size to past it, and
+    the round waited for ever."""
+    return keys.tally(total).votes == size
+
+
+class UnstickOvercount(Wiring):
+    closes = staticmethod(_closes_at_size)
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering an epoch at different rounds
@@ -217,6 +231,7 @@ BUGS: Dict[str, type] = {
     "mixed-shards": MixedShards,      # (h) a fresh epoch's sharded source of shards from two steps (found by it)
     "lost-forward": LostForward,      # (i) a lost node's unforwarded votes taken as cast (found by it)
     "epoch-revote": EpochRevote,      # (j) a vote in an epoch whose keys were all collected (found by it)
+    "unstick-overcount": UnstickOvercount,  # (k) a count jumping past its size, never closed (found by it)
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}

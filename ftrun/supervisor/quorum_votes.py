@@ -38,14 +38,14 @@ class DeadVotes:
             self.routes.drop(node)  # a new connection next time
             return False
         self._node_added.setdefault((node, e, rnd), []).append(vote)
-        if keys.tally(total).votes == self._node_size(e, node):
+        if keys.closes(total, vote, self._node_size(e, node)):
             self._forward(node, local, e, rnd, top, total)
         return True
 
     def _add_run_vote(self, e: int, rnd: int, top: int, total: int) -> None:
-        t = keys.tally(self._s.add(keys.count_key(e, rnd), total))
-        if t.votes == len(self.epochs[e]):  # this closed the round: nobody else decides it
-            self._decide(e, rnd, top, t.commit)
+        after = self._s.add(keys.count_key(e, rnd), total)
+        if keys.closes(after, total, len(self.epochs[e])):  # this closed the round: nobody else decides it
+            self._decide(e, rnd, top, keys.tally(after).commit)
 
     def _node_client(self, node: Optional[int]):
         if node is None:

@@ -61,11 +61,12 @@ def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
-def _close_or_read(store: Any, total: int, epoch: int, rnd: int, size: int, latest_seen: int) -> Tuple[str, bool]:
-    """After an add that left the round's counter at `total`: decide the round if that add
-    closed it, else wait for its decision. (decision text, whether this add closed it)."""
+def _close_or_read(store: Any, total: int, added: int, epoch: int, rnd: int, size: int,
+                   latest_seen: int) -> Tuple[str, bool]:
+    """After an add of `added` that left the round's counter at `total`: decide the round if
+    that add closed it, else wait for its decision. (decision text, whether this add closed it)."""
     t = keys.tally(total)
-    if t.votes == size:
+    if keys.closes(total, added, size):
         # compare_set, not set: if this process had died right after its add, the supervisor
         # would have closed the round; whichever decision is written first is the one.
         mine = keys.decision_text(t.commit, latest_seen, 0 if t.commit else keys.read_kept(store, epoch, rnd))
@@ -93,12 +94,12 @@ def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int
         lower_kept(store, epoch, rnd, taken)
     vote = keys.OK_VOTE if ok else keys.FAIL_VOTE
     if node is None:
-        decision, closed = _close_or_read(store, store.add(keys.count_key(epoch, rnd), vote), epoch, rnd, size,
-                                          latest_seen)
+        decision, closed = _close_or_read(store, store.add(keys.count_key(epoch, rnd), vote), vote, epoch, rnd,
+                                          size, latest_seen)
     else:
         local = node.store
         total = local.add(keys.node_count_key(node.id, epoch, rnd), vote)
-        if keys.tally(total).votes == node_size:  # the node's last vote: this member forwards the node's count
+        if keys.closes(total, vote, node_size):  # the node's last vote: this member forwards the node's count
             decision, closed = forward(store, local, node.id, epoch, rnd, size, total, latest_seen)
         else:
             decision, closed = _text(local.get(keys.node_decision_key(node.id, epoch, rnd))), False
@@ -114,7 +115,7 @@ def forward(store: Any, local: Any, node: int, epoch: int, rnd: int, size: int, 
     copy the round's decision back into the node's store for its other members."""
     run_total = store.add(keys.count_key(epoch, rnd), total)
     local.set(keys.node_forwarded_key(node, epoch, rnd), "1")
-    decision, closed = _close_or_read(store, run_total, epoch, rnd, size, latest_seen)
+    decision, closed = _close_or_read(store, run_total, total, epoch, rnd, size, latest_seen)
     local.set(keys.node_decision_key(node, epoch, rnd), decision)
     return decision, closed
 
