@@ -25,8 +25,8 @@ def progress_key(rank: int) -> str:
     return f"ftrun/progress/{rank}"
 
 
-# A realtime signal nobody else uses (SIGUSR1/2 belong to user code: Lightning, SLURM
-# requeue): a worker dumps its Python stacks to its log when it gets it.
+# A realtime signal nobody else uses (SIGUSR1/2 belong to user code: Lightning, SLURM requeue):
+# a worker dumps its Python stacks to its log when it gets it.
 DUMP_STACKS_SIGNAL = signal.SIGRTMIN + 7
 
 # ---------------------------------------------------------------- supervisors of several nodes
@@ -110,7 +110,6 @@ RDZV_RUN = RDZV + "run"       # the run id, set by the node hosting the endpoint
 RDZV_MOVED = RDZV + "moved"   # host:port of the run's store now, left at the original endpoint
 RDZV_HOST = RDZV + "host"     # "<node> <gen>": the node hosting a moved store, and its generation
 
-# ---------------------------------------------------------------- --ft: quorum, votes, heals
 # ---------------------------------------------------------------- --ft: the round protocol
 # Each member (ft/manager.py) is in one phase at a time, reported in its info key; what it
 # waits for, and what ends the wait:
@@ -162,13 +161,11 @@ def start_key(epoch: int) -> str:
     return f"{PREFIX}start/{epoch}"   # round at which members switched to the epoch
 
 
-# A round's votes are one counter per (epoch, round): each member adds OK_VOTE or
-# FAIL_VOTE; the supervisor adds ABSTAIN_VOTE for a member it saw die (a dead member's
-# state no longer matters; had it finished the round's collectives, its peers' succeeded
-# too) and FAIL_VOTE for a live member that will never vote there. The add that brings
-# the count of votes to the epoch's size closes the round: its author writes the
-# decision (commit: no failed vote and at least one ok), every other member reads it.
-# O(1) store work per member. Each field has 21 bits: up to 2M votes of a kind per round.
+# A round's votes are one counter per (epoch, round): each member adds OK_VOTE or FAIL_VOTE; the
+# supervisor adds ABSTAIN_VOTE for a member it saw die (had it finished the round's collectives, its
+# peers' succeeded too) and FAIL_VOTE for a live member that will never vote there. The add that
+# takes the count to the epoch's size (or past it: closes) writes the decision (commit: no failed
+# vote, one ok at least); the others read it. Each field has 21 bits: 2M votes of a kind per round.
 OK_VOTE = 1
 ABSTAIN_VOTE = 1 << 21
 FAIL_VOTE = 1 << 42
@@ -190,11 +187,10 @@ def decision_key(epoch: int, round_: int) -> str:
 # join or a switch within a few rounds; a failure costs no more steps than with one (kept_key).
 ROUND_STEPS = 8
 ROUND_STEPS_ENV = "FTRUN_FT_ROUND_STEPS"
-# Unless FTRUN_FT_ROUND_STEPS is set, an epoch published once the keeper has seen the run's pace
-# has rounds of about this long at most (ROUND_STEPS steps at most): a restarted replica joins at
-# a round's top, and with a 21M-parameter model's 0.3 s steps, rounds of eight kept it waiting up
-# to 2.4 s (measured: back in 2.5-3.0 s after half the kills, 0.5 s after the others). One vote
-# per 0.2 s stays far under 1% of the time.
+# Unless FTRUN_FT_ROUND_STEPS is set, an epoch published once the keeper has seen the run's pace has
+# rounds of about this long (ROUND_STEPS steps at most): a restarted replica joins at a round's top,
+# and 21M-parameter steps of 0.3 s in rounds of eight kept it waiting up to 2.4 s (measured: back in
+# 2.5-3.0 s after half the kills). One vote per 0.2 s stays far under 1% of the time.
 ROUND_TARGET_S = 0.2
 
 
@@ -262,37 +258,30 @@ def tally(total: int) -> Tally:
 
 
 def closes(total: int, added: int, size: int) -> bool:
-    """Whether the add of `added` that left a counter at `total` completed a count of `size`
-    votes: it took the count from below `size` to `size` or past it. Exactly one add does,
-    even where the count goes past its size, which it can: the keeper votes for a member
-    it finds elsewhere, and that member may vote after all (it was stopped, then resumed
-    into the epoch); a node's forward then adds several votes at once, and a test of
-    `== size` would let the count jump over it and leave the round undecided for ever
-    (found by the simulator on three nodes)."""
+    """Whether the add of `added` that left a counter at `total` took it from below `size` to
+    `size` or past it. Exactly one add does. Past: the keeper's vote for a stopped member that
+    then voted too, before a node's forward of several votes (== size would never close it)."""
     return tally(int(total) - int(added)).votes < size <= tally(total).votes
 
 
-# Votes through a node's relay (--ft on several nodes): a node's workers vote in their
-# node's own store (its standby store, FTRUN_NODE_STORE; the run's store itself on the node
-# hosting it) and the run's store sees one vote per node and round. A member adds its vote to
-# node_count_key; the add that completes the node's count (the epoch's members on that node)
-# makes its author the node's forwarder: it adds the node's whole count to count_key (the
-# fields add up), then copies the round's decision into node_decision_key, where the node's
-# other members read it. The keeper's votes for a dead or absent member go to its node's
-# counter while that node's store answers (a keeper's add that completes it forwards, as a
-# member would), to count_key once the node is lost. node_forwarded_key says the node's count
-# reached count_key: without it, a completed count whose forwarder died is forwarded by the
-# keeper. NODE_LOST_DECISION, written by the node's ftrun after the run's store moved, ends
-# the wait of members whose forwarder could not reach the old store.
+# Votes through a node's relay (--ft on several nodes): a node's workers vote in their node's own
+# store (its standby store, FTRUN_NODE_STORE; the run's store on the node hosting it), and the run's
+# store sees one vote per node and round. The add that completes node_count_key (the epoch's members
+# on that node) makes its author the node's forwarder: it adds the node's whole count to count_key
+# (the fields add up), then copies the round's decision into node_decision_key for the node's other
+# members. The keeper's votes for a dead or absent member go to its node's counter while that store
+# answers (an add of the keeper's that completes it forwards), to count_key once the node is lost.
+# node_forwarded_key: the node's count reached count_key (else the keeper forwards a completed count
+# whose forwarder died). NODE_LOST_DECISION, written by the node's ftrun after the run's store moved,
+# ends the wait of members whose forwarder could not reach the old store.
 NODE_LOST_DECISION = "lost 0"
 NODE_RANKS_ENV = "FTRUN_NODE_RANKS"  # "<node> <first global rank> <count>" of the worker's node
 NODE_STORE_ENV = "FTRUN_NODE_STORE"  # "<host>:<port>" of the worker's node's store
 
 
 def relayed_node(env: Mapping[str, str]) -> Optional[Tuple[int, int, int, str]]:
-    """(node, first global rank, count, node store address) of a worker whose node relays, from
-    the environment its ftrun set; None when it does not (or the environment is malformed): the
-    worker then votes and reports in the run's store itself, as on one node."""
+    """(node, first global rank, count, node store address) of a worker whose node relays, from the
+    environment its ftrun set; None when it does not (or it is malformed): it uses the run's store."""
     spec = env.get(NODE_RANKS_ENV, "").split()
     addr = env.get(NODE_STORE_ENV)
     if len(spec) != 3 or not addr or not all(p.isdigit() for p in spec):
