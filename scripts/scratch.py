@@ -8,6 +8,7 @@ Worker processes of a benchmark must not enter it (they would install their own 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.util
 import os
 import shutil
 import signal
@@ -23,6 +24,9 @@ def _as_exit(signum, frame):  # noqa: ARG001
 @contextlib.contextmanager
 def scratch(prefix: str) -> Iterator[Path]:
     """A fresh folder under the system's temp folder, made the default temp folder until the end."""
+    # multiprocessing's own folder (its fork server's socket) is made first, outside: it removes
+    # that folder itself at exit, after this one is gone, and would fail on a folder removed here.
+    multiprocessing.util.get_temp_dir()
     folder = tempfile.mkdtemp(prefix=prefix)
     before, env_before = tempfile.tempdir, os.environ.get("TMPDIR")
     handler = signal.signal(signal.SIGTERM, _as_exit)
