@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
+import scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 50
@@ -295,8 +295,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv:  # a worker of the benchmark: no scratch of its own
-        main()
-    else:
-        with scratch("ftrun-bench-checkpoint-"):
-            main()
+    scratch.run(main)

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
+import scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT = re.compile(r"\[(result|heal)\] (\{.*\})")
@@ -292,8 +292,4 @@ def _torch_version() -> str:
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv:  # a worker of the benchmark: no scratch of its own
-        main()
-    else:
-        with scratch("ftrun-bench-data-"):
-            main()
+    scratch.run(main)

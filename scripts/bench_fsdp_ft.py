@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train_fsdp_ft.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 from bench_heal import floor_seconds, kill_when_running  # noqa: E402  (the same floor: a pair per shard)
-from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
+import scratch  # noqa: E402
 
 # name -> (dim, hidden, blocks, batch, steps before the kill, steps in all)
 SIZES = {
@@ -151,5 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with scratch("ftrun-bench-fsdp-ft-"):
-        main()
+    scratch.run(main)

@@ -39,7 +39,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
+import scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {
@@ -179,5 +179,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with scratch("ftrun-bench-ft-overhead-"):
-        main()
+    scratch.run(main)

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import psutil
-from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
+import scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train_ft.py"
@@ -217,5 +217,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with scratch("ftrun-bench-heal-"):
-        main()
+    scratch.run(main)

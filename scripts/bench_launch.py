@@ -30,7 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
+import scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -178,5 +178,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with scratch("ftrun-bench-launch-"):
-        main()
+    scratch.run(main)

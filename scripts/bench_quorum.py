@@ -52,7 +52,7 @@ import torch.distributed as dist  # noqa: E402
 from ftrun import protocol as keys  # noqa: E402
 from ftrun.worker.ft import vote  # noqa: E402
 from ftrun.protocol import Epoch  # noqa: E402
-from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
+import scratch  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=120)
 
@@ -442,5 +442,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with scratch("ftrun-bench-quorum-"):
-        main()
+    scratch.run(main)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
-from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
+import scratch
 
 LOOP = """\
 import os, sys, time
@@ -126,5 +126,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with scratch("ftrun-bench-status-"):
-        main()
+    scratch.run(main)

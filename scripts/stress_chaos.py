@@ -30,7 +30,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from scratch import scratch  # noqa: E402  (scripts/ is on sys.path when a script runs)
+import scratch
 
 ROOT = Path(__file__).resolve().parent.parent
 DUMP_STACKS = signal.SIGRTMIN + 7  # ftrun.protocol.DUMP_STACKS_SIGNAL
@@ -183,5 +183,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    with scratch("ftrun-stress-chaos-"):
-        main()
+    scratch.run(main)

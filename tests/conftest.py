@@ -32,14 +32,11 @@ def _temporary_files_in_pytests_folder(tmp_path_factory):
     which it prunes, not loose in /tmp."""
     import tempfile
 
-    before, env_before = tempfile.tempdir, os.environ.get("TMPDIR")
-    tempfile.tempdir = os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
-    yield
-    tempfile.tempdir = before
-    if env_before is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = env_before
+    folder = str(tmp_path_factory.mktemp("tmp"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", folder)
+        patch.setenv("TMPDIR", folder)
+        yield
 
 
 @pytest.fixture
