@@ -28,8 +28,14 @@ def test_tutorial_port_trains_what_the_original_trains(ftrun_home, tmp_path):
     DistributedSampler's batches; two replicas sum the same way as DDP)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
-    t = subprocess.run([torchrun, "--nproc-per-node", "2", str(ORIGINAL), "3", "1", "--snapshot",
-                        str(tmp_path / "t.pt")], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    oracle = [torchrun, "--nproc-per-node", "2", str(ORIGINAL), "3", "1", "--snapshot", str(tmp_path / "t.pt")]
+    t = subprocess.run(oracle, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    if t.returncode != 0 and "terminate called without an active exception" in t.stderr:
+        # The oracle itself (plain torchrun, no ftrun) once had a worker abort in torch's C++
+        # teardown (once in this stop's clean runs; 14 runs after it passed): that is torch's, so the
+        # oracle is run once more, from the start. ftrun's own runs below get no second try.
+        (tmp_path / "t.pt").unlink(missing_ok=True)
+        t = subprocess.run(oracle, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert t.returncode == 0, t.stderr[-3000:]
     plain = run_ftrun(["--nproc", 2, ORIGINAL, 3, 1, "--snapshot", tmp_path / "f.pt"], timeout=300)
     assert plain.returncode == 0, plain.stderr[-3000:]
