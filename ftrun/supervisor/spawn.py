@@ -9,7 +9,9 @@ Both put every worker in its own session with a parent-death signal and post
 zygote reaps on SIGCHLD; Popen children have a waiter thread each) — no
 polling. The supervisor (and the zygote) are child subreapers: a process a worker
 started and left behind (setsid, SIGTERM ignored) is reparented to them, not to
-init, and close() kills it when the run ends. Must never decide policy: it starts, signals and reports, nothing else.
+init, and close() kills it when the run ends. Children ftrun had before it started
+anything (bash's `> >(tee log)` forks the tee in the process that then execs ftrun)
+are not its to stop. Must never decide policy: it starts, signals and reports, nothing else.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import psutil
 
@@ -80,6 +82,7 @@ class ZygoteSpawner:
 
     def __init__(self, events: "queue.Queue", env: Dict[str, str], cwd: str) -> None:
         self.events = events
+        note_inherited_children()
         become_subreaper()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = parent
@@ -175,6 +178,7 @@ class PopenSpawner:
 
     def __init__(self, events: "queue.Queue") -> None:
         self.events = events
+        note_inherited_children()
         become_subreaper()
         self.ready = threading.Event()
         self.ready.set()
@@ -196,12 +200,47 @@ class PopenSpawner:
         kill_orphans()
 
 
+# (pid, start time) of the processes that were this process's children and descendants before
+# it started any: a shell's process substitution (`ftrun ... > >(tee out.txt)`) is one.
+_inherited: Optional[Set[Tuple[int, float]]] = None
+
+
+def _key(p: psutil.Process) -> Tuple[int, float]:
+    return p.pid, p.create_time()  # the start time tells a reused pid apart
+
+
+def note_inherited_children() -> None:
+    """Remember the processes already below this one, before it starts any worker (once):
+    kill_orphans leaves them alone."""
+    global _inherited
+    if _inherited is not None:
+        return
+    _inherited = set()
+    try:
+        for p in psutil.Process().children(recursive=True):
+            try:
+                _inherited.add(_key(p))
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+
+
 def kill_orphans(timeout: float = 5.0) -> List[int]:
     """SIGKILL every process still below the supervisor once its workers are gone: what workers
-    left behind was reparented here (subreaper). Call only when no worker or zygote should live.
+    left behind was reparented here (subreaper). What was below it before it started anything
+    is not its own, and is left to run. Call only when no worker or zygote should live.
     Returns their pids."""
+    inherited = _inherited or set()
+    left: List[psutil.Process] = []
     try:
-        left = psutil.Process().children(recursive=True)
+        for child in psutil.Process().children():
+            try:
+                if _key(child) in inherited:
+                    continue
+                left += [child] + [p for p in child.children(recursive=True) if _key(p) not in inherited]
+            except psutil.Error:
+                pass
     except psutil.Error:
         return []
     for p in left:
