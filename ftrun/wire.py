@@ -18,6 +18,21 @@ from typing import Any, Dict, Mapping, Optional, Union
 Raw = Union[bytes, str, None]
 
 
+# A message line longer than this is no sentence a person reads (a tensor's repr, a dump): only
+# such a line is cut, so that a log or a report never carries megabytes of it.
+LINE_LIMIT = 4000
+
+
+def first_line(text: str, limit: int = LINE_LIMIT) -> str:
+    """The first non-blank line of `text`, whole: every refusal's fix is at its end. Only a line
+    over `limit` characters is cut, at a space, and says so."""
+    line = next((part.strip() for part in text.strip().splitlines() if part.strip()), "")
+    if len(line) <= limit:
+        return line
+    cut = line.rfind(" ", 0, limit)
+    return line[:cut if cut > limit // 2 else limit] + f" ... ({len(line)} characters in all)"
+
+
 def _text(raw: Raw) -> str:
     if raw is None:
         return ""
@@ -128,7 +143,7 @@ class WorkerError:
             return None
         msg = obj.get("message") if isinstance(obj, dict) else None
         if isinstance(msg, str):
-            return cls(msg.strip().splitlines()[0][:200]) if msg.strip() else None
+            return cls(first_line(msg)) if msg.strip() else None
         if not isinstance(msg, dict) or not isinstance(msg.get("message"), str) or not msg["message"].strip():
             return None
         extra = msg.get("extraInfo") if isinstance(msg.get("extraInfo"), dict) else {}
@@ -141,7 +156,7 @@ class WorkerError:
             ts = int(extra.get("timestamp") or 0)
         except (TypeError, ValueError):
             ts = 0
-        return cls(msg["message"].strip().splitlines()[0][:200], where, stack, ts)
+        return cls(first_line(msg["message"]), where, stack, ts)
 
     @property
     def signature(self) -> str:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import FTRUN, ROOT
+from conftest import FTRUN, ROOT, run_ftrun
 
 HELLO = "import os\nprint('hello from rank', os.environ['RANK'], flush=True)\n"
 
@@ -36,3 +36,63 @@ def test_process_substitution_keeps_its_reader_and_exit_0(tmp_path, ftrun_home):
     text = out.read_text()
     assert "hello from rank 0" in text and "finished in" in text, text
     assert "goodput" in text, text
+
+
+# A small ftrun.ft script: DIM inputs, the torch.optim class OPTIM, and with "iter" an
+# IterableDataset given to ft.DataLoader (which refuses it).
+FT_SMALL = """\
+import sys
+import torch
+import ftrun.ft as ft
+dim, optim, data = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+model = ft.DistributedDataParallel(torch.nn.Linear(dim, 1))
+opt = ft.Optimizer(getattr(torch.optim, optim)(model.parameters(), lr=0.01))
+if data == "iter":
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(torch.ones(100, dim))
+    ft.DataLoader(Stream(), batch_size=4)
+for step in ft.steps(4):
+    opt.zero_grad()
+    model(torch.ones(2, dim)).sum().backward()
+    opt.step()
+"""
+
+
+def _refusal(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stderr.splitlines() if "stopping the run (exit 2)" in line]
+    assert proc.returncode == 2 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def test_refusal_lines_reach_the_console_whole(tmp_path, ftrun_home):
+    """A refusal's fix is at the end of its line: a line cut at 200 characters lost it."""
+    script = tmp_path / "small_ft.py"
+    script.write_text(FT_SMALL)
+    ck = tmp_path / "a-checkpoint-folder-with-a-long-name-as-real-ones-have" / "ck"
+    base = ["--nproc", 1, "--ft", "--checkpoint-dir", ck]
+    first = run_ftrun(base + ["--checkpoint-every", 2, script, 4, "Adam", "none"], timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shape = _refusal(run_ftrun(base + [script, 8, "Adam", "none"], timeout=180))
+    assert "is [1, 4] in the checkpoint, [1, 8] in this run" in shape, shape
+    assert shape.endswith("give this run its own --checkpoint-dir; stopping the run (exit 2)"), shape
+    other = _refusal(run_ftrun(base + [script, 4, "AdamW", "none"], timeout=180))
+    assert "written with optimizer Adam, this run uses AdamW" in other, other
+    assert other.endswith("give this run its own --checkpoint-dir; stopping the run (exit 2)"), other
+    stream = _refusal(run_ftrun(["--nproc", 1, "--ft", script, 4, "SGD", "iter"], timeout=180))
+    assert stream.endswith("or read it by the step in an ft.steps() loop; stopping the run (exit 2)"), stream
+    assert max(len(shape), len(other), len(stream)) > 200  # what used to be cut
+
+
+def test_a_line_of_megabytes_is_cut_at_a_word():
+    """Only a line no person reads (a dump) is bounded, at a space, saying how long it was."""
+    from ftrun.wire import LINE_LIMIT, WorkerError, first_line
+
+    assert first_line("  \n" + "word " * 50 + "end\nsecond line") == ("word " * 50 + "end")
+    cut = first_line("word " * 1_000_000 + "end")
+    assert len(cut) < LINE_LIMIT + 60 and cut.endswith("(5000003 characters in all)")
+    assert cut.split(" ...")[0].endswith("word")
+    raw = WorkerError("RuntimeError: " + "x" * 300 + " fix it").encode()
+    assert WorkerError.decode(raw).message.endswith("fix it")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ftrun.protocol import EXIT_FAILED, EXIT_REQUEUE, EXIT_USAGE, NodeKeys
-from ftrun.wire import FirstFailure
+from ftrun.wire import FirstFailure, first_line
 
 BEAT_S = 0.25
 def _node_timeout() -> float:
@@ -95,6 +95,5 @@ def node_list(raw: bytes) -> List[int]:
 
 def one_line(e: BaseException) -> str:
     """torch's store errors carry C++ frames after the first line; people need only the first."""
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
+    return first_line(str(e)) or type(e).__name__
 

@@ -17,7 +17,7 @@ from rich.text import Text
 from ftrun.supervisor.spawn import signal_name
 from ftrun.supervisor.worker import WorkerState
 from ftrun.supervisor.worker import Failure, Worker
-from ftrun.wire import WorkerError
+from ftrun.wire import WorkerError, first_line
 
 SIGNAL_HINTS = {
     "SIGKILL": "often the out-of-memory killer",
@@ -64,7 +64,7 @@ def _last_exception_line(tail: List[str]) -> Optional[str]:
     for line in tail[starts[-1] + 1:]:
         s = line.strip()
         if s and not s.startswith(("File ", "^", "~")) and not line.startswith(" "):
-            return s[:200]
+            return first_line(s)
     return None
 
 
@@ -78,7 +78,7 @@ def early_signature(tail: List[str]) -> Optional[str]:
         return None
     for line in tail[frames[-1] + 1:]:
         if line.strip() and not line.startswith((" ", "\t", "^", "~")):
-            return f"{line.strip()[:200]} | {tail[frames[-1]].strip()}"
+            return f"{first_line(line)} | {tail[frames[-1]].strip()}"
     return None
 
 

@@ -38,6 +38,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ftrun.wire import first_line
+
 META = "ftrun.json"            # written last, by the replica's first worker: the step, checksums, the write's cost
 STEP_DIR = re.compile(r"step-(\d+)")
 PARTIAL_DIR = re.compile(r"\.step-(\d+)\.[A-Za-z0-9._-]+\.partial")
@@ -317,4 +319,4 @@ def one_line(e: BaseException) -> str:
     if not lines:
         return name
     # KeyError(<class 'type'>) reads "<class 'type'>" alone: the kind of error says what it was.
-    return (lines[0] if lines[0].startswith(name) else f"{name}: {lines[0]}")[:200]
+    return first_line(lines[0] if lines[0].startswith(name) else f"{name}: {lines[0]}")

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from ftrun.wire import first_line
 from ftrun.worker.ft.group import settle
 
 CHUNK_BYTES = 64 << 20
@@ -239,7 +240,7 @@ def receive_state(pg: dist.ProcessGroup, local: Any, device: torch.device, chunk
         header = torch.load(io.BytesIO(head.cpu().numpy().tobytes()), weights_only=True)
     except Exception as e:  # weights_only refused it, or it is not a torch.save stream at all
         raise StateMismatch(f"the state header a peer sent does not load with weights_only=True: "
-                            f"{str(e).splitlines()[0][:200]}") from None
+                            f"{first_line(str(e))}") from None
     skel, meta = header["skeleton"], header["meta"]
     received = _Skeleton(skel, len(meta))
     own = _local_tensors(local)
