@@ -164,6 +164,12 @@ class WorkerError:
         return f"{self.message} | {self.where}"
 
 
+# The `where` of the error a --ft worker records as it restarts (protocol.EXIT_REPLICA_RESTART)
+# because the others' decision of a round contradicts what it did: another replica's failure
+# caused it, and no budget pays for it (ftrun.supervisor.peer_restarts).
+PEERS_DECIDED = "ftrun.ft: a round its peers decided otherwise"
+
+
 @dataclass(frozen=True)
 class FirstFailure:
     """The first failure of a group attempt, as the nodes agree on it (protocol.NodeKeys.fail,

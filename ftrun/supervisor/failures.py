@@ -16,9 +16,11 @@ import signal
 import time
 from typing import List, Optional
 
-from ftrun.protocol import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_USAGE
+from ftrun import protocol as keys
+from ftrun.protocol import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ftrun.supervisor.logs import drain
 from ftrun.supervisor.nodes import NodeEvent, one_line
+from ftrun.supervisor.peer_restarts import forced_by_peers, peer_reason
 from ftrun.supervisor.env import error_file
 from ftrun.supervisor.report import early_signature, error_reason, exit_reason, failure_report, worker_error
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy
@@ -68,9 +70,11 @@ class FailureDecisions:
             return
         self.by_tag.pop(ev.tag)
         w.kill_at = None
+        over = self._training_over()
         if self.quorum is not None:
-            # first: the survivors may be waiting for its vote
-            self.quorum.on_exit(w.rank, w.incarnation, finished=ev.exit_code == 0 and not w.hang_reason)
+            # first: the survivors may be waiting for its vote. Past the run's last step it left the
+            # loop, whatever it did after: no epoch may start without it (nobody trains again).
+            self.quorum.on_exit(w.rank, w.incarnation, finished=over or ev.exit_code == 0 and not w.hang_reason)
         for p in w.pumps:
             p.done.wait(0.5)
         self._dirty = True
@@ -87,18 +91,44 @@ class FailureDecisions:
                 return
         # The worker's own structured error (TORCHELASTIC_ERROR_FILE) before its stderr's words.
         error = None if ev.signal or w.hang_reason else worker_error(error_file(self.cfg, w.rank), w.started)
-        reason = w.hang_reason or (error_reason(ev.exit_code, error) if error is not None
+        peers = self.quorum is not None and not w.hang_reason and forced_by_peers(ev.exit_code, error)
+        reason = w.hang_reason or (peer_reason(error.message, w.rank // self.k, self.k, self.workers, time.time())
+                                   if peers else error_reason(ev.exit_code, error) if error is not None
                                    else exit_reason(ev.exit_code, ev.signal, tail))
         early = not w.first_step_seen and not w.hang_reason and not ev.signal
         signature = (error.signature if error is not None else early_signature(tail)) if early else None
         failure = Failure(rank=w.rank, pid=ev.pid, exit_code=ev.exit_code, signal=ev.signal, reason=reason,
                           when=time.time(), stderr_tail=tail, log_path=str(self.logs[w.rank].stderr_path),
-                          signature=signature)
+                          signature=signature, by_peers=peers)
         w.last_failure = failure
-        if self.first_failure is None:
+        if self.first_failure is None and not peers:
             self.first_failure = failure
         self.ledger.failed(w, failure, time.time(), ev.seen)
+        if over:
+            self._failed_after_loop(w, failure)
+            return
         self._on_failure(w, failure)
+
+    def _training_over(self) -> bool:
+        """--ft: a member has left the training loop at the run's last step (protocol.FINISHED, set
+        before any member leaves it): a restarted replica would train nothing."""
+        st = self.store
+        if self.quorum is None or st is None or st.store is None or not st.ready.is_set():
+            return False
+        try:
+            return bool(st.store.check([keys.FINISHED]))
+        except Exception:  # the store is gone: the run's end is not known, a restart is no harm
+            return False
+
+    def _failed_after_loop(self, w: Worker, failure: Failure) -> None:
+        """A worker failed in the script's code after the training loop (an evaluation, a final
+        save): the run failed, as under torchrun. No restart (it would train nothing and run that
+        code again); the others end what they are doing, then the report (_run_ended)."""
+        w.state = WorkerState.FAILED
+        self.after_loop.append(failure)
+        self.console.note(f"rank {w.rank} (pid {failure.pid}) {failure.reason} after the training loop had ended; "
+                          f"not restarted (nothing is left to train): the run fails once the others end",
+                          style="bold red")
 
     def _why_it_cannot_go_on(self, w: Worker, tail: List[str]) -> str:
         """The reason a worker that exited EXIT_CANNOT_GO_ON recorded in its error file; from its
@@ -140,14 +170,17 @@ class FailureDecisions:
             self.console.note(f"{who} {failure.reason} after the others finished; not restarted",
                               style="yellow")
             return
-        decision = self.policy.on_failure(rep, live_after, failure.signature)
+        # A restart the others' decision forced (peer_restarts.py) is not this replica's failure.
+        decision = (Decision.RESTART_REPLICA if failure.by_peers
+                    else self.policy.on_failure(rep, live_after, failure.signature))
         if decision is Decision.RESTART_REPLICA:
-            used = self.policy.restarts[rep]
+            used = self.policy.restarts.get(rep, 0)
+            budget = ("not counted against its restart budget" if failure.by_peers
+                      else f"restart {used} of {self.policy.max_restarts}")
             alone = ("it alone" if self.k == 1 else
                      f"its replica ({self.k} workers, ranks {rep * self.k}-{rep * self.k + self.k - 1}) alone")
             self.console.note(f"{who} (pid {failure.pid}) {failure.reason}; restarting {alone} "
-                              f"(restart {used} of {self.policy.max_restarts}); the others keep training",
-                              style="bold yellow")
+                              f"({budget}); the others keep training", style="bold yellow")
             w.state = WorkerState.RESTARTING
             self._stop_mates(mates, WorkerState.RESTARTING)
             for o in [w] + mates:
@@ -277,13 +310,41 @@ class FailureDecisions:
         except Exception as e:  # the attempt may still work; say why it might not
             self.console.note(f"could not clear the store between attempts: {e}", style="yellow")
 
-    def _give_up(self, failure: Failure) -> int:
+    def _run_ended(self) -> int:
+        """Every worker has ended: ftrun's exit status, 0 only when each one's last process exited 0.
+        A failure after the training loop gets the failure report; a replica given up after its
+        restart budget (the others trained on) ends the run with its status."""
+        lost = [w for w in self.workers if w.state == WorkerState.FAILED]
+        if self.after_loop:
+            self.first_failure = min(self.after_loop, key=lambda f: f.when)
+            ranks = ", ".join(str(f.rank) for f in sorted(self.after_loop, key=lambda f: f.rank))
+            self.give_up_why = (f"rank{'s' if len(self.after_loop) > 1 else ''} {ranks} failed after the training "
+                                f"loop had ended; not restarted: nothing was left to train")
+            return self._give_up(self.first_failure, early_exits=False)
+        if not lost:
+            return EXIT_OK
+        if any(w.state == WorkerState.DONE for w in self.workers) or not self.first_failure:
+            failures = [w.last_failure for w in lost if w.last_failure is not None]
+            first = min(failures, key=lambda f: f.when) if failures else None
+            code = first.status_code if first is not None else EXIT_FAILED
+            self.first_failure = first or self.first_failure
+            self.console.note(
+                f"finished with {len(self.workers) - len(lost)} of {len(self.workers)} replicas; "
+                + "; ".join(f"rank {w.rank} was given up after {w.restarts} restart(s): "
+                            f"{w.last_failure.reason if w.last_failure else 'failed'}" for w in lost)
+                + f"; exit {code}: not every worker finished", style="bold yellow")
+            return code
+        return self.first_failure.status_code
+
+    def _give_up(self, failure: Failure, early_exits: bool = True) -> int:
+        """The failure report; ftrun's exit status. `early_exits`: name ranks that exited 0
+        before the failure as its likely cause (not after the training loop, where all do)."""
         first = self.first_failure or failure
         attempts = self.give_up_why or (f"restart budget spent ({self.cfg.max_restarts} restart"
                                         f"{'s' if self.cfg.max_restarts != 1 else ''}, {self.policy.name})")
         drain([p for w in self.workers for p in w.pumps])  # the report comes after the workers' lines
         self._fill_goodput(end=True)  # the goodput summary, before the report: the report is the last word
-        self.console.renderable(failure_report(first, attempts, self.workers))
+        self.console.renderable(failure_report(first, attempts, self.workers if early_exits else ()))
         return first.status_code
 
     def _rank0_report(self, attempt: int) -> Optional[ProgressReport]:

@@ -48,6 +48,9 @@ class Failure:
     # A traceback's exception and innermost line, when it came before the incarnation's first
     # step: the same twice in a row is a deterministic error, not retried (restart.py).
     signature: Optional[str] = None
+    # A restart the other replicas' decision of a round forced on a sound process (peer_restarts.py):
+    # charged to no budget, never the run's first failure.
+    by_peers: bool = False
 
     @property
     def status_code(self) -> int:

@@ -71,7 +71,7 @@ def leave(code: int, line: str = "") -> NoReturn:
     os._exit(code)
 
 
-def _record(line: str) -> bool:
+def _record(line: str, where: str = "") -> bool:
     """Write `line` as this worker's recorded error (TORCHELASTIC_ERROR_FILE); False when it
     could not be written (no such file set, a full disk): the line then goes to stderr as is."""
     import time
@@ -85,14 +85,20 @@ def _record(line: str) -> bool:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w") as f:
-            f.write(WorkerError(line, timestamp=int(time.time())).encode())
+            f.write(WorkerError(line, where=where, timestamp=int(time.time())).encode())
         os.replace(path + ".tmp", path)
         return True
     except OSError:
         return False
 
 
-def restart_replica(line: str) -> NoReturn:
+def restart_replica(line: str, peers_decided: str = "") -> NoReturn:
     """Exit so that ftrun restarts this replica (protocol.EXIT_REPLICA_RESTART), which then joins
-    and heals from a peer like any newcomer."""
+    and heals from a peer like any newcomer. `peers_decided`: why, when the others' decision of
+    a round contradicts what this member did; recorded for the supervisor, for which another
+    replica's failure caused this restart, not this one's (wire.PEERS_DECIDED)."""
+    if peers_decided:
+        from ftrun.wire import PEERS_DECIDED
+
+        _record(peers_decided, PEERS_DECIDED)
     leave(keys.EXIT_REPLICA_RESTART, line)

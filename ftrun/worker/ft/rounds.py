@@ -223,5 +223,7 @@ class Rounds:
 
     def _restart(self, why: str) -> None:
         """This member's state is not the committed one and no peer can take it back: exit, so
-        that ftrun restarts the replica and it heals from a peer like any newcomer."""
-        restart_replica(f"rank {self.rank}: {why}; restarting to take the committed state from a peer")
+        that ftrun restarts the replica and it heals from a peer like any newcomer. The round's
+        decision came from the others: the supervisor is told, so that it names the failure
+        that caused it and charges no restart budget for it."""
+        restart_replica(f"rank {self.rank}: {why}; restarting to take the committed state from a peer", why)
