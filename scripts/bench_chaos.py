@@ -74,6 +74,10 @@ line by line in threads and time-stamped on arrival):
   `1st step` is the announce-based figure for every mode.
 - 5 s spread: (max - min) / mean of the steps/s of the 5 s slices of a
   failure-free window: how noisy the machine was. load: 1-minute load average.
+- Survivor restarts (--ft): ftrun's restart lines ("rank N (pid P) ...; restarting") of a pid the
+  bench never killed: a replica that left its process because of another's failure (a round it
+  stepped past, voted down after a peer died mid-collective). Printed per window, with the lines,
+  and in --json; the goal is 0.
 - Lost steps per failure: --ft: rounds discarded (state.json's
   steps_discarded over the window) per kill. Without --ft: the highest step
   reached before the failure was detected minus the step resumed from.
@@ -116,6 +120,8 @@ ANNOUNCE_RE = re.compile(r"\[announce\] rank (\d+) pid (\d+) first step (\d+) t 
 FTRUN_DETECT_RE = re.compile(r"ftrun: rank (\d+) \(pid (\d+)\) killed by SIGKILL")
 TORCHRUN_DETECT_RE = re.compile(r"exitcode: -9\) local_rank: (\d+) \(pid: (\d+)\)")
 REJOIN_RE = re.compile(r"rank (\d+) is training again, healed from a peer ([\d.]+) s after it failed")
+# ftrun's line for every replica it restarts: a survivor's is one whose pid was never killed
+RESTART_RE = re.compile(r"ftrun: rank (\d+) \(pid (\d+)\) (.*); restarting")
 
 
 # --------------------------------------------------------------------------- one launcher run
@@ -188,6 +194,8 @@ class Result:
     startup_s: float = 0.0
     launcher_rc: Optional[int] = None
     anomalies: List[str] = field(default_factory=list)
+    # --ft: ftrun's restart lines for ranks that were not killed (a survivor left its process)
+    survivor_restarts: List[str] = field(default_factory=list)
 
 
 def command(mode: str, args: argparse.Namespace, run_id: str, ckpt: Path) -> List[str]:
@@ -398,7 +406,10 @@ def analyse(mode: str, kills: List[Kill], lines: List[Tuple[float, str, str]], w
         if m:
             rejoins.append((t, int(m.group(1)), float(m.group(2))))
 
+    killed = {k.pid for w in windows for k in w.kills}
     for w in windows:
+        w.survivor_restarts = [line for t, _name, line in lines if w.t0 <= t <= w.t1 + 5
+                               and (m := RESTART_RE.search(line)) and int(m.group(2)) not in killed]
         for k in w.kills:
             d = [t for t, _r, pid in detects if pid == k.pid and t >= k.t]
             if d:
@@ -614,7 +625,10 @@ def main() -> None:
             for a in r.anomalies:
                 console.print(f"[yellow]  {a}[/]")
             console.print(f"  {'failure-free' if r.period is None else f'T = {r.period:g} s'}: {r.steps} steps in "
-                          f"{r.t1 - r.t0:.0f} s ({r.steps_per_s:.1f}/s), {len(r.kills)} kills")
+                          f"{r.t1 - r.t0:.0f} s ({r.steps_per_s:.1f}/s), {len(r.kills)} kills"
+                          + (f", {len(r.survivor_restarts)} survivor restarts" if mode == "ft" else ""))
+            for line in r.survivor_restarts:
+                console.print(f"    survivor: {line}", markup=False)
             if r.period is None:
                 refs[mode] = r
         results += rs
@@ -666,10 +680,14 @@ def main() -> None:
         raw = [{"mode": r.mode, "period": r.period, "steps": r.steps, "steps_per_s": r.steps_per_s,
                 "window": [r.t0, r.t1], "discarded": r.discarded, "load": r.load, "startup_s": r.startup_s,
                 "segment_rates": r.segment_rates, "launcher_rc": r.launcher_rc, "anomalies": r.anomalies,
+                "survivor_restarts": r.survivor_restarts,
                 "kills": [k.__dict__ for k in r.kills]} for r in results]
         Path(args.json).write_text(json.dumps(raw, indent=1))
-    if args.keep:
-        console.print(f"launcher logs kept in {tmp}")
+    if args.keep:  # out of the scratch folder (scripts/scratch.py), which goes when the benchmark ends
+        import shutil
+
+        kept = Path(shutil.copytree(tmp, Path(tempfile.gettempdir()).parent / tmp.name, symlinks=True))
+        console.print(f"launcher logs kept in {kept}")
     else:
         import shutil
 
