@@ -113,7 +113,8 @@ OPTIONS_LIST: Tuple[Option, ...] = (
     _opt("standalone", ("--standalone",), flag, False, "One node, store on a free local port (as torchrun).",
          "same", pet=True, is_flag=True),
     _opt("max_restarts", _both("--max-restarts"), count(0), None,
-         "Restart budget: per group, or per replica with --ft. [default: 0, or 3 with --ft]",
+         "Restart budget: per group, or per replica with --ft (a replica given up fails the run: exit 0 "
+         "only when every worker exits 0). [default: 0, or 3 with --ft]",
          "same (per replica with --ft)", pet=True, metavar="N"),
     _opt("monitor_interval", _both("--monitor-interval"), seconds, 0.1,
          "Accepted for torchrun; ftrun sees exits at once, without polling.",

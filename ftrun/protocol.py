@@ -395,8 +395,8 @@ class ExitStatus(NamedTuple):
 
 
 EXIT_STATUSES: Tuple[ExitStatus, ...] = (
-    ExitStatus(str(EXIT_OK), "EXIT_OK", "ftrun", "Every worker finished with 0 (under --ft: every replica that "
-               "was not dropped after spending its budget)."),
+    ExitStatus(str(EXIT_OK), "EXIT_OK", "ftrun", "Every worker finished with 0 (under --ft: every replica's "
+               "last process; a replica given up, or a failure after the training loop, is not 0)."),
     ExitStatus(str(EXIT_FAILED), "EXIT_FAILED", "ftrun", "The run failed: a worker failed without an exit status "
                "of its own to pass on, the zygote died, a node was lost on a run that needs every node, or a "
                "c10d run could not re-form."),
@@ -404,7 +404,7 @@ EXIT_STATUSES: Tuple[ExitStatus, ...] = (
                "started. Also a run that cannot form (a node rank taken twice, nodes that never came, node 0 "
                "unreachable) and a checkpoint written by another model or optimizer."),
     ExitStatus("N", "-", "ftrun", "The status N of the worker that failed first, once the restart budget is "
-               "spent."),
+               "spent; under --ft also once the others finished without it, or when it failed after the loop."),
     ExitStatus(f"{EXIT_SIGNAL_BASE} + N", "EXIT_SIGNAL_BASE", "ftrun", "The first failed worker was killed by "
                "signal N (137: SIGKILL, often the out-of-memory killer); or ftrun itself was stopped by signal N."),
     ExitStatus(str(EXIT_SIGINT), "EXIT_SIGINT", "ftrun", "Stopped by Ctrl-C (SIGINT): the workers got it and the "

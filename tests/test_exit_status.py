@@ -96,3 +96,64 @@ def test_a_line_of_megabytes_is_cut_at_a_word():
     assert cut.split(" ...")[0].endswith("word")
     raw = WorkerError("RuntimeError: " + "x" * 300 + " fix it").encode()
     assert WorkerError.decode(raw).message.endswith("fix it")
+
+
+# An ftrun.ft script whose code after the training loop (an evaluation, a final save) raises on
+# the ranks listed in its first argument ("all", or comma-separated ranks); with "exit3" those
+# ranks exit 3 at the start instead, every time.
+AFTER_LOOP = """\
+import os, sys
+import torch
+import ftrun.ft as ft
+rank, which = os.environ["RANK"], sys.argv[1].split(":")
+failing = which[1] in ("all", rank) if len(which) > 1 else False
+if which[0] == "exit3" and failing:
+    sys.exit(3)
+model = ft.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+for step in ft.steps(int(sys.argv[2])):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+print(f"rank {rank} left the loop at step {ft.global_step()}", flush=True)
+if which[0] == "raise" and failing:
+    raise RuntimeError(f"the final evaluation failed on rank {rank}: fix the evaluation")
+"""
+
+
+def _after_loop_run(tmp_path, which: str, *extra) -> subprocess.CompletedProcess:
+    script = tmp_path / "after_loop.py"
+    script.write_text(AFTER_LOOP)
+    return run_ftrun(["--nproc", 2, "--ft", *extra, script, which, 20], timeout=240)
+
+
+def test_a_failure_after_the_loop_on_every_rank_fails_the_run(tmp_path, ftrun_home):
+    """Code after the loop raises on every rank: the run failed (exit 1, as torchrun), says which
+    rank failed after the loop and why, and restarts nothing into a finished run."""
+    r = _after_loop_run(tmp_path, "raise:all")
+    err = r.stderr
+    assert r.returncode == 1, err[-3000:]
+    assert "starting again" not in err and "restarting it alone" not in err, err[-3000:]
+    assert "after the training loop" in err, err[-3000:]
+    assert "RuntimeError: the final evaluation failed on rank" in err, err[-3000:]
+    assert "finished in" not in err, err[-3000:]
+
+
+def test_a_failure_after_the_loop_on_one_rank_fails_the_run(tmp_path, ftrun_home):
+    r = _after_loop_run(tmp_path, "raise:1", "--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 10)
+    err = r.stderr
+    assert r.returncode == 1, err[-3000:]
+    assert "starting again" not in err and "resuming from the newest" not in err, err[-3000:]
+    assert "restarting it alone" not in err, err[-3000:]
+    line = next((l for l in err.splitlines() if "after the training loop" in l), "")
+    assert "rank 1" in line and "the final evaluation failed on rank 1" in line, err[-3000:]
+    assert "rank 0 left the loop at step 20" in r.stdout and "rank 1 left the loop at step 20" in r.stdout
+
+
+def test_a_replica_given_up_after_its_budget_fails_the_run(tmp_path, ftrun_home):
+    """0 only when every worker exited 0: the others finish, then the given-up worker's status."""
+    r = _after_loop_run(tmp_path, "exit3:1", "--max-restarts", 1)
+    err = r.stderr
+    assert r.returncode == 3, err[-3000:]
+    assert "finished with 1 of 2 replicas" in err and "rank 1 was given up" in err, err[-3000:]
+    assert "rank 0 left the loop at step 20" in r.stdout

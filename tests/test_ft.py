@@ -240,9 +240,9 @@ def test_budget_spent_for_one_replica_others_finish(ftrun_home, tmp_path):
         rc, err = finish(proc)
     finally:
         proc.kill()
-    assert rc == 0, err[-3000:]
+    assert rc == 137, err[-3000:]  # the others finished, but not every worker: the given-up one's status
     assert "restart budget (1) is spent: carrying on with 2 replicas" in err
-    assert "finished with 2 of 3 replicas" in err
+    assert "finished with 2 of 3 replicas" in err and "exit 137: not every worker finished" in err
     final = json.loads((ftrun_home / run_id / "state.json").read_text())
     assert [r["state"] for r in final["replicas"]] == ["done", "failed", "done"]
     for r in (0, 2):
@@ -451,7 +451,7 @@ def test_healer_that_cannot_take_the_state_is_given_up(ftrun_home):
     it is never retried in a loop, and the others finish without it."""
     proc = run_ftrun(["--nproc", 3, "--ft", "--max-restarts", 1, ROOT / "tests" / "ft_mismatch_worker.py", 300],
                      timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode not in (0, 2), proc.stderr[-3000:]  # not every worker finished
     assert "rank 1: cannot take the state of rank 0: Error(s) in loading state_dict" in proc.stderr
     assert "size mismatch" in proc.stderr, proc.stderr[-3000:]
     assert "finished with 2 of 3 replicas" in proc.stderr

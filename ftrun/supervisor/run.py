@@ -92,6 +92,7 @@ class Supervisor(StopControl, FailureDecisions, NodeDecisions, QuorumFollow):
         self.k = cfg.replica_size if cfg.ft else 1
         self.respawning: Dict[int, bool] = {}  # replica -> restart pending until its last worker is gone
         self.first_failure: Optional[Failure] = None
+        self.after_loop: List[Failure] = []  # --ft: failures after the run's last step (failures.py)
         self.started = time.time()
         self.status = RunStatus(
             run_id=cfg.run_id, script=cfg.script, argv=list(sys.argv), started=self.started, pid=os.getpid(),
@@ -283,17 +284,7 @@ class Supervisor(StopControl, FailureDecisions, NodeDecisions, QuorumFollow):
         if self.stopping is not None:
             return self._advance_stop()
         if all(w.state in (WorkerState.DONE, WorkerState.FAILED) for w in self.workers):
-            if any(w.state == WorkerState.DONE for w in self.workers) or not self.first_failure:
-                lost = [w for w in self.workers if w.state == WorkerState.FAILED]
-                if lost:
-                    done = len(self.workers) - len(lost)
-                    self.console.note(
-                        f"finished with {done} of {len(self.workers)} replicas; "
-                        + "; ".join(f"rank {w.rank} was given up after {w.restarts} restart(s): "
-                                    f"{w.last_failure.reason if w.last_failure else 'failed'}" for w in lost),
-                        style="bold yellow")
-                return 0
-            return self.first_failure.status_code
+            return self._run_ended()
         return None
 
     def _tick_timeout(self) -> float:
