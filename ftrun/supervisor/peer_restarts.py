@@ -39,8 +39,6 @@ def peer_reason(why: str, replica: int, k: int, workers: Iterable[Worker], now: 
             cause = f
     if cause is None:
         what = "a peer's failed collective"
-    elif cause.signal:
-        what = f"rank {cause.rank}'s death ({cause.reason})"
-    else:
-        what = f"rank {cause.rank}'s failure ({cause.reason})"
+    else:  # its head: "killed by SIGKILL", not the hint in parentheses that follows
+        what = f"rank {cause.rank}'s {'death' if cause.signal else 'failure'} ({cause.reason.split(' (', 1)[0]})"
     return f"restarted to take the committed state again after {what}: {why}"
