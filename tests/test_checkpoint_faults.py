@@ -93,10 +93,11 @@ def test_full_disk_from_the_start_never_hangs(ftrun_home, small_disk):
     assert "Traceback" not in r.stderr and "CheckpointException" not in r.stderr, r.stderr[-3000:]
     last = [line for line in r.stderr.splitlines() if line.strip()][-2:]
     assert last[0].startswith("ftrun: the checkpoint of the last step (60) could not be written"), last
-    assert last[1] == "ftrun: 8 checkpoint saves failed in this run; no checkpoint was written", last
+    # six saves (steps 10..60) failed: the retries of step 60 are that one save tried again
+    assert last[1] == "ftrun: 6 checkpoint saves failed in this run; no checkpoint was written", last
     assert _no_partials(d) == [] and _complete(d) == []
     ck = status_record("full", ftrun_home)["checkpoint"]
-    assert ck["failed_total"] == 8 and ck["failed_since"] == 8 and ck["last_failure"]["final"], ck
+    assert ck["failed_total"] == 6 and ck["failed_since"] == 6 and ck["last_failure"]["final"], ck
 
 
 def test_full_disk_mid_run_recovers_and_no_replica_is_killed(ftrun_home, small_disk):

@@ -112,6 +112,11 @@ class Checkpointer:
     def last_failure(self) -> Optional[str]:
         return self._writer.last_failure
 
+    @property
+    def attempts(self) -> int:
+        """How often the step of the last save has been tried (0: no save yet)."""
+        return self._job.attempt if self._job is not None else 0
+
     def due(self, step: int, total: Optional[int]) -> bool:
         """A save after the step that brought the count to `step` (and after the last one)."""
         return step > 0 and (step % self.settings.every == 0 or (total is not None and step >= total))
@@ -122,9 +127,14 @@ class Checkpointer:
         worker of the writing replica calls this at the same round boundary (a sharded
         replica's workers coordinate DCP's write). A failure is one line; training goes on."""
         t0 = time.monotonic()
+        prev = self._job if self._job is not None and self._job.step == step else None
+        if prev is not None and kind == "final":
+            prev.kind = "final"  # a loop of ft.DataLoader learns that a round top's save was its last only after it
         self.wait()
         if not state.models and not state.optimizers:
             return
+        if prev is not None and self.result == (step, True):
+            return  # this step is saved already
         job = Job(step, self._folder.partial(step, self._run_id), time.time(), kind,
                   optimizers=disk.optimizer_names(state.optimizers),
                   verify=self._folder.verify and (self._verify_mode != "alternate"
@@ -148,6 +158,8 @@ class Checkpointer:
             job.staging = self._stager.stage(sd)
         except SAVE_ERRORS as e:  # the writer says it (and, sharded, tells the replica's other workers)
             job.error = e
+        if prev is not None:
+            job.attempt = prev.attempt + 1  # the same save tried again
         self._staging = job.staging
         self._job = job
         job.pause = time.monotonic() - t0
@@ -157,6 +169,7 @@ class Checkpointer:
     def staged(self) -> None:
         """Before anything may change the state a save is copying (the round's optimizer step):
         wait for the copy, if it is still running."""
+        self._writer.say_held()  # a failed save of the last round top: the loop went on
         staging, self._staging = self._staging, None
         if staging is None:
             return
@@ -169,8 +182,9 @@ class Checkpointer:
             self._job.pause += time.monotonic() - t0
 
     def wait(self) -> None:
-        """Until the previous save is written and published (or failed)."""
+        """Until the previous save is written and published (or failed, and said so)."""
         self._writer.wait()
+        self._writer.say_held()
         self._staging = None
 
     # ------------------------------------------------------------ loading

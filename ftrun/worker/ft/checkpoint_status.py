@@ -40,12 +40,13 @@ class StoreStatus:
                 return None
         return self._store
 
-    def failed(self, step: int, kind: str, why: str) -> Optional[str]:
-        """Count a save that wrote nothing; the newest good checkpoint, in words (None: none)."""
+    def failed(self, step: int, kind: str, why: str, retry: bool = False) -> Optional[str]:
+        """Count a save that wrote nothing (a retry of the same save is not another); the newest
+        good checkpoint, in words (None: none)."""
         store = self.client()
         if store is not None:
             try:
-                failed = int(store.add(keys.CHECKPOINT_FAILED, 1))
+                failed = int(store.add(keys.CHECKPOINT_FAILED, 0 if retry else 1))
                 store.set(keys.CHECKPOINT_FAILURE, json.dumps({"step": step, "why": why, "final": kind == "final",
                                                                "stop": kind == "stop", "time": time.time(),
                                                                "failed": failed}))

@@ -9,8 +9,10 @@ is the writer's own, whatever the script chose); the replica's first worker
 then publishes it (ft/checkpoint_folder.py) and prunes.
 - never fatal: a save that fails (a full disk, a quota, an I/O error: DCP
   raises them as CheckpointException, a BaseException) is one line, counted
-  in the store for `ftrun status`; its partial folder is removed, and the
-  next save tries again. Nothing a save raises ends the thread: a dead writer
+  in the store for `ftrun status` (a save tried again counts once); its
+  partial folder is removed, and the next save tries again. A periodic save's
+  line is said by the loop at its next step: whether that one was the loop's
+  last (then it is tried again, FINAL_SAVE_ATTEMPTS in all) only the loop knows. Nothing a save raises ends the thread: a dead writer
   would leave the next save waiting for ever.
 - a sharded replica's workers agree before writing and after publishing (two
   tiny collectives on a gloo write group of their own, made by the loop at a
@@ -55,6 +57,11 @@ WRITE_GROUP_TIMEOUT = datetime.timedelta(minutes=30)
 # between kernels) before it takes a core from the training's own threads.
 WRITER_NICE = 10
 
+# The save of the loop's last step is tried this often in all, the next try after this many
+# seconds times the tries so far (1 s, then 2 s: docs/guides/checkpoints.md).
+FINAL_SAVE_ATTEMPTS = 3
+FINAL_SAVE_RETRY_S = 1.0
+
 # CheckpointException derives from BaseException: `except Exception` misses it.
 try:
     from torch.distributed.checkpoint.api import CheckpointException
@@ -78,6 +85,7 @@ class Job:
     staging: Optional[Future] = None        # the copy into host memory
     error: Optional[BaseException] = None   # the save failed before its write could start
     pause: float = 0.0                      # how long the loop waited for this save
+    attempt: int = 1                        # the save of this step tried again: 2, 3 (one save, not three)
 
 
 class Writer:
@@ -97,6 +105,10 @@ class Writer:
         # (step, written) of the last save, as every worker of the writing replica knows it.
         self.result: Optional[Tuple[int, bool]] = None
         self.last_failure: Optional[str] = None
+        # A periodic save's failure, said by the loop at its next step (say_held): only the loop
+        # learns whether that step was its last (an ft.DataLoader loop learns it after the save).
+        self._held: Optional[Tuple[Job, str, Optional[str]]] = None
+        self._held_lock = threading.Lock()
         inject = current().checkpoint_inject_delay
         step, _, seconds = inject.partition(":")
         self._inject = (int(step), float(seconds)) if step.isdigit() and seconds else None
@@ -239,10 +251,30 @@ class Writer:
     def _failed(self, job: Job, why: str) -> None:
         """One line for a save that wrote nothing, and the counts `ftrun status` shows."""
         self.last_failure = why
-        newest = self.status.failed(job.step, job.kind, why)
-        then = {"periodic": "training goes on and the next save tries again",
-                "final": "this was the loop's last step",
-                "stop": "this was the save before stopping"}[job.kind]
+        newest = self.status.failed(job.step, job.kind, why, retry=job.attempt > 1)
+        with self._held_lock:
+            if job.kind == "periodic":
+                self._held = (job, why, newest)
+                return
+        self._say(job, why, newest)
+
+    def say_held(self) -> None:
+        """The loop (its thread): say a periodic save's failure held back, with what comes next."""
+        with self._held_lock:
+            held, self._held = self._held, None
+        if held is not None:
+            self._say(*held)
+
+    def _say(self, job: Job, why: str, newest: Optional[str]) -> None:
+        kind = job.kind  # "final" once the loop learned that this step was its last (Checkpointer.save)
+        if kind == "final" and job.attempt < FINAL_SAVE_ATTEMPTS:
+            then = (f"this was the loop's last step: trying again in {FINAL_SAVE_RETRY_S * job.attempt:g} s "
+                    f"(try {job.attempt + 1} of {FINAL_SAVE_ATTEMPTS})")
+        elif kind == "final":
+            then = f"this was the loop's last step, and its last try ({job.attempt} of {FINAL_SAVE_ATTEMPTS})"
+        else:
+            then = {"periodic": "training goes on and the next save tries again",
+                    "stop": "this was the save before stopping"}[kind]
         self._log(f"rank {self.rank}: checkpoint of step {job.step} not written: {why}; {then}; "
                   f"{'the newest good checkpoint is ' + newest if newest else 'no good checkpoint yet'}")
 

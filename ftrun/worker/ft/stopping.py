@@ -14,11 +14,10 @@ from typing import Any, Dict
 from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.worker.ft.checkpoint import SAVE_ERRORS
+from ftrun.worker.ft.checkpoint_writer import FINAL_SAVE_ATTEMPTS, FINAL_SAVE_RETRY_S
 from ftrun.worker.ft.member_core import InSync
 from ftrun.worker.ft.member_io import _log, _log_detail, leave
 
-FINAL_SAVE_RETRIES = 2  # a failed checkpoint of the loop's last step is tried again this often,
-FINAL_SAVE_RETRY_S = 1.0  # after this many seconds times the attempt's number
 PARK_POLL_S = 0.2  # a stopped member looks this often for a newer stop epoch naming it the writer
 
 
@@ -30,17 +29,18 @@ class Stopping:
         few times, a little later each time (every worker of the replica knows the outcome
         alike, so they all retry together). The training itself is done either way."""
         ck = self.checkpoints
-        for attempt in range(1, FINAL_SAVE_RETRIES + 1):
-            if ck.result != (self.step, False):
-                return
+        for _ in range(FINAL_SAVE_ATTEMPTS - 1):  # the tries so far count: a round top's save of it is one
+            tried = ck.attempts
+            if ck.result != (self.step, False) or tried >= FINAL_SAVE_ATTEMPTS:
+                break
             _log_detail(f"rank {self.rank}: trying the checkpoint of the last step {self.step} again in "
-                 f"{FINAL_SAVE_RETRY_S * attempt:g} s (attempt {attempt + 1} of {FINAL_SAVE_RETRIES + 1})")
-            time.sleep(FINAL_SAVE_RETRY_S * attempt)
+                        f"{FINAL_SAVE_RETRY_S * tried:g} s (try {tried + 1} of {FINAL_SAVE_ATTEMPTS})")
+            time.sleep(FINAL_SAVE_RETRY_S * tried)
             ck.save(self.state, self.step, "final")
             ck.wait()
         if ck.result == (self.step, False) and self.shard == 0:
-            _log(f"rank {self.rank}: the checkpoint of the last step {self.step} failed {FINAL_SAVE_RETRIES + 1} "
-                 f"times ({ck.last_failure}); the training itself ended normally")
+            _log(f"rank {self.rank}: the checkpoint of the last step {self.step} failed {ck.attempts} "
+                 f"time{'s' if ck.attempts != 1 else ''} ({ck.last_failure}); the training itself ended normally")
 
     def _finish_without_peers(self) -> None:
         """The run finished while this replica was restarting, and no peer is left to heal it.
