@@ -406,7 +406,7 @@ EXIT_STATUSES: Tuple[ExitStatus, ...] = (
     ExitStatus("N", "-", "ftrun", "The status N of the worker that failed first, once the restart budget is "
                "spent; under --ft also once the others finished without it, or when it failed after the loop."),
     ExitStatus(f"{EXIT_SIGNAL_BASE} + N", "EXIT_SIGNAL_BASE", "ftrun", "The first failed worker was killed by "
-               "signal N (137: SIGKILL, often the out-of-memory killer); or ftrun itself was stopped by signal N."),
+               "signal N, or ftrun itself was (137: SIGKILL sent from outside; the OOM killer only on evidence)."),
     ExitStatus(str(EXIT_SIGINT), "EXIT_SIGINT", "ftrun", "Stopped by Ctrl-C (SIGINT): the workers got it and the "
                "grace of --shutdown-timeout (--ft with --checkpoint-dir: after a checkpoint of the last committed "
                "step, within that grace)."),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -157,3 +158,77 @@ def test_a_replica_given_up_after_its_budget_fails_the_run(tmp_path, ftrun_home)
     assert r.returncode == 3, err[-3000:]
     assert "finished with 1 of 2 replicas" in err and "rank 1 was given up" in err, err[-3000:]
     assert "rank 0 left the loop at step 20" in r.stdout
+
+
+# A plain DDP script (no ftrun.ft): its own default group, a few hundred small steps, and each
+# process's rank and incarnation on stdout (the test kills one by its pid).
+PLAIN_DDP = """\
+import os, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(300):
+    opt.zero_grad()
+    model(torch.ones(4, 8)).sum().backward()
+    opt.step()
+    time.sleep(0.01)
+print(f"rank {rank} of {dist.get_world_size()} done, incarnation {os.environ['TORCHELASTIC_RESTART_COUNT']}",
+      flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ft_on_a_script_without_ftrun_ft_gets_group_restarts(tmp_path, ftrun_home):
+    """--ft on a script that never joins a quorum: a failure restarts every worker, as without
+    --ft (each with its default group), said once; an outside SIGKILL is not blamed on memory."""
+    import json
+
+    from helpers import read_state, start_logged, finish
+
+    script = tmp_path / "plain_ddp.py"
+    script.write_text(PLAIN_DDP)
+    proc = start_logged(["--nproc", 3, "--ft", "--max-restarts", 3, "--run-id", "plain", script])
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            st = read_state(ftrun_home, "plain")
+            r1 = next((r for r in (st or {}).get("replicas", []) if r["rank"] == 1), None)
+            if r1 and r1.get("pid") and r1.get("step", 0) >= 20:
+                victim = r1["pid"]
+            time.sleep(0.05)
+        assert victim, f"rank 1 never stepped\n{json.dumps(read_state(ftrun_home, 'plain'))[-2000:]}"
+        os.kill(victim, signal.SIGKILL)
+        rc, err = finish(proc, timeout=180)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-4000:]
+    assert err.count("trains without ftrun.ft") == 1, err[-4000:]
+    assert "restarting all 3 workers" in err, err[-4000:]
+    # The restarted workers have their default group (the survivors' own "connection closed" as
+    # their peer died may reach the console first, as without --ft).
+    assert "Default process group has not been initialized" not in err and "skipped the script's" not in err, \
+        err[-4000:]
+    assert "out-of-memory" not in err, err[-4000:]
+    assert "killed by SIGKILL" in err and "from outside ftrun" in err, err[-4000:]
+    logs = [(ftrun_home / "plain" / "logs" / f"rank{r}" / "stdout.log").read_text() for r in range(3)]
+    for r, text in enumerate(logs):
+        assert f"rank {r} of 3 done, incarnation 1" in text, text[-2000:]
+
+
+def test_a_sigkill_is_put_on_the_memory_killer_only_on_evidence():
+    """The kernel log naming the process (not in it here: a live pid no OOM killer touched), or
+    the worker's memory near the limit at its last sample; else "sent from outside ftrun"."""
+    from ftrun.supervisor.report import exit_reason, memory_limit
+
+    limit = memory_limit()
+    assert limit and limit > 0
+    assert exit_reason(None, 9, [], os.getpid(), 10 << 20) == "killed by SIGKILL (signal 9; sent from outside ftrun)"
+    near = exit_reason(None, 9, [], os.getpid(), int(limit * 0.9))
+    assert "likely the out-of-memory killer: it used" in near and "limit at its last sample" in near, near
+    assert exit_reason(None, 11, []) == "killed by SIGSEGV (signal 11; segmentation fault)"

@@ -94,7 +94,7 @@ class FailureDecisions:
         peers = self.quorum is not None and not w.hang_reason and forced_by_peers(ev.exit_code, error)
         reason = w.hang_reason or (peer_reason(error.message, w.rank // self.k, self.k, self.workers, time.time())
                                    if peers else error_reason(ev.exit_code, error) if error is not None
-                                   else exit_reason(ev.exit_code, ev.signal, tail))
+                                   else exit_reason(ev.exit_code, ev.signal, tail, ev.pid, w.rss_bytes))
         early = not w.first_step_seen and not w.hang_reason and not ev.signal
         signature = (error.signature if error is not None else early_signature(tail)) if early else None
         failure = Failure(rank=w.rank, pid=ev.pid, exit_code=ev.exit_code, signal=ev.signal, reason=reason,
@@ -149,6 +149,7 @@ class FailureDecisions:
         self._begin_stop(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_USAGE)
 
     def _on_failure(self, w: Worker, failure: Failure) -> None:
+        self._check_ft_api()  # a script without ftrun.ft under --ft gets group restarts (ft_follow.py)
         if isinstance(self.policy, GroupRestartPolicy):
             self._group_failure(w, failure)
             return

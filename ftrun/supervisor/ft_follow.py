@@ -5,6 +5,7 @@ the newest checkpoint for `ftrun status`.
 The keeper (ftrun.supervisor.quorum) decides the quorum; here its view becomes the worker
 records' states and the console's lines.
 Part of the Supervisor (a mixin: it updates the loop's own worker records and status).
+A script that never joins a quorum turns the run to group restarts here (_check_ft_api).
 Must never start, stop or signal a worker, and never be called from outside the loop's thread.
 """
 
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 from ftrun.supervisor.nodes import one_line
 from ftrun.supervisor.progress_reader import note_steps
+from ftrun.supervisor.restart import GroupRestartPolicy, Repeats
 from ftrun.supervisor.worker import WorkerState
+
+FT_ENV = "FTRUN_FT"  # the workers' --ft switch (ftrun.supervisor.env, ftrun.worker.settings)
 
 
 class QuorumFollow:
@@ -56,16 +60,42 @@ class QuorumFollow:
                                               f"{took:.2f} s after it failed", style="green")
                     w.state = WorkerState.RUNNING
                     self._dirty = True
-        if not self._warned_no_ft_api:
-            plain = [w.rank for w in self.workers if w.first_step_seen and not q.info.get(w.rank)]
-            if plain:
-                self._warned_no_ft_api = True
-                self.console.note(
-                    f"--ft: rank {plain[0]} trains without ftrun.ft (it never asked to join a quorum), so a failed "
-                    f"replica cannot heal from a peer; wrap the model, optimizer and loop with ftrun.ft "
-                    f"(see scripts/train_ft.py), or drop --ft for group restarts", style="bold yellow")
+        if self._check_ft_api():
+            return
         if self.status.quorum_id != q.epoch_id:
             self._dirty = True  # the run's figures are taken at every write (_write_state)
+
+    def _check_ft_api(self) -> bool:
+        """A worker that steps without ever asking to join a quorum runs a script without ftrun.ft:
+        none of its replicas can heal from a peer, and one restarted alone could not join the
+        script's own process group. Such a run gets what it gets without --ft, group restarts
+        (every worker with its own default group again), said once. Several nodes keep replica
+        restarts (their group restarts are agreed at the start), with the line. True when the
+        quorum is given up."""
+        q = self.quorum
+        if self._warned_no_ft_api or q is None:
+            return False
+        plain = [w.rank for w in self.workers if w.first_step_seen and not q.info.get(w.rank)]
+        if not plain:
+            return False
+        self._warned_no_ft_api = True
+        how = ("a failure restarts all workers, as without --ft" if self.nodes is None else
+               "drop --ft for group restarts")
+        self.console.note(f"--ft: rank {plain[0]} trains without ftrun.ft (it never asked to join a quorum), so a "
+                          f"failed replica cannot heal from a peer: {how} (wrap the model, optimizer and loop with "
+                          f"ftrun.ft for replica restarts; see scripts/train_ft.py)", style="bold yellow")
+        if self.nodes is not None:
+            return False
+        self.policy = GroupRestartPolicy(self.cfg.max_restarts, repeats=Repeats())
+        self.status.policy = self.policy.name
+        self.k = 1
+        self.quorum = None
+        self.common[FT_ENV] = "0"  # restarted workers: no --ft patches, torch's own init_process_group
+        for w in self.workers:
+            if w.state == WorkerState.STARTING and w.first_step_seen:
+                w.state = WorkerState.RUNNING
+        self._dirty = True
+        return True
 
     def _poll_checkpoint(self) -> None:
         """The newest good checkpoint and the saves failed since, for `ftrun status`."""

@@ -8,10 +8,12 @@ and where the full log is. Must never decide anything or touch processes.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+import psutil
 from rich.text import Text
 
 from ftrun.supervisor.spawn import signal_name
@@ -20,7 +22,6 @@ from ftrun.supervisor.worker import Failure, Worker
 from ftrun.wire import WorkerError, first_line
 
 SIGNAL_HINTS = {
-    "SIGKILL": "often the out-of-memory killer",
     "SIGSEGV": "segmentation fault",
     "SIGABRT": "aborted",
     "SIGBUS": "bus error",
@@ -28,15 +29,76 @@ SIGNAL_HINTS = {
 }
 
 
-def exit_reason(exit_code: Optional[int], sig: Optional[int], stderr_tail: List[str]) -> str:
+# A worker's memory at its last sample this close to the limit makes the out-of-memory killer
+# the likely sender of a SIGKILL.
+OOM_NEAR = 0.8
+
+
+def exit_reason(exit_code: Optional[int], sig: Optional[int], stderr_tail: List[str], pid: int = 0,
+                rss: Optional[int] = None) -> str:
+    """What ended a worker, in words. A SIGKILL reaching here was not ftrun's (its own kills
+    are stops or hangs): it is put on the out-of-memory killer only on evidence."""
     if sig:
         name = signal_name(sig)
-        hint = SIGNAL_HINTS.get(name)
+        hint = sigkill_sender(pid, rss) if name == "SIGKILL" else SIGNAL_HINTS.get(name)
         return f"killed by {name} (signal {sig}{'; ' + hint if hint else ''})"
     last_error = _last_exception_line(stderr_tail)
     if last_error:
         return f"exited {exit_code} with a traceback: {last_error}"
     return f"exited with code {exit_code}"
+
+
+def sigkill_sender(pid: int, rss: Optional[int]) -> str:
+    """Who sent a SIGKILL that ftrun did not: the out-of-memory killer where the kernel's log
+    names the process, or where its memory at the last sample was near the limit; else outside."""
+    if pid and _kernel_log_says_oom(pid):
+        return "the out-of-memory killer, says the kernel log"
+    limit = memory_limit()
+    if rss and limit and rss >= OOM_NEAR * limit:
+        return (f"likely the out-of-memory killer: it used {rss / 2**30:.1f} GiB of the "
+                f"{limit / 2**30:.1f} GiB limit at its last sample")
+    return "sent from outside ftrun"
+
+
+def _kernel_log_says_oom(pid: int, max_records: int = 200_000) -> bool:
+    """Whether the kernel's log (/dev/kmsg; unreadable: no claim) has the OOM killer's line for `pid`."""
+    needles = (f"Killed process {pid} ".encode(), f",pid={pid},".encode())
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        for _ in range(max_records):  # one record per read
+            try:
+                record = os.read(fd, 8192)
+            except BrokenPipeError:  # records overwritten while read: go on with the next
+                continue
+            except OSError:  # EAGAIN: the end of the log
+                return False
+            if not record:
+                return False
+            if any(n in record for n in needles):
+                return True
+        return False
+    finally:
+        os.close(fd)
+
+
+def memory_limit() -> Optional[int]:
+    """The memory this process may use: its cgroup's limit (v2 or v1) or the machine's, the lower."""
+    limits = []
+    try:
+        limits.append(psutil.virtual_memory().total)
+    except Exception:
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # v1 says "no limit" with a huge number, v2 "max"
+            limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def worker_error(path: Path, since: float) -> Optional[WorkerError]:

@@ -224,9 +224,10 @@ class Supervisor(StopControl, FailureDecisions, NodeDecisions, QuorumFollow):
         w.pumps = [Pump(out_r, log.stdout_path, w.rank, self.console, False, banner),
                    Pump(err_r, log.stderr_path, w.rank, self.console, True, banner)]
         # A new attempt counts its own steps; with --ft the step is global.
+        ft = self.quorum is not None  # --ft, and the script uses ftrun.ft (ft_follow._check_ft_api)
         w.begin_incarnation(f"{w.rank}.{w.incarnation}.{time.monotonic_ns()}",
-                            WorkerState.RECOVERING if self.cfg.ft and w.incarnation else WorkerState.STARTING,
-                            keep_steps=self.cfg.ft)
+                            WorkerState.RECOVERING if ft and w.incarnation else WorkerState.STARTING,
+                            keep_steps=ft)
         self.ledger.spawned(w, time.time())
         self.by_tag[w.tag] = w
         self.progress.forget(w.rank)

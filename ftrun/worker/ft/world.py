@@ -6,7 +6,8 @@ that restarts later cannot join it again: its peers formed it long ago and
 never come back to a new one, so the call would wait until torch's timeout
 and the replica would never rejoin. ftrun.ft needs no default group. So, on a
 worker's first incarnation the call goes through and rank 0 says, once, that
-the script should drop it; on a restarted incarnation the call is skipped
+the script should drop it (a script that imported ftrun.ft: a plain one gets
+group restarts, where the call goes through every time); on a restarted incarnation the call is skipped
 with one line, and the replica heals like any other (a later use of the
 default group then fails with torch's own "not initialized" error). The
 script's `destroy_process_group()` of the group it asked for is then a no-op,
@@ -64,7 +65,9 @@ def install() -> None:
                  f"needs no default group)")
             return None
         real(*args, **kwargs)
-        if rank == "0":
+        # A script that has not imported ftrun.ft is a plain one: ftrun restarts its whole group
+        # (ftrun.supervisor.ft_follow), each incarnation with this call going through.
+        if rank == "0" and "ftrun.ft" in sys.modules:
             _log(f"rank 0: the script called init_process_group() over all {world} workers: a replica that restarts "
                  f"cannot join that group again, so ftrun skips the call there and the default group is missing on "
                  f"it (remove the call: ftrun.ft needs no default group)")
