@@ -13,6 +13,7 @@
                 ["end", "the run's end", "#8c96a8"]];
   var run = D.run, nodes = D.nodes;
   var t0 = run.started, t1 = Math.max(run.ended || t0 + 1, t0 + 1);
+  var notBack = run.ended ? "never back" : "not back yet";  // a failure whose replica has not stepped again
 
   function el(tag, attrs, parent, text) {
     var e = document.createElement(tag);
@@ -164,7 +165,7 @@
     var m = sv("path", {"class": "failure-mark", "data-rank": f.rank, "data-kind": f.kind,
                         d: "M" + cx + " " + (y0 + 2) + " l6 9 l-12 0 z"}, svg);
     sv("title", {}, m, "rank " + f.rank + " " + f.cause + " at " + secs(f.time - t0) + "; detected in " + secs(f.detect_s) +
-       "; back in " + (f.back_s === null ? "never" : secs(f.back_s)) + "; cost " + secs(f.lost_s) + " of replica-time" +
+       "; " + (f.back_s === null ? notBack : "back in " + secs(f.back_s)) + "; cost " + secs(f.lost_s) + " of replica-time" +
        (f.lost_steps ? ", " + f.lost_steps + " steps redone" : ""));
   });
 
@@ -219,7 +220,7 @@
       el("td", {}, tr, f.replica >= 0 ? String(f.replica) : "-");
       el("td", {}, tr, f.cause);
       el("td", {"class": "num"}, tr, secs(f.detect_s));
-      el("td", {"class": "num"}, tr, f.back_s === null ? "not back" : secs(f.back_s));
+      el("td", {"class": "num"}, tr, f.back_s === null ? notBack : secs(f.back_s));
       el("td", {"class": "num"}, tr, (f.lost_s || 0).toFixed(1));
       el("td", {"class": "num"}, tr, String(f.lost_steps || 0));
     });

@@ -257,7 +257,7 @@ def summary_lines(b: Breakdown, lanes: int) -> List[str]:
         shown = []
         for f in b.failures[:4]:
             who = f"rank {f.rank}" if f.rank >= 0 else "a rank"
-            back = f"back in {f.back_s:.2f} s" if f.back_s is not None else "not back"
+            back = f"back in {f.back_s:.2f} s" if f.back_s is not None else "never back"  # the run has ended
             shown.append(f"{who} {_short(f.cause)} at {_s(f.time - (b.now - wall))}, {back}")
         more = f"; and {len(b.failures) - 4} more" if len(b.failures) > 4 else ""
         steps = sum(f.lost_steps for f in b.failures)

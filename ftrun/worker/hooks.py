@@ -31,7 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from ftrun.hookspec import HookSpec
-from ftrun.worker import settings
+from ftrun.worker import progress, settings
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -318,11 +318,11 @@ class Registration:
                                "averager_step": self.extras["averager"].step}
         return out
 
-    def figures_line(self) -> str:
+    def figures_line(self, at_exit: bool = False) -> str:
         f = self.figures()
         dense = f["dense_bytes_per_step"]
-        line = (f"rank {_rank()}: hook {f['hook']} step {f['steps']}: sent {_mb(f['bytes_per_step'])}/step "
-                f"(plain allreduce: {_mb(dense)}/step")
+        line = (f"rank {_rank()}: hook {f['hook']} {_step_words(f['steps'], at_exit)}: sent "
+                f"{_mb(f['bytes_per_step'])}/step (plain allreduce: {_mb(dense)}/step")
         if dense > f["bytes_per_step"] > 0:
             line += f", {dense / f['bytes_per_step']:.1f}x less"
         line += ")"
@@ -331,6 +331,19 @@ class Registration:
             line += (f"; PowerSGD iter {ps['iter']} (compresses from {ps['start_iter']}), "
                      f"rate {ps['compression_rate']:.1f}x of {ps['numel_before']} elements")
         return line
+
+
+def _step_words(own: int, at_exit: bool) -> str:
+    """The step as a person reads it: the run's (ftrun.ft counts its committed steps; a restarted or
+    resumed process took fewer itself; inside a backward, the step in progress). Without --ft
+    only this process's count is known: a restarted process says that it is its own."""
+    rep = progress.reporter()
+    run_step = rep.global_step if rep is not None else None
+    if run_step is not None:
+        run_step += 0 if at_exit else 1
+        return f"step {run_step}" + (f" ({own} of them in this process)" if own < run_step else "")
+    restarts = settings.current().restart_count
+    return f"step {own}" + (f" of this process (restart {restarts})" if restarts else "")
 
 
 def _mb(n: float) -> str:
@@ -380,7 +393,7 @@ def _log_at_exit() -> None:
     for _, ref, stats in list(_newest.values()):
         reg = ref()
         if reg is not None and stats.steps:
-            _log(reg.figures_line() + " (at exit)")
+            _log(reg.figures_line(at_exit=True) + " (at exit)")
 
 
 def current_stats() -> Dict[str, Any]:
