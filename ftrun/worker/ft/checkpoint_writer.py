@@ -24,6 +24,7 @@ the supervisor.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import errno
 import json
@@ -123,6 +124,7 @@ class Writer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ftrun-checkpoint", daemon=True)
             self._thread.start()
+            atexit.register(self.say_held)  # a script that ends (or raises) before its next step
         self._written.clear()
         self._jobs.put(job)
 
