@@ -100,7 +100,7 @@ def test_report_renders_in_chromium(killed_run):
     assert re.search(r'<path id="rate-line" d="M[\d.]+ [\d.]+ L', html), "no steps/s line"
     assert len(re.findall(r'class="checkpoint-mark"', html)) >= 3
     causes = re.findall(r'class="cause" data-cause="(\w+)"', html)
-    assert causes == ["productive", "startup", "failures", "hangs", "checkpoints", "waiting", "end"], causes
+    assert causes == ["productive", "startup", "failures", "hangs", "checkpoints", "waiting", "output", "end"], causes
     gp = json.loads((home / run_id / "state.json").read_text())["goodput"]
     assert f'id="goodput">{100 * gp:.1f}%' in html
 

@@ -129,6 +129,7 @@ def render_run(run: Dict[str, Any], width: Optional[int] = None) -> "RenderableT
         lines.append(Text(f"  checkpoint saves failed: {since} since the last good one, {ck['failed_total']} in all"
                           + (f"; last, step {last.get('step')}: {last.get('why')}" if last else ""),
                           style="bold red" if since else "yellow"))
+    lines += _not_written_lines(run)
     gp = _goodput_line(run)
     if gp is not None:
         lines.append(gp)
@@ -178,8 +179,23 @@ def render_run(run: Dict[str, Any], width: Optional[int] = None) -> "RenderableT
     return Group(*lines)
 
 
+def _not_written_lines(run: Dict[str, Any]) -> List[Any]:
+    """'not written: logs in /scratch/logs (No space left on device), 12.0 MiB of worker output lost'."""
+    from rich.text import Text
+
+    out = []
+    missing = run.get("not_written")
+    for kind, rec in (missing.items() if isinstance(missing, dict) else ()):
+        if isinstance(rec, dict):
+            lost = rec.get("bytes_lost")
+            out.append(Text(f"  not written: {kind} in {rec.get('folder')} ({rec.get('why')})"
+                            + (f", {_bytes(lost)} of worker output lost (the console had it)"
+                               if isinstance(lost, int) and lost else ""), style="bold yellow"))
+    return out
+
+
 CAUSE_WORDS = {"startup": "start-up", "failures": "failures", "hangs": "hangs", "checkpoints": "checkpoints",
-               "waiting": "waiting", "end": "end"}
+               "waiting": "waiting", "output": "output waits", "end": "end"}
 
 
 def _goodput_line(run: Dict[str, Any]) -> Optional[Any]:

@@ -10,7 +10,7 @@
   var CAUSES = [["productive", "committed steps", "#31a354"], ["startup", "start-up", "#9ecae1"],
                 ["failures", "failures", "#fd8d3c"], ["hangs", "hangs", "#de2d26"],
                 ["checkpoints", "checkpoints", "#6a51a3"], ["waiting", "waiting", "#fdd835"],
-                ["end", "the run's end", "#8c96a8"]];
+                ["output", "output waits", "#a1887f"], ["end", "the run's end", "#8c96a8"]];
   var run = D.run, nodes = D.nodes;
   var t0 = run.started, t1 = Math.max(run.ended || t0 + 1, t0 + 1);
   var notBack = run.ended ? "never back" : "not back yet";  // a failure whose replica has not stepped again

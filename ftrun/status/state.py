@@ -86,6 +86,9 @@ class RunStatus:
     steps_lost: Optional[int] = None
     failures: List[Dict[str, Any]] = field(default_factory=list)
     metrics_url: Optional[str] = None    # --metrics-port: where the Prometheus text is served
+    # What ftrun could not write while the run went on (a full disk): per kind (logs, state),
+    # folder, why, failed (writes), bytes_lost (logs: the workers' output not in the files), since
+    not_written: Optional[Dict[str, Any]] = None
     updated: float = field(default_factory=time.time)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -148,6 +151,9 @@ RUN_FIELDS: Dict[str, str] = {
     "failures": "Each failure (the newest 100): time, rank, replica, node_rank, cause, kind (exit, signal, hang, "
                 "remote), detect_s, back_s (null while away), lost_s, lost_steps.",
     "metrics_url": "--metrics-port: where the Prometheus text is served, or null.",
+    "not_written": "What ftrun could not write while the run went on (a full disk), or null: per kind (logs, "
+                   "state), folder, why, failed (writes that failed), bytes_lost (logs: worker output missing from "
+                   "the files; the console had it), since (Unix seconds).",
     "updated": "When the supervisor last wrote the file (Unix seconds).",
 }
 REPLICA_FIELDS: Dict[str, str] = {
@@ -250,11 +256,20 @@ def write_state(path: Path, status: RunStatus) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a leftover tmp file of a recycled pid
-        os.write(fd, data.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a leftover tmp file of a recycled pid
+            blob = data.encode()
+            if os.write(fd, blob) != len(blob):
+                raise OSError(28, "short write (disk full?)")
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink()  # a full disk leaves no half-written file behind
+        except OSError:
+            pass
+        raise
 
 
 def run_folder_name(run_id: str, nnodes: int, node_rank: int) -> str:

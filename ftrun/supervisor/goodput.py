@@ -10,7 +10,7 @@ LaneState; every second of every lane lands in exactly one bucket, so the bucket
 to the run's replica-time. A training lane's time between two of its steps is productive,
 unless the gap is a stall (well beyond the run's usual step time): then the excess goes to
 the cause whose window it overlaps (a hang until its detection, a failure until its replica
-is back, a checkpoint's pause), or to waiting when none does.
+is back, a checkpoint's pause, a worker's full output pipe), or to waiting when none does.
 
 Must never read the clock, the store or files, nor touch processes: time is an argument
 of every call, and the supervisor (ftrun.supervisor.ledger) does the IO.
@@ -42,6 +42,7 @@ class Cause(str, enum.Enum):
     HANGS = "hangs"              # a hung replica (and those waiting for it) until the hang is detected
     CHECKPOINTS = "checkpoints"  # the loop paused while a checkpoint was staged
     WAITING = "waiting"          # stalls with no failure, hang or checkpoint behind them
+    OUTPUT = "output"            # stalls while a worker waited on its full output pipe (ftrun fell behind)
     END = "end"                  # from a replica's last step to the run's end
 
 
@@ -251,6 +252,12 @@ class Accountant:
         if pause_s > 0:
             self.windows.append(Window(start, start + pause_s, Cause.CHECKPOINTS))
 
+    def output_stall(self, start: float, end: float) -> None:
+        """A worker's output pipe was full from `start` to `end`: it may have waited to print
+        (ftrun's log or console fell behind)."""
+        if end > start:
+            self.windows.append(Window(start, end, Cause.OUTPUT))
+
     def group_restart(self, failure: int, lost_steps: int) -> None:
         """Without --ft: the attempt that `failure` ended lost `lost_steps` steps (those since the
         script's own checkpoint): they were counted productive as they ran, and are redone."""
@@ -348,7 +355,7 @@ class Accountant:
     def _cause_of(self, a: float, b: float) -> Tuple[Cause, Optional[int]]:
         """What a stall from `a` to `b` is blamed on: the weightiest window it overlaps."""
         best: Optional[Window] = None
-        rank = {Cause.HANGS: 3, Cause.FAILURES: 2, Cause.CHECKPOINTS: 1}
+        rank = {Cause.HANGS: 4, Cause.FAILURES: 3, Cause.CHECKPOINTS: 2, Cause.OUTPUT: 1}
         for w in self.windows:
             if w.overlaps(a, b) and (best is None or rank[w.cause] > rank[best.cause]):
                 best = w

@@ -26,7 +26,7 @@ from ftrun.wire import FirstFailure, ProgressReport
 TIMELINE_EVERY_S = 5.0
 STATE_FAILURES = 100  # the newest failures in the state file (the timeline keeps up to 1000)
 CAUSE_WORDS = {"startup": "start-up", "failures": "failures", "hangs": "hangs", "checkpoints": "checkpoints",
-               "waiting": "waiting", "end": "the run's end"}
+               "waiting": "waiting", "output": "output waits", "end": "the run's end"}
 
 
 class Ledger:
@@ -203,8 +203,8 @@ class Ledger:
         }
         try:
             write_timeline(self.folder, data)
-        except OSError:
-            pass  # a full disk must not stop the run; the state file says the same figures
+        except OSError as e:  # a full disk must not stop the run: said once; the state file has the figures
+            self.console.trouble.failed("state", self.folder, e)
 
     def start_metrics(self) -> Optional[str]:
         """Serve --metrics-port; its URL, or None (with a line saying why) when it cannot listen."""

@@ -9,19 +9,28 @@ traffic figures: `chatter()`) stays in the log file unless --verbose; the
 script's own lines are never held back. The last lines of stderr are kept for
 the failure report, which is printed after drain(): the workers' buffered
 lines come first.
-Must never block a worker: pumps only read, and the console is shared under a lock.
+A pump's work is linear in the bytes: a line without a newline is held up to
+MAX_LINE bytes and then shown in pieces, a line that redraws itself with '\r'
+(a progress bar) keeps only its newest state, shown at most every PROGRESS_S.
+A full disk stops the log files, never the pump: it is said once and counted
+(WriteTrouble, the state file's `not_written`); a pipe backlogged because the
+pump fell behind is an output stall in the goodput.
+Must never block a worker: pumps only read, and the console is shared under a lock;
+a pump reads its pipe to the end whatever the file or the console do.
 """
 
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import re
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
-from typing import Any, Deque, Dict, Optional, Sequence
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from rich.console import Console
 from rich.text import Text
@@ -31,6 +40,15 @@ from ftrun.protocol import DETAIL_PREFIX
 COLOURS = ("cyan", "green", "magenta", "yellow", "blue", "bright_red", "bright_cyan", "bright_green")
 TAIL_LINES = 30
 DRAIN_S = 5.0
+READ_BYTES = 1 << 16
+MAX_LINE = 1 << 16      # a longer line reaches the console in pieces of this size (the log gets it whole)
+PROGRESS_S = 1.0        # a progress bar ('\r') is shown at most this often per pipe, and its last state at the end
+RETRY_S = 30.0          # a log file that could not be written is tried again this much later
+PIPE_BYTES = 1 << 20    # each worker pipe's buffer: a burst of output is not a wait for the worker
+# A pipe half full is backlogged: its writer waits, or soon will (the pipe is made of pages, and
+# small writes leave part of each unused: a pipe whose writer waits may hold half its capacity).
+BACKLOG = 0.5
+MIN_STALL_S = 0.05      # shorter waits on a full pipe are not worth a window in the books
 
 # What ftrun's worker-side code writes into a worker's stderr. ftrun.ft says which of its lines
 # are for the log file (DETAIL_PREFIX: joins, state received, groups formed, slow waits, saves
@@ -74,6 +92,7 @@ class ConsoleOut:
         self.hidden = dict(hidden or {})  # local rank (-1: every one) -> torchrun Std bits kept off the console
         self.verbose = verbose  # ftrun's per-rank chatter on the console too (--verbose, FTRUN_VERBOSE=1)
         self.lock = threading.Lock()
+        self.trouble = WriteTrouble(self)
         # A progress line is drawn on the terminal (ftrun.supervisor.waits): every line goes through
         # self.err, which prints above it; stdout's console would write through the drawing.
         self.live = False
@@ -118,6 +137,79 @@ class ConsoleOut:
             self.err.print(obj)
 
 
+class WriteTrouble:
+    """What ftrun could not write while the run went on (a full disk under --log-dir or
+    FTRUN_HOME), said once per kind on the console and counted for `ftrun status`; and the
+    stretches in which a worker waited on its full output pipe (goodput: output). Thread-safe:
+    every pump reports here."""
+
+    WHAT = {"logs": "the workers' logs", "state": "the run's state"}
+    THEN = {"logs": ", and the console still shows the workers' output; free space there or give --log-dir "
+                    "another folder",
+            "state": ", but `ftrun status` shows older figures; free space there or set FTRUN_HOME to another folder"}
+
+    def __init__(self, console: "ConsoleOut") -> None:
+        self.console = console
+        self.lock = threading.Lock()
+        self.kinds: Dict[str, Dict[str, Any]] = {}  # kind -> folder, why, failed, bytes_lost, since
+        self.stalls: List[Tuple[float, float]] = []  # output stalls not yet taken by the books
+        self.working: Dict[int, Tuple[float, int, int]] = {}  # pump -> (since, its pipe, full at)
+
+    def failed(self, kind: str, folder: Path, err: OSError) -> None:
+        """A write of `kind` (logs, state) into `folder` failed with `err`: said the first time."""
+        why = err.strerror or str(err)
+        with self.lock:
+            rec = self.kinds.get(kind)
+            first = rec is None
+            if first:
+                rec = self.kinds[kind] = {"folder": str(folder), "why": why, "failed": 0, "bytes_lost": 0,
+                                          "since": time.time()}
+            rec["failed"] += 1
+        if first:
+            self.console.note(f"cannot write {self.WHAT.get(kind, kind)} in {folder} ({why}): training goes on"
+                              f"{self.THEN.get(kind, '')}", style="bold yellow")
+
+    def lost_bytes(self, n: int) -> None:
+        with self.lock:
+            rec = self.kinds.get("logs")
+            if rec is not None:
+                rec["bytes_lost"] += n
+
+    def fields(self) -> Optional[Dict[str, Any]]:
+        """The state file's `not_written`: per kind, where, why, failed writes and lost bytes."""
+        with self.lock:
+            return {k: dict(v) for k, v in self.kinds.items()} or None
+
+    def stalled(self, start: float, end: float) -> None:
+        """A worker may have waited on its full pipe from `start` to `end` (wall clock)."""
+        if end - start < MIN_STALL_S:
+            return
+        with self.lock:
+            if self.stalls and start <= self.stalls[-1][1]:
+                self.stalls[-1] = (self.stalls[-1][0], max(end, self.stalls[-1][1]))
+            else:
+                self.stalls.append((start, end))
+
+    def busy(self, pump: object, since: Optional[float], fd: int = -1, full: int = 0) -> None:
+        """`pump` works on what it read at `since` (None: it is back at its pipe). A pump held up
+        there (a console that does not take its lines) is a stall while its pipe is full."""
+        with self.lock:
+            if since is None:
+                self.working.pop(id(pump), None)
+            else:
+                self.working[id(pump)] = (since, fd, full)
+
+    def take_stalls(self) -> List[Tuple[float, float]]:
+        """The stalls since the last call, and those still going on (up to now)."""
+        now = time.time()
+        with self.lock:
+            out, self.stalls = self.stalls, []
+            for since, fd, full in self.working.values():
+                if now - since >= MIN_STALL_S and pending_bytes(fd) >= full:
+                    out.append((since, now))
+        return out
+
+
 class RankLog:
     """Log files of one rank: stdout.log and stderr.log, appended across restarts."""
 
@@ -129,8 +221,122 @@ class RankLog:
         self.stderr_path = self.dir / "stderr.log"
 
 
+class LineBuffer:
+    """A worker's bytes cut into the lines the console shows, in time linear in the bytes.
+
+    A line ends at '\n'. Within a line, '\r' goes back to its start, as on a terminal: only the
+    latest segment is kept (a progress bar's newest state), so a bar that redraws itself for an
+    hour holds one bar's bytes, not all of them. A line longer than `limit` bytes is cut into
+    pieces of at most that size (at a UTF-8 character's start). The log file gets every byte."""
+
+    def __init__(self, limit: int = MAX_LINE) -> None:
+        self.limit = limit
+        self.pending = bytearray()   # the current segment: bytes since the line's last '\r'
+        self.shown = b""             # the last whole '\r'-ended segment that had text
+        self.redrawn = False         # the current line has a '\r': it is a progress display
+
+    def feed(self, chunk: bytes) -> List[bytes]:
+        """The lines (and pieces of a too long line) that `chunk` completes."""
+        out: List[bytes] = []
+        start = 0
+        while True:
+            nl = chunk.find(b"\n", start)
+            if nl < 0:
+                break
+            self._add(chunk, start, nl, out)
+            out.append(bytes(self.pending) if self.pending else self.shown)
+            self.pending, self.shown, self.redrawn = bytearray(), b"", False
+            start = nl + 1
+        self._add(chunk, start, len(chunk), out)
+        return out
+
+    def _add(self, chunk: bytes, start: int, end: int, out: List[bytes]) -> None:
+        cr = chunk.rfind(b"\r", start, end)
+        if cr >= 0:
+            self.redrawn = True
+            last = chunk.rfind(b"\r", start, cr)  # the segment that this '\r' ends
+            seg = bytes(self.pending) + chunk[start:cr] if last < 0 else chunk[last + 1:cr]
+            if seg:
+                self.shown = seg[-self.limit:]
+            self.pending = bytearray()
+            start = cr + 1
+        self.pending += chunk[start:end]
+        while len(self.pending) > self.limit:
+            cut = self.limit
+            while cut > self.limit - 4 and self.pending[cut] & 0xC0 == 0x80:
+                cut -= 1  # not inside a UTF-8 character
+            out.append(bytes(self.pending[:cut]))
+            del self.pending[:cut]
+
+    def progress(self) -> Optional[bytes]:
+        """The newest state of a line that redraws itself ('\r'), None for any other line."""
+        if not self.redrawn:
+            return None
+        return bytes(self.pending) if self.pending else self.shown
+
+    def rest(self) -> Optional[bytes]:
+        """What is left at the end of the output: the last line, unfinished."""
+        last = bytes(self.pending) if self.pending else self.shown
+        return last or None
+
+
+class LogFile:
+    """One log file of a rank, written while it can be. A write that fails (a full disk) never
+    stops the pump: the bytes are counted as lost, said once (WriteTrouble), and writing is tried
+    again RETRY_S later; what was lost meanwhile is marked in the file."""
+
+    def __init__(self, path: Path, trouble: "WriteTrouble") -> None:
+        self.path = path
+        self.trouble = trouble
+        self.fd: Optional[int] = None
+        self.retry_at = 0.0
+        self.lost = 0  # bytes not written since the last write that worked
+
+    def write(self, data: bytes) -> None:
+        now = time.monotonic()
+        if self.fd is None and now < self.retry_at:
+            self._lose(len(data))
+            return
+        view = memoryview(data)
+        try:
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            if self.lost:
+                self._all(memoryview(f"\n===== ftrun: {self.lost} bytes of output were not written here "
+                                     f"(the disk was full) =====\n".encode()))
+                self.lost = 0
+            view = self._all(view)
+        except OSError as e:
+            self._lose(len(view))
+            self.trouble.failed("logs", self.path.parent.parent, e)
+            self.close()
+            self.retry_at = now + RETRY_S
+
+    def _all(self, view: memoryview) -> memoryview:
+        while view:
+            view = view[os.write(self.fd, view):]  # type: ignore[arg-type]
+        return view
+
+    def _lose(self, n: int) -> None:
+        self.lost += n
+        self.trouble.lost_bytes(n)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+
+
 class Pump:
-    """Copies one pipe of one worker incarnation to its file and the console."""
+    """Copies one pipe of one worker incarnation to its file and the console.
+
+    Whatever happens to the file or the console, it reads the pipe to its end: a pump that
+    stopped would close the pipe under the worker (BrokenPipeError at its next print). A read
+    that finds the pipe (nearly) full means the worker may have waited on it since the pump's
+    previous read: that stretch is recorded as an output stall (WriteTrouble.stalled, goodput)."""
 
     def __init__(self, read_fd: int, path: Path, rank: int, console: ConsoleOut, stderr: bool, banner: str) -> None:
         self.read_fd = read_fd
@@ -141,28 +347,56 @@ class Pump:
         self.banner = banner
         self.tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.done = threading.Event()
+        self._progress_at = 0.0
+        self._progress_shown: Optional[bytes] = None
         self.thread = threading.Thread(target=self._run, name=f"ftrun-log-{rank}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        with open(self.path, "ab", buffering=0) as f, os.fdopen(self.read_fd, "rb", buffering=0) as pipe:
-            f.write(self.banner.encode())
-            pending = b""
-            while True:
-                try:
-                    chunk = pipe.read(65536)
-                except OSError:
-                    chunk = b""
-                if not chunk:
-                    break
-                f.write(chunk)
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                if lines:
-                    self._lines(lines)
-            if pending:
-                self._lines([pending])
-        self.done.set()
+        log = LogFile(self.path, self.console.trouble)
+        lines = LineBuffer()
+        try:
+            log.write(self.banner.encode())
+            with os.fdopen(self.read_fd, "rb", buffering=0) as pipe:
+                full = int(pipe_capacity(self.read_fd) * BACKLOG)
+                read_at = time.time()  # when this pump last took bytes from its pipe
+                while True:
+                    if pending_bytes(self.read_fd) >= full:
+                        self.console.trouble.stalled(read_at, time.time())
+                    try:
+                        chunk = pipe.read(READ_BYTES)
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        break
+                    read_at = time.time()
+                    self.console.trouble.busy(self, read_at, self.read_fd, full)
+                    log.write(chunk)
+                    self._show(lines.feed(chunk), lines.progress())
+                    self.console.trouble.busy(self, None)
+                rest = lines.rest()
+                if rest is not None and rest != self._progress_shown:
+                    self._show([rest], None)
+        finally:
+            log.close()
+            self.done.set()
+
+    def _show(self, raws: Sequence[bytes], progress: Optional[bytes]) -> None:
+        """Complete lines at once; a progress bar's newest state at most every PROGRESS_S."""
+        if raws and self._progress_shown is not None and raws[0] == self._progress_shown:
+            raws = raws[1:]  # the bar's last state ended its line: shown already
+        if raws:
+            self._progress_shown = None
+        now = time.monotonic()
+        if progress is not None and progress != self._progress_shown and now - self._progress_at >= PROGRESS_S:
+            raws = list(raws) + [progress]
+            self._progress_at, self._progress_shown = now, progress
+        if not raws:
+            return
+        try:
+            self._lines(raws)
+        except (OSError, ValueError):
+            pass  # the console is gone (a closed pipe): the log file still gets every byte
 
     def _lines(self, raws: Sequence[bytes]) -> None:
         lines = [raw.decode("utf-8", errors="replace").rstrip("\r") for raw in raws]
@@ -186,7 +420,30 @@ def drain(pumps: Sequence["Pump"], timeout: float = DRAIN_S) -> None:
 
 
 def open_pipes():
-    """(read, write) pairs for stdout and stderr of one worker."""
+    """(read, write) pairs for stdout and stderr of one worker, each with a PIPE_BYTES buffer
+    where the system allows it (the default 64 KiB fills within one burst of output)."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    for fd in (out_w, err_w):
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (OSError, AttributeError):
+            pass  # above /proc/sys/fs/pipe-max-size, or not Linux: the default size
     return (out_r, out_w), (err_r, err_w)
+
+
+def pipe_capacity(fd: int) -> int:
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+    except (OSError, AttributeError):
+        return 1 << 16
+
+
+def pending_bytes(fd: int) -> int:
+    """Bytes waiting in pipe `fd` (FIONREAD); 0 when unknown."""
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except OSError:
+        return 0
+    return int.from_bytes(buf, sys.byteorder)

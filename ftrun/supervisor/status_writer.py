@@ -3,7 +3,8 @@ replica's row (this node's, and under several nodes every other node's), and the
 
 The loop says when to write (a change, or half a second at most); this module
 gathers the figures and writes them. Accounting must never take the run down:
-an error in the goodput is said once, and the run goes on.
+an error in the goodput is said once, and the run goes on; so is a state file that cannot be
+written (a full disk), and what the pumps could not write is counted in the file.
 Must never change a worker's record or the quorum, and never decide anything.
 """
 
@@ -51,14 +52,17 @@ class StatusWriter:
         if nodes is not None:
             self.status.replicas = nodes.all_replicas(self.status.replicas)
         self.fill_goodput()
+        self.status.not_written = self.console.trouble.fields()
         try:
             write_state(self.path, self.status)
-        except OSError:
-            pass
+        except OSError as e:  # a full disk under FTRUN_HOME: said once, training goes on
+            self.console.trouble.failed("state", self.path.parent, e)
 
     def fill_goodput(self, end: bool = False) -> None:
         """The goodput figures (state, timeline, metrics; at the end the summary too)."""
         try:
+            for start, stop in self.console.trouble.take_stalls():
+                self.ledger.books.output_stall(start, stop)
             if end:
                 self.ledger.finish(self.status, self.status.ended or time.time())
             else:

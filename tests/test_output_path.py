@@ -1,0 +1,224 @@
+"""The launcher's own output path (issue 40, items 1, 2 and 5): a full disk under the logs or
+ftrun's state folder never stops training; a worker's output is handled in linear time, a
+progress bar ('\\r') shows as a terminal shows it, a worker waiting on its full pipe counts as
+such in the goodput; torch's internals do not reach the console during a heal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, run_ftrun, start_ftrun, wait_for_line
+from helpers import status_record
+
+TRAIN = SCRIPTS / "train_ft.py"
+
+
+@contextmanager
+def full_tmpfs(where: Path):
+    """A 4 MB tmpfs at `where`, filled to the last byte."""
+    where.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        with open(where / "fill", "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+CHATTY = """\
+import sys, time
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(40):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    for i in range(200):
+        print(f"step {step} line {i} " + "x" * 100)
+    print(f"to stderr {step}", file=sys.stderr, flush=True)
+    time.sleep(0.02)
+print("done", flush=True)
+"""
+
+
+def _no_traceback(err: str) -> None:
+    assert "Exception in thread" not in err and "Traceback" not in err, err[-3000:]
+    assert "BrokenPipeError" not in err, err[-3000:]
+
+
+def test_a_full_log_folder_never_stops_training(ftrun_home, tmp_path):
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    with full_tmpfs(tmp_path / "full") as full:
+        proc = run_ftrun(["--run-id", "fulllogs", "--nproc", 2, "--log-dir", full / "logs", script], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _no_traceback(proc.stderr)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ftrun: cannot write")]
+    assert len(said) == 1, proc.stderr[-3000:]
+    assert f"the workers' logs in {full / 'logs'} (No space left on device)" in said[0], said
+    assert "--log-dir" in said[0] and "free space" in said[0], said
+    # the console still has every line of the workers
+    out = proc.stdout.splitlines()
+    for r in range(2):
+        assert f"[rank {r}] done" in out and f"[rank {r}] step 39 line 199 " + "x" * 100 in out, proc.stdout[-2000:]
+    rec = status_record("fulllogs")
+    lost = rec["not_written"]["logs"]
+    assert lost["folder"] == str(full / "logs") and lost["bytes_lost"] > 1_000_000, rec["not_written"]
+    shown = run_ftrun(["status", "fulllogs"], timeout=30)
+    assert f"not written: logs in {full / 'logs'} (No space left on device)" in shown.stdout, shown.stdout
+
+
+def test_a_full_ftrun_home_never_stops_an_ft_run(tmp_path):
+    with full_tmpfs(tmp_path / "full") as full:
+        proc = run_ftrun(["--run-id", "fullhome", "--nproc", 2, "--ft", TRAIN, "--steps", 120, "--print-every", 20],
+                         env={"FTRUN_HOME": str(full / "home")}, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _no_traceback(proc.stderr)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ftrun: cannot write")]
+    # the state file (and timeline) and the logs, under it by default: one line each
+    assert len(said) == 2, proc.stderr[-3000:]
+    assert any("the run's state in " in line and "FTRUN_HOME" in line for line in said), said
+    assert any("the workers' logs in " in line and "--log-dir" in line for line in said), said
+    for r in range(2):
+        assert f"[rank {r}] done at step 120" in proc.stdout.splitlines(), proc.stdout[-2000:]
+
+
+LONG_LINE = """\
+import json, sys, time
+times = []
+for step in range(12):
+    t = time.monotonic()
+    time.sleep(0.1)
+    if step == 6:
+        sys.stdout.write("y" * 20_000_000)
+        sys.stdout.flush()
+    times.append(time.monotonic() - t)
+sys.stdout.write("\\nend\\n")
+sys.stdout.flush()
+with open(sys.argv[1], "w") as f:
+    json.dump(times, f)
+"""
+
+
+def test_a_20_mb_line_without_newline_does_not_stall_its_step(ftrun_home, tmp_path):
+    script, times = tmp_path / "long.py", tmp_path / "times.json"
+    script.write_text(LONG_LINE)
+    logs = tmp_path / "logs"
+    proc = run_ftrun(["--nproc", 1, "--log-dir", logs, script, times], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    t = json.loads(times.read_text())
+    others = sorted(t[:6] + t[7:])
+    usual = others[len(others) // 2]
+    # quadratic today: about 16 s for this step; linear, well under a second on a busy machine
+    assert t[6] < 30 * usual, (t[6], usual, t)
+    # the console has the line in bounded pieces, every byte of it; the log has it whole
+    pieces = [line for line in proc.stdout.splitlines() if line.startswith("[rank 0] y")]
+    assert max(len(p) for p in pieces) <= 65536 + len("[rank 0] "), max(len(p) for p in pieces)
+    assert sum(p.count("y") for p in pieces) == 20_000_000
+    assert "[rank 0] end" in proc.stdout.splitlines()
+    assert ("y" * 20_000_000 + "\nend\n") in (logs / "rank0" / "stdout.log").read_text()
+
+
+# A progress bar as tqdm draws it: '\r' and the whole bar, flushed, many times a step, on stderr.
+BAR = """\
+import json, os, sys, time
+times, total, per = [], 100, 20
+seen = sys.argv[2]
+for step in range(total):
+    t = time.monotonic()
+    time.sleep(0.03)
+    for k in range(per):
+        n = step * per + k + 1
+        done = 60 * n // (total * per)
+        sys.stderr.write(f"\\rtraining: {100 * n // (total * per):3d}%|{'#' * done}{' ' * (60 - done)}| "
+                         f"{n}/{total * per} [00:01<00:01, 1000.00it/s]" + " " * 300)
+        sys.stderr.flush()
+    times.append(time.monotonic() - t)
+    if step == total // 2:  # the test says when it saw the bar on the console (60 s at most)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+sys.stderr.write("\\n")
+print("trained", flush=True)
+with open(sys.argv[1], "w") as f:
+    json.dump(times, f)
+"""
+
+
+def test_a_progress_bar_shows_during_the_run_and_does_not_slow_steps(ftrun_home, tmp_path):
+    script, times, seen = tmp_path / "bar.py", tmp_path / "times.json", tmp_path / "seen"
+    script.write_text(BAR)
+    proc = start_ftrun(["--nproc", 1, script, times, seen])
+    try:
+        line = wait_for_line(proc, "[rank 0] training: ", timeout=60, stream="stderr")
+        assert proc.poll() is None, "the run ended before the bar was shown"
+        seen.touch()
+        assert "\r" not in line and len(line) < 600, line
+        rest, out = proc.stderr.read(), proc.stdout.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, rest[-3000:]
+    assert "[rank 0] trained" in out, out
+    bars = [b for b in (line + rest).splitlines() if b.startswith("[rank 0] training: ")]
+    assert all(len(b) < 600 for b in bars), max(len(b) for b in bars)
+    # the bar's final state shows; a fast bar does not flood the console (a few lines a second)
+    assert bars[-1].startswith("[rank 0] training: 100%|" + "#" * 60 + "| 2000/2000"), bars[-1]
+    assert len(bars) < 40, len(bars)
+    t = json.loads(times.read_text())
+    first, last = sum(t[1:11]) / 10, sum(t[-10:]) / 10
+    assert last < 3 * first, (first, last)
+
+
+CHATTY_STEPS = """\
+import sys, time
+import torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(30):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    time.sleep(0.05)
+    if step == 10:
+        for i in range(30000):
+            print(f"line {i} " + "z" * 100)
+        sys.stdout.flush()
+print("done", flush=True)
+"""
+
+
+def test_a_worker_waiting_on_its_output_counts_as_output_in_the_goodput(ftrun_home, tmp_path):
+    """ftrun's own stdout taken slowly (`ftrun ... | slow-reader`): the worker waits on its full
+    pipe, and that time is lost to output, not counted as training or as waiting."""
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY_STEPS)
+    proc = start_ftrun(["--run-id", "slowout", "--nproc", 1, script])
+    try:
+        wait_for_line(proc, "[rank 0] line 0 ", timeout=60)
+        time.sleep(4.0)  # the slow reader: nothing taken from ftrun's stdout meanwhile
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert "[rank 0] done" in out
+    lost = status_record("slowout")["lost_s"]
+    assert lost["output"] >= 2.0, lost
+    assert lost["waiting"] < 1.0, lost
