@@ -7,8 +7,9 @@ never come back to a new one, so the call would wait until torch's timeout
 and the replica would never rejoin. ftrun.ft needs no default group. So, on a
 worker's first incarnation the call goes through and rank 0 says, once, that
 the script should drop it (a script that imported ftrun.ft: a plain one gets
-group restarts, where the call goes through every time); on a restarted incarnation the call is skipped
-with one line, and the replica heals like any other (a later use of the
+group restarts, where the call goes through every time); on a restarted
+incarnation the call is skipped with one line, and the replica heals like
+any other (a later use of the
 default group then fails with torch's own "not initialized" error). The
 script's `destroy_process_group()` of the group it asked for is then a no-op,
 so the pair works on every incarnation. ftrun's own calls (ft.device_mesh())
