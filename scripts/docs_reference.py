@@ -1,11 +1,14 @@
-"""The docs site's reference pages, rendered from the code so that they cannot drift from it.
+"""The docs' reference pages, rendered from the code so that they cannot drift from it.
 
 Each function returns one page's Markdown, read from the one place the code
 declares it: the options schema (ftrun.options), the hook catalogue
 (ftrun.hookspec), the registry of environment variables (ftrun.envvars), the
-exit statuses (ftrun.protocol), the state file's fields (ftrun.status) and the
-command line's own --help. scripts/docs_gen.py writes them into the site at
-build time; tests call them directly. Never imports torch.
+exit statuses (ftrun.protocol), the state file's fields (ftrun.status), the
+command line's own --help and the docstrings of ftrun/ft.py (read with ast:
+ftrun.ft imports torch). The pages are committed under docs/reference/, so that
+they read in a clone; `python scripts/docs_reference.py --write` rewrites them
+(and the guides' diffs, scripts/docs_hooks.py, and the benchmark plots), and tests/test_docs.py fails
+when one is stale. Never imports torch.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-GENERATED = ("<!-- Generated from the code at build time by scripts/docs_reference.py: edit the code, not "
-             "this page. -->\n\n")
+GENERATED = ("<!-- Generated from the code by scripts/docs_reference.py: edit the code, not this page, "
+             "and run `python scripts/docs_reference.py --write` (a test fails while it is stale). -->\n\n")
 
 
 def _cell(text: Any) -> str:
@@ -312,6 +315,69 @@ def status_json_page() -> str:
     ])
 
 
+# ---------------------------------------------------------------- the ftrun.ft API
+
+
+def _docstring_markdown(doc: str) -> str:
+    """A docstring as Markdown: its indented blocks (examples) fenced as Python."""
+    out: list = []
+    for para in doc.strip().split("\n\n"):
+        lines = para.split("\n")
+        if all(line.startswith("    ") or not line.strip() for line in lines):
+            out.append("```python\n" + "\n".join(line[4:] for line in lines) + "\n```")
+        else:
+            out.append(" ".join(line.strip() for line in lines))
+    return "\n\n".join(out) + "\n"
+
+
+def _signature(fn: Any) -> str:
+    import ast
+
+    returns = f" -> {ast.unparse(fn.returns)}" if fn.returns is not None else ""
+    return f"ftrun.ft.{fn.name}({ast.unparse(fn.args)}){returns}"
+
+
+FT_API_AFTER = """
+## What `ft.Optimizer` returns
+
+`ft.Optimizer(...)` returns a wrapper whose `step()` returns whether the step was taken (True: the
+round's collectives went through on this replica, which commits the step; False: the step was
+discarded and the parameters and optimizer state are exactly as before). `opt.optimizer` is the
+first wrapped optimizer and `opt.optimizers` all of them; `zero_grad()` zeroes every one's
+gradients (`set_to_none=True`, the default, and `False` both work), and any other attribute
+(`param_groups`, `state_dict()`, ...) is the first one's. `ft.Optimizer` may wrap the optimizer
+before or after `ft.DistributedDataParallel` wraps the model.
+"""
+
+
+def ft_api_page() -> str:
+    """Every public function of ftrun/ft.py (its __all__, in source order): its signature and its
+    docstring, read from the source with ast."""
+    import ast
+
+    tree = ast.parse((ROOT / "ftrun" / "ft.py").read_text())
+    public = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            public = set(ast.literal_eval(node.value))
+    parts = ["# The `ftrun.ft` API\n", GENERATED,
+             "What a training script calls under `ftrun --ft`, rendered from the docstrings of `ftrun/ft.py` "
+             "(`help(ftrun.ft.X)` says the same). How to use it: [Fault tolerance](../guides/fault-tolerance.md), "
+             "[Porting a torchrun script to --ft](../guides/porting-to-ft.md) and "
+             "[Sharded replicas](../guides/sharded-replicas.md).\n",
+             _docstring_markdown(ast.get_docstring(tree) or "")]
+    found = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in public:
+            found.add(node.name)
+            parts += [f"## `ft.{node.name}` {{#{node.name.lower()}}}\n", "```python", _signature(node), "```\n",
+                      _docstring_markdown(ast.get_docstring(node) or "(no docstring)")]
+    missing = public - found
+    if missing:
+        raise RuntimeError(f"ftrun/ft.py's __all__ names what it does not define as a function: {sorted(missing)}")
+    return "\n".join(parts) + FT_API_AFTER
+
+
 PAGES: Dict[str, Any] = {
     "reference/options.md": options_page,
     "reference/cli.md": cli_page,
@@ -320,4 +386,46 @@ PAGES: Dict[str, Any] = {
     "reference/exit-codes.md": exit_codes_page,
     "reference/recipes.md": recipes_page,
     "reference/status-json.md": status_json_page,
+    "reference/ft-api.md": ft_api_page,
 }
+
+
+def stale(docs: Path = ROOT / "docs") -> Dict[str, str]:
+    """{page: its fresh text} for every committed page that differs from what the code renders now:
+    the reference pages, the guides' `<!-- diff: A B -->` blocks (scripts/docs_hooks.py) and the
+    benchmark pages' plots (scripts/docs_plots.py, when matplotlib is there to draw them)."""
+    import docs_hooks
+
+    fresh = {path: render() for path, render in PAGES.items()}
+    try:  # the benchmark pages' plots, drawn from their tables (the docs extra's matplotlib)
+        import docs_plots
+        fresh.update(docs_plots.plots(docs))
+    except ImportError:
+        pass
+    for md in sorted(docs.rglob("*.md")):
+        rel = md.relative_to(docs).as_posix()
+        if rel not in fresh and docs_hooks.MARKER.search(md.read_text()):
+            fresh[rel] = docs_hooks.fill(md.read_text())
+    return {rel: text for rel, text in fresh.items()
+            if not (docs / rel).is_file() or (docs / rel).read_text() != text}
+
+
+def main(argv: Sequence[str]) -> int:
+    if list(argv) not in ([], ["--write"], ["--check"]):
+        print("usage: python scripts/docs_reference.py [--write | --check]", file=sys.stderr)
+        return 2
+    changed = stale()
+    if argv == ["--write"]:
+        for rel, text in changed.items():
+            (ROOT / "docs" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (ROOT / "docs" / rel).write_text(text)
+            print(f"wrote docs/{rel}")
+        return 0
+    for rel in changed:
+        print(f"stale: docs/{rel} (python scripts/docs_reference.py --write)")
+    return 1 if changed else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main(sys.argv[1:]))
