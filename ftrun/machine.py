@@ -132,10 +132,39 @@ def folder_problem(path: str) -> Optional[str]:
         break
     if not stat.S_ISDIR(st.st_mode):
         return "is a file, not a folder" if p == target else f"cannot be created: {p} is a file"
+    kernel = _kernel_file_system(p)
+    if kernel:  # root may "write" there, yet no folder of ours can be made in it
+        return (f"{'is' if p == target else 'would be'} in {kernel[0]}, the kernel's own {kernel[1]} file system, "
+                f"which holds no files of a run")
     if not os.access(p, os.W_OK | os.X_OK):
         err = "read-only file system" if _read_only(p) else "no permission"
         return (f"is not writable ({err})" if p == target else f"cannot be created in {p} ({err})")
     return None
+
+
+# File systems whose files the kernel makes: nobody creates folders or files of their own there.
+KERNEL_FILE_SYSTEMS = {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "pstore",
+                       "bpf", "configfs", "fusectl", "efivarfs", "binfmt_misc", "mqueue", "nsfs", "selinuxfs"}
+
+
+def _kernel_file_system(path: str) -> Optional[Tuple[str, str]]:
+    """(mount point, type) when existing folder `path` is on a kernel file system, else None."""
+    best: Optional[Tuple[str, str]] = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, kind = left.split(), right.split()[:1]
+        if len(fields) < 5 or not kind:
+            continue
+        point = fields[4].encode().decode("unicode_escape")  # spaces come as \040
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best[0])):  # the last of one point is on top
+            best = (point, kind[0])
+    return best if best is not None and best[1] in KERNEL_FILE_SYSTEMS else None
 
 
 def _read_only(path: str) -> bool:

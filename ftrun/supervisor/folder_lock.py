@@ -117,7 +117,11 @@ def acquire(folder: str, run_id: str, say: Callable[[str], None]) -> FolderLock:
     """Take the folder for this run, or raise ConfigError (one line) naming the live run holding it."""
     import fcntl
 
-    Path(folder).mkdir(parents=True, exist_ok=True)
+    try:  # preflight found it writable; a folder can still refuse (a kernel file system, a change since)
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--checkpoint-dir {folder} cannot be created ({e.strerror or e}); give a folder you can "
+                          f"write", key="checkpoint_dir") from None
     path = Path(folder) / LOCK_FILE
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

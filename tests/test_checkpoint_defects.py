@@ -1,0 +1,40 @@
+"""Checkpoint defects of issue 40, through the real CLI (and the quorum keeper's pace, driven
+against a real store): a pre-emption of a run of slow steps saves its last committed step
+within the shutdown timeout; a checkpoint folder that can never
+be written is one line in a run and in its dry run; a checkpoint moved aside never replaces an
+earlier one of the same step; an optimizer of another class is named, not its missing field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+
+import pytest
+
+from conftest import SCRIPTS, run_ftrun
+from ftrun import protocol as keys
+from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
+from ftrun.supervisor.quorum_status import Pace
+from helpers import assert_bad, err_text, start_logged
+from test_checkpoint import _complete, _wait_for
+from test_checkpoint_faults import _printed_step
+
+TRAIN = SCRIPTS / "train_ft.py"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("folder", ["/proc/ck", "/sys/ck"])
+@pytest.mark.parametrize("dry", [False, True])
+def test_a_checkpoint_folder_on_a_kernel_file_system_is_one_line(ftrun_home, tmp_path, folder, dry):
+    """/proc and /sys take no folder of a run, root's included (os.access says yes to root): the
+    run and its dry run say so in one line, exit 2, and nothing starts (it was a traceback from
+    the folder's lock, exit 1, after a dry run that said 0)."""
+    script = tmp_path / "x.py"
+    script.write_text("print('never')\n")
+    proc = run_ftrun([*(["--dry-run"] if dry else []), "--nproc", 1, "--ft", "--run-id", "k",
+                      "--checkpoint-dir", folder, script], timeout=60)
+    assert_bad(proc, f"--checkpoint-dir {folder} ", "kernel", "give a folder you can write")
+    assert "never" not in proc.stdout and not (ftrun_home / "k").exists()
