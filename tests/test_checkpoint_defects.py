@@ -38,3 +38,31 @@ def test_a_checkpoint_folder_on_a_kernel_file_system_is_one_line(ftrun_home, tmp
                       "--checkpoint-dir", folder, script], timeout=60)
     assert_bad(proc, f"--checkpoint-dir {folder} ", "kernel", "give a folder you can write")
     assert "never" not in proc.stdout and not (ftrun_home / "k").exists()
+
+
+def test_a_second_damaged_checkpoint_of_a_step_keeps_the_first(ftrun_home, tmp_path):
+    """step-20 damaged, resumed (moved aside to step-20.damaged), written again and damaged
+    again: the second resume moves it to step-20.damaged.2 and keeps the first (it was
+    removed to make room: against 'never deleted')."""
+    d = tmp_path / "ck"
+    cmd = ["--nproc", 1, "--ft", "--run-id", "twice", "--checkpoint-dir", d, "--checkpoint-every", 10, TRAIN,
+           "--dim", 64, "--hidden", 224, "--optim", "adam", "--steps", 20, "--print-every", 1000]
+
+    def damage() -> bytes:
+        with open(d / "step-20" / "__0_0.distcp", "r+b") as f:
+            f.write(b"\0" * 4096)
+        return (d / "step-20" / "ftrun.json").read_bytes()
+
+    first = run_ftrun(cmd, timeout=120)
+    assert first.returncode == 0 and _complete(d) == [10, 20], (_complete(d), first.stderr[-2000:])
+    metas = [damage()]
+    for aside in ("step-20.damaged", "step-20.damaged.2"):
+        again = run_ftrun(cmd, timeout=120)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"moved aside to {d}/{aside} (never read again" in again.stderr, again.stderr[-3000:]
+        assert f"resumed from checkpoint {d}/step-10 at step 10" in again.stderr and _complete(d) == [10, 20]
+        metas.append(damage())
+    # both kept, each as it was moved aside (the second run's step-20 is another write)
+    assert (d / "step-20.damaged" / "ftrun.json").read_bytes() == metas[0]
+    assert (d / "step-20.damaged.2" / "ftrun.json").read_bytes() == metas[1]
+    assert sorted(p.name for p in d.glob("step-20.damaged*")) == ["step-20.damaged", "step-20.damaged.2"]

@@ -110,10 +110,14 @@ class Folder:
 
     def move_aside(self, path: Path, why: str) -> None:
         """A damaged checkpoint: out of the way of every later resume and prune, kept for a look."""
-        aside = path.with_name(path.name + DAMAGED_SUFFIX)
+        # A fresh name each time (step-N.damaged, step-N.damaged.2, ...): one of an earlier run,
+        # damaged at the same step, is kept too. rename() onto an existing empty folder would
+        # replace it, so the name is taken only if nothing has it.
+        aside, n = path.with_name(path.name + DAMAGED_SUFFIX), 1
+        while os.path.lexists(aside):
+            n += 1
+            aside = path.with_name(f"{path.name}{DAMAGED_SUFFIX}.{n}")
         try:
-            if aside.exists():
-                shutil.rmtree(aside)
             os.rename(path, aside)
         except OSError as e:
             self._log(f"rank {self.rank}: checkpoint {path} is damaged ({why}); it could not be moved aside "
