@@ -66,3 +66,22 @@ def test_a_second_damaged_checkpoint_of_a_step_keeps_the_first(ftrun_home, tmp_p
     assert (d / "step-20.damaged" / "ftrun.json").read_bytes() == metas[0]
     assert (d / "step-20.damaged.2" / "ftrun.json").read_bytes() == metas[1]
     assert sorted(p.name for p in d.glob("step-20.damaged*")) == ["step-20.damaged", "step-20.damaged.2"]
+
+
+def test_an_sgd_checkpoint_resumed_by_adam_names_both_optimizers(ftrun_home, tmp_path):
+    """Adam on SGD's checkpoint: the documented line naming both classes, exit 2, not the first
+    field SGD lacks (param_groups.0.betas), which says nothing of what happened."""
+    d = tmp_path / "ck"
+
+    def cmd(optim):
+        return ["--nproc", 1, "--ft", "--checkpoint-dir", d, "--checkpoint-every", 10, TRAIN, "--dim", 64,
+                "--hidden", 224, "--optim", optim, "--steps", 10, "--print-every", 1000]
+
+    assert run_ftrun(cmd("sgd"), timeout=120).returncode == 0 and _complete(d) == [10]
+    other = run_ftrun(cmd("adam"), timeout=120)
+    assert other.returncode == 2, other.stderr[-3000:]
+    lines = [line for line in other.stderr.splitlines() if "does not fit this run" in line]
+    assert len(lines) == 1, other.stderr[-3000:]
+    assert (f"checkpoint {d}/step-10 does not fit this run: it was written with optimizer SGD, this run uses "
+            f"Adam. Another model or optimizer wrote it; give this run its own --checkpoint-dir") in lines[0], lines[0]
+    assert "betas" not in other.stderr and "Traceback" not in other.stderr

@@ -216,7 +216,8 @@ class Checkpointer:
             if target is None:
                 target = self._dicts.load_target(state)
             disk.drop_states_not_saved(target, metadata)
-            misfit = disk.misfit(target, metadata, state.extras) or disk.other_optimizer(info, state.optimizers)
+            # Another optimizer class first: its missing fields (betas, a step) would name a symptom, not it.
+            misfit = disk.other_optimizer(info, state.optimizers) or disk.misfit(target, metadata, state.extras)
             if misfit:
                 raise CheckpointMismatch(f"checkpoint {path} does not fit this run: {misfit}. Another model or "
                                          f"optimizer wrote it; give this run its own --checkpoint-dir")
