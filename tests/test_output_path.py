@@ -222,3 +222,56 @@ def test_a_worker_waiting_on_its_output_counts_as_output_in_the_goodput(ftrun_ho
     lost = status_record("slowout")["lost_s"]
     assert lost["output"] >= 2.0, lost
     assert lost["waiting"] < 1.0, lost
+
+
+# A script with its own default group (as minGPT-ddp has) whose rank 1 dies in the first round,
+# a layout round: its peer is averaging gradients when the connection closes.
+DIES_IN_LAYOUT_ROUND = """\
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import ftrun.ft as ft
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+ddp = ft.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+opt = ft.Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.01))
+first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+for step in ft.steps(40):
+    loss = ddp(torch.randn(8, 16)).pow(2).mean()
+    if first and os.environ["RANK"] == "1" and step == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss.backward()
+    opt.step()
+    time.sleep(0.01)
+print(f"done at step {ft.global_step()}", flush=True)
+"""
+TORCH_INTERNALS = ("is not initialized in the world group map", "waitForInput", "ProcessGroup object at 0x")
+
+
+def test_a_heal_keeps_torchs_internals_off_the_console(ftrun_home, tmp_path, monkeypatch):
+    monkeypatch.delenv("FTRUN_VERBOSE", raising=False)
+    script, logs = tmp_path / "dies.py", tmp_path / "logs"
+    script.write_text(DIES_IN_LAYOUT_ROUND)
+    proc = run_ftrun(["--nproc", 2, "--ft", "--log-dir", logs, script], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 is training again, healed from a peer" in proc.stderr, proc.stderr[-3000:]
+    for text in TORCH_INTERNALS:
+        assert text not in proc.stderr and text not in proc.stdout, proc.stderr[-3000:]
+    for r in range(2):
+        assert f"[rank {r}] done at step 40" in proc.stdout.splitlines(), proc.stdout
+    # the survivor's log says why its round failed: the peer's connection closed
+    assert "a peer left mid-collective" in (logs / "rank0" / "stderr.log").read_text()
+
+
+@pytest.mark.quick
+def test_torchs_store_timeout_warnings_stay_in_the_log():
+    from ftrun.supervisor.logs import chatter
+
+    for line in ("[W1127 23:53:02.756119425 socket.cpp:494] [c10d] waitForInput: socket SocketImpl(fd=15, "
+                 "addr=[::ffff:127.0.0.1]:60500, remote=[::ffff:127.0.0.1]:40087) timed out after 10000ms",
+                 "[W1127 23:53:03.758340643 socket.cpp:469] [c10d] waitForInput: poll for socket SocketImpl(fd=15) "
+                 "returned 0, likely a timeout"):
+        assert chatter(line, speaker=True), line
+    assert not chatter("DistStoreError: wait timeout after 10000ms, keys: /x/0/1", speaker=True)

@@ -59,6 +59,11 @@ FT_PREFIX = "ftrun.ft: "
 HOOK_LINE = re.compile(r"ftrun: rank \d+: (?:(registered DDP comm hook )|hook \S+ step \d+: .*?( \(at exit\))?$)")
 # A worker stopped by Ctrl-C says where, in its log (ftrun.worker.bootstrap): the console has ftrun's line.
 INTERRUPTED_LINE = re.compile(r"ftrun: rank \d+: stopped by SIGINT \(KeyboardInterrupt\) in ")
+# torch's C++ warning of a store read that timed out ("[W1127 23:53:02.756 socket.cpp:494] [c10d]
+# waitForInput: socket ... timed out after 10000ms"): under --ft a group formation given up when a
+# member died ends that way a few seconds later, on its own thread. ftrun says what happened in
+# its own words (the failure line); the exception that follows such a timeout still shows.
+STORE_TIMEOUT_LINE = re.compile(r"\[W\d{4} [^\]]*socket\.cpp:\d+\] \[c10d\] waitForInput: ")
 
 
 def chatter(line: str, speaker: bool) -> bool:
@@ -69,7 +74,7 @@ def chatter(line: str, speaker: bool) -> bool:
         return True
     if line.startswith(FT_PREFIX):
         return False
-    if INTERRUPTED_LINE.match(line):
+    if INTERRUPTED_LINE.match(line) or STORE_TIMEOUT_LINE.match(line):
         return True
     m = HOOK_LINE.match(line)
     if m is None:

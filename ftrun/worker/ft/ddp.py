@@ -321,7 +321,10 @@ def average_gradients(pg: dist.ProcessGroup, module: torch.nn.Module) -> int:
             chunk = group[start:end]
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(p.dtype)
                               for p in chunk])
-            dist.all_reduce(flat, group=pg)
+            # The group's own call, not dist.all_reduce: with a default group in the script, torch's
+            # error logger replaces a failed collective's error by "not initialized in the world
+            # group map" (ftrun's groups are not in torch's registry), and that reached the console.
+            pg.allreduce([flat]).wait()
             sent += flat.numel() * flat.element_size()
             flat.div_(n)
             offset = 0
