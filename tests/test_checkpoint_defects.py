@@ -85,3 +85,90 @@ def test_an_sgd_checkpoint_resumed_by_adam_names_both_optimizers(ftrun_home, tmp
     assert (f"checkpoint {d}/step-10 does not fit this run: it was written with optimizer SGD, this run uses "
             f"Adam. Another model or optimizer wrote it; give this run its own --checkpoint-dir") in lines[0], lines[0]
     assert "betas" not in other.stderr and "Traceback" not in other.stderr
+
+
+def test_sigterm_saves_within_the_default_grace_when_steps_are_slow(ftrun_home, tmp_path):
+    """Steps of 0.5 s, no failure before the signal, the default --shutdown-timeout (5 s): the
+    stop reaches every replica within a few steps (the keeper sizes rounds to the pace as soon
+    as it knows it, not only at a failure's new quorum: 8 steps a round kept the save past the
+    grace, and nothing was written), the last committed step is saved, exit 143."""
+    d = tmp_path / "ck"
+    run = start_logged(["--nproc", 2, "--ft", "--run-id", "slow", "--checkpoint-dir", d, "--checkpoint-every", 50,
+                        TRAIN, "--steps", 1000, "--step-sleep", 0.5, "--print-every", 1])
+    try:
+        # past step 16, where the rounds sized once the pace was known (about step 4) began
+        _wait_for(lambda: _printed_step(ftrun_home, "slow") >= 20, run, "step 20", timeout=120)
+        at_signal = _printed_step(ftrun_home, "slow")
+        t0 = time.monotonic()
+        run.send_signal(signal.SIGTERM)
+        code = run.wait(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        run.kill()
+    err = err_text(run)
+    assert code == 128 + signal.SIGTERM, (code, err[-3000:])
+    assert "no checkpoint was written within" not in err, err[-3000:]
+    saved = re.search(rf"ftrun: checkpoint of step (\d+) written to {re.escape(str(d))}/step-(\d+) in", err)
+    assert saved and saved.group(1) == saved.group(2), err[-3000:]
+    step = int(saved.group(1))
+    assert _complete(d) == [step], _complete(d)
+    # The step printed last was taken (step N prints after its optimizer step: N + 1 committed at
+    # most); the stop comes within a few 0.5 s steps of the signal, not a round of 8 later.
+    assert at_signal <= step <= at_signal + 4, (at_signal, step)
+    assert took < 10, took  # the 5 s grace, plus ftrun's own exit on a loaded machine
+    assert "Traceback" not in err
+
+
+def _reports(q, steps_at, n: int, step_s: float, first: int = 0, epoch: int = 1) -> float:
+    """n steps reported by every member at `step_s` each (as the members' info keys say), the
+    keeper polling after each; the time reached."""
+    t = 0.0
+    for i in range(n):
+        t = steps_at + (i + 1) * step_s
+        for r in q.ranks:
+            q._s.set(keys.info_key(r), json.dumps({"inc": 0, "epoch": epoch, "round": i, "phase": "compute",
+                                                   "step": first + i, "beat": first + i}))
+        q.poll(t)
+    return t
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("step_s,rounds", [(0.5, 1), (0.1, 2), (0.005, None)])
+def test_keeper_sizes_rounds_to_the_pace_once_it_knows_it(step_s, rounds):
+    """A run without failures: its first epoch has rounds of 8 (no pace known yet); once the
+    pace is known, rounds far from 0.2 s get an epoch of the same members with rounds re-sized,
+    said nowhere, once per pace window (it came only with a failure's new quorum: 8 steps of
+    0.6 s kept a SIGTERM's save past the 5 s grace). A fast run keeps its 8, no new epoch."""
+    from test_quorum_keeper import _RunStore, _epoch, _join
+
+    q = QuorumKeeper(_RunStore(), [0, 1], settings=KeeperSettings())
+    q.on_store_ready()
+    for r in range(2):
+        _join(q, r, 0)
+    q.poll(0.0)
+    assert _epoch(q, 1)["round_steps"] == keys.ROUND_STEPS
+    for r in range(2):
+        q._s.set(keys.healed_key(r), "0")  # both hold the state (the source, and its healed peer)
+    n = max(8, int(2.0 / step_s))
+    t = _reports(q, 0.0, n, step_s)
+    assert q.epoch_id == (2 if rounds else 1), q.history
+    if rounds:
+        assert _epoch(q, 2)["round_steps"] == rounds and _epoch(q, 2)["members"] == _epoch(q, 1)["members"]
+        assert not _epoch(q, 2)["healers"] and not _epoch(q, 2)["fresh"]
+        _reports(q, t, n, step_s / 20, first=n, epoch=2)  # far faster now, within the window: not yet
+        assert q.epoch_id == 2
+    assert q.history == ["quorum 1: 2 replicas (first replicas joined)"], q.history
+
+
+@pytest.mark.quick
+def test_a_resumed_runs_first_report_is_no_pace():
+    """A resumed run's replicas first report step 0, then the checkpoint's step: that jump is
+    no pace (it made a run of slow steps look fast, and its rounds 8 steps long)."""
+    pace = Pace()
+    pace.note(0.0, 0)
+    pace.note(1.0, 1500)
+    pace.note(1.5, 1501)
+    assert pace.step_s() is None
+    for i in range(2, 6):
+        pace.note(1.0 + 0.5 * i, 1500 + i)
+    assert pace.step_s() == pytest.approx(0.5)

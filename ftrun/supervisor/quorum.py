@@ -133,6 +133,7 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         self.fresh_epochs: Set[int] = set()  # epochs after the first that no holder of the trained state was in
         # A stop signal with --checkpoint-dir (stop()): every epoch from then on is a stop epoch.
         self.stopping = False
+        self.epoch_steps, self.repace_after = self.round_steps, float("-inf")  # the newest epoch's (_repace)
 
     # ------------------------------------------------------------ store
     @property
@@ -332,6 +333,7 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
                 self.pending[r] = inc
         if not self.pending:
             self.pending_since = None
+            self._repace(now)
             return
         if self.pending_since is None:
             self.pending_since = now
@@ -356,7 +358,36 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         writer = Epoch.from_json(self._s.get(keys.epoch_key(self.epoch_id))).writer
         return writer if writer >= 0 else None
 
-    def _publish(self, why: str) -> None:
+    def _paced_steps(self) -> int:
+        """Steps per round of an epoch published now: the user's choice, else about ROUND_TARGET_S
+        at the run's pace (8 while it is not known: rounds of one step would be paced by their
+        own votes, slow where the store is, and never grow)."""
+        if self.round_steps_chosen:
+            return self.round_steps
+        return keys.round_steps_for(self.pace.step_s(), self.round_steps)
+
+    def _repace(self, now: float) -> None:
+        """As soon as the pace is known, rounds far from ROUND_TARGET_S (over twice as long: a stop
+        signal, taken at a round's top, would wait seconds of 8 slow steps; under a quarter and
+        shorter than allowed: the votes cost) get an epoch of the same members with rounds
+        re-sized, said nowhere: not only after a failure. Only with every member in the epoch and
+        holding the state (nobody heals again), once per pace window (a swinging pace rebuilds
+        no groups)."""
+        step_s = self.pace.step_s()
+        if step_s is None or self.round_steps_chosen or not self.members or now < self.repace_after:
+            return
+        want, round_s = self._paced_steps(), self.epoch_steps * step_s
+        if want == self.epoch_steps or keys.ROUND_TARGET_S / 4 <= round_s <= 2 * keys.ROUND_TARGET_S:
+            return
+        for r, inc in self.members.items():
+            info = self.info.get(r) or {}
+            if ((r, inc) not in self.healed or info.get("inc") != inc or info.get("epoch") != self.epoch_id
+                    or not self._fresh(r, now)):
+                return
+        self.repace_after = now + self.pace.WINDOW_S
+        self._publish("", quiet=True)
+
+    def _publish(self, why: str, quiet: bool = False) -> None:
         if self.stopping:
             self._publish_stop(why)
             return
@@ -390,8 +421,7 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         start = -1
         if not continuing:  # rounds are numbered across epochs: start after the newest one decided
             start = self._top() + 1
-        steps = self.round_steps if self.round_steps_chosen else keys.round_steps_for(self.pace.step_s(),
-                                                                                      self.round_steps)
+        steps = self.epoch_steps = self._paced_steps()
         if fresh:
             src = min(self.members) // self.k  # the lowest replica sends its state, shard by shard
             epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r // self.k != src)),
@@ -409,7 +439,8 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         n = len(members) // self.k
         shape = f" of {self.k} workers" if self.k > 1 else ""
         rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if steps != self.round_steps else ""
-        self.history.append(f"quorum {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}")
+        if not quiet:
+            self.history.append(f"quorum {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}")
 
     def _publish_stop(self, why: str) -> None:
         """A stop epoch of the members there are now (nobody joins any more): the writer is the

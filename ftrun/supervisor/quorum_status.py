@@ -127,6 +127,9 @@ class Pace:
         self.noted_at = t
         if self.samples and step < self.samples[-1][1]:  # a fresh start: the old pace says nothing
             self.samples.clear()
+        if step == 0:  # no step reported yet: a resumed run's first report (its checkpoint's step) is no pace
+            self.samples.clear()
+            return
         if self.samples and step == self.samples[-1][1]:
             return
         self.samples.append((t, step))
