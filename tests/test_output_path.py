@@ -240,21 +240,26 @@ opt = ft.Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.01))
 first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 for step in ft.steps(40):
     loss = ddp(torch.randn(8, 16)).pow(2).mean()
-    if first and os.environ["RANK"] == "1" and step == 0:
+    if first and os.environ["RANK"] == "1" and step == int(sys.argv[1]):
         os.kill(os.getpid(), signal.SIGKILL)
     loss.backward()
     opt.step()
     time.sleep(0.01)
 print(f"done at step {ft.global_step()}", flush=True)
 """
-TORCH_INTERNALS = ("is not initialized in the world group map", "waitForInput", "ProcessGroup object at 0x")
+TORCH_INTERNALS = ("is not initialized in the world group map", "waitForInput", "ProcessGroup object at 0x",
+                   "ddp_comm_hooks", "[rank 0] At:")
 
 
-def test_a_heal_keeps_torchs_internals_off_the_console(ftrun_home, tmp_path, monkeypatch):
+@pytest.mark.parametrize("hook,step", [(None, 0), ("powersgd", 5)], ids=["layout-round", "powersgd-hook"])
+def test_a_heal_keeps_torchs_internals_off_the_console(ftrun_home, tmp_path, monkeypatch, hook, step):
+    """Rank 1 dies in the first round (a layout round: its peer averages with dist's functions), or
+    under torch's PowerSGD hook, whose error comes with its "At:" frames on lines of their own."""
     monkeypatch.delenv("FTRUN_VERBOSE", raising=False)
     script, logs = tmp_path / "dies.py", tmp_path / "logs"
     script.write_text(DIES_IN_LAYOUT_ROUND)
-    proc = run_ftrun(["--nproc", 2, "--ft", "--log-dir", logs, script], timeout=180)
+    proc = run_ftrun(["--nproc", 2, "--ft", "--log-dir", logs] + (["--hook", hook] if hook else []) + [script, step],
+                     timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank 1 is training again, healed from a peer" in proc.stderr, proc.stderr[-3000:]
     for text in TORCH_INTERNALS:

@@ -23,8 +23,10 @@ def _log(msg: str) -> None:
 
 
 def _log_detail(msg: str) -> None:
-    """A line for the rank's log file only (the console filter keeps it off unless --verbose)."""
-    sys.stderr.write(f"{DETAIL_PREFIX}{msg}\n")
+    """A line for the rank's log file only (the console filter keeps it off unless --verbose).
+    Each line of a text of several (a torch hook's error with its "At:" frames) carries the prefix:
+    a line without it would reach the console."""
+    sys.stderr.write("".join(f"{DETAIL_PREFIX}{line}\n" for line in msg.splitlines() or [""]))
     sys.stderr.flush()
 
 
