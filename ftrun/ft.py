@@ -108,14 +108,23 @@ def global_step() -> int:
     return manager().step
 
 
-def DataLoader(dataset: Any, batch_size: int = 1, shuffle: bool = False, seed: int = 0, drop_last: bool = False,
-               **kwargs: Any) -> Any:
+def DataLoader(dataset: Any, batch_size: int = 1, shuffle: Optional[bool] = None, seed: Optional[int] = None,
+               drop_last: Optional[bool] = None, sampler: Any = None, **kwargs: Any) -> Any:
     """torch's DataLoader for --ft: this replica's batches from the run's current position, every
     sample of an epoch trained once in committed steps whatever fails. `batch_size` is per
-    worker, `shuffle`/`seed` are DistributedSampler's; every other DataLoader argument works."""
+    worker; `shuffle` (default False) and `seed` (default 0) are DistributedSampler's, or taken,
+    with its drop_last, from the script's own `sampler=DistributedSampler(...)`, so that
+    `DataLoader(ds, sampler=DistributedSampler(ds))` ports as `ft.DataLoader(ds,
+    sampler=DistributedSampler(ds))`; a `seed` given beside it wins. Epoch e is ordered as the
+    sampler after set_epoch(e), e counting from 0 in ft.epochs(): a script that called
+    set_epoch(1..N) passes seed=1 (the sampler's seed plus one) to train the same order. Every other DataLoader argument works. Said in one line:
+    an empty dataset (the run stops), replicas whose datasets differ in length or in a Subset's
+    indices (the run stops: an unseeded random_split), a shuffle or seed unlike the one of a
+    DistributedSampler the script built over the dataset (said once, the run goes on)."""
     from ftrun.worker.ft.data import DataLoader as FtDataLoader
 
-    return FtDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, **kwargs)
+    return FtDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
+                        sampler=sampler, **kwargs)
 
 
 def epochs(total: int) -> Iterator[int]:

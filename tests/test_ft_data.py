@@ -204,7 +204,7 @@ def test_store_host_node_lost_each_sample_trained_once(ftrun_home, tmp_path):
 
 @pytest.mark.parametrize("bad, says", [
     ("iterable", "needs a map-style dataset"),
-    ("sampler", "ft.DataLoader(sampler=...): ft.DataLoader chooses the order itself"),
+    ("sampler", "ft.DataLoader(sampler=SequentialSampler(...)): ft.DataLoader orders an epoch as"),
     ("batch", "ft.DataLoader(batch_size=0)"),
     ("outside", "an ft.DataLoader was iterated outside an ftrun.ft loop"),
 ])

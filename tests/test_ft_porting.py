@@ -87,8 +87,8 @@ def test_init_and_destroy_process_group_work_on_a_restarted_replica(ftrun_home, 
 
 
 def test_deterministic_error_of_a_restarted_replica_is_not_retried(ftrun_home, tmp_path):
-    """The tutorial's DistributedSampler(dataset) needs the default group, which a restarted
-    replica has not: its error repeats at the same line before any step. It is retried once,
+    """The tutorial's DistributedSampler given dist.get_world_size() needs the default group,
+    which a restarted replica has not: its error repeats at the same line before any step. It is retried once,
     not until the budget (3) is spent; the replica is left down, said in one line, and the
     others finish."""
     rc, err = _run_killing(ftrun_home, ["--nproc", 3, "--ft", "--run-id", "sampler", TUTORIAL, 4, 1, "--mode",

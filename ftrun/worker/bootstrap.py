@@ -61,6 +61,10 @@ def install() -> None:
         from ftrun.worker.ft import world
 
         world.install()
+    if s.ft:
+        from ftrun.worker.ft import data_checks
+
+        data_checks.install()
     # With --ft the hook goes through ftrun.ft's DDP (over the live replicas), not plain DDP.
     if s.hook and not s.ft:
         from ftrun.worker.inject import install_from_env

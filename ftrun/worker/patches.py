@@ -20,6 +20,11 @@ them by name. Each is listed in PATCHES, and each is applied through
   join the group of all workers formed at the start, so its call is skipped
   with one line, and the destroy of that group is then a no-op. ftrun's own
   calls go to torch's function (`world.torch_init_process_group()`).
+- `DistributedSampler.__init__` (ft/data_checks.py, --ft): with no default
+  group (a restarted replica, or a script that never made one), a sampler
+  built without num_replicas/rank splits over WORLD_SIZE at RANK, as the
+  group of all workers would, instead of raising; ft.DataLoader reads the
+  samplers the script built to say when its order is not theirs.
 - `DistributedDataParallel.__init__` with `register_comm_hook` and
   `_register_builtin_comm_hook` (inject.py, --hook without --ft): every DDP
   model gets the run's comm hook after its first forward, unless the script
@@ -72,6 +77,11 @@ PATCHES: Dict[str, Patch] = {
         "--ft, one worker per replica: a restarted replica skips the script's group of all workers, which it "
         "could never join again",
         "undo('process_group'); ftrun's own calls use world.torch_init_process_group()"),
+    "sampler": Patch(
+        ("torch.utils.data.distributed.DistributedSampler.__init__",), "ftrun.worker.ft.data_checks",
+        "--ft: DistributedSampler(dataset) with no default group takes WORLD_SIZE and RANK (a restarted replica has "
+        "no default group); ft.DataLoader compares its order with the samplers the script built",
+        "undo('sampler'); a sampler with num_replicas and rank given, or built with a default group, is torch's own"),
     "ddp.hook": Patch(
         ("torch.nn.parallel.DistributedDataParallel.__init__",
          "torch.nn.parallel.DistributedDataParallel.register_comm_hook",

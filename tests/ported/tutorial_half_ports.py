@@ -6,8 +6,8 @@ way to tests/ported/ddp_tutorial_ft.py, each a defect ftrun must handle plainly.
   half     ft.DistributedDataParallel and ft.Optimizer, but the tutorial's own epoch loop
   steps    ported: the loop over ft.steps(), each step mapped to (epoch, batch), the data split
            over the live replicas; the script's init/destroy_process_group() pair is kept
-  sampler  as steps, but the batches still come from DistributedSampler(dataset), which needs
-           the default group (a restarted replica has none)
+  sampler  as steps, but the batches still come from a DistributedSampler given the default
+           group's size and rank (dist.get_world_size()): a restarted replica has no default group
 Writes OUT.rankN.json (steps taken, last epoch) when --out is given.
 """
 
@@ -80,7 +80,8 @@ def main() -> None:
                     taken += bool(opt.step())
                 last_epoch = epoch
         else:
-            sampler = DistributedSampler(dataset) if args.mode == "sampler" else None
+            sampler = DistributedSampler(dataset, num_replicas=torch.distributed.get_world_size(),
+                                         rank=torch.distributed.get_rank()) if args.mode == "sampler" else None
             per_epoch = len(dataset) // (args.batch_size * int(os.environ["WORLD_SIZE"]))
             for step in ft.steps(args.total_epochs * per_epoch):
                 epoch, b = divmod(step, per_epoch)

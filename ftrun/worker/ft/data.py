@@ -29,11 +29,10 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset
 
+from ftrun.worker.ft import data_checks
 from ftrun.worker.ft.manager import Manager
 
 Plan = Tuple[int, int, int, int]  # (epoch, position, workers, this worker's index)
-# DataLoader arguments that would choose the order themselves: ft.DataLoader does.
-CHOOSES_ORDER = ("sampler", "batch_sampler")
 
 
 def share(take: int, workers: int, index: int) -> Tuple[int, int]:
@@ -93,24 +92,36 @@ class DataLoader:
     """torch's DataLoader for --ft: this replica's batches from the run's current position.
 
     `batch_size` is per data-parallel worker (as with DistributedSampler); `shuffle` and `seed`
-    are DistributedSampler's; every other DataLoader argument (num_workers, pin_memory,
-    collate_fn, drop_last, prefetch_factor, persistent_workers, ...) means what it means there.
+    are DistributedSampler's, or taken from `sampler=DistributedSampler(...)` with its drop_last;
+    every other DataLoader argument (num_workers, pin_memory, collate_fn, drop_last,
+    prefetch_factor, persistent_workers, ...) means what it means there.
     """
 
-    def __init__(self, dataset: Any, batch_size: int = 1, shuffle: bool = False, seed: int = 0,
-                 drop_last: bool = False, **kwargs: Any) -> None:
+    def __init__(self, dataset: Any, batch_size: int = 1, shuffle: Optional[bool] = None,
+                 seed: Optional[int] = None, drop_last: Optional[bool] = None, sampler: Any = None,
+                 **kwargs: Any) -> None:
         from ftrun.worker.ft.manager import manager
 
         mgr = manager()
-        self._refuse(mgr, dataset, batch_size, seed, kwargs)
+        self._refuse(mgr, dataset, batch_size, seed, sampler, kwargs)
         self.mgr: Manager = mgr
         self.dataset = dataset
         self.batch_size = int(batch_size)
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.drop_last = bool(drop_last)
+        # The script's own DistributedSampler, kept so that its set_epoch() calls still work (they
+        # change nothing here: the order follows the run's epoch).
+        self.sampler = sampler
+        self._said_epoch = False
+        self.shuffle, self.seed, self.drop_last, note = data_checks.from_sampler(sampler, shuffle, seed, drop_last)
+        if note is None and sampler is None:
+            note = data_checks.unlike_sampler(dataset, self.shuffle, self.seed)
+        if note:
+            data_checks.say(note)
         self.collate_fn = kwargs.pop("collate_fn", None) or torch.utils.data.default_collate
         self.size = len(dataset)
+        if self.size == 0:
+            mgr._misused(f"ft.DataLoader: the dataset ({type(dataset).__name__}) is empty, 0 samples: the loop would "
+                         f"train nothing; check what loads it (a path, a filter, a split)")
+        self.fingerprint = data_checks.fingerprint(dataset)
         # The run's position: the epoch, and the samples of it consumed by the steps this
         # replica took (`pos`); `cursor` is where the open step's draws have got to.
         self.epoch = 0
@@ -133,21 +144,25 @@ class DataLoader:
         mgr.step_listeners.append(self._took_step)
 
     @staticmethod
-    def _refuse(mgr: Manager, dataset: Any, batch_size: Any, seed: Any, kwargs: Dict[str, Any]) -> None:
+    def _refuse(mgr: Manager, dataset: Any, batch_size: Any, seed: Any, sampler: Any,
+                kwargs: Dict[str, Any]) -> None:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or \
                 not hasattr(dataset, "__len__"):
             mgr._misused(f"ft.DataLoader needs a map-style dataset (with __len__ and __getitem__), not "
                          f"{type(dataset).__name__}: an iterable stream has no position to split over the live "
                          f"replicas or to hand to a healed one. Index your data (a Dataset over its records or "
                          f"files), or read it by the step in an ft.steps() loop")
-        for key in CHOOSES_ORDER:
-            if kwargs.get(key) is not None:
-                mgr._misused(f"ft.DataLoader({key}=...): ft.DataLoader chooses the order itself (DistributedSampler's "
-                             f"with shuffle= and seed=, split over the live replicas): drop {key}=")
+        if sampler is not None and not isinstance(sampler, data_checks.DistributedSampler):
+            mgr._misused(f"ft.DataLoader(sampler={type(sampler).__name__}(...)): ft.DataLoader orders an epoch as "
+                         f"DistributedSampler does (shuffle=, seed=, or a DistributedSampler's), split over the live "
+                         f"replicas: give it a DistributedSampler, or shuffle= and seed=, and drop this sampler")
+        if kwargs.get("batch_sampler") is not None:
+            mgr._misused("ft.DataLoader(batch_sampler=...): ft.DataLoader makes the batches itself (batch_size= per "
+                         "worker, split over the live replicas): drop batch_sampler=")
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             mgr._misused(f"ft.DataLoader(batch_size={batch_size!r}): the samples per worker and step, a whole "
                          f"number from 1 (the run's batch is that times the live workers)")
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             mgr._misused(f"ft.DataLoader(seed={seed!r}): a whole number (DistributedSampler's seed)")
 
     # ------------------------------------------------------------ the order and the plan
@@ -201,12 +216,13 @@ class DataLoader:
     # ------------------------------------------------------------ state (heals, checkpoints)
     def state_dict(self) -> Dict[str, Any]:
         return {"epoch": self.epoch, "pos": self.pos, "size": self.size, "seed": self.seed,
-                "shuffle": self.shuffle, "batch_size": self.batch_size}
+                "shuffle": self.shuffle, "batch_size": self.batch_size, "fingerprint": self.fingerprint}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        if int(sd.get("size", self.size)) != self.size:
-            self.mgr._misused(f"ft.DataLoader #{self.index}: the run's position is in a dataset of {sd['size']} "
-                              f"samples, this replica's has {self.size}: every replica must load the same dataset")
+        why = data_checks.differs(self.index, (int(sd.get("size", self.size)), sd.get("fingerprint")),
+                                  (self.size, self.fingerprint))
+        if why:
+            self.mgr._misused(why)
         self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
         self.cursor = (self.epoch, self.pos)
         self._serial = -1
@@ -220,6 +236,12 @@ class DataLoader:
     # ------------------------------------------------------------ iteration
     def __iter__(self) -> "DataLoader":
         self._yielded = 0
+        epochs = self.mgr.epochs_state
+        if self.sampler is not None and not self._said_epoch and epochs is not None and epochs.looping:
+            note = data_checks.unlike_set_epoch(self.sampler, self.seed, epochs.epoch)
+            if note:
+                self._said_epoch = True
+                data_checks.say(note)
         return self
 
     def on_epoch(self, epoch: int) -> None:
