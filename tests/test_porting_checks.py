@@ -91,7 +91,7 @@ def test_an_empty_dataset_is_one_line(ftrun_home, tmp_path):
 def test_a_shuffle_other_than_the_scripts_sampler_is_said_once(ftrun_home, tmp_path):
     """The script kept its DistributedSampler (for set_epoch) but ported its loader as
     ft.DataLoader(shuffle=False): before the port it trained shuffled. Said once per worker; the
-    run goes on with what the script asked for."""
+    run goes on with what the script asked for. Rank 0 says it: every worker builds the same loader."""
     script = _script(tmp_path, """
         sampler = DistributedSampler(full)
         loader = ft.DataLoader(full, batch_size=4, shuffle=False)
@@ -100,12 +100,12 @@ def test_a_shuffle_other_than_the_scripts_sampler_is_said_once(ftrun_home, tmp_p
     proc = run_ftrun(["--nproc", 2, "--ft", script], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if "shuffle" in line and "DistributedSampler" in line]
-    assert len(lines) == 2 and all("shuffle=False" in line and "sampler=" in line for line in lines), lines
+    assert len(lines) == 1 and "shuffle=False" in lines[0] and "sampler=" in lines[0], lines
 
 
 def test_a_set_epoch_counting_from_one_is_said_once_with_the_seed(ftrun_home, tmp_path):
     """minGPT's set_epoch(1..N) on the sampler it gave ft.DataLoader: ft.epochs() counts from 0, so
-    the order is not the one the script trained; said once per worker, naming seed=1."""
+    the order is not the one the script trained; said once (by rank 0), naming seed=1."""
     script = _script(tmp_path, """
         loader = ft.DataLoader(full, batch_size=4, shuffle=False, sampler=DistributedSampler(full))
         for epoch in ft.epochs(3):
@@ -118,7 +118,7 @@ def test_a_set_epoch_counting_from_one_is_said_once_with_the_seed(ftrun_home, tm
     proc = run_ftrun(["--nproc", 2, "--ft", script], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if "set_epoch(1)" in line]
-    assert len(lines) == 2 and all("pass seed=1" in line for line in lines), proc.stderr[-3000:]
+    assert len(lines) == 1 and "pass seed=1" in lines[0], proc.stderr[-3000:]
     assert "set_epoch(2)" not in proc.stderr, proc.stderr[-3000:]
 
 

@@ -113,8 +113,11 @@ def unlike_set_epoch(sampler: Any, seed: int, epoch: int) -> Optional[str]:
 
 
 def say(line: str) -> None:
-    sys.stderr.write(f"ftrun.ft: rank {settings.current().rank_text}: {line}\n")
-    sys.stderr.flush()
+    """A note about the script's loader, from rank 0 only: every worker builds the same one."""
+    s = settings.current()
+    if s.rank in (0, None):
+        sys.stderr.write(f"ftrun.ft: rank {s.rank_text}: {line}\n")
+        sys.stderr.flush()
 
 
 def install() -> None:
