@@ -10,8 +10,11 @@ import json
 import os
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Tuple
+
+import pytest
 
 from conftest import FTRUN, ROOT, run_ftrun
 
@@ -76,3 +79,35 @@ def load_params(out, world: int) -> list:
     import torch  # here, not at the top: the CLI's tests never load torch in the test process
 
     return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+@contextmanager
+def small_tmpfs(where: Path, size: str = "4m", fill: bool = False):
+    """A tmpfs of `size` mounted at `where` (a disk that fills up), filled to its last byte when
+    `fill`; unmounted at the end. Skips the test where it cannot be mounted (it needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("a small disk is a tmpfs, which only root can mount")
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        if fill:
+            fill_disk(where)
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill_disk(disk: Path, name: str = "filler") -> Path:
+    """Take every free byte of `disk` with one file, and return it."""
+    filler = disk / name
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return filler

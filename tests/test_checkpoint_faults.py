@@ -6,10 +6,8 @@ SIGINT (mid-save included), another optimizer's checkpoint, a folder past the lo
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS, run_ftrun
-from helpers import err_text, start_logged, status_record
+from helpers import err_text, fill_disk, small_tmpfs, start_logged, status_record
 from test_checkpoint import _assert_bitwise, _complete, _final_state, _kill_everything, _wait_for
 
 TRAIN = SCRIPTS / "train_ft.py"
@@ -29,26 +27,8 @@ AT_SIZE = ["--dim", 2048, "--hidden", 2048, "--depth", 5, "--optim", "adam", "--
 @pytest.fixture
 def small_disk(tmp_path):
     """A 4 MiB tmpfs: a disk that fills up."""
-    if os.geteuid() != 0:
-        pytest.skip("a full disk is a small tmpfs, which only root can mount")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(mnt)], check=True)
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _fill(disk: Path) -> Path:
-    """Take every free byte of `disk`."""
-    filler = disk / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-    return filler
+    with small_tmpfs(tmp_path / "small") as mnt:
+        yield mnt
 
 
 def _checkpoint_status(home: Path, run_id: str) -> dict:
@@ -83,7 +63,7 @@ def test_full_disk_from_the_start_never_hangs(ftrun_home, small_disk):
     with exit 0: the training itself succeeded."""
     d = small_disk / "ck"
     d.mkdir()
-    _fill(small_disk)
+    fill_disk(small_disk)
     r = run_ftrun(["--nproc", 1, "--ft", "--run-id", "full", "--checkpoint-dir", d, "--checkpoint-every", 10,
                    TRAIN, *SMALL, "--steps", 60, "--print-every", 100], timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -111,7 +91,7 @@ def test_full_disk_mid_run_recovers_and_no_replica_is_killed(ftrun_home, small_d
                   TRAIN, *SMALL, "--steps", 100_000, "--step-sleep", 0.02, "--print-every", 100_000])
     try:
         _wait_for(lambda: (d / "step-20" / "ftrun.json").exists(), run, "the checkpoint of step 20")
-        filler = _fill(small_disk)
+        filler = fill_disk(small_disk)
         _wait_for(lambda: err_text(run).count("not written") >= 2, run, "two failed saves")
         # `ftrun status` follows within a fraction of a second (the supervisor reads the store a few times a second)
         _wait_for(lambda: _checkpoint_status(ftrun_home, "fills").get("failed_since", 0) >= 2, run,
@@ -126,7 +106,7 @@ def test_full_disk_mid_run_recovers_and_no_replica_is_killed(ftrun_home, small_d
         ck = status_record("fills", ftrun_home)["checkpoint"]
         assert ck["failed_total"] >= 2, ck
         assert _no_partials(d) == [], list(d.iterdir())
-        _fill(small_disk)
+        fill_disk(small_disk)
         seen = err_text(run).count("not written")
         _wait_for(lambda: err_text(run).count("not written") > seen, run, "a failed save on the full disk again")
         run.send_signal(signal.SIGTERM)

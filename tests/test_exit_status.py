@@ -8,9 +8,7 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 from conftest import FTRUN, ROOT, run_ftrun
 

@@ -11,14 +11,13 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import FTRUN, ROOT, SCRIPTS
-from helpers import finish, read_state, start_logged
+from helpers import finish, read_state, small_tmpfs, start_logged
 
 TRAIN_FT = SCRIPTS / "train_ft.py"
 TRAIN_DDP = SCRIPTS / "train_ddp.py"
@@ -196,13 +195,7 @@ def test_group_restart_on_two_nodes_counts_the_lost_steps_on_both(tmp_path):
 def test_a_full_disk_leaves_the_run_and_its_summary_alone(tmp_path):
     """The runs folder on a full tmpfs: the timeline cannot be written, the run still finishes
     with its summary, and no half-written timeline is left behind."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "full", size="256k") as mnt:
         home = mnt / "home"
         (home / "gp-full").mkdir(parents=True, mode=0o700)
         home.chmod(0o700)
@@ -215,5 +208,3 @@ def test_a_full_disk_leaves_the_run_and_its_summary_alone(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         assert re.search(r"ftrun: goodput [\d.]+%", r.stderr), r.stderr[-2000:]
         assert not list((home / "gp-full").glob("timeline.json.*.tmp"))
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])

@@ -8,15 +8,12 @@ the loop's last step is tried as often as the docs say, its lines say what happe
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, run_ftrun
-from helpers import status_record
+from conftest import run_ftrun
+from helpers import fill_disk, small_tmpfs, status_record
 
 # A --ft loop of STEPS steps; replica 0's first process dies at step 20, and replica 1, alone,
 # waits for it to come back, so the restarted process takes part of the run, not all of it.
@@ -136,24 +133,10 @@ print(f"done at step {ft.global_step()}", flush=True)
 @pytest.fixture
 def full_disk(tmp_path):
     """A checkpoint folder on a 4 MiB tmpfs with no room left."""
-    if os.geteuid() != 0:
-        pytest.skip("a full disk is a small tmpfs, which only root can mount")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with small_tmpfs(tmp_path / "small") as mnt:
         (mnt / "ck").mkdir()
-        with open(mnt / "filler", "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError:
-                pass
+        fill_disk(mnt)
         yield mnt / "ck"
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_last_save_is_tried_three_times_and_failed_saves_count_saves(ftrun_home, tmp_path, full_disk):

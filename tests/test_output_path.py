@@ -6,37 +6,14 @@ such in the goodput; torch's internals do not reach the console during a heal.""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
 from conftest import SCRIPTS, run_ftrun, start_ftrun, wait_for_line
-from helpers import status_record
+from helpers import small_tmpfs, status_record
 
 TRAIN = SCRIPTS / "train_ft.py"
-
-
-@contextmanager
-def full_tmpfs(where: Path):
-    """A 4 MB tmpfs at `where`, filled to the last byte."""
-    where.mkdir(parents=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        with open(where / "fill", "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
-            except OSError:
-                pass
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 CHATTY = """\
@@ -63,7 +40,7 @@ def _no_traceback(err: str) -> None:
 def test_a_full_log_folder_never_stops_training(ftrun_home, tmp_path):
     script = tmp_path / "chatty.py"
     script.write_text(CHATTY)
-    with full_tmpfs(tmp_path / "full") as full:
+    with small_tmpfs(tmp_path / "full", fill=True) as full:
         proc = run_ftrun(["--run-id", "fulllogs", "--nproc", 2, "--log-dir", full / "logs", script], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _no_traceback(proc.stderr)
@@ -83,7 +60,7 @@ def test_a_full_log_folder_never_stops_training(ftrun_home, tmp_path):
 
 
 def test_a_full_ftrun_home_never_stops_an_ft_run(tmp_path):
-    with full_tmpfs(tmp_path / "full") as full:
+    with small_tmpfs(tmp_path / "full", fill=True) as full:
         proc = run_ftrun(["--run-id", "fullhome", "--nproc", 2, "--ft", TRAIN, "--steps", 120, "--print-every", 20],
                          env={"FTRUN_HOME": str(full / "home")}, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
