@@ -6,11 +6,13 @@ such in the goodput; torch's internals do not reach the console during a heal.""
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import time
 
 import pytest
 
-from conftest import SCRIPTS, run_ftrun, start_ftrun, wait_for_line
+from conftest import FTRUN, ROOT, SCRIPTS, run_ftrun, start_ftrun, wait_for_line
 from helpers import small_tmpfs, status_record
 
 TRAIN = SCRIPTS / "train_ft.py"
@@ -72,6 +74,26 @@ def test_a_full_ftrun_home_never_stops_an_ft_run(tmp_path):
     assert any("the workers' logs in " in line and "--log-dir" in line for line in said), said
     for r in range(2):
         assert f"[rank {r}] done at step 120" in proc.stdout.splitlines(), proc.stdout[-2000:]
+
+
+def test_a_reader_that_goes_away_stops_neither_the_workers_nor_a_good_exit(ftrun_home, tmp_path):
+    """`ftrun ... | head -2`: the console's reader leaves after two lines. The workers train on
+    (their output goes on into the logs), ftrun's own lines still reach stderr, and the run exits
+    0; rich's own answer to a closed pipe (SystemExit from the pump's thread) killed the pump,
+    then the worker at its next print (BrokenPipeError), and the run exited 1."""
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    proc = subprocess.run(["bash", "-c", f"{shlex.join(str(a) for a in FTRUN)} --run-id gone --nproc 2 {script} "
+                           f"| head -2; echo \"ftrun exited ${{PIPESTATUS[0]}}\""],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.stdout.splitlines()[-1] == "ftrun exited 0", proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(proc.stdout.splitlines()) == 3, proc.stdout[-2000:]
+    _no_traceback(proc.stderr)
+    assert "ftrun: run gone finished" in proc.stderr, proc.stderr[-3000:]
+    for r in range(2):
+        logs = ftrun_home / "gone" / "logs" / f"rank{r}"
+        assert (logs / "stdout.log").read_text().splitlines()[-1] == "done", r
+        assert "BrokenPipeError" not in (logs / "stderr.log").read_text(), r
 
 
 LONG_LINE = """\

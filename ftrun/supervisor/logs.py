@@ -82,14 +82,29 @@ def chatter(line: str, speaker: bool) -> bool:
     return not (speaker and (m.group(1) or m.group(2)))
 
 
+class _Console(Console):
+    """A rich Console whose reader may go away (`ftrun ... | head`). rich's answer to a closed
+    pipe is SystemExit(1) from whichever thread printed: a pump would stop reading its pipe (the
+    worker then dies of BrokenPipeError at its next print) and a good run would exit 1. Here the
+    console goes quiet instead, its stream pointed at /dev/null (the final flush finds nothing
+    to write); the log files still get every byte, and the run's status is the workers'."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.file.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
 class ConsoleOut:
     """The supervisor's console: worker lines and ftrun's own lines, thread-safe."""
 
     def __init__(self, quiet: bool = False, ranks: Optional[Sequence[int]] = None, nproc: int = 1,
                  local_ranks: Optional[Sequence[int]] = None, hidden: Optional[Dict[int, int]] = None,
                  verbose: bool = False) -> None:
-        self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True, markup=False, emoji=False)
-        self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True, markup=False, emoji=False)
+        self.out = _Console(file=sys.stdout, highlight=False, soft_wrap=True, markup=False, emoji=False)
+        self.err = _Console(file=sys.stderr, highlight=False, soft_wrap=True, markup=False, emoji=False)
         self.quiet = quiet
         self.ranks = set(ranks) if ranks is not None else None
         self.nproc = max(1, nproc)
