@@ -172,3 +172,26 @@ def test_a_resumed_runs_first_report_is_no_pace():
     for i in range(2, 6):
         pace.note(1.0 + 0.5 * i, 1500 + i)
     assert pace.step_s() == pytest.approx(0.5)
+
+
+@pytest.mark.quick
+def test_a_checkpoint_written_before_the_loaders_fingerprint_still_fits():
+    """A checkpoint an earlier ftrun wrote has no dataset fingerprint in ft.DataLoader's state: the
+    field is left out of what is loaded, so the resume is not refused as 'another model' (probed
+    for real with a checkpoint of the release before: refused, then resumed); a field the
+    checkpoint has, and the user's own state, are left alone."""
+    from types import SimpleNamespace
+
+    from ftrun.worker.ft.checkpoint_read import drop_fields_added_since
+
+    old = SimpleNamespace(state_dict_metadata={f"extras.ftrun.data.0.{f}": None for f in ("epoch", "pos", "size")}
+                          | {"extras.mine.fingerprint": None})
+    target = {"extras": {"ftrun.data.0": {"epoch": 0, "pos": 0, "size": 48, "fingerprint": "ab"},
+                         "mine": {"fingerprint": "cd"}}}
+    drop_fields_added_since(target, old)
+    assert target["extras"]["ftrun.data.0"] == {"epoch": 0, "pos": 0, "size": 48}
+    assert target["extras"]["mine"] == {"fingerprint": "cd"}
+    new = SimpleNamespace(state_dict_metadata=dict(old.state_dict_metadata, **{"extras.ftrun.data.0.fingerprint": None}))
+    target = {"extras": {"ftrun.data.0": {"epoch": 0, "fingerprint": "ab"}}}
+    drop_fields_added_since(target, new)
+    assert target["extras"]["ftrun.data.0"] == {"epoch": 0, "fingerprint": "ab"}

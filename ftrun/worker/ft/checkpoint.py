@@ -216,6 +216,7 @@ class Checkpointer:
             if target is None:
                 target = self._dicts.load_target(state)
             disk.drop_states_not_saved(target, metadata)
+            disk.drop_fields_added_since(target, metadata)
             # Another optimizer class first: its missing fields (betas, a step) would name a symptom, not it.
             misfit = disk.other_optimizer(info, state.optimizers) or disk.misfit(target, metadata, state.extras)
             if misfit:

@@ -254,6 +254,21 @@ def drop_states_not_saved(target: Dict[str, Any], metadata: Any) -> None:
         del states[fqn]
 
 
+# Fields ftrun added to its own registered state after checkpoints were written without them
+# (ft.DataLoader's dataset fingerprint); their readers take a default when one is missing.
+ADDED_FIELDS = ("fingerprint",)
+
+
+def drop_fields_added_since(target: Dict[str, Any], metadata: Any) -> None:
+    """A checkpoint an earlier ftrun wrote lacks the fields added to ftrun's own state since: they
+    are left out of what is loaded, so the checkpoint still fits (the loader keeps its own)."""
+    saved = metadata.state_dict_metadata
+    for name, sd in (target.get("extras") or {}).items():
+        if name.startswith("ftrun.") and isinstance(sd, dict) and has_extra(metadata, name):
+            for field in [f for f in ADDED_FIELDS if f in sd and f"extras.{name}.{f}" not in saved]:
+                del sd[field]
+
+
 def optimizer_names(optimizers: List[Any]) -> List[str]:
     return [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers]
 
