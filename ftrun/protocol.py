@@ -338,7 +338,7 @@ def heal_key(epoch: int, round_: int, shard: Optional[int] = None) -> str:
     return f"{PREFIX}heal/{epoch}/{round_}" + (f"/{shard}" if shard is not None else "")
 
 
-EVENTS = PREFIX + "events"            # queue: "<rank> <incarnation> spawn|died|finished" from other nodes
+EVENTS = PREFIX + "events"  # queue: "<rank> <inc> spawn|died|finished" (other nodes), "<rank> <inc> rejoin <next>"
 
 
 def info_key(rank: int) -> str:

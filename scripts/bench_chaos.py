@@ -122,6 +122,8 @@ TORCHRUN_DETECT_RE = re.compile(r"exitcode: -9\) local_rank: (\d+) \(pid: (\d+)\
 REJOIN_RE = re.compile(r"rank (\d+) is training again, healed from a peer ([\d.]+) s after it failed")
 # ftrun's line for every replica it restarts: a survivor's is one whose pid was never killed
 RESTART_RE = re.compile(r"ftrun: rank (\d+) \(pid (\d+)\) (.*); restarting")
+# A survivor whose steps went past what its peers decided, healed again in its own process
+INPLACE_RE = re.compile(r"rank (\d+): (.*); taking the committed state from a peer in place")
 
 
 # --------------------------------------------------------------------------- one launcher run
@@ -196,6 +198,8 @@ class Result:
     anomalies: List[str] = field(default_factory=list)
     # --ft: ftrun's restart lines for ranks that were not killed (a survivor left its process)
     survivor_restarts: List[str] = field(default_factory=list)
+    # --ft: survivors that took the committed state again in place (their process lives on)
+    survivor_rejoins: List[str] = field(default_factory=list)
 
 
 def command(mode: str, args: argparse.Namespace, run_id: str, ckpt: Path) -> List[str]:
@@ -410,6 +414,9 @@ def analyse(mode: str, kills: List[Kill], lines: List[Tuple[float, str, str]], w
     for w in windows:
         w.survivor_restarts = [line for t, _name, line in lines if w.t0 <= t <= w.t1 + 5
                                and (m := RESTART_RE.search(line)) and int(m.group(2)) not in killed]
+        # (not past a failure-free window's end: the next window starts within 5 s of it)
+        w.survivor_rejoins = [line for t, _name, line in lines
+                              if w.t0 <= t <= w.t1 + (5 if w.kills else 0) and INPLACE_RE.search(line)]
         for k in w.kills:
             d = [t for t, _r, pid in detects if pid == k.pid and t >= k.t]
             if d:
@@ -626,8 +633,9 @@ def main() -> None:
                 console.print(f"[yellow]  {a}[/]")
             console.print(f"  {'failure-free' if r.period is None else f'T = {r.period:g} s'}: {r.steps} steps in "
                           f"{r.t1 - r.t0:.0f} s ({r.steps_per_s:.1f}/s), {len(r.kills)} kills"
-                          + (f", {len(r.survivor_restarts)} survivor restarts" if mode == "ft" else ""))
-            for line in r.survivor_restarts:
+                          + (f", {len(r.survivor_restarts)} survivor restarts, {len(r.survivor_rejoins)} survivors "
+                             f"healed in place" if mode == "ft" else ""))
+            for line in r.survivor_restarts + r.survivor_rejoins:
                 console.print(f"    survivor: {line}", markup=False)
             if r.period is None:
                 refs[mode] = r
@@ -680,7 +688,7 @@ def main() -> None:
         raw = [{"mode": r.mode, "period": r.period, "steps": r.steps, "steps_per_s": r.steps_per_s,
                 "window": [r.t0, r.t1], "discarded": r.discarded, "load": r.load, "startup_s": r.startup_s,
                 "segment_rates": r.segment_rates, "launcher_rc": r.launcher_rc, "anomalies": r.anomalies,
-                "survivor_restarts": r.survivor_restarts,
+                "survivor_restarts": r.survivor_restarts, "survivor_rejoins": r.survivor_rejoins,
                 "kills": [k.__dict__ for k in r.kills]} for r in results]
         Path(args.json).write_text(json.dumps(raw, indent=1))
     if args.keep:  # out of the scratch folder (scripts/scratch.py), which goes when the benchmark ends

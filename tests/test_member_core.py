@@ -14,7 +14,7 @@ import pytest
 from ftrun.protocol import Epoch
 from ftrun.worker.ft.member_core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Computing, Decided,
                                          Entered, Entering, Finish, FinishedRead, InSync, Join, Joined, MemberCore,
-                                         ReadFinished, Restart, RoundTop, Skipped, StoreLost, Switch, TakeStep,
+                                         ReadFinished, Rejoin, Restart, RoundTop, Skipped, StoreLost, Switch, TakeStep,
                                          Voted, source_refuses, transfer_ends)
 
 pytestmark = pytest.mark.quick
@@ -58,6 +58,32 @@ def test_a_member_that_stepped_past_a_round_voted_down_restarts():
     core.handle(ClosedOk())
     out = core.handle(Decided(10, False, 3))
     assert len(out) == 1 and isinstance(out[0], Restart) and "voted down" in out[0].why
+
+
+@pytest.mark.parametrize("event, why", [
+    (Decided(10, False, 3), "round 10 was voted down after this member had stepped past it"),
+    (Voted(ok=False, taken=2, commit=False, target=3, kept=1), "round 10 keeps its first 1 steps while this member "
+                                                               "had taken 2"),
+])
+@pytest.mark.parametrize("can_rejoin", [True, False])
+def test_a_member_the_peers_decision_contradicts_rejoins_in_place_where_its_driver_can(event, why, can_rejoin):
+    """A sound process whose steps went past what its peers decided takes the committed state
+    again without leaving the process (Rejoin); a driver that cannot (a sharded replica, a node
+    of several) restarts as before. The rejoin keeps the run's decision state untouched: the
+    driver carries it out at the next round's top with a fresh core."""
+    core = _in_epoch()
+    core.can_rejoin = can_rejoin
+    if isinstance(event, Decided):
+        core.handle(ClosedOk())
+    out = core.handle(event)
+    assert out == [Rejoin(why) if can_rejoin else Restart(why)]
+
+
+def test_a_member_whose_collectives_failed_in_a_committed_round_still_restarts():
+    core = _in_epoch()
+    core.can_rejoin = True
+    out = core.handle(Voted(ok=False, taken=0, commit=True, target=3, kept=0))
+    assert isinstance(out[0], Restart)
 
 
 def test_a_failed_round_rebuilds_at_the_next_round_and_looks_for_the_runs_end():

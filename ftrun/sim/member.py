@@ -20,7 +20,7 @@ from ftrun.sim.sched import SimKilled
 from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.member_core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Command, Computing,
                                          Decided, Entered, Entering, Finish, FinishedRead, InSync, Join, Joined,
-                                         MemberCore, ReadFinished, Restart, RoundTop, TakeStep, Voted,
+                                         MemberCore, ReadFinished, Rejoin, Restart, RoundTop, TakeStep, Voted,
                                          core_field, transfer_ends)
 
 if TYPE_CHECKING:
@@ -93,8 +93,10 @@ class SimMember:
         self.proc = f"r{rank}.{inc}"
         self.store = world.store.client(VOTE_TIMEOUT_S)
         self.node = self.node_client()  # on a node other than node 0: votes and reports go through its store
-        self.core = MemberCore()
         self.k = world.k
+        # In place on one node only, whole replicas of one worker: as the product's manager.
+        self.core = MemberCore(can_rejoin=self.k == 1 and world.nodes == 1)
+        self.rejoin_why: Optional[str] = None
         self.shard = rank % self.k
         self.shard_id = self.shard if self.k > 1 else None  # names its groups and heal keys, as the product's
         self.step = 0
@@ -176,12 +178,17 @@ class SimMember:
             self.start_round()
             if self.finished or self.step >= total:
                 self.settle()
+                if self.rejoin_why is not None:
+                    continue
                 self.store.compare_set(keys.FINISHED, "", str(self.step))
                 break
             self.sleep(self.w.step_s * (0.5 + self.w.sched.rng.random()))  # the forward and backward passes
             self.settle()  # before_collective
-            self.w.check_state(self)
-            if self.group is not None:
+            if self.rejoin_why is not None:  # its state is not the committed one: it sends nothing
+                self.fail_round("rejoins at the next round's top")
+            else:
+                self.w.check_state(self)
+            if self.group is not None and self.rejoin_why is None:
                 err = self.w.groups.allreduce(self, self.group)
                 if err:
                     self.fail_round(err)
@@ -192,6 +199,8 @@ class SimMember:
         self.settle(block=False)
         if self.ballot.round is not None and (self.core.due_switch() is not None or self.step >= self.w.total):
             self.settle()
+        if self.rejoin_why is not None:
+            self.rejoin()
         for c in self.core.handle(RoundTop()):
             if isinstance(c, Join):
                 self.join()
@@ -202,7 +211,10 @@ class SimMember:
 
     def vote(self) -> None:
         self.phase = "vote"
-        self.settle()
+        if self.rejoin_why is None:
+            self.settle()
+        if self.rejoin_why is not None:  # it leaves this incarnation at the next round's top: no vote
+            return
         ok = self.core.round_ok and self.in_sync and self.group is not None
         e = self.epoch
         if ok and self.k == 1:
@@ -242,6 +254,8 @@ class SimMember:
         for c in commands:
             if isinstance(c, Restart):
                 self.exit(keys.EXIT_REPLICA_RESTART, c.why)
+            elif isinstance(c, Rejoin):
+                self.rejoin_why = c.why
             elif isinstance(c, Backoff):
                 self.sleep(c.seconds)
             elif isinstance(c, ReadFinished):
@@ -267,6 +281,8 @@ class SimMember:
             if waiting:
                 self.waiting_round, self.phase = None, back
         self.carry_out(self.core.handle(Decided(rnd, commit, target)))
+        if not commit:  # voted down after it stepped: it rejoins (Rejoin) at the next round's top
+            return
         self.w.note_commit(self, epoch_id, rnd, after)
         self.stepped = [s for s in self.stepped if s != (epoch_id, rnd)]
 
@@ -278,6 +294,20 @@ class SimMember:
         self.w.groups.leave(self, old)
 
     # ------------------------------------------------------------ membership
+    def rejoin(self) -> None:
+        """The manager's _rejoin (ft/relocation.py): this incarnation leaves, the next one joins
+        and heals, in the same simulated process."""
+        why, self.rejoin_why = self.rejoin_why, None
+        old, new = self.inc, self.inc + 1
+        self.drop_group()
+        self.store.queue_push(keys.EVENTS, f"{self.rank} {old} rejoin {new}")
+        self.w.log.append(f"{self.w.sched.now:.3f}s rank {self.rank}.{old} rejoins as {new}: {why} (step {self.step})")
+        self.inc = new
+        self.core = MemberCore(can_rejoin=True, round=self.round)
+        self.waiting_round = None
+        self.tainted = True  # until it heals: never the source of a fresh quorum (ft/relocation.py)
+        self.heal_written = None
+
     def join(self) -> None:
         self.phase = "join"
         entry = self.w.bugs.wait_to_enter(self.store, (self.rank, self.inc), self.sleep, POLL_S)

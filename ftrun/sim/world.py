@@ -218,6 +218,9 @@ class World:
                 k.poll(now)
             except Exception:  # noqa: BLE001 - the store is down: the next tick tries again
                 pass
+            for r, inc in k.rejoined:  # the supervisor books a worker's next incarnation, its process the same
+                self.inc[r] = inc
+            k.rejoined.clear()
             self.sched.sleep(TICK_S)
 
     def _supervise_node(self, n: int) -> None:
@@ -245,13 +248,17 @@ class World:
             if r in self.gone:  # its node is lost: nothing of it starts again
                 continue
             if what == "spawn":
+                inc = max(inc, self.inc[r] + 1)  # after an incarnation booked in place (SimMember.rejoin)
                 self.inc[r] = inc
                 keeper.on_spawn(r, inc)
                 m = SimMember(self, r, inc)
                 self.members[r] = m
                 self.sched.spawn(m.main, "main", m.proc)
             else:  # died, finished (a "noop" wake-up too: an exit of no incarnation, which changes nothing)
-                keeper.on_exit(r, inc, finished=what == "finished")
+                # The process's incarnation as the supervisor knows it when it sees the exit, as the
+                # product's worker record (one it booked in place since the exit counts).
+                booked = what in ("died", "finished") and self.k == 1
+                keeper.on_exit(r, self.inc[r] if booked else inc, finished=what == "finished")
 
     def on_member_exit(self, m: SimMember, code: int, why: str) -> None:
         """The member's process ends (its own thread, just before it unwinds)."""

@@ -34,6 +34,12 @@ class QuorumFollow:
                 self.console.note(f"quorum poll failed: {one_line(e)}", style="yellow")
             return
         self._quorum_failing = False
+        for rank, inc in q.rejoined:  # a worker became its next incarnation in place: its process lives on
+            for w in self.workers:
+                if w.rank == rank and w.alive:
+                    w.incarnation = inc
+                    self.progress.forget(rank)
+        q.rejoined.clear()
         if self.cfg.checkpoint_dir and now == self._last_progress:
             self._poll_checkpoint()  # a few times a second, with the progress poll
         while q.history:

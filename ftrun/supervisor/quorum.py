@@ -86,13 +86,13 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         self.leader = leader
         self.epoch_id = 0
         self.members: Dict[int, int] = {}
+        self.rejoined: List[Tuple[int, int]] = []  # (rank, incarnation) booked in place, for the supervisor
         self.healed: Set[Tuple[int, int]] = set()
         self.pending: Dict[int, int] = {}
         self.alive: Dict[int, Optional[int]] = {r: 0 for r in ranks}
         self.info: Dict[int, dict] = {}
         self.pending_since: Optional[float] = None  # the first join of the epoch being formed
-        self.ready = False
-        self.history: List[str] = []
+        self.ready, self.history = False, []
         settings = settings if settings is not None else KeeperSettings.from_env(os.environ)
         self.round_steps = settings.round_steps
         if settings.note:
@@ -108,8 +108,7 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         self.starts: Dict[int, int] = {}  # epoch -> start round, for epochs the keeper started afresh
         self.voting_since: Dict[int, Tuple[Tuple[object, object], float]] = {}
         self.unstuck: Set[Tuple[int, int, int, int]] = set()
-        self._collected_at = -2
-        self._collected_when = float("-inf")
+        self._collected_at, self._collected_when = -2, float("-inf")
         self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
         # Per epoch, the rounds below this one had their keys collected: nobody waits on them, and
         # a vote there would start a fresh counter and write a second decision of a decided round.
@@ -282,9 +281,11 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
     def _drain_events(self) -> None:
         s = self._s
         for _ in range(s.queue_len(EVENTS)):
-            rank, inc, what = s.queue_pop(EVENTS, False).decode().split()
+            rank, inc, what, *nxt = s.queue_pop(EVENTS, False).decode().split()
             rank, inc = int(rank), int(inc)
-            if what == "spawn":
+            if what == "rejoin":
+                self._rejoin(rank, inc, int(nxt[0]))
+            elif what == "spawn":
                 self.alive[rank] = inc
                 s.set(keys.inc_key(rank), str(inc))  # after any "died" of the previous incarnation
             else:

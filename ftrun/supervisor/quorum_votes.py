@@ -17,6 +17,16 @@ STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in an
 
 class DeadVotes:
     """Votes for members that cannot cast their own; the state is QuorumKeeper's."""
+    def _rejoin(self, rank: int, inc: int, nxt: int) -> None:
+        """Incarnation `inc` of `rank` became `nxt` in place (ft/relocation.py _rejoin): what a
+        restart shows, without a new process. The old one is out (an epoch without it, its votes
+        cast for it where due: it never votes again) and the new one is alive, to join and heal.
+        A worker that died meanwhile (its exit was taken first) stays dead."""
+        if self.alive.get(rank) != inc or self.k != 1:
+            return
+        self.on_exit(rank, inc)
+        self.on_spawn(rank, nxt)
+        self.rejoined.append((rank, nxt))
     def _add_vote(self, e: int, rnd: int, top: int, vote: int, member: int) -> bool:
         """Add a vote in `member`'s place to round `rnd` of epoch `e`; decide the round if it
         closes it, as a member would (commit: no failed vote, one ok at least). Through the

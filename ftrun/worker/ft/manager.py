@@ -7,7 +7,8 @@ the newest epoch it has seen), and the others read it, so all members
 decide alike and the store does O(1) work per member. A member whose
 collectives succeeded steps at once and reads the decision during the next
 round, before that round's first collective; one whose action the decision
-contradicts restarts and heals. A member that died never votes: the
+contradicts heals again, in its own process as its next incarnation (a
+sharded replica, or one on several nodes, restarts and heals). A member that died never votes: the
 supervisor, which sees the death within milliseconds, abstains for it.
 Members switch to the epoch a decision names at one boundary: the round
 after next for a commit (read late), the next for a failed round (read at
@@ -98,7 +99,13 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
         self.layout_each_group = False  # DDP's reducer sends (ft/ddp.py): a layout round on every new group
         # The member's decision state (epoch, round, switch, sync; ft/member_core.py): this
         # manager and its mixins are its driver, as the simulator's member is.
-        self.core = MemberCore()
+        # A member takes the committed state again in place where its own supervisor keeps the
+        # quorum and books its incarnations (one node) and its replica is this one worker.
+        self.core = MemberCore(can_rejoin=self.k == 1 and self.node is None
+                               and os.environ.get("GROUP_WORLD_SIZE", "1") == "1")
+        # Why this member takes the committed state again in place at the next round's top
+        # (member_core.Rejoin; relocation.StoreMoves._rejoin), or None.
+        self._rejoin_why: Optional[str] = None
         self._index_of: Tuple[int, int] = (-1, 0)  # (epoch id, replica index in it)
         self._node_count: Tuple[int, int] = (-1, 0)  # (epoch id, its members voting through this node)
         self.pg: Optional[dist.ProcessGroup] = None
@@ -261,6 +268,8 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
             if self.finished or self.step >= total:
                 try:
                     self._settle()
+                    if self._rejoin_why is not None:  # it stepped past the end the others decided otherwise
+                        continue
                     if self.checkpoints is not None:
                         self.checkpoints.wait()  # the last checkpoint is published before the script goes on
                         self._retry_final_save()
@@ -314,6 +323,8 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
             self.start_round()
             try:
                 self._settle()
+                if self._rejoin_why is not None:  # the script's loop is over: its epochs cannot be given again
+                    self._restart(self._rejoin_why)
                 if self.checkpoints is not None:
                     self.checkpoints.wait()  # the last checkpoint is published before the script goes on
                     self._retry_final_save()
@@ -337,7 +348,7 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
 
     def _start_round(self) -> None:
         self._settle(block=False)
-        if self.taken:  # inside a round of several steps: nothing happens between them
+        if self.taken and self._rejoin_why is None:  # inside a round of several steps: nothing happens between them
             self.core.handle(Computing())
             self._set_phase("compute")
             return
@@ -346,6 +357,8 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
             # A checkpoint, a switch (whose heal sends this state) and the end of the loop all
             # need the last step decided, not merely taken.
             self._settle()
+        if self._rejoin_why is not None:
+            self._rejoin()  # a fresh member: it joins below and heals from a peer
         if self._save_due:
             self._save_due = False
             self._set_phase("checkpoint")

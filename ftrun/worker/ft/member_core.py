@@ -177,7 +177,17 @@ class Restart:
     why: str
 
 
-Command = Union[Join, Switch, AskEntryRound, TakeStep, Backoff, ReadFinished, Finish, Restart]
+@dataclass(frozen=True)
+class Rejoin:
+    """This member's state is not the committed one, but its process is sound (a round its peers
+    decided otherwise): at the next round's top it leaves its epoch as this incarnation and joins
+    again as the next one, which heals from a peer into its own objects, without leaving the
+    process. Only where the driver can (`MemberCore.can_rejoin`); else the same case is a Restart."""
+
+    why: str
+
+
+Command = Union[Join, Switch, AskEntryRound, TakeStep, Backoff, ReadFinished, Finish, Restart, Rejoin]
 
 
 # ------------------------------------------------------------------ the machine
@@ -195,6 +205,9 @@ class MemberCore:
     in_sync: bool = False
     finished: bool = False
     failed_in_row: int = 0
+    # The driver can rejoin in place (a whole replica of one worker whose supervisor keeps the
+    # quorum: one node); set by the driver, kept across a rejoin.
+    can_rejoin: bool = False
 
     def handle(self, event: Event) -> List[Command]:
         return getattr(self, "_on_" + type(event).__name__)(event)
@@ -261,8 +274,8 @@ class MemberCore:
             return [Restart(f"round {self.round} was committed by its other members while this member's "
                             f"collectives had failed")]
         if not e.commit and e.kept != e.taken:  # a peer's collective failed earlier in the round than ours
-            return [Restart(f"round {self.round} keeps its first {e.kept} steps while this member had taken "
-                            f"{e.taken}")]
+            return [self._retake(f"round {self.round} keeps its first {e.kept} steps while this member had taken "
+                                 f"{e.taken}")]
         out: List[Command] = [TakeStep()] if e.commit else []  # a sharded replica's one-step round
         out += self._end_round(e.commit, e.target)
         if e.commit:  # every member read this decision before stepping: they all switch at the next round
@@ -271,7 +284,7 @@ class MemberCore:
 
     def _on_Decided(self, e: Decided) -> List[Command]:
         if not e.commit:
-            return [Restart(f"round {e.round} was voted down after this member had stepped past it")]
+            return [self._retake(f"round {e.round} was voted down after this member had stepped past it")]
         # Members read a commit at different moments of the round after it: the round after
         # that is the first boundary every one of them reaches knowing it.
         self._note_target(e.target, e.round + 2)
@@ -291,6 +304,11 @@ class MemberCore:
         self.rebuild = False
         self.round_ok = True
         return []
+
+    def _retake(self, why: str) -> Union[Rejoin, Restart]:
+        """This member's steps go past what its peers decided, its process is sound: it takes the
+        committed state again, in place where the driver can."""
+        return Rejoin(why) if self.can_rejoin else Restart(why)
 
     # -------------------------------------------------------------- the round's end
     def _end_round(self, commit: bool, target: int) -> List[Command]:
@@ -335,14 +353,16 @@ def transfer_ends(epoch: Epoch, rank: int, k: int = 1) -> List[int]:
 def source_refuses(sending: bool, tainted: bool, fresh: bool = False, holds_state: bool = False,
                    k: int = 1) -> Optional[Restart]:
     """Whether the source of a transfer must restart clean instead of sending: never a half-received
-    state; and in a fresh epoch of sharded replicas (k > 1), never a worker that holds the trained
+    state, nor one that stepped past a round voted down (`tainted` until it heals); and in a fresh
+    epoch of sharded replicas (k > 1), never a worker that holds the trained
     state (`holds_state`: in sync on this store). An epoch is fresh when no replica holds the whole
     state, so such a worker's mates do not hold their shards of that step: sent with theirs, the
     replica would be a model whose shards come from different steps (found by the simulator). The
     whole replica restarts and begins again from the first step or the checkpoint, as its
     mates do."""
     if sending and tainted:
-        return Restart("named the source of a fresh quorum while holding a half-received state")
+        return Restart("named the source of a fresh quorum while holding a state that is not the committed one "
+                       "(half-received, or stepped past a round voted down)")
     if sending and fresh and holds_state and k > 1:
         return Restart("named the source of a fresh quorum while the other workers of its replica do not hold "
                        "their shards of the trained state; the replica starts again whole")

@@ -1,6 +1,7 @@
 """The member's run's store, and its moves (mixed into manager.Manager): connecting, telling a
 store that went away from a slow one, and rejoining on the store the nodes agreed on next,
-holding this replica's state. Must never rewrite anything but the store's address, and never
+holding this replica's state; and rejoining as a new incarnation of this process, to take the
+committed state from a peer in place (`_rejoin`). Must never rewrite anything but the store's address, and never
 import the supervisor.
 """
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from ftrun import protocol as keys
 from ftrun.worker.ft import vote
-from ftrun.worker.ft.member_core import StoreLost
+from ftrun.worker.ft.member_core import MemberCore, StoreLost
 from ftrun.worker.ft.member_io import POLL_S, _log, _log_detail, restart_replica
 from ftrun.worker.settings import run_store, store_moved
 
@@ -100,3 +101,35 @@ class StoreMoves:
             {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self._tainted}))
         _log_detail(f"rank {self.rank}: the run's store moved to {addr} after {time.monotonic() - t0:.2f} s; rejoining "
              f"at step {self.step}")
+
+    # ------------------------------------------------------------ a new incarnation, in place
+    def _rejoin(self) -> None:
+        """The peers decided a round this member stepped past otherwise (member_core.Rejoin): its
+        state is not the committed one, its process is sound. It leaves its epoch as this
+        incarnation and joins as the next, as a restarted process would: the supervisor books the
+        change (keys.EVENTS, "rejoin"), takes the old incarnation out of the quorum and votes for
+        it where it was due (it never votes again), and the keeper makes the new one a healer;
+        the heal puts the committed state into this process's own model, optimizer, loaders and
+        registered state, and the loop goes on from the healed step. Called at a round's top,
+        with no vote in flight."""
+        why, self._rejoin_why = self._rejoin_why, None
+        if self.store_gen:  # a moved store's keeper is another node's ftrun, which cannot book it
+            self._restart(why)
+        old, new = self.inc, self.inc + 1  # the incarnation a restart would have been given
+        self._drop_group()
+        self.store.queue_push(keys.EVENTS, f"{self.rank} {old} rejoin {new}")
+        self.inc = new
+        if self._progress is not None:
+            self._progress.incarnation = new
+        self.core = MemberCore(can_rejoin=True, round=self.round)
+        self.layout_round = False
+        self._waiting_round = None
+        self._save_due = False
+        self.taken = 0
+        # Its state is not the committed one until it heals: named the source of a fresh quorum (every
+        # holder died meanwhile), it restarts (member_core.source_refuses), as the run goes back to
+        # its checkpoint or its first step.
+        self._tainted = True
+        self._heal_written = None
+        self._index_of, self._node_count = (-1, 0), (-1, 0)
+        _log(f"rank {self.rank}: {why}; taking the committed state from a peer in place (incarnation {new})")

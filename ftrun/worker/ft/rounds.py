@@ -15,7 +15,7 @@ from ftrun import protocol as keys
 from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.group import settle
 from ftrun.worker.ft.member_core import (Backoff, ClosedOk, CollectiveFailed, Command, Decided, Finish, FinishedRead,
-                                         ReadFinished, Restart, Skipped, TakeStep, Voted)
+                                         ReadFinished, Rejoin, Restart, Skipped, TakeStep, Voted)
 from ftrun.worker.ft.member_io import PEER_LOST, SLOW_S, _log, _log_detail, _plain, leave, restart_replica
 
 
@@ -46,6 +46,8 @@ class Rounds:
             self._settle()
         except (dist.DistError, vote.StoreLost) as e:  # the store moved: this round sends nothing, the next one rejoins
             self._relocate(e)
+        if self._rejoin_why is not None:  # this member's state is not the committed one: it sends nothing
+            self.core.handle(CollectiveFailed())
 
     def vote(self) -> bool:
         """This step's part of the round; True if this member steps (the caller steps at once).
@@ -57,10 +59,13 @@ class Rounds:
         took; the round keeps the fewest any member took (protocol.kept_key). An
         all-reduce that completed for one member had every member's part, so as a rule it
         completed for all and the decision is commit; where a member's action and the decision
-        disagree (a rare mixed outcome as a peer dies mid-collective), that member restarts and
-        heals from a peer. A member whose round failed votes and waits, as before.
+        disagree (a rare mixed outcome as a peer dies mid-collective), that member heals from a
+        peer again: in place, as its next incarnation, at the next round's top (`_rejoin`), or by
+        a restart where it cannot. A member whose round failed votes and waits, as before.
         """
         self.step_open = False
+        if self._rejoin_why is not None:  # it leaves this incarnation at the next round's top: no vote, no step
+            return False
         if self.epoch is None:
             if not self.looping:
                 self._misused("opt.step() was called outside an ftrun.ft loop, so no step could ever be committed "
@@ -93,7 +98,9 @@ class Rounds:
         if self._inject_fail == (self.rank, self.step) and self.inc == 0:
             self._inject_fail = None
             self.fail_round("a failure injected by FTRUN_FT_INJECT_FAIL")
-        self._settle()  # the previous round first: a member it contradicts restarts here
+        self._settle()  # the previous round first: a member it contradicts restarts (or rejoins) here
+        if self._rejoin_why is not None:
+            return False
         ok = self.round_ok and self.in_sync and self.pg is not None
         if ok and self.k == 1:
             self._took_step()
@@ -164,6 +171,8 @@ class Rounds:
         for c in commands:
             if isinstance(c, Restart):
                 self._restart(c.why)
+            elif isinstance(c, Rejoin):
+                self._rejoin_why = c.why
             elif isinstance(c, TakeStep):
                 self._took_step()
         self.taken = 0
@@ -215,6 +224,8 @@ class Rounds:
         for c in self.core.handle(Decided(rnd, commit, target)):
             if isinstance(c, Restart):
                 self._restart(c.why)
+            elif isinstance(c, Rejoin):
+                self._rejoin_why = c.why
 
     def _misused(self, why: str) -> None:
         """The script uses ftrun.ft in a way that can never train: say so in one line and stop the
