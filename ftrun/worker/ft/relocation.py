@@ -117,7 +117,10 @@ class StoreMoves:
             self._restart(why)
         old, new = self.inc, self.inc + 1  # the incarnation a restart would have been given
         self._drop_group()
-        self.store.queue_push(keys.EVENTS, f"{self.rank} {old} rejoin {new}")
+        try:
+            self.store.queue_push(keys.EVENTS, f"{self.rank} {old} rejoin {new}")
+        except Exception:  # the store is gone or moving: the process restarts, as it did before
+            self._restart(why)
         self.inc = new
         if self._progress is not None:
             self._progress.incarnation = new

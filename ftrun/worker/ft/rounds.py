@@ -172,7 +172,7 @@ class Rounds:
             if isinstance(c, Restart):
                 self._restart(c.why)
             elif isinstance(c, Rejoin):
-                self._rejoin_why = c.why
+                self._rejoin_due(c.why)
             elif isinstance(c, TakeStep):
                 self._took_step()
         self.taken = 0
@@ -225,7 +225,13 @@ class Rounds:
             if isinstance(c, Restart):
                 self._restart(c.why)
             elif isinstance(c, Rejoin):
-                self._rejoin_why = c.why
+                self._rejoin_due(c.why)
+
+    def _rejoin_due(self, why: str) -> None:
+        """Its state is not the committed one from now on (a store move meanwhile must not take it for
+        a holder of the newest step); it rejoins at the next round's top (StoreMoves._rejoin)."""
+        self._rejoin_why = why
+        self._tainted = True
 
     def _misused(self, why: str) -> None:
         """The script uses ftrun.ft in a way that can never train: say so in one line and stop the
