@@ -32,8 +32,9 @@ def test_gradients_are_averaged_when_backward_returns_under_kills(ftrun_home, tm
         seen = {r: rep["norms"][str(s)] for r, rep in reports.items() if str(s) in rep["norms"]}
         assert len(set(seen.values())) == 1, (s, seen)
     # Every replica skipped the overflows it lived through (it saw the step twice: the skip, then
-    # the redo), and nothing else. A survivor may restart by the protocol's rule (exit 75, see
-    # test_tutorial_port_survives_kills); its report then holds only its last incarnation.
+    # the redo), and nothing else. A survivor whose peers decided a round it had stepped past takes
+    # the state again in place (tests/test_survivors.py) or, where it cannot, restarts, named as
+    # such; its report then holds only its last incarnation.
     restarts = [line for line in err.splitlines() if "restarting it alone" in line]
     assert all("killed by SIGKILL" in line or "committed state again after" in line for line in restarts), err[-3000:]
     for r, rep in reports.items():
@@ -94,8 +95,8 @@ def test_deterministic_error_of_a_restarted_replica_is_not_retried(ftrun_home, t
     rc, err = _run_killing(ftrun_home, ["--nproc", 3, "--ft", "--run-id", "sampler", TUTORIAL, 4, 1, "--mode",
                                         "sampler", "--step-sleep", 0.01], "sampler", 1, 20)
     assert rc == 1, err[-3000:]  # the others finished; the replica left down is the run's failure
-    # the kill, then the first failure (a survivor's protocol restart, exit 75, may come beside
-    # them: see test_tutorial_port_survives_kills)
+    # the kill, then the first failure (a survivor's restart by its peers' decision, named as such,
+    # may come beside them where it cannot take the state in place: see tests/test_survivors.py)
     restarts = [line for line in err.splitlines() if "restarting it alone" in line]
     assert len([line for line in restarts if "committed state again after" not in line]) == 2, err[-3000:]
     left = [line for line in err.splitlines() if "not restarted again" in line]

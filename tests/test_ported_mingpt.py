@@ -58,7 +58,7 @@ def test_mingpt_port_trains_every_sample_once_an_epoch_under_kills(ftrun_home, t
     assert rc == 0, err[-3000:]
     restarts = [line for line in err.splitlines() if "restarting it alone" in line]
     killed = [line for line in restarts if "killed by SIGKILL" in line]
-    # A survivor may restart by the protocol's rule (see test_ported_scripts), never otherwise.
+    # A survivor restarts only by its peers' decision, where it cannot heal in place (see test_ported_scripts).
     assert len(killed) == 2 and all("committed state again after" in line for line in restarts if line not in killed), \
         err[-3000:]
     assert "Traceback" not in err, err[-3000:]

@@ -58,9 +58,10 @@ def test_tutorial_port_survives_kills(ftrun_home, tmp_path):
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
-    # Each killed replica restarts alone. A survivor may restart too, by the protocol's rule and
-    # never otherwise: its collective of step k+1 went through while a peer's of step k had
-    # failed, so the round keeps k steps it cannot take back (exit 75, healed like any other).
+    # Each killed replica restarts alone. A survivor whose collective of step k+1 went through
+    # while a peer's of step k had failed keeps steps the round does not: it takes the committed
+    # state again in place (tests/test_survivors.py), and restarts, named as such, only where it
+    # cannot; never otherwise.
     restarts = [line for line in err.splitlines() if "restarting it alone" in line]
     killed = [line for line in restarts if "killed by SIGKILL" in line]
     assert len(killed) == 2 and all("committed state again after" in line for line in restarts if line not in killed), \
