@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import time
 
 import torch
@@ -49,6 +50,9 @@ def parse() -> argparse.Namespace:
                         "first committed step (scripts/bench_chaos.py uses it)")
     p.add_argument("--restart-delay", type=float, default=0.0,
                    help="a restarted process waits this long before it starts (pretend a slow restart)")
+    p.add_argument("--die-at", default="",
+                   help="RANK:STEP[,RANK:STEP...]: that rank's first process SIGKILLs itself at that step, as a "
+                        "kill from outside would (several at one step: replicas lost together)")
     p.add_argument("--init-process-group", action="store_true",
                    help="call dist.init_process_group() first, as plain DDP scripts do (ftrun.ft needs none)")
     p.add_argument("--ddp", default="",
@@ -58,6 +62,7 @@ def parse() -> argparse.Namespace:
                         "wrapped apart, with an optimizer each, both in one ft.Optimizer)")
     args = p.parse_args()
     args.ddp = {v for v in args.ddp.split(",") if v}
+    args.die_at = dict(tuple(int(n) for n in pair.split(":")) for pair in args.die_at.split(",") if pair)
     known = {"unused", "static", "view", "accumulate", "split"}
     if not args.ddp <= known:
         p.error(f"--ddp: unknown variant(s) {sorted(args.ddp - known)}")
@@ -140,7 +145,10 @@ def main() -> None:
     loss = torch.tensor(0.0)
     announced = not args.announce
     commits = []  # (global step, wall time) of this process's committed steps
+    first_process = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for step in ft.steps(args.steps):                                                    # FT
+        if first_process and args.die_at.get(int(os.environ["RANK"])) == step:
+            os.kill(os.getpid(), signal.SIGKILL)
         n = ft.num_replicas()
         if args.data == "step":
             i = ft.replica_index()

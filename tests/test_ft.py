@@ -489,10 +489,10 @@ def test_each_committed_step_reaches_the_loop_once(ftrun_home, tmp_path):
 def test_members_that_stepped_past_a_failed_round_restart_and_heal(ftrun_home, tmp_path):
     """The vote is read late: a member whose collectives succeeded steps at once. Rank 1 votes
     step 20 down after every collective of it went through (injected), so ranks 0 and 2 have
-    stepped past it. The decision keeps the round's steps before step 20: each of them restarts
-    when it reads that (at its next collective, which rank 1 no longer joins; or, when step 20
-    ended its round, before the next round's first collective) and heals from rank 1, which
-    never stepped. The run finishes with every replica bitwise identical."""
+    stepped past it. The decision keeps the round's steps before step 20: each of them takes the
+    committed state again when it reads that (at its next collective, which rank 1 no longer
+    joins; or, when step 20 ended its round, before the next round's first collective), healed
+    in its own process from rank 1, which never stepped. The run finishes with every replica bitwise identical."""
     out = tmp_path / "p"
     run_id = "mixed"
     proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *MID, "--steps", 50, "--out", out],
@@ -564,16 +564,15 @@ def test_ddp_options_ftrun_cannot_honour_are_refused_with_the_fix(ftrun_home, tm
 
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_a_replica_back_after_the_end_never_runs_the_script_on_an_untrained_model(ftrun_home, tmp_path, checkpoint):
-    """Ranks 0 and 2 step past a round that rank 1 votes down (injected) and restart, slowly
-    (2 s); rank 1, alone, finishes the 60 fast steps before they are back, so no peer is left
-    to heal them.
+    """Ranks 0 and 2 are SIGKILLed together at step 20 and restart, slowly (2 s); rank 1, alone,
+    finishes the 60 fast steps before they are back, so no peer is left to heal them.
     Each then takes the final checkpoint (--checkpoint-dir) and ends identical to rank 1, or
     exits at once, before the script's code after the loop could save its untrained model as
     the trained one (it used to: the saved parameters were the initial ones)."""
     out = tmp_path / "p"
     extra = ["--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", 10] if checkpoint else []
-    proc = run_ftrun(["--nproc", 3, "--ft", *extra, TRAIN, "--steps", 60, "--restart-delay", 2, "--out", out],
-                     env={"FTRUN_FT_INJECT_FAIL": "1:20"}, timeout=120)
+    proc = run_ftrun(["--nproc", 3, "--ft", *extra, TRAIN, "--steps", 60, "--restart-delay", 2, "--out", out,
+                      "--die-at", "0:20,2:20"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     late = [r for r in (0, 2) if f"rank {r}: the run finished at step 60 while this replica was restarting"
             in proc.stderr]
