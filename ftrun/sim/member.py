@@ -21,7 +21,7 @@ from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.member_core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Command, Computing,
                                          Decided, Entered, Entering, Finish, FinishedRead, InSync, Join, Joined,
                                          MemberCore, ReadFinished, Rejoin, Restart, RoundTop, TakeStep, Voted,
-                                         core_field, transfer_ends)
+                                         core_field, rejoins_in_place, transfer_ends)
 
 if TYPE_CHECKING:
     from ftrun.sim.world import World
@@ -94,8 +94,7 @@ class SimMember:
         self.store = world.store.client(VOTE_TIMEOUT_S)
         self.node = self.node_client()  # on a node other than node 0: votes and reports go through its store
         self.k = world.k
-        # In place on one node only, whole replicas of one worker: as the product's manager.
-        self.core = MemberCore(can_rejoin=self.k == 1 and world.nodes == 1)
+        self.core = MemberCore(can_rejoin=rejoins_in_place(self.k, world.nodes))
         self.rejoin_why: Optional[str] = None
         self.shard = rank % self.k
         self.shard_id = self.shard if self.k > 1 else None  # names its groups and heal keys, as the product's

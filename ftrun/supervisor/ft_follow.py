@@ -5,7 +5,7 @@ the newest checkpoint for `ftrun status`.
 The keeper (ftrun.supervisor.quorum) decides the quorum; here its view becomes the worker
 records' states and the console's lines.
 Part of the Supervisor (a mixin: it updates the loop's own worker records and status).
-A script that never joins a quorum turns the run to group restarts here (_check_ft_api).
+A script that never joins a quorum is found here (_check_ft_api); the loop turns the run to group restarts.
 Must never start, stop or signal a worker, and never be called from outside the loop's thread.
 """
 
@@ -13,10 +13,7 @@ from __future__ import annotations
 
 from ftrun.supervisor.nodes import one_line
 from ftrun.supervisor.progress_reader import note_steps
-from ftrun.supervisor.restart import GroupRestartPolicy, Repeats
 from ftrun.supervisor.worker import WorkerState
-
-FT_ENV = "FTRUN_FT"  # the workers' --ft switch (ftrun.supervisor.env, ftrun.worker.settings)
 
 
 class QuorumFollow:
@@ -92,15 +89,7 @@ class QuorumFollow:
                           f"ftrun.ft for replica restarts; see scripts/train_ft.py)", style="bold yellow")
         if self.nodes is not None:
             return False
-        self.policy = GroupRestartPolicy(self.cfg.max_restarts, repeats=Repeats())
-        self.status.policy = self.policy.name
-        self.k = 1
-        self.quorum = None
-        self.common[FT_ENV] = "0"  # restarted workers: no --ft patches, torch's own init_process_group
-        for w in self.workers:
-            if w.state == WorkerState.STARTING and w.first_step_seen:
-                w.state = WorkerState.RUNNING
-        self._dirty = True
+        self._to_group_restarts()
         return True
 
     def _poll_checkpoint(self) -> None:

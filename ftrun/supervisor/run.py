@@ -212,6 +212,19 @@ class Supervisor(StopControl, FailureDecisions, NodeDecisions, QuorumFollow):
             return [cfg.script] + list(cfg.script_args)
         return [sys.executable, "-m", "ftrun.worker.bootstrap"] + target
 
+    def _to_group_restarts(self) -> None:
+        """--ft on a script that never joins a quorum (ft_follow._check_ft_api): the run goes on as
+        without --ft, group restarts; restarted workers get no --ft patches, so torch's own
+        init_process_group forms their default group."""
+        self.policy = GroupRestartPolicy(self.cfg.max_restarts, repeats=Repeats())
+        self.status.policy = self.policy.name
+        self.k, self.quorum = 1, None
+        self.common["FTRUN_FT"] = "0"  # the workers' --ft switch (ftrun.supervisor.env, ftrun.worker.settings)
+        for w in self.workers:
+            if w.state == WorkerState.STARTING and w.first_step_seen:
+                w.state = WorkerState.RUNNING
+        self._dirty = True
+
     def _spawn(self, w: Worker) -> None:
         env = worker_env(self.common, self.cfg, w.spec.local_rank, w.incarnation)
         try:  # a previous incarnation's error is not this one's

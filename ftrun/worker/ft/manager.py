@@ -48,7 +48,7 @@ from ftrun.worker.ft import vote
 from ftrun.worker.ft.checkpoint import Checkpointer
 from ftrun.worker.ft.epochs import Epochs
 from ftrun.worker.ft.healing import Healing
-from ftrun.worker.ft.member_core import ClosedOk, Computing, Join, MemberCore, RoundTop, core_field
+from ftrun.worker.ft.member_core import ClosedOk, Computing, Join, MemberCore, RoundTop, core_field, rejoins_in_place
 from ftrun.worker.ft.member_io import _env_number, _log, _log_detail, leave
 from ftrun.worker.ft.relocation import StoreMoves
 from ftrun.worker.ft.rounds import Rounds
@@ -99,10 +99,8 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
         self.layout_each_group = False  # DDP's reducer sends (ft/ddp.py): a layout round on every new group
         # The member's decision state (epoch, round, switch, sync; ft/member_core.py): this
         # manager and its mixins are its driver, as the simulator's member is.
-        # A member takes the committed state again in place where its own supervisor keeps the
-        # quorum and books its incarnations (one node) and its replica is this one worker.
-        self.core = MemberCore(can_rejoin=self.k == 1 and self.node is None
-                               and os.environ.get("GROUP_WORLD_SIZE", "1") == "1")
+        nodes = 1 if self.node is None and os.environ.get("GROUP_WORLD_SIZE", "1") == "1" else 2
+        self.core = MemberCore(can_rejoin=rejoins_in_place(self.k, nodes))
         # Why this member takes the committed state again in place at the next round's top
         # (member_core.Rejoin; relocation.StoreMoves._rejoin), or None.
         self._rejoin_why: Optional[str] = None

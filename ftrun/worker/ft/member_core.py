@@ -335,6 +335,13 @@ class MemberCore:
             self.switch_round = at_round if self.switch_round is None else min(self.switch_round, at_round)
 
 
+def rejoins_in_place(replica_size: int, nodes: int) -> bool:
+    """Whether a member can take the committed state again in its own process (Rejoin): its
+    replica is this one worker, and its own supervisor keeps the quorum and books its
+    incarnations (one node). Elsewhere the same case is a Restart."""
+    return replica_size == 1 and nodes == 1
+
+
 def core_field(name: str) -> property:
     """A field of a driver's MemberCore (`self.core`), read and written as the driver's own."""
     return property(lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v))
