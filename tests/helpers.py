@@ -111,3 +111,15 @@ def fill_disk(disk: Path, name: str = "filler") -> Path:
         except OSError:
             pass
     return filler
+
+
+def restarts_of_kills(err: str, kills: int) -> list:
+    """The console's 'restarting it alone' lines of a --ft run killed `kills` times, after checking
+    that each kill restarted its replica alone and that any other restart is a survivor's by its
+    peers' decision, named as such (where it cannot take the state again in place: see
+    tests/test_survivors.py); never a restart for another reason."""
+    restarts = [line for line in err.splitlines() if "restarting it alone" in line]
+    killed = [line for line in restarts if "killed by SIGKILL" in line]
+    assert len(killed) == kills and all("committed state again after" in line for line in restarts
+                                        if line not in killed), err[-3000:]
+    return restarts

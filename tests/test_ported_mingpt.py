@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from conftest import ROOT, run_ftrun
-from helpers import finish
+from helpers import finish, restarts_of_kills
 from test_ft import _wait_replica, start_ftrun
 
 ORIGINAL = ROOT / "tests" / "ported" / "mingpt.py"
@@ -56,11 +56,7 @@ def test_mingpt_port_trains_every_sample_once_an_epoch_under_kills(ftrun_home, t
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
-    restarts = [line for line in err.splitlines() if "restarting it alone" in line]
-    killed = [line for line in restarts if "killed by SIGKILL" in line]
-    # A survivor restarts only by its peers' decision, where it cannot heal in place (see test_ported_scripts).
-    assert len(killed) == 2 and all("committed state again after" in line for line in restarts if line not in killed), \
-        err[-3000:]
+    restarts_of_kills(err, 2)
     assert "Traceback" not in err, err[-3000:]
     logs = [(ftrun_home / "gpt" / "logs" / f"rank{r}" / "stdout.log").read_text() for r in range(3)]
     finals = [_reports(log.split("=====")[-1]) for log in logs]

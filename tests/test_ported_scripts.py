@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from conftest import FTRUN, ROOT, run_ftrun
-from helpers import finish
+from helpers import finish, restarts_of_kills
 from test_ft import _wait_replica, start_ftrun
 
 ORIGINAL = ROOT / "tests" / "ported" / "ddp_tutorial.py"
@@ -58,14 +58,7 @@ def test_tutorial_port_survives_kills(ftrun_home, tmp_path):
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
-    # Each killed replica restarts alone. A survivor whose collective of step k+1 went through
-    # while a peer's of step k had failed keeps steps the round does not: it takes the committed
-    # state again in place (tests/test_survivors.py), and restarts, named as such, only where it
-    # cannot; never otherwise.
-    restarts = [line for line in err.splitlines() if "restarting it alone" in line]
-    killed = [line for line in restarts if "killed by SIGKILL" in line]
-    assert len(killed) == 2 and all("committed state again after" in line for line in restarts if line not in killed), \
-        err[-3000:]
+    restarts = restarts_of_kills(err, 2)
     assert err.count("healed from a peer") >= len(restarts), err[-3000:]
     logs = [(ftrun_home / "tut" / "logs" / f"rank{r}" / "stdout.log").read_text() for r in range(3)]
     finals = [_weights(log.split("=====")[-1]) for log in logs]
