@@ -1,4 +1,4 @@
-"""The member's decisions without IO (ftrun/worker/ft/member_core.py): events in, commands out,
+"""The member's decisions without IO (ftrun/worker/ft/member/core.py): events in, commands out,
 in-process and in milliseconds. The worker's manager and the simulator's member both drive this
 core; these tests pin the rules they share (the simulator and the --ft tests through the real
 CLI show the rules at work under faults)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ftrun.protocol import Epoch
-from ftrun.worker.ft.member_core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Computing, Decided,
+from ftrun.worker.ft.member.core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Computing, Decided,
                                          Entered, Entering, Finish, FinishedRead, InSync, Join, Joined, MemberCore,
                                          ReadFinished, Rejoin, Restart, RoundTop, Skipped, StoreLost, Switch, TakeStep,
                                          Voted, source_refuses, transfer_ends)
@@ -190,7 +190,7 @@ def test_a_fresh_epochs_sharded_source_never_sends_shards_of_two_steps():
 
 def test_the_core_does_no_io():
     """No torch, no store, no clock, no environment: what it needs comes in as events."""
-    code = ("import sys; import ftrun.worker.ft.member_core as m; "
+    code = ("import sys; import ftrun.worker.ft.member.core as m; "
             "bad = [n for n in ('torch', 'socket', 'threading', 'time', 'os') if n in vars(m)]; "
             "assert 'torch' not in sys.modules and not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

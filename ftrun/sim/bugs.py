@@ -13,7 +13,8 @@ from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.quorum_collect import EPOCH_COLLECTED
-from ftrun.worker.ft import member_core, membership
+from ftrun.worker.ft import membership
+from ftrun.worker.ft.member import core as member_core
 from ftrun.worker.ft.membership import Entry, Member
 
 

@@ -1,5 +1,5 @@
 """One simulated worker of a replica (--replica-size K: K workers, one per shard) running the member's side of --ft: the
-product's own decisions (ft/member_core.py: this class is its second driver, beside the
+product's own decisions (ft/member/core.py: this class is its second driver, beside the
 worker's manager), the real store protocol of ft/membership.py (join, entry round, who is gone,
 transfer waits) and ft/vote.py (cast, with ok votes off the training thread as the manager's
 Ballot does), in the order ft/manager.py calls them. The model is a digest of the rounds it
@@ -18,7 +18,7 @@ from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.sim.sched import SimKilled
 from ftrun.worker.ft import membership, vote
-from ftrun.worker.ft.member_core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Command, Computing,
+from ftrun.worker.ft.member.core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Command, Computing,
                                          Decided, Entered, Entering, Finish, FinishedRead, InSync, Join, Joined,
                                          MemberCore, ReadFinished, Rejoin, Restart, RoundTop, TakeStep, Voted,
                                          core_field, rejoins_in_place, transfer_ends)

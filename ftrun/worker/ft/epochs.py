@@ -17,7 +17,7 @@ from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.worker.ft import membership
 from ftrun.worker.ft.group import abort_group, build_group_watched
-from ftrun.worker.ft.member_core import AskEntryRound, Entered, Entering, Finish, Joined, Restart
+from ftrun.worker.ft.member.core import AskEntryRound, Entered, Entering, Finish, Joined, Restart
 from ftrun.worker.ft.member_io import POLL_S, SLOW_S, _log_detail, restart_replica
 from ftrun.worker.settings import run_store
 

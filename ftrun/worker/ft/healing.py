@@ -15,7 +15,7 @@ from ftrun.protocol import Epoch
 from ftrun.worker.ft import membership
 from ftrun.worker.ft.checkpoint import SAVE_ERRORS, CheckpointMismatch
 from ftrun.worker.ft.group import abort_group, group_device
-from ftrun.worker.ft.member_core import InSync, source_refuses, transfer_ends
+from ftrun.worker.ft.member.core import InSync, source_refuses, transfer_ends
 from ftrun.worker.ft.member_io import PEER_LOST, POLL_S, SLOW_S, _log, _log_detail, leave, restart_replica
 from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
 

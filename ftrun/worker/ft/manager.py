@@ -48,7 +48,7 @@ from ftrun.worker.ft import vote
 from ftrun.worker.ft.checkpoint import Checkpointer
 from ftrun.worker.ft.epochs import Epochs
 from ftrun.worker.ft.healing import Healing
-from ftrun.worker.ft.member_core import ClosedOk, Computing, Join, MemberCore, RoundTop, core_field, rejoins_in_place
+from ftrun.worker.ft.member.core import ClosedOk, Computing, Join, MemberCore, RoundTop, core_field, rejoins_in_place
 from ftrun.worker.ft.member_io import _env_number, _log, _log_detail, leave
 from ftrun.worker.ft.relocation import StoreMoves
 from ftrun.worker.ft.rounds import Rounds
@@ -97,7 +97,7 @@ class Manager(StoreMoves, Epochs, Healing, Rounds, Stopping):
         self.mesh: Any = None  # the replica's own DeviceMesh (device_mesh())
         self.uses_ddp = False  # a layout round follows each heal only for DDP's buckets (ft/ddp.py)
         self.layout_each_group = False  # DDP's reducer sends (ft/ddp.py): a layout round on every new group
-        # The member's decision state (epoch, round, switch, sync; ft/member_core.py): this
+        # The member's decision state (epoch, round, switch, sync; ft/member/core.py): this
         # manager and its mixins are its driver, as the simulator's member is.
         nodes = 1 if self.node is None and os.environ.get("GROUP_WORLD_SIZE", "1") == "1" else 2
         self.core = MemberCore(can_rejoin=rejoins_in_place(self.k, nodes))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ftrun import protocol as keys
 from ftrun.worker.ft import vote
-from ftrun.worker.ft.member_core import MemberCore, StoreLost
+from ftrun.worker.ft.member.core import MemberCore, StoreLost
 from ftrun.worker.ft.member_io import POLL_S, _log, _log_detail, restart_replica
 from ftrun.worker.settings import run_store, store_moved
 

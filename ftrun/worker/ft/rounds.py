@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ftrun import protocol as keys
 from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.group import settle
-from ftrun.worker.ft.member_core import (Backoff, ClosedOk, CollectiveFailed, Command, Decided, Finish, FinishedRead,
+from ftrun.worker.ft.member.core import (Backoff, ClosedOk, CollectiveFailed, Command, Decided, Finish, FinishedRead,
                                          ReadFinished, Rejoin, Restart, Skipped, TakeStep, Voted)
 from ftrun.worker.ft.member_io import PEER_LOST, SLOW_S, _log, _log_detail, _plain, leave, restart_replica
 

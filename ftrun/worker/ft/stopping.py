@@ -15,7 +15,7 @@ from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.worker.ft.checkpoint import SAVE_ERRORS
 from ftrun.worker.ft.checkpoint_writer import FINAL_SAVE_ATTEMPTS, FINAL_SAVE_RETRY_S
-from ftrun.worker.ft.member_core import InSync
+from ftrun.worker.ft.member.core import InSync
 from ftrun.worker.ft.member_io import _log, _log_detail, leave
 
 PARK_POLL_S = 0.2  # a stopped member looks this often for a newer stop epoch naming it the writer
