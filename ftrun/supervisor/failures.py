@@ -24,7 +24,7 @@ from ftrun.supervisor.peer_restarts import forced_by_peers, peer_reason
 from ftrun.supervisor.env import error_file
 from ftrun.supervisor.report import early_signature, error_reason, exit_reason, failure_report, worker_error
 from ftrun.supervisor.restart import Decision, GroupRestartPolicy
-from ftrun.supervisor.spawn import Exited, SpawnerDied, signal_group
+from ftrun.supervisor.spawn import WorkerExited, SpawnerDied, signal_group
 from ftrun.supervisor.stopping import AfterStop
 from ftrun.supervisor.worker import Failure, Worker, WorkerState
 from ftrun.wire import UNKNOWN_FAILURE, FirstFailure, ProgressReport
@@ -58,7 +58,7 @@ class FailureDecisions:
         for w in list(st.pending.values()):
             self._stopped(w)
 
-    def _on_exit(self, ev: Exited) -> None:
+    def _on_exit(self, ev: WorkerExited) -> None:
         w = self.by_tag.get(ev.tag)
         if w is None or ev.tag != w.tag:
             self.by_tag.pop(ev.tag, None)

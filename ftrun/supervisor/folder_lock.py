@@ -49,29 +49,29 @@ class Verdict(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Decision:
+class LockDecision:
     verdict: Verdict
     why: str = ""
 
 
 def decide(holder: Optional[Dict[str, Any]], locked: Optional[bool], host: str, now: float,
-           alive: Callable[[int, float], bool]) -> Decision:
+           alive: Callable[[int, float], bool]) -> LockDecision:
     """What to do about the folder's lock. `locked`: whether flock() was granted (None where
     the file system has no locks); `holder`: the record in the file (None: none or
     unreadable); `alive(pid, start)`: whether that process of this host still runs."""
     if locked is False:
-        return Decision(Verdict.REFUSE, "its lock is held")
+        return LockDecision(Verdict.REFUSE, "its lock is held")
     if not holder or holder.get("released"):
-        return Decision(Verdict.TAKE)
+        return LockDecision(Verdict.TAKE)
     if holder.get("host") == host:
         pid, start = holder.get("pid"), holder.get("pid_start")
         if isinstance(pid, int) and isinstance(start, (int, float)) and alive(pid, float(start)):
-            return Decision(Verdict.REFUSE, "its holder runs")
-        return Decision(Verdict.TAKE, "its holder is gone")
+            return LockDecision(Verdict.REFUSE, "its holder runs")
+        return LockDecision(Verdict.TAKE, "its holder is gone")
     renewed = holder.get("renewed_at")
     if isinstance(renewed, (int, float)) and now - renewed > LEASE_S:
-        return Decision(Verdict.TAKE, f"its lease was last renewed {now - renewed:.0f} s ago")
-    return Decision(Verdict.WATCH)
+        return LockDecision(Verdict.TAKE, f"its lease was last renewed {now - renewed:.0f} s ago")
+    return LockDecision(Verdict.WATCH)
 
 
 def describe(holder: Optional[Dict[str, Any]]) -> str:
@@ -178,15 +178,17 @@ def remove_partials(folder: str) -> Tuple[int, int]:
     return count, size
 
 
-def _watch(fd: int, holder: Optional[Dict[str, Any]]) -> Decision:
+def _watch(fd: int, holder: Optional[Dict[str, Any]]) -> LockDecision:
     """A holder on another host: alive if its record changes within WATCH_S."""
     deadline = time.monotonic() + WATCH_S
     while time.monotonic() < deadline:
         time.sleep(0.5)
         now = _read(fd)
         if now != holder:
-            return Decision(Verdict.TAKE) if now and now.get("released") else Decision(Verdict.REFUSE, "it renews")
-    return Decision(Verdict.TAKE, f"its lease was not renewed within {WATCH_S:g} s")
+            if now and now.get("released"):
+                return LockDecision(Verdict.TAKE)
+            return LockDecision(Verdict.REFUSE, "it renews")
+    return LockDecision(Verdict.TAKE, f"its lease was not renewed within {WATCH_S:g} s")
 
 
 def _read(fd: int) -> Optional[Dict[str, Any]]:

@@ -69,8 +69,8 @@ from ftrun.protocol import EXIT_SIGNAL_BASE, RDZV_RUN
 from ftrun.supervisor import failover, nodes, redirect
 from ftrun.supervisor.env import base_env
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.rounds import (JOIN_FAILED, POLL_S, Moved, Stop, StoreLost, fail, host_round, join_round,
-                                     key)
+from ftrun.supervisor.rounds import (JOIN_FAILED, POLL_S, Moved, RendezvousStoreLost, Stop, fail, host_round,
+                                     join_round, key)
 from ftrun.supervisor.spawn import ZygoteSpawner
 from ftrun.supervisor.store import RunStore, bind_listener
 
@@ -134,7 +134,7 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
                 if standby is None and (moves_enabled(cfg) or cfg.ft):
                     standby = _standby(cfg)
                 continue
-            except StoreLost as e:
+            except RendezvousStoreLost as e:
                 if last is not None and not last.store_reachable():
                     moving = True
                     continue

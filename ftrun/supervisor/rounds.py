@@ -38,7 +38,7 @@ def key(name: str) -> str:
     return RDZV + name
 
 
-class StoreLost(Exception):
+class RendezvousStoreLost(Exception):
     """The run's store went away while this node joined a round."""
 
 
@@ -174,7 +174,7 @@ def join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, sta
     except (Stop, Moved):
         raise
     except Exception as e:
-        raise StoreLost(nodes._one_line(e)) from None
+        raise RendezvousStoreLost(nodes._one_line(e)) from None
 
 
 def _current_round(s: Any, console: ConsoleOut) -> Tuple[Optional[int], Any]:

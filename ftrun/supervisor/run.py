@@ -40,7 +40,7 @@ from ftrun.supervisor.progress_reader import ProgressReader, note_steps
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.relay import NodeRelay
 from ftrun.supervisor.restart import GroupRestartPolicy, ReplicaRestartPolicy, Repeats
-from ftrun.supervisor.spawn import (PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner, Exited,
+from ftrun.supervisor.spawn import (PopenSpawner, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner, WorkerExited,
                                    signal_group)
 from ftrun.supervisor.status_writer import StatusWriter
 from ftrun.supervisor.stopping import AfterStop, StopControl, Stopping, forwarded_signals
@@ -331,7 +331,7 @@ class Supervisor(StopControl, FailureDecisions, NodeDecisions, QuorumFollow):
             self.console.note(ev.message, style="yellow")
         elif isinstance(ev, SpawnerDied):
             self._on_spawner_died(ev)
-        elif isinstance(ev, Exited):
+        elif isinstance(ev, WorkerExited):
             self._on_exit(ev)
 
     # ---------------------------------------------------------------- tick

@@ -5,7 +5,7 @@ Two ways to start a worker, one interface:
   (python scripts and modules): a start or restart costs milliseconds.
 - PopenSpawner execs each worker (``--no-python``, or FTRUN_ZYGOTE=0).
 Both put every worker in its own session with a parent-death signal and post
-``Exited`` events on the supervisor's queue the moment a worker dies (the
+``WorkerExited`` events on the supervisor's queue the moment a worker dies (the
 zygote reaps on SIGCHLD; Popen children have a waiter thread each) — no
 polling. The supervisor (and the zygote) are child subreapers: a process a worker
 started and left behind (setsid, SIGTERM ignored) is reparented to them, not to
@@ -39,7 +39,7 @@ PDEATH_SHIM = ("import ctypes, os, sys\n"
 
 
 @dataclass(frozen=True)
-class Exited:
+class WorkerExited:
     """A worker incarnation ended. `tag` is the spawner's handle for it."""
 
     tag: str
@@ -58,7 +58,7 @@ class Spawned:
 @dataclass(frozen=True)
 class SpawnerDied:
     """The spawner can start no more workers; `lost` are the tags of workers that died with it
-    (each is also reported as Exited, after this event)."""
+    (each is also reported as WorkerExited, after this event)."""
 
     reason: str
     lost: Tuple[str, ...] = ()
@@ -123,7 +123,7 @@ class ZygoteSpawner:
                 elif op == "exit":
                     self._live.pop(msg.get("tag") or "", None)
                     code, sig = _decode_status(msg["status"])
-                    self.events.put(Exited(msg.get("tag") or "", msg["pid"], code, sig))
+                    self.events.put(WorkerExited(msg.get("tag") or "", msg["pid"], code, sig))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 # One bad message must not blind the supervisor to every later exit.
                 if not warned:
@@ -153,7 +153,7 @@ class ZygoteSpawner:
             signal_group(p.pid, signal.SIGKILL)  # the parent-death signal did it already; make sure
         psutil.wait_procs(procs, timeout=5)
         for tag, p in lost.items():
-            self.events.put(Exited(tag, p.pid if p is not None else 0, None, signal.SIGKILL))
+            self.events.put(WorkerExited(tag, p.pid if p is not None else 0, None, signal.SIGKILL))
 
     def spawn(self, tag: str, argv: List[str], env: Dict[str, str], cwd: str, out_fd: int, err_fd: int) -> None:
         msg = json.dumps({"op": "spawn", "tag": tag, "argv": argv, "env": env, "cwd": cwd}).encode()
@@ -194,7 +194,7 @@ class PopenSpawner:
     def _wait(self, tag: str, proc: subprocess.Popen) -> None:
         rc = proc.wait()
         code, sig = (rc, None) if rc >= 0 else (None, -rc)
-        self.events.put(Exited(tag, proc.pid, code, sig))
+        self.events.put(WorkerExited(tag, proc.pid, code, sig))
 
     def close(self) -> None:
         kill_orphans()
