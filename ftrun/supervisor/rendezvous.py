@@ -9,7 +9,7 @@ and take node ranks 1, 2, ... in the order they arrive.
 The run goes in rounds, as torchrun's agent does; the round's agent (its
 Supervisor) alone decides whether a round that ends is followed by another
 (`Supervisor.reform`); this module only forms them, one after another (each
-one is formed by ftrun.supervisor.rounds). The host closes round n when
+one is formed by ftrun.supervisor.rendezvous_rounds). The host closes round n when
 MAX nodes are in, or when MIN are in and last_call_timeout has passed without
 the round filling up; a node that arrives after that waits for the next round.
 Each round is one ftrun Supervisor per node with the round's ranks and world
@@ -69,8 +69,8 @@ from ftrun.protocol import EXIT_SIGNAL_BASE, RDZV_RUN
 from ftrun.supervisor import failover, nodes, redirect
 from ftrun.supervisor.env import base_env
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.rounds import (JOIN_FAILED, POLL_S, Moved, RendezvousStoreLost, Stop, fail, host_round,
-                                     join_round, key)
+from ftrun.supervisor.rendezvous_rounds import (JOIN_FAILED, POLL_S, Moved, RendezvousStoreLost, Stop, fail,
+                                                host_round, join_round, key)
 from ftrun.supervisor.spawn import ZygoteSpawner
 from ftrun.supervisor.store import RunStore, bind_listener
 
