@@ -62,7 +62,8 @@ def build_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.Pr
     else:
         backend = dist.ProcessGroupGloo(pstore, rank, size, _timeout())
         kind, dev = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
-    backend._set_sequence_number_for_group()
+    # No _set_sequence_number_for_group(): a fresh gloo/NCCL backend starts its sequence at 0
+    # already, and torch 2.14 deprecated the call, printing a warning on every rank.
     pg._register_backend(dev, kind, backend)
     pg._set_default_backend(kind)
     return pg
