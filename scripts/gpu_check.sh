@@ -1,5 +1,7 @@
 #!/bin/bash
 # What only a GPU machine can show, in one go (run it there; nothing in CI needs it):
+#   0. the quick tier on that machine's torch with the GPU hidden (gloo, as on a CPU machine):
+#      a point of the supported torch range (GPU_CHECK_QUICK=0 skips it),
 #   1. the hook catalogue on a CUDA model with NCCL (one rank),
 #   2. --ft on a CUDA model: NCCL epoch group, the vote's settle on the GPU stream,
 #   3. FSDP2 under --ft on CUDA (one worker per replica) with DTensor checkpoints,
@@ -17,6 +19,18 @@ verdict() {  # verdict NAME RC [LOGFILE]
     if [ "$2" = 0 ]; then echo "gpu_check: ok $1"; else echo "gpu_check: FAILED $1 (exit $2)"; fails=$((fails + 1)); [ -n "${3:-}" ] && tail -20 "$3"; fi
 }
 $PY -c "import torch; print('gpu_check: torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version())"
+
+if [ "${GPU_CHECK_QUICK:-1}" = 1 ]; then
+    # (not *.log: its test names say "warning", which the last check looks for in the runs' logs)
+    f="$LOG/quick.txt"
+    # Some tests run the `ftrun` command itself: installed, without dependencies, when missing.
+    [ -x "$(dirname "$($PY -c 'import sys; print(sys.executable)')")/ftrun" ] ||
+        $PY -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+    CUDA_VISIBLE_DEVICES= timeout 400 $PY -m pytest -q -p no:cacheprovider -m quick tests >"$f" 2>&1
+    rc=$?
+    grep -E "^(FAILED|ERROR) " "$f" | head -20
+    verdict "the quick tier, GPU hidden: $(tail -n 1 "$f")" $rc
+fi
 
 while read -r name flags; do
     f="$LOG/hook-$name.log"
