@@ -19,7 +19,7 @@ from ftrun.preflight import preflight
 from ftrun.protocol import round_steps_from_env
 
 if TYPE_CHECKING:
-    from ftrun.config import RunConfig
+    from ftrun.run_config import RunConfig
 
 
 # The default hang rule's limit (no --step-timeout): a worker stopped this long, or under --ft one

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Tuple
 
 if TYPE_CHECKING:
-    from ftrun.config import RunConfig
+    from ftrun.run_config import RunConfig
 
 WORKERS_PER_CPU = 8                # more workers than this per usable core is oversubscription, not training
 WORKER_MEMORY_BYTES = 100 << 20    # the least a worker needs beyond what it shares with its zygote

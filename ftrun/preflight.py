@@ -22,7 +22,7 @@ from ftrun.machine import (find_module, folder_problem, is_local_address, max_wo
                            store_listen_addr)
 
 if TYPE_CHECKING:
-    from ftrun.config import RunConfig
+    from ftrun.run_config import RunConfig
 
 TORCH_FLOOR = (2, 10)  # TCPStore.list_keys (torch 2.10); queue_push/queue_pop and libuv master_listen_fd: 2.8
 
