@@ -134,7 +134,7 @@ def status_cmd(
     clean: bool = typer.Option(False, "--clean", help="Remove the state of ended runs (logs are kept)."),
 ) -> None:
     """Live health of every ftrun run of this user on this machine."""
-    from ftrun.status.view import status_main
+    from ftrun.status.command import status_main
 
     raise typer.Exit(status_main(run_id=run_id, watch=watch, as_json=as_json, clean_ended=clean))
 
@@ -227,7 +227,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     argv = _route(list(sys.argv[1:] if argv is None else argv))
     if argv[:1] == ["status"]:
         # `ftrun status` runs while training is going on: skip building the typer app.
-        from ftrun.status.view import fast_status
+        from ftrun.status.command import fast_status
 
         try:
             code = fast_status(argv[1:])

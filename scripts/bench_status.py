@@ -55,9 +55,10 @@ def time_command(argv: List[str], env: Dict[str, str], repeat: int) -> Tuple[Lis
 
 def measure(label: str, env: Dict[str, str], repeat: int, rows: List[List[str]]) -> None:
     ftrun = [sys.executable, "-m", "ftrun"]
-    # The same view entered without building the typer CLI (ftrun.status.view.fast_status),
+    # The same view entered without building the typer CLI (ftrun.status.command.fast_status),
     # as ftrun.cli.main does when it routes `status` there.
-    fast = [sys.executable, "-c", "import sys; from ftrun.status.view import fast_status; sys.exit(fast_status(sys.argv[1:]))"]
+    fast = [sys.executable, "-c",
+            "import sys; from ftrun.status.command import fast_status; sys.exit(fast_status(sys.argv[1:]))"]
     for what, argv in (("status --json", ftrun + ["status", "--json"]), ("status", ftrun + ["status"]),
                        ("status --json` (fast_status, no typer)", fast + ["--json"]),
                        ("status` (fast_status, no typer)", fast)):

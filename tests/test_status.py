@@ -200,7 +200,7 @@ def test_watch_until_ctrl_c(home, sup):
 
 
 def test_clean_removes_ended_runs_only(home, sup):
-    from ftrun.status.view import status_main
+    from ftrun.status.command import status_main
 
     make_run("ftrun-alive", sup)
     make_run("ftrun-done", 0, phase="ended", exit_code=0, exit_summary="all workers finished", ended=time.time())
@@ -327,7 +327,7 @@ def test_live_run_and_sigkill_of_a_worker(home, tmp_path):
 
 def test_fast_status_matches_the_cli(home, sup, capsys):
     """fast_status (the typer-free route for `ftrun status`) gives what the CLI gives, or defers to it."""
-    from ftrun.status.view import fast_status
+    from ftrun.status.command import fast_status
 
     make_run("ftrun-fast", sup)
     for argv in (["--help"], ["-h"], ["--jsn"], ["a", "b"], ["--watch=1"]):
