@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import psutil
 
-from ftrun.worker.proc import become_subreaper
+from ftrun.prctl import become_subreaper
 
 PDEATH_SHIM = ("import ctypes, os, sys\n"
                "ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)\n"

@@ -8,35 +8,13 @@ Must never import torch or anything from the supervisor.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 from typing import List
-
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 
 # DUMP_STACKS_SIGNAL: the bootstrap installs faulthandler on it.
 from ftrun.protocol import DUMP_STACKS_SIGNAL, EXIT_FAILED  # noqa: F401
-
-
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send `sig` to this process when its parent dies."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: nothing to do
-        pass
-
-
-def become_subreaper() -> None:
-    """Orphaned descendants (a worker's child that called setsid() and outlived it) are
-    reparented to this process instead of init, so they stay findable and killable."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: orphans go to init, as before
-        pass
+# The prctl calls live in ftrun.prctl (the supervisor makes them too); the zygote imports them from here.
+from ftrun.prctl import become_subreaper, set_parent_death_signal  # noqa: F401
 
 
 def exit_if_orphaned(expected_parent: int) -> None:
