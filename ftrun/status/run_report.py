@@ -27,12 +27,12 @@ ASSETS = Path(__file__).resolve().parent
 
 def find_run(run_id: Optional[str]) -> List[Tuple[Path, RunStatus]]:
     """The state files of run `run_id` (exact, else a unique prefix; None: the newest run), one per node."""
-    from ftrun.status.view import _no_such_run
+    from ftrun.status.view import no_such_run
 
     files, bad = scan_state_files()
     if not files:
         why = f"; {len(bad)} state file(s) cannot be read" if bad else ""
-        raise ConfigError(_no_such_run(run_id or "", []) if run_id else f"no ftrun run has state on this machine{why}")
+        raise ConfigError(no_such_run(run_id or "", []) if run_id else f"no ftrun run has state on this machine{why}")
     ids = sorted({s.run_id for _, s in files}, key=lambda i: max(s.started for _, s in files if s.run_id == i))
     if run_id is None:
         chosen = ids[-1]
@@ -41,7 +41,7 @@ def find_run(run_id: Optional[str]) -> List[Tuple[Path, RunStatus]]:
     else:
         prefixed = [i for i in ids if i.startswith(run_id)]
         if len(prefixed) != 1:
-            raise ConfigError(_no_such_run(run_id, ids))
+            raise ConfigError(no_such_run(run_id, ids))
         chosen = prefixed[0]
     return sorted(((p, s) for p, s in files if s.run_id == chosen), key=lambda ps: ps[1].node_rank)
 

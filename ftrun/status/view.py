@@ -136,11 +136,12 @@ def collect(run_id: Optional[str] = None) -> List[Dict[str, Any]]:
         elif len(prefixed) + len(bad_prefixed) == 1:
             files, bad = prefixed, bad_prefixed
         else:
-            raise ConfigError(_no_such_run(run_id, known))
+            raise ConfigError(no_such_run(run_id, known))
     return [snapshot(p, s, now) for p, s in files] + [unreadable(p, why) for p, why in bad]
 
 
-def _no_such_run(run_id: str, known: List[str]) -> str:
+def no_such_run(run_id: str, known: List[str]) -> str:
+    """The one line for a RUN_ID no run here has (`ftrun status` and `ftrun report` alike)."""
     from ftrun.config import closest
 
     if not known:
