@@ -10,12 +10,17 @@ ftrun gives each worker.
     model = ft.DistributedDataParallel(model)
     opt = ft.Optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
     loader = ft.DataLoader(dataset, batch_size=32, shuffle=True, num_workers=4)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1000)
     ft.register_state("sched", scheduler)
     for epoch in ft.epochs(10):          # a restarted replica starts at the run's epoch
         for x, y in loader:              # this replica's batches, from the run's position
             opt.zero_grad(); loss_fn(model(x), y).backward()
             if opt.step():               # False: discarded, nothing changed; the batch comes again
                 scheduler.step()
+
+The three classes are torch's: ft.DistributedDataParallel is a DistributedDataParallel,
+ft.Optimizer a torch.optim.Optimizer (`loss = opt.step(closure)` works, and opt.stepped says
+whether that step was taken), ft.DataLoader a torch.utils.data.DataLoader.
 
 A loop over the global step works too: `for step in ft.steps(1000):`.
 A replica may also be K workers sharding the model (`ftrun --ft --replica-size K`):
@@ -30,23 +35,20 @@ No init_process_group() is needed.
 """
 # Worker-side only: the launcher never imports this module (it imports torch).
 
+import warnings
 from typing import Any, Iterator, Optional, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ftrun.worker.ft.ddp import wrap_model
+from ftrun.worker.ft.data import DataLoader
+from ftrun.worker.ft.ddp import DistributedDataParallel
 from ftrun.worker.ft.manager import manager
-from ftrun.worker.ft.optim import ReplicaOptimizer
+from ftrun.worker.ft.optim import Optimizer
 
-__all__ = ["DistributedDataParallel", "Optimizer", "register_state", "steps", "replica_index",
-           "num_replicas", "global_step", "replica_rank", "replicate", "device_mesh", "redo", "DataLoader",
-           "epochs"]
-
-
-def DistributedDataParallel(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
-    """torch DDP whose gradients are averaged over the replicas alive at each step."""
-    return wrap_model(manager(), module, **kwargs)
+__all__ = ["DistributedDataParallel", "Optimizer", "DataLoader", "epochs", "steps", "register_state", "redo",
+           "replica_id", "replica_index", "num_replicas", "global_step", "replicate", "device_mesh",
+           "replica_rank"]
 
 
 def replicate(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
@@ -60,7 +62,7 @@ def replicate(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
         from ftrun.worker.ft.sharded import replicate_sharded
 
         return replicate_sharded(manager(), module)
-    return wrap_model(manager(), module, **kwargs)
+    return DistributedDataParallel(module, **kwargs)
 
 
 def device_mesh(mesh_shape: Optional[Tuple[int, ...]] = None,
@@ -68,12 +70,6 @@ def device_mesh(mesh_shape: Optional[Tuple[int, ...]] = None,
     """This replica's own workers (--replica-size K of them) as a DeviceMesh to fully_shard over;
     1-D by default, or `mesh_shape` (e.g. (2, 4) with names ("dp_shard", "tp")) multiplying to K."""
     return manager().device_mesh(mesh_shape, mesh_dim_names)
-
-
-def Optimizer(*optimizers: torch.optim.Optimizer) -> ReplicaOptimizer:
-    """Wrap the run's optimizer, or all of them (`ft.Optimizer(adamw, muon)`): its step()
-    commits the round on every replica or on none, and steps every optimizer it holds."""
-    return ReplicaOptimizer(manager(), *optimizers)
 
 
 def register_state(name: str, obj: Any) -> None:
@@ -86,19 +82,34 @@ def steps(total: int) -> Iterator[int]:
     return manager().steps(total)
 
 
+def replica_id() -> int:
+    """Which replica this is: its fixed id, 0 to the replicas the run was started with, minus 1
+    (RANK // --replica-size; its RANK when a replica is one worker). It never changes, whoever
+    dies or comes back: name this replica's own files and log lines by it. Not a position to
+    shard data by (replica_index() is)."""
+    return manager().replica
+
+
 def replica_index() -> int:
-    """This replica's position among the live replicas (use it to shard data)."""
+    """This replica's position among the replicas alive in the current step, 0 to
+    num_replicas() - 1 (shard a step's data by the pair, as by dist.get_rank() and
+    dist.get_world_size() without --ft). It changes as replicas die and come back; replica 0 of
+    a step is one live replica, for a side effect once per step. A worker's place inside its
+    replica is device_mesh().get_local_rank()."""
     return manager().replica_index
 
 
 def num_replicas() -> int:
-    """How many replicas take part in the current step."""
+    """How many replicas take part in the current step (replica_index() counts among them)."""
     return manager().num_replicas
 
 
 def replica_rank() -> int:
-    """This replica's fixed id (RANK // --replica-size; its RANK when a replica is one worker).
-    A worker's place inside its replica is device_mesh().get_local_rank() of its size."""
+    """The old name of replica_id(), kept so that scripts written with it run unchanged; it warns
+    (a DeprecationWarning): a "rank" reads as the position among the live replicas, which it
+    is not (that is replica_index())."""
+    warnings.warn("ftrun.ft.replica_rank() is ft.replica_id() (this replica's fixed id); the position among "
+                  "the live replicas is ft.replica_index()", DeprecationWarning, stacklevel=2)
     return manager().replica
 
 
@@ -108,33 +119,14 @@ def global_step() -> int:
     return manager().step
 
 
-def DataLoader(dataset: Any, batch_size: int = 1, shuffle: Optional[bool] = None, seed: Optional[int] = None,
-               drop_last: Optional[bool] = None, sampler: Any = None, **kwargs: Any) -> Any:
-    """torch's DataLoader for --ft: this replica's batches from the run's current position, every
-    sample of an epoch trained once in committed steps whatever fails. `batch_size` is per
-    worker; `shuffle` (default False) and `seed` (default 0) are DistributedSampler's, or taken,
-    with its drop_last, from the script's own `sampler=DistributedSampler(...)`, so that
-    `DataLoader(ds, sampler=DistributedSampler(ds))` ports as `ft.DataLoader(ds,
-    sampler=DistributedSampler(ds))`; a `seed` given beside it wins. Epoch e is ordered as the
-    sampler after set_epoch(e), e counting from 0 in ft.epochs(): a script that called
-    set_epoch(1..N) passes seed=1 (the sampler's seed plus one) to train the same order. Every other DataLoader argument works. Said in one line:
-    an empty dataset (the run stops), replicas whose datasets differ in length or in a Subset's
-    indices (the run stops: an unseeded random_split), a shuffle or seed unlike the one of a
-    DistributedSampler the script built over the dataset (said once, the run goes on)."""
-    from ftrun.worker.ft.data import DataLoader as FtDataLoader
-
-    return FtDataLoader(dataset, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last,
-                        sampler=sampler, **kwargs)
-
-
 def epochs(total: int) -> Iterator[int]:
     """The run's training epochs, from the current one to `total` (a restarted replica, or a run
     resumed from a checkpoint, starts at the run's current epoch): `for epoch in ft.epochs(10):`."""
-    from ftrun.worker.ft.data import Epochs
+    from ftrun.worker.ft.data import TrainingEpochs
 
     mgr = manager()
     if mgr.epochs_state is None:
-        mgr.epochs_state = Epochs(mgr)
+        mgr.epochs_state = TrainingEpochs(mgr)
     return mgr.epochs_state.run(total)
 
 

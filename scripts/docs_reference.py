@@ -337,45 +337,68 @@ def _signature(fn: Any) -> str:
     return f"ftrun.ft.{fn.name}({ast.unparse(fn.args)}){returns}"
 
 
-FT_API_AFTER = """
-## What `ft.Optimizer` returns
+def _class_section(name: str, module: str) -> list:
+    """A class ftrun/ft.py imports (`from ftrun.worker.ft.X import Name`): its constructor, its
+    docstring, and its own properties (its methods are its torch base's, said in its docstring)."""
+    import ast
 
-`ft.Optimizer(...)` returns a wrapper whose `step()` returns whether the step was taken (True: the
-round's collectives went through on this replica, which commits the step; False: the step was
-discarded and the parameters and optimizer state are exactly as before). `opt.optimizer` is the
-first wrapped optimizer and `opt.optimizers` all of them; `zero_grad()` zeroes every one's
-gradients (`set_to_none=True`, the default, and `False` both work), and any other attribute
-(`param_groups`, `state_dict()`, ...) is the first one's. `ft.Optimizer` may wrap the optimizer
-before or after `ft.DistributedDataParallel` wraps the model.
-"""
+    tree = ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text())
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    if cls is None:
+        raise RuntimeError(f"ftrun/ft.py imports {name} from {module}, which defines no such class")
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    args = ""
+    if init is not None:
+        init.args.args = init.args.args[1:]  # self
+        args = ast.unparse(init.args)
+    full = {a.asname or a.name: f"{n.module}.{a.name}" for n in tree.body if isinstance(n, ast.ImportFrom)
+            for a in n.names}
+    bases = ", ".join(full.get(ast.unparse(b), ast.unparse(b)) for b in cls.bases)
+    parts = [f"## `ft.{name}` {{#{name.lower()}}}\n", "```python", f"class ftrun.ft.{name}({args})  # a {bases}",
+             "```\n", _docstring_markdown(ast.get_docstring(cls) or "(no docstring)")]
+    members = []
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and ast.get_docstring(node) and \
+                any(ast.unparse(d) == "property" for d in node.decorator_list):
+            members.append(f"- `{node.name}`: {' '.join(ast.get_docstring(node).split())}")
+    if members:
+        parts += ["\n".join(members) + "\n"]
+    return parts
 
 
 def ft_api_page() -> str:
-    """Every public function of ftrun/ft.py (its __all__, in source order): its signature and its
-    docstring, read from the source with ast."""
+    """Every public name of ftrun/ft.py (its __all__, in that order): a function's signature and
+    docstring, or a class's (defined where ft.py imports it from), read from the source with ast."""
     import ast
 
     tree = ast.parse((ROOT / "ftrun" / "ft.py").read_text())
-    public = set()
+    public: list = []
+    imported: Dict[str, str] = {}
+    functions: Dict[str, Any] = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
-            public = set(ast.literal_eval(node.value))
+            public = list(ast.literal_eval(node.value))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ftrun."):
+            imported.update({alias.name: node.module for alias in node.names if alias.asname is None})
+        elif isinstance(node, ast.FunctionDef):
+            functions[node.name] = node
     parts = ["# The `ftrun.ft` API\n", GENERATED,
              "What a training script calls under `ftrun --ft`, rendered from the docstrings of `ftrun/ft.py` "
+             "and of the classes it names "
              "(`help(ftrun.ft.X)` says the same). How to use it: [Fault tolerance](../guides/fault-tolerance.md), "
              "[Porting a torchrun script to --ft](../guides/porting-to-ft.md) and "
              "[Sharded replicas](../guides/sharded-replicas.md).\n",
              _docstring_markdown(ast.get_docstring(tree) or "")]
-    found = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in public:
-            found.add(node.name)
-            parts += [f"## `ft.{node.name}` {{#{node.name.lower()}}}\n", "```python", _signature(node), "```\n",
+    for name in public:
+        if name in functions:
+            node = functions[name]
+            parts += [f"## `ft.{name}` {{#{name.lower()}}}\n", "```python", _signature(node), "```\n",
                       _docstring_markdown(ast.get_docstring(node) or "(no docstring)")]
-    missing = public - found
-    if missing:
-        raise RuntimeError(f"ftrun/ft.py's __all__ names what it does not define as a function: {sorted(missing)}")
-    return "\n".join(parts) + FT_API_AFTER
+        elif name in imported:
+            parts += _class_section(name, imported[name])
+        else:
+            raise RuntimeError(f"ftrun/ft.py's __all__ names what it neither defines nor imports: {name}")
+    return "\n".join(parts)
 
 
 PAGES: Dict[str, Any] = {

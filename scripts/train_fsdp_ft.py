@@ -158,11 +158,10 @@ def main() -> None:
 
     rank = int(os.environ["RANK"])
     if args.out:
-        inner = opt if ft is None else opt.optimizer
         shards = {"model": {n: p.to_local().detach().clone() if hasattr(p, "to_local") else p.detach().clone()
                             for n, p in model.state_dict().items()},
                   "optim": {i: {n: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
-                                for n, v in s.items()} for i, s in inner.state_dict()["state"].items()}}
+                                for n, v in s.items()} for i, s in opt.state_dict()["state"].items()}}
         torch.save(shards, f"{args.out}.rank{rank}.pt")
         with open(f"{args.out}.rank{rank}.json", "w") as f:
             json.dump({"step": ft.global_step() if ft else args.steps, "losses": losses, "commits": commits}, f)

@@ -133,7 +133,7 @@ def main() -> None:
         opt = ft.Optimizer(*(make(part.parameters()) for part in ddp))                  # FT
     else:
         opt = ft.Optimizer(make(ddp.parameters()))                                       # FT
-    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=100, gamma=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.5)                # every optimizer's groups
     ft.register_state("sched", sched)                                                    # FT
 
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1)) / args.dim ** 0.5
@@ -177,7 +177,7 @@ def main() -> None:
             commits.append((step, time.time()))
             if not announced:
                 announced = True
-                print(f"[announce] rank {ft.replica_rank()} pid {os.getpid()} first step {step} "
+                print(f"[announce] rank {ft.replica_id()} pid {os.getpid()} first step {step} "
                       f"t {time.time():.6f}", flush=True)
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -187,7 +187,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     if args.out:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{args.out}.rank{rank}.pt")
-        torch.save(opt.optimizer.state_dict(), f"{args.out}.rank{rank}.opt.pt")
+        torch.save(opt.state_dict(), f"{args.out}.rank{rank}.opt.pt")
         with open(f"{args.out}.rank{rank}.json", "w") as f:
             json.dump({"step": ft.global_step(), "loss": loss.item(), "commits": commits, "sched": sched.state_dict()}, f)
     print(f"done at step {ft.global_step()}", flush=True)

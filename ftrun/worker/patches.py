@@ -8,7 +8,7 @@ them by name. Each is listed in PATCHES, and each is applied through
 - `torch.autograd.backward` (ft/ddp.py, --ft with ftrun.ft's DDP): a peer's
   death inside a backward's allreduce fails the round instead of raising,
   and a layout round averages the gradients once the backward returns.
-  Tensor.backward() calls it by name. Installed at the first wrap_model();
+  Tensor.backward() calls it by name. Installed at the first ft.DistributedDataParallel();
   a pass-through (torch's own backward) for a model that is not armed.
 - `torch.save` and `torch.load` (progress.py): with --step-timeout, a long
   save or load counts as progress, not a hang; without --ft, torch.save (and

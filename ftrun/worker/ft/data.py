@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset
 
 from ftrun.worker.ft import data_checks
-from ftrun.worker.ft.manager import Manager
+from ftrun.worker.ft.manager import Manager, manager
 
 Plan = Tuple[int, int, int, int]  # (epoch, position, workers, this worker's index)
 
@@ -88,20 +88,27 @@ class _PlanSampler:
             pos += take
 
 
-class DataLoader:
-    """torch's DataLoader for --ft: this replica's batches from the run's current position.
-
-    `batch_size` is per data-parallel worker (as with DistributedSampler); `shuffle` and `seed`
-    are DistributedSampler's, or taken from `sampler=DistributedSampler(...)` with its drop_last;
-    every other DataLoader argument (num_workers, pin_memory, collate_fn, drop_last,
-    prefetch_factor, persistent_workers, ...) means what it means there.
-    """
+class DataLoader(TorchDataLoader):
+    """torch's DataLoader for --ft (a torch.utils.data.DataLoader: isinstance holds): this
+    replica's batches from the run's current position, every sample of an epoch trained once in
+    committed steps whatever fails. `batch_size` is per worker; `shuffle` (default False) and
+    `seed` (default 0) are DistributedSampler's, or taken, with its drop_last, from the script's
+    own `sampler=DistributedSampler(...)`, so that `DataLoader(ds, sampler=DistributedSampler(ds))`
+    ports as `ft.DataLoader(ds, sampler=DistributedSampler(ds))`; a `seed` given beside it wins.
+    Epoch e is ordered as the sampler after set_epoch(e), e counting from 0 in ft.epochs(): a
+    script that called set_epoch(1..N) passes seed=1 (the sampler's seed plus one) to train the
+    same order. Every other DataLoader argument (num_workers, pin_memory, collate_fn,
+    prefetch_factor, persistent_workers, ...) works. Said in one line: an empty dataset (the run
+    stops), replicas whose datasets differ in length or in a Subset's indices (the run stops: an
+    unseeded random_split), a shuffle or seed unlike the one of a DistributedSampler the script
+    built over the dataset (said once, the run goes on)."""
 
     def __init__(self, dataset: Any, batch_size: int = 1, shuffle: Optional[bool] = None,
                  seed: Optional[int] = None, drop_last: Optional[bool] = None, sampler: Any = None,
                  **kwargs: Any) -> None:
-        from ftrun.worker.ft.manager import manager
-
+        # torch's DataLoader.__init__ is not called: an inner one (self._loader) loads the plan
+        # ahead; what a script reads of a DataLoader (dataset, batch_size, sampler, drop_last) is
+        # set here, and the rest (num_workers, pin_memory...) is the inner one's (__getattr__).
         mgr = manager()
         self._refuse(mgr, dataset, batch_size, seed, sampler, kwargs)
         self.mgr: Manager = mgr
@@ -312,6 +319,13 @@ class DataLoader:
         self._inner = None
         self._inner_next = None
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for what this loader lacks: torch's DataLoader attributes, the inner one's.
+        inner = self.__dict__.get("_loader")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
     def _empty(self) -> Any:
         """A batch of no samples, of the dataset's structure: the last step of an epoch left fewer
         samples than workers (batch_size 1, or the membership grew)."""
@@ -321,8 +335,8 @@ class DataLoader:
         return self._template
 
 
-class Epochs:
-    """ft.epochs(): the run's training epoch, registered state like the model's."""
+class TrainingEpochs:
+    """ft.epochs(): the run's training epoch (not a quorum's), registered state like the model's."""
 
     def __init__(self, mgr: Manager) -> None:
         self.mgr = mgr

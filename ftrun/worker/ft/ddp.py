@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ftrun.hookspec import HookSpec
 from ftrun.worker import patches, settings
 from ftrun.worker.ft.group import local_group
-from ftrun.worker.ft.manager import Manager
+from ftrun.worker.ft.manager import Manager, manager
 
 
 def _done(t: torch.Tensor) -> torch.futures.Future:
@@ -82,7 +82,7 @@ class _Replicated:
             state.iter = self.mgr.step
 
     def layout_average(self) -> None:
-        """The layout round's one average (see wrap_model), counted in the hook's figures; once
+        """The layout round's one average (see _attach), counted in the hook's figures; once
         a round (after the backward, or in the vote when no backward reduced)."""
         if self.averaged == self.mgr.layout_serial:
             return
@@ -241,35 +241,49 @@ def _guard_backward(path: _Replicated) -> None:
         _torch_backward = patches.install("autograd.backward", torch.autograd, "backward", _guarded_backward)
 
 
-def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP:
-    if mgr.k > 1:
-        raise TypeError(f"ftrun.ft: with --replica-size {mgr.k} each replica's {mgr.k} workers shard the model: "
-                        f"fully_shard(...) its blocks and root over ft.device_mesh(), then ft.replicate(model) "
-                        f"(DDP replicates a whole model per worker: use --replica-size 1 for that)")
-    if "process_group" in kwargs:
-        raise TypeError("ftrun.ft.DistributedDataParallel(process_group=...): under --ft ftrun chooses the group "
-                        "(the replicas alive at each step): drop process_group=")
-    if kwargs.get("static_graph"):
-        # Measured: with it, a replica that heals ends with parameters that differ from its peers'.
-        raise TypeError("ftrun.ft.DistributedDataParallel(static_graph=True) is not supported under --ft (a replica "
-                        "that heals would not reduce the same buckets as its peers): drop static_graph=True")
-    mgr.register_model(module)
-    mgr.uses_ddp = True
-    if torch.cuda.is_available() and "device_ids" not in kwargs:
-        kwargs["device_ids"] = [settings.current().local_rank]
-    ddp = TorchDDP(module, process_group=local_group(), **kwargs)
-    # DDP rebuilds its buckets once, at the second forward, in the order the
-    # gradients became ready in the first backward (reverse order of use, which
-    # lets each bucket's allreduce overlap the rest of the backward). A replica
-    # that joins later would run its first step on the initial layout while its
-    # peers use the rebuilt one, and the sums would mix mismatched slices. So the
-    # first round after a heal (with the default hook: on every new group) is a
-    # layout round (manager.layout_round): nothing is sent during the backward,
-    # so every member records the same order and rebuilds the same buckets at
-    # its next forward; the gradients are averaged once after the backward, in
-    # parameter order (average_gradients), and the round is voted like any
-    # other, so the user's loop never sees a step twice. (Forcing parameter
-    # order on every replica instead cost 20% of a small model's step: no overlap.)
+class DistributedDataParallel(TorchDDP):
+    """torch's DistributedDataParallel whose gradients are averaged over the replicas alive at
+    each step: `ft.DistributedDataParallel(model, **ddp_options)` is a
+    torch.nn.parallel.DistributedDataParallel (isinstance holds, `model.module` is the model,
+    `no_sync()` works). Every DDP option but process_group= (ftrun chooses the group: the live
+    replicas) and static_graph=True works."""
+
+    def __init__(self, module: torch.nn.Module, **kwargs: Any) -> None:
+        mgr = manager()
+        if mgr.k > 1:
+            raise TypeError(f"ftrun.ft: with --replica-size {mgr.k} each replica's {mgr.k} workers shard the model: "
+                            f"fully_shard(...) its blocks and root over ft.device_mesh(), then ft.replicate(model) "
+                            f"(DDP replicates a whole model per worker: use --replica-size 1 for that)")
+        if "process_group" in kwargs:
+            raise TypeError("ftrun.ft.DistributedDataParallel(process_group=...): under --ft ftrun chooses the group "
+                            "(the replicas alive at each step): drop process_group=")
+        if kwargs.get("static_graph"):
+            # Measured: with it, a replica that heals ends with parameters that differ from its peers'.
+            raise TypeError("ftrun.ft.DistributedDataParallel(static_graph=True) is not supported under --ft (a "
+                            "replica that heals would not reduce the same buckets as its peers): drop static_graph=True")
+        mgr.register_model(module)
+        mgr.uses_ddp = True
+        if torch.cuda.is_available() and "device_ids" not in kwargs:
+            kwargs["device_ids"] = [settings.current().local_rank]
+        super().__init__(module, process_group=local_group(), **kwargs)
+        _attach(mgr, module, self)
+
+
+def _attach(mgr: Manager, module: torch.nn.Module, ddp: TorchDDP) -> None:
+    """Point a new DDP's reduction at the live replicas (see the module's docstring).
+
+    DDP rebuilds its buckets once, at the second forward, in the order the
+    gradients became ready in the first backward (reverse order of use, which
+    lets each bucket's allreduce overlap the rest of the backward). A replica
+    that joins later would run its first step on the initial layout while its
+    peers use the rebuilt one, and the sums would mix mismatched slices. So the
+    first round after a heal (with the default hook: on every new group) is a
+    layout round (manager.layout_round): nothing is sent during the backward,
+    so every member records the same order and rebuilds the same buckets at
+    its next forward; the gradients are averaged once after the backward, in
+    parameter order (average_gradients), and the round is voted like any
+    other, so the user's loop never sees a step twice. (Forcing parameter
+    order on every replica instead cost 20% of a small model's step: no overlap.)"""
     raw = settings.current().hook
     spec = HookSpec.from_json(raw) if raw else HookSpec("allreduce")
     sparse = any(getattr(m, "sparse", False) is True for m in module.modules())  # nn.Embedding(sparse=True)
@@ -289,7 +303,6 @@ def wrap_model(mgr: Manager, module: torch.nn.Module, **kwargs: Any) -> TorchDDP
     _guard_backward(path)
     if mgr.pg is not None:
         path.rebind(mgr.pg)
-    return ddp
 
 
 # Hooks whose round is an average of gradients: their layout round can be one too. Local SGD
