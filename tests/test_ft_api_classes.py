@@ -153,3 +153,34 @@ def test_a_scheduler_on_ft_optimizer_heals_with_a_killed_replica(ftrun_home, tmp
     # The survivor saw discarded steps after step 0 too: the kill's round, or the heal's layout round.
     assert [e for e in reports[0]["log"] if not e["stepped"] and e["step"] > 0], reports[0]["log"]
     _assert_same_state(out)
+
+
+FUSED = """
+import sys, torch
+import ftrun.ft as ft
+
+model = torch.nn.Linear(1, 1, bias=False)
+torch.nn.init.ones_(model.weight)
+ddp = ft.DistributedDataParallel(model)
+opt = ft.Optimizer(torch.optim.SGD(ddp.parameters(), lr=0.01, fused=True))
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+for step in ft.steps(5):
+    opt.zero_grad()
+    scaler.scale(ddp(torch.ones(1, 1)).sum()).backward()  # the gradient is 1 on every replica
+    scaler.step(opt)
+    scaler.update()
+print(f"weight {model.weight.item():.6f} step {ft.global_step()}", flush=True)
+"""
+
+
+def test_grad_scaler_unscales_for_a_fused_optimizer_inside_ft_optimizer(ftrun_home, tmp_path):
+    """A fused optimizer handles GradScaler's scale itself, from attributes GradScaler sets on the
+    optimizer it is given: on ft.Optimizer, which the wrapped one never read, so it stepped on
+    gradients 1024 times too large. ft.Optimizer now asks GradScaler to unscale: 5 steps of lr
+    0.01 on a gradient of 1 take the weight from 1 to 0.95 on both replicas."""
+    script = tmp_path / "fused.py"
+    script.write_text(FUSED)
+    proc = run_ftrun(["--nproc", 2, "--ft", script], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "weight " in line]
+    assert len(lines) == 2 and all(line.endswith("weight 0.950000 step 5") for line in lines), proc.stdout[-2000:]

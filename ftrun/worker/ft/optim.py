@@ -57,6 +57,11 @@ class Optimizer(torch.optim.Optimizer):
     or after ft.DistributedDataParallel wraps the model.
     """
 
+    # GradScaler hands a fused optimizer (`_step_supports_amp_scaling`) its scale as attributes of
+    # the optimizer it is given, which the wrapped one would never read: it would step on scaled
+    # gradients. Said False, GradScaler unscales through param_groups and skips an inf step itself.
+    _step_supports_amp_scaling = False
+
     def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
         # Optimizer.__init__ is not called (nor is it by torch's PostLocalSGDOptimizer): it would
         # build param groups of its own, where these must be the wrapped optimizers' own dicts.
