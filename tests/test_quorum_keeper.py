@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from ftrun import protocol as keys
-from ftrun.supervisor import quorum, quorum_votes
+from ftrun.supervisor.keeper import core, dead
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.relay import NodeRelay, Routes
 from ftrun.worker.ft import vote
@@ -31,7 +31,7 @@ class _RunStore:
 
 @pytest.fixture
 def keeper(monkeypatch):
-    monkeypatch.setattr(quorum_votes, "STUCK_S", 0.0)  # decide on the second poll, not after 2 s
+    monkeypatch.setattr(dead, "STUCK_S", 0.0)  # decide on the second poll, not after 2 s
     q = QuorumKeeper(_RunStore(), [0, 1, 2])
     q.on_store_ready()
     return q
@@ -180,7 +180,7 @@ def test_rounds_follow_the_runs_pace(keeper, step_s, expected):
 def test_pace_forgets_a_run_that_started_again_from_step_0():
     """Every holder lost: the run starts again at step 0 (or a checkpoint's step), and the old
     pace says nothing about the new one."""
-    pace = quorum.Pace()
+    pace = core.Pace()
     for i in range(10):
         pace.note(i * 0.5, 100 + i)
     assert pace.step_s() == pytest.approx(0.5)
@@ -396,7 +396,7 @@ class _Counting:
 @pytest.fixture
 def relayed(monkeypatch):
     """Four replicas on two relaying nodes (ranks 0-1 on node 1, 2-3 on node 2), epoch 1 formed."""
-    monkeypatch.setattr(quorum_votes, "STUCK_S", 0.0)
+    monkeypatch.setattr(dead, "STUCK_S", 0.0)
     nodes = {1: _Node(), 2: _Node()}
     q = QuorumKeeper(_RunStore(), [0, 1, 2, 3], routes=Routes({1: (nodes[1].addr, [0, 1]),
                                                                  2: (nodes[2].addr, [2, 3])}))

@@ -11,8 +11,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Epoch
+from ftrun.supervisor.keeper.core import KeeperSnapshot
+from ftrun.supervisor.keeper.dead import EPOCH_COLLECTED, KeeperRules
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.supervisor.quorum_collect import EPOCH_COLLECTED
 from ftrun.worker.ft import membership
 from ftrun.worker.ft.member import core as member_core
 from ftrun.worker.ft.membership import Entry, Member
@@ -71,21 +72,25 @@ def _wait_to_enter_blocking(store: Any, me: Member, sleep: Callable[[float], Non
 
 
 # ---------------------------------------------------------------- the keeper's abstentions of that time
-class _AbstainingEverywhere(QuorumKeeper):
-    def _rounds_of(self, e: int, top: int) -> Set[int]:
+class _AbstainingRules(KeeperRules):
+    def rounds_of(self, s: KeeperSnapshot, e: int) -> Set[int]:
         """Before the store-growth fix (found by the simulator's soak): the keeper abstained for
         the dead in the two rounds after the newest decided one in every epoch that lists them,
         also old epochs nobody reports being in. Every keeper the historic bugs below ran with
         did; the bugs that need such an abstention (it decides a round before a joiner reports)
         are shown on it."""
-        rounds = {top + 1, top + 2}
-        if self.starts.get(e, -1) >= 0:
-            rounds |= {self.starts[e], self.starts[e] + 1}
-        for r, inc in self.alive.items():
-            info = self.info.get(r) or {}
+        rounds = {s.top + 1, s.top + 2}
+        if s.starts.get(e, -1) >= 0:
+            rounds |= {s.starts[e], s.starts[e] + 1}
+        for r, inc in s.alive.items():
+            info = s.report(r)
             if inc is not None and info.get("inc") == inc and info.get("epoch") == e and "round" in info:
                 rounds |= {int(info["round"]), int(info["round"]) + 1}
         return rounds
+
+
+class _AbstainingEverywhere(QuorumKeeper):
+    rules = _AbstainingRules()
 
 
 class StoreGrowth(Wiring):
@@ -93,11 +98,15 @@ class StoreGrowth(Wiring):
 
 
 # ---------------------------------------------------------------- (c) 3b9d79e
-class _CollectingKeeper(_AbstainingEverywhere):
-    def _oldest_kept_epoch(self) -> int:
+class _CollectingRules(_AbstainingRules):
+    def oldest_kept_epoch(self, s: KeeperSnapshot) -> int:
         """Before 3b9d79e: epochs older than every live replica's reported epoch were deleted even
         while a live replica (a joiner) reported none yet and was about to enter one of them."""
-        return min(self._live_epochs(), default=self.epoch_id) - 2
+        return min(s.live_epochs(), default=s.epoch_id) - 2
+
+
+class _CollectingKeeper(QuorumKeeper):
+    rules = _CollectingRules()
 
 
 class CollectJoiners(Wiring):
@@ -114,15 +123,18 @@ class DeletedEpoch(Wiring):
 
 
 # ---------------------------------------------------------------- (d) 0a17702's keeper half
-class _DeafKeeper(QuorumKeeper):
-    def _elsewhere(self, m: int, k: int, e: int, now: float) -> bool:
+class _DeafRules(KeeperRules):
+    def elsewhere(self, s: KeeperSnapshot, m: int, k: int, e: int, now: float) -> bool:
         """Before 0a17702: only a member reporting ANOTHER epoch was voted for; a joiner that
         reports none yet, and will enter the newest epoch, left the old epoch's voters waiting."""
-        if (m, k) in self.finished_members:
+        if (m, k) in s.finished:
             return True
-        mi = self.info.get(m) or {}
-        return (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
-                and mi.get("epoch") not in (None, e))
+        mi = s.report(m)
+        return s.alive.get(m) == k and mi.get("inc") == k and s.fresh(m, now) and mi.get("epoch") not in (None, e)
+
+
+class _DeafKeeper(QuorumKeeper):
+    rules = _DeafRules()
 
 
 class VoterWaits(Wiring):
@@ -130,12 +142,16 @@ class VoterWaits(Wiring):
 
 
 # ---------------------------------------------------------------- (e) d5bb6bf, found by the simulator
-class _RevotingKeeper(QuorumKeeper):
-    def _rounds_to_fill(self, e: int, top: int) -> Set[int]:
+class _RevotingRules(KeeperRules):
+    def rounds_to_fill(self, s: KeeperSnapshot, e: int) -> Set[int]:
         """Before d5bb6bf: the keeper kept abstaining for a dead member in every round its peers
         might wait on, even rounds whose keys it had collected: the vote started a fresh counter
         and closed the round a second time, with another decision."""
-        return self._rounds_of(e, top)
+        return self.rounds_of(s, e)
+
+
+class _RevotingKeeper(QuorumKeeper):
+    rules = _RevotingRules()
 
 
 class Revote(Wiring):
@@ -143,13 +159,17 @@ class Revote(Wiring):
 
 
 # ---------------------------------------------------------------- (f) 9b10420's keeper half, found by the simulator
-class _FinishedDeafKeeper(QuorumKeeper):
-    def _elsewhere(self, m: int, k: int, e: int, now: float) -> bool:
+class _FinishedDeafRules(KeeperRules):
+    def elsewhere(self, s: KeeperSnapshot, m: int, k: int, e: int, now: float) -> bool:
         """Before 9b10420: a member that had left the loop (exit 0) was not voted for; a member
         whose heal failed at the last round boundary then waited in a round nobody else votes in."""
-        mi = self.info.get(m) or {}
-        return (self.alive.get(m) == k and mi.get("inc") == k and self._fresh(m, now)
-                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < self.epoch_id)))
+        mi = s.report(m)
+        return (s.alive.get(m) == k and mi.get("inc") == k and s.fresh(m, now)
+                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < s.epoch_id)))
+
+
+class _FinishedDeafKeeper(QuorumKeeper):
+    rules = _FinishedDeafRules()
 
 
 def _never_finished(store: Any) -> Optional[int]:
@@ -193,14 +213,18 @@ class LostForward(Wiring):
 
 
 # ---------------------------------------------------------------- (j) found by the simulator, sharded replicas
-class _EpochRevotingKeeper(QuorumKeeper):
-    def _rounds_to_fill(self, e: int, top: int) -> Set[int]:
+class _EpochRevotingRules(KeeperRules):
+    def rounds_to_fill(self, s: KeeperSnapshot, e: int) -> Set[int]:
         """Before the fix: an epoch whose keys were all collected kept no horizon, so a vote for a
         member that died later (its start round is always filled) began a fresh count there and
         decided a decided round a second time."""
-        below = self.collected_below.get(e, -1)
+        below = s.collected_below.get(e, -1)
         below = -1 if below >= EPOCH_COLLECTED else below
-        return {r for r in self._rounds_of(e, top) if r >= below}
+        return {r for r in self.rounds_of(s, e) if r >= below}
+
+
+class _EpochRevotingKeeper(QuorumKeeper):
+    rules = _EpochRevotingRules()
 
 
 class EpochRevote(Wiring):

@@ -3,9 +3,9 @@
 On several machines the keeper of the node hosting the store (the leader,
 node 0 until the store moves) keeps the quorum of every global rank; the
 other nodes' keepers only report their replicas' births and deaths to it
-through a store queue, and read the epochs it publishes. After the store
+through a store queue, and read the quorums it publishes. After the store
 moved, a new keeper starts on it: the replicas rejoin saying which step they
-hold, and the first epoch heals them all from the one with the newest whole
+hold, and the first quorum heals them all from the one with the newest whole
 step.
 
 Members are workers (global ranks). With --replica-size K a replica is the
@@ -14,25 +14,24 @@ join with the same incarnation, it leaves as a whole when any of them dies
 (the supervisor kills the others), and it heals as a whole (all K ranks are
 healers, or none).
 
-It publishes an epoch (members, and which of them must heal) whenever
-membership changes: when every first replica has asked to join, when a
+It publishes a quorum (protocol.Epoch: members, and which of them must heal)
+whenever membership changes: when every first replica has asked to join, when a
 restarted replica asks to join, and when a member dies. For a member that
-died it abstains in the rounds its peers may be waiting on (the two after
-the newest decided round), so those rounds close on the survivors' own votes
-and they move on without it; a round its vote closes, it decides. On several
-nodes, static or elastic, that vote goes through the member's node's store (the votes are
-relayed per node, ftrun.supervisor.relay) while the node answers. It
-deletes the keys of finished rounds and old epochs, so the store does not
-grow with the run. Status figures come back from the replicas' info keys, or
-on several nodes from one key per relaying node (node_info_key),
-where the node's ftrun copies its replicas' reports.
-Must never import torch (it talks to the store through RunStore), and never
-touch processes.
+died it abstains in the rounds its peers may be waiting on, so those rounds
+close on the survivors' own votes; a round its vote closes, it decides. On
+several nodes that vote goes through the member's node's store (relayed per
+node, ftrun.supervisor.relay) while the node answers. It deletes the keys of
+finished rounds and old quorums, so the store does not grow with the run.
+
+This module is the shell: it reads the store into a snapshot, asks the keeper core
+(ftrun.supervisor.keeper: pure functions returning a decision and its reason) and writes what
+was decided; it decides nothing itself. Its components own their state: ReplicaReports (the
+replicas' reports, quorum_status) and VoteCaster (the votes as cast, quorum_votes).
+Must never import torch (it talks to the store through RunStore), and never touch processes.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -40,16 +39,12 @@ from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import EVENTS, Epoch
-from ftrun.supervisor.quorum_collect import KeyCollection
-from ftrun.supervisor.quorum_status import Pace, StatusReports
-from ftrun.supervisor.quorum_votes import DeadVotes
+from ftrun.supervisor.keeper import core, dead
+from ftrun.supervisor.keeper.core import FRESH_START, KeeperDecision, KeeperSnapshot, Pace
+from ftrun.supervisor.keeper.dead import KeeperRules
+from ftrun.supervisor.quorum_status import ReplicaReports
+from ftrun.supervisor.quorum_votes import VoteCaster
 from ftrun.supervisor.relay import Routes
-
-# How long an epoch that starts from nothing (the first, or one after every replica was lost)
-# waits for the replicas being started: one that began alone would train on its own gradients
-# until the others caught up, and a resumed run would not be the run it resumes.
-FIRST_EPOCH_WAIT_S = 30.0
-PACE_EVERY_S = 0.25  # the run's pace is sampled as often as the replicas report
 
 
 @dataclass(frozen=True)
@@ -66,8 +61,10 @@ class KeeperSettings:
         return KeeperSettings(steps, why is None and keys.ROUND_STEPS_ENV in env, why)
 
 
-class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
-    """Epochs: who takes part, who heals, from which round; the events that change them."""
+class QuorumKeeper:
+    """Quorums: who takes part, who heals, from which round; the events that change them."""
+
+    rules = KeeperRules()  # the core's rules (a historic bug's subclass, ftrun/sim/bugs.py, puts in its own)
 
     def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True,
                  replica_size: int = 1, routes: Optional[Routes] = None, settings: Optional[KeeperSettings] = None,
@@ -78,8 +75,6 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         self.store = store  # RunStore; its .store is the TCPStore once ready
         # Several nodes: the nodes whose members vote through their node's store (ftrun.supervisor.relay).
         self.routes = routes
-        self._node_added: Dict[Tuple[int, int, int], List[int]] = {}  # (node, epoch, round) -> the keeper's votes there
-        self._orphan_seen: Dict[Tuple[int, int, int], float] = {}
         self.k = replica_size
         self.ranks = sorted(ranks)              # every replica of the run (all nodes)
         self.local = set(local_ranks if local_ranks is not None else ranks)
@@ -90,8 +85,9 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         self.healed: Set[Tuple[int, int]] = set()
         self.pending: Dict[int, int] = {}
         self.alive: Dict[int, Optional[int]] = {r: 0 for r in ranks}
-        self.info: Dict[int, dict] = {}
-        self.pending_since: Optional[float] = None  # the first join of the epoch being formed
+        self.reports = ReplicaReports()
+        self.votes = VoteCaster(store, self.rules)
+        self.pending_since: Optional[float] = None  # the first join of the quorum being formed
         self.ready, self.history = False, []
         settings = settings if settings is not None else KeeperSettings.from_env(os.environ)
         self.round_steps = settings.round_steps
@@ -101,38 +97,51 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         self.round_steps_chosen = settings.round_steps_chosen
         self.pace = Pace()
         self._dead_pending: List[Tuple[int, int]] = []
-        # Members that died while listed in an epoch, and the rounds abstained for them,
-        # kept up to two rounds past the newest decided one on every poll
-        # vote, for as long as some live replica may still be in an epoch that lists them.
-        self.dead: Dict[Tuple[int, int], Dict[int, Set[int]]] = {}  # -> epoch -> rounds abstained
-        self.starts: Dict[int, int] = {}  # epoch -> start round, for epochs the keeper started afresh
+        # Members that died while listed in a quorum, and the rounds voted for them, per quorum,
+        # for as long as some live replica may still be in a quorum that lists them.
+        self.dead: Dict[Tuple[int, int], Dict[int, Set[int]]] = {}
+        self.starts: Dict[int, int] = {}  # quorum -> its start round (-1: its members continue)
         self.voting_since: Dict[int, Tuple[Tuple[object, object], float]] = {}
         self.unstuck: Set[Tuple[int, int, int, int]] = set()
         self._collected_at, self._collected_when = -2, float("-inf")
         self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
-        # Per epoch, the rounds below this one had their keys collected: nobody waits on them, and
+        # Per quorum, the rounds below this one had their keys collected: nobody waits on them, and
         # a vote there would start a fresh counter and write a second decision of a decided round.
         self.collected_below: Dict[int, int] = {}
         self.finished_members: Set[Tuple[int, int]] = set()  # incarnations that left the loop (exit 0)
-        # When each replica's info last changed (by this keeper's clock): a replica whose
-        # reports stopped says nothing true about what it is doing now.
-        self.info_seen: Dict[int, float] = {}
-        self._info_raw: Dict[int, object] = {}  # the raw text of its own key, or the object its node relayed
-        self._relayed_raw: Dict[int, bytes] = {}  # node -> its reports key as last read
         # Since when the others have been waiting for each replica, continuously.
         self.waited_since: Dict[int, float] = {}
-        # Started on a store that moved (ftrun.supervisor.failover): its first epoch takes the
-        # state from the replica that says it holds the newest whole step (_survivors_source).
+        # Started on a store that moved (ftrun.supervisor.failover): its first quorum takes the
+        # state from the replica that says it holds the newest whole step (core.survivors_source).
         self.moved = False
-        # On a moved store, the ranks the first epoch waits for: the last epoch's members. A
-        # newcomer still starting joins the epoch after (the others need not wait for its import).
+        # On a moved store, the ranks the first quorum waits for: the last quorum's members. A
+        # newcomer still starting joins the quorum after (the others need not wait for its import).
         self.awaited: Optional[Set[int]] = None
-        # What a fresh epoch after the first means for the run (said once, in its history line).
-        self.fresh_start = "starting again from the first step"
-        self.fresh_epochs: Set[int] = set()  # epochs after the first that no holder of the trained state was in
-        # A stop signal with --checkpoint-dir (stop()): every epoch from then on is a stop epoch.
+        # What a fresh quorum after the first means for the run (said once, in its history line).
+        self.fresh_start = FRESH_START
+        self.fresh_epochs: Set[int] = set()  # quorums after the first that no holder of the trained state was in
+        # A stop signal with --checkpoint-dir (stop()): every quorum from then on is a stop quorum.
         self.stopping = False
-        self.epoch_steps, self.repace_after = self.round_steps, float("-inf")  # the newest epoch's (_repace)
+        self.epoch_steps, self.repace_after = self.round_steps, float("-inf")  # the newest quorum's (core.repace_due)
+
+    @property
+    def info(self) -> Dict[int, dict]:
+        return self.reports.info
+
+    @property
+    def info_seen(self) -> Dict[int, float]:
+        return self.reports.seen
+
+    def _snapshot(self, top: int = -1, **read) -> KeeperSnapshot:
+        """What the core decides from: the keeper's books as they are, and what was just `read`."""
+        return KeeperSnapshot(
+            k=self.k, ranks=self.ranks, local=self.local, epoch_id=self.epoch_id, top=top, members=self.members,
+            pending=self.pending, pending_since=self.pending_since, alive=self.alive, healed=self.healed,
+            info=self.reports.info, info_seen=self.reports.seen, epochs=self.epochs, starts=self.starts,
+            collected_below=self.collected_below, finished=self.finished_members, awaited=self.awaited,
+            stopping=self.stopping, moved=self.moved, fresh_start=self.fresh_start, round_steps=self.round_steps,
+            round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(), epoch_steps=self.epoch_steps,
+            repace_after=self.repace_after, **read)
 
     # ------------------------------------------------------------ store
     @property
@@ -156,7 +165,7 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
             s.compare_set(keys.join_key(r), "", "-1")
             s.compare_set(keys.healed_key(r), "", "-1")
             s.compare_set(keys.entered_key(r), "", "-1")
-            if self._node_of(r) is None:
+            if self.routes is None or self.routes.node_of(r) is None:
                 s.compare_set(keys.info_key(r), "", "{}")
             if r in self.local:
                 inc = self.alive.get(r)
@@ -166,7 +175,7 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         for k in self.routes.nodes if self.routes is not None else []:
             s.compare_set(keys.node_info_key(k), "", "{}")
         # Last: followers read every rank's keys once LATEST exists. Above 0 on a store that
-        # moved (ftrun.supervisor.failover): epochs go on counting from the lost store's.
+        # moved (ftrun.supervisor.failover): quorums go on counting from the lost store's.
         s.compare_set(keys.LATEST, "", str(self.epoch_id))
         self.ready = True
         for r, k in self._dead_pending:
@@ -219,7 +228,8 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
                 self._report(rank, inc, "spawn")
 
     def on_exit(self, rank: int, inc: int, finished: bool = False) -> None:
-        """A replica incarnation died (or finished): take it out and vote for it where it can't."""
+        """A replica incarnation died (or finished): take it out (core.exit_plan) and vote for it
+        where it can't."""
         if self.alive.get(rank) == inc:
             self.alive[rank] = None
         if not self.ready:
@@ -229,50 +239,48 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
         if not self.leader and rank in self.local:
             self._report(rank, inc, "finished" if finished else "died")
             return
-        mates = self._mates(rank)
-        for m in mates:  # a replica joins whole: one worker less and it waits for its next incarnation
+        plan = core.exit_plan(self._snapshot(), rank, inc, finished)
+        for m in plan.unpend:
             self.pending.pop(m, None)
-        if self.members.get(rank) == inc:
-            if finished:  # it left the loop with the others: it never votes again (_elsewhere)
-                del self.members[rank]
-                self.finished_members.add((rank, inc))
-                return
-            # The replica leaves whole: its other workers are being killed and its shard groups
-            # are broken, so nobody may wait for any of them.
-            leaving = {m: self.members.pop(m) for m in mates if m in self.members}
-            if self.members:
-                self._publish(f"rank {rank} left" if self.k == 1 else
-                              f"replica {rank // self.k} left (rank {rank} of ranks {mates[0]}-{mates[-1]})")
-            top = self._top()
+        if plan.finished:
+            del self.members[rank]
+            self.finished_members.add((rank, inc))
+            return
+        if plan.leaving:
+            for m in plan.leaving:
+                del self.members[m]
+            if plan.publish is not None:
+                self._publish(plan.publish)
+            s = self._snapshot(self._top())
             now = self.clock()
-            for m, k in leaving.items():
+            for m, k in plan.leaving.items():
                 if m != rank:
                     self._s.set(keys.inc_key(m), "dead")  # peers forming a group with it give up now
-                self._fill_votes(m, k, top, now)
+                self._fill_votes(s, m, k, now)
         if self.alive.get(rank) is None:
             self._s.set(keys.inc_key(rank), "dead")
 
     def on_node_lost(self, node: int, ranks: List[int]) -> None:
         """Node `node` is lost (the supervisor's node watch said so), its store and its workers
         `ranks` with it. Its members are voted for in the run's store from now on, and so again
-        are the rounds this keeper had voted in through that store for its members that died
-        before: those votes may never have been forwarded (their node's last voter died before
-        forwarding, found by the simulator), and a round short of them would wait for ever. A
-        vote counted twice is decided by its votes (_close_orphaned), as after any double vote."""
+        are the rounds this keeper had voted in through that store (dead.dead_on_node)."""
         if self.routes is not None:
             self.routes.lose(node)
-            for (m, _), filled in self.dead.items():
-                if self.routes.node_of(m) == node:
-                    filled.clear()
+            for member in dead.dead_on_node(self.dead, self.routes.node_of, node):
+                self.dead[member].clear()
         for rank in ranks:
             inc = self.alive.get(rank)
             if inc is not None:
                 self.on_exit(rank, inc)
 
-    def _mates(self, rank: int) -> List[int]:
-        """The ranks of `rank`'s replica, itself included."""
-        first = rank - rank % self.k
-        return list(range(first, first + self.k))
+    def _rejoin(self, rank: int, inc: int, nxt: int) -> None:
+        """Incarnation `inc` of `rank` became `nxt` in place (ft/relocation.py _rejoin): what a
+        restart shows, without a new process (core.rejoin_applies)."""
+        if not core.rejoin_applies(self._snapshot(), rank, inc):
+            return
+        self.on_exit(rank, inc)
+        self.on_spawn(rank, nxt)
+        self.rejoined.append((rank, nxt))
 
     def _top(self) -> int:
         return int(self._s.get(keys.TOP))
@@ -299,8 +307,20 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
             epoch = Epoch.from_json(s.get(keys.epoch_key(latest)))
             self.epoch_id = latest
             self.members = dict(epoch.members)
-        healed, infos = self._read_with_reports([keys.healed_key(r) for r in self.ranks])
-        self._absorb(healed, infos, self.clock())
+        healed, infos = self.reports.read(s, [keys.healed_key(r) for r in self.ranks], self.ranks, self.routes)
+        now = self.clock()
+        self._absorb(healed, infos, now)
+        self._track_waits(self._snapshot(), now)
+
+    def _absorb(self, healed: List[bytes], infos: List[object], now: float) -> None:
+        """Take in the replicas' healed incarnations and status reports (as ReplicaReports.read gives them)."""
+        for r, h in zip(self.ranks, healed):
+            if int(h) >= 0:
+                self.healed.add((r, int(h)))
+        self.reports.absorb(self.ranks, infos, now)
+
+    def _track_waits(self, s: KeeperSnapshot, now: float) -> None:
+        self.waited_since = core.waits(s, self.waited_since, now)
 
     def poll(self, now: float) -> None:
         if not self.ready:
@@ -311,190 +331,126 @@ class QuorumKeeper(DeadVotes, KeyCollection, StatusReports):
             return
         self._drain_events()
         top = self._top()
+        s = self._snapshot(top)  # the books' mappings are the keeper's own: what is absorbed below shows
         if self.dead:
-            self._refill(top, now)
-        self._collect(top, now)
+            self._refill(s, now)
+        self._collect(s, now)
         n = len(self.ranks)
-        vals, infos = self._read_with_reports([keys.join_key(r) for r in self.ranks]
-                                              + [keys.healed_key(r) for r in self.ranks])
+        vals, infos = self.reports.read(self._s, [keys.join_key(r) for r in self.ranks]
+                                        + [keys.healed_key(r) for r in self.ranks], self.ranks, self.routes)
         self._absorb(vals[n:], infos, now)
-        if now - self.pace.noted_at >= PACE_EVERY_S:  # global_step() reads every report: not at every tick
-            self.pace.note(now, self.global_step())
-        self._unstick(now, top)
-        if self.stopping:  # nobody joins a run that is stopping
-            return
-        asked: Dict[int, int] = {}
-        for r, j in zip(self.ranks, vals[:n]):
-            inc = self.alive.get(r)
-            if inc is not None and int(j) == inc and r not in self.members and r not in self.pending:
-                asked[r] = inc
-        for r, inc in asked.items():
-            # A replica is admitted whole: every one of its workers asked, as the same incarnation.
-            if all(asked.get(m) == inc for m in self._mates(r)):
-                self.pending[r] = inc
-        if not self.pending:
-            self.pending_since = None
-            self._repace(now)
-            return
-        if self.pending_since is None:
-            self.pending_since = now
-        if self.epoch_id == 0 or not self.members:
-            waiting_for = [r for r in self.ranks if self.alive.get(r) is not None and r not in self.pending
-                           and (self.awaited is None or r in self.awaited)]
-            if waiting_for and now - self.pending_since < FIRST_EPOCH_WAIT_S:
-                return
-            self._publish("first replicas joined" if self.epoch_id == 0 else
-                          f"rank{'s' if len(self.pending) > 1 else ''} {', '.join(map(str, sorted(self.pending)))} joined")
-        else:
-            self._publish(f"rank{'s' if len(self.pending) > 1 else ''} {', '.join(map(str, sorted(self.pending)))} joined")
+        if self.pace.due(now):  # global_step reads every report: not at every tick
+            self.pace.note(now, core.global_step(s))
+            s = self._snapshot(top)  # the pace it says
+        self._track_waits(s, now)
+        self._unstick(s, now)
+        admission = core.admit(s, {r: int(j) for r, j in zip(self.ranks, vals[:n])}, now)
+        self.pending, self.pending_since = dict(admission.pending), admission.pending_since
+        if admission.repace_after is not None:
+            self.repace_after = admission.repace_after
+        if admission.publish is not None:
+            self._publish(admission.publish, quiet=admission.quiet)
 
     def stop(self) -> Optional[int]:
-        """A stop signal: publish a stop epoch (protocol.Epoch.stop), at whose switch every member
+        """A stop signal: publish a stop quorum (protocol.Epoch.stop), at whose switch every member
         stops and the writer replica saves the step it holds. The writer (a replica holding the
-        trained state, on this node where one is) or None: no epoch yet, or nobody holds it."""
+        trained state, on this node where one is) or None: no quorum yet, or nobody holds it."""
         if not self.leader or not self.ready or self.epoch_id == 0 or not self.members:
             return None
         self.stopping = True
-        self._publish("a stop signal: the last committed step is saved, then every worker stops")
-        writer = Epoch.from_json(self._s.get(keys.epoch_key(self.epoch_id))).writer
-        return writer if writer >= 0 else None
+        decision = self._publish("a stop signal: the last committed step is saved, then every worker stops")
+        return decision.epoch.writer if decision.epoch.writer >= 0 else None
 
-    def _paced_steps(self) -> int:
-        """Steps per round of an epoch published now: the user's choice, else about ROUND_TARGET_S
-        at the run's pace (8 while it is not known: rounds of one step would be paced by their
-        own votes, slow where the store is, and never grow)."""
-        if self.round_steps_chosen:
-            return self.round_steps
-        return keys.round_steps_for(self.pace.step_s(), self.round_steps)
-
-    def _repace(self, now: float) -> None:
-        """As soon as the pace is known, rounds far from ROUND_TARGET_S (over twice as long: a stop
-        signal, taken at a round's top, would wait seconds of 8 slow steps; under a quarter and
-        shorter than allowed: the votes cost) get an epoch of the same members with rounds
-        re-sized, said nowhere: not only after a failure. Only with every member in the epoch and
-        holding the state (nobody heals again), once per pace window (a swinging pace rebuilds
-        no groups)."""
-        step_s = self.pace.step_s()
-        if step_s is None or self.round_steps_chosen or not self.members or now < self.repace_after:
-            return
-        want, round_s = self._paced_steps(), self.epoch_steps * step_s
-        if want == self.epoch_steps or keys.ROUND_TARGET_S / 4 <= round_s <= 2 * keys.ROUND_TARGET_S:
-            return
-        for r, inc in self.members.items():
-            info = self.info.get(r) or {}
-            if ((r, inc) not in self.healed or info.get("inc") != inc or info.get("epoch") != self.epoch_id
-                    or not self._fresh(r, now)):
-                return
-        self.repace_after = now + self.pace.WINDOW_S
-        self._publish("", quiet=True)
-
-    def _publish(self, why: str, quiet: bool = False) -> None:
-        if self.stopping:
-            self._publish_stop(why)
-            return
+    def _publish(self, why: str, quiet: bool = False) -> KeeperDecision:
+        """Read what the next quorum depends on, have the core decide it (core.next_quorum), write it."""
         s = self._s
-        # Members that have entered an epoch switch by their votes; the others are still joining.
-        entered = s.multi_get([keys.entered_key(r) for r in self.members])
-        continuing = {r: k for (r, k), e in zip(self.members.items(), entered) if int(e) == k}
-        self.members.update(self.pending)
-        self.pending.clear()
-        self.pending_since = None
-        # Read who holds the committed state now, not as of the last poll: a replica
-        # that healed a moment ago must not be taken for one that has nothing.
-        healed = s.multi_get([keys.healed_key(r) for r in self.members])
-        for r, h in zip(self.members, healed):
-            if int(h) >= 0:
-                self.healed.add((r, int(h)))
-        # A replica holds the state only if every one of its workers holds its shard of it.
-        holders = [r for r in self.members
-                   if all((m, self.members.get(m)) in self.healed for m in self._mates(r))]
-        source = self._survivors_source() if self.moved and not holders else None
-        self.moved = False
-        if source is not None:
-            # The store moved: nobody holds the state in this store yet, and every replica holds
-            # what it held then. One replica's state, the newest whole step, goes to all.
-            holders = self._mates(source * self.k)
-            why = (f"the replicas rejoined on the moved store; replica {source} holds the newest step "
-                   f"and heals the others")
-        fresh = self.epoch_id == 0 or not holders
-        self.epoch_id += 1
-        members = tuple(sorted(self.members.items()))
-        start = -1
-        if not continuing:  # rounds are numbered across epochs: start after the newest one decided
-            start = self._top() + 1
-        steps = self.epoch_steps = self._paced_steps()
-        if fresh:
-            src = min(self.members) // self.k  # the lowest replica sends its state, shard by shard
-            epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r // self.k != src)),
-                          True, start, steps)
-            if self.epoch_id > 1:
-                why += f"; no replica holding the trained state is left: {self.fresh_start}"
-                self.fresh_epochs.add(self.epoch_id)
-        else:
-            epoch = Epoch(self.epoch_id, members, tuple(sorted(r for r in self.members if r not in holders)),
-                          False, start, steps)
-        self.epochs[self.epoch_id] = set(members)
-        self.starts[self.epoch_id] = start
-        s.set(keys.epoch_key(self.epoch_id), epoch.to_json())
-        s.set(keys.LATEST, str(self.epoch_id))
-        n = len(members) // self.k
-        shape = f" of {self.k} workers" if self.k > 1 else ""
-        rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if steps != self.round_steps else ""
-        if not quiet:
-            self.history.append(f"quorum {self.epoch_id}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}")
+        # Members that have entered a quorum switch by their votes; the others are still joining.
+        entered = dict(zip(self.members, map(int, s.multi_get([keys.entered_key(r) for r in self.members]))))
+        ranks = list(self.members) + ([] if self.stopping else [r for r in self.pending if r not in self.members])
+        # Who holds the committed state now, not as of the last poll.
+        healed = dict(zip(ranks, map(int, s.multi_get([keys.healed_key(r) for r in ranks]))))
+        survivors = {}
+        if self.moved and not self.stopping:  # what each rejoined replica says it holds (read once)
+            for r in ranks:
+                if s.check([keys.survivor_key(r)]):
+                    survivors[r] = s.get(keys.survivor_key(r))
+        top = -1 if core.continues(self.members, entered) else self._top()  # the start round needs it
+        decision = core.next_quorum(self._snapshot(top, entered=entered, survivors=survivors), why, healed, quiet)
+        for r in decision.forget:
+            s.delete_key(keys.survivor_key(r))
+        epoch = decision.epoch
+        self.healed |= decision.healed
+        if not epoch.stop:
+            self.pending, self.pending_since, self.moved = {}, None, False
+            self.epoch_steps = epoch.round_steps
+        self.members = dict(epoch.members)
+        self.epoch_id = epoch.id
+        if decision.fresh:
+            self.fresh_epochs.add(epoch.id)
+        self.epochs[epoch.id] = set(epoch.members)
+        self.starts[epoch.id] = epoch.start_round
+        s.set(keys.epoch_key(epoch.id), epoch.to_json())
+        s.set(keys.LATEST, str(epoch.id))
+        if decision.history is not None:
+            self.history.append(decision.history)
+        return decision
 
-    def _publish_stop(self, why: str) -> None:
-        """A stop epoch of the members there are now (nobody joins any more): the writer is the
-        lowest replica whose every worker holds the trained state, on this node where one does
-        (its workers are the last this node's ftrun stops)."""
-        s = self._s
-        entered = s.multi_get([keys.entered_key(r) for r in self.members])
-        continuing = any(int(e) == k for (r, k), e in zip(self.members.items(), entered))
-        healed = s.multi_get([keys.healed_key(r) for r in self.members])
-        for r, h in zip(self.members, healed):
-            if int(h) >= 0:
-                self.healed.add((r, int(h)))
-        holders = sorted({r // self.k for r in self.members
-                          if all((m, self.members.get(m)) in self.healed for m in self._mates(r))})
-        local = [rep for rep in holders if rep * self.k in self.local]
-        writer = (local or holders or [-1])[0]
-        self.epoch_id += 1
-        members = tuple(sorted(self.members.items()))
-        start = -1 if continuing else self._top() + 1
-        epoch = Epoch(self.epoch_id, members, (), False, start, 1, stop=True, writer=writer)
-        self.epochs[self.epoch_id] = set(members)
-        self.starts[self.epoch_id] = start
-        s.set(keys.epoch_key(self.epoch_id), epoch.to_json())
-        s.set(keys.LATEST, str(self.epoch_id))
-        saver = f"replica {writer} saves" if writer >= 0 else "no replica holds the trained state: nothing to save"
-        self.history.append(f"quorum {self.epoch_id}: stop ({why}; {saver})")
+    # ------------------------------------------------------------ votes for the dead, collection
+    def _fill_votes(self, s: KeeperSnapshot, rank: int, inc: int, now: float) -> None:
+        """Cast the votes due for dead member (rank, inc) (dead.dead_votes), then decide the rounds
+        they completed whose closer died."""
+        filled = self.dead.setdefault((rank, inc), {})
+        for due in dead.dead_votes(self.rules, s, (rank, inc)):
+            done = filled.setdefault(due.epoch, set())
+            for rnd in due.rounds:
+                if rnd not in done and self.votes.cast(s, due.epoch, rnd, due.vote, rank, self.routes):
+                    done.add(rnd)
+            for rnd in due.rounds:
+                if rnd in done:
+                    line = self.votes.close_orphaned_node(s, rank, due.epoch, rnd, now, self.routes)
+                    if line is not None:
+                        self.history.append(line)
+                    self.votes.close_orphaned(s, due.epoch, rnd)
 
-    def _survivors_source(self) -> Optional[int]:
-        """After the store moved, replicas rejoin holding what they held then: each says which
-        step (keys.survivor_key). The source is the replica whose workers all hold the same
-        newest step (a step that some took and others did not, as the old store went down mid-
-        round, is a step whose collectives went through: every gradient had every part); the
-        others heal from it. None when no replica is whole (every one was healing, or none said)."""
-        s = self._s
-        said: Dict[int, dict] = {}
-        for r in list(self.members):
-            if not s.check([keys.survivor_key(r)]):  # a replica started since the move says nothing
-                continue
-            try:
-                d = json.loads(s.get(keys.survivor_key(r)))
-            except ValueError:
-                d = None
-            s.delete_key(keys.survivor_key(r))  # read once: later epochs are ordinary ones
-            if isinstance(d, dict) and d.get("inc") == self.members[r] and d.get("in_sync"):
-                said[r] = d
-        whole = {}
-        for rep in sorted({r // self.k for r in said}):
-            steps = {int(said[m]["step"]) if m in said else None for m in self._mates(rep * self.k)}
-            if len(steps) == 1 and None not in steps:
-                whole[rep] = steps.pop()
-        if not whole:
-            return None
-        return max(whole, key=lambda rep: (whole[rep], -rep))
+    def _refill(self, s: KeeperSnapshot, now: float) -> None:
+        """Keep voting for dead members some live replica may still wait for (dead.forget_dead)."""
+        gone, kept = dead.forget_dead(s, list(self.dead))
+        for member in gone:
+            del self.dead[member]
+        for member in kept:
+            self._fill_votes(s, member[0], member[1], now)
 
-def now() -> float:
-    return time.time()
+    def _unstick(self, s: KeeperSnapshot, now: float) -> None:
+        """Vote fail in the place of members that will never vote where others wait (dead.unstick)."""
+        self.voting_since, due = dead.unstick(self.rules, s, self.voting_since, self.unstuck, now)
+        for vote in due:
+            if not self.votes.cast(s, vote.epoch, vote.rnd, keys.FAIL_VOTE, vote.rank, self.routes):
+                continue  # its node's store did not answer: again at the next poll
+            self.unstuck.add((vote.rank, vote.inc, vote.epoch, vote.rnd))
+            self.history.append(vote.reason)
+
+    def _collect(self, s: KeeperSnapshot, now: float) -> None:
+        """Delete the keys the core says nobody reads again (dead.collect)."""
+        if not dead.collect_due(s.top, now, self._collected_at, self._collected_when):
+            return
+        self._collected_at, self._collected_when = s.top, now
+        self.votes.forget_below(dead.node_votes_kept_from(s.top))
+        collection = dead.collect(self.rules, s, self._s.list_keys())
+        self.collected_below.update(collection.collected_below)
+        for key in collection.delete:
+            self._s.delete_key(key)
+
+    # ------------------------------------------------------------ status
+    def replica_fields(self, rank: int) -> dict:
+        return core.replica_status(self._snapshot(), rank)
+
+    def run_fields(self) -> dict:
+        return core.run_status(self._snapshot())
+
+    def waited_for_s(self, rank: int) -> float:
+        """How long the others have been waiting for this replica without a break (0: they are not)."""
+        since = self.waited_since.get(rank)
+        return self.clock() - since if since is not None else 0.0
+
+    def global_step(self) -> int:
+        return core.global_step(self._snapshot())

@@ -1,0 +1,413 @@
+"""The keeper's quorum decisions without IO: which joiners are admitted and when a quorum is
+published (admit), what that quorum is (next_quorum, stop_quorum: members, healers, the heal
+source, the start round, the round length), the members an exit takes out (exit_plan), the
+run's pace (Pace, paced_steps, repace_due), and the figures `ftrun status` shows. Each is a
+pure function of a KeeperSnapshot and `now`: it reads no store and no clock, writes nothing,
+logs nothing, and says why it decided what it did (`reason`).
+Must never import torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from typing import (AbstractSet, Deque, Dict, FrozenSet, Mapping, Optional, Sequence, Set,
+                    Tuple)
+
+from ftrun import protocol as keys
+from ftrun.protocol import Epoch
+
+# How long a quorum that starts from nothing (the first, or one after every replica was lost)
+# waits for the replicas being started: one that began alone would train on its own gradients
+# until the others caught up, and a resumed run would not be the run it resumes.
+FIRST_EPOCH_WAIT_S = 30.0
+INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
+FRESH_START = "starting again from the first step"  # a fresh quorum after the first, without --checkpoint-dir
+
+Member = Tuple[int, int]  # (rank, incarnation)
+
+
+@dataclass(frozen=True)
+class KeeperSnapshot:
+    """What the keeper knows at one moment: its books (what it decided and saw before) and what
+    its shell has just read from the store. The core never changes it (its mappings may be the
+    shell's own, read-only here)."""
+
+    k: int = 1                                          # workers per replica (--replica-size)
+    ranks: Sequence[int] = ()                           # every rank of the run, sorted
+    local: AbstractSet[int] = frozenset()               # the ranks on the keeper's own node
+    epoch_id: int = 0                                   # the newest quorum published
+    top: int = -1                                       # the newest round decided (keys.TOP)
+    members: Mapping[int, int] = field(default_factory=dict)   # the newest quorum's members
+    pending: Mapping[int, int] = field(default_factory=dict)   # admitted, not yet in a quorum
+    pending_since: Optional[float] = None               # the first join of the quorum being formed
+    alive: Mapping[int, Optional[int]] = field(default_factory=dict)  # rank -> live incarnation
+    healed: AbstractSet[Member] = frozenset()           # incarnations holding the committed state
+    info: Mapping[int, Mapping] = field(default_factory=dict)   # each replica's newest report
+    info_seen: Mapping[int, float] = field(default_factory=dict)  # when it last changed
+    epochs: Mapping[int, AbstractSet[Member]] = field(default_factory=dict)  # quorum -> its members
+    starts: Mapping[int, int] = field(default_factory=dict)  # quorum -> its start round (-1: continuing)
+    collected_below: Mapping[int, int] = field(default_factory=dict)  # quorum -> rounds collected below
+    finished: AbstractSet[Member] = frozenset()         # incarnations that left the loop (exit 0)
+    awaited: Optional[AbstractSet[int]] = None          # on a moved store: the ranks the first quorum waits for
+    stopping: bool = False                              # a stop signal came: every quorum is a stop quorum
+    moved: bool = False                                 # started on a store that moved, no quorum yet
+    fresh_start: str = FRESH_START                      # what a fresh quorum after the first means for the run
+    round_steps: int = keys.ROUND_STEPS                 # the most steps per round
+    round_steps_chosen: bool = False                    # the user chose them: kept, not paced
+    step_s: Optional[float] = None                      # the run's pace (Pace.step_s)
+    epoch_steps: int = keys.ROUND_STEPS                 # the newest quorum's round length
+    repace_after: float = float("-inf")                 # no re-paced quorum before this
+    # Read for a quorum being published: each member's entered incarnation (keys.entered_key) and,
+    # on a moved store, what each rejoined replica said it holds (keys.survivor_key's raw text).
+    entered: Mapping[int, int] = field(default_factory=dict)
+    survivors: Mapping[int, object] = field(default_factory=dict)
+
+    def mates(self, rank: int) -> Tuple[int, ...]:
+        """The ranks of `rank`'s replica, itself included."""
+        first = rank - rank % self.k
+        return tuple(range(first, first + self.k))
+
+    def report(self, rank: int) -> Mapping:
+        return self.info.get(rank) or {}
+
+    def fresh(self, rank: int, now: float) -> bool:
+        """Whether the replica's report changed within INFO_FRESH_S: a silent one's says nothing now."""
+        return now - self.info_seen.get(rank, -1e9) <= INFO_FRESH_S
+
+    def live_epochs(self) -> Set[int]:
+        """The quorums live replicas report being in (their own incarnation's report)."""
+        live = set()
+        for r, inc in self.alive.items():
+            info = self.report(r)
+            if inc is not None and info.get("inc") == inc and info.get("epoch"):
+                live.add(int(info["epoch"]))
+        return live
+
+    def all_live_report(self) -> bool:
+        """Every live replica's newest report, of its own incarnation, names the quorum it is in."""
+        for r, inc in self.alive.items():
+            info = self.report(r)
+            if inc is not None and not (info.get("inc") == inc and info.get("epoch")):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class KeeperDecision:
+    """A quorum to publish (keys.epoch_key, then keys.LATEST), and what the keeper books with it."""
+
+    epoch: Epoch
+    reason: str                      # why this quorum, with these healers and this source
+    history: Optional[str]           # the line for the run's history (None: said nowhere)
+    healed: FrozenSet[Member] = frozenset()  # incarnations newly seen holding the state
+    fresh: bool = False              # a fresh quorum after the first: the trained state is lost
+    forget: Tuple[int, ...] = ()     # ranks whose survivor keys were read once: to delete
+
+
+@dataclass(frozen=True)
+class KeeperAdmission:
+    """What a poll decides about joiners: who is pending, and whether to publish now and why."""
+
+    pending: Mapping[int, int]
+    pending_since: Optional[float]
+    publish: Optional[str]           # the quorum's why (None: nothing to publish)
+    reason: str
+    quiet: bool = False              # a re-paced quorum of the same members, said nowhere
+    repace_after: Optional[float] = None  # set when re-paced: no other before this
+
+
+@dataclass(frozen=True)
+class KeeperExit:
+    """What a member's exit does to the books: who leaves, and the quorum to publish without them."""
+
+    unpend: Tuple[int, ...]          # pending ranks dropped: a replica joins whole, so it waits for its next incarnation
+    leaving: Mapping[int, int]       # members taken out (its whole replica)
+    publish: Optional[str]           # the new quorum's why (None: none left, or it finished)
+    finished: bool                   # it left the loop with the others: it never votes again
+    reason: str
+
+
+def _joined(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))} joined"
+
+
+def admit(s: KeeperSnapshot, joins: Mapping[int, int], now: float) -> KeeperAdmission:
+    """Joiners (`joins`: each rank's keys.join_key, the incarnation that asked) are admitted
+    whole: every worker of a replica asked, as its live incarnation. A quorum is published when
+    someone is admitted, except that one starting from nothing waits FIRST_EPOCH_WAIT_S for the
+    replicas still starting (on a moved store only the last quorum's members). With nobody to
+    admit, a quorum may be re-paced (repace_due). A stopping run admits nobody."""
+    if s.stopping:
+        return KeeperAdmission(s.pending, s.pending_since, None, "stopping: nobody joins")
+    asked: Dict[int, int] = {}
+    for r in s.ranks:
+        inc = s.alive.get(r)
+        if inc is not None and joins.get(r) == inc and r not in s.members and r not in s.pending:
+            asked[r] = inc
+    pending = dict(s.pending)
+    for r, inc in asked.items():
+        if all(asked.get(m) == inc for m in s.mates(r)):
+            pending[r] = inc
+    if not pending:
+        why = repace_due(s, now)
+        if why is None:
+            return KeeperAdmission(pending, None, None, "nobody to admit")
+        return KeeperAdmission(pending, None, "", why, quiet=True, repace_after=now + Pace.WINDOW_S)
+    since = s.pending_since if s.pending_since is not None else now
+    if s.epoch_id == 0 or not s.members:
+        waiting_for = [r for r in s.ranks if s.alive.get(r) is not None and r not in pending
+                       and (s.awaited is None or r in s.awaited)]
+        if waiting_for and now - since < FIRST_EPOCH_WAIT_S:
+            return KeeperAdmission(pending, since, None, f"a first quorum waits for ranks {waiting_for}")
+        why = "first replicas joined" if s.epoch_id == 0 else _joined(list(pending))
+    else:
+        why = _joined(list(pending))
+    return KeeperAdmission(pending, since, why, f"admitted {sorted(pending)}")
+
+
+def exit_plan(s: KeeperSnapshot, rank: int, inc: int, finished: bool) -> KeeperExit:
+    """A member that finished leaves the books alone; one that died takes its whole replica
+    out (its other workers are being killed and its shard groups are broken, so nobody may wait
+    for any of them), and the others get a quorum without it. Not a member: nothing."""
+    mates = s.mates(rank)
+    if s.members.get(rank) != inc:
+        return KeeperExit(mates, {}, None, False, f"rank {rank}.{inc} is not a member")
+    if finished:
+        return KeeperExit(mates, {rank: inc}, None, True, f"rank {rank}.{inc} finished")
+    leaving = {m: s.members[m] for m in mates if m in s.members}
+    left = any(r not in leaving for r in s.members)
+    why = None
+    if left:
+        why = (f"rank {rank} left" if s.k == 1 else
+               f"replica {rank // s.k} left (rank {rank} of ranks {mates[0]}-{mates[-1]})")
+    return KeeperExit(mates, leaving, why, False, f"rank {rank}.{inc} died" + ("" if left else ": nobody is left"))
+
+
+def rejoin_applies(s: KeeperSnapshot, rank: int, inc: int) -> bool:
+    """Whether incarnation `inc` of `rank` becoming the next in place (a member's rejoin) is booked
+    as an exit and a spawn: only for the live incarnation (a worker that died meanwhile, its exit
+    taken first, stays dead), and only for replicas of one worker."""
+    return s.alive.get(rank) == inc and s.k == 1
+
+
+def survivors_source(s: KeeperSnapshot, members: Mapping[int, int]) -> Tuple[Optional[int], str]:
+    """After the store moved, replicas rejoin holding what they held then: each says which step
+    (s.survivors, keys.survivor_key). The source is the replica whose workers all hold the same
+    newest step (a step that some took and others did not, as the old store went down mid-
+    round, is a step whose collectives went through: every gradient had every part); the
+    others heal from it. None when no replica is whole (every one was healing, or none said)."""
+    said: Dict[int, dict] = {}
+    for r in members:
+        if r not in s.survivors:  # a replica started since the move says nothing
+            continue
+        try:
+            d = json.loads(s.survivors[r])
+        except (TypeError, ValueError):
+            d = None
+        if isinstance(d, dict) and d.get("inc") == members[r] and d.get("in_sync"):
+            said[r] = d
+    whole = {}
+    for rep in sorted({r // s.k for r in said}):
+        steps = {int(said[m]["step"]) if m in said else None for m in s.mates(rep * s.k)}
+        if len(steps) == 1 and None not in steps:
+            whole[rep] = steps.pop()
+    if not whole:
+        return None, "no replica says it holds a whole step"
+    best = max(whole, key=lambda rep: (whole[rep], -rep))
+    return best, f"replica {best} holds step {whole[best]}, the newest whole one"
+
+
+def paced_steps(s: KeeperSnapshot) -> int:
+    """Steps per round of a quorum published now: the user's choice, else about ROUND_TARGET_S
+    at the run's pace (the most while it is not known: rounds of one step would be paced by
+    their own votes, slow where the store is, and never grow)."""
+    if s.round_steps_chosen:
+        return s.round_steps
+    return keys.round_steps_for(s.step_s, s.round_steps)
+
+
+def repace_due(s: KeeperSnapshot, now: float) -> Optional[str]:
+    """As soon as the pace is known, rounds far from ROUND_TARGET_S (over twice as long: a stop
+    signal, taken at a round's top, would wait seconds of 8 slow steps; under a quarter and
+    shorter than allowed: the votes cost) get a quorum of the same members with rounds
+    re-sized, said nowhere: not only after a failure. Only with every member in the quorum and
+    holding the state (nobody heals again), once per pace window (a swinging pace rebuilds no
+    groups). The reason, or None."""
+    if s.step_s is None or s.round_steps_chosen or not s.members or now < s.repace_after:
+        return None
+    want, round_s = paced_steps(s), s.epoch_steps * s.step_s
+    if want == s.epoch_steps or keys.ROUND_TARGET_S / 4 <= round_s <= 2 * keys.ROUND_TARGET_S:
+        return None
+    for r, inc in s.members.items():
+        info = s.report(r)
+        if ((r, inc) not in s.healed or info.get("inc") != inc or info.get("epoch") != s.epoch_id
+                or not s.fresh(r, now)):
+            return None
+    return f"rounds of {s.epoch_steps} steps last {round_s:.2f} s: re-sized to {want}"
+
+
+def continues(members: Mapping[int, int], entered: Mapping[int, int]) -> bool:
+    """Whether some member has entered the newest quorum (its keys.entered_key is its incarnation):
+    then the next quorum's members switch by their votes, and it needs no start round."""
+    return any(entered.get(r) == k for r, k in members.items())
+
+
+def _healed_now(s: KeeperSnapshot, healed: Mapping[int, int]) -> FrozenSet[Member]:
+    return frozenset((r, h) for r, h in healed.items() if h >= 0)
+
+
+def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: bool = False) -> KeeperDecision:
+    """The next quorum: the members and the pending joiners; members that have entered the
+    newest quorum (s.entered) switch by their votes, so it starts where they are (-1), else
+    after the newest round decided. Its healers are the members whose replica does not hold the
+    committed state (`healed`: each member's keys.healed_key read now, not as of the last poll:
+    a replica that healed a moment ago must not be taken for one that has nothing). With no
+    holder it is fresh: the lowest replica sends its state, shard by shard; on a moved store the
+    replica that says it holds the newest whole step does (survivors_source)."""
+    if s.stopping:
+        return stop_quorum(s, why, healed)
+    members = dict(s.members)
+    members.update(s.pending)
+    continuing = continues(s.members, s.entered)
+    known = set(s.healed) | _healed_now(s, healed)
+    holders = [r for r in members if all((m, members.get(m)) in known for m in s.mates(r))]
+    reason = f"holders {sorted(holders)}"
+    forget: Tuple[int, ...] = ()
+    if s.moved and not holders:
+        forget = tuple(r for r in members if r in s.survivors)
+        source, said = survivors_source(s, members)
+        reason = said
+        if source is not None:
+            # The store moved: nobody holds the state in this store yet, and every replica holds
+            # what it held then. One replica's state, the newest whole step, goes to all.
+            holders = list(s.mates(source * s.k))
+            why = (f"the replicas rejoined on the moved store; replica {source} holds the newest step "
+                   f"and heals the others")
+    eid = s.epoch_id + 1
+    fresh = s.epoch_id == 0 or not holders
+    start = -1 if continuing else s.top + 1  # rounds are numbered across quorums
+    steps = paced_steps(s)
+    ranked = tuple(sorted(members.items()))
+    if fresh:
+        src = min(members) // s.k
+        epoch = Epoch(eid, ranked, tuple(sorted(r for r in members if r // s.k != src)), True, start, steps)
+        reason = f"fresh: nobody holds the trained state; replica {src} sends its own"
+        if eid > 1:
+            why += f"; no replica holding the trained state is left: {s.fresh_start}"
+    else:
+        epoch = Epoch(eid, ranked, tuple(sorted(r for r in members if r not in holders)), False, start, steps)
+    n = len(ranked) // s.k
+    shape = f" of {s.k} workers" if s.k > 1 else ""
+    rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if steps != s.round_steps else ""
+    line = None if quiet else f"quorum {eid}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}"
+    return KeeperDecision(epoch, f"{why or 're-paced'}: {reason}; starts at round {start}", line,
+                          _healed_now(s, healed), fresh and eid > 1, forget)
+
+
+def stop_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int]) -> KeeperDecision:
+    """A stop quorum of the members there are now (nobody joins any more): at its switch every
+    member stops, and the writer saves the step it holds: the lowest replica whose every worker
+    holds the trained state, on the keeper's node where one does (its workers are the last this
+    node's ftrun stops); -1 when nobody holds it."""
+    continuing = continues(s.members, s.entered)
+    known = set(s.healed) | _healed_now(s, healed)
+    holders = sorted({r // s.k for r in s.members
+                      if all((m, s.members.get(m)) in known for m in s.mates(r))})
+    local = [rep for rep in holders if rep * s.k in s.local]
+    writer = (local or holders or [-1])[0]
+    eid = s.epoch_id + 1
+    start = -1 if continuing else s.top + 1
+    epoch = Epoch(eid, tuple(sorted(s.members.items())), (), False, start, 1, stop=True, writer=writer)
+    saver = f"replica {writer} saves" if writer >= 0 else "no replica holds the trained state: nothing to save"
+    return KeeperDecision(epoch, f"stop: holders {holders}, writer {writer}", f"quorum {eid}: stop ({why}; {saver})",
+                          _healed_now(s, healed))
+
+
+def waits(s: KeeperSnapshot, waited_since: Mapping[int, float], now: float) -> Dict[int, float]:
+    """Since when the others have been waiting for each replica (those waited on only). A member
+    is waited on when others of its quorum have voted in its round and it has not. Only
+    replicas that still report count, on both sides: a stopped replica's last report is stale
+    (its heartbeat check catches it) and must not make a waiting peer look hung. O(N): the
+    newest round any fresh member is voting in is enough."""
+    fresh = {r for r in s.members if s.fresh(r, now)}
+    voting = [int(s.report(r).get("round", -1)) for r in fresh if s.report(r).get("phase") == "vote"]
+    newest_vote = max(voting, default=None)
+    out: Dict[int, float] = {}
+    for r in s.ranks:
+        mine = s.report(r)
+        if (newest_vote is not None and r in fresh and mine.get("phase") not in ("vote", "done", None)
+                and newest_vote >= int(mine.get("round", 0))):
+            out[r] = waited_since.get(r, now)
+    return out
+
+
+def replica_status(s: KeeperSnapshot, rank: int) -> dict:
+    """One replica's figures for `ftrun status`."""
+    info = s.report(rank)
+    inc = s.alive.get(rank)
+    return {
+        "in_quorum": inc is not None and s.members.get(rank) == inc and (rank, inc) in s.healed,
+        "healing": bool(info.get("healing")) and info.get("inc") == inc,
+        "last_heal_s": info.get("last_heal_s"),
+        "ft_phase": info.get("phase") if info.get("inc") == inc else None,
+    }
+
+
+def global_step(s: KeeperSnapshot) -> int:
+    return max((int(s.report(r).get("step", 0)) for r in s.ranks), default=0)
+
+
+def run_status(s: KeeperSnapshot) -> dict:
+    """The run's figures for `ftrun status`. From every replica's last report, not only the
+    members': after the run (or while a replica heals) the members may be few or none, and a
+    replica's last report still holds the steps it saw. Committed steps are the global step
+    (the furthest replica's); discarded rounds are counted by each incarnation, so the
+    longest-lived replica's count is the run's (a lower bound once every first replica has been
+    restarted)."""
+    reports = [s.report(r) for r in s.ranks]
+    return {
+        "quorum_id": s.epoch_id,
+        "quorum_size": len(s.members),
+        "steps_committed": max((int(i.get("step", 0)) for i in reports), default=0),
+        "steps_discarded": max((int(i.get("discarded", 0)) for i in reports), default=0),
+    }
+
+
+class Pace:
+    """The run's recent time per step, from the global step the keeper sees rise: the last
+    WINDOW_S seconds of it, so that a run that slows down (or speeds up) is followed. Fed with
+    the time by its owner; reads no clock."""
+
+    WINDOW_S = 30.0
+    EVERY_S = 0.25  # sampled as often as the replicas report
+
+    def __init__(self) -> None:
+        self.samples: Deque[Tuple[float, int]] = deque()
+        self.noted_at = float("-inf")
+
+    def due(self, t: float) -> bool:
+        return t - self.noted_at >= self.EVERY_S
+
+    def note(self, t: float, step: int) -> None:
+        self.noted_at = t
+        if self.samples and step < self.samples[-1][1]:  # a fresh start: the old pace says nothing
+            self.samples.clear()
+        if step == 0:  # no step reported yet: a resumed run's first report (its checkpoint's step) is no pace
+            self.samples.clear()
+            return
+        if self.samples and step == self.samples[-1][1]:
+            return
+        self.samples.append((t, step))
+        while len(self.samples) > 2 and t - self.samples[0][0] > self.WINDOW_S:
+            self.samples.popleft()
+
+    def step_s(self) -> Optional[float]:
+        """Seconds per step, or None before a few steps over half a second at least were seen."""
+        if len(self.samples) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.samples[0], self.samples[-1]
+        if s1 - s0 < 3 or t1 - t0 < 0.5:
+            return None
+        return (t1 - t0) / (s1 - s0)

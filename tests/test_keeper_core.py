@@ -1,0 +1,573 @@
+"""The quorum keeper's core (ftrun.supervisor.keeper), tested by tables: each row is a snapshot of
+what the keeper knows and `now`, and the decision the core must take, with its reason. No store,
+no clock, no process: the whole file runs in milliseconds. The keeper's shell, against a real
+store, is tests/test_quorum_keeper.py; the interleavings, tests/test_simulate.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import pytest
+
+from ftrun import protocol as keys
+from ftrun.supervisor.keeper import core, dead
+from ftrun.supervisor.keeper.core import KeeperSnapshot
+from ftrun.supervisor.keeper.dead import KeeperRules
+
+pytestmark = pytest.mark.quick
+
+RULES = KeeperRules()
+A, F, O = keys.ABSTAIN_VOTE, keys.FAIL_VOTE, keys.OK_VOTE
+
+
+def snap(**kw) -> KeeperSnapshot:
+    """A snapshot of replicas 0..n-1 (`n`, default 3), all alive as incarnation 0 unless said."""
+    n = kw.pop("n", 3)
+    kw.setdefault("ranks", list(range(n)))
+    kw.setdefault("alive", {r: 0 for r in range(n)})
+    return KeeperSnapshot(**kw)
+
+
+def rep(epoch: Optional[int], rnd: int = 5, inc: int = 0, phase: str = "vote", **more) -> dict:
+    """A replica's status report: in `epoch` (None: joining), at round `rnd`."""
+    return {"inc": inc, "epoch": epoch, "round": rnd, "phase": phase, **more}
+
+
+def seen(*ranks, at: float = 10.0) -> dict:
+    return {r: at for r in ranks}
+
+
+def row(id_: str, *values):
+    return pytest.param(*values, id=id_)
+
+
+# ------------------------------------------------------------------ admission: who joins, when a quorum is published
+ADMIT = [
+    row("first replicas all joined",
+        snap(), {0: 0, 1: 0, 2: 0}, 1.0, {0: 0, 1: 0, 2: 0}, "first replicas joined", "admitted"),
+    row("first quorum waits for a replica still starting",
+        snap(), {0: 0, 1: 0}, 1.0, {0: 0, 1: 0}, None, "waits for ranks [2]"),
+    row("first quorum stops waiting after FIRST_EPOCH_WAIT_S",
+        snap(pending={0: 0, 1: 0}, pending_since=1.0), {0: 0, 1: 0}, 1.0 + core.FIRST_EPOCH_WAIT_S,
+        {0: 0, 1: 0}, "first replicas joined", "admitted"),
+    row("first quorum does not wait for a dead replica",
+        snap(alive={0: 0, 1: 0, 2: None}), {0: 0, 1: 0}, 1.0, {0: 0, 1: 0}, "first replicas joined", "admitted"),
+    row("a join of an older incarnation is not the live one's",
+        snap(alive={0: 0, 1: 0, 2: 1}), {0: 0, 1: 0, 2: 0}, 1.0, {0: 0, 1: 0}, None, "waits for ranks [2]"),
+    row("a restarted replica joins a running quorum at once",
+        snap(epoch_id=3, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1}), {0: 0, 1: 0, 2: 1}, 5.0,
+        {2: 1}, "rank 2 joined", "admitted [2]"),
+    row("two replicas join together",
+        snap(epoch_id=3, members={0: 0}, alive={0: 0, 1: 2, 2: 1}), {0: 0, 1: 2, 2: 1}, 5.0,
+        {1: 2, 2: 1}, "ranks 1, 2 joined", "admitted [1, 2]"),
+    row("a sharded replica is admitted only whole",
+        snap(n=4, k=2, epoch_id=2, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1, 3: 1}), {2: 1, 3: -1}, 5.0,
+        {}, None, "nobody to admit"),
+    row("a sharded replica whose workers all asked is admitted",
+        snap(n=4, k=2, epoch_id=2, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1, 3: 1}), {2: 1, 3: 1}, 5.0,
+        {2: 1, 3: 1}, "ranks 2, 3 joined", "admitted"),
+    row("a sharded replica's workers asking as different incarnations wait",
+        snap(n=4, k=2, epoch_id=2, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1, 3: 2}), {2: 1, 3: 2}, 5.0,
+        {}, None, "nobody to admit"),
+    row("a stopping run admits nobody",
+        snap(epoch_id=3, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1}, stopping=True), {2: 1}, 5.0,
+        {}, None, "stopping"),
+    row("every member lost: the next quorum waits for the others like a first",
+        snap(epoch_id=4, members={}, alive={0: 1, 1: 1, 2: 1}), {0: 1}, 5.0, {0: 1}, None, "waits for ranks [1, 2]"),
+    row("every member lost: published after the wait",
+        snap(epoch_id=4, members={}, pending={0: 1}, pending_since=5.0, alive={0: 1, 1: 1, 2: 1}), {0: 1}, 36.0,
+        {0: 1}, "rank 0 joined", "admitted"),
+    row("on a moved store only the last quorum's members are awaited",
+        snap(awaited={0, 1}), {0: 0, 1: 0}, 1.0, {0: 0, 1: 0}, "first replicas joined", "admitted"),
+    row("a member does not join again",
+        snap(epoch_id=2, members={0: 0, 1: 0, 2: 0}), {0: 0, 1: 0, 2: 0}, 5.0, {}, None, "nobody to admit"),
+]
+
+
+@pytest.mark.parametrize("s,joins,now,pending,publish,reason", ADMIT)
+def test_admission(s, joins, now, pending, publish, reason):
+    d = core.admit(s, joins, now)
+    assert dict(d.pending) == pending
+    assert d.publish == publish
+    assert reason in d.reason
+    assert not d.quiet
+    if pending:
+        assert d.pending_since == (s.pending_since if s.pending_since is not None else now)
+    else:
+        assert d.pending_since is None
+
+
+# ------------------------------------------------------------------ the pace: rounds re-sized without a failure
+def _steady(**kw) -> KeeperSnapshot:
+    """Members 0, 1 in quorum 2 holding the state and reporting freshly, rounds of 8 steps."""
+    base = dict(n=2, epoch_id=2, members={0: 0, 1: 0}, healed={(0, 0), (1, 0)},
+                info={0: rep(2), 1: rep(2)}, info_seen=seen(0, 1), epoch_steps=8, round_steps=8)
+    base.update(kw)
+    return snap(**base)
+
+
+REPACE = [
+    row("slow steps: rounds of 8 last 2.4 s", _steady(step_s=0.3), 10.0, True, "re-sized to 1"),
+    row("fast steps: rounds of 8 last 0.04 s, shorter than allowed", _steady(step_s=0.005), 10.0, False, None),
+    row("rounds near the target stay", _steady(step_s=0.025), 10.0, False, None),
+    row("pace not known yet", _steady(step_s=None), 10.0, False, None),
+    row("the user chose the round length", _steady(step_s=0.3, round_steps_chosen=True), 10.0, False, None),
+    row("once per window", _steady(step_s=0.3, repace_after=20.0), 10.0, False, None),
+    row("a member still heals", _steady(step_s=0.3, healed={(0, 0)}), 10.0, False, None),
+    row("a member reports another quorum", _steady(step_s=0.3, info={0: rep(2), 1: rep(1)}), 10.0, False, None),
+    row("a member's report is stale", _steady(step_s=0.3, info_seen={0: 10.0, 1: 8.0}), 10.0, False, None),
+    row("no members", _steady(step_s=0.3, members={}), 10.0, False, None),
+    row("slow rounds of 2 steps get 1", _steady(step_s=0.3, epoch_steps=2), 10.0, True, "re-sized to 1"),
+]
+
+
+@pytest.mark.parametrize("s,now,due,reason", REPACE)
+def test_repace(s, now, due, reason):
+    why = core.repace_due(s, now)
+    assert (why is not None) == due
+    d = core.admit(s, {}, now)
+    if due:
+        assert reason in why
+        assert d.publish == "" and d.quiet and d.repace_after == now + core.Pace.WINDOW_S
+    else:
+        assert d.publish is None and d.repace_after is None
+
+
+PACED = [
+    row("unknown pace: the most", snap(step_s=None, round_steps=8), 8),
+    row("50 ms steps: 4 a round", snap(step_s=0.05, round_steps=8), 4),
+    row("slow steps: one a round", snap(step_s=1.0, round_steps=8), 1),
+    row("very fast steps: the most", snap(step_s=0.001, round_steps=8), 8),
+    row("the user's choice stands", snap(step_s=0.05, round_steps=6, round_steps_chosen=True), 6),
+]
+
+
+@pytest.mark.parametrize("s,steps", PACED)
+def test_paced_steps(s, steps):
+    assert core.paced_steps(s) == steps
+
+
+# ------------------------------------------------------------------ the next quorum: members, healers, source, start
+def _moved(**kw) -> KeeperSnapshot:
+    base = dict(n=4, epoch_id=7, top=40, moved=True, pending={0: 1, 1: 1, 2: 1, 3: 1},
+                alive={0: 1, 1: 1, 2: 1, 3: 1}, round_steps=1, round_steps_chosen=True)
+    base.update(kw)
+    return snap(**base)
+
+
+def said(step: int, inc: int = 1, in_sync: bool = True) -> str:
+    return json.dumps({"inc": inc, "step": step, "in_sync": in_sync})
+
+
+NEXT = [
+    # (snapshot, why, healed read now) -> (members, healers, fresh, start, fresh after the first, history part)
+    row("the first quorum: the lowest replica sends its state",
+        snap(pending={0: 0, 1: 0, 2: 0}, top=-1), "first replicas joined", {},
+        {0: 0, 1: 0, 2: 0}, (1, 2), True, 0, False, "quorum 1: 3 replicas (first replicas joined)"),
+    row("a joiner heals from the holders; members that entered continue",
+        snap(epoch_id=2, top=9, members={0: 0, 1: 0}, pending={2: 1}, healed={(0, 0), (1, 0)},
+             entered={0: 0, 1: 0}), "rank 2 joined", {},
+        {0: 0, 1: 0, 2: 1}, (2,), False, -1, False, "quorum 3: 3 replicas (rank 2 joined)"),
+    row("nobody entered yet: the quorum starts after the newest decided round",
+        snap(epoch_id=2, top=9, members={0: 0, 1: 0}, pending={2: 1}, healed={(0, 0), (1, 0)},
+             entered={0: -1, 1: -1}), "rank 2 joined", {},
+        {0: 0, 1: 0, 2: 1}, (2,), False, 10, False, "quorum 3"),
+    row("a member that healed a moment ago holds the state",
+        snap(epoch_id=2, top=9, members={0: 0, 1: 0}, healed={(0, 0)}, entered={0: 0}), "rank 2 left", {1: 0},
+        {0: 0, 1: 0}, (), False, -1, False, "(rank 2 left)"),
+    row("an older incarnation's heal is not the member's",
+        snap(epoch_id=2, top=9, members={0: 0, 1: 1}, healed={(0, 0), (1, 0)}, entered={0: 0}), "rank 2 left", {},
+        {0: 0, 1: 1}, (1,), False, -1, False, "(rank 2 left)"),
+    row("no holder left: a fresh quorum, said so",
+        snap(epoch_id=4, top=20, members={1: 1}, pending={0: 2}, healed={(1, 0)}), "rank 0 joined", {},
+        {0: 2, 1: 1}, (1,), True, 21, True, "no replica holding the trained state is left: starting again"),
+    row("no holder left, resumed from a checkpoint: said so",
+        snap(epoch_id=4, top=20, members={1: 1}, fresh_start="resuming from the newest checkpoint"), "x", {},
+        {1: 1}, (), True, 21, True, "left: resuming from the newest checkpoint"),
+    row("a sharded replica heals whole when one of its workers does not hold its shard",
+        snap(n=4, k=2, epoch_id=2, top=3, members={0: 0, 1: 0, 2: 0, 3: 0}, healed={(0, 0), (1, 0), (2, 0)},
+             entered={0: 0, 1: 0, 2: 0, 3: 0}), "rank 3 joined", {},
+        {0: 0, 1: 0, 2: 0, 3: 0}, (2, 3), False, -1, False, "2 replicas of 2 workers"),
+    row("a fresh quorum of sharded replicas: replica 0's workers send",
+        snap(n=4, k=2, pending={0: 0, 1: 0, 2: 0, 3: 0}), "first replicas joined", {},
+        {0: 0, 1: 0, 2: 0, 3: 0}, (2, 3), True, 0, False, "2 replicas of 2 workers"),
+    row("the lowest replica left sends a fresh quorum's state",
+        snap(epoch_id=0, pending={1: 0, 2: 0}), "first replicas joined", {},
+        {1: 0, 2: 0}, (2,), True, 0, False, "2 replicas"),
+    row("rounds paced to the run: said in the history",
+        snap(epoch_id=2, top=9, members={0: 0, 1: 0}, healed={(0, 0), (1, 0)}, entered={0: 0}, step_s=0.05,
+             round_steps=8), "rank 2 left", {},
+        {0: 0, 1: 0}, (), False, -1, False, "rounds of 4 steps"),
+    row("moved store: the replica with the newest whole step heals the others",
+        _moved(survivors={0: said(10), 1: said(12), 2: said(11), 3: said(12)}), "first replicas joined", {},
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 2, 3), False, 41, False, "replica 1 holds the newest step"),
+    row("moved store, sharded: a replica whose workers hold different steps is not whole",
+        _moved(k=2, survivors={0: said(12), 1: said(11), 2: said(10), 3: said(10)}), "first replicas joined", {},
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1), False, 41, False, "replica 1 holds the newest step"),
+    row("moved store: a replica out of sync, of another incarnation, or unreadable says nothing",
+        _moved(survivors={0: said(30, in_sync=False), 1: said(30, inc=0), 2: "{not json", 3: said(5)}),
+        "first replicas joined", {},
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1, 2), False, 41, False, "replica 3 holds the newest step"),
+    row("moved store: nobody said anything: a fresh quorum from the lowest replica",
+        _moved(), "first replicas joined", {},
+        {0: 1, 1: 1, 2: 1, 3: 1}, (1, 2, 3), True, 41, True, "no replica holding the trained state is left"),
+    row("moved store: a tie goes to the lowest replica",
+        _moved(survivors={2: said(9), 3: said(9)}), "first replicas joined", {},
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1, 3), False, 41, False, "replica 2 holds the newest step"),
+]
+
+
+@pytest.mark.parametrize("s,why,healed,members,healers,fresh,start,fresh_after,history", NEXT)
+def test_next_quorum(s, why, healed, members, healers, fresh, start, fresh_after, history):
+    d = core.next_quorum(s, why, healed)
+    e = d.epoch
+    assert e.id == s.epoch_id + 1 and not e.stop
+    assert dict(e.members) == members
+    assert e.healers == healers
+    assert (e.fresh, e.start_round, d.fresh) == (fresh, start, fresh_after)
+    assert e.round_steps == core.paced_steps(s)
+    assert history in d.history and d.reason
+    assert d.healed == frozenset((r, h) for r, h in healed.items() if h >= 0)
+    assert set(d.forget) == (set(s.survivors) & set(members) if s.moved and not d.healed else set())
+    quiet = core.next_quorum(s, why, healed, quiet=True)
+    assert quiet.history is None and quiet.epoch == e
+
+
+STOP = [
+    # (snapshot, healed read now) -> (writer, start, saver)
+    row("the lowest holder writes",
+        snap(epoch_id=3, top=7, members={0: 0, 1: 0, 2: 0}, healed={(1, 0), (2, 0)}, entered={0: 0}, local={0, 1, 2}),
+        {}, 1, -1, "replica 1 saves"),
+    row("a holder on the keeper's node writes before a lower one elsewhere",
+        snap(epoch_id=3, top=7, members={0: 0, 1: 0, 2: 0}, healed={(0, 0), (1, 0), (2, 0)}, local={2}),
+        {}, 2, 8, "replica 2 saves"),
+    row("nobody holds the state: nothing is saved",
+        snap(epoch_id=3, top=7, members={0: 0, 1: 0}, entered={1: 0}), {}, -1, -1, "nothing to save"),
+    row("a member that healed a moment ago writes",
+        snap(epoch_id=3, top=7, members={0: 0, 1: 0}), {1: 0}, 1, 8, "replica 1 saves"),
+    row("sharded: a replica whose every worker holds its shard writes",
+        snap(n=4, k=2, epoch_id=3, top=7, members={0: 0, 1: 0, 2: 0, 3: 0}, healed={(0, 0), (2, 0), (3, 0)},
+             local={0, 1, 2, 3}), {}, 1, 8, "replica 1 saves"),
+]
+
+
+@pytest.mark.parametrize("s,healed,writer,start,saver", STOP)
+def test_stop_quorum(s, healed, writer, start, saver):
+    for d in (core.stop_quorum(s, "a stop signal", healed),
+              core.next_quorum(KeeperSnapshot(**{**s.__dict__, "stopping": True, "pending": {9: 0}}),
+                               "a stop signal", healed)):
+        assert d.epoch.stop and d.epoch.writer == writer and d.epoch.start_round == start
+        assert dict(d.epoch.members) == dict(s.members)  # nobody joins a stop quorum
+        assert d.epoch.healers == () and d.epoch.round_steps == 1
+        assert saver in d.history
+
+
+EXITS = [
+    # (snapshot, rank, inc, finished) -> (leaving, publish, finished, unpend)
+    row("a member dies: a quorum without it",
+        snap(epoch_id=2, members={0: 0, 1: 0, 2: 0}), 1, 0, False, {1: 0}, "rank 1 left", False, (1,)),
+    row("the last member dies: no quorum",
+        snap(epoch_id=2, members={1: 0}), 1, 0, False, {1: 0}, None, False, (1,)),
+    row("a member finishes: it never votes again, no quorum",
+        snap(epoch_id=2, members={0: 0, 1: 0}), 1, 0, True, {1: 0}, None, True, (1,)),
+    row("an older incarnation dies: nothing changes",
+        snap(epoch_id=2, members={0: 0, 1: 2}), 1, 1, False, {}, None, False, (1,)),
+    row("a sharded replica leaves whole",
+        snap(n=6, k=2, epoch_id=2, members={r: 0 for r in range(6)}), 3, 0, False, {2: 0, 3: 0},
+        "replica 1 left (rank 3 of ranks 2-3)", False, (2, 3)),
+    row("a pending sharded replica waits for its next incarnation",
+        snap(n=4, k=2, epoch_id=2, members={0: 0, 1: 0}, pending={2: 1, 3: 1}), 2, 1, False, {}, None, False, (2, 3)),
+]
+
+
+@pytest.mark.parametrize("s,rank,inc,finished,leaving,publish,done,unpend", EXITS)
+def test_exit_plan(s, rank, inc, finished, leaving, publish, done, unpend):
+    d = core.exit_plan(s, rank, inc, finished)
+    assert (dict(d.leaving), d.publish, d.finished, tuple(d.unpend)) == (leaving, publish, done, unpend)
+    assert d.reason
+
+
+REJOIN = [
+    row("the live incarnation rejoins in place", snap(alive={0: 3}), 0, 3, True),
+    row("an incarnation that died meanwhile stays dead", snap(alive={0: None}), 0, 3, False),
+    row("a newer incarnation is already booked", snap(alive={0: 4}), 0, 3, False),
+    row("sharded replicas restart instead", snap(k=2, alive={0: 3}), 0, 3, False),
+]
+
+
+@pytest.mark.parametrize("s,rank,inc,applies", REJOIN)
+def test_rejoin_applies(s, rank, inc, applies):
+    assert core.rejoin_applies(s, rank, inc) == applies
+
+
+# ------------------------------------------------------------------ votes for the dead
+DEAD = [
+    # (snapshot, dead member) -> {quorum: rounds}, vote
+    row("the newest quorum: the two rounds after the newest decided one",
+        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, alive={0: 0, 1: None}), (1, 0),
+        {2: (10, 11)}, A),
+    row("a quorum started afresh: its start too",
+        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, starts={2: 4}, alive={0: 0, 1: None}), (1, 0),
+        {2: (4, 5, 10, 11)}, A),
+    row("the rounds live members report being in",
+        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, alive={0: 0, 1: None}, info={0: rep(2, rnd=7)}),
+        (1, 0), {2: (7, 8, 10, 11)}, A),
+    row("an older quorum nobody reports being in: its start only",
+        snap(epoch_id=3, top=9, epochs={2: {(0, 0), (1, 0)}, 3: {(0, 0)}}, starts={2: 4}, alive={0: 0, 1: None},
+             info={0: rep(None)}), (1, 0), {2: (4, 5)}, A),
+    row("every member of the newest quorum dead: no rounds ahead",
+        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, alive={0: None, 1: None}), (1, 0), {2: ()}, A),
+    row("a quorum below every live replica's is past",
+        snap(epoch_id=3, top=9, epochs={1: {(0, 0), (1, 0)}, 3: {(0, 0), (1, 0)}}, alive={0: 0, 1: None},
+             info={0: rep(3, rnd=8)}), (1, 0), {3: (8, 9, 10, 11)}, A),
+    row("a joiner that reports no quorum yet keeps the old ones",
+        snap(epoch_id=3, top=9, epochs={1: {(0, 0), (1, 0)}, 3: {(0, 0), (1, 0)}}, starts={1: 0},
+             alive={0: 0, 1: None, 2: 1}, info={0: rep(3, rnd=8), 2: rep(None, inc=1)}), (1, 0),
+        {1: (0, 1), 3: (8, 9, 10, 11)}, A),
+    row("never below the collected horizon",
+        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, starts={2: 4}, collected_below={2: 6},
+             alive={0: 0, 1: None}), (1, 0), {2: (10, 11)}, A),
+    row("never in a quorum whose keys are all gone",
+        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, starts={2: 4}, collected_below={2: dead.EPOCH_COLLECTED},
+             alive={0: 0, 1: None}), (1, 0), {2: ()}, A),
+    row("sharded replicas: a failed vote",
+        snap(n=4, k=2, epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0), (2, 0), (3, 0)}},
+             alive={0: 0, 1: 0, 2: None, 3: None}), (2, 0), {2: (10, 11)}, F),
+    row("a quorum that does not list it: nothing",
+        snap(epoch_id=2, top=9, epochs={2: {(0, 0)}}, alive={0: 0, 1: None}), (1, 0), {}, A),
+]
+
+
+@pytest.mark.parametrize("s,member,rounds,vote", DEAD)
+def test_votes_for_the_dead(s, member, rounds, vote):
+    due = dead.dead_votes(RULES, s, member)
+    assert {d.epoch: d.rounds for d in due} == rounds
+    assert all(d.vote == vote and d.reason for d in due)
+
+
+FORGET = [
+    # (snapshot, dead members) -> forgotten
+    row("every live replica is past every quorum that listed it",
+        snap(epochs={1: {(1, 0)}, 2: {(0, 0)}}, alive={0: 0, 1: None, 2: None}, info={0: rep(2)}), [(1, 0)], [(1, 0)]),
+    row("a live replica is still in its quorum",
+        snap(epochs={1: {(0, 0), (1, 0)}}, alive={0: 0, 1: None}, info={0: rep(1)}), [(1, 0)], []),
+    row("a joiner not reporting yet may enter it",
+        snap(epochs={1: {(1, 0), (2, 0)}, 2: {(0, 0)}}, alive={0: 0, 1: None, 2: 0}, info={0: rep(2)}), [(1, 0)], []),
+    row("nobody alive reports: kept",
+        snap(epochs={1: {(1, 0)}}, alive={0: None, 1: None}), [(1, 0)], []),
+]
+
+
+@pytest.mark.parametrize("s,members,gone", FORGET)
+def test_forget_dead(s, members, gone):
+    forgotten, kept = dead.forget_dead(s, members)
+    assert list(forgotten) == gone and set(kept) == set(members) - set(gone)
+
+
+def _waiting(**kw) -> KeeperSnapshot:
+    """Rank 0 votes in round 5 of quorum 2, which lists ranks 0 and 1, since t=1 (STUCK_S ago at t=3)."""
+    base = dict(epoch_id=3, epochs={2: {(0, 0), (1, 0)}, 3: {(1, 0)}}, info={0: rep(2)}, info_seen=seen(0, 1, at=3.0))
+    base.update(kw)
+    return snap(**base)
+
+
+SINCE = {0: ((2, 5), 1.0)}
+UNSTICK = [
+    # (snapshot, voting since, cast before, now) -> failed votes (rank, quorum, round), since kept for rank 0
+    row("a member in another quorum: fail in its place",
+        _waiting(info={0: rep(2), 1: rep(3)}), SINCE, set(), 3.0, [(1, 2, 5)], ((2, 5), 1.0)),
+    row("not before STUCK_S",
+        _waiting(info={0: rep(2), 1: rep(3)}), SINCE, set(), 2.9, [], ((2, 5), 1.0)),
+    row("first seen voting: the wait starts now",
+        _waiting(info={0: rep(2), 1: rep(3)}), {}, set(), 3.0, [], ((2, 5), 3.0)),
+    row("a new round: the wait starts again",
+        _waiting(info={0: rep(2, rnd=6), 1: rep(3)}), SINCE, set(), 3.0, [], ((2, 6), 3.0)),
+    row("a joiner reporting no quorum while a newer one is out",
+        _waiting(info={0: rep(2), 1: rep(None)}), SINCE, set(), 3.0, [(1, 2, 5)], ((2, 5), 1.0)),
+    row("a joiner of the newest quorum is waited for",
+        _waiting(epoch_id=2, info={0: rep(2), 1: rep(None)}), SINCE, set(), 3.0, [], ((2, 5), 1.0)),
+    row("a member that finished",
+        _waiting(finished={(1, 0)}, alive={0: 0, 1: None}), SINCE, set(), 3.0, [(1, 2, 5)], ((2, 5), 1.0)),
+    row("a member in the same quorum is waited for",
+        _waiting(info={0: rep(2), 1: rep(2, rnd=4, phase="step")}), SINCE, set(), 3.0, [], ((2, 5), 1.0)),
+    row("a member whose report is stale says nothing",
+        _waiting(info={0: rep(2), 1: rep(3)}, info_seen={0: 3.0, 1: 1.0}), SINCE, set(), 3.0, [], ((2, 5), 1.0)),
+    row("an older incarnation's report is not the member's",
+        _waiting(info={0: rep(2), 1: rep(3, inc=1)}), SINCE, set(), 3.0, [], ((2, 5), 1.0)),
+    row("never twice",
+        _waiting(info={0: rep(2), 1: rep(3)}), SINCE, {(1, 0, 2, 5)}, 3.0, [], ((2, 5), 1.0)),
+    row("a voter whose report is stale waits for nothing",
+        _waiting(info={0: rep(2), 1: rep(3)}, info_seen={0: 1.0, 1: 3.0}), SINCE, set(), 3.0, [], None),
+    row("a voter in a quorum the keeper never published",
+        _waiting(info={0: rep(9), 1: rep(3)}), SINCE, set(), 3.0, [], None),
+]
+
+
+@pytest.mark.parametrize("s,since,cast,now,votes,kept", UNSTICK)
+def test_unstick(s, since, cast, now, votes, kept):
+    voting_since, due = dead.unstick(RULES, s, since, cast, now)
+    assert [(v.rank, v.epoch, v.rnd) for v in due] == votes
+    assert all("voted fail in its place" in v.reason for v in due)
+    assert voting_since.get(0) == kept
+
+
+COUNTS = [
+    # (total after the add, added, size) -> decision of the add (None: not closed)
+    row("the last ok vote commits", 3 * O, O, 3, True),
+    row("an abstention closing a round of oks commits", 2 * O + A, A, 3, True),
+    row("a failed vote fails the round", 2 * O + F, F, 3, False),
+    row("only abstentions: no ok, the round fails", 2 * A, A, 2, False),
+    row("not the last vote", 2 * O, O, 3, None),
+    row("a count jumping past its size closes it", 3 * O + F, 2 * O, 3, False),
+    row("an add after the count was complete does not close it again", 4 * O, O, 3, None),
+]
+
+
+@pytest.mark.parametrize("after,added,size,decision", COUNTS)
+def test_closed_round(after, added, size, decision):
+    assert dead.closed_round(RULES, after, added, size) is decision
+
+
+ORPHANS = [
+    row("every vote in, all ok: commit", 3 * O, 3, True),
+    row("every vote in, one failed: fail", 2 * O + F, 3, False),
+    row("a vote counted twice: decided by its votes", 3 * O + A, 3, True),
+    row("a vote missing: not orphaned", 2 * O, 3, None),
+]
+
+
+@pytest.mark.parametrize("total,size,decision", ORPHANS)
+def test_orphan_commit(total, size, decision):
+    assert dead.orphan_commit(total, size) is decision
+
+
+FORWARDS = [
+    # (node count, node size, forwarded, first seen, now, the keeper's votes there) -> action, total forwarded
+    row("forwarded by the node's last voter", 2 * O, 2, True, 1.0, 5.0, [], "clear", 0),
+    row("votes missing", O, 2, False, 1.0, 5.0, [], "clear", 0),
+    row("first seen: wait", 2 * O, 2, False, None, 5.0, [], "wait", 0),
+    row("not yet STUCK_S", 2 * O, 2, False, 4.0, 5.0, [], "wait", 0),
+    row("the forwarder died: forward in its place", O + A, 2, False, 1.0, 5.0, [A], "forward", O + A),
+    row("the keeper's excess votes are left out", 2 * O + A, 2, False, 1.0, 5.0, [A], "forward", 2 * O),
+]
+
+
+@pytest.mark.parametrize("total,size,forwarded,since,now,mine,action,sent", FORWARDS)
+def test_node_forward(total, size, forwarded, since, now, mine, action, sent):
+    d = dead.node_forward(total, size, forwarded, since, now, mine)
+    assert (d.action, d.total) == (action, sent)
+    assert dead.node_counted(total, size) == (keys.tally(total).votes >= size)
+
+
+# ------------------------------------------------------------------ collection
+def _round_keys(e: int, rnd: int):
+    return [keys.count_key(e, rnd), keys.decision_key(e, rnd), keys.kept_key(e, rnd), keys.heal_key(e, rnd),
+            keys.pg_prefix(e, rnd) + "addr"]
+
+
+def _names(*epochs_rounds, extra=()):
+    names = [keys.LATEST, keys.TOP, keys.join_key(0), keys.info_key(1), "not/ours"]
+    for e, rounds in epochs_rounds:
+        names += [keys.epoch_key(e), keys.start_key(e)]
+        for rnd in rounds:
+            names += _round_keys(e, rnd)
+    return names + list(extra)
+
+
+COLLECT = [
+    # (snapshot, key names) -> keys deleted, collected horizons, oldest quorum kept
+    row("rounds more than ROUND_KEYS_KEPT behind a quorum's newest decided one go",
+        snap(n=2, info={0: rep(3), 1: rep(3)}), _names((3, range(10))),
+        [k for rnd in range(5) for k in _round_keys(3, rnd)], {3: 5}, 1),
+    row("quorums two below the oldest any live replica is in go whole",
+        snap(n=2, info={0: rep(4), 1: rep(5)}), _names((1, [0]), (2, [1]), (4, [2])),
+        [keys.epoch_key(1), keys.start_key(1)] + _round_keys(1, 0), {1: dead.EPOCH_COLLECTED, 2: -1, 4: -1}, 2),
+    row("a live replica reporting no quorum yet: no quorum goes",
+        snap(n=2, info={0: rep(5)}), _names((1, [0]), (5, [1])), [], {1: -1, 5: -1}, -1),
+    row("a dead replica's silence keeps nothing",
+        snap(n=2, alive={0: 0, 1: None}, info={0: rep(5)}), _names((1, [0]), (5, [1])),
+        [keys.epoch_key(1), keys.start_key(1)] + _round_keys(1, 0), {1: dead.EPOCH_COLLECTED, 5: -1}, 3),
+    row("a sharded replica's group of an earlier incarnation goes",
+        snap(n=4, k=2, alive={0: 2, 1: 2, 2: 0, 3: 0}),
+        _names(extra=[keys.replica_prefix(0, 1) + "addr", keys.replica_prefix(0, 2) + "addr",
+                      keys.replica_prefix(1, 0) + "addr"]),
+        [keys.replica_prefix(0, 1) + "addr"], {}, -1),
+    row("the horizon never goes back",
+        snap(n=2, info={0: rep(3), 1: rep(3)}, collected_below={3: 8}), _names((3, [6])), [], {3: 8}, 1),
+]
+
+
+@pytest.mark.parametrize("s,names,deleted,below,oldest", COLLECT)
+def test_collect(s, names, deleted, below, oldest):
+    c = dead.collect(RULES, s, names)
+    assert sorted(c.delete) == sorted(deleted)
+    assert dict(c.collected_below) == below and c.oldest_kept == oldest
+
+
+DUE = [
+    row("a round decided since, long enough after", 5, 1.0, 4, 0.5, True),
+    row("no round decided since", 4, 1.0, 4, 0.5, False),
+    row("too soon", 5, 0.6, 4, 0.5, False),
+]
+
+
+@pytest.mark.parametrize("top,now,at,when,due", DUE)
+def test_collect_due(top, now, at, when, due):
+    assert dead.collect_due(top, now, at, when) == due
+
+
+# ------------------------------------------------------------------ the replicas' views: waits, status
+WAITS = [
+    # (snapshot, waited since before, now) -> waited since after
+    row("a member still stepping while another votes in its round is waited for",
+        snap(members={0: 0, 1: 0}, info={0: rep(2, rnd=5), 1: rep(2, rnd=5, phase="step")}, info_seen=seen(0, 1)),
+        {}, 10.0, {1: 10.0}),
+    row("the wait goes on from when it began",
+        snap(members={0: 0, 1: 0}, info={0: rep(2, rnd=5), 1: rep(2, rnd=5, phase="step")}, info_seen=seen(0, 1)),
+        {1: 7.0}, 10.0, {1: 7.0}),
+    row("a member ahead of the voters is not waited for",
+        snap(members={0: 0, 1: 0}, info={0: rep(2, rnd=5), 1: rep(2, rnd=6, phase="step")}, info_seen=seen(0, 1)),
+        {1: 7.0}, 10.0, {}),
+    row("a stale voter makes nobody look waited for",
+        snap(members={0: 0, 1: 0}, info={0: rep(2, rnd=5), 1: rep(2, rnd=5, phase="step")},
+             info_seen={0: 5.0, 1: 10.0}), {1: 7.0}, 10.0, {}),
+    row("a member that is done is not waited for",
+        snap(members={0: 0, 1: 0}, info={0: rep(2, rnd=5), 1: rep(2, rnd=5, phase="done")}, info_seen=seen(0, 1)),
+        {}, 10.0, {}),
+]
+
+
+@pytest.mark.parametrize("s,before,now,after", WAITS)
+def test_waits(s, before, now, after):
+    assert core.waits(s, before, now) == after
+
+
+def test_status_figures():
+    s = snap(epoch_id=4, members={0: 1, 1: 0}, healed={(0, 1)}, alive={0: 1, 1: 0, 2: None},
+             info={0: rep(4, inc=1, step=30, discarded=2, healing=False),
+                   1: rep(4, step=31, discarded=1, healing=True, phase="heal"), 2: rep(3, step=12, discarded=5)})
+    assert core.run_status(s) == {"quorum_id": 4, "quorum_size": 2, "steps_committed": 31, "steps_discarded": 5}
+    assert core.global_step(s) == 31
+    assert core.replica_status(s, 0) == {"in_quorum": True, "healing": False, "last_heal_s": None, "ft_phase": "vote"}
+    assert core.replica_status(s, 1) == {"in_quorum": False, "healing": True, "last_heal_s": None, "ft_phase": "heal"}
+    assert core.replica_status(s, 2)["in_quorum"] is False and core.replica_status(s, 2)["ft_phase"] is None
+
+
+PACE = [
+    # notes (time, global step) -> seconds per step
+    row("not enough steps", [(0.0, 1), (1.0, 2)], None),
+    row("steady", [(0.0, 1), (1.0, 11)], 0.1),
+    row("a fresh start forgets the old pace", [(0.0, 50), (1.0, 60), (2.0, 1), (2.4, 5)], None),
+    row("a resumed run's first report is no pace", [(0.0, 0), (1.0, 1000), (2.0, 1010)], 0.1),
+    row("the window follows a slower run", [(0.0, 1), (1.0, 101), (40.0, 140), (50.0, 150)], 1.0),
+]
+
+
+@pytest.mark.parametrize("notes,step_s", PACE)
+def test_pace(notes, step_s):
+    pace = core.Pace()
+    for t, step in notes:
+        pace.note(t, step)
+    assert pace.step_s() == pytest.approx(step_s) if step_s is not None else pace.step_s() is None
