@@ -571,3 +571,19 @@ def test_pace(notes, step_s):
     for t, step in notes:
         pace.note(t, step)
     assert pace.step_s() == pytest.approx(step_s) if step_s is not None else pace.step_s() is None
+
+
+def test_the_core_has_no_io():
+    """The keeper's core imports nothing that reaches a store, a clock, a thread or a log: what
+    it decides is a function of its arguments alone (the shell, ftrun.supervisor.quorum, does IO)."""
+    import ast
+    from pathlib import Path
+
+    allowed = {"__future__", "json", "collections", "dataclasses", "typing", "ftrun", "ftrun.protocol",
+               "ftrun.supervisor.keeper", "ftrun.supervisor.keeper.core", "ftrun.supervisor.keeper.dead"}
+    folder = Path(core.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) else [])
+            assert set(names) <= allowed, f"{path.name} imports {names}"
