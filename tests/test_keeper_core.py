@@ -579,7 +579,7 @@ def test_the_core_has_no_io():
     import ast
     from pathlib import Path
 
-    allowed = {"__future__", "json", "collections", "dataclasses", "typing", "ftrun", "ftrun.protocol",
+    allowed = {"__future__", "json", "collections", "dataclasses", "types", "typing", "ftrun", "ftrun.protocol",
                "ftrun.supervisor.keeper", "ftrun.supervisor.keeper.core", "ftrun.supervisor.keeper.dead"}
     folder = Path(core.__file__).parent
     for path in sorted(folder.glob("*.py")):
@@ -587,3 +587,19 @@ def test_the_core_has_no_io():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module] if isinstance(node, ast.ImportFrom) else [])
             assert set(names) <= allowed, f"{path.name} imports {names}"
+
+
+def test_the_shells_snapshot_is_the_constructors():
+    """The shell builds its snapshots without the frozen constructor (KeeperSnapshot.of): every field
+    is given, and the snapshot is the one the constructor builds, frozen as well."""
+    import dataclasses
+
+    from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
+
+    q = QuorumKeeper(None, [0, 1, 2], settings=KeeperSettings())
+    s = q._snapshot(7, entered={0: 0})
+    assert set(vars(s)) == {f.name for f in dataclasses.fields(KeeperSnapshot)}
+    assert s == KeeperSnapshot(**vars(s)) and s.top == 7 and dict(s.entered) == {0: 0}
+    assert dict(q._snapshot().survivors) == {}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.top = 8

@@ -134,7 +134,7 @@ class QuorumKeeper:
 
     def _snapshot(self, top: int = -1, **read) -> KeeperSnapshot:
         """What the core decides from: the keeper's books as they are, and what was just `read`."""
-        return KeeperSnapshot(
+        return KeeperSnapshot.of(
             k=self.k, ranks=self.ranks, local=self.local, epoch_id=self.epoch_id, top=top, members=self.members,
             pending=self.pending, pending_since=self.pending_since, alive=self.alive, healed=self.healed,
             info=self.reports.info, info_seen=self.reports.seen, epochs=self.epochs, starts=self.starts,
