@@ -2,6 +2,9 @@
 # Set up (scripts/setup.sh) and run the whole test suite. Extra arguments go to pytest.
 # --quick: only the quick tier (tests marked `quick`: one or two fast tests of every area,
 # under 2 minutes on 2 cores), for everyday work; the whole suite is what CI runs.
+# Two pytest-xdist workers run the tests, even on 2 cores: most tests wait on real processes
+# (heartbeats, sleeps, restarts) more than they compute. `-n 0` (or another count) after the
+# script's name overrides it; tests marked `alone` run while no other test runs (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=0
@@ -12,7 +15,7 @@ done
 bash scripts/setup.sh
 bash scripts/setup_system.sh  # chromium and prometheus, for the report's and the metrics' tests
 if [ "$quick" = 1 ]; then
-  exec .venv/bin/python -m pytest -q -p no:cacheprovider -m quick tests ${args[@]+"${args[@]}"}
+  exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m quick ${args[@]+"${args[@]}"}
 fi
 # Lightning is a test-only dependency, installed without ever changing torch;
 # its test is skipped (with the reason) when it cannot be installed.
@@ -23,5 +26,6 @@ if [ "${FTRUN_SKIP_LIGHTNING:-0}" != "1" ] && ! .venv/bin/python -c "import ligh
     echo "test: lightning not installable here ($(tail -n 1 /tmp/ftrun-pip-lightning.log)); its test will be skipped"
   fi
 fi
-# The slowest tests are listed at the end: the suite must stay within about 15 minutes on 2 cores.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests ${args[@]+"${args[@]}"}
+# The slowest tests are listed at the end: the suite must stay within about 17 minutes on 2 cores.
+# (No path here: pytest takes pyproject's testpaths, or only the paths among the arguments.)
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=15 ${args[@]+"${args[@]}"}

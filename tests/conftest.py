@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import resource
 import select
 import signal
 import socket
@@ -37,6 +40,39 @@ def _temporary_files_in_pytests_folder(tmp_path_factory):
         patch.setattr(tempfile, "tempdir", folder)
         patch.setenv("TMPDIR", folder)
         yield
+
+
+# scripts/test.sh runs the suite on two pytest-xdist workers: most tests wait (heartbeats, sleeps,
+# restarts) more than they compute. A test marked `alone` holds wall time to a bound or a ratio that
+# another test's load could push it past: it runs while no other test runs. Every test holds a lock
+# shared, an `alone` one holds it exclusively; a turnstile taken first keeps a waiting `alone` test from
+# being passed over by the other worker's next tests.
+_XDIST = "PYTEST_XDIST_WORKER" in os.environ
+# FTRUN_TEST_TIMES=FILE: one line per test appended to FILE, "nodeid wall cpu" in seconds, the CPU of
+# this pytest process and of every process it started and reaped during the test (setup and teardown
+# included): on a loaded machine wall time alone says little of where the suite's time goes.
+_TIMES = os.environ.get("FTRUN_TEST_TIMES")
+
+
+def _cpu() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with contextlib.ExitStack() as stack:
+        if _XDIST:  # in the folder of the session's temporary folders (xdist gives each worker one in it)
+            folder = Path(item.config.option.basetemp).parent
+            turnstile, lock = (stack.enter_context(open(folder / name, "a")) for name in ("turnstile", "lock"))
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        wall, cpu = time.monotonic(), _cpu()
+        yield
+        if _TIMES:
+            with open(_TIMES, "a") as f:
+                f.write(f"{item.nodeid} {time.monotonic() - wall:.2f} {_cpu() - cpu:.2f}\n")
 
 
 @pytest.fixture

@@ -87,6 +87,7 @@ def test_an_sgd_checkpoint_resumed_by_adam_names_both_optimizers(ftrun_home, tmp
     assert "betas" not in other.stderr and "Traceback" not in other.stderr
 
 
+@pytest.mark.alone
 def test_sigterm_saves_within_the_default_grace_when_steps_are_slow(ftrun_home, tmp_path):
     """Steps of 0.5 s, no failure before the signal, the default --shutdown-timeout (5 s): the
     stop reaches every replica within a few steps (the keeper sizes rounds to the pace as soon

@@ -250,11 +250,12 @@ def test_budget_spent_for_one_replica_others_finish(ftrun_home, tmp_path):
 
 
 def test_source_dies_mid_transfer_joiner_heals_from_another(ftrun_home, tmp_path):
-    """A 10.5M-parameter model with Adam (126 MB of state) sent in 4 MiB chunks: the source
-    pauses 1 s after its first chunk (fault injection) and is killed there, mid-transfer."""
+    """The source of a heal pauses 1 s before it sends (fault injection) and is killed there,
+    mid-transfer; the joiner heals from the third replica. (1.3M parameters with Adam: the heal at
+    size is test_large_model_two_kills_bitwise_identical's.)"""
     out = tmp_path / "p"
     run_id = "source"
-    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *BIG, "--steps", 40, "--out", out],
+    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *MID, "--steps", 40, "--out", out],
                        env={"FTRUN_FT_INJECT_SEND_DELAY": "1", "FTRUN_FT_CHUNK_MB": "4"})
     try:
         r = _wait_replica(ftrun_home, run_id, 1, lambda r, st: r["step"] >= 5 and r["state"] == "running", 120)

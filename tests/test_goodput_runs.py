@@ -56,6 +56,7 @@ def _stalls(times, median, a, b):
     return lost
 
 
+@pytest.mark.alone
 def test_ft_two_kills_cost_what_the_replicas_measured(tmp_path):
     """3 replicas at size; two SIGKILLs (replica 2, then replica 0 once 2 is back). The failures'
     cost ftrun reports, each failure's time until back, and the goodput agree within 30% with
@@ -113,6 +114,7 @@ def test_ft_two_kills_cost_what_the_replicas_measured(tmp_path):
     assert "2 failures: rank 2 killed by SIGKILL" in err, err[-2000:]
 
 
+@pytest.mark.alone
 def test_failure_free_goodput_is_at_least_95_percent_after_startup(tmp_path):
     """Failure-free, at size: once start-up is over, at least 95% of replica-time went to
     committed steps; the start-up ftrun counts is what the scripts measured to their first step."""

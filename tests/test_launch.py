@@ -118,6 +118,7 @@ def test_sigkill_of_supervisor_leaves_no_worker(ftrun_home):
         proc.kill()
 
 
+@pytest.mark.alone
 def test_sigint_stops_workers_and_exits_130(ftrun_home, tmp_path):
     proc = start_ftrun(["--nproc", 2, "--shutdown-timeout", 3, TRAIN, "--steps", 100000, "--print-every", 50])
     try:

@@ -113,6 +113,7 @@ with open(sys.argv[1], "w") as f:
 """
 
 
+@pytest.mark.alone
 def test_a_20_mb_line_without_newline_does_not_stall_its_step(ftrun_home, tmp_path):
     script, times = tmp_path / "long.py", tmp_path / "times.json"
     script.write_text(LONG_LINE)
@@ -156,6 +157,7 @@ with open(sys.argv[1], "w") as f:
 """
 
 
+@pytest.mark.alone
 def test_a_progress_bar_shows_during_the_run_and_does_not_slow_steps(ftrun_home, tmp_path):
     script, times, seen = tmp_path / "bar.py", tmp_path / "times.json", tmp_path / "seen"
     script.write_text(BAR)

@@ -75,6 +75,7 @@ def test_malformed_zygote_message_is_reported_once_and_skipped(ftrun_home, tmp_p
     assert "finished" in proc.stderr
 
 
+@pytest.mark.alone
 def test_sigkill_of_the_zygote_ends_the_run_at_once(ftrun_home, tmp_path):
     script = tmp_path / "wait.py"
     script.write_text("import os, time\nprint('ready', os.environ['RANK'], flush=True)\ntime.sleep(300)\n")
