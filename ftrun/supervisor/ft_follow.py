@@ -1,53 +1,70 @@
 """--ft: what the loop takes from the quorum keeper each tick: the keeper's own polls (and the node
-relay's), the step each replica committed, which restarted replicas are training again, and
-the newest checkpoint for `ftrun status`.
+relay's), the step each replica committed, which restarted replicas are training again.
 
-The keeper (ftrun.supervisor.quorum) decides the quorum; here its view becomes the worker
-records' states and the console's lines.
-Part of the Supervisor (a mixin: it updates the loop's own worker records and status).
-A script that never joins a quorum is found here (_check_ft_api); the loop turns the run to group restarts.
+The keeper (ftrun.supervisor.quorum) decides the quorum; QuorumView turns its view into the worker
+records' states and the console's lines, and returns what the loop does about it (QuorumNews).
+It owns only what it said once (a failing poll, a script without ftrun.ft). A script that never
+joins a quorum is found here (plain_script); the loop turns the run to group restarts.
 Must never start, stop or signal a worker, and never be called from outside the loop's thread.
 """
 
 from __future__ import annotations
 
-from ftrun.supervisor.nodes import one_line
-from ftrun.supervisor.progress_reader import note_steps
-from ftrun.supervisor.worker import WorkerState
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from ftrun.supervisor.logs import ConsoleOut
+from ftrun.supervisor.node_common import one_line
+from ftrun.supervisor.progress_reader import ProgressReader, note_steps
+from ftrun.supervisor.worker import Worker, WorkerState
 
 
-class QuorumFollow:
-    """The --ft part of the Supervisor's tick (ftrun.supervisor.run holds the state)."""
+@dataclass(frozen=True)
+class QuorumNews:
+    """What a poll of the quorum asks of the loop: the state file is out of date (`changed`), the run
+    goes on with group restarts (`to_group`: its script never joins a quorum)."""
 
-    def _poll_quorum(self, now: float) -> None:
-        q = self.quorum
+    changed: bool = False
+    to_group: bool = False
+
+
+class QuorumView:
+    """The --ft part of the supervisor's tick."""
+
+    def __init__(self, console: ConsoleOut, k: int) -> None:
+        self.console = console
+        self.k = k
+        self._failing = False      # a failed poll, said once until a poll works again
+        self._told_plain = False   # a script without ftrun.ft, said once
+
+    def poll(self, q: Any, relay: Any, workers: Sequence[Worker], progress: ProgressReader, now: float,
+             several_nodes: bool, quorum_id: Optional[int]) -> QuorumNews:
         try:
-            if self.relay is not None:
-                self.relay.poll(now)
+            if relay is not None:
+                relay.poll(now)
             q.poll(now)
         except Exception as e:  # the store went away: the loop's other checks will say so
-            if not self._quorum_failing:
-                self._quorum_failing = True
+            if not self._failing:
+                self._failing = True
                 self.console.note(f"quorum poll failed: {one_line(e)}", style="yellow")
-            return
-        self._quorum_failing = False
+            return QuorumNews()
+        self._failing = False
+        changed = False
         for rank, inc in q.rejoined:  # a worker became its next incarnation in place: its process lives on
-            for w in self.workers:
+            for w in workers:
                 if w.rank == rank and w.alive:
                     w.incarnation = inc
-                    self.progress.forget(rank)
+                    progress.forget(rank)
         q.rejoined.clear()
-        if self.cfg.checkpoint_dir and now == self._last_progress:
-            self._poll_checkpoint()  # a few times a second, with the progress poll
         while q.history:
             self.console.note(q.history.pop(0), style="cyan")
-        for w in self.workers:
+        for w in workers:
             info = q.info.get(w.rank)
             if w.alive and info and info.get("inc") == w.incarnation and w.first_step_seen:
                 # Fresher than the progress key (read a few times a second): the step now.
                 if note_steps(w, int(info.get("step") or 0), now):
-                    self._dirty = True
-        for w in self.workers:
+                    changed = True
+        for w in workers:
             if w.state in (WorkerState.RECOVERING, WorkerState.STARTING, WorkerState.RUNNING) and w.alive:
                 if q.replica_fields(w.rank)["in_quorum"] and w.state != WorkerState.RUNNING:
                     if w.state == WorkerState.RECOVERING and w.last_failure is not None:
@@ -62,43 +79,27 @@ class QuorumFollow:
                             self.console.note(f"{who} is training again, healed from a peer "
                                               f"{took:.2f} s after it failed", style="green")
                     w.state = WorkerState.RUNNING
-                    self._dirty = True
-        if self._check_ft_api():
-            return
-        if self.status.quorum_id != q.epoch_id:
-            self._dirty = True  # the run's figures are taken at every write (_write_state)
+                    changed = True
+        if self.plain_script(q, workers, several_nodes):
+            return QuorumNews(True, to_group=True)
+        return QuorumNews(changed or quorum_id != q.epoch_id)  # the run's figures are taken at every write
 
-    def _check_ft_api(self) -> bool:
+    def plain_script(self, q: Any, workers: Sequence[Worker], several_nodes: bool) -> bool:
         """A worker that steps without ever asking to join a quorum runs a script without ftrun.ft:
         none of its replicas can heal from a peer, and one restarted alone could not join the
         script's own process group. Such a run gets what it gets without --ft, group restarts
         (every worker with its own default group again), said once. Several nodes keep replica
         restarts (their group restarts are agreed at the start), with the line. True when the
-        quorum is given up."""
-        q = self.quorum
-        if self._warned_no_ft_api or q is None:
+        quorum is to be given up."""
+        if self._told_plain or q is None:
             return False
-        plain = [w.rank for w in self.workers if w.first_step_seen and not q.info.get(w.rank)]
+        plain = [w.rank for w in workers if w.first_step_seen and not q.info.get(w.rank)]
         if not plain:
             return False
-        self._warned_no_ft_api = True
-        how = ("a failure restarts all workers, as without --ft" if self.nodes is None else
+        self._told_plain = True
+        how = ("a failure restarts all workers, as without --ft" if not several_nodes else
                "drop --ft for group restarts")
         self.console.note(f"--ft: rank {plain[0]} trains without ftrun.ft (it never asked to join a quorum), so a "
                           f"failed replica cannot heal from a peer: {how} (wrap the model, optimizer and loop with "
                           f"ftrun.ft for replica restarts; see scripts/train_ft.py)", style="bold yellow")
-        if self.nodes is not None:
-            return False
-        self._to_group_restarts()
-        return True
-
-    def _poll_checkpoint(self) -> None:
-        """The newest good checkpoint and the saves failed since, for `ftrun status`."""
-        try:
-            ck = self._checkpoints.poll(self.store)
-        except Exception:
-            return
-        if ck is not None:
-            self.status.checkpoint = ck
-            self.ledger.checkpoint(ck)  # once per good checkpoint (a failed save changes nothing there)
-            self._dirty = True
+        return not several_nodes

@@ -7,7 +7,8 @@ agree on is a key under ``ftrun/nodes/`` (protocol.NodeKeys). The parts:
 - join (node_join): every rank claimed before any worker starts; late nodes;
 - liveness (node_watch): beats, final words, tables and first failures, read
   on a thread; ``final/K`` holds a node's exit status once it ends, so an
-  ended node is never mistaken for a lost one;
+  ended node is never mistaken for a lost one. The thread is sent a WatchPlan
+  and read through a WatchView copy: it never holds the coordinator;
 - group restarts without --ft (node_restart): first_failure(), attempt_barrier();
 - the store moves under --ft (node_moves): standby stores, fail_over();
 - here: check(), which turns what the watch saw into one NodeEvent per call;
@@ -18,6 +19,8 @@ agree on is a key under ``ftrun/nodes/`` (protocol.NodeKeys). The parts:
   every node for `ftrun status`; leaving (node 0 keeps the store up until the
   others have ended).
 
+The node_*.py modules are functions that read the coordinator and return what they found;
+the coordinator alone writes its fields (none of them import this module).
 Majorities count the run's nodes (layout_size): a static layout's, or on an
 elastic run every node taken in on this store but those that ended and said
 so, and late nodes never seen to beat.
@@ -25,8 +28,6 @@ The loop decides and acts (ftrun.supervisor.run). Must never start, stop or
 signal a worker, never decide a restart, never hold the Supervisor, and never
 import torch at module level (the store it uses is built off the CLI path).
 """
-
-from __future__ import annotations
 
 from __future__ import annotations
 
@@ -38,28 +39,29 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 from ftrun.protocol import EXIT_SIGNAL_BASE, rdzv_admit, rdzv_arrivals
 from ftrun.status.state import ReplicaStatus
+from ftrun.supervisor import failover, node_join, node_moves, node_restart
 from ftrun.supervisor import node_common as nc
 from ftrun.supervisor.logs import ConsoleOut
 # The names other modules use from here (ftrun.supervisor.rendezvous, run).
 from ftrun.supervisor.node_common import (BEAT_S, JOIN_FAILED, NODE_LOST, NODE_TIMEOUT_S, POLL_S,  # noqa: F401
                                           REQUEUE, NodeEvent, NodeState, StoreState, one_line, route_ip, use_round)
 from ftrun.supervisor.node_common import one_line as _one_line  # noqa: F401
-from ftrun.supervisor.node_join import Join
-from ftrun.supervisor.node_moves import StoreMoves
-from ftrun.supervisor.node_restart import RestartAgreements
-from ftrun.supervisor.node_watch import NodeWatch
+from ftrun.supervisor.node_restart import NextAttempt
+from ftrun.supervisor.node_watch import NodeWatch, WatchPlan, WatchView
 from ftrun.supervisor.store import RunStore, bind_listener
-from ftrun.wire import FirstFailure
+from ftrun.supervisor.worker import Failure
+from ftrun.wire import FirstFailure, ProgressReport
 
 
-class NodeCoordinator(Join, StoreMoves, RestartAgreements):
+class NodeCoordinator:
     """This node's side of a multi-node run: an event source and the agreements between nodes.
 
     `wake` posts an event to the supervisor's queue (its loop then calls check());
     `signalled` says whether a signal asked the run to stop (waits here end at once)."""
 
     def __init__(self, cfg: Any, run_store: RunStore, console: ConsoleOut, wake: Callable[[], None],
-                 signalled: Callable[[float], Optional[int]], standby: Optional[RunStore] = None) -> None:
+                 signalled: Callable[[float], Optional[int]], standby: Optional[RunStore] = None,
+                 waits: Any = None) -> None:
         self.run_store = run_store
         self.console = console
         self._wake = wake
@@ -83,7 +85,8 @@ class NodeCoordinator(Join, StoreMoves, RestartAgreements):
         self.arrivals_key = rdzv_arrivals(cfg.round) if cfg.admits_late and self.me == 0 else ""
         self._next_arrival = cfg.nnodes
         self.waiting: List[int] = []  # node 0: late nodes waiting for a place (the run has max nodes)
-        self.waits: Any = None  # ftrun.supervisor.waits.Waits: progress while the nodes join, on a terminal
+        self._joined: List[int] = []  # late nodes the watch found in the live list, not yet reported
+        self.waits: Any = waits  # ftrun.supervisor.waits.Waits: progress while the nodes join, on a terminal
         # --ft on three nodes or more: the store moves when its node is lost
         # (ftrun.supervisor.failover). Every node but node 0 hosts a standby store from the start.
         self.host_node = 0
@@ -94,7 +97,7 @@ class NodeCoordinator(Join, StoreMoves, RestartAgreements):
         # Late nodes taken in (elastic) and the nodes seen to beat: a late node counts in majorities
         # once it has beaten, i.e. finished its join (see layout_size).
         self._late: Set[int] = set()
-        self.beaten: Set[int] = set()
+        self._beaten: Set[int] = set()
         self.elastic = cfg.rdzv == "c10d"
         self.can_move = bool(cfg.ft and (self.elastic or cfg.nnodes >= 3))
         self.standby: Dict[int, str] = {}
@@ -121,8 +124,8 @@ class NodeCoordinator(Join, StoreMoves, RestartAgreements):
         lost host."""
         if not (self.elastic and self.cfg.ft):  # without --ft every node ends a round that re-forms
             return self.nnodes
-        ended = {k for k, _ in self._ended_nodes()}
-        return len(self._seen - ended - (self._late - self.beaten))
+        ended = {k for k, _ in self._ended_nodes()}  # (reads the watch: the nodes seen to beat too)
+        return len(self._seen - ended - (self._late - self._beaten))
 
     def wake(self) -> None:
         self._wake()
@@ -143,6 +146,93 @@ class NodeCoordinator(Join, StoreMoves, RestartAgreements):
             return EXIT_SIGNAL_BASE + signum
         return None
 
+    def _view(self, take_joined: bool = False) -> WatchView:
+        """What the watch saw; the nodes seen to beat are kept across watches (a store move starts a new one)."""
+        view = self.watch.view(take_joined) if self.watch is not None else WatchView()
+        self._beaten |= view.beaten
+        return view
+
+    def _plan(self) -> WatchPlan:
+        return WatchPlan(self.me, self.host, self.port, tuple(self.others), self.attempt, self.arrivals_key)
+
+    def _start_watch(self) -> None:
+        self.watch = NodeWatch(self._plan(), self.wake)
+        self.watch.start()
+
+    # ------------------------------------------------------------ join, restarts, moves (node_*.py)
+    def join(self) -> Optional[int]:
+        """Block until every node has joined (node_join). None when joined, else ftrun's exit status."""
+        joined = node_join.join_nodes(self)
+        if joined.code is not None:
+            self.summary = joined.summary
+            return joined.code
+        self.who.update(joined.who)
+        self.standby.update(joined.standby)
+        if self.late:
+            self.host_node, self.gen = joined.host_node, joined.gen
+        self._start_watch()
+        return None
+
+    def _learn_who(self, k: int) -> None:
+        name, addr = node_join.learn_who(self.store, self.cfg, k)
+        if name:
+            self.who[k] = name
+        if addr:
+            self.standby[k] = addr
+
+    def first_failure(self, failure: Optional[Failure], remote: Optional[FirstFailure] = None) -> FirstFailure:
+        """The first failure of the current attempt, the same on every node (node_restart)."""
+        self._handled_attempt = self.attempt
+        return node_restart.first_failure(self, failure, remote)
+
+    def attempt_barrier(self, fail_code: int) -> Optional[NodeEvent | int]:
+        """Wait until every node stopped the current attempt (node_restart). None when the next
+        attempt may start (the coordinator is then in it); else ftrun's exit status or the NodeEvent."""
+        out = node_restart.attempt_barrier(self, fail_code)
+        if isinstance(out, NextAttempt):
+            self.attempt = int(out)
+            if self.watch is not None:
+                self.watch.follow(self._plan())
+            return None
+        return out
+
+    def store_reachable(self, probes: int = 5) -> bool:
+        return node_restart.store_reachable(self.host, self.port, probes)
+
+    def rank0_report(self, n: int) -> Optional[ProgressReport]:
+        return node_restart.rank0_report(self.store, n)
+
+    def may_move(self) -> bool:
+        return node_moves.may_move(self)
+
+    def may_move_between_rounds(self) -> bool:
+        return node_moves.may_move_between_rounds(self)
+
+    def majority_kept(self) -> bool:
+        return node_moves.majority_kept(self)
+
+    def fail_over(self) -> failover.Elected:
+        """The run's store is lost: agree with the surviving nodes on the next host (node_moves), and
+        follow it. Raises failover.NoMajority when this node may not go on."""
+        elected = node_moves.elect_host(self)
+        host, _, port = elected.addr.rpartition(":")
+        self.gen += 1
+        self.host_node = elected.host
+        self.host, self.port = host, int(port)
+        self.run_store.adopt(elected.store, host, int(port))
+        self.live = sorted(elected.nodes)
+        self.others = [k for k in self.live if k != self.me]
+        if self.elastic:  # the nodes that did not choose the new host stop: they count no more
+            self._seen = set(self.live)
+        self._start_watch()
+        return elected
+
+    def open_to_late_nodes(self, master_addr: str) -> None:
+        """The new host of an elastic --ft run takes late nodes in (node_moves)."""
+        self._next_arrival, self.arrivals_key = node_moves.open_to_late_nodes(self, master_addr)
+        if self.watch is not None:
+            self.watch.follow(self._plan())
+
     def _node_name(self, k: int) -> str:
         who = self.who.get(k)
         return f"node {k}" + (f" ({who})" if who else "")
@@ -150,25 +240,23 @@ class NodeCoordinator(Join, StoreMoves, RestartAgreements):
     # ------------------------------------------------------------ watching (every tick)
     def check(self) -> Optional[NodeEvent]:
         """After each tick: what happened to the store, the other nodes, and their failures."""
-        w = self.watch
-        if w is None:
+        if self.watch is None:
             return None
-        with w.lock:
-            store_state, store_error = w.store_state, w.store_error
-            states = dict(w.states)
-            finals = dict(w.finals)
-            silent = dict(w.silent_s)
-            fail = w.fail.get(self.attempt)
-            joined = w.joined.pop(0) if w.joined else None
-            arrived = w.arrived
-        if store_state is StoreState.LOST:
-            return self.store_gone(store_error)
+        view = self._view(take_joined=True)
+        self._joined.extend(view.joined)
+        states, finals, silent, arrived = view.states, view.finals, view.silent_s, view.arrived
+        fail = view.fail.get(self.attempt)
+        joined = self._joined.pop(0) if self._joined else None
+        if view.store_state is StoreState.LOST:
+            return self.store_gone(view.store_error)
         # Another node's failure first: a node that gave up on it also ends, and
         # its end must not be reported as the cause.
         if fail and not self.cfg.ft and self._handled_attempt < self.attempt:
             return NodeEvent("remote_failure", failure=FirstFailure.decode(fail))
         if joined is not None:
             self._learn_who(joined)
+            if joined not in self.others:
+                self.others.append(joined)
             if joined not in self.live:
                 self.live.append(joined)
             self._seen.add(joined)
@@ -201,15 +289,21 @@ class NodeCoordinator(Join, StoreMoves, RestartAgreements):
     def admit(self, k: int) -> None:
         """Take late node k into the running round: the others learn of it from the live list,
         it learns from its admit key. The agent decided there is a place for it."""
-        w = self.watch
-        with w.lock:
-            w.states[k] = NodeState.RUNNING  # before it is in `others`: the watch reads both
+        self.watch.admit(k)  # running from now on: the watch reads it from the next beat
         self.others.append(k)
         self.live.append(k)
         self._seen.add(k)
         self._late.add(k)
         self.store.set(nc.KEYS.live, json.dumps(self.live))
         self.store.set(rdzv_admit(self.cfg.round, k), "1")
+
+    def ask_place(self, k: int) -> None:
+        """Late node k waits for a place (node 0: the loop decides when it is taken in)."""
+        self.waiting.append(k)
+
+    def next_waiting(self) -> int:
+        """The late node that waited longest, no longer counted as waiting."""
+        return self.waiting.pop(0)
 
     def still_waiting(self, k: int) -> bool:
         """Whether late node k still waits for a place (it withdraws when stopped or when the round ends)."""
@@ -236,37 +330,30 @@ class NodeCoordinator(Join, StoreMoves, RestartAgreements):
 
     def lost_nodes(self, ended: bool = True) -> List[int]:
         """Nodes gone silent, and (`ended`) those that ended with a failure."""
-        w = self.watch
-        if w is None:
+        if self.watch is None:
             return []
-        with w.lock:
-            return [k for k, st in w.states.items() if st is NodeState.LOST
-                    or ended and st is NodeState.ENDED and w.finals.get(k) != "0"]
+        view = self._view()
+        return [k for k, st in view.states.items() if st is NodeState.LOST
+                or ended and st is NodeState.ENDED and view.finals.get(k) != "0"]
 
     def _ended_nodes(self) -> List[tuple]:
-        w = self.watch
-        if w is None:
-            return []
-        with w.lock:
-            return [(k, w.finals.get(k)) for k, st in sorted(w.states.items()) if st is NodeState.ENDED]
+        view = self._view()
+        return [(k, view.finals.get(k)) for k, st in sorted(view.states.items()) if st is NodeState.ENDED]
 
     def _store_lost(self) -> bool:
-        w = self.watch
-        return w is not None and w.store_state is StoreState.LOST
+        return self.watch is not None and self._view().store_state is StoreState.LOST
 
 
     # ------------------------------------------------------------ status
     def all_replicas(self, local: List[ReplicaStatus]) -> List[ReplicaStatus]:
         """This node's replicas (published for the others) followed by every other node's."""
-        w = self.watch
-        if w is None:
+        if self.watch is None:
             return local
-        w.local_table = json.dumps([asdict(r) for r in local], separators=(",", ":"))
+        self.watch.publish(json.dumps([asdict(r) for r in local], separators=(",", ":")))
         known = set(ReplicaStatus.__dataclass_fields__)
         out = list(local)
-        with w.lock:
-            tables = dict(w.tables)
-            states = dict(w.states)
+        view = self._view()
+        tables, states = view.tables, view.states
         for k in sorted(tables):
             for r in tables[k]:
                 rep = ReplicaStatus(**{key: v for key, v in r.items() if key in known})
@@ -303,16 +390,15 @@ class NodeCoordinator(Join, StoreMoves, RestartAgreements):
             if deadline is not None and time.monotonic() > deadline:
                 self._note(f"other nodes still running after close_timeout={close:g} s; leaving", style="bold red")
                 return
-            w = self.watch
-            with w.lock:
-                pending = [k for k, st in w.states.items() if st is NodeState.RUNNING]
-                lost = [k for k, st in w.states.items() if st is NodeState.LOST]
+            view = self._view()
+            pending = [k for k, st in view.states.items() if st is NodeState.RUNNING]
+            lost = [k for k, st in view.states.items() if st is NodeState.LOST]
             for k in lost:
                 if self._reported.get(k) is not NodeState.LOST:
                     self._reported[k] = NodeState.LOST
                     self._note(f"{self._node_name(k)} went away (no heartbeat for {NODE_TIMEOUT_S:g} s)",
                                style="bold red")
-            if not pending or w.store_state is StoreState.LOST:
+            if not pending or view.store_state is StoreState.LOST:
                 return
             if not announced:
                 announced = True

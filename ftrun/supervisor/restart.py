@@ -1,4 +1,5 @@
-"""Restart policies: given a failure, restart the group, restart one replica, or give up.
+"""Restart budgets: given a failure, restart the group, restart one replica, or give up.
+The failure policy (ftrun.supervisor.policy) owns one and turns its decision into an action.
 
 Group policy (default, torchrun semantics): any failure stops every worker and
 restarts them all, while the group's budget lasts. Replica policy (--ft): only
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Hashable, Optional
 
 
-class Decision(enum.Enum):
+class RestartDecision(enum.Enum):
     RESTART_GROUP = "restart the group"
     RESTART_REPLICA = "restart the replica"
     DROP_REPLICA = "carry on without the replica"
@@ -48,12 +49,12 @@ class GroupRestartPolicy:
     repeats: Repeats = field(default_factory=Repeats)
     repeated: bool = False  # the last decision gave up on a failure that repeated (see the module)
 
-    def on_failure(self, rank: int, signature: Optional[str] = None) -> Decision:
+    def on_failure(self, rank: int, signature: Optional[str] = None) -> RestartDecision:
         self.repeated = self.repeats.repeated("group", signature)
         if self.restarts < self.max_restarts and not self.repeated:
             self.restarts += 1
-            return Decision.RESTART_GROUP
-        return Decision.GIVE_UP
+            return RestartDecision.RESTART_GROUP
+        return RestartDecision.GIVE_UP
 
     @property
     def name(self) -> str:
@@ -68,15 +69,16 @@ class ReplicaRestartPolicy:
     repeats: Repeats = field(default_factory=Repeats)
     repeated: bool = False  # the last decision did not restart a failure that repeated (see the module)
 
-    def on_failure(self, replica: int, live_replicas_after: int = 0, signature: Optional[str] = None) -> Decision:
+    def on_failure(self, replica: int, live_replicas_after: int = 0,
+                   signature: Optional[str] = None) -> RestartDecision:
         self.repeated = self.repeats.repeated(replica, signature)
         used = self.restarts.get(replica, 0)
         if used < self.max_restarts and not self.repeated:
             self.restarts[replica] = used + 1
-            return Decision.RESTART_REPLICA
+            return RestartDecision.RESTART_REPLICA
         if live_replicas_after >= self.min_replicas:
-            return Decision.DROP_REPLICA
-        return Decision.GIVE_UP
+            return RestartDecision.DROP_REPLICA
+        return RestartDecision.GIVE_UP
 
     @property
     def name(self) -> str:

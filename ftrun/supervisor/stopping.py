@@ -1,4 +1,4 @@
-"""Stopping the workers: the loop's stopping state, and how the loop enters and leaves it.
+"""Stopping the workers: the stopping component of the supervisor's loop.
 
 Stopping is a state of the loop, not a wait of its own: the workers are
 signalled, the loop goes on taking events (their exits, a second signal that
@@ -6,25 +6,29 @@ ends the grace) and enforcing the SIGKILL deadline, and once the last of them
 has exited it carries out what the stop was for (end the run, report the
 failure, restart the group). A stopping signal with --ft and --checkpoint-dir
 first has the replicas save the last committed step (SaveBeforeStop).
-Part of the Supervisor (a mixin: the stop reads and writes the loop's own
-worker table, quorum and ledger). Must never wait on the queue nor block
-(a stop is advanced one turn of the loop at a time), and never be called
-from outside the loop's thread.
+The Stopper owns the stop under way (a WorkerStop), the save before it, and the
+signal that asked for it; it signals the workers it is told to stop and says
+what the loop does next (StopSteps); the loop (ftrun.supervisor.run) keeps the
+worker table and carries out the rest. Must never wait on the queue nor block
+(a stop is advanced one turn of the loop at a time), and never be called from
+outside the loop's thread but for on_signal (a signal handler).
 """
 
 from __future__ import annotations
 
 import enum
+import queue
 import signal
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_FAILED, EXIT_SIGNAL_BASE
 from ftrun.supervisor import checkpoints
-from ftrun.supervisor.spawn import ZygoteSpawner, signal_group
-from ftrun.supervisor.worker import Failure, Worker, WorkerState
+from ftrun.supervisor.logs import ConsoleOut
+from ftrun.supervisor.spawn import SpawnerDied, signal_group
+from ftrun.supervisor.worker import Failure, Worker
 
 # After SIGKILL a process is gone within milliseconds unless the kernel holds it (uninterruptible
 # I/O); past this much longer the stop stops waiting for it.
@@ -34,14 +38,14 @@ KILL_WAIT_S = 10.0
 class AfterStop(enum.Enum):
     """What the loop does once every worker being stopped has exited."""
 
-    EXIT = "end the run"                                 # with Stopping.code
-    REPORT = "end the run with the failure report"       # of Stopping.failure
+    EXIT = "end the run"                                 # with WorkerStop.code
+    REPORT = "end the run with the failure report"       # of WorkerStop.failure
     RESTART_GROUP = "start the next attempt"             # once every node has stopped (attempt_barrier)
 
 
 @dataclass
-class Stopping:
-    """The agent's stopping state: the workers signalled and not yet exited, and what comes next.
+class WorkerStop:
+    """A stop under way: the workers signalled and not yet exited, and what comes next.
 
     Each worker's SIGKILL deadline is its own `kill_at` (the tick enforces it)."""
 
@@ -53,30 +57,70 @@ class Stopping:
     failure: Optional[Failure] = None  # REPORT
 
 
+@dataclass(frozen=True)
+class StopRun:
+    """An action for the loop: stop every worker of this node with `sig`, SIGKILL after `grace`, then
+    `then` (`code`: ftrun's exit status, or the failure's for a group restart). `summary`: the run's
+    one line for `ftrun status`, when it changes; `reform`/`store_lost`: c10d, the round ends so that
+    the nodes re-form the run (its store moves first)."""
+
+    sig: int
+    grace: float
+    then: AfterStop
+    code: int
+    failure: Optional[Failure] = None
+    summary: Optional[str] = None
+    reform: bool = False
+    store_lost: bool = False
+
+
 def forwarded_signals(cfg: RunConfig) -> List[int]:
     """torchrun's --signals-to-handle: the signals that stop the workers (sent on to them)."""
     return [getattr(signal, name) for name in cfg.signals_to_handle]
 
 
-class StopControl:
-    """The stopping part of the Supervisor's loop (ftrun.supervisor.run holds the state)."""
+class Stopper:
+    """The stop under way, the save before it, and the stopping signal."""
 
-    def _on_stop_signal(self, signum: int) -> None:
-        self.stopped_by_signal = signum
+    def __init__(self, cfg: RunConfig, console: ConsoleOut, events: "queue.SimpleQueue") -> None:
+        self.cfg = cfg
+        self.console = console
+        self._events = events
+        self.signalled: Optional[int] = None     # the last stopping signal received
+        self.current: Optional[WorkerStop] = None
+        self.saving: Optional[checkpoints.SaveBeforeStop] = None
+
+    def on_signal(self, signum, _frame) -> None:
+        # A handler runs between any two bytecodes of the main thread, which may hold a lock
+        # at that moment: only an attribute write and SimpleQueue.put (documented reentrant)
+        # are safe here. threading.Event.set() deadlocked when the signal came inside Event.wait.
+        self.signalled = signum
+        self._events.put(("signal", signum))
+
+    def wait_signal(self, timeout: float) -> Optional[int]:
+        """For waits outside the loop (nodes joining, restart barriers): wait up to `timeout`
+        (a poll interval); the stopping signal if one came. The loop's own queue is left alone."""
+        if self.signalled is None:
+            time.sleep(timeout)
+        return self.signalled
+
+    # ------------------------------------------------------------ signals
+    def on_stop_signal(self, signum: int, quorum, any_done: bool) -> Optional[StopRun]:
+        """A stopping signal, taken from the loop's queue: the stop it asks for (None when a stop
+        is under way, which the signal cuts short, or the replicas save first)."""
+        self.signalled = signum
         name = signal.Signals(signum).name
-        st = self.stopping
+        st = self.current
         if st is None and self.saving is not None:
             self.console.note(f"received {name} again: stopping without waiting for the checkpoint", style="bold yellow")
             self.saving = None
-            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
-            return
-        if st is None and self._save_before_stop(signum):
-            return
+            return StopRun(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
+        if st is None and self._save_before_stop(signum, quorum, any_done):
+            return None
         if st is None:
             self.console.note(f"received {name}: stopping all workers "
                               f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
-            self._begin_stop(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
-            return
+            return StopRun(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
         # Already stopping: the signal ends the grace, and asks for no new attempt.
         instead = ""
         if st.then is AfterStop.RESTART_GROUP:
@@ -85,15 +129,14 @@ class StopControl:
         if in_grace or instead:
             self.console.note(f"received {name}: {instead}{'no more grace, killing the workers now' if in_grace else ''}"
                               .rstrip("; "), style="bold yellow")
-        self._kill_stopping_now()
+        self.kill_now()
+        return None
 
-    def _save_before_stop(self, signum: int) -> bool:
+    def _save_before_stop(self, signum: int, q, any_done: bool) -> bool:
         """--ft with --checkpoint-dir, on the node keeping the quorum: have the replicas stop at one
         round boundary and save the last committed step before they are signalled. False when
         there is nothing to save (no epoch yet, nobody holds the trained state, the loop ended)."""
-        q = self.quorum
-        if not (self.cfg.checkpoint_dir and q is not None and q.leader) or \
-                any(w.state == WorkerState.DONE for w in self.workers):
+        if not (self.cfg.checkpoint_dir and q is not None and q.leader) or any_done:
             return False
         try:
             writer = q.stop()
@@ -107,80 +150,82 @@ class StopControl:
         self.console.note(f"received {signal.Signals(signum).name}: saving a checkpoint of the last committed step "
                           f"(replica {writer}), then stopping all workers (at most {grace:g} s in all: "
                           f"--shutdown-timeout)", style="bold yellow")
-        self._dirty = True
         return True
 
-    def _check_saving(self) -> None:
-        """While the replicas save before stopping: signal the workers once that is over."""
+    def check_saving(self, store, any_alive: bool) -> Optional[StopRun]:
+        """While the replicas save before stopping: the stop, once that is over."""
         sv = self.saving
         now = time.time()
         try:
-            said = sv.outcome(self.store, now, any(w.alive for w in self.workers))
+            said = sv.outcome(store, now, any_alive)
         except Exception:  # noqa: BLE001 - the store went away: nothing is coming
             said = ("the run's store went away before the checkpoint was written; stopping all workers", "bold red")
         if said is None:
-            return
+            return None
         self.saving = None
         self.console.note(said[0], style=said[1])
-        self._begin_stop(sv.sig, max(min(1.0, self.cfg.shutdown_timeout), sv.deadline - now), AfterStop.EXIT,
-                         EXIT_SIGNAL_BASE + sv.sig)
+        return StopRun(sv.sig, max(min(1.0, self.cfg.shutdown_timeout), sv.deadline - now), AfterStop.EXIT,
+                       EXIT_SIGNAL_BASE + sv.sig)
 
-    def _begin_stop(self, sig: int, grace: float, then: AfterStop, code: int,
-                    failure: Optional[Failure] = None) -> None:
-        """Enter the stopping state: `sig` to every worker that still has a process (a stop is
-        always the whole node's), SIGKILL after `grace`; the loop does `then` once all have exited."""
+    def spawner_died(self, ev: SpawnerDied, workers: Sequence[Worker]) -> Tuple[Optional[StopRun], List[Worker]]:
+        """The spawner died: the stop that follows, and the workers being stopped that are gone with it."""
+        st = self.current
+        if st is None and not any(w.alive for w in workers):
+            return None, []
+        if st is None:
+            lost = ", ".join(str(w.rank) for w in workers if w.tag in ev.lost) or "none"
+            self.console.note(f"internal error: {ev.reason}; workers lost with it: rank {lost}; stopping",
+                              style="bold red")
+            return StopRun(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_FAILED), []
+        # Mid-stop: the workers being stopped died with it (parent-death signal; the spawner
+        # SIGKILLs what is left), and one whose start was still in flight will never report.
+        if st.then is AfterStop.RESTART_GROUP:
+            self.console.note(f"internal error: {ev.reason}; no worker can be started: stopping", style="bold red")
+            self.exit_instead(EXIT_FAILED)
+        return None, list(st.pending.values())
+
+    # ------------------------------------------------------------ the stop
+    def begin(self, running: Iterable[Worker], how: StopRun) -> None:
+        """Enter the stopping state: `how.sig` to every worker of `running` (those with a process:
+        a stop is always the whole node's), SIGKILL after the grace."""
         now = time.time()
-        pending = {w.tag: w for w in self.workers if self.by_tag.get(w.tag) is w}
+        pending = {w.tag: w for w in running}
         for w in pending.values():
             w.stop_requested = True
-            signal_group(w.pid, sig)
-            if sig != signal.SIGKILL:
-                w.kill_at = now + grace if w.kill_at is None else min(w.kill_at, now + grace)
-        self.stopping = Stopping(pending, sig, then, code, now + grace + KILL_WAIT_S, failure)
-        self._dirty = True
+            signal_group(w.pid, how.sig)
+            if how.sig != signal.SIGKILL:
+                w.kill_at = now + how.grace if w.kill_at is None else min(w.kill_at, now + how.grace)
+        self.current = WorkerStop(pending, how.sig, how.then, how.code, now + how.grace + KILL_WAIT_S, how.failure)
 
-    def _kill_stopping_now(self) -> None:
+    def exit_instead(self, code: int) -> None:
+        """The stop under way ends the run with `code`, whatever it was for."""
+        self.current.then, self.current.code = AfterStop.EXIT, code
+
+    def kill_now(self) -> None:
         """End the grace: SIGKILL every worker being stopped (one not started yet gets it once it is)."""
-        for w in self.stopping.pending.values():
+        for w in self.current.pending.values():
             signal_group(w.pid, signal.SIGKILL)
             w.kill_at = None
 
-    def _stopped(self, w: Worker) -> None:
+    def gone(self, w: Worker) -> None:
         """A worker being stopped is gone (its exit seen, or counted as gone)."""
-        self.by_tag.pop(w.tag, None)
-        if self.stopping is not None:
-            self.stopping.pending.pop(w.tag, None)
-        w.kill_at = None
-        self.ledger.stopped(w, time.time())
-        if w.state not in (WorkerState.RESTARTING, WorkerState.FAILED):
-            w.state = WorkerState.STOPPED
-        if self.quorum is not None:
-            self.quorum.on_exit(w.rank, w.incarnation)
-        for p in w.pumps:
-            p.done.wait(0.5)
-        self._dirty = True
-        if self.respawning:
-            self._respawn_replicas()
+        if self.current is not None:
+            self.current.pending.pop(w.tag, None)
 
-    def _advance_stop(self) -> Optional[int]:
-        """After each turn while stopping: once the last worker is gone, do what the stop was
-        for; ftrun's exit status when that ends the run."""
-        st = self.stopping
-        if st.pending and time.time() >= st.give_up_at:
-            ranks = ", ".join(str(w.rank) for w in st.pending.values())
-            self.console.note(f"rank {ranks} still running {KILL_WAIT_S:g} s past the grace, SIGKILL notwithstanding; "
-                              f"no longer waiting", style="bold red")
-            if isinstance(self.spawner, ZygoteSpawner):
-                self.spawner.close()  # workers die with their zygote (parent-death signal)
-                if st.then is AfterStop.RESTART_GROUP:
-                    st.then, st.code = AfterStop.EXIT, EXIT_FAILED  # no zygote, no new attempt
-            for w in list(st.pending.values()):
-                self._stopped(w)
+    def overdue(self, now: float) -> List[Worker]:
+        """The workers still running past the stop's last deadline, SIGKILL notwithstanding."""
+        st = self.current
+        if not st.pending or now < st.give_up_at:
+            return []
+        ranks = ", ".join(str(w.rank) for w in st.pending.values())
+        self.console.note(f"rank {ranks} still running {KILL_WAIT_S:g} s past the grace, SIGKILL notwithstanding; "
+                          f"no longer waiting", style="bold red")
+        return list(st.pending.values())
+
+    def finished(self) -> Optional[WorkerStop]:
+        """The stop, once its last worker is gone (the stopping state is then left); else None."""
+        st = self.current
         if st.pending:
             return None
-        self.stopping = None
-        if st.then is AfterStop.RESTART_GROUP:
-            return self._restart_group(st.code)
-        if st.then is AfterStop.REPORT:
-            return self._give_up(st.failure)
-        return st.code
+        self.current = None
+        return st

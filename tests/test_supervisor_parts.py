@@ -1,0 +1,211 @@
+"""The supervisor's parts own their state: no field of the Supervisor or the NodeCoordinator is
+written in two modules, neither is built of mixins, the node watch works from what it is sent,
+and the failure policy (ftrun.supervisor.policy) decides in-process, from tables of events."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from typing import Dict, Set
+
+import pytest
+
+SUPERVISOR = pathlib.Path(__file__).resolve().parent.parent / "ftrun" / "supervisor"
+
+
+def _classes() -> Dict[str, tuple]:
+    """Every class of ftrun/supervisor: name -> (module path, its ast node)."""
+    out = {}
+    for path in sorted(SUPERVISOR.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out.setdefault(node.name, (path, node))
+    return out
+
+
+def _field_roots(target: ast.AST):
+    """The `self.X` a target writes: `self.X = `, `self.X[k] = `, `self.X.y = `, tuples of them."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        for e in target.elts:
+            yield from _field_roots(e)
+        return
+    if isinstance(target, ast.Starred):
+        yield from _field_roots(target.value)
+        return
+    while isinstance(target, (ast.Attribute, ast.Subscript)):
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+            yield target.attr
+            return
+        target = target.value
+
+
+def _writes(name: str) -> Dict[str, Set[str]]:
+    """Field of class `name` (with every base class defined in ftrun/supervisor) -> the modules
+    where a method of the class or of a base assigns it."""
+    classes = _classes()
+    out: Dict[str, Set[str]] = {}
+    todo, seen = [name], set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen or cls not in classes:
+            continue
+        seen.add(cls)
+        path, node = classes[cls]
+        todo += [b.id for b in node.bases if isinstance(b, ast.Name)]
+        for sub in ast.walk(node):
+            targets = (sub.targets if isinstance(sub, ast.Assign) else
+                       [sub.target] if isinstance(sub, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                for field in _field_roots(t):
+                    out.setdefault(field, set()).add(str(path.relative_to(SUPERVISOR)))
+    return out
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["Supervisor", "NodeCoordinator"])
+def test_no_field_written_in_two_modules(name):
+    twice = {f: sorted(m) for f, m in _writes(name).items() if len(m) > 1}
+    assert not twice, f"{name}'s fields written in two modules or more: {twice}"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["Supervisor", "NodeCoordinator"])
+def test_no_mixins(name):
+    _, node = _classes()[name]
+    assert not node.bases, f"{name} is built of mixins: {[ast.unparse(b) for b in node.bases]}"
+
+
+@pytest.mark.quick
+def test_node_watch_works_from_what_it_is_sent():
+    """The watch thread never holds the coordinator: it is sent a plan, the coordinator reads a snapshot."""
+    src = (SUPERVISOR / "node_watch.py").read_text()
+    assert "NodeCoordinator" not in src and "self.coord" not in src and "supervisor.nodes" not in src
+    assert "WatchPlan" in src and "def view(" in src
+
+
+@pytest.mark.quick
+def test_no_module_writes_the_coordinators_fields():
+    """Only nodes.py writes a field of the NodeCoordinator (the loop holds it as `self.nodes`)."""
+    for path in sorted(SUPERVISOR.rglob("*.py")):
+        if path.name == "nodes.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                while isinstance(t, ast.Subscript):
+                    t = t.value
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute):
+                    assert t.value.attr != "nodes", f"{path.name}:{node.lineno} writes the coordinator's {t.attr}"
+
+
+@pytest.mark.quick
+def test_node_modules_import_no_circle():
+    """nodes.py builds on node_*.py; none of them imports nodes.py back (not even for type hints).
+    node_decisions.py is the loop's, which holds the coordinator."""
+    for path in sorted(p for p in SUPERVISOR.glob("node_*.py") if p.name != "node_decisions.py"):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
+        assert not any(m in ("ftrun.supervisor.nodes",) for m in names), f"{path.name} imports nodes.py"
+
+
+# ---------------------------------------------------------------- the failure policy, in-process
+from ftrun.supervisor.policy import (OTHERS_FINISHED, REPEATED, WHILE_SAVING, FailurePolicy,  # noqa: E402
+                                     GroupFailed, ReplicaFailed, RestartAction, RestartVerdict)
+from ftrun.supervisor.restart import Repeats  # noqa: E402
+
+V = RestartVerdict
+
+
+def _run(policy: FailurePolicy, events) -> list:
+    return [policy.on_replica_failure(e) if isinstance(e, ReplicaFailed) else policy.on_group_failure(e)
+            for e in events]
+
+
+REPLICA_TABLE = [
+    # (max_restarts, min_replicas, events, expected actions)
+    ("restart within the budget, then drop, then give up below --min-replicas",
+     2, 2,
+     [ReplicaFailed(1, 3), ReplicaFailed(1, 3), ReplicaFailed(1, 3), ReplicaFailed(2, 1)],
+     [RestartAction(V.RESTART_REPLICA, 1, 1), RestartAction(V.RESTART_REPLICA, 1, 2),
+      RestartAction(V.DROP_REPLICA, 1, 2), RestartAction(V.RESTART_REPLICA, 2, 1)]),
+    ("each replica has its own budget",
+     1, 1,
+     [ReplicaFailed(0, 2), ReplicaFailed(1, 2), ReplicaFailed(0, 2), ReplicaFailed(1, 0)],
+     [RestartAction(V.RESTART_REPLICA, 0, 1), RestartAction(V.RESTART_REPLICA, 1, 1),
+      RestartAction(V.DROP_REPLICA, 0, 1), RestartAction(V.GIVE_UP, 1, 1)]),
+    ("a restart the peers forced is charged to no budget",
+     1, 1,
+     [ReplicaFailed(0, 1, by_peers=True), ReplicaFailed(0, 1, by_peers=True), ReplicaFailed(0, 1)],
+     [RestartAction(V.RESTART_REPLICA, 0, 0, counted=False), RestartAction(V.RESTART_REPLICA, 0, 0, counted=False),
+      RestartAction(V.RESTART_REPLICA, 0, 1)]),
+    ("the same early failure twice in a row is not retried, whatever budget is left",
+     5, 1,
+     [ReplicaFailed(0, 1, "E at x.py:3"), ReplicaFailed(0, 1, "E at x.py:3")],
+     [RestartAction(V.RESTART_REPLICA, 0, 1), RestartAction(V.DROP_REPLICA, 0, 1, why=REPEATED)]),
+    ("a failure after a step breaks the run of repeats",
+     5, 1,
+     [ReplicaFailed(0, 1, "E"), ReplicaFailed(0, 1), ReplicaFailed(0, 1, "E")],
+     [RestartAction(V.RESTART_REPLICA, 0, 1), RestartAction(V.RESTART_REPLICA, 0, 2),
+      RestartAction(V.RESTART_REPLICA, 0, 3)]),
+    ("nothing restarts while the run saves, or once others finished; no budget is spent",
+     1, 1,
+     [ReplicaFailed(0, 1, saving=True), ReplicaFailed(0, 1, others_done=True), ReplicaFailed(0, 1)],
+     [RestartAction(V.NOT_RESTARTED, 0, why=WHILE_SAVING), RestartAction(V.NOT_RESTARTED, 0, why=OTHERS_FINISHED),
+      RestartAction(V.RESTART_REPLICA, 0, 1)]),
+    ("no budget: the replica is dropped at once, or the run gives up",
+     0, 2,
+     [ReplicaFailed(3, 2), ReplicaFailed(2, 1)],
+     [RestartAction(V.DROP_REPLICA, 3, 0), RestartAction(V.GIVE_UP, 2, 0)]),
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("why,max_restarts,min_replicas,events,expected", REPLICA_TABLE,
+                         ids=[row[0] for row in REPLICA_TABLE])
+def test_replica_policy_table(why, max_restarts, min_replicas, events, expected):
+    policy = FailurePolicy(True, max_restarts, min_replicas)
+    assert not policy.group and policy.name == "replica restart (ft)"
+    assert _run(policy, events) == expected
+
+
+GROUP_TABLE = [
+    ("restart the group within the budget, then give up",
+     2, [GroupFailed(0), GroupFailed(3), GroupFailed(1)],
+     [RestartAction(V.RESTART_GROUP, restarts=1), RestartAction(V.RESTART_GROUP, restarts=2),
+      RestartAction(V.GIVE_UP, restarts=2)]),
+    ("c10d without --ft: a failure past the round's budget ends the round, for the nodes to re-form",
+     0, [GroupFailed(0, can_reform=True)], [RestartAction(V.END_ROUND)]),
+    ("the same early failure twice in a row gives up, even where the round could re-form",
+     3, [GroupFailed(0, "E at x.py:3"), GroupFailed(1, "E at x.py:3", can_reform=True)],
+     [RestartAction(V.RESTART_GROUP, restarts=1), RestartAction(V.GIVE_UP, restarts=1, why=REPEATED)]),
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("why,max_restarts,events,expected", GROUP_TABLE, ids=[row[0] for row in GROUP_TABLE])
+def test_group_policy_table(why, max_restarts, events, expected):
+    policy = FailurePolicy(False, max_restarts)
+    assert policy.group and policy.name == "group restart"
+    assert _run(policy, events) == expected
+    assert policy.group_restarts == expected[-1].restarts
+
+
+@pytest.mark.quick
+def test_repeats_span_the_rounds_of_a_c10d_run():
+    """Each c10d round has its own policy; the repeats they share end a run whose script fails alike."""
+    repeats = Repeats()
+    first = FailurePolicy(False, 0, repeats=repeats).on_group_failure(GroupFailed(0, "E", can_reform=True))
+    second = FailurePolicy(False, 0, repeats=repeats).on_group_failure(GroupFailed(0, "E", can_reform=True))
+    assert (first.verdict, second.verdict, second.why) == (V.END_ROUND, V.GIVE_UP, REPEATED)
+
+
+@pytest.mark.quick
+def test_plain_script_under_ft_turns_to_group_restarts_afresh():
+    policy = FailurePolicy(True, 1, 1)
+    assert policy.on_replica_failure(ReplicaFailed(0, 1)).verdict is V.RESTART_REPLICA
+    policy.to_group_restarts()
+    assert policy.group and policy.name == "group restart"
+    assert [a.verdict for a in _run(policy, [GroupFailed(0), GroupFailed(0)])] == [V.RESTART_GROUP, V.GIVE_UP]
