@@ -194,3 +194,72 @@ def test_the_core_does_no_io():
             "bad = [n for n in ('torch', 'socket', 'threading', 'time', 'os') if n in vars(m)]; "
             "assert 'torch' not in sys.modules and not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ------------------------------------------------------------------ one member driver (issue 41)
+MEMBER = ROOT / "ftrun" / "worker" / "ft" / "member"
+
+
+def _sources(folder: Path):
+    import ast
+
+    for path in sorted(folder.glob("*.py")):
+        text = path.read_text()
+        yield path, text, ast.parse(text)
+
+
+def test_the_member_has_no_mixins_and_each_field_one_writer():
+    """The worker's Manager is a facade over the driver (no base classes); the driver's components
+    (heal, layout, stop, moves) never write a field of the driver: each field of the member is
+    written in one module."""
+    import ast
+
+    from ftrun.worker.ft.manager import Manager
+    from ftrun.worker.ft.member.driver import MemberDriver
+
+    assert Manager.__bases__ == (object,) and MemberDriver.__bases__ == (object,)
+    found = []
+    for path, _, tree in _sources(MEMBER):
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                targets = [t for tt in targets for t in (tt.elts if isinstance(tt, ast.Tuple) else [tt])]
+            for t in targets:
+                # d.X = ... or self.d.X = ...: a component writing the driver's field
+                owner = t.value if isinstance(t, ast.Attribute) else None
+                if isinstance(owner, ast.Name) and owner.id == "d" or (
+                        isinstance(owner, ast.Attribute) and owner.attr in ("d", "member", "core")
+                        and path.name != "driver.py"):
+                    found.append(f"{path.name}:{node.lineno} writes {ast.unparse(t)}")
+    manager = ROOT / "ftrun" / "worker" / "ft" / "manager.py"
+    for node in ast.walk(ast.parse(manager.read_text())):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute) and t.value.attr == "member":
+                    found.append(f"manager.py:{node.lineno} writes {ast.unparse(t)}")
+    assert not found, found
+
+
+def test_the_rules_the_driver_asks():
+    from ftrun.worker.ft.member import core
+
+    assert core.votes_ok(True, True, True) and not core.votes_ok(True, False, True)
+    assert not core.votes_ok(False, True, True) and not core.votes_ok(True, True, False)
+    assert core.save_is_due(10, None, 5) and core.save_is_due(7, 7, 5) and not core.save_is_due(0, None, 5)
+    assert not core.save_is_due(6, 9, 5)
+    assert core.round_length(4, 1, False, 0, None, None) == 4
+    assert core.round_length(4, 1, False, 8, 10, None) == 2  # the loop's end
+    assert core.round_length(4, 1, False, 3, None, 5) == 2  # a checkpoint at step 5 needs it decided
+    assert core.round_length(4, 2, False, 0, None, None) == 1  # sharded replicas: one step
+    assert core.round_length(4, 1, True, 0, None, None) == 1  # a layout round
+    assert core.settles_first(True, False, True, 0, None) and not core.settles_first(False, True, True, 9, 9)
+    assert core.settles_first(True, False, False, 9, 9) and not core.settles_first(True, False, False, 3, 9)
+    assert core.holds_state(True, 2, 2) and not core.holds_state(True, 1, 2) and not core.holds_state(False, 2, 2)
+    assert core.gives_up(5, 4, lambda: None) == "quorum 5 is out"
+    assert core.gives_up(4, 4, lambda: "ranks [1] of quorum 4 are gone") == "ranks [1] of quorum 4 are gone"
+    assert core.gives_up(4, 4, lambda: None) is None
+    assert core.resumes_checkpoint(True, True, False, True, False)
+    assert not core.resumes_checkpoint(True, True, False, True, True)  # once per incarnation
+    assert not core.resumes_checkpoint(True, False, False, True, False)  # not a fresh epoch
+    assert core.loop_ends(True, 0, 10) and core.loop_ends(False, 10, 10) and not core.loop_ends(False, 3, None)

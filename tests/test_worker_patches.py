@@ -17,9 +17,9 @@ WORKER = ROOT / "ftrun" / "worker"
 DIRECT_PATCH = re.compile(r"^\s*(torch|dist|dcp|DDP|TorchDDP)(\.\w+)+\s*=[^=]|setattr\(\s*(torch|dist|dcp|DDP)\b",
                           re.MULTILINE)
 # Modules that read os.environ themselves: the settings, the zygote (not a worker yet: it sets
-# the worker's environment), and the --ft member's modules (ft/relocation.py still rewrites
+# the worker's environment), and the --ft member's modules (the store's moves still rewrite
 # FTRUN_STORE when the store moves, and the others read it and the member's tuning knobs at use).
-READS_ENV = {"settings.py", "zygote.py", "ft/manager.py", "ft/vote.py", "ft/healing.py", "ft/member_io.py"}
+READS_ENV = {"settings.py", "zygote.py", "ft/manager.py", "ft/vote.py", "ft/member/torch_effects.py", "ft/member_io.py"}
 
 
 def _sources():

@@ -8,7 +8,7 @@ never ran the bootstrap (an in-process test, a benchmark) it is read afresh
 at each call, so such a process sees the environment it set.
 
 Not in it: where the run's store is after the start. It may move (a lost
-node's store, ftrun/worker/ft/relocation.py), which tells `store_moved()`;
+node's store, ftrun/worker/ft/member/moves.py), which tells `store_moved()`;
 whatever connects to it later asks `run_store()`. The environment keeps what
 the worker was started with, as torchrun's does.
 Values are parsed as their readers always parsed them: a malformed value a

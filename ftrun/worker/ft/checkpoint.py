@@ -76,6 +76,8 @@ class Resumed:
 class Checkpointer:
     """One per worker; saves only when the manager says this replica writes."""
 
+    mismatch = CheckpointMismatch  # what resume() raises for a checkpoint of another run (member/stop.py)
+
     def __init__(self, settings: Settings, rank: int, shard: int, k: int, log: Callable[[str], None],
                  detail: Optional[Callable[[str], None]] = None) -> None:
         worker = current()
@@ -119,7 +121,9 @@ class Checkpointer:
 
     def due(self, step: int, total: Optional[int]) -> bool:
         """A save after the step that brought the count to `step` (and after the last one)."""
-        return step > 0 and (step % self.settings.every == 0 or (total is not None and step >= total))
+        from ftrun.worker.ft.member.core import save_is_due
+
+        return save_is_due(step, total, self.settings.every)
 
     # ------------------------------------------------------------ saving
     def save(self, state: Any, step: int, kind: str = "periodic") -> None:

@@ -19,9 +19,6 @@ it is given.
 from __future__ import annotations
 
 import os
-import queue
-import threading
-from concurrent.futures import Future
 from typing import Any, Callable, Optional, Tuple
 
 from ftrun import protocol as keys
@@ -62,11 +59,11 @@ def _text(raw: Any) -> str:
 
 
 def _close_or_read(store: Any, total: int, added: int, epoch: int, rnd: int, size: int,
-                   latest_seen: int) -> Tuple[str, bool]:
+                   latest_seen: int, closes: Optional[Callable[[int, int, int], bool]] = None) -> Tuple[str, bool]:
     """After an add of `added` that left the round's counter at `total`: decide the round if
     that add closed it, else wait for its decision. (decision text, whether this add closed it)."""
     t = keys.tally(total)
-    if keys.closes(total, added, size):
+    if (closes or keys.closes)(total, added, size):
         # compare_set, not set: if this process had died right after its add, the supervisor
         # would have closed the round; whichever decision is written first is the one.
         mine = keys.decision_text(t.commit, latest_seen, 0 if t.commit else keys.read_kept(store, epoch, rnd))
@@ -86,21 +83,24 @@ def lower_kept(store: Any, epoch: int, rnd: int, taken: int) -> None:
 
 
 def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int,
-         node: Optional[Node] = None, node_size: int = 0, taken: int = 0) -> Decision:
+         node: Optional[Node] = None, node_size: int = 0, taken: int = 0,
+         closes: Optional[Callable[[int, int, int], bool]] = None) -> Decision:
     """Vote on round `rnd` of `epoch` (of `size` members) and wait for its decision; through
     `node` (of whose members `node_size` are in the epoch) when the member has one. A failed
-    member says how many of the round's steps it had `taken` (in the run's store, before its vote)."""
+    member says how many of the round's steps it had `taken` (in the run's store, before its vote).
+    `closes`: whether an add completed a count (protocol.closes; the simulator's historic bugs
+    pass another)."""
     if not ok:
         lower_kept(store, epoch, rnd, taken)
     vote = keys.OK_VOTE if ok else keys.FAIL_VOTE
     if node is None:
         decision, closed = _close_or_read(store, store.add(keys.count_key(epoch, rnd), vote), vote, epoch, rnd,
-                                          size, latest_seen)
+                                          size, latest_seen, closes)
     else:
         local = node.store
         total = local.add(keys.node_count_key(node.id, epoch, rnd), vote)
-        if keys.closes(total, vote, node_size):  # the node's last vote: this member forwards the node's count
-            decision, closed = forward(store, local, node.id, epoch, rnd, size, total, latest_seen)
+        if (closes or keys.closes)(total, vote, node_size):  # the node's last vote: this member forwards its count
+            decision, closed = forward(store, local, node.id, epoch, rnd, size, total, latest_seen, closes)
         else:
             decision, closed = _text(local.get(keys.node_decision_key(node.id, epoch, rnd))), False
             if decision == keys.NODE_LOST_DECISION:
@@ -110,73 +110,74 @@ def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int
 
 
 def forward(store: Any, local: Any, node: int, epoch: int, rnd: int, size: int, total: int,
-            latest_seen: int) -> Tuple[str, bool]:
+            latest_seen: int, closes: Optional[Callable[[int, int, int], bool]] = None) -> Tuple[str, bool]:
     """Add a node's whole count to the round's counter in the run's store, mark it forwarded, and
     copy the round's decision back into the node's store for its other members."""
     run_total = store.add(keys.count_key(epoch, rnd), total)
     local.set(keys.node_forwarded_key(node, epoch, rnd), "1")
-    decision, closed = _close_or_read(store, run_total, total, epoch, rnd, size, latest_seen)
+    decision, closed = _close_or_read(store, run_total, total, epoch, rnd, size, latest_seen, closes)
     local.set(keys.node_decision_key(node, epoch, rnd), decision)
     return decision, closed
-
-
-NICER = 5
-
-
-def _yield_to_training() -> None:
-    """Lower this thread's scheduling priority a little (Linux: per thread). Woken by each
-    step's vote, it would otherwise take a core from the training thread at once on a busy
-    machine (the tiny model's step measured 2% faster); its decision is needed a forward
-    pass later, not now."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICER)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority works too
-        pass
 
 
 class Ballot:
     """Ok votes cast off the training thread, one round at a time: `submit` returns at once,
     `ready` says whether the decision is in, `result` waits for it (raising what the store
-    raised). One daemon thread rather than a ThreadPoolExecutor, whose worker threads the
-    interpreter joins at exit: a worker leaving with a vote in flight would wait for its
-    decision (up to the vote timeout) instead of exiting."""
+    raised). One daemon thread (`spawn`: the member's effects), with its own connection
+    (`connect`, `node`), woken by a `signal`: the worker's are real threads and
+    threading.Events, the simulator's its scheduler's. A daemon rather than a pool's worker,
+    which the interpreter joins at exit: a worker leaving with a vote in flight would wait for
+    its decision (up to the vote timeout) instead of exiting."""
 
-    def __init__(self, connect: Callable[[], Any], node: Optional[Callable[[], Optional[Node]]] = None) -> None:
+    def __init__(self, connect: Callable[[], Any], node: Optional[Callable[[], Optional[Node]]],
+                 spawn: Callable[..., None], signal: Callable[[], Any],
+                 cast_vote: Optional[Callable[..., Decision]] = None) -> None:
         self._connect = connect
         self._connect_node = node
-        self._jobs: "queue.SimpleQueue[Tuple[Future, Tuple[int, int, int, int, int]]]" = queue.SimpleQueue()
-        self._pending: Optional[Future] = None
+        self._spawn = spawn
+        self._cast = cast_vote or cast
+        self._wake, self._done = signal(), signal()
+        self._job: Optional[Tuple[int, int, int, int, int]] = None
+        self._result: Any = None
+        self._started = False
         self.round: Optional[Tuple[int, int]] = None  # (epoch, round) of the vote in flight
-        self._thread: Optional[threading.Thread] = None
 
     def submit(self, epoch: int, rnd: int, size: int, latest_seen: int, node_size: int = 0) -> None:
         if self.round is not None:
             raise RuntimeError("a vote is already in flight")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="ftrun-vote", daemon=True)
-            self._thread.start()
+        if not self._started:
+            self._started = True
+            self._spawn(self._run, "ftrun-vote", low_priority=True)
         self.round = (epoch, rnd)
-        self._pending = Future()
-        self._jobs.put((self._pending, (epoch, rnd, size, latest_seen, node_size)))
+        self._done.clear()
+        self._job = (epoch, rnd, size, latest_seen, node_size)
+        self._wake.set()
 
     def ready(self) -> bool:
-        return self._pending is not None and self._pending.done()
+        return self.round is not None and self._done.is_set()
 
     def result(self) -> Decision:
-        fut, self._pending, self.round = self._pending, None, None
-        assert fut is not None, "no vote in flight"
-        return fut.result()
+        assert self.round is not None, "no vote in flight"
+        self._done.wait()
+        res, self._result, self.round = self._result, None, None
+        if isinstance(res, BaseException):
+            raise res
+        return res
 
     def _run(self) -> None:
-        _yield_to_training()
         store, node = None, None
         while True:
-            fut, (epoch, rnd, size, latest, node_size) = self._jobs.get()
+            self._wake.wait()
+            self._wake.clear()
+            job, self._job = self._job, None
+            if job is None:
+                continue
+            epoch, rnd, size, latest, node_size = job
             try:
                 if store is None:
                     store = self._connect()
                     node = self._connect_node() if self._connect_node is not None else None
-                fut.set_result(cast(store, epoch, rnd, size, True, latest, node, node_size))
-            except BaseException as e:  # handed to the training thread, which decides what it means
-                fut.set_exception(e)
+                self._result = self._cast(store, epoch, rnd, size, True, latest, node, node_size)
+            except Exception as e:  # handed to the training thread, which decides what it means
+                self._result = e
+            self._done.set()

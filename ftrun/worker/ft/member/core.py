@@ -2,11 +2,12 @@
 when the decision of a round it stepped past comes in, when it joins or enters an epoch, who
 sends and who receives in a heal, and when the run ended without it.
 
-A state machine: `MemberCore.handle(event) -> commands`. Its drivers turn store replies,
-group results and timers into events and carry out the commands, in order: the worker's
-manager (ft/manager.py and its mixins) in the product, the simulator's member
-(ftrun/sim/member.py) under seeded faults, so both run exactly these decisions. The store
-protocol they speak is ft/membership.py and ft/vote.py.
+A state machine: `MemberCore.handle(event) -> commands`, and the pure rules the driver asks
+(votes_ok, round_length, save_is_due, settles_first, holds_state, gives_up, resumes_checkpoint,
+loop_ends). One driver (member/driver.py) turns store replies, group results and timers into
+events and carries out the commands, over the worker's effects in the product and the
+simulator's under seeded faults, so both run exactly these decisions. The store protocol they
+speak is ft/membership.py and ft/vote.py.
 
 A hot spare fits these events without a new mechanism: a spare is a joiner the keeper leaves
 out of its epochs until a member is lost (its `Join` waits as any joiner's does), and its
@@ -20,7 +21,7 @@ returns commands, and the driver acts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 from ftrun.protocol import Epoch
 
@@ -118,12 +119,19 @@ class FinishedRead:
 
 
 @dataclass(frozen=True)
+class Received:
+    """A heal put a peer's state into this member's objects: it is at that state's round."""
+
+    round: int
+
+
+@dataclass(frozen=True)
 class StoreLost:
     """The run's store went away: the member rejoins on the next one."""
 
 
 Event = Union[RoundTop, Joined, Entering, Entered, Computing, Skipped, CollectiveFailed, InSync, Voted, ClosedOk,
-              Decided, FinishedRead, StoreLost]
+              Decided, FinishedRead, Received, StoreLost]
 
 
 # ------------------------------------------------------------------ commands (what to do)
@@ -210,7 +218,7 @@ class MemberCore:
     can_rejoin: bool = False
 
     def handle(self, event: Event) -> List[Command]:
-        return getattr(self, "_on_" + type(event).__name__)(event)
+        return _HANDLERS[type(event)](self, event)
 
     # -------------------------------------------------------------- queries
     def due_switch(self) -> Optional[int]:
@@ -298,6 +306,10 @@ class MemberCore:
         self.finished = True
         return [Finish(e.step, alone=not self.in_sync)]
 
+    def _on_Received(self, e: Received) -> List[Command]:
+        self.round = e.round
+        return []
+
     def _on_StoreLost(self, e: StoreLost) -> List[Command]:
         self.epoch = None
         self.target_epoch = self.switch_round = None
@@ -333,6 +345,10 @@ class MemberCore:
         if target > self.epoch.id:
             self.target_epoch = max(target, self.target_epoch or 0)
             self.switch_round = at_round if self.switch_round is None else min(self.switch_round, at_round)
+
+
+# Each event's handler, found once (a member handles a few events a step).
+_HANDLERS = {cls: getattr(MemberCore, "_on_" + cls.__name__) for cls in Event.__args__}  # type: ignore[attr-defined]
 
 
 def rejoins_in_place(replica_size: int, nodes: int) -> bool:
@@ -374,3 +390,66 @@ def source_refuses(sending: bool, tainted: bool, fresh: bool = False, holds_stat
         return Restart("named the source of a fresh quorum while the other workers of its replica do not hold "
                        "their shards of the trained state; the replica starts again whole")
     return None
+
+
+# ------------------------------------------------------------------ the rules the driver asks
+# Pure functions of what every member knows alike; the driver (member/driver.py) asks them at
+# the same points on the worker and in the simulator.
+def votes_ok(round_ok: bool, in_sync: bool, has_group: bool) -> bool:
+    """The vote rule: ok only when every collective of the round went through, this member holds
+    the committed state, and it has the epoch's group (else it sent nothing)."""
+    return round_ok and in_sync and has_group
+
+
+def save_is_due(step: int, total: Optional[int], every: int) -> bool:
+    """A checkpoint after the step that brought the count to `step` (every N steps, and the last)."""
+    return step > 0 and (step % every == 0 or (total is not None and step >= total))
+
+
+def round_length(round_steps: int, k: int, layout_round: bool, step: int, total: Optional[int],
+                 every: Optional[int]) -> int:
+    """Steps in the round starting at `step`: the epoch's round_steps, ending early where a
+    checkpoint (every `every` steps; None: none) or the end of the loop needs the step decided.
+    One step for sharded replicas and layout rounds. The same on every member."""
+    if k > 1 or layout_round:
+        return 1
+    n = max(1, round_steps)
+    if total is not None:
+        n = max(1, min(n, total - step))
+    if every is not None:
+        for s in range(step + 1, step + n):
+            if save_is_due(s, total, every):
+                return s - step
+    return n
+
+
+def settles_first(vote_in_flight: bool, save_due: bool, switch_due: bool, step: int, total: Optional[int]) -> bool:
+    """Whether the round's top waits for the decision of the vote in flight: a checkpoint, a
+    switch (whose heal sends this state) and the end of the loop need the last step decided."""
+    return vote_in_flight and (save_due or switch_due or (total is not None and step >= total))
+
+
+def holds_state(in_sync: bool, healed_gen: int, store_gen: int) -> bool:
+    """Heal bookkeeping: this member holds the trained state on the current store (it healed, or
+    was the source, since the store's last move)."""
+    return in_sync and healed_gen == store_gen
+
+
+def gives_up(latest_seen: int, epoch_id: int, gone: Callable[[], Optional[str]]) -> Optional[str]:
+    """Why a group of epoch `epoch_id` is given up while forming: a newer epoch is out (its members
+    never come), or some of its ranks are gone (`gone()`: membership.gone, asked only then);
+    None: keep waiting."""
+    if latest_seen > epoch_id:
+        return f"quorum {latest_seen} is out"
+    return gone()
+
+
+def resumes_checkpoint(sending: bool, fresh: bool, in_sync: bool, has_checkpoints: bool, resumed: bool) -> bool:
+    """The source of a fresh epoch (no member holds trained state) first loads the newest
+    checkpoint, once per incarnation, so that the heal spreads it."""
+    return sending and fresh and not in_sync and has_checkpoints and not resumed
+
+
+def loop_ends(finished: bool, step: int, total: Optional[int]) -> bool:
+    """The loop is over: the run finished (another member left it), or the total is committed."""
+    return finished or (total is not None and step >= total)

@@ -1,0 +1,499 @@
+"""The member's driver: the one loop that carries out a --ft member's decisions (member/core.py)
+over its effects (member/effects.py). The worker's manager (ft/manager.py) runs it over torch and
+the TCPStore; the simulator (ftrun/sim) runs this very class over its in-memory store, simulated
+groups and virtual clock, so both run the same code.
+
+A round is one attempt at a step. Each member adds its vote (ok, or failed) to the round's
+counter in the store (ft/vote.py); the member whose vote completes the count writes the decision,
+the others read it. A member whose collectives succeeded steps at once and reads the decision
+during the next round, before that round's first collective; one whose action the decision
+contradicts takes the committed state again (in place, or by a restart). Members switch to the
+epoch a decision names at one boundary; a thread learns of new epochs as they are published. A
+new or restarted replica asks to join, is put into an epoch as a healer, and receives the state
+from a peer. Components that own their fields: joining and switching with the epoch's group
+(member/entry.py), the epoch watcher (watch.py), the heal (heal.py), the layout rounds
+(layout.py), the ways out of the loop (stop.py) and the store's moves (moves.py).
+Must never raise a collective failure into the user's loop, never import torch, and never
+import the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator, List, Optional, Tuple
+
+from ftrun import protocol as keys
+from ftrun.protocol import Epoch
+from ftrun.worker.ft import membership, vote
+from ftrun.worker.ft.member import core
+from ftrun.worker.ft.member.core import (Backoff, ClosedOk, CollectiveFailed, Command, Computing, Decided, Finish,
+                                         FinishedRead, Join, MemberCore, ReadFinished, Rejoin, Restart, RoundTop,
+                                         Skipped, TakeStep, Voted)
+from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
+from ftrun.worker.ft.member.entry import EpochEntry
+from ftrun.worker.ft.member.heal import HealTransfers
+from ftrun.worker.ft.member.layout import LayoutRounds
+from ftrun.worker.ft.member_io import PEER_LOST, _plain
+from ftrun.worker.ft.member.moves import StoreFollower
+from ftrun.worker.ft.member.stop import StopPaths
+from ftrun.worker.ft.member.watch import EpochWatch
+
+SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
+
+
+class MemberDriver:
+    """One member (a worker of a replica): its loop, rounds, epochs and rejoins."""
+
+    # The store protocol's steps, as class attributes: the simulator's historic bugs put old ones
+    # back in a subclass (ftrun/sim/bugs.py), never by patching a module.
+    wait_to_enter = staticmethod(membership.wait_to_enter)
+    entry_round = staticmethod(membership.entry_round)
+    finished_step = staticmethod(membership.finished_step)
+    source_refuses = staticmethod(core.source_refuses)
+    cast_vote = staticmethod(vote.cast)
+
+    def __init__(self, fx: MemberEffects, rank: int, inc: int, k: int, nodes: int,
+                 checkpoints: Any = None, state: Any = None, store_gen: int = 0) -> None:
+        self.fx = fx
+        self.rank, self.inc, self.k = rank, inc, k
+        self.replica, self.shard = divmod(rank, k)
+        self.node = fx.node()
+        self.store_gen = store_gen
+        self.store = fx.connect()
+        self.ballot = self._new_ballot()
+        self.core = MemberCore(can_rejoin=core.rejoins_in_place(k, nodes))
+        self.checkpoints = checkpoints  # a Checkpointer (--checkpoint-dir), or None
+        self.state = state  # what a checkpoint saves and resumes (ft/state.py's ReplicaState), or None
+        self.layout = LayoutRounds()
+        self.heals = HealTransfers(self)
+        self.stops = StopPaths(self)
+        self.moves = StoreFollower(self)
+        self.watch = EpochWatch(self)
+        self.entry = EpochEntry(self)
+        self.step = 0
+        # A round is up to epoch.round_steps steps; `round_len` is this round's, fixed at its top
+        # from what every member knows alike, and `taken` how many of them this member has stepped.
+        self.round_len = 1
+        self.taken = 0
+        self.total: Optional[int] = None
+        self.waiting_round: Optional[int] = None  # the round whose decision the member waits for
+        # Why this member takes the committed state again in place at the next round's top, or None.
+        self.rejoin_why: Optional[str] = None
+        self.save_due = False  # a checkpoint at the top of the next round (after a due commit)
+        self.loop_ending = False  # ft.epochs() ran out (finish_loop): its save is the loop's last
+        self.looping = False  # inside ft.steps() or ft.epochs() (opt.step() outside one is a misuse)
+        self.step_open = False  # a step's top ran and opt.step() has not voted on it yet
+        self.step_serial = 0  # counts step tops: an ft.DataLoader rewinds to its committed position at each
+        # ft.redo(): the step just handed out was handed out before on this state (a discarded round).
+        self.yielded = -1
+        self.redo = False
+        self.committed = 0
+        self.discarded = 0
+        self.last_failure: Optional[str] = None
+        self.phase = "init"
+        self.phase_since = fx.wall()
+        self._index_of: Tuple[int, int] = (-1, 0)  # (epoch id, replica index in it)
+        self._node_count: Tuple[int, int] = (-1, 0)  # (epoch id, its members voting through this node)
+
+    def _new_ballot(self) -> vote.Ballot:
+        fx = self.fx
+        return vote.Ballot(fx.connect, fx.node, fx.spawn, fx.signal, self.cast_vote)
+
+    # ------------------------------------------------------------ what the member's state says
+    latest_seen = property(lambda self: self.watch.latest)
+    pg = property(lambda self: self.entry.pg)  # the epoch's group of this worker's shard (the replica's when k == 1)
+    epoch = property(lambda self: self.core.epoch)
+    round = property(lambda self: self.core.round)
+    round_ok = property(lambda self: self.core.round_ok)
+    in_sync = property(lambda self: self.core.in_sync)
+    finished = property(lambda self: self.core.finished)
+    group_round = property(lambda self: self.core.group_round)
+
+    @property
+    def shard_id(self) -> Optional[int]:
+        """The shard index that names this worker's groups and keys (none for whole replicas)."""
+        return self.shard if self.k > 1 else None
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.epoch.members) // self.k if self.epoch else 1
+
+    @property
+    def replica_index(self) -> int:
+        if self.epoch is None:
+            return 0
+        if self._index_of[0] != self.epoch.id:  # asked every step by most scripts: once per epoch
+            self._index_of = (self.epoch.id, sorted({r // self.k for r in self.epoch.ranks}).index(self.replica))
+        return self._index_of[1]
+
+    def shard_ranks(self, epoch: Epoch) -> List[int]:
+        """Worker `shard` of every replica of the epoch: the ranks of this worker's group."""
+        return [r for r in epoch.ranks if r % self.k == self.shard]
+
+    def node_size(self) -> int:
+        """How many of the epoch's members vote through this member's node (0: no node)."""
+        if self.node is None or self.epoch is None:
+            return 0
+        if self._node_count[0] != self.epoch.id:
+            self._node_count = (self.epoch.id, self.node.size(self.epoch.members))
+        return self._node_count[1]
+
+    def info(self) -> dict:
+        """What the member reports (`ftrun status`, and the keeper, which reads inc, epoch, round)."""
+        h = self.heals
+        return {
+            "inc": self.inc, "epoch": self.epoch.id if self.epoch else None,
+            "quorum": self.num_replicas if self.epoch else 0, "in_quorum": self.epoch is not None and self.in_sync,
+            "healing": self.phase == "heal", "step": self.step,
+            "round": self.waiting_round if self.waiting_round is not None else self.round,
+            "committed": self.committed, "discarded": self.discarded, "last_heal_s": h.last_heal_s,
+            "phase": self.phase, "phase_since": self.phase_since, "heals": h.count,
+            "last_transfer": h.last_transfer,
+        }
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
+        self.phase_since = self.fx.wall()
+
+    # ------------------------------------------------------------ the loop
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the global step until `total` steps are committed (by any replica)."""
+        self.total = total
+        self.looping = True
+        while True:
+            self.start_round()
+            if core.loop_ends(self.finished, self.step, total):
+                try:
+                    self._settle()
+                    if self.rejoin_why is not None:  # it stepped past the end the others decided otherwise
+                        continue
+                    self._end_loop()
+                    break
+                except self.fx.store_errors as e:  # the store moved as the run ended: rejoin, and end there
+                    self.moves.relocate(e)
+                    continue
+            yield self.step
+        self._left_loop()
+
+    def finish_loop(self) -> None:
+        """ft.epochs() ran out: the end of the loop, as steps() ends at its total. A round of several
+        steps the last epoch cut short is voted as it stands, the last step is saved when
+        checkpoints are on, the decision is awaited, and the run is marked finished."""
+        self.close_round()
+        if (self.checkpoints is not None and self.step > 0 and self.epoch is not None and self.in_sync
+                and self.replica_index == 0 and self.checkpoints.due(self.step, self.step)):
+            self.save_due = True
+        self.loop_ending = True
+        while True:
+            self.start_round()
+            try:
+                self._settle()
+                if self.rejoin_why is not None:  # the script's loop is over: its epochs cannot be given again
+                    self.restart(self.rejoin_why)
+                self._end_loop()
+                break
+            except self.fx.store_errors as e:  # the store moved as the run ended: rejoin, and end there
+                self.moves.relocate(e)
+        self._left_loop()
+
+    def _end_loop(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # the last checkpoint is published before the script goes on
+            self.stops.retry_final_save()
+        if not self.finished:
+            self.store.compare_set(keys.FINISHED, "", str(self.step))
+
+    def set_looping(self, looping: bool) -> None:
+        """ft.epochs() (ft/data.py) drives the loop itself: it says when it is inside one."""
+        self.looping = looping
+
+    def _left_loop(self) -> None:
+        self.looping = False
+        self.step_open = False
+        self.set_phase("done")
+        self.fx.note_step(self.step)
+
+    def close_round(self) -> None:
+        """Vote the steps this member took in the current round, as its last step would."""
+        if self.taken and self.epoch is not None and self.k == 1:
+            self.ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
+                               self.node_size())
+            self._end_round(True, self.core.handle(ClosedOk()))
+
+    def start_round(self) -> None:
+        """The top of a step: join, switch quorum, heal, checkpoint, as due. A step is then open
+        until the vote."""
+        while True:
+            try:
+                self._start_round()
+                break
+            except self.fx.store_errors as e:  # the run's store went away: rejoin on the next one
+                self.moves.relocate(e)
+        self.step_open = True
+        self.step_serial += 1
+        self.redo = self.step <= self.yielded
+        self.yielded = max(self.yielded, self.step)
+
+    def _start_round(self) -> None:
+        self._settle(block=False)
+        if self.taken and self.rejoin_why is None:  # inside a round of several steps: nothing happens between them
+            self.core.handle(Computing())
+            self.set_phase("compute")
+            return
+        if core.settles_first(self.ballot.round is not None, self.save_due, self.core.due_switch() is not None,
+                              self.step, self.total):
+            self._settle()
+        if self.rejoin_why is not None:
+            self.rejoin()  # a fresh member: it joins below and heals from a peer
+        if self.save_due:
+            self.save_due = False
+            self.set_phase("checkpoint")
+            last = self.loop_ending or (self.total is not None and self.step >= self.total)
+            self.checkpoints.save(self.state, self.step, "final" if last else "periodic")
+        for c in self.core.handle(RoundTop()):
+            if isinstance(c, Join):
+                self.entry.join()
+            else:
+                self.entry.switch(c.epoch)
+        every = self.checkpoints.settings.every if self.checkpoints is not None else None
+        self.round_len = (core.round_length(self.epoch.round_steps, self.k, self.layout.round, self.step,
+                                            self.total, every) if self.epoch is not None else 1)
+        self.core.handle(Computing())
+        self.set_phase("compute")
+
+    # ------------------------------------------------------------ rounds
+    def fail_round(self, why: str = "") -> None:
+        """A collective of this round failed: the round will be voted down. A peer's loss is said
+        in the log only; anything else in ftrun's words too."""
+        if self.round_ok and why:
+            first = why.splitlines()[0]
+            if first != self.last_failure or self.core.failed_in_row % 100 == 0:
+                self.fx.log_detail(f"rank {self.rank}: round {self.round}: {why.strip()}")
+                if PEER_LOST.search(first):
+                    self.fx.log_detail(f"rank {self.rank}: round {self.round} is voted down: a peer left "
+                                       f"mid-collective")
+                else:
+                    self.fx.log(f"rank {self.rank}: round {self.round} failed: {_plain(first)} (the "
+                                f"full text is in this rank's log)")
+            self.last_failure = first
+        self.core.handle(CollectiveFailed())
+
+    def before_collective(self) -> None:
+        """Called before the round's first collective: the previous round's decision must be in,
+        so that no member sends a gradient over a group whose last round was voted down."""
+        try:
+            self._settle()
+        except self.fx.store_errors as e:  # the store moved: this round sends nothing, the next one rejoins
+            self.moves.relocate(e)
+        if self.rejoin_why is not None:  # this member's state is not the committed one: it sends nothing
+            self.core.handle(CollectiveFailed())
+
+    def vote(self) -> bool:
+        """This step's part of the round; True if this member steps (the caller steps at once).
+        A member whose collectives all succeeded steps without waiting; after the round's last
+        step its ok vote goes to the store from a thread and the decision is read during the next
+        round. A member whose collective failed votes at once, saying how many of the round's
+        steps it took; the round keeps the fewest any member took (protocol.kept_key)."""
+        self.step_open = False
+        if self.rejoin_why is not None:  # it leaves this incarnation at the next round's top: no vote, no step
+            return False
+        if self.epoch is None:
+            if not self.looping:
+                self.misused("opt.step() was called outside an ftrun.ft loop, so no step could ever be committed "
+                             "(every one would be discarded): drive the training loop with ft.epochs() or "
+                             "ft.steps(), as in `for epoch in ft.epochs(n):` or `for step in ft.steps(total):`")
+            return False  # the run's store moved during this round: nothing to vote on
+        try:
+            return self._vote()
+        except self.fx.store_errors as e:  # the store moved: the round is nobody's now; rejoin next round
+            self.moves.relocate(e)
+            return False
+
+    def _vote(self) -> bool:
+        voted = self.layout.take()
+        if voted is False:  # agreed by all (it follows the same switch): nothing was sent, nothing is voted
+            self.core.handle(Skipped())
+            self.set_phase("discard")
+            return False
+        if voted:  # a model whose backward did not average averages here
+            self.layout.average(self.layout.averages, self.pg, self.fail_round)
+        self.set_phase("vote")
+        if self.checkpoints is not None:
+            self.checkpoints.staged()  # a save still copying the state: done before the optimizer steps
+        unsettled = self.fx.collectives_unsettled() if self.pg is not None else None
+        if unsettled:  # NCCL does not fail a collective whose peer died: it would wait forever
+            self.fail_round(unsettled)
+        injected = self.fx.injected_failure(self.rank, self.step, self.inc)
+        if injected:
+            self.fail_round(injected)
+        self._settle()  # the previous round first: a member it contradicts restarts (or rejoins) here
+        if self.rejoin_why is not None:
+            return False
+        ok = core.votes_ok(self.round_ok, self.in_sync, self.pg is not None)
+        if ok and self.k == 1:
+            self._took_step(self.round)
+            if self.taken >= self.round_len:
+                self.ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
+                                   self.node_size())
+                self._end_round(True, self.core.handle(ClosedOk()))
+            return True
+        # A sharded replica waits for the decision even when its collectives went through: its
+        # shards may disagree, and a replica holds the state only if every shard does.
+        if not ok and self.pg is not None:
+            self.entry.drop_group()
+        t0 = self.fx.now()
+        e, rnd = self.epoch, self.round
+        commit, target, _, kept = self.cast_vote(self.store, e.id, rnd, len(e.members), ok, self.latest_seen,
+                                                 self.node, self.node_size(), self.taken)
+        self._slow(t0, f"the decision of round {rnd}")
+        commands = self.core.handle(Voted(ok, self.taken, commit, target, kept))
+        self._end_round(commit, commands, rnd)
+        if any(isinstance(c, TakeStep) for c in commands):
+            self.fx.decided(e.id, rnd, True)
+        if not commit and ok:
+            self.entry.drop_group()
+        return commit
+
+    def _slow(self, t0: float, what: str) -> None:
+        took = self.fx.now() - t0
+        if took > SLOW_S:
+            self.fx.log_detail(f"rank {self.rank}: waited {took:.1f} s for {what}")
+
+    def _took_step(self, rnd: int) -> None:
+        """This member steps on round `rnd` (its collectives of this step went through): counted at once."""
+        self.step += 1
+        self.taken += 1
+        self.committed += 1
+        self.fx.took_step(self.epoch.id, rnd, self.step)
+        self.set_phase("commit")
+
+    def _end_round(self, commit: bool, commands: List[Command], rnd: int = -1) -> None:
+        """Carry out the end of round `rnd` the core decided, with this member's own bookkeeping."""
+        for c in commands:
+            if isinstance(c, Restart):
+                self.restart(c.why)
+            elif isinstance(c, Rejoin):
+                self._rejoin_due(c.why)
+            elif isinstance(c, TakeStep):
+                self._took_step(rnd)
+        self.taken = 0
+        if commit:
+            self.last_failure = None
+            # The same on every worker of a replica (all of them stepped).
+            self.save_due = (self.checkpoints is not None and self.checkpoints.due(self.step, self.total)
+                             and self.replica_index == 0)
+        else:
+            self.discarded += 1
+            self.fx.note_step(self.step)
+        self._carry_out(commands)
+        self.set_phase("commit" if commit else "discard")
+
+    def _carry_out(self, commands: List[Command]) -> None:
+        """The core's commands after a round's end or a join: wait, look for the run's end, finish."""
+        for c in commands:
+            if isinstance(c, Backoff):
+                self.fx.sleep(c.seconds)
+            elif isinstance(c, ReadFinished):
+                self._carry_out(self.core.handle(FinishedRead(self.finished_step(self.store))))
+            elif isinstance(c, Finish):
+                self.step = c.step
+                if c.alone:
+                    self.stops.finish_without_peers()
+
+    def _settle(self, block: bool = True) -> None:
+        """Take in the decision of the round this member voted ok on and stepped past."""
+        ballot = self.ballot
+        if ballot.round is None or not (block or ballot.ready()):
+            return
+        epoch_id, rnd = ballot.round
+        waiting = not ballot.ready()
+        back = self.phase
+        if waiting:
+            self.waiting_round = rnd
+            self.set_phase("vote")
+        t0 = self.fx.now()
+        try:
+            commit, target, _, _ = ballot.result()
+        finally:
+            if waiting:
+                self.waiting_round = None
+                self.set_phase(back)
+        self._slow(t0, f"the decision of round {rnd}")
+        self.fx.decided(epoch_id, rnd, commit)
+        for c in self.core.handle(Decided(rnd, commit, target)):
+            if isinstance(c, Restart):
+                self.restart(c.why)
+            elif isinstance(c, Rejoin):
+                self._rejoin_due(c.why)
+
+    def _rejoin_due(self, why: str) -> None:
+        """Its state is not the committed one from now on; it rejoins at the next round's top."""
+        self.rejoin_why = why
+        self.heals.taint()
+
+    def misused(self, why: str) -> None:
+        """The script uses ftrun.ft in a way that can never train: one line, the run stops."""
+        self.fx.exit(keys.EXIT_CANNOT_GO_ON, f"rank {self.rank}: {why}")
+
+    def restart(self, why: str) -> None:
+        """This member's state is not the committed one and no peer can take it back: exit, so
+        that ftrun restarts the replica and it heals like any newcomer. The supervisor is told the
+        decision came from the others (no restart budget is charged for it)."""
+        self.fx.restart(f"rank {self.rank}: {why}; restarting to take the committed state from a peer", why)
+
+    # ------------------------------------------------------------ epochs
+    # ------------------------------------------------------------ a new incarnation, in place
+    def rejoin(self) -> None:
+        """The peers decided a round this member stepped past otherwise (core.Rejoin): it leaves
+        its epoch as this incarnation and joins as the next, as a restarted process would: the
+        supervisor books the change (keys.EVENTS, "rejoin"), and the keeper makes the new one a
+        healer; the heal puts the committed state into this process's own objects. Called at a
+        round's top, with no vote in flight."""
+        why, self.rejoin_why = self.rejoin_why, None
+        if self.store_gen:  # a moved store's keeper is another node's ftrun, which cannot book it
+            self.restart(why)
+        old, new = self.inc, self.inc + 1  # the incarnation a restart would have been given
+        self.entry.drop_group()
+        try:
+            self.store.queue_push(keys.EVENTS, f"{self.rank} {old} rejoin {new}")
+        except Exception:  # noqa: BLE001 - the store is gone or moving: the process restarts, as it did before
+            self.restart(why)
+        self.inc = new
+        self.fx.incarnation(new)
+        self.core = MemberCore(can_rejoin=True, round=self.round)
+        self._forget_round()
+        self.heals.rejoined()
+        self._index_of, self._node_count = (-1, 0), (-1, 0)
+        self.fx.log(f"rank {self.rank}: {why}; taking the committed state from a peer in place (incarnation {new})")
+
+    def _forget_round(self) -> None:
+        self.layout.forget()
+        self.waiting_round = None
+        self.save_due = False
+        self.taken = 0
+
+    # ------------------------------------------------------------ what the components report
+    def took_state(self, snapshot: Snapshot) -> None:
+        """A heal put a peer's state into this member's objects (member/heal.py)."""
+        rnd, self.step, self.yielded = snapshot
+        self.core.handle(core.Received(rnd))
+        self.fx.note_step(self.step)
+
+    def resumed_at(self, step: int) -> None:
+        """The source of a fresh epoch resumed a checkpoint of `step` (member/heal.py)."""
+        self.step = step
+        self.yielded = max(self.yielded, step - 1)
+        self.fx.note_step(step)
+
+    def moved_store(self, gen: int, store: Any, latest: int) -> None:
+        """The run's store moved (member/moves.py): connected to the next one (`store`), this member
+        rejoins there holding its state."""
+        self.store = store
+        self.ballot = self._new_ballot()
+        self.watch.seen(latest)
+        self.store_gen = gen  # the epoch watcher reconnects on this
+        self.core.handle(core.StoreLost())
+        self._forget_round()
+        self.heals.store_moved()
+        self.store.set(keys.survivor_key(self.rank), json.dumps(
+            {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self.heals.tainted}))

@@ -1,0 +1,73 @@
+"""A member's layout rounds (ft/ddp.py): the first round after a heal (with DDP's own reducer
+sending, on every new group) sends nothing during the backward, so every member's DDP records
+the order in which gradients become ready and builds the same buckets; each wrapped model's
+layout average then averages the gradients once, and the round is voted as any other. Where a
+model has none (a hook that does not average gradients, sparse gradients) the round is discarded
+by all, with no vote. Must never import torch, and never import the supervisor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+from ftrun.protocol import Epoch
+
+
+class LayoutRounds:
+    """Whether this round is a layout round, and the wrapped models' averages; owned by the driver."""
+
+    def __init__(self) -> None:
+        self.uses_ddp = False  # a layout round follows each heal only for DDP's buckets (ft/ddp.py)
+        self.each_group = False  # DDP's reducer sends (ft/ddp.py): a layout round on every new group
+        self.round = False  # this round is a layout round
+        self.averages: List[Optional[Callable[[], None]]] = []  # one per wrapped model
+        self.serial = 0  # counts layout rounds planned: a model's average runs once in each
+        # A fresh epoch may resume from a checkpoint (--checkpoint-dir): its layout round is
+        # discarded, so the resumed step runs on the rebuilt buckets as it did in the run that
+        # wrote the checkpoint, and the resumed run stays bitwise that run.
+        self.discard = False
+
+    def use_ddp(self, uses: bool = True) -> None:
+        """A model was wrapped in ft.DistributedDataParallel (ft/ddp.py)."""
+        self.uses_ddp = uses
+
+    def reducer_sends(self, sends: bool = True) -> None:
+        """DDP's own reducer sends the gradients (ft/ddp.py): a layout round on every new group."""
+        self.each_group = sends
+
+    def plan(self, epoch: Epoch, has_checkpoints: bool) -> None:
+        """The first round on the group just formed: a layout round after a heal for DDP's buckets,
+        and on every group when DDP's own reducer sends. Every member of a group formed it at the
+        same round, so they all agree."""
+        self.round = self.uses_ddp and (self.each_group or bool(epoch.healers or epoch.fresh))
+        self.serial += 1
+        self.discard = bool(epoch.fresh) and has_checkpoints
+
+    def forget(self) -> None:
+        """The member left its epoch (a rejoin, a store move): no layout round is pending."""
+        self.round = False
+
+    def can_average(self) -> bool:
+        """Whether every wrapped model's gradients can be averaged in a layout round."""
+        return bool(self.averages) and None not in self.averages
+
+    def take(self) -> Optional[bool]:
+        """At the vote: None when this is no layout round, else whether it is voted (False: it is
+        discarded by all, with no vote). Either way the next round is an ordinary one."""
+        if not self.round:
+            return None
+        self.round = False
+        return self.can_average() and not self.discard
+
+    @staticmethod
+    def average(averages: List[Optional[Callable[[], None]]], group: Any, fail: Callable[[str], None]) -> None:
+        """Run the layout round's averages (each once a round: a model's runs as its backward
+        returns); a failed one votes the round down. Without a group nothing is sent: the member
+        votes the round down anyway."""
+        if group is None:
+            return
+        try:
+            for average in averages:
+                average()  # type: ignore[misc]
+        except Exception as e:  # the group broke: this round is voted down
+            fail(str(e))

@@ -1,0 +1,196 @@
+"""The worker's effects for the member's driver (member/effects.py): the run's TCPStore, process
+groups over torch.distributed (ft/group.py), the state transfer (ft/transport.py) of the replica's
+registered state (ft/state.py), real threads and clocks, and the process's exits. Carries out;
+decides nothing. Must never import the supervisor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, List, NoReturn, Optional, Tuple
+
+import torch.distributed as dist
+
+from ftrun import protocol as keys
+from ftrun.protocol import Epoch
+from ftrun.worker.ft import vote
+from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
+from ftrun.worker.ft.member.effects import HealRefused, MemberEffects, Snapshot
+from ftrun.worker.ft.member_io import POLL_S, _env_number, _log, _log_detail, leave, restart_replica
+from ftrun.worker.ft.state import ReplicaState
+from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
+from ftrun.worker.settings import run_store, store_moved
+
+STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's store to count as up
+NICER = 5
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's scheduling priority a little (Linux: per thread). Woken by each step's
+    vote, it would otherwise take a core from the training thread at once on a busy machine (the
+    tiny model's step measured 2% faster); its decision is needed a forward pass later, not now."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICER)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority works too
+        pass
+
+
+class TorchEffects(MemberEffects):
+    store_errors = (dist.DistError, vote.StoreLost)
+    poll_s = POLL_S
+
+    def __init__(self, state: ReplicaState, rank: int, timeout: datetime.timedelta) -> None:
+        self.state = state
+        self.rank = rank
+        self._timeout = timeout
+        self._chunk = int(_env_number("FTRUN_FT_CHUNK_MB", 64, 1, 4096) * (1 << 20))
+        self._settle_s = _env_number("FTRUN_FT_TIMEOUT", 10, 0.5, 3600)
+        # Fault injection for tests, "RANK:STEP": that rank's first incarnation votes that step down
+        # after its collectives succeeded everywhere (the others have stepped: a mixed outcome).
+        inject = os.environ.get("FTRUN_FT_INJECT_FAIL", "").split(":")
+        self._inject_fail = (int(inject[0]), int(inject[1])) if len(inject) == 2 and all(
+            i.strip().isdigit() for i in inject) else None
+        self._node_store: Any = None  # this node's store client (vote.Node), connected once
+        self.step_listeners: List[Callable[[], None]] = []  # called as this member takes a step
+        self.group_listeners: List[Callable[[Any], None]] = []
+        from ftrun.worker import progress
+
+        self.progress = progress.start_from_env()
+
+    # ------------------------------------------------------------ the store
+    def client(self, addr: str, timeout_s: Optional[float] = None) -> dist.TCPStore:
+        host, _, port = addr.rpartition(":")
+        timeout = self._timeout if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        return dist.TCPStore(host, int(port), None, False, timeout)
+
+    def connect(self, timeout_s: Optional[float] = None) -> dist.TCPStore:
+        return self.client(run_store(), timeout_s)
+
+    def node(self) -> Optional[vote.Node]:
+        return vote.Node.from_env(self.client)
+
+    def announced_store(self) -> Optional[Tuple[int, str]]:
+        node = self._node_store
+        if node is None:
+            node = self._node_store = vote.Node.from_env(self.client)
+        if node is None or not node.store.check([keys.RUN_STORE]):
+            return None
+        gen, where = node.store.get(keys.RUN_STORE).decode().split()
+        return int(gen), where
+
+    def store_gone(self) -> bool:
+        """One answer is not enough: a store whose process is being killed resets its connections
+        before the kernel closes its listening socket. A live store answers every probe."""
+        host, _, port = run_store().rpartition(":")
+        for i in range(STORE_PROBES):
+            if i:
+                time.sleep(0.1)
+            try:
+                with socket.create_connection((host, int(port)), timeout=2.0):
+                    pass
+            except OSError:
+                return True
+        return False
+
+    def store_moved(self, addr: str) -> None:
+        store_moved(addr)
+        if self.progress is not None:
+            self.progress.move_to(addr)
+
+    # ------------------------------------------------------------ clock and threads
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def spawn(self, fn: Callable[[], None], name: str, low_priority: bool = False) -> None:
+        def run() -> None:
+            if low_priority:
+                _yield_to_training()
+            fn()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def signal(self) -> threading.Event:  # type: ignore[override]
+        return threading.Event()
+
+    # ------------------------------------------------------------ exits and words
+    def exit(self, code: int, line: str = "") -> NoReturn:
+        leave(code, line)
+
+    def restart(self, line: str, peers_decided: str = "") -> NoReturn:
+        restart_replica(line, peers_decided)
+
+    def log(self, msg: str) -> None:
+        _log(msg)
+
+    def log_detail(self, msg: str) -> None:
+        _log_detail(msg)
+
+    # ------------------------------------------------------------ groups and collectives
+    def form_group(self, prefix: str, epoch: Epoch, ranks: list, give_up: Callable[[], Optional[str]]) -> Any:
+        return build_group_watched(run_store(), prefix, ranks.index(self.rank), len(ranks), give_up, POLL_S)
+
+    def drop_group(self, group: Any) -> None:
+        if group is not None:
+            abort_group(group)
+
+    def collectives_unsettled(self) -> Optional[str]:
+        if settle(self._settle_s):
+            return None
+        return f"the round's collectives did not finish within {self._settle_s:g} s"
+
+    def injected_failure(self, rank: int, step: int, inc: int) -> Optional[str]:
+        if self._inject_fail == (rank, step) and inc == 0:
+            self._inject_fail = None
+            return "a failure injected by FTRUN_FT_INJECT_FAIL"
+        return None
+
+    # ------------------------------------------------------------ the state a heal moves
+    def send_state(self, group: Any, snapshot: Snapshot) -> Any:
+        return send_state(group, self.state.capture(*snapshot), group_device(), chunk=self._chunk,
+                          after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
+
+    def receive_state(self, group: Any, on_write: Callable[[], None]) -> Tuple[Snapshot, Any]:
+        try:
+            payload, stats, in_place = receive_state(group, self.state.targets(), group_device(), chunk=self._chunk,
+                                                     on_write=on_write, timeout_s=self._settle_s)
+            return self.state.restore(payload, in_place), stats
+        except StateMismatch as e:
+            raise HealRefused(str(e)) from None
+
+    def _inject_send_delay(self) -> None:
+        delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))
+        if delay:  # fault injection for tests: widen the window in which the source can die mid-transfer
+            time.sleep(delay)
+
+    # ------------------------------------------------------------ what the script sees
+    def took_step(self, epoch: int, rnd: int, step: int) -> None:
+        for fn in self.step_listeners:
+            fn()
+        self.note_step(step)
+
+    def note_step(self, step: int) -> None:
+        if self.progress is not None:
+            self.progress.note_step(step)
+
+    def group_changed(self, group: Any) -> None:
+        for fn in self.group_listeners:
+            fn(group)
+        if group is None:
+            import gc
+
+            gc.collect()  # hook state holds the group in reference cycles
+
+    def incarnation(self, inc: int) -> None:
+        if self.progress is not None:
+            self.progress.incarnation = inc

@@ -1,0 +1,56 @@
+"""The member's epoch watcher: a thread that learns of each new epoch as the keeper publishes it
+(a blocking read of the next epoch's key), so that no step asks; it follows the run's store when
+it moves. Owns the newest epoch id this member has seen. Must never import torch, and never
+import the supervisor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ftrun import protocol as keys
+
+
+class EpochWatch:
+    """The newest epoch seen (`latest`), kept up to date off the training thread."""
+
+    def __init__(self, driver: Any) -> None:  # the member/driver.py MemberDriver that owns this part
+        self.d = driver
+        self.latest = 0
+        self._started = False
+
+    def seen(self, latest: int) -> None:
+        """The training thread read the newest epoch (a join, a store's move): from here on."""
+        self.latest = latest
+
+    def start(self) -> None:
+        """Start the thread once per process (a rejoin in place keeps it)."""
+        if not self._started:
+            self._started = True
+            self.d.fx.spawn(self._run, "ftrun-epochs")
+
+    def _run(self) -> None:
+        d, fx = self.d, self.d.fx
+        gen: Optional[int] = None
+        store, nxt = None, 0
+        while True:
+            if gen != d.store_gen:
+                gen = d.store_gen
+                try:
+                    store = fx.connect(86400.0)  # waiting is this thread's whole job
+                except Exception:  # noqa: BLE001 - the store is moving: try again
+                    fx.sleep(0.05)
+                    gen = None
+                    continue
+                nxt = self.latest + 1
+            try:
+                store.get(keys.epoch_key(nxt))
+            except Exception:  # noqa: BLE001 - no new epoch for a while (a timeout), or the store is gone
+                if d.finished:
+                    return
+                while gen == d.store_gen and not d.finished and fx.store_gone():
+                    fx.sleep(0.05)  # wait for the training thread to find the next store
+                continue
+            if gen == d.store_gen:
+                self.latest = max(self.latest, nxt)
+            nxt += 1
