@@ -344,13 +344,16 @@ def waits(s: KeeperSnapshot, waited_since: Mapping[int, float], now: float) -> D
     replicas that still report count, on both sides: a stopped replica's last report is stale
     (its heartbeat check catches it) and must not make a waiting peer look hung. O(N): the
     newest round any fresh member is voting in is enough."""
+    info = s.info
     fresh = {r for r in s.members if s.fresh(r, now)}
-    voting = [int(s.report(r).get("round", -1)) for r in fresh if s.report(r).get("phase") == "vote"]
+    voting = [int((info.get(r) or {}).get("round", -1)) for r in fresh if (info.get(r) or {}).get("phase") == "vote"]
     newest_vote = max(voting, default=None)
     out: Dict[int, float] = {}
+    if newest_vote is None:  # nobody votes: nobody is waited for
+        return out
     for r in s.ranks:
-        mine = s.report(r)
-        if (newest_vote is not None and r in fresh and mine.get("phase") not in ("vote", "done", None)
+        mine = info.get(r) or {}
+        if (r in fresh and mine.get("phase") not in ("vote", "done", None)
                 and newest_vote >= int(mine.get("round", 0))):
             out[r] = waited_since.get(r, now)
     return out
@@ -369,7 +372,8 @@ def replica_status(s: KeeperSnapshot, rank: int) -> dict:
 
 
 def global_step(s: KeeperSnapshot) -> int:
-    return max((int(s.report(r).get("step", 0)) for r in s.ranks), default=0)
+    info = s.info
+    return max((int((info.get(r) or {}).get("step", 0)) for r in s.ranks), default=0)
 
 
 def run_status(s: KeeperSnapshot) -> dict:

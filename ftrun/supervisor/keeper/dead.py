@@ -174,9 +174,10 @@ def unstick(rules: KeeperRules, s: KeeperSnapshot, voting_since: Mapping[int, Tu
     since_now: Dict[int, Tuple[Tuple[object, object], float]] = {}
     due: List[FailVote] = []
     planned = set()
+    reports, alive = s.info, s.alive
     for v in s.ranks:
-        info = s.report(v)
-        inc = s.alive.get(v)
+        info = reports.get(v) or {}
+        inc = alive.get(v)
         where = (info.get("epoch"), info.get("round"))
         if (inc is None or info.get("inc") != inc or info.get("phase") != "vote" or not s.fresh(v, now)
                 or where[0] not in s.epochs):
