@@ -56,6 +56,10 @@ class MemberEffects:
         """(generation, host:port) of the run's store as this node's ftrun last announced it."""
         return None
 
+    def store_address(self) -> str:
+        """host:port of the run's store now (for the member's words)."""
+        return "?"
+
     def store_moved(self, addr: str) -> None:
         """The run's store is at `addr` from now on (every later connect goes there)."""
 

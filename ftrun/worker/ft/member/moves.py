@@ -26,8 +26,8 @@ class StoreFollower:
         d, fx = self.d, self.d.fx
         if d.node is None or not fx.store_gone():
             raise error
-        fx.log(f"rank {d.rank}: lost the run's store ({str(error).splitlines()[0][:120]}); waiting for the nodes "
-               f"to agree on the next one")
+        fx.log(f"rank {d.rank}: lost the run's store at {fx.store_address()} ({str(error).splitlines()[0][:120]}); "
+               f"waiting for the nodes to agree on the next one")
         t0 = fx.now()
         deadline = t0 + RELOCATE_S
         while True:
@@ -38,7 +38,7 @@ class StoreFollower:
                 fx.restart(f"rank {d.rank}: no new store within {RELOCATE_S:g} s; exiting")
             fx.sleep(fx.poll_s * 4)
         gen, addr = moved
-        d.drop_group()
+        d.entry.drop_group()
         fx.store_moved(addr)  # group formation, the epoch watcher and checkpoint reports connect there
         store = fx.connect()
         while not store.check([keys.LATEST]):  # the new keeper's first words

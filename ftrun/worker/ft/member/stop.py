@@ -85,7 +85,7 @@ class StopPaths:
         to be stopped, and saves after all should a newer stop epoch name its replica the writer.
         The script's code after the loop never runs on a stopped run. Never returns."""
         d = self.d
-        d.drop_group()
+        d.entry.drop_group()
         d.set_phase("stop")
         saved = False
         while True:

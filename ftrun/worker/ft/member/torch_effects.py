@@ -97,6 +97,9 @@ class TorchEffects(MemberEffects):
                 return True
         return False
 
+    def store_address(self) -> str:
+        return run_store()
+
     def store_moved(self, addr: str) -> None:
         store_moved(addr)
         if self.progress is not None:
