@@ -68,7 +68,7 @@ def _finish(procs, timeout=120):
     return out
 
 
-def _wait_running(home, run_id, k, ranks, min_step=1, timeout=30):
+def _wait_running(home, run_id, k, ranks, min_step=1, timeout=60):
     deadline = time.time() + timeout
     while time.time() < deadline:
         st = read_state(home, f"{run_id}.node{k}")
@@ -190,6 +190,7 @@ def _long_run(port, tmp_path, extra=()):
                   extra=["--run-id", "loss", *extra])
 
 
+@pytest.mark.alone
 def test_killed_node1_is_noticed_by_node0(ftrun_home, tmp_path):
     procs = _long_run(free_port(), tmp_path)
     try:
@@ -208,6 +209,7 @@ def test_killed_node1_is_noticed_by_node0(ftrun_home, tmp_path):
     print(f"node 0 noticed node 1's death and ended in {noticed:.1f} s")
 
 
+@pytest.mark.alone
 def test_killed_node0_stops_node1_cleanly(ftrun_home, tmp_path):
     procs = _long_run(free_port(), tmp_path)
     try:

@@ -415,6 +415,7 @@ for step in ft.steps(int(sys.argv[2])):
 """
 
 
+@pytest.mark.alone
 def test_status_shows_the_current_step(ftrun_home, tmp_path):
     """--ft at about 100 steps/s: the step `ftrun status --json` shows is at most a fraction of a
     second behind the one each replica has committed (median under 0.3 s; it was 0.5 s)."""
