@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Explore the --ft protocol's interleavings: seeded schedules of faults, each run by a
-deterministic simulator (ftrun/sim) that drives the real keeper, vote and membership code over
+deterministic simulator (ftrun/sim) that drives the real keeper and the real member driver over
 an in-memory store, simulated process groups and a virtual clock, with the protocol's
 invariants checked after every scheduled turn.
 
-    scripts/simulate.py --schedules 2000 --seed 1       # the CI budget (about 30 s)
-    scripts/simulate.py --soak --seed 7                 # longer: 20,000 schedules (about 5 minutes)
+    scripts/simulate.py --schedules 2000 --seed 1       # the CI budget (about 20 s)
+    scripts/simulate.py --soak --seed 7                 # longer: 20,000 schedules (about 3 minutes)
     scripts/simulate.py --replay '{"seed": ..., "faults": [...]}'   # one schedule, as printed
     scripts/simulate.py --replica-size 2 --schedules 500  # sharded replicas: K workers each
     scripts/simulate.py --nodes 2 --schedules 500         # two machines: node relays, a lost node
+    scripts/simulate.py --round-steps 4 --schedules 500   # rounds of several steps, one vote each
 
 A violation prints the shortest schedule that still fails (faults removed one at a time while
 it does), as a line to replay, and the run exits 1. The last line is always
@@ -38,7 +39,7 @@ KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + [
         ["store-slow"]
 
 
-def make_schedule(seed: int, k: int = 1, nodes: int = 1) -> Schedule:
+def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1) -> Schedule:
     """A random schedule: 2-5 replicas (2-3 of K workers with K > 1; 1-2 per node on several
     nodes), 8-20 rounds, 0-6 faults within the run's first 1.5 s, or 3-8 within 0.6 s; a fault's
     rank is any worker. On several nodes a quarter of the schedules lose a node besides."""
@@ -75,11 +76,12 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1) -> Schedule:
             faults.append(Fault(at, kind, dur=round(rng.uniform(0.1, 1.0), 3), x=round(rng.uniform(0.002, 0.02), 4)))
     if nodes > 1 and rng.random() < 0.25:
         faults.append(Fault(round(rng.uniform(0.0, 1.5), 3), "node-lost", rng.randrange(1, nodes)))
-    return Schedule(seed, replicas, total, faults, k, nodes)
+    return Schedule(seed, replicas, total, faults, k, nodes, round_steps)
 
 
 def schedule_line(s: Schedule) -> str:
-    shape = {**({"k": s.k} if s.k > 1 else {}), **({"nodes": s.nodes} if s.nodes > 1 else {})}
+    shape = {**({"k": s.k} if s.k > 1 else {}), **({"nodes": s.nodes} if s.nodes > 1 else {}),
+             **({"round_steps": s.round_steps} if s.round_steps > 1 else {})}
     return json.dumps({"seed": s.seed, "replicas": s.replicas, **shape, "total": s.total,
                        "faults": [asdict(f) for f in s.faults]}, separators=(",", ":"))
 
@@ -87,7 +89,7 @@ def schedule_line(s: Schedule) -> str:
 def parse_schedule(text: str) -> Schedule:
     d = json.loads(text)
     return Schedule(int(d["seed"]), int(d["replicas"]), int(d["total"]), [Fault(**f) for f in d["faults"]],
-                    int(d.get("k", 1)), int(d.get("nodes", 1)))
+                    int(d.get("k", 1)), int(d.get("nodes", 1)), int(d.get("round_steps", 1)))
 
 
 def shrink(s: Schedule, bug, correct=None, budget_s: float = 60.0) -> Schedule:
@@ -128,6 +130,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="workers per replica, sharding it (--replica-size of ftrun; default 1)")
     ap.add_argument("--nodes", type=int, default=1, choices=range(1, 5), metavar="N",
                     help="machines, each relaying its workers' votes and reports through its own store (default 1)")
+    ap.add_argument("--round-steps", type=int, default=1, choices=range(1, 9), metavar="N",
+                    help="steps per round, one vote each N steps (FTRUN_FT_ROUND_STEPS; default 1)")
     ap.add_argument("--bug", default="none", choices=sorted(BUGS),
                     help="put a historic bug back (tests of the simulator itself)")
     ap.add_argument("--stop-at-first", action="store_true", help="stop at the first violation")
@@ -142,7 +146,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         schedules = [parse_schedule(a.replay)]
     else:
         n = a.schedules if a.schedules is not None else (SOAK_SCHEDULES if a.soak else CI_SCHEDULES)
-        schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes) for i in range(n))
+        schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes, a.round_steps) for i in range(n))
     t0 = time.monotonic()
     runs = violations = 0
     stats: dict = {}

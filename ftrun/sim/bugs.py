@@ -1,12 +1,14 @@
 """Historic --ft bugs, re-introduced for the simulator only: each is the product's code as it
-was before its fix (git commit named), as an override the simulator wires in by name
-(scripts/simulate.py --bug NAME). The product never imports this module; with no bug the
-simulator runs the product's own functions and keeper unchanged.
+was before its fix (git commit named), put back as a subclass of a product class (the keeper,
+or the member's driver, whose store protocol steps are class attributes) that the simulator
+wires in by name (scripts/simulate.py --bug NAME); never by patching a module. The product
+never imports this module; with no bug the simulator runs the product's own classes unchanged.
 Must never be imported by the product.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
@@ -14,20 +16,17 @@ from ftrun.protocol import Epoch
 from ftrun.supervisor.keeper.core import KeeperSnapshot
 from ftrun.supervisor.keeper.dead import EPOCH_COLLECTED, KeeperRules
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.worker.ft import membership
+from ftrun.worker.ft import vote
 from ftrun.worker.ft.member import core as member_core
+from ftrun.worker.ft.member.driver import MemberDriver
 from ftrun.worker.ft.membership import Entry, Member
 
 
 class Wiring:
-    """What the simulator runs: the keeper's class and the member's membership functions."""
+    """What the simulator runs: the keeper's class and the member driver's class."""
 
     keeper = QuorumKeeper
-    wait_to_enter = staticmethod(membership.wait_to_enter)
-    entry_round = staticmethod(membership.entry_round)
-    finished_step = staticmethod(membership.finished_step)  # read by a member after a failed round
-    source_refuses = staticmethod(member_core.source_refuses)  # whether a transfer's source restarts instead
-    closes = staticmethod(keys.closes)  # whether an add completed a count (members, forwarders, keeper)
+    driver = MemberDriver
 
 
 # ---------------------------------------------------------------- (a) 0a17702
@@ -40,8 +39,12 @@ def _entry_round_own(store: Any, epoch: Epoch, current: int) -> int:
     return current
 
 
-class StartRound(Wiring):
+class _OwnRoundDriver(MemberDriver):
     entry_round = staticmethod(_entry_round_own)
+
+
+class StartRound(Wiring):
+    driver = _OwnRoundDriver
 
 
 # ---------------------------------------------------------------- (b) b1dd880
@@ -69,6 +72,10 @@ def _wait_to_enter_blocking(store: Any, me: Member, sleep: Callable[[float], Non
         if found is not None:
             return Entry(found[0], found[1], latest)
         sleep(poll_s)
+
+
+class _BlockingScanDriver(MemberDriver):
+    wait_to_enter = staticmethod(_wait_to_enter_blocking)
 
 
 # ---------------------------------------------------------------- the keeper's abstentions of that time
@@ -119,7 +126,7 @@ class DeletedEpoch(Wiring):
     that fails with both and passes with the keeper's bug alone (BASELINE)."""
 
     keeper = _CollectingKeeper
-    wait_to_enter = staticmethod(_wait_to_enter_blocking)
+    driver = _BlockingScanDriver
 
 
 # ---------------------------------------------------------------- (d) 0a17702's keeper half
@@ -177,9 +184,13 @@ def _never_finished(store: Any) -> Optional[int]:
     return None
 
 
+class _FinishedBlindDriver(MemberDriver):
+    finished_step = staticmethod(_never_finished)
+
+
 class FinishedVoter(Wiring):
     keeper = _FinishedDeafKeeper
-    finished_step = staticmethod(_never_finished)
+    driver = _FinishedBlindDriver
 
 
 # ---------------------------------------------------------------- (h) found by the simulator, sharded replicas
@@ -191,8 +202,12 @@ def _source_sends_any_shard(sending: bool, tainted: bool, fresh: bool = False, h
     return member_core.source_refuses(sending, tainted)
 
 
-class MixedShards(Wiring):
+class _AnyShardDriver(MemberDriver):
     source_refuses = staticmethod(_source_sends_any_shard)
+
+
+class MixedShards(Wiring):
+    driver = _AnyShardDriver
 
 
 # ---------------------------------------------------------------- (i) found by the simulator, several nodes
@@ -240,8 +255,21 @@ def _closes_at_size(total: int, added: int, size: int) -> bool:  # noqa: ARG001
     return keys.tally(total).votes == size
 
 
-class UnstickOvercount(Wiring):
+class _OvercountDriver(MemberDriver):
+    cast_vote = staticmethod(functools.partial(vote.cast, closes=_closes_at_size))
+
+
+class _OvercountRules(KeeperRules):
     closes = staticmethod(_closes_at_size)
+
+
+class _OvercountKeeper(QuorumKeeper):
+    rules = _OvercountRules()
+
+
+class UnstickOvercount(Wiring):
+    driver = _OvercountDriver
+    keeper = _OvercountKeeper
 
 
 BUGS: Dict[str, type] = {

@@ -13,8 +13,9 @@ real primitive (a lock, a real sleep): the whole simulator would wait with it.
 
 from __future__ import annotations
 
+import heapq
 import random
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import greenlet
 
@@ -29,6 +30,8 @@ class Deadlock(Exception):
 
 
 class SimThread:
+    __slots__ = ("sched", "fn", "name", "proc", "done", "killed", "until", "pred", "error", "glet", "token", "pooled", "fresh")
+
     def __init__(self, sched: "Sched", fn: Callable[[], Any], name: str, proc: str) -> None:
         self.sched, self.fn, self.name, self.proc = sched, fn, name, proc
         self.done = False
@@ -37,6 +40,11 @@ class SimThread:
         self.pred: Optional[Callable[[], bool]] = None  # runnable again once this holds
         self.error: Optional[BaseException] = None
         self.glet = greenlet.greenlet(self._body, parent=sched.hub)
+        self.token = 0  # counts its blocks: a heap entry of an older one is stale
+        self.pooled = True  # in the scheduler's pool (else waiting on a condition, or on time)
+        # Resumed and has done nothing another thread could see yet: its next store call needs no
+        # yield point of its own (the turn that resumed it was one; see store.SimClient._enter).
+        self.fresh = False
 
     def _body(self) -> None:
         try:
@@ -49,106 +57,197 @@ class SimThread:
             self.error = e
         finally:
             self.done = True  # returning switches back to the scheduler (the hub)
-
-    def runnable(self, now: float) -> bool:
-        if self.done:
-            return False
-        if self.killed:
-            return True  # once more, to unwind
-        if self.pred is not None and self.pred():
-            return True
-        if self.until is not None and now >= self.until:
-            return True
-        return self.pred is None and self.until is None
+            self.sched._ended(self)
 
 
 class Sched:
-    """The scheduler: one turn at a time, chosen by `rng`."""
+    """The scheduler: one turn at a time, chosen by `rng` among the threads that can run. A turn
+    costs what the simulated code does plus one look at each thread waiting on a condition:
+    threads that wait on time alone sit in a heap until their time comes, and the live threads
+    of each process are counted as they start, end or are killed."""
 
     def __init__(self, rng: random.Random, latency_s: float = 0.0005) -> None:
         self.rng = rng
         self.now = 0.0
         self.latency_s = latency_s
-        self.threads: List[SimThread] = []
+        self.threads: List[SimThread] = []  # every thread not done
         self.current: Optional[SimThread] = None
         self.hub = greenlet.getcurrent()  # the scheduler's own greenlet: every turn comes back to it
         self.turns = 0
         self.errors: List[BaseException] = []
         self.slow: Dict[str, float] = {}  # proc -> its turns cost this much more time (a slow member)
         self.paused: Dict[str, float] = {}  # proc -> paused until (SIGSTOP)
+        self._live: Dict[str, int] = {}  # proc -> its threads neither done nor killed
+        self._pool: List[SimThread] = []  # runnable whatever happens: their time came, or they yielded
+        self._waiting: List[SimThread] = []  # waiting on a condition (and maybe a deadline)
+        self._heap: List[Tuple[float, int, int, SimThread]] = []  # (until, seq, token, thread): time alone
+        self._seq = 0
 
     # ------------------------------------------------------------ for simulated code
     def spawn(self, fn: Callable[[], Any], name: str, proc: str) -> SimThread:
         t = SimThread(self, fn, name, proc)
         self.threads.append(t)
+        self._pool.append(t)
+        self._live[proc] = self._live.get(proc, 0) + 1
         return t
+
+    def _ended(self, t: SimThread) -> None:
+        if not t.killed:
+            self._live[t.proc] -= 1
 
     def me(self) -> SimThread:
         t = self.current
-        assert t is not None and t.glet is greenlet.getcurrent(), "a yield point outside a simulated thread"
+        assert t is not None, "a yield point outside a simulated thread"
         return t
 
     def block(self, pred: Optional[Callable[[], bool]] = None, until: Optional[float] = None) -> None:
         """Give the turn back; come back when `pred()` holds or at `until` (both None: at once)."""
-        t = self.me()
+        t = self.current
+        assert t is not None, "a yield point outside a simulated thread"
         t.pred, t.until = pred, until
+        t.token += 1
+        t.pooled = False
+        if pred is not None:
+            self._waiting.append(t)
+        elif until is None or until <= self.now:
+            t.pooled = True
+            self._pool.append(t)
+        else:
+            self._seq += 1
+            heapq.heappush(self._heap, (until, self._seq, t.token, t))
         self.hub.switch()
         t.pred = t.until = None
         if t.killed:
             raise SimKilled()
 
+    def park(self, until: Optional[float] = None) -> None:
+        """Give the turn back until another thread wakes this one (`wake`), or `until`. The cheap
+        wait: nothing is evaluated for it on each turn (the store's key waits, a signal's)."""
+        t = self.current
+        assert t is not None and t.glet is greenlet.getcurrent(), "a yield point outside a simulated thread"
+        t.pred, t.until = None, until
+        t.token += 1
+        t.pooled = False
+        if until is not None:
+            self._seq += 1
+            heapq.heappush(self._heap, (until, self._seq, t.token, t))
+        self.hub.switch()
+        t.until = None
+        if t.killed:
+            raise SimKilled()
+
+    def wake(self, t: SimThread) -> None:
+        """Make a parked (or waiting) thread runnable."""
+        if not t.done:
+            self._wake(t)
+
     def sleep(self, seconds: float) -> None:
-        self.block(until=self.now + max(0.0, seconds))
+        if seconds > 0.0:
+            self.block(None, self.now + seconds)
+            return
+        t = self.current  # a yield: runnable at once
+        assert t is not None, "a yield point outside a simulated thread"
+        t.pred = t.until = None
+        t.token += 1
+        t.pooled = True
+        self._pool.append(t)
+        self.hub.switch()
+        if t.killed:
+            raise SimKilled()
 
     def wait_for(self, pred: Callable[[], bool], timeout: Optional[float]) -> bool:
         """Block until pred() holds (True) or `timeout` virtual seconds pass (False)."""
         if pred():
             self.block()  # still a yield point: others may run first
             return True
-        deadline = None if timeout is None else self.now + timeout
-        self.block(pred, deadline)
+        self.block(pred, None if timeout is None else self.now + timeout)
         return pred()
 
     # ------------------------------------------------------------ for the simulator
     def kill(self, proc: str) -> None:
         for t in self.threads:
-            if t.proc == proc and not t.done:
+            if t.proc == proc and not t.done and not t.killed:
                 t.killed = True
+                self._live[proc] -= 1
+                self._wake(t)
+
+    def _wake(self, t: SimThread) -> None:
+        """Move a blocked thread to the pool (killed: it runs once more, to unwind)."""
+        if t is self.current or t.pooled:
+            return
+        if t.pred is not None:
+            self._waiting.remove(t)
+        t.token += 1  # its heap entry, if any, is stale
+        t.pooled = True
+        self._pool.append(t)
 
     def alive(self, proc: str) -> bool:
-        return any(t.proc == proc and not t.done and not t.killed for t in self.threads)
+        return self._live.get(proc, 0) > 0
+
+    def _ready(self, now: float) -> List[SimThread]:
+        heap, pool = self._heap, self._pool
+        while heap and heap[0][0] <= now:
+            _, _, token, t = heapq.heappop(heap)
+            if token == t.token:
+                t.pooled = True
+                pool.append(t)
+        ready = list(pool)
+        for t in self._waiting:
+            until = t.until
+            if (until is not None and now >= until) or t.pred():
+                ready.append(t)
+        if self.paused:
+            paused = self.paused
+            ready = [t for t in ready if paused.get(t.proc, -1.0) <= now]
+        return ready
 
     def turn(self) -> bool:
         """Run one thread until its next yield point. False when nothing can run any more."""
-        self.threads = [t for t in self.threads if not t.done]
-        ready = [t for t in self.threads if t.runnable(self.now) and self.paused.get(t.proc, -1.0) <= self.now]
+        ready = self._ready(self.now)
         if not ready:
             # Only deadlines still ahead: a paused process's thread may be past its own.
-            deadlines = [t.until for t in self.threads if t.until is not None and not t.killed and t.until > self.now]
-            deadlines += [p for p in self.paused.values() if p > self.now]
+            now = self.now
+            deadlines = [t.until for t in self._waiting if t.until is not None and t.until > now]
+            if self._heap:
+                deadlines.append(self._heap[0][0])
+            deadlines += [p for p in self.paused.values() if p > now]
             if not deadlines:
-                if any(not t.done for t in self.threads):
+                if self.threads:
                     raise Deadlock(", ".join(sorted(f"{t.proc}/{t.name}" for t in self.threads)))
                 return False
-            self.now = max(self.now, min(deadlines))
+            self.now = max(now, min(deadlines))
             return True
-        t = self.rng.choice(ready)
-        self.now += self.rng.random() * self.latency_s * (1.0 + self.slow.get(t.proc, 0.0))
+        rng = self.rng
+        t = ready[int(rng.random() * len(ready))] if len(ready) > 1 else ready[0]
+        if t.pooled:
+            self._pool.remove(t)
+        else:
+            self._waiting.remove(t)
+        t.pooled = False
+        t.token += 1
+        slow = self.slow.get(t.proc, 0.0) if self.slow else 0.0
+        self.now += rng.random() * self.latency_s * (1.0 + slow)
         self.current = t
+        t.fresh = True
         t.glet.switch()
         self.current = None
         self.turns += 1
-        if t.error is not None:
-            self.errors.append(t.error)
-            t.error = None
+        if t.done:
+            self.threads.remove(t)
+            if t.error is not None:
+                self.errors.append(t.error)
+                t.error = None
         return True
 
     def shutdown(self) -> None:
         """Unwind every thread left (their processes are all killed)."""
-        for t in self.threads:
-            t.killed = True
+        for t in list(self.threads):
+            if not t.killed and not t.done:
+                t.killed = True
+                self._live[t.proc] -= 1
+                self._wake(t)
         for _ in range(4 * len(self.threads) + 10):
-            if not self.threads or not any(not t.done for t in self.threads):
+            if not self.threads:
                 break
             try:
                 self.turn()

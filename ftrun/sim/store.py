@@ -44,6 +44,14 @@ class SimStore:
         self.writes: List[tuple] = []  # (time, op, key, value) of decisions, for the invariants
         self.max_keys = 0
         self.on_call: Optional[Callable[[str], None]] = None  # told the calling process before each call
+        self.waiters: Dict[str, list] = {}  # key -> threads parked until it is written
+
+    def written(self, key: str) -> None:
+        """`key` was written: wake whoever waits for it."""
+        waiting = self.waiters.pop(key, None)
+        if waiting:
+            for t in waiting:
+                self.sched.wake(t)
 
     def client(self, timeout_s: float = 600.0) -> "SimClient":
         return SimClient(self, timeout_s)
@@ -59,9 +67,19 @@ class SimClient:
     def _enter(self) -> None:
         s = self.s
         sched = s.sched
+        me = sched.current
         if s.on_call is not None:  # a fault may kill the caller here, before its call takes effect
-            s.on_call(sched.me().proc)
-        sched.sleep(s.extra_latency * sched.rng.random())
+            s.on_call(me.proc)
+        if s.extra_latency:
+            sched.sleep(s.extra_latency * sched.rng.random())
+        elif not me.fresh:
+            # A yield point before every call, so that any thread may run between two calls. A
+            # thread just resumed has done nothing visible since its last yield point: its call
+            # takes effect in the turn that resumed it, which orders it among the others alike.
+            sched.sleep(0.0)
+        me.fresh = False
+        if sched.now >= s.down_until:
+            return
         deadline = sched.now + self.timeout_s
         while sched.now < s.down_until:  # a wait on time alone: a deadline, which the scheduler jumps to
             if s.down_until > deadline:
@@ -70,9 +88,28 @@ class SimClient:
             sched.sleep(s.down_until - sched.now)
 
     def _wait_keys(self, keys: Sequence[str]) -> None:
-        data = self.s.data
-        if not self.s.sched.wait_for(lambda: all(k in data for k in keys), self.timeout_s):
-            raise dist.DistStoreError(f"wait timeout after {self.timeout_s * 1000:.0f}ms, keys: {list(keys)}")
+        """Wait for every key to be there, up to the client's timeout: parked, woken by a write."""
+        s = self.s
+        data = s.data
+        missing = [k for k in keys if k not in data]
+        if not missing:
+            return
+        sched = s.sched
+        deadline = sched.now + self.timeout_s
+        me = sched.current
+        while missing:
+            if sched.now >= deadline:
+                raise dist.DistStoreError(f"wait timeout after {self.timeout_s * 1000:.0f}ms, keys: {list(keys)}")
+            for k in missing:
+                s.waiters.setdefault(k, []).append(me)
+            try:
+                sched.park(deadline)
+            finally:
+                for k in missing:
+                    w = s.waiters.get(k)
+                    if w and me in w:
+                        w.remove(me)
+            missing = [k for k in keys if k not in data]
 
     def _note(self) -> None:
         self.s.max_keys = max(self.s.max_keys, len(self.s.data))
@@ -82,6 +119,7 @@ class SimClient:
         self._enter()
         self.s.data[key] = _b(value)
         self._note()
+        self.s.written(key)
 
     def get(self, key: str) -> bytes:
         self._enter()
@@ -93,6 +131,7 @@ class SimClient:
         value = int(self.s.data.get(key, b"0")) + int(amount)
         self.s.data[key] = str(value).encode()
         self._note()
+        self.s.written(key)
         return value
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
@@ -102,6 +141,7 @@ class SimClient:
             if _b(expected) == b"":
                 data[key] = _b(desired)
                 self._note()
+                self.s.written(key)
                 self.s.writes.append((self.s.sched.now, "cas", key, data[key]))
                 return data[key]
             return _b(expected)
@@ -123,6 +163,7 @@ class SimClient:
         self._enter()
         for k, v in zip(keys, values):
             self.s.data[k] = _b(v)
+            self.s.written(k)
         self._note()
 
     def delete_key(self, key: str) -> bool:

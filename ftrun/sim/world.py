@@ -1,5 +1,6 @@
 """One simulated run of --ft: the real keeper (ftrun.supervisor.quorum.QuorumKeeper) polled by a
-simulated supervisor that sees deaths and restarts replicas, simulated members (sim/member.py),
+simulated supervisor that sees deaths and restarts replicas, simulated worker processes running
+the product's member driver (sim/worker.py),
 simulated process groups (a collective succeeds only if every member of the group reaches it
 and none has died or left it), a schedule of faults, and the protocol's invariants, checked
 after every scheduled turn. `run(schedule)` returns the first violation, or None.
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
-from ftrun.sim.member import SimMember
+from ftrun.sim.worker import SimWorker
 from ftrun.sim.sched import Deadlock, Sched
 from ftrun.sim.store import SimStore
 from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
@@ -64,6 +65,7 @@ class Schedule:
     faults: List[Fault] = field(default_factory=list)
     k: int = 1  # workers per replica (--replica-size): ranks are replicas * k, a fault's rank is a worker
     nodes: int = 1  # machines: each runs replicas / nodes replicas (whole), in rank order
+    round_steps: int = 1  # steps a round takes (the keeper's pinned round length: one vote per round)
 
 
 class Group:
@@ -73,7 +75,8 @@ class Group:
         self.left: Set[int] = set()
         self.seq: Dict[int, int] = {}
         self.ops: Dict[int, Set[int]] = {}
-        self.payload: Optional[Tuple[int, int, str, int]] = None
+        self.payload: Optional[tuple] = None  # what a heal sends: (snapshot, digest, lineage)
+        self.waiters: list = []  # threads parked in one of its collectives
 
 
 class Groups:
@@ -85,9 +88,15 @@ class Groups:
         self.groups: Dict[str, Group] = {}
 
     def _broken(self, g: Group) -> bool:
-        return bool(g.left) or any(not self.w.sched.alive(p) for p in g.procs.values())
+        if g.left:
+            return True
+        alive = self.w.sched.alive
+        for p in g.procs.values():
+            if not alive(p):
+                return True
+        return False
 
-    def form(self, m: SimMember, key: str, ranks: List[int], why: Callable[[], Optional[str]]) -> Optional[Group]:
+    def form(self, m: SimWorker, key: str, ranks: List[int], why: Callable[[], Optional[str]]) -> Optional[Group]:
         g = self.groups.setdefault(key, Group(key, ranks))
         g.procs[m.rank] = m.proc
         g.left.discard(m.rank)
@@ -101,41 +110,46 @@ class Groups:
                 return None
             m.sleep(0.05)
 
-    def leave(self, m: SimMember, g: Optional[Group]) -> None:
+    def leave(self, m: SimWorker, g: Optional[Group]) -> None:
         if g is not None:
             g.left.add(m.rank)
+            self._wake(g)
 
-    def allreduce(self, m: SimMember, g: Group) -> Optional[str]:
+    def _wake(self, g: Group) -> None:
+        """Something changed for the group's collective: its waiters look again."""
+        waiters, g.waiters = g.waiters, []
+        for t in waiters:
+            self.w.sched.wake(t)
+
+    def died(self) -> None:
+        """A process died: every collective waiting on it fails now (a reset connection)."""
+        for g in self.groups.values():
+            if g.waiters:
+                self._wake(g)
+
+    def allreduce(self, m: SimWorker, g: Group) -> Optional[str]:
         i = g.seq.get(m.rank, 0)
         g.seq[m.rank] = i + 1
         arrived = g.ops.setdefault(i, set())
         arrived.add(m.rank)
         whole = len(g.ranks)
-        self.w.sched.wait_for(lambda: len(arrived) == whole or self._broken(g), FORM_TIMEOUT_S)
+        sched = self.w.sched
+        if len(arrived) == whole:
+            self._wake(g)
+            sched.block()  # still a yield point
+            return None
+        deadline = sched.now + FORM_TIMEOUT_S
+        me = sched.current
+        while len(arrived) < whole and not self._broken(g) and sched.now < deadline:
+            g.waiters.append(me)
+            try:
+                sched.park(deadline)
+            finally:
+                if me in g.waiters:
+                    g.waiters.remove(me)
         if len(arrived) == whole:
             return None
         return "a peer left mid-collective" if self._broken(g) else "the collective timed out"
-
-    def transfer(self, m: SimMember, key: str, ends: List[int], sending: bool,
-                 why: Callable[[], Optional[str]]) -> Optional[Tuple[int, int, str, int]]:
-        """The state moves in two collectives: a receiver's tensors are written between them
-        (it is tainted should the second fail)."""
-        if self.w.heal_kill.pop(m.rank, None) is not None:
-            self.w.kill(m.rank)
-            m.sleep(0.0)
-        g = self.form(m, key, ends, why)
-        if g is None:
-            return None
-        if sending:
-            g.payload = m.capture()
-        if self.allreduce(m, g):
-            return None
-        if not sending:
-            m.tainted = True
-        m.sleep(0.001)  # the bulk of the transfer
-        if self.allreduce(m, g):
-            return None
-        return g.payload
 
 
 class Violation(Exception):
@@ -153,7 +167,7 @@ class World:
         self.groups = Groups(self)
         self.k = schedule.k
         self.ranks = list(range(schedule.replicas * self.k))
-        self.members: Dict[int, SimMember] = {}
+        self.members: Dict[int, SimWorker] = {}
         self.inc: Dict[int, int] = {r: -1 for r in self.ranks}
         self.done: Set[int] = set()
         self.gone: Set[int] = set()  # ranks of lost nodes: never back
@@ -173,6 +187,9 @@ class World:
         self.log: List[str] = []  # what happened to the replicas, for a violation's report
         self._writes_seen = 0
         self.last_fault_end = max([f.at + f.dur for f in schedule.faults], default=0.0)
+        self._progress_deadline = self.last_fault_end + PROGRESS_BOUND_S
+        self._keys_bound = KEYS_BASE + KEYS_PER_RANK * len(self.ranks)
+        self._ranks_n = len(self.ranks)
         self.restarted: Set[Tuple[int, int]] = set()  # (replica, incarnation) already restarted whole
         self.routes: Optional[Routes] = None
         shape = {}
@@ -180,11 +197,13 @@ class World:
             self.routes = _SimRoutes(self, {n: (f"node{n}", self.node_ranks(n)) for n in range(1, self.nodes)})
             shape = {"local_ranks": self.node_ranks(0), "routes": self.routes}
         self.keeper = bugs.keeper(_RunStore(self.store.client(600.0)), self.ranks, replica_size=self.k,
-                                  settings=KeeperSettings(1, True), clock=lambda: sched.now, **shape)
+                                  settings=KeeperSettings(schedule.round_steps, True), clock=lambda: sched.now,
+                                  **shape)
         # Every other node's ftrun: a follower keeper (it reports its workers to node 0's) and the relay.
         self.followers: Dict[int, QuorumKeeper] = {
             n: QuorumKeeper(_RunStore(self.store.client(600.0)), self.ranks, local_ranks=self.node_ranks(n),
-                            leader=False, replica_size=self.k, routes=self.routes, settings=KeeperSettings(1, True),
+                            leader=False, replica_size=self.k, routes=self.routes,
+                            settings=KeeperSettings(schedule.round_steps, True),
                             clock=lambda: sched.now)
             for n in range(1, self.nodes)}
 
@@ -195,7 +214,7 @@ class World:
         return list(range(node * self.per_node, (node + 1) * self.per_node))
 
     def over(self) -> bool:
-        return len(self.done | self.gone) >= len(self.ranks)
+        return len(self.done) + len(self.gone) >= self._ranks_n and len(self.done | self.gone) >= self._ranks_n
 
     # ------------------------------------------------------------ the supervisor
     def _supervise(self) -> None:
@@ -248,10 +267,10 @@ class World:
             if r in self.gone:  # its node is lost: nothing of it starts again
                 continue
             if what == "spawn":
-                inc = max(inc, self.inc[r] + 1)  # after an incarnation booked in place (SimMember.rejoin)
+                inc = max(inc, self.inc[r] + 1)  # after an incarnation booked in place (MemberDriver.rejoin)
                 self.inc[r] = inc
                 keeper.on_spawn(r, inc)
-                m = SimMember(self, r, inc)
+                m = SimWorker(self, r, inc)
                 self.members[r] = m
                 self.sched.spawn(m.main, "main", m.proc)
             else:  # died, finished (a "noop" wake-up too: an exit of no incarnation, which changes nothing)
@@ -260,7 +279,7 @@ class World:
                 booked = what in ("died", "finished") and self.k == 1
                 keeper.on_exit(r, self.inc[r] if booked else inc, finished=what == "finished")
 
-    def on_member_exit(self, m: SimMember, code: int, why: str) -> None:
+    def on_member_exit(self, m: SimWorker, code: int, why: str) -> None:
         """The member's process ends (its own thread, just before it unwinds)."""
         self.log.append(f"{self.sched.now:.3f}s rank {m.rank}.{m.inc} exits {code}: {why} (step {m.step})")
         if code == 0:
@@ -286,6 +305,7 @@ class World:
                 m = self.members.get(mate)
                 if mate != rank and m is not None and mate not in self.done and self.sched.alive(m.proc):
                     self.sched.kill(m.proc)
+                    self.groups.died()
                     self.log.append(f"{now:.3f}s rank {mate}.{m.inc} killed with its replica (step {m.step})")
                     self.events.append((now + 0.005 + 0.02 * self.sched.rng.random(), "died", mate, m.inc))
         back = now + 0.3 + 0.7 * self.sched.rng.random()
@@ -298,11 +318,14 @@ class World:
         if m is None or rank in self.done or not self.sched.alive(m.proc):
             return
         self.sched.kill(m.proc)
+        self.groups.died()
         self.log.append(f"{self.sched.now:.3f}s rank {rank}.{m.inc} killed (step {m.step}, {m.phase})")
         self._died(rank, m.inc)
 
     # ------------------------------------------------------------ faults
     def _on_call(self, proc: str) -> None:
+        if not self.call_pause and not self.call_kill:
+            return
         rank = int(proc[1:].split(".")[0]) if proc.startswith("r") else -1
         pause = self.call_pause.get(rank)
         if pause is not None:
@@ -362,6 +385,7 @@ class World:
             m = self.members.get(r)
             if m is not None and r not in self.done and self.sched.alive(m.proc):
                 self.sched.kill(m.proc)
+                self.groups.died()
                 self.log.append(f"{now:.3f}s rank {r}.{m.inc} lost with node {n} (step {m.step}, {m.phase})")
             if r not in self.done:
                 self.gone.add(r)
@@ -372,7 +396,7 @@ class World:
         if self.first_violation is None:
             self.first_violation = f"t={self.sched.now:.3f}s: {what}"
 
-    def note_commit(self, m: SimMember, e: int, rnd: int, after: Tuple[int, int, str]) -> None:
+    def note_commit(self, m: SimWorker, e: int, rnd: int, after: Tuple[int, int, str]) -> None:
         """A member learned that round (e, rnd), on which it stepped to `after`, committed."""
         lineage, step, digest = after
         seen = self.committed.setdefault((lineage, step), digest)
@@ -380,15 +404,22 @@ class World:
             self.violation(f"step {step} committed with two states: rank {m.rank} (incarnation {m.inc}) holds "
                            f"{digest}, another member {seen} (round {rnd} of quorum {e})")
 
-    def check_state(self, m: SimMember) -> None:
+    def check_state(self, m: SimWorker) -> None:
         """Before a member sends its gradients: no round it stepped on may have been decided
         otherwise, and its state is the state every member committed at its step."""
         if not m.in_sync:
             return
-        for e, rnd in m.stepped:
-            if self.decided.get(keys.decision_key(e, rnd), b"commit").startswith(b"fail"):
+        d = m.driver
+        # A round of several steps is decided at its end: a member mid-round learns it at its vote.
+        open_round = (d.epoch.id, d.round) if d.epoch is not None and d.taken else None
+        for (e, rnd), taken in m.stepped.items():
+            decided = self.decided.get(keys.decision_key(e, rnd))
+            if decided is None or (e, rnd) == open_round:
+                continue
+            commit, _, kept = keys.parse_decision(decided.decode())
+            if not commit and taken > (kept or 0):  # a round voted down keeps only its first `kept` steps
                 self.violation(f"rank {m.rank} (incarnation {m.inc}) goes on from round {rnd} of quorum {e}, "
-                               f"which was voted down")
+                               f"which was voted down (it keeps {kept or 0} of its steps, this member took {taken})")
         seen = self.committed.get((m.lineage, m.step))
         if seen is not None and seen != m.digest:
             self.violation(f"rank {m.rank} (incarnation {m.inc}) goes on at step {m.step} holding {m.digest}, "
@@ -396,18 +427,23 @@ class World:
 
     def _check(self) -> None:
         s = self.store
-        for _, op, key, value in s.writes[self._writes_seen:]:
-            if "/d/" in key:
-                first = self.decided.setdefault(key, value)
-                if first != value:
-                    self.violation(f"{key} decided twice: {first.decode()!r}, then {value.decode()!r}")
-        self._writes_seen = len(s.writes)
-        if s.max_keys > KEYS_BASE + KEYS_PER_RANK * len(self.ranks):
+        sched = self.sched
+        if (len(s.writes) == self._writes_seen and s.max_keys <= self._keys_bound and not self.node_store
+                and sched.now <= self._progress_deadline and sched.turns <= TURNS_BOUND and not sched.errors):
+            return  # the common turn: nothing new to check
+        if len(s.writes) > self._writes_seen:
+            for _, op, key, value in s.writes[self._writes_seen:]:
+                if "/d/" in key:
+                    first = self.decided.setdefault(key, value)
+                    if first != value:
+                        self.violation(f"{key} decided twice: {first.decode()!r}, then {value.decode()!r}")
+            self._writes_seen = len(s.writes)
+        if s.max_keys > self._keys_bound:
             self.violation(f"the store grew to {s.max_keys} keys")
         for n, ns in self.node_store.items():
             if ns.max_keys > KEYS_BASE + KEYS_PER_RANK * self.per_node:
                 self.violation(f"node {n}'s store grew to {ns.max_keys} keys")
-        if self.sched.now > self.last_fault_end + PROGRESS_BOUND_S:
+        if self.sched.now > self._progress_deadline:
             self.violation(f"no progress: the run has not finished {PROGRESS_BOUND_S:g} s after the last fault "
                            f"({self._where()})")
         if self.sched.turns > TURNS_BOUND:
@@ -424,14 +460,15 @@ class World:
         self.sched.spawn(self._supervise, "keeper", "supervisor")
         self.sched.spawn(self._faults, "faults", "sim")
         try:
-            while not self.over() and self.first_violation is None:
+            turn, check, over = self.sched.turn, self._check, self.over
+            while not over() and self.first_violation is None:
                 try:
-                    if not self.sched.turn():
+                    if not turn():
                         break
                 except Deadlock as e:
                     self.violation(f"deadlock: every thread waits for ever ({e}; {self._where()})")
                     break
-                self._check()
+                check()
         finally:
             self.sched.shutdown()
         return self.first_violation
@@ -464,14 +501,8 @@ def run_schedule(schedule: Schedule, bugs, stats: Optional[Dict[str, float]] = N
     """The schedule's first violation, or None. `stats` gets the longest time any run took to
     finish after its last fault ended (the margin under PROGRESS_BOUND_S)."""
     sched = Sched(random.Random(schedule.seed))
-    # Members, forwarders and the keeper all test a count through protocol.closes: a bug that
-    # changes that test changes it for all of them, for this run only.
-    product_closes, keys.closes = keys.closes, bugs.closes
-    try:
-        world = World(sched, schedule, bugs)
-        found = world.run()
-    finally:
-        keys.closes = product_closes
+    world = World(sched, schedule, bugs)
+    found = world.run()
     if stats is not None and found is None:
         after = max(0.0, sched.now - world.last_fault_end)
         stats["after_last_fault_s"] = max(stats.get("after_last_fault_s", 0.0), after)

@@ -1,0 +1,230 @@
+"""One simulated worker process of --ft: the product's own member driver
+(ftrun.worker.ft.member.driver.MemberDriver, or a historic bug's subclass of it) over this
+module's effects: the simulator's in-memory store, its process groups, its scheduler's threads
+and virtual clock. The model is a digest of the rounds it stepped on (its lineage: the fresh
+epoch its state descends from), which a heal moves. The script is the loop of ft.steps(): a
+compute, the collective, opt.step(). Nothing here decides: the driver and member/core.py do.
+Must never be imported by the product.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+
+from ftrun import protocol as keys
+from ftrun.protocol import Epoch
+from ftrun.sim.sched import SimKilled
+from ftrun.sim.store import DistStoreError
+from ftrun.worker.ft import vote
+from ftrun.worker.ft.member.driver import MemberDriver
+from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
+
+if TYPE_CHECKING:
+    from ftrun.sim.world import World
+
+POLL_S = 0.02  # the member's store polls (the product's 5 ms, coarser: fewer simulated turns)
+REPORT_S = 0.25  # protocol.HEARTBEAT_S: the status report the keeper reads
+VOTE_TIMEOUT_S = 600.0  # FTRUN_FT_VOTE_TIMEOUT's default: the member's store client timeout
+
+
+class SimExit(BaseException):
+    """The member exits (os._exit in the product): restart (75) or finished (0)."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.code, self.why = code, why
+
+
+class TransferBroken(Exception):
+    """A heal's group broke: an end died or left."""
+
+
+class SimSignal:
+    """threading.Event over the scheduler: wait() is a yield point; set() wakes the waiter."""
+
+    __slots__ = ("sched", "flag", "waiter")
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.flag = False
+        self.waiter: Any = None
+
+    def set(self) -> None:
+        self.flag = True
+        if self.waiter is not None:
+            self.sched.wake(self.waiter)
+
+    def clear(self) -> None:
+        self.flag = False
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def wait(self) -> None:
+        sched = self.sched
+        if self.flag:
+            sched.block()  # still a yield point: others may run first
+            return
+        self.waiter = sched.current
+        try:
+            while not self.flag:
+                sched.park()
+        finally:
+            self.waiter = None
+
+
+class SimWorker(MemberEffects):
+    """A worker process: the product's driver, and the effects it runs over."""
+
+    store_errors = (DistStoreError, vote.StoreLost)
+    poll_s = POLL_S
+
+    def __init__(self, world: "World", rank: int, inc: int) -> None:
+        self.w, self.rank = world, rank
+        self.sched = world.sched
+        self.proc = f"r{rank}.{inc}"
+        self.digest = "0"
+        self.lineage = 0  # the fresh epoch this state descends from (a run with nobody holding its state starts again)
+        # Rounds stepped on whose decision is not in yet: how many of their steps it took.
+        self.stepped: Dict[Tuple[int, int], int] = {}
+        self._after: Dict[Tuple[int, int], Tuple[int, int, str]] = {}  # round -> (lineage, step, digest) after it
+        self.driver: MemberDriver = world.bugs.driver(self, rank, inc, world.k, world.nodes)
+
+    # ------------------------------------------------------------ what the world reads
+    inc = property(lambda self: self.driver.inc)
+    step = property(lambda self: self.driver.step)
+    phase = property(lambda self: self.driver.phase)
+    in_sync = property(lambda self: self.driver.in_sync)
+    store = property(lambda self: self.driver.store)
+
+    def info(self) -> dict:
+        return self.driver.info()
+
+    # ------------------------------------------------------------ the process
+    def main(self) -> None:
+        try:
+            self.sched.spawn(self._report, "report", self.proc)
+            self._script()
+            self.w.on_member_exit(self, 0, "finished")
+        except SimExit as e:
+            self.w.on_member_exit(self, e.code, e.why)
+        self.sched.kill(self.proc)  # its other threads end with the process
+        self.w.groups.died()  # its peers' collectives fail (a reset connection)
+        raise SimKilled()
+
+    def _script(self) -> None:
+        """The training script: ft.steps(), a compute, the collective (DDP's hook), opt.step()."""
+        d, w = self.driver, self.w
+        rng = self.sched.rng
+        for _ in d.steps(w.total):
+            self.sched.sleep(w.step_s * (0.5 + rng.random()))  # the forward and backward passes
+            d.before_collective()
+            if d.rejoin_why is None:
+                w.check_state(self)
+            if d.pg is not None and d.round_ok:
+                err = w.groups.allreduce(self, d.pg)
+                if err:
+                    d.fail_round(err)
+            d.vote()
+
+    def _report(self) -> None:
+        """The status report the keeper reads (ftrun/worker/progress.py's, through the node's store)."""
+        beat = 0
+        node = self.node()
+        store = self.w.store.client(VOTE_TIMEOUT_S) if node is None else node.store
+        while True:
+            beat += 1
+            try:
+                store.set(keys.info_key(self.rank), json.dumps({**self.driver.info(), "beat": beat}))
+            except Exception:  # noqa: BLE001 - the store is down: go on beating
+                pass
+            self.sched.sleep(REPORT_S)
+
+    # ------------------------------------------------------------ effects: store, clock, threads, exits
+    def connect(self, timeout_s: Optional[float] = None) -> Any:
+        return self.w.store.client(VOTE_TIMEOUT_S if timeout_s is None else timeout_s)
+
+    def node(self) -> Optional[vote.Node]:
+        n = self.w.node_of(self.rank)
+        if n == 0:
+            return None
+        per = self.w.per_node
+        return vote.Node(n, n * per, per, self.w.node_store[n].client(VOTE_TIMEOUT_S))
+
+    def now(self) -> float:
+        return self.sched.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sched.sleep(seconds)
+
+    def spawn(self, fn: Callable[[], None], name: str, low_priority: bool = False) -> None:
+        self.sched.spawn(fn, name, self.proc)
+
+    def signal(self) -> SimSignal:  # type: ignore[override]
+        return SimSignal(self.sched)
+
+    def exit(self, code: int, line: str = "") -> Any:
+        raise SimExit(code, line)
+
+    def restart(self, line: str, peers_decided: str = "") -> Any:
+        raise SimExit(keys.EXIT_REPLICA_RESTART, line)
+
+    def log(self, msg: str) -> None:
+        self.w.log.append(f"{self.sched.now:.3f}s {msg} (step {self.driver.step})")
+
+    # ------------------------------------------------------------ effects: groups and the state
+    def form_group(self, prefix: str, epoch: Epoch, ranks: list, give_up: Callable[[], Optional[str]]) -> Any:
+        g = self.w.groups.form(self, prefix, ranks, give_up)
+        if g is None:
+            raise TransferBroken(f"gave up forming {prefix}")
+        return g
+
+    def drop_group(self, group: Any) -> None:
+        self.w.groups.leave(self, group)
+
+    def _heal_kill(self) -> None:
+        if self.w.heal_kill.pop(self.rank, None) is not None:
+            self.w.kill(self.rank)
+            self.sched.sleep(0.0)
+
+    def send_state(self, group: Any, snapshot: Snapshot) -> Any:
+        """The state moves in two collectives: a receiver's tensors are written between them."""
+        self._heal_kill()
+        epoch = self.driver.epoch
+        if not epoch.fresh and not self.driver.in_sync:
+            self.w.violation(f"rank {self.rank} sends its state in quorum {epoch.id} while not in sync")
+        lineage = epoch.id if epoch.fresh else self.lineage  # a fresh epoch's source starts a new one
+        group.payload = (snapshot, self.digest, lineage)
+        for _ in range(2):
+            if self.w.groups.allreduce(self, group):
+                raise TransferBroken("a peer left mid-transfer")
+        self.lineage = lineage
+        return None
+
+    def receive_state(self, group: Any, on_write: Callable[[], None]) -> Tuple[Snapshot, Any]:
+        self._heal_kill()
+        if self.w.groups.allreduce(self, group):
+            raise TransferBroken("a peer left mid-transfer")
+        on_write()
+        self.sched.sleep(0.001)  # the bulk of the transfer
+        if self.w.groups.allreduce(self, group):
+            raise TransferBroken("a peer left mid-transfer")
+        snapshot, self.digest, self.lineage = group.payload
+        self.stepped = {}
+        self._after.clear()
+        return snapshot, None
+
+    # ------------------------------------------------------------ effects: what the script sees
+    def took_step(self, epoch: int, rnd: int, step: int) -> None:
+        self.digest = hashlib.blake2b(f"{self.digest}/{epoch}/{rnd}".encode(), digest_size=6).hexdigest()
+        self.stepped[(epoch, rnd)] = self.stepped.get((epoch, rnd), 0) + 1
+        self._after[(epoch, rnd)] = (self.lineage, step, self.digest)
+
+    def decided(self, epoch: int, rnd: int, commit: bool) -> None:
+        after = self._after.pop((epoch, rnd), None)
+        if not commit or after is None:
+            return  # voted down after it stepped: it takes the committed state again
+        self.w.note_commit(self, epoch, rnd, after)
+        self.stepped.pop((epoch, rnd), None)
