@@ -358,11 +358,6 @@ def rejoins_in_place(replica_size: int, nodes: int) -> bool:
     return replica_size == 1 and nodes == 1
 
 
-def core_field(name: str) -> property:
-    """A field of a driver's MemberCore (`self.core`), read and written as the driver's own."""
-    return property(lambda self: getattr(self.core, name), lambda self, v: setattr(self.core, name, v))
-
-
 def transfer_ends(epoch: Epoch, rank: int, k: int = 1) -> List[int]:
     """The ends of a heal's transfer for worker `rank` (shard rank % k): first the source, its own
     shard in the lowest replica holding the state (one source replica for every shard, so all
