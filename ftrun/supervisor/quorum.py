@@ -345,7 +345,9 @@ class QuorumKeeper:
         self._track_waits(s, now)
         self._unstick(s, now)
         admission = core.admit(s, {r: int(j) for r, j in zip(self.ranks, vals[:n])}, now)
-        self.pending, self.pending_since = dict(admission.pending), admission.pending_since
+        if admission.pending or self.pending:
+            self.pending = dict(admission.pending)
+        self.pending_since = admission.pending_since
         if admission.repace_after is not None:
             self.repace_after = admission.repace_after
         if admission.publish is not None:

@@ -142,6 +142,9 @@ class KeeperExit:
     reason: str
 
 
+_NOBODY_TO_ADMIT = KeeperAdmission(_NOTHING_READ, None, None, "nobody to admit")
+
+
 def _joined(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))} joined"
 
@@ -166,7 +169,7 @@ def admit(s: KeeperSnapshot, joins: Mapping[int, int], now: float) -> KeeperAdmi
     if not pending:
         why = repace_due(s, now)
         if why is None:
-            return KeeperAdmission(pending, None, None, "nobody to admit")
+            return _NOBODY_TO_ADMIT  # most polls: one instance, not one a poll
         return KeeperAdmission(pending, None, "", why, quiet=True, repace_after=now + Pace.WINDOW_S)
     since = s.pending_since if s.pending_since is not None else now
     if s.epoch_id == 0 or not s.members:
