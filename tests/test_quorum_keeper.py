@@ -500,7 +500,7 @@ def test_a_lost_nodes_members_are_voted_for_in_the_run_store(relayed):
 
 def test_members_waiting_on_their_node_follow_a_moved_store(relayed):
     """The run's store moved while node 1's forwarder was cut off from the old one: the node's
-    relay ends the wait of its other member, which follows the store (vote.StoreLost)."""
+    relay ends the wait of its other member, which follows the store (vote.StoreMovedMidVote)."""
     q, nodes = relayed
     run0, node0 = _member(q, nodes, 0)
     failed = {}
@@ -508,7 +508,7 @@ def test_members_waiting_on_their_node_follow_a_moved_store(relayed):
     def wait() -> None:
         try:
             vote.cast(run0, 1, 5, 4, True, 1, node0, 2)
-        except vote.StoreLost as e:
+        except vote.StoreMovedMidVote as e:
             failed["e"] = e
 
     t = threading.Thread(target=wait, daemon=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Epoch
@@ -20,9 +20,6 @@ from ftrun.sim.store import DistStoreError
 from ftrun.worker.ft import vote
 from ftrun.worker.ft.member.driver import MemberDriver
 from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
-
-if TYPE_CHECKING:
-    from ftrun.sim.world import World
 
 POLL_S = 0.02  # the member's store polls (the product's 5 ms, coarser: fewer simulated turns)
 REPORT_S = 0.25  # protocol.HEARTBEAT_S: the status report the keeper reads
@@ -78,10 +75,10 @@ class SimSignal:
 class SimWorker(MemberEffects):
     """A worker process: the product's driver, and the effects it runs over."""
 
-    store_errors = (DistStoreError, vote.StoreLost)
+    store_errors = (DistStoreError, vote.StoreMovedMidVote)
     poll_s = POLL_S
 
-    def __init__(self, world: "World", rank: int, inc: int) -> None:
+    def __init__(self, world: Any, rank: int, inc: int) -> None:  # sim/world.World, which imports this module
         self.w, self.rank = world, rank
         self.sched = world.sched
         self.proc = f"r{rank}.{inc}"

@@ -28,7 +28,7 @@ from ftrun import protocol as keys
 Decision = Tuple[bool, int, bool, Optional[int]]
 
 
-class StoreLost(Exception):
+class StoreMovedMidVote(Exception):
     """The node's ftrun wrote that the run's store moved while this member waited for a decision
     its node's forwarder could no longer fetch: the member follows the store, as after a failed call."""
 
@@ -104,7 +104,7 @@ def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int
         else:
             decision, closed = _text(local.get(keys.node_decision_key(node.id, epoch, rnd))), False
             if decision == keys.NODE_LOST_DECISION:
-                raise StoreLost(f"the run's store moved while round {rnd} of epoch {epoch} was being decided")
+                raise StoreMovedMidVote(f"the run's store moved while round {rnd} of epoch {epoch} was being decided")
     commit, target, kept = keys.parse_decision(decision)
     return commit, target, closed, kept
 

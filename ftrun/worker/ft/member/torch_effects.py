@@ -41,7 +41,7 @@ def _yield_to_training() -> None:
 
 
 class TorchEffects(MemberEffects):
-    store_errors = (dist.DistError, vote.StoreLost)
+    store_errors = (dist.DistError, vote.StoreMovedMidVote)
     poll_s = POLL_S
 
     def __init__(self, state: ReplicaState, rank: int, timeout: datetime.timedelta) -> None:
