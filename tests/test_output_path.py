@@ -202,6 +202,7 @@ print("done", flush=True)
 """
 
 
+@pytest.mark.alone  # it times where a slow reader's seconds go: another test beside it moves them
 def test_a_worker_waiting_on_its_output_counts_as_output_in_the_goodput(ftrun_home, tmp_path):
     """ftrun's own stdout taken slowly (`ftrun ... | slow-reader`): the worker waits on its full
     pipe, and that time is lost to output, not counted as training or as waiting."""
