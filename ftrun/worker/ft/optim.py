@@ -45,8 +45,8 @@ class Optimizer(torch.optim.Optimizer):
     (`ft.Optimizer(adamw, muon)`), and steps them only on a round that commits.
 
     `step()` returns True when the step was taken and False when it was discarded (a peer died
-    mid-step: parameters and optimizer state are exactly as before, and the loop hands the same
-    step out again). `step(closure)` evaluates the closure once, votes, and returns its loss, as
+    mid-step: parameters and optimizer state are exactly as before, the step's gradients are
+    dropped, and the loop hands the same step out again). `step(closure)` evaluates the closure once, votes, and returns its loss, as
     torch's optimizers do, taken or not. Either way `opt.stepped` says whether the last step()
     was taken: step an LR scheduler only then, `if opt.step(): sched.step()`.
 
@@ -135,7 +135,19 @@ class Optimizer(torch.optim.Optimizer):
                     opt.step(_Once(self._mgr, opt, loss))
             for hook in list(self._optimizer_step_post_hooks.values()):
                 hook(self, (), {})
+        else:
+            self._drop_gradients()
         return self._stepped if closure is None else loss
+
+    def _drop_gradients(self) -> None:
+        """A discarded step's gradients are a failed round's (half averaged, or this replica's
+        alone): none may add to the step handed out again, also on a parameter that no wrapped
+        optimizer steps, which the script's zero_grad() leaves alone."""
+        for model in self._mgr.state.models:
+            for p in model.parameters():
+                p.grad = None
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
