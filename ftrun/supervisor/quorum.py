@@ -274,7 +274,7 @@ class QuorumKeeper:
                 self.on_exit(rank, inc)
 
     def _rejoin(self, rank: int, inc: int, nxt: int) -> None:
-        """Incarnation `inc` of `rank` became `nxt` in place (ft/relocation.py _rejoin): what a
+        """Incarnation `inc` of `rank` became `nxt` in place (worker/ft/member/driver.py MemberDriver.rejoin): what a
         restart shows, without a new process (core.rejoin_applies)."""
         if not core.rejoin_applies(self._snapshot(), rank, inc):
             return
