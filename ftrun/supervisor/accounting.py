@@ -76,17 +76,21 @@ class Accounting:
         self.status.group_restarts = restarts
 
     # ------------------------------------------------------------ reading
-    def read_progress(self, store: Any, workers: Sequence[Worker], ft: bool, now: float) -> bool:
-        """The workers' new progress reports (a few times a second). True the first time the run's
-        store is found up (the loop readies what reads it)."""
-        if store is None or not store.ready.is_set():
+    def store_found(self, store: Any) -> bool:
+        """True the first time the run's store is found up: the loop then seeds the progress keys,
+        before any read (a read of a key no worker wrote yet waits out the store's timeout)."""
+        if store is None or not store.ready.is_set() or self._store_seen:
             return False
-        first = not self._store_seen
         self._store_seen = True
         if store.store is None:
-            if first:
-                self.console.note(f"could not host the run's store: {store.error}", style="bold red")
+            self.console.note(f"could not host the run's store: {store.error}", style="bold red")
             return False
+        return True
+
+    def read_progress(self, store: Any, workers: Sequence[Worker], ft: bool, now: float) -> None:
+        """The workers' new progress reports (a few times a second), once store_found() said so."""
+        if not self._store_seen or store is None or store.store is None:
+            return
         for w, report in self.progress.read_new(workers):
             w.last_heartbeat = now
             w.note_activity(report.activity, now)
@@ -96,7 +100,6 @@ class Accounting:
                 self._dirty = True
             if note_steps(w, report.steps, now):
                 self._dirty = True
-        return first
 
     def read_last_reports(self, workers: Sequence[Worker], quorum: Any) -> None:
         """Take in the report each worker writes as it exits (ftrun.worker.progress), so the

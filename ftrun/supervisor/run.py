@@ -263,8 +263,9 @@ class Supervisor:
         self.books.tick(self.workers, self.quorum, self.nodes, now)
 
     def _poll_progress(self, now: float) -> None:
-        if self.books.read_progress(self.store, self.workers, self.quorum is not None, now):
+        if self.books.store_found(self.store):
             self._on_store_ready()
+        self.books.read_progress(self.store, self.workers, self.quorum is not None, now)
 
     def _reports_store(self) -> RunStore:
         """Where this node's workers report progress: the node's own store when it relays their
