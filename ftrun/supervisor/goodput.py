@@ -163,6 +163,8 @@ class Accountant:
             self._count_steps(steps)  # a last report, written as it exited: where it stopped
         if steps <= 0 or lane.state not in (LaneState.STARTING, LaneState.HEALING, LaneState.TRAINING):
             return
+        if lane.state is not LaneState.TRAINING and self.ft and not first_step:
+            return  # --ft: healed to the run's step, but no step taken yet: not back
         last = min(max(last_step, lane.since), t)
         if lane.state is not LaneState.TRAINING:
             first = min(max(first_step if first_step else last, lane.since), last)

@@ -154,14 +154,17 @@ class ProgressReporter:
         self._moved = True
         self._wake.set()
 
-    def note_step(self, step: int) -> None:
-        """For ftrun.ft: the global step just committed. Reported within STEP_REPORT_S, not at
-        the next beat: `ftrun status` (and a script reading it) must show the current step."""
+    def note_step(self, step: int, took: bool = True) -> None:
+        """For ftrun.ft: the global step, just committed (`took`) or reached without a step (a
+        heal, a resume, a discarded round). Reported within STEP_REPORT_S, not at the next beat:
+        `ftrun status` (and a script reading it) must show the current step. Only a step taken
+        dates the replica's return: a heal that lands is not yet a replica training again."""
         self.global_step = step
         now = time.time()
-        self.last_step_time = now
-        if not self.first_step_time:
-            self.first_step_time = now
+        if took:
+            self.last_step_time = now
+            if not self.first_step_time:
+                self.first_step_time = now
         if now - self._written_at >= STEP_REPORT_S:
             self._wake.set()
 

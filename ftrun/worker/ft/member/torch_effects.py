@@ -180,11 +180,12 @@ class TorchEffects(MemberEffects):
     def took_step(self, epoch: int, rnd: int, step: int) -> None:
         for fn in self.step_listeners:
             fn()
-        self.note_step(step)
+        if self.progress is not None:
+            self.progress.note_step(step)
 
     def note_step(self, step: int) -> None:
         if self.progress is not None:
-            self.progress.note_step(step)
+            self.progress.note_step(step, took=False)
 
     def group_changed(self, group: Any) -> None:
         for fn in self.group_listeners:
