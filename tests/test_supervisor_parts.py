@@ -111,6 +111,79 @@ def test_node_modules_import_no_circle():
         assert not any(m in ("ftrun.supervisor.nodes",) for m in names), f"{path.name} imports nodes.py"
 
 
+# The keeper's own modules: its shell and components (quorum*.py) and its core (keeper/).
+KEEPER_MODULES = tuple(f"supervisor/{m}" for m in ("quorum.py", "quorum_status.py", "quorum_votes.py", "keeper/"))
+MUTATORS = {"update", "add", "append", "extend", "clear", "pop", "popitem", "discard", "remove",
+            "setdefault", "insert"}
+
+
+def _keeper_fields() -> Set[str]:
+    """The QuorumKeeper's fields and properties (what `self.X` names in its class)."""
+    _, node = _classes()["QuorumKeeper"]
+    props = {f.name for f in node.body if isinstance(f, ast.FunctionDef)
+             and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)}
+    return set(_writes("QuorumKeeper")) | props
+
+
+def _keeper_holders(func: ast.AST) -> Set[str]:
+    """The local names through which a function holds a keeper: a parameter annotated QuorumKeeper,
+    a name bound to a new keeper, or to another holder (`q = self.quorum`)."""
+    names = {"quorum", "keeper"}
+    args = func.args.args + func.args.kwonlyargs if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) else []
+    names |= {a.arg for a in args if a.annotation is not None and "QuorumKeeper" in ast.unparse(a.annotation)}
+    for _ in range(2):
+        for n in ast.walk(func):
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+                v = n.value
+                if (isinstance(v, ast.Call) and "QuorumKeeper" in ast.unparse(v.func)) or _holds_keeper(v, names):
+                    names.add(n.targets[0].id)
+    return names
+
+
+def _holds_keeper(e: ast.AST, names: Set[str]) -> bool:
+    return (isinstance(e, ast.Name) and e.id in names) or (isinstance(e, ast.Attribute) and e.attr == "quorum")
+
+
+def _keeper_field_written(target: ast.AST, names: Set[str], fields: Set[str]):
+    """The keeper's field a target (`quorum.X = `, `quorum.X[k] = `, `self.quorum.X.y = `) writes, if any."""
+    while isinstance(target, (ast.Attribute, ast.Subscript)):
+        if isinstance(target, ast.Attribute) and _holds_keeper(target.value, names) and target.attr in fields:
+            return target.attr
+        target = target.value
+    return None
+
+
+def keeper_writes_outside(root: pathlib.Path) -> list:
+    """'module:line field' for each write of a keeper's field outside the keeper's own modules."""
+    fields, found = _keeper_fields(), []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(SUPERVISOR.parent))
+        if rel.startswith(KEEPER_MODULES):
+            continue
+        tree = ast.parse(path.read_text())
+        for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            names = _keeper_holders(func)
+            for n in ast.walk(func):
+                targets = (n.targets if isinstance(n, ast.Assign) else
+                           [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else
+                           [n.func.value] if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                           and n.func.attr in MUTATORS else [])
+                for t in targets:
+                    field = _keeper_field_written(t, names, fields)
+                    if field:
+                        found.append(f"{rel}:{n.lineno} {field}")
+    return sorted(set(found))
+
+
+@pytest.mark.quick
+def test_no_field_of_the_keeper_is_written_outside_its_modules():
+    """The keeper (quorum.QuorumKeeper) owns its fields: the loop and the node news ask it through a
+    method (store_moved) instead of setting its books from outside."""
+    assert "fresh_start" in _keeper_fields() and "alive" in _keeper_fields()
+    found = keeper_writes_outside(SUPERVISOR) + keeper_writes_outside(SUPERVISOR.parent / "sim")
+    assert not found, f"fields of the QuorumKeeper written outside its modules: {found}"
+
+
 # ---------------------------------------------------------------- the failure policy, in-process
 from ftrun.supervisor.policy import (OTHERS_FINISHED, REPEATED, WHILE_SAVING, FailurePolicy,  # noqa: E402
                                      GroupFailed, ReplicaFailed, RestartAction, RestartVerdict)

@@ -185,14 +185,8 @@ class NodeNews:
         quorum = QuorumKeeper(store, [r for n in elected.nodes for r in node_ranks(cfg, n)],
                               [w.rank for w in workers], leader=elected.host == cfg.node_rank,
                               replica_size=k, routes=routes(cfg, nodes, elected.nodes))
-        quorum.fresh_start = old.fresh_start
-        quorum.epoch_id = old.epoch_id + 1  # above every epoch a replica may have seen
-        quorum.info.update(old.info)  # the replicas' last words, until they speak again
-        quorum.moved = True
-        quorum.awaited = set(old.members) or None
-        for w in workers:
-            quorum.alive[w.rank] = w.incarnation if w.alive else None
-        return StoreMoved(quorum, env, old.epoch_id + 1, elected, before, t0)
+        quorum.store_moved(old, {w.rank: w.incarnation if w.alive else None for w in workers})
+        return StoreMoved(quorum, env, quorum.epoch_id, elected, before, t0)
 
     def publish_move(self, mv: StoreMoved, nodes: Any, relay: Any) -> None:
         """After the loop took the new keeper: the workers learn the store's new address, late nodes

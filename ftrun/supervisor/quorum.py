@@ -68,7 +68,7 @@ class QuorumKeeper:
 
     def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True,
                  replica_size: int = 1, routes: Optional[Routes] = None, settings: Optional[KeeperSettings] = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, fresh_start: str = FRESH_START) -> None:
         # Time comes in: poll(now) is given it, and the events between polls (a death) read `clock`,
         # the same clock the supervisor passes to poll (the simulator passes its virtual one).
         self.clock = clock
@@ -118,7 +118,7 @@ class QuorumKeeper:
         # newcomer still starting joins the quorum after (the others need not wait for its import).
         self.awaited: Optional[Set[int]] = None
         # What a fresh quorum after the first means for the run (said once, in its history line).
-        self.fresh_start = FRESH_START
+        self.fresh_start = fresh_start
         self.fresh_epochs: Set[int] = set()  # quorums after the first that no holder of the trained state was in
         # A stop signal with --checkpoint-dir (stop()): every quorum from then on is a stop quorum.
         self.stopping = False
@@ -142,6 +142,18 @@ class QuorumKeeper:
             stopping=self.stopping, moved=self.moved, fresh_start=self.fresh_start, round_steps=self.round_steps,
             round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(), epoch_steps=self.epoch_steps,
             repace_after=self.repace_after, **read)
+
+    def store_moved(self, old: "QuorumKeeper", alive: Mapping[int, Optional[int]]) -> None:
+        """This keeper starts on the store the run moved to (ftrun.supervisor.failover) after `old`'s
+        was lost: its quorums count on above every quorum a replica may have seen, the first one
+        waits for `old`'s members and heals from the newest holder (core.survivors_source), and the
+        replicas' last words stand until they speak again. `alive`: this node's ranks' incarnations."""
+        self.fresh_start = old.fresh_start
+        self.epoch_id = old.epoch_id + 1
+        self.reports.info.update(old.info)
+        self.moved = True
+        self.awaited = set(old.members) or None
+        self.alive.update(alive)
 
     # ------------------------------------------------------------ store
     @property

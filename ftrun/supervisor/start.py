@@ -16,6 +16,7 @@ from ftrun.config import RunConfig
 from ftrun.protocol import NODE_RANKS_ENV, NODE_STORE_ENV
 from ftrun.supervisor import folder_lock
 from ftrun.supervisor.env import base_env, common_env
+from ftrun.supervisor.keeper.core import FRESH_START
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.node_decisions import node_ranks, routes
 from ftrun.supervisor.quorum import QuorumKeeper
@@ -79,8 +80,6 @@ def argv(cfg: RunConfig, use_zygote: bool) -> List[str]:
 def first_quorum(cfg: RunConfig, store: RunStore, nodes: Any, local: List[int], k: int) -> QuorumKeeper:
     """--ft: node 0 keeps the quorum of every rank; other nodes report to it through the store."""
     live = nodes.live if nodes is not None else [0]
-    quorum = QuorumKeeper(store, [r for n in live for r in node_ranks(cfg, n)], local, leader=cfg.node_rank == 0,
-                          replica_size=k, routes=routes(cfg, nodes, live))
-    if cfg.checkpoint_dir:
-        quorum.fresh_start = "resuming from the newest checkpoint, if any"
-    return quorum
+    fresh = "resuming from the newest checkpoint, if any" if cfg.checkpoint_dir else FRESH_START
+    return QuorumKeeper(store, [r for n in live for r in node_ranks(cfg, n)], local, leader=cfg.node_rank == 0,
+                        replica_size=k, routes=routes(cfg, nodes, live), fresh_start=fresh)
