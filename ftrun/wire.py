@@ -166,7 +166,7 @@ class WorkerError:
 
 # The `where` of the error a --ft worker records as it restarts (protocol.EXIT_REPLICA_RESTART)
 # because the others' decision of a round contradicts what it did: another replica's failure
-# caused it, and no budget pays for it (ftrun.supervisor.peer_restarts).
+# caused it, and no budget pays for it (ftrun.supervisor.policy.peer_restarts).
 PEERS_DECIDED = "ftrun.ft: a round its peers decided otherwise"
 
 
@@ -179,7 +179,7 @@ class FirstFailure:
     rank: int
     reason: str = "failed"
     code: int = 1                     # the failure's exit status
-    signature: Optional[str] = None   # ftrun.supervisor.restart: the same failure twice in a row
+    signature: Optional[str] = None   # ftrun.supervisor.policy.restart: the same failure twice in a row
 
     def encode(self) -> str:
         return json.dumps({"node": self.node, "rank": self.rank, "reason": self.reason, "code": self.code,

@@ -1,4 +1,4 @@
-"""The hang rules (ftrun.supervisor.hangs.find_hung), in-process: worker records and a keeper's
+"""The hang rules (ftrun.supervisor.policy.hangs.find_hung), in-process: worker records and a keeper's
 answers in, the named culprits out; time is an input. The rules through the real CLI, with real
 SIGSTOPs and deadlocks, are in test_hangs.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from ftrun.supervisor.hangs import find_hung
+from ftrun.supervisor.policy.hangs import find_hung
 from ftrun.supervisor.worker import Worker, WorkerSpec, WorkerState
 
 pytestmark = pytest.mark.quick

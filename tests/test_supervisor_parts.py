@@ -1,6 +1,6 @@
 """The supervisor's parts own their state: no field of the Supervisor or the NodeCoordinator is
 written in two modules, neither is built of mixins, the node watch works from what it is sent,
-and the failure policy (ftrun.supervisor.policy) decides in-process, from tables of events."""
+and the failure policy (ftrun.supervisor.policy.failure_policy) decides in-process, from tables of events."""
 
 from __future__ import annotations
 
@@ -185,9 +185,9 @@ def test_no_field_of_the_keeper_is_written_outside_its_modules():
 
 
 # ---------------------------------------------------------------- the failure policy, in-process
-from ftrun.supervisor.policy import (OTHERS_FINISHED, REPEATED, WHILE_SAVING, FailurePolicy,  # noqa: E402
+from ftrun.supervisor.policy.failure_policy import (OTHERS_FINISHED, REPEATED, WHILE_SAVING, FailurePolicy,  # noqa: E402
                                      GroupFailed, ReplicaFailed, RestartAction, RestartVerdict)
-from ftrun.supervisor.restart import Repeats  # noqa: E402
+from ftrun.supervisor.policy.restart import Repeats  # noqa: E402
 
 V = RestartVerdict
 

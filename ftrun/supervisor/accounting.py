@@ -17,7 +17,8 @@ from typing import Any, Optional, Sequence
 
 from ftrun.config import RunConfig
 from ftrun.status.state import RunPhase, RunStatus, run_dir, run_folder_name
-from ftrun.supervisor import activity, checkpoints
+from ftrun.supervisor.policy import activity
+from ftrun.supervisor import checkpoints
 from ftrun.supervisor.ledger import Ledger
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.progress_reader import ProgressReader, note_steps

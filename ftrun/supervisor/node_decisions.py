@@ -24,7 +24,7 @@ from ftrun.supervisor.node_common import NODE_LOST, REQUEUE, NodeEvent
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.redirect import Redirect
 from ftrun.supervisor.relay import Routes
-from ftrun.supervisor.stopping import AfterStop, StopRun
+from ftrun.supervisor.policy.stopping import AfterStop, StopRun
 from ftrun.supervisor.worker import Worker
 from ftrun.wire import FirstFailure
 

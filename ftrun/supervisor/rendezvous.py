@@ -77,11 +77,11 @@ from ftrun.supervisor.store import RunStore, bind_listener
 
 def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
     """Round after round until the run ends; ftrun's exit status."""
-    from ftrun.supervisor.restart import Repeats
+    from ftrun.supervisor.policy.restart import Repeats
     from ftrun.supervisor.run import Supervisor
 
     console = console or ConsoleOut(cfg.quiet)
-    repeats = Repeats()  # a script's error that repeats round after round ends the run (restart.py)
+    repeats = Repeats()  # a script's error that repeats round after round ends the run (policy/restart.py)
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def stop(signum, _frame):

@@ -8,8 +8,8 @@ only report (the spawner's events, the progress reader, find_hung, the node
 coordinator's check(), the quorum keeper). torch elastic's `_invoke_run` is
 the pattern: the loop alone decides what happens, and each component owns its
 own state, takes events and returns an action the loop carries out:
-  the failure policy and the failures (policy.py, failures.py): ReplicaOutcome, StopRun;
-  stopping (stopping.py): the stop under way, the save before it, the signal;
+  the failure policy and the failures (policy/failure_policy.py, policy/failures.py): ReplicaOutcome, StopRun;
+  stopping (policy/stopping.py): the stop under way, the save before it, the signal;
   other nodes' news (node_decisions.py): StopRun, RemoteFailure, StoreMoved;
   the --ft quorum's view (ft_follow.py): QuorumNews;
   accounting (accounting.py): the status, progress, goodput and checkpoints.
@@ -30,19 +30,19 @@ from ftrun.protocol import EXIT_FAILED
 from ftrun.supervisor import checkpoints, start
 from ftrun.supervisor.accounting import Accounting
 from ftrun.supervisor.env import error_file, log_dir, stacks_file, worker_env
-from ftrun.supervisor.failures import ReplicaOutcome, WorkerFailures, training_over
+from ftrun.supervisor.policy.failures import ReplicaOutcome, WorkerFailures, training_over
 from ftrun.supervisor.ft_follow import QuorumView
-from ftrun.supervisor.hangs import find_hung
+from ftrun.supervisor.policy.hangs import find_hung
 from ftrun.supervisor.logs import ConsoleOut, Pump, drain, open_pipes
 from ftrun.supervisor.node_common import NodeEvent
 from ftrun.supervisor.node_decisions import NodeNews, RemoteFailure, StoreMoved, can_reform
 from ftrun.supervisor.nodes import NodeCoordinator
-from ftrun.supervisor.policy import FailurePolicy
+from ftrun.supervisor.policy.failure_policy import FailurePolicy
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.relay import NodeRelay
-from ftrun.supervisor.restart import Repeats
+from ftrun.supervisor.policy.restart import Repeats
 from ftrun.supervisor.spawn import WorkerExited, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner
-from ftrun.supervisor.stopping import AfterStop, Stopper, StopRun, forwarded_signals
+from ftrun.supervisor.policy.stopping import AfterStop, Stopper, StopRun, forwarded_signals
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.waits import Waits, replica_waits
 from ftrun.supervisor.table import WorkerTable
@@ -278,7 +278,7 @@ class Supervisor:
         self.books.progress.seed([w.rank for w in self.workers])
 
     def _check_hangs(self, now: float) -> None:
-        """Name and kill hung workers (ftrun.supervisor.hangs says which, and why)."""
+        """Name and kill hung workers (ftrun.supervisor.policy.hangs says which, and why)."""
         explicit = self.cfg.step_timeout is not None
         limit = self.cfg.step_timeout if explicit else self.default_hang_s
         for hung in find_hung(self.workers, now, limit, explicit, self.k, self.quorum):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from ftrun.protocol import DUMP_STACKS_SIGNAL
-from ftrun.supervisor.hangs import HANG_DUMP_GRACE_S
+from ftrun.supervisor.policy.hangs import HANG_DUMP_GRACE_S
 from ftrun.supervisor.logs import ConsoleOut, RankLog
 from ftrun.supervisor.spawn import WorkerExited, Spawned, signal_group
 from ftrun.supervisor.worker import Worker, WorkerSpec, WorkerState

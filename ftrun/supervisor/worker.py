@@ -46,9 +46,9 @@ class Failure:
     stderr_tail: List[str] = field(default_factory=list)
     log_path: Optional[str] = None
     # A traceback's exception and innermost line, when it came before the incarnation's first
-    # step: the same twice in a row is a deterministic error, not retried (restart.py).
+    # step: the same twice in a row is a deterministic error, not retried (policy/restart.py).
     signature: Optional[str] = None
-    # A restart the other replicas' decision of a round forced on a sound process (peer_restarts.py):
+    # A restart the other replicas' decision of a round forced on a sound process (policy/peer_restarts.py):
     # charged to no budget, never the run's first failure.
     by_peers: bool = False
 

@@ -1,5 +1,5 @@
 """The failure policy: what a worker's failure leads to. A pure component: it owns the restart
-budgets (ftrun.supervisor.restart) and the run's restart mode, takes a failure event and returns
+budgets (ftrun.supervisor.policy.restart) and the run's restart mode, takes a failure event and returns
 an action; it never touches a process, the store, the console or a clock.
 
 Two modes. Group restarts (torchrun's semantics, and any run without --ft): a failure stops
@@ -8,7 +8,7 @@ round instead and re-forms (its budget is the rounds'). Replica restarts (--ft):
 failed replica restarts, within its own budget; past it the replica is dropped while at least
 --min-replicas others live, else the run gives up. A failure that repeats the last one exactly
 right after start is not retried (restart.Repeats). A restart the others' decision forced on a
-replica (ftrun.supervisor.peer_restarts) is charged to no budget.
+replica (ftrun.supervisor.policy.peer_restarts) is charged to no budget.
 
 The supervisor's loop (ftrun.supervisor.run) applies the actions; the simulator may drive the
 same object (ReplicaFailed in, RestartAction out).
@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from ftrun.supervisor.restart import GroupRestartPolicy, ReplicaRestartPolicy, Repeats, RestartDecision
+from ftrun.supervisor.policy.restart import GroupRestartPolicy, ReplicaRestartPolicy, Repeats, RestartDecision
 
 # Why a failure is not restarted although budget is left (restart.Repeats).
 REPEATED = ("not restarted again: it failed the same way (the same exception at the same line) twice in a row "

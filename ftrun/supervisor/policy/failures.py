@@ -1,5 +1,5 @@
 """The failures component of the supervisor's loop: a worker that failed becomes a Failure record,
-the failure policy (ftrun.supervisor.policy) decides what follows, and an action says what the
+the failure policy (ftrun.supervisor.policy.failure_policy) decides what follows, and an action says what the
 loop carries out: restart its replica (--ft), drop it, leave it failed, restart the group (agreed
 across nodes), end the round, or give up with the failure report.
 
@@ -23,11 +23,11 @@ from ftrun.protocol import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ftrun.supervisor.env import error_file
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.node_common import NodeEvent, one_line
-from ftrun.supervisor.peer_restarts import forced_by_peers, peer_reason
-from ftrun.supervisor.policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
+from ftrun.supervisor.policy.peer_restarts import forced_by_peers, peer_reason
+from ftrun.supervisor.policy.failure_policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
 from ftrun.supervisor.report import early_signature, error_reason, exit_reason, failure_report, worker_error
 from ftrun.supervisor.spawn import WorkerExited
-from ftrun.supervisor.stopping import AfterStop, StopRun
+from ftrun.supervisor.policy.stopping import AfterStop, StopRun
 from ftrun.supervisor.worker import Failure, Worker, WorkerState
 from ftrun.wire import UNKNOWN_FAILURE, FirstFailure
 

@@ -1,5 +1,5 @@
 """Restart budgets: given a failure, restart the group, restart one replica, or give up.
-The failure policy (ftrun.supervisor.policy) owns one and turns its decision into an action.
+The failure policy (ftrun.supervisor.policy.failure_policy) owns one and turns its decision into an action.
 
 Group policy (default, torchrun semantics): any failure stops every worker and
 restarts them all, while the group's budget lasts. Replica policy (--ft): only
