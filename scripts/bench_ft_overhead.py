@@ -110,7 +110,7 @@ def accounting_cost(seconds: float = 20.0) -> float:
     """The supervisor's CPU seconds per second of run spent on goodput accounting: the events
     of `seconds` of a 3-replica run at 50 steps/s (a report per replica every 0.25 s, a state
     write every 0.2 s), fed to the accountant as the supervisor feeds them."""
-    from ftrun.supervisor.goodput import Accountant
+    from ftrun.supervisor.accounting.goodput import Accountant
 
     acc = Accountant(3, started=0.0, ft=True)
     for r in range(3):

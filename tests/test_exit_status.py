@@ -222,7 +222,7 @@ def test_ft_on_a_script_without_ftrun_ft_gets_group_restarts(tmp_path, ftrun_hom
 def test_a_sigkill_is_put_on_the_memory_killer_only_on_evidence():
     """The kernel log naming the process (not in it here: a live pid no OOM killer touched), or
     the worker's memory near the limit at its last sample; else "sent from outside ftrun"."""
-    from ftrun.supervisor.report import exit_reason, memory_limit
+    from ftrun.supervisor.accounting.report import exit_reason, memory_limit
 
     limit = memory_limit()
     assert limit and limit > 0

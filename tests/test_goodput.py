@@ -1,4 +1,4 @@
-"""The goodput accountant (ftrun.supervisor.goodput), in-process: time is an input.
+"""The goodput accountant (ftrun.supervisor.accounting.goodput), in-process: time is an input.
 
 Schedules of events with known answers: where each replica-second goes for a
 failure-free run, a kill, a hang, a checkpoint pause, a group restart that loses
@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from ftrun.supervisor.goodput import Accountant, Cause, LaneState
+from ftrun.supervisor.accounting.goodput import Accountant, Cause, LaneState
 
 pytestmark = pytest.mark.quick
 

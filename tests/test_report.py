@@ -125,7 +125,7 @@ def test_report_of_no_such_run_is_one_line(tmp_path):
 ])
 def test_a_damaged_timeline_is_one_line(tmp_path, damage, problem):
     from ftrun.status.state import RunStatus, write_state
-    from ftrun.supervisor.timeline import write_timeline
+    from ftrun.supervisor.accounting.timeline import write_timeline
 
     home = tmp_path / "home"
     folder = home / "made"

@@ -20,7 +20,7 @@ from conftest import STEP_LOOP, run_ftrun, start_ftrun, wait_for_line
 
 from ftrun.errors import ConfigError
 from ftrun.status.state import ReplicaStatus, RunStatus, read_states, run_dir, runs_root, write_state
-from ftrun.supervisor.report import exit_reason
+from ftrun.supervisor.accounting.report import exit_reason
 from ftrun.supervisor.policy.restart import GroupRestartPolicy, ReplicaRestartPolicy
 from ftrun.supervisor.worker import WorkerState
 

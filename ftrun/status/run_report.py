@@ -1,7 +1,7 @@
 """`ftrun report [RUN] [-o FILE]`: one self-contained HTML page of a run, for after the fact.
 
 Reads what the run's supervisors wrote on this machine (each node's state.json and
-timeline.json: ftrun.supervisor.ledger) and writes a single HTML file with the data,
+timeline.json: ftrun.supervisor.accounting.ledger) and writes a single HTML file with the data,
 the script that draws it and its styles inlined, so it opens with no network from a
 cluster's shared disk: a lane per replica (starting, training, healing, away, hung,
 spare, done), the failures marked with their cause, committed steps per second over
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ftrun.errors import ConfigError
 from ftrun.status.state import RunStatus, scan_state_files
-from ftrun.supervisor.timeline import read_timeline
+from ftrun.supervisor.accounting.timeline import read_timeline
 
 ASSETS = Path(__file__).resolve().parent
 

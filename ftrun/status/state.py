@@ -77,7 +77,7 @@ class RunStatus:
     # write_s, pause_s, time (wall clock when it was published); and the saves that failed:
     # failed_total, failed_since (since that one), last_failure {step, why, final, time}
     checkpoint: Optional[Dict[str, Any]] = None
-    # Goodput (ftrun.supervisor.goodput): the share of this node's replica-time spent on committed
+    # Goodput (ftrun.supervisor.accounting.goodput): the share of this node's replica-time spent on committed
     # steps, the rest in replica-seconds by cause, and each failure (time, rank, replica, cause,
     # kind, detect_s, back_s, lost_s, lost_steps, node_rank)
     goodput: Optional[float] = None

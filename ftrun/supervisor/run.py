@@ -12,7 +12,7 @@ own state, takes events and returns an action the loop carries out:
   stopping (policy/stopping.py): the stop under way, the save before it, the signal;
   other nodes' news (node_decisions.py): StopRun, RemoteFailure, StoreMoved;
   the --ft quorum's view (ft_follow.py): QuorumNews;
-  accounting (accounting.py): the status, progress, goodput and checkpoints.
+  accounting (accounting/accounts.py): the status, progress, goodput and checkpoints.
 Must never import torch on the main thread before the workers have started,
 and never wait on the queue outside the loop.
 """
@@ -27,8 +27,9 @@ from typing import Optional, Union
 
 from ftrun.config import RunConfig, hang_after_s, store_listen_addr
 from ftrun.protocol import EXIT_FAILED
-from ftrun.supervisor import checkpoints, start
-from ftrun.supervisor.accounting import Accounting
+from ftrun.supervisor import start
+from ftrun.supervisor.accounting import checkpoints
+from ftrun.supervisor.accounting.accounts import Accounting
 from ftrun.supervisor.env import error_file, log_dir, stacks_file, worker_env
 from ftrun.supervisor.policy.failures import ReplicaOutcome, WorkerFailures, training_over
 from ftrun.supervisor.ft_follow import QuorumView

@@ -59,7 +59,7 @@ class ProgressReporter:
         self.global_step: Optional[int] = None  # set by ftrun.ft, which counts committed steps
         self.first_step_time = 0.0  # this process's first step: when its replica was back (goodput)
         # Without --ft: the step count when the script's latest save returned (-1: none yet);
-        # a group restart loses the steps after it (ftrun.supervisor.goodput).
+        # a group restart loses the steps after it (ftrun.supervisor.accounting.goodput).
         self.saved_steps = -1
         self._dcp_wrapped = False
         self.info_provider = None  # ftrun.ft: a callable returning a JSON-able dict for `ftrun status`

@@ -25,7 +25,7 @@ from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.node_common import NodeEvent, one_line
 from ftrun.supervisor.policy.peer_restarts import forced_by_peers, peer_reason
 from ftrun.supervisor.policy.failure_policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
-from ftrun.supervisor.report import early_signature, error_reason, exit_reason, failure_report, worker_error
+from ftrun.supervisor.accounting.report import early_signature, error_reason, exit_reason, failure_report, worker_error
 from ftrun.supervisor.spawn import WorkerExited
 from ftrun.supervisor.policy.stopping import AfterStop, StopRun
 from ftrun.supervisor.worker import Failure, Worker, WorkerState

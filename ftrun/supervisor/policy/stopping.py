@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_FAILED, EXIT_SIGNAL_BASE
-from ftrun.supervisor import checkpoints
+from ftrun.supervisor.accounting import checkpoints
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.spawn import SpawnerDied, signal_group
 from ftrun.supervisor.worker import Failure, Worker

@@ -13,7 +13,7 @@ the cause whose window it overlaps (a hang until its detection, a failure until 
 is back, a checkpoint's pause, a worker's full output pipe), or to waiting when none does.
 
 Must never read the clock, the store or files, nor touch processes: time is an argument
-of every call, and the supervisor (ftrun.supervisor.ledger) does the IO.
+of every call, and the supervisor (ftrun.supervisor.accounting.ledger) does the IO.
 """
 
 from __future__ import annotations

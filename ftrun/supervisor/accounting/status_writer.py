@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from ftrun.status.state import ReplicaStatus, RunStatus, write_state
-from ftrun.supervisor.ledger import Ledger
+from ftrun.supervisor.accounting.ledger import Ledger
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.worker import Worker
 

@@ -4,7 +4,7 @@ the processes' activity, and when the state file is written.
 
 The loop tells it what happened (a worker spawned, a summary, a group restart, the end) and
 asks it to write; it owns every field of the status. Accounting must never take the run down
-(ftrun.supervisor.status_writer), never change a worker's state but the first progress of a
+(ftrun.supervisor.accounting.status_writer), never change a worker's state but the first progress of a
 worker without --ft (it is then running), and never decide anything else.
 """
 
@@ -18,11 +18,11 @@ from typing import Any, Optional, Sequence
 from ftrun.config import RunConfig
 from ftrun.status.state import RunPhase, RunStatus, run_dir, run_folder_name
 from ftrun.supervisor.policy import activity
-from ftrun.supervisor import checkpoints
-from ftrun.supervisor.ledger import Ledger
+from ftrun.supervisor.accounting import checkpoints
+from ftrun.supervisor.accounting.ledger import Ledger
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.progress_reader import ProgressReader, note_steps
-from ftrun.supervisor.status_writer import StatusWriter
+from ftrun.supervisor.accounting.progress_reader import ProgressReader, note_steps
+from ftrun.supervisor.accounting.status_writer import StatusWriter
 from ftrun.supervisor.worker import Failure, Worker, WorkerState
 
 METRICS_S = 1.0  # how often the processes' CPU and memory are sampled

@@ -5,7 +5,7 @@ The loop calls one method per thing it saw (a worker spawned, reported progress,
 hung, finished; a checkpoint was published; a group restart began); this module maps
 workers to lanes (a --ft replica of K workers is one lane, a rank without --ft is one),
 estimates the steps a group restart lost (those since the script's last save, from the
-step counts the workers report), and hands the accountant (ftrun.supervisor.goodput)
+step counts the workers report), and hands the accountant (ftrun.supervisor.accounting.goodput)
 times. At every state write it fills the state file's goodput, lost_s and failures,
 samples the timeline (written beside the state for `ftrun report`) and gives the
 metrics endpoint (--metrics-port) a new view; at the end it prints the summary.
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from ftrun.status.state import RunStatus
-from ftrun.supervisor.goodput import Accountant, Breakdown, LaneState
-from ftrun.supervisor.timeline import Checkpoints, StepSeries, write_timeline
+from ftrun.supervisor.accounting.goodput import Accountant, Breakdown, LaneState
+from ftrun.supervisor.accounting.timeline import Checkpoints, StepSeries, write_timeline
 from ftrun.supervisor.worker import Failure, Worker
 from ftrun.wire import FirstFailure, ProgressReport
 
@@ -164,7 +164,7 @@ class Ledger:
         return d
 
     def view(self, b: Breakdown, status: RunStatus) -> Any:
-        from ftrun.supervisor.metrics import MetricsView
+        from ftrun.supervisor.accounting.metrics import MetricsView
 
         states: Dict[str, int] = {s.value: 0 for s in LaneState}
         for s in b.lanes.values():
@@ -212,7 +212,7 @@ class Ledger:
             return None
         host, port = self.cfg.metrics_port
         try:
-            from ftrun.supervisor.metrics import MetricsServer
+            from ftrun.supervisor.accounting.metrics import MetricsServer
 
             self.metrics = MetricsServer(host, port, self.cfg.run_id, self.cfg.node_rank)
         except OSError as e:

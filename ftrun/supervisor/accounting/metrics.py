@@ -21,7 +21,7 @@ FAILURE_KINDS = ("exit", "signal", "hang")
 
 @dataclass(frozen=True)
 class MetricsView:
-    """What one scrape shows; built by ftrun.supervisor.ledger from the goodput books."""
+    """What one scrape shows; built by ftrun.supervisor.accounting.ledger from the goodput books."""
 
     replicas: Dict[str, int] = field(default_factory=dict)      # lane state -> replicas in it
     steps_committed: int = 0
