@@ -182,7 +182,7 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
 
     quiet_torch_warnings()  # before the supervisor imports torch; workers keep the user's environment
     if cfg.rdzv == "c10d":
-        from ftrun.supervisor.rendezvous import run_c10d
+        from ftrun.supervisor.nodes.rendezvous import run_c10d
 
         code = run_c10d(cfg)
     else:

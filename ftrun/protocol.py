@@ -79,7 +79,7 @@ class NodeKeys:
 
 
 # ---------------------------------------------------------------- the store moves (--ft, several nodes)
-# Each node but node 0 hosts a standby store from the start (ftrun/supervisor/failover.py). When
+# Each node but node 0 hosts a standby store from the start (ftrun/supervisor/nodes/failover.py). When
 # the run's store is lost, the survivors agree on the next host in generation g through keys in
 # the candidates' standby stores; the host's standby store becomes the run's store.
 def failover_node(gen: int, k: int) -> str:
@@ -95,7 +95,7 @@ def failover_formed(gen: int) -> str:
 RUN_STORE = "ftrun/run-store"
 
 
-RDZV = "ftrun/rdzv/"                     # c10d rendezvous (ftrun/supervisor/rendezvous.py)
+RDZV = "ftrun/rdzv/"                     # c10d rendezvous (ftrun/supervisor/nodes/rendezvous.py)
 
 
 def rdzv_arrivals(rnd: int) -> str:

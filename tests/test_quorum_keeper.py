@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ftrun import protocol as keys
 from ftrun.supervisor.keeper import core, dead
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.supervisor.relay import NodeRelay, Routes
+from ftrun.supervisor.nodes.relay import NodeRelay, Routes
 from ftrun.worker.ft import vote
 
 pytestmark = pytest.mark.quick

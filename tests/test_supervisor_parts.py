@@ -78,16 +78,16 @@ def test_no_mixins(name):
 @pytest.mark.quick
 def test_node_watch_works_from_what_it_is_sent():
     """The watch thread never holds the coordinator: it is sent a plan, the coordinator reads a snapshot."""
-    src = (SUPERVISOR / "node_watch.py").read_text()
-    assert "NodeCoordinator" not in src and "self.coord" not in src and "supervisor.nodes" not in src
+    src = (SUPERVISOR / "nodes" / "node_watch.py").read_text()
+    assert "NodeCoordinator" not in src and "self.coord" not in src and "nodes.coordinator" not in src
     assert "WatchPlan" in src and "def view(" in src
 
 
 @pytest.mark.quick
 def test_no_module_writes_the_coordinators_fields():
-    """Only nodes.py writes a field of the NodeCoordinator (the loop holds it as `self.nodes`)."""
+    """Only nodes/coordinator.py writes a field of the NodeCoordinator (the loop holds it as `self.nodes`)."""
     for path in sorted(SUPERVISOR.rglob("*.py")):
-        if path.name == "nodes.py":
+        if path.name == "coordinator.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             targets = (node.targets if isinstance(node, ast.Assign) else
@@ -101,14 +101,14 @@ def test_no_module_writes_the_coordinators_fields():
 
 @pytest.mark.quick
 def test_node_modules_import_no_circle():
-    """nodes.py builds on node_*.py; none of them imports nodes.py back (not even for type hints).
+    """nodes/coordinator.py builds on node_*.py; none of them imports it back (not even for type hints).
     node_decisions.py is the loop's, which holds the coordinator."""
-    for path in sorted(p for p in SUPERVISOR.glob("node_*.py") if p.name != "node_decisions.py"):
+    for path in sorted(p for p in (SUPERVISOR / "nodes").glob("node_*.py") if p.name != "node_decisions.py"):
         tree = ast.parse(path.read_text())
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names]
-        assert not any(m in ("ftrun.supervisor.nodes",) for m in names), f"{path.name} imports nodes.py"
+        assert "ftrun.supervisor.nodes.coordinator" not in names, f"{path.name} imports nodes/coordinator.py"
 
 
 # The keeper's own modules: its shell and components (quorum*.py) and its core (keeper/).

@@ -5,7 +5,7 @@ simulated process groups (a collective succeeds only if every member of the grou
 and none has died or left it), a schedule of faults, and the protocol's invariants, checked
 after every scheduled turn. `run(schedule)` returns the first violation, or None.
 On several nodes every node but node 0 has its own store, through which its workers vote and
-report, kept by the real node relay (ftrun.supervisor.relay.NodeRelay) and a follower keeper
+report, kept by the real node relay (ftrun.supervisor.nodes.relay.NodeRelay) and a follower keeper
 that tells node 0's leader of its workers' starts and deaths; a lost node's workers die with
 it and its store is gone, and node 0 declares it lost NODE_LOST_S later, as its node watch does.
 Must never be imported by the product.
@@ -22,7 +22,7 @@ from ftrun.sim.worker import SimWorker
 from ftrun.sim.sched import Deadlock, Sched
 from ftrun.sim.store import SimStore
 from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
-from ftrun.supervisor.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
+from ftrun.supervisor.nodes.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
 
 STEP_S = 0.05  # a training step's compute, on average (virtual)
 TICK_S = 0.05  # the supervisor's loop under --ft (supervisor/run.py)
@@ -32,7 +32,7 @@ PROGRESS_BOUND_S = 60.0  # after the last fault ends, the run finishes within th
 TURNS_BOUND = 400_000  # a livelock that keeps time from moving is a violation too
 KEYS_PER_RANK = 40  # the store holds at most this many keys per rank, plus KEYS_BASE (rounds in flight)
 KEYS_BASE = 100
-NODE_LOST_S = 3.0  # node 0 declares a node lost this long after its beats stop (supervisor/node_watch.py)
+NODE_LOST_S = 3.0  # node 0 declares a node lost this long after its beats stop (supervisor/nodes/node_watch.py)
 
 
 @dataclass(frozen=True)

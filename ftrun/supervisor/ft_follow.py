@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.node_common import one_line
+from ftrun.supervisor.nodes.node_common import one_line
 from ftrun.supervisor.accounting.progress_reader import ProgressReader, note_steps
 from ftrun.supervisor.worker import Worker, WorkerState
 

@@ -20,7 +20,7 @@ restarted replica asks to join, and when a member dies. For a member that
 died it abstains in the rounds its peers may be waiting on, so those rounds
 close on the survivors' own votes; a round its vote closes, it decides. On
 several nodes that vote goes through the member's node's store (relayed per
-node, ftrun.supervisor.relay) while the node answers. It deletes the keys of
+node, ftrun.supervisor.nodes.relay) while the node answers. It deletes the keys of
 finished rounds and old quorums, so the store does not grow with the run.
 
 This module is the shell: it reads the store into a snapshot, asks the keeper core
@@ -44,7 +44,7 @@ from ftrun.supervisor.keeper.core import FRESH_START, KeeperDecision, KeeperSnap
 from ftrun.supervisor.keeper.dead import KeeperRules
 from ftrun.supervisor.quorum_status import ReplicaReports
 from ftrun.supervisor.quorum_votes import VoteCaster
-from ftrun.supervisor.relay import Routes
+from ftrun.supervisor.nodes.relay import Routes
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class QuorumKeeper:
         # the same clock the supervisor passes to poll (the simulator passes its virtual one).
         self.clock = clock
         self.store = store  # RunStore; its .store is the TCPStore once ready
-        # Several nodes: the nodes whose members vote through their node's store (ftrun.supervisor.relay).
+        # Several nodes: the nodes whose members vote through their node's store (ftrun.supervisor.nodes.relay).
         self.routes = routes
         self.k = replica_size
         self.ranks = sorted(ranks)              # every replica of the run (all nodes)
@@ -111,7 +111,7 @@ class QuorumKeeper:
         self.finished_members: Set[Tuple[int, int]] = set()  # incarnations that left the loop (exit 0)
         # Since when the others have been waiting for each replica, continuously.
         self.waited_since: Dict[int, float] = {}
-        # Started on a store that moved (ftrun.supervisor.failover): its first quorum takes the
+        # Started on a store that moved (ftrun.supervisor.nodes.failover): its first quorum takes the
         # state from the replica that says it holds the newest whole step (core.survivors_source).
         self.moved = False
         # On a moved store, the ranks the first quorum waits for: the last quorum's members. A
@@ -144,7 +144,7 @@ class QuorumKeeper:
             repace_after=self.repace_after, **read)
 
     def store_moved(self, old: "QuorumKeeper", alive: Mapping[int, Optional[int]]) -> None:
-        """This keeper starts on the store the run moved to (ftrun.supervisor.failover) after `old`'s
+        """This keeper starts on the store the run moved to (ftrun.supervisor.nodes.failover) after `old`'s
         was lost: its quorums count on above every quorum a replica may have seen, the first one
         waits for `old`'s members and heals from the newest holder (core.survivors_source), and the
         replicas' last words stand until they speak again. `alive`: this node's ranks' incarnations."""
@@ -187,7 +187,7 @@ class QuorumKeeper:
         for k in self.routes.nodes if self.routes is not None else []:
             s.compare_set(keys.node_info_key(k), "", "{}")
         # Last: followers read every rank's keys once LATEST exists. Above 0 on a store that
-        # moved (ftrun.supervisor.failover): quorums go on counting from the lost store's.
+        # moved (ftrun.supervisor.nodes.failover): quorums go on counting from the lost store's.
         s.compare_set(keys.LATEST, "", str(self.epoch_id))
         self.ready = True
         for r, k in self._dead_pending:

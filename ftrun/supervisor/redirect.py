@@ -8,7 +8,7 @@ moved store therefore tries the endpoint twice a second; when a store answers
 there and says it belongs to this run (``RDZV_RUN``), it writes ``RDZV_MOVED``
 = host:port of the store now. The rendezvous of a node hosting or joining at
 the endpoint reads it and joins the run where it is
-(ftrun.supervisor.rendezvous), and a hosting node keeps its store up with
+(ftrun.supervisor.nodes.rendezvous), and a hosting node keeps its store up with
 that word in it for the nodes that come after.
 
 Must never block the supervisor's loop (it runs in its own thread), never

@@ -10,7 +10,7 @@ the pattern: the loop alone decides what happens, and each component owns its
 own state, takes events and returns an action the loop carries out:
   the failure policy and the failures (policy/failure_policy.py, policy/failures.py): ReplicaOutcome, StopRun;
   stopping (policy/stopping.py): the stop under way, the save before it, the signal;
-  other nodes' news (node_decisions.py): StopRun, RemoteFailure, StoreMoved;
+  other nodes' news (nodes/node_decisions.py): StopRun, RemoteFailure, StoreMoved;
   the --ft quorum's view (ft_follow.py): QuorumNews;
   accounting (accounting/accounts.py): the status, progress, goodput and checkpoints.
 Must never import torch on the main thread before the workers have started,
@@ -35,12 +35,12 @@ from ftrun.supervisor.policy.failures import ReplicaOutcome, WorkerFailures, tra
 from ftrun.supervisor.ft_follow import QuorumView
 from ftrun.supervisor.policy.hangs import find_hung
 from ftrun.supervisor.logs import ConsoleOut, Pump, drain, open_pipes
-from ftrun.supervisor.node_common import NodeEvent
-from ftrun.supervisor.node_decisions import NodeNews, RemoteFailure, StoreMoved, can_reform
-from ftrun.supervisor.nodes import NodeCoordinator
+from ftrun.supervisor.nodes.node_common import NodeEvent
+from ftrun.supervisor.nodes.node_decisions import NodeNews, RemoteFailure, StoreMoved, can_reform
+from ftrun.supervisor.nodes.coordinator import NodeCoordinator
 from ftrun.supervisor.policy.failure_policy import FailurePolicy
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.supervisor.relay import NodeRelay
+from ftrun.supervisor.nodes.relay import NodeRelay
 from ftrun.supervisor.policy.restart import Repeats
 from ftrun.supervisor.spawn import WorkerExited, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner
 from ftrun.supervisor.policy.stopping import AfterStop, Stopper, StopRun, forwarded_signals
@@ -93,11 +93,11 @@ class Supervisor:
         self.quorum: Optional[QuorumKeeper] = None
         self.tick_s = 0.05 if cfg.ft else TICK_S
         self.default_hang_s, _ = hang_after_s(os.environ)  # refused at the start when not a number
-        # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes).
+        # Several machines: join, node liveness, group restarts agreed across nodes (ftrun.supervisor.nodes.coordinator).
         self.nodes: Optional[NodeCoordinator] = None
         self.relay: Optional[NodeRelay] = None
         # c10d without --ft: the agent ended this round so that the nodes re-form the run
-        # (ftrun.supervisor.rendezvous runs the next round only when this says so).
+        # (ftrun.supervisor.nodes.rendezvous runs the next round only when this says so).
         self.reform = False
         self.store_lost = False  # ...because the run's store went away with its node (it moves first)
 
@@ -270,7 +270,7 @@ class Supervisor:
 
     def _reports_store(self) -> RunStore:
         """Where this node's workers report progress: the node's own store when it relays their
-        reports (ftrun.supervisor.relay), else the run's."""
+        reports (ftrun.supervisor.nodes.relay), else the run's."""
         return self.nodes.node_store if self.relay is not None else self.store
 
     def _on_store_ready(self) -> None:

@@ -18,9 +18,9 @@ from ftrun.supervisor import folder_lock
 from ftrun.supervisor.env import base_env, common_env
 from ftrun.supervisor.keeper.core import FRESH_START
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.node_decisions import node_ranks, routes
+from ftrun.supervisor.nodes.node_decisions import node_ranks, routes
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.supervisor.relay import NodeRelay
+from ftrun.supervisor.nodes.relay import NodeRelay
 from ftrun.supervisor.spawn import PopenSpawner, ZygoteSpawner
 from ftrun.supervisor.store import RunStore
 
@@ -40,7 +40,7 @@ def lock_folder(cfg: RunConfig, console: ConsoleOut) -> Optional[folder_lock.Fol
 
 def workers_common(cfg: RunConfig, store: RunStore, nodes: Any) -> Tuple[Dict[str, str], Optional[NodeRelay]]:
     """The environment every worker of this node gets, and the relay of its votes and reports
-    through the node's own store (ftrun.supervisor.relay), where it has one (--ft)."""
+    through the node's own store (ftrun.supervisor.nodes.relay), where it has one (--ft)."""
     common = common_env(cfg, cfg.master_addr, store.port, base_env())
     common.pop(NODE_STORE_ENV, None)  # ours alone: one the user's shell had means nothing here
     common.pop(NODE_RANKS_ENV, None)

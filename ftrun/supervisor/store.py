@@ -108,7 +108,7 @@ def open_run_store(cfg: Any, bind_addr: str) -> "RunStore":
 
 class RunStore:
     """Hosts or joins a TCPStore, built off the main thread: the run's (hosted by node 0, joined
-    by the others) or a node's standby store (--ft on several nodes, ftrun.supervisor.failover)."""
+    by the others) or a node's standby store (--ft on several nodes, ftrun.supervisor.nodes.failover)."""
 
     def __init__(self, host: str, port: int, listener: Optional[socket.socket],
                  connect_timeout: float = STORE_TIMEOUT_S) -> None:
@@ -149,7 +149,7 @@ class RunStore:
             self.ready.set()
 
     def adopt(self, store: Any, host: str, port: int) -> None:
-        """The run's store moved (ftrun.supervisor.failover): every user of this object follows."""
+        """The run's store moved (ftrun.supervisor.nodes.failover): every user of this object follows."""
         self.store, self.host, self.port = store, host, port
 
     def wait(self, timeout: Optional[float] = None) -> bool:

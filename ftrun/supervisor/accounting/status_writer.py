@@ -20,7 +20,7 @@ from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.worker import Worker
 
 if TYPE_CHECKING:
-    from ftrun.supervisor.nodes import NodeCoordinator
+    from ftrun.supervisor.nodes.coordinator import NodeCoordinator
     from ftrun.supervisor.quorum import QuorumKeeper
 
 

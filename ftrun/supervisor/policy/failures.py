@@ -22,7 +22,7 @@ from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ftrun.supervisor.env import error_file
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.node_common import NodeEvent, one_line
+from ftrun.supervisor.nodes.node_common import NodeEvent, one_line
 from ftrun.supervisor.policy.peer_restarts import forced_by_peers, peer_reason
 from ftrun.supervisor.policy.failure_policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
 from ftrun.supervisor.accounting.report import early_signature, error_reason, exit_reason, failure_report, worker_error
@@ -190,7 +190,7 @@ class WorkerFailures:
         if act.why:
             self.give_up_why = act.why
         if act.verdict is RestartVerdict.END_ROUND:
-            # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.rendezvous).
+            # c10d: a failure ends the round; every node comes back to re-form (ftrun.supervisor.nodes.rendezvous).
             self.console.note(f"{origin} {info.reason}; ending round {self.cfg.round}: every node stops its "
                               f"workers and the run re-forms (restart {self.cfg.round + 1} of "
                               f"{self.cfg.total_restarts})", style="bold yellow")

@@ -70,7 +70,7 @@ class Manager:
         self.fx = TorchEffects(self.state, rank, datetime.timedelta(
             seconds=float(os.environ.get("FTRUN_FT_VOTE_TIMEOUT", "600"))))
         # On several nodes this member votes through its node's store (vote.Node). On three nodes
-        # or more the run's store may move (ftrun/supervisor/failover.py), and the node's ftrun says
+        # or more the run's store may move (ftrun/supervisor/nodes/failover.py), and the node's ftrun says
         # where in that same store.
         store_gen = 0
         moved = self.fx.announced_store()

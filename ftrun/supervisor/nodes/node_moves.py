@@ -3,11 +3,11 @@ and the election that follows a lost store host.
 
 Every node but node 0 hosts a standby store and publishes its address in ``standby/K`` (a late
 node as it asks in); when the store is lost, fail_over() carries out the election of
-ftrun.supervisor.failover and follows the new host (which then plays node 0's part, but for
+ftrun.supervisor.nodes.failover and follows the new host (which then plays node 0's part, but for
 taking late nodes in); majority_kept() says whether the host may go on after losing nodes.
 Under c10d without --ft the rendezvous moves the store between two rounds; a round only says
 whether a move may follow (may_move_between_rounds()).
-Functions of the coordinator (ftrun.supervisor.nodes), which they read: they return what a move
+Functions of the coordinator (ftrun.supervisor.nodes.coordinator), which they read: they return what a move
 elected, and the coordinator takes its new host, live list and watch from that.
 Must never start, stop or signal a worker, never write the coordinator's fields, and never decide
 what the run does after a move.
@@ -21,13 +21,13 @@ import socket
 from typing import Any, Tuple
 
 from ftrun.protocol import RDZV, RDZV_HOST, rdzv_arrivals
-from ftrun.supervisor import failover
-from ftrun.supervisor import node_common as nc
-from ftrun.supervisor.node_common import NODE_TIMEOUT_S
+from ftrun.supervisor.nodes import failover
+from ftrun.supervisor.nodes import node_common as nc
+from ftrun.supervisor.nodes.node_common import NODE_TIMEOUT_S
 
 
 def may_move(self: Any) -> bool:
-    """Whether this node can take part in moving the run's store (ftrun.supervisor.failover)."""
+    """Whether this node can take part in moving the run's store (ftrun.supervisor.nodes.failover)."""
     return (self.can_move and self.me != self.host_node and self.node_store is not None
             and self.layout_size >= 3)
 

@@ -6,7 +6,7 @@ last_call_timeout has passed without the round filling up; a node's arrival inde
 at ``N/arrivals`` is its node rank. A node that comes late waits for the next
 round, or asks node 0 to take it in (``N/admit/K``). Each function returns the
 round it formed or joined, (n, node rank, size, MASTER_ADDR, live nodes or None),
-or ftrun's exit status; the loop over rounds is ftrun.supervisor.rendezvous's.
+or ftrun's exit status; the loop over rounds is ftrun.supervisor.nodes.rendezvous's.
 Must never start a worker, move the store, or decide anything a node could not
 decide alike from the store's keys; every wait goes through ftrun.poll.wait_until.
 """
@@ -24,7 +24,8 @@ from typing import Any, Optional, Tuple
 from ftrun.config import RunConfig
 from ftrun.poll import wait_until
 from ftrun.protocol import RDZV, RDZV_MOVED, NodeKeys, rdzv_admit, rdzv_arrivals
-from ftrun.supervisor import nodes, redirect
+from ftrun.supervisor.nodes import coordinator as nodes
+from ftrun.supervisor import redirect
 from ftrun.supervisor.logs import ConsoleOut
 from ftrun.supervisor.store import RunStore
 from ftrun.supervisor.waits import Waits

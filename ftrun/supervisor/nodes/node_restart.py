@@ -6,7 +6,7 @@ the same first failure and, its policy counting the same attempts, makes the sam
 decision is the supervisor loop's). Every node stops its workers and bumps ``stopped/N``; node 0
 then clears the workers' keys, keeps rank 0's last report for the others' goodput, and sets
 ``go/N+1``; all start attempt N+1 together.
-Functions of the coordinator (ftrun.supervisor.nodes), which they read; the coordinator moves its
+Functions of the coordinator (ftrun.supervisor.nodes.coordinator), which they read; the coordinator moves its
 own attempt on what attempt_barrier() returns.
 Must never start, stop or signal a worker, never write the coordinator's fields, and never
 decide whether the group restarts.
@@ -19,8 +19,8 @@ import time
 from typing import Any, Optional, Union
 
 from ftrun.protocol import progress_key
-from ftrun.supervisor import node_common as nc
-from ftrun.supervisor.node_common import NODE_LOST, NODE_TIMEOUT_S, POLL_S, NodeEvent, one_line
+from ftrun.supervisor.nodes import node_common as nc
+from ftrun.supervisor.nodes.node_common import NODE_LOST, NODE_TIMEOUT_S, POLL_S, NodeEvent, one_line
 from ftrun.supervisor.worker import Failure
 from ftrun.wire import UNKNOWN_FAILURE, FirstFailure, ProgressReport
 

@@ -39,15 +39,15 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 from ftrun.protocol import EXIT_SIGNAL_BASE, rdzv_admit, rdzv_arrivals
 from ftrun.status.state import ReplicaStatus
-from ftrun.supervisor import failover, node_join, node_moves, node_restart
-from ftrun.supervisor import node_common as nc
+from ftrun.supervisor.nodes import failover, node_join, node_moves, node_restart
+from ftrun.supervisor.nodes import node_common as nc
 from ftrun.supervisor.logs import ConsoleOut
-# The names other modules use from here (ftrun.supervisor.rendezvous, run).
-from ftrun.supervisor.node_common import (BEAT_S, JOIN_FAILED, NODE_LOST, NODE_TIMEOUT_S, POLL_S,  # noqa: F401
+# The names other modules use from here (ftrun.supervisor.nodes.rendezvous, run).
+from ftrun.supervisor.nodes.node_common import (BEAT_S, JOIN_FAILED, NODE_LOST, NODE_TIMEOUT_S, POLL_S,  # noqa: F401
                                           REQUEUE, NodeEvent, NodeState, StoreState, one_line, route_ip, use_round)
-from ftrun.supervisor.node_common import one_line as _one_line  # noqa: F401
-from ftrun.supervisor.node_restart import NextAttempt
-from ftrun.supervisor.node_watch import NodeWatch, WatchPlan, WatchView
+from ftrun.supervisor.nodes.node_common import one_line as _one_line  # noqa: F401
+from ftrun.supervisor.nodes.node_restart import NextAttempt
+from ftrun.supervisor.nodes.node_watch import NodeWatch, WatchPlan, WatchView
 from ftrun.supervisor.store import RunStore, bind_listener
 from ftrun.supervisor.worker import Failure
 from ftrun.wire import FirstFailure, ProgressReport
@@ -88,7 +88,7 @@ class NodeCoordinator:
         self._joined: List[int] = []  # late nodes the watch found in the live list, not yet reported
         self.waits: Any = waits  # ftrun.supervisor.waits.Waits: progress while the nodes join, on a terminal
         # --ft on three nodes or more: the store moves when its node is lost
-        # (ftrun.supervisor.failover). Every node but node 0 hosts a standby store from the start.
+        # (ftrun.supervisor.nodes.failover). Every node but node 0 hosts a standby store from the start.
         self.host_node = 0
         self.gen = 0
         # The run's nodes on this store, the lost included: majorities count them all. A static
@@ -105,7 +105,7 @@ class NodeCoordinator:
         # rendezvous); without --ft it moves the store between two rounds, this round publishes it.
         self.node_store: Optional[RunStore] = standby
         # --ft: every node but node 0 (which hosts the run's store) has a store of its own, through
-        # which its workers vote (ftrun.supervisor.relay); on three nodes or more it is also the
+        # which its workers vote (ftrun.supervisor.nodes.relay); on three nodes or more it is also the
         # node's standby store. A static layout's is made here, an elastic one's by the rendezvous.
         if cfg.ft and standby is None and cfg.rdzv == "static" and cfg.nnodes >= 2 and self.me != 0:
             ip = route_ip(self.host)

@@ -3,7 +3,7 @@ starts; a late node (--ft, elastic c10d) joins a running round without a barrier
 
 Each node bumps ``claim/K`` (a second claimant of rank K sees 2 and stops: exit 2) and waits
 until every rank is claimed. A failed join is one line and JOIN_FAILED, nothing started.
-The coordinator (ftrun.supervisor.nodes) calls join_nodes() and takes what it returns, a
+The coordinator (ftrun.supervisor.nodes.coordinator) calls join_nodes() and takes what it returns, a
 NodesJoined (the nodes' names and standby stores, where the store is now): the join reads the
 coordinator and the store, and writes none of the coordinator's fields.
 Must never start, stop or signal a worker, nor start the node watch.
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from ftrun.protocol import RDZV_HOST
-from ftrun.supervisor import node_common as nc
-from ftrun.supervisor.node_common import INJECT_JOIN_HOLD_ENV, JOIN_FAILED, POLL_S, one_line
+from ftrun.supervisor.nodes import node_common as nc
+from ftrun.supervisor.nodes.node_common import INJECT_JOIN_HOLD_ENV, JOIN_FAILED, POLL_S, one_line
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class NodesJoined:
 
 
 def join_nodes(c: Any) -> NodesJoined:
-    """Block until every node has joined, reading the coordinator `c` (ftrun.supervisor.nodes)."""
+    """Block until every node has joined, reading the coordinator `c` (ftrun.supervisor.nodes.coordinator)."""
     self = c
     cfg = self.cfg
     t0 = time.monotonic()
@@ -134,7 +134,7 @@ def join_nodes(c: Any) -> NodesJoined:
 
 
 def _join_late(self: Any, t0: float, where: str) -> NodesJoined:
-    """A node node 0 took into a running --ft round (ftrun.supervisor.rendezvous): the
+    """A node node 0 took into a running --ft round (ftrun.supervisor.nodes.rendezvous): the
     others are already training, so there is no barrier; its replicas join the quorum and heal."""
     cfg = self.cfg
     hold = os.environ.get(INJECT_JOIN_HOLD_ENV)

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
-from ftrun.supervisor import node_common as nc
-from ftrun.supervisor.node_common import BEAT_S, NODE_TIMEOUT_S, NodeState, StoreState, node_list, one_line
+from ftrun.supervisor.nodes import node_common as nc
+from ftrun.supervisor.nodes.node_common import BEAT_S, NODE_TIMEOUT_S, NodeState, StoreState, node_list, one_line
 from ftrun.supervisor.store import BoundedStore
 
 

@@ -9,7 +9,7 @@ and take node ranks 1, 2, ... in the order they arrive.
 The run goes in rounds, as torchrun's agent does; the round's agent (its
 Supervisor) alone decides whether a round that ends is followed by another
 (`Supervisor.reform`); this module only forms them, one after another (each
-one is formed by ftrun.supervisor.rendezvous_rounds). The host closes round n when
+one is formed by ftrun.supervisor.nodes.rendezvous_rounds). The host closes round n when
 MAX nodes are in, or when MIN are in and last_call_timeout has passed without
 the round filling up; a node that arrives after that waits for the next round.
 Each round is one ftrun Supervisor per node with the round's ranks and world
@@ -25,14 +25,14 @@ to grow: a node that comes while a round trains asks node 0 to take it in
 new node's replicas join the quorum and heal from a peer. A lost node's place
 goes to the next node waiting. Every node but the host keeps a standby store
 for the whole run (its workers vote through it); when the host is lost, the
-round's agents move the store there (ftrun.supervisor.failover) and the new
+round's agents move the store there (ftrun.supervisor.nodes.failover) and the new
 host takes late nodes in from then on.
 
 Without --ft, on rounds of three nodes or more, the store moves when its
 node is lost (FTRUN_STORE_MOVES=0: never): every other node keeps a standby
 store for the whole run and publishes it in each round; when the store goes
 away at the end of a round or while the nodes re-form, the nodes that remain
-elect its next host by the rule of ftrun.supervisor.failover (more than half
+elect its next host by the rule of ftrun.supervisor.nodes.failover (more than half
 of the last round's nodes) and form the next round there. So that no second
 run forms beside it, the hosting node then closes a round only with at least
 half of the last round's nodes.
@@ -66,10 +66,11 @@ from typing import Any, Optional, Tuple
 from ftrun.config import RunConfig
 from ftrun.machine import store_bind_addr, store_listen_addr, this_node_name
 from ftrun.protocol import EXIT_SIGNAL_BASE, RDZV_RUN
-from ftrun.supervisor import failover, nodes, redirect
+from ftrun.supervisor.nodes import failover, coordinator as nodes
+from ftrun.supervisor import redirect
 from ftrun.supervisor.env import base_env
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.rendezvous_rounds import (JOIN_FAILED, POLL_S, Moved, RendezvousStoreLost, Stop, fail,
+from ftrun.supervisor.nodes.rendezvous_rounds import (JOIN_FAILED, POLL_S, Moved, RendezvousStoreLost, Stop, fail,
                                                 host_round, join_round, key)
 from ftrun.supervisor.spawn import ZygoteSpawner
 from ftrun.supervisor.store import RunStore, bind_listener
@@ -250,7 +251,7 @@ def _standby(cfg: RunConfig) -> RunStore:
 
 def _move(cfg: RunConfig, coord: Any, store: RunStore, standby: Optional[RunStore], console: ConsoleOut) -> Any:
     """The run's store went away with its node at the end of `coord`'s round: agree with the nodes that
-    remain on its next host (ftrun.supervisor.failover, the rule of the --ft move) and follow it.
+    remain on its next host (ftrun.supervisor.nodes.failover, the rule of the --ft move) and follow it.
     (cfg with the new endpoint, whether this node hosts it now, the nodes that chose it), or
     ftrun's exit status when this node may not go on."""
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """What the loop decides on another node's news: a node lost or ended, the store gone (move it,
 re-form the round, or stop for a requeue), a late node waiting or taken in, another node's failure.
 
-The node coordinator (ftrun.supervisor.nodes) reports a NodeEvent; NodeNews decides what it
+The node coordinator (ftrun.supervisor.nodes.coordinator) reports a NodeEvent; NodeNews decides what it
 means for this node's workers and returns the action the loop carries out: a StopRun, a
 RemoteFailure for the failures component, or a StoreMoved (the new quorum keeper and worker
 environment after the run's store moved). It owns only the pace of the late nodes' admission.
@@ -18,12 +18,12 @@ from typing import Any, Dict, List, Optional, Union
 
 from ftrun.config import RunConfig
 from ftrun.protocol import RUN_STORE
-from ftrun.supervisor.failover import NoMajority
+from ftrun.supervisor.nodes.failover import NoMajority
 from ftrun.supervisor.logs import ConsoleOut
-from ftrun.supervisor.node_common import NODE_LOST, REQUEUE, NodeEvent
+from ftrun.supervisor.nodes.node_common import NODE_LOST, REQUEUE, NodeEvent
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.redirect import Redirect
-from ftrun.supervisor.relay import Routes
+from ftrun.supervisor.nodes.relay import Routes
 from ftrun.supervisor.policy.stopping import AfterStop, StopRun
 from ftrun.supervisor.worker import Worker
 from ftrun.wire import FirstFailure
@@ -89,7 +89,7 @@ class NodeNews:
         """Node 0, --ft on an elastic run: late nodes take free places, first come first served,
         one a second at most (the tick calls again): every other node learns of one from the node
         list before the next comes, so no two nodes count the run's nodes more than one apart
-        (ftrun.supervisor.failover.keeps_running)."""
+        (ftrun.supervisor.nodes.failover.keeps_running)."""
         while nodes.waiting and len(nodes.live) < self.cfg.max_nodes:
             if time.monotonic() - self._admitted_at < ADMIT_GAP_S:
                 return
@@ -167,7 +167,7 @@ class NodeNews:
     def move_store(self, ev: NodeEvent, nodes: Any, old: QuorumKeeper, workers: List[Worker], store: Any,
                    k: int) -> Union[StopRun, StoreMoved]:
         """--ft: the run's store is lost with its node; the surviving nodes agree on a new host
-        (ftrun.supervisor.failover), and this node's keeper and workers follow it. The replicas
+        (ftrun.supervisor.nodes.failover), and this node's keeper and workers follow it. The replicas
         keep their state: each rejoins, and the first epoch on the new store is healed from the
         replica holding the newest complete step. The loop takes the new keeper, readies it, then
         publish_move() tells the workers."""
