@@ -178,7 +178,7 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
         from ftrun.plan import plan_text
 
         raise typer.Exit(_print_plan(plan_text(cfg)))
-    from ftrun.supervisor.env import quiet_torch_warnings
+    from ftrun.supervisor.loop.env import quiet_torch_warnings
 
     quiet_torch_warnings()  # before the supervisor imports torch; workers keep the user's environment
     if cfg.rdzv == "c10d":
@@ -186,7 +186,7 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
 
         code = run_c10d(cfg)
     else:
-        from ftrun.supervisor.run import run_supervisor  # no torch at import: the supervisor loads it lazily
+        from ftrun.supervisor.loop.run import run_supervisor  # no torch at import: the supervisor loads it lazily
 
         code = run_supervisor(cfg)
     # The supervisor loaded torch (for the store); tearing it down at exit costs

@@ -25,7 +25,7 @@ from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
 from ftrun.supervisor.nodes.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
 
 STEP_S = 0.05  # a training step's compute, on average (virtual)
-TICK_S = 0.05  # the supervisor's loop under --ft (supervisor/run.py)
+TICK_S = 0.05  # the supervisor's loop under --ft (supervisor/loop/run.py)
 FORM_TIMEOUT_S = 10.0  # FTRUN_FT_TIMEOUT's default: a group formation, a collective's settle
 PROGRESS_BOUND_S = 60.0  # after the last fault ends, the run finishes within this (virtual) time:
 # six group formations' timeouts, more than any schedule of the product's own code has needed

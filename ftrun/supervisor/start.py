@@ -1,7 +1,7 @@
 """What the supervisor builds before its loop starts: the checkpoint folder's lock, the workers'
 common environment (and the node relay that goes with it), the spawner, the first quorum keeper.
 
-Builders only: each returns what it built, and the loop (ftrun.supervisor.run) keeps it.
+Builders only: each returns what it built, and the loop (ftrun.supervisor.loop.run) keeps it.
 Must never start a worker, and never import torch.
 """
 
@@ -14,10 +14,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ftrun.config import RunConfig
 from ftrun.protocol import NODE_RANKS_ENV, NODE_STORE_ENV
-from ftrun.supervisor import folder_lock
-from ftrun.supervisor.env import base_env, common_env
+from ftrun.supervisor.loop import folder_lock
+from ftrun.supervisor.loop.env import base_env, common_env
 from ftrun.supervisor.keeper.core import FRESH_START
-from ftrun.supervisor.logs import ConsoleOut
+from ftrun.supervisor.loop.logs import ConsoleOut
 from ftrun.supervisor.nodes.node_decisions import node_ranks, routes
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.nodes.relay import NodeRelay

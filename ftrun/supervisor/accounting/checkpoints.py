@@ -7,7 +7,7 @@ published), the last failed save (protocol.CHECKPOINT_FAILURE) and, after a stop
 save before stopping went (protocol.STOP_SAVE). This module turns them into the status record,
 lines and decisions.
 Must never import torch, never touch the checkpoint folder (its lock is
-ftrun.supervisor.folder_lock), and never do more than one read of the store per call.
+ftrun.supervisor.loop.folder_lock), and never do more than one read of the store per call.
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ from ftrun.machine import store_bind_addr, store_listen_addr, this_node_name
 from ftrun.protocol import EXIT_SIGNAL_BASE, RDZV_RUN
 from ftrun.supervisor.nodes import failover, coordinator as nodes
 from ftrun.supervisor import redirect
-from ftrun.supervisor.env import base_env
-from ftrun.supervisor.logs import ConsoleOut
+from ftrun.supervisor.loop.env import base_env
+from ftrun.supervisor.loop.logs import ConsoleOut
 from ftrun.supervisor.nodes.rendezvous_rounds import (JOIN_FAILED, POLL_S, Moved, RendezvousStoreLost, Stop, fail,
                                                 host_round, join_round, key)
 from ftrun.supervisor.spawn import ZygoteSpawner
@@ -79,7 +79,7 @@ from ftrun.supervisor.store import RunStore, bind_listener
 def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
     """Round after round until the run ends; ftrun's exit status."""
     from ftrun.supervisor.policy.restart import Repeats
-    from ftrun.supervisor.run import Supervisor
+    from ftrun.supervisor.loop.run import Supervisor
 
     console = console or ConsoleOut(cfg.quiet)
     repeats = Repeats()  # a script's error that repeats round after round ends the run (policy/restart.py)

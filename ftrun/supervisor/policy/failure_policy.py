@@ -10,7 +10,7 @@ failed replica restarts, within its own budget; past it the replica is dropped w
 right after start is not retried (restart.Repeats). A restart the others' decision forced on a
 replica (ftrun.supervisor.policy.peer_restarts) is charged to no budget.
 
-The supervisor's loop (ftrun.supervisor.run) applies the actions; the simulator may drive the
+The supervisor's loop (ftrun.supervisor.loop.run) applies the actions; the simulator may drive the
 same object (ReplicaFailed in, RestartAction out).
 """
 

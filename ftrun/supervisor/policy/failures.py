@@ -5,7 +5,7 @@ across nodes), end the round, or give up with the failure report.
 
 WorkerFailures owns the run's first failure, the failures after the training loop and why the run
 gives up; it sets the failed workers' states and says why on the console. The loop
-(ftrun.supervisor.run) stops and starts the processes. A group restart on several nodes agrees
+(ftrun.supervisor.loop.run) stops and starts the processes. A group restart on several nodes agrees
 on the attempt's first failure (NodeCoordinator.first_failure) before the policy decides.
 Must never signal, start or stop a worker, and never be called from outside the loop's thread.
 """
@@ -20,15 +20,15 @@ from typing import Any, List, Optional, Sequence, Union
 from ftrun import protocol as keys
 from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from ftrun.supervisor.env import error_file
-from ftrun.supervisor.logs import ConsoleOut
+from ftrun.supervisor.loop.env import error_file
+from ftrun.supervisor.loop.logs import ConsoleOut
 from ftrun.supervisor.nodes.node_common import NodeEvent, one_line
 from ftrun.supervisor.policy.peer_restarts import forced_by_peers, peer_reason
 from ftrun.supervisor.policy.failure_policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
 from ftrun.supervisor.accounting.report import early_signature, error_reason, exit_reason, failure_report, worker_error
 from ftrun.supervisor.spawn import WorkerExited
 from ftrun.supervisor.policy.stopping import AfterStop, StopRun
-from ftrun.supervisor.worker import Failure, Worker, WorkerState
+from ftrun.supervisor.loop.worker import Failure, Worker, WorkerState
 from ftrun.wire import UNKNOWN_FAILURE, FirstFailure
 
 

@@ -3,7 +3,7 @@
 find_hung() looks at the worker records (heartbeats, steps, process samples) and, under
 --ft, at how long the quorum's peers have waited for each replica, and names at most one
 culprit per replica with the reason; time and the limit are inputs. The loop
-(ftrun.supervisor.run) decides what follows: it marks the worker hung, has it dump its
+(ftrun.supervisor.loop.run) decides what follows: it marks the worker hung, has it dump its
 stacks and kills it.
 Must never signal a process, change a worker's record, write a console line or read a
 clock: it only reports.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from ftrun.supervisor.worker import Worker, WorkerState
+from ftrun.supervisor.loop.worker import Worker, WorkerState
 
 if TYPE_CHECKING:
     from ftrun.supervisor.quorum import QuorumKeeper

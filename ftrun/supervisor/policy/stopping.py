@@ -8,7 +8,7 @@ failure, restart the group). A stopping signal with --ft and --checkpoint-dir
 first has the replicas save the last committed step (SaveBeforeStop).
 The Stopper owns the stop under way (a WorkerStop), the save before it, and the
 signal that asked for it; it signals the workers it is told to stop and says
-what the loop does next (StopSteps); the loop (ftrun.supervisor.run) keeps the
+what the loop does next (StopSteps); the loop (ftrun.supervisor.loop.run) keeps the
 worker table and carries out the rest. Must never wait on the queue nor block
 (a stop is advanced one turn of the loop at a time), and never be called from
 outside the loop's thread but for on_signal (a signal handler).
@@ -26,9 +26,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_FAILED, EXIT_SIGNAL_BASE
 from ftrun.supervisor.accounting import checkpoints
-from ftrun.supervisor.logs import ConsoleOut
+from ftrun.supervisor.loop.logs import ConsoleOut
 from ftrun.supervisor.spawn import SpawnerDied, signal_group
-from ftrun.supervisor.worker import Failure, Worker
+from ftrun.supervisor.loop.worker import Failure, Worker
 
 # After SIGKILL a process is gone within milliseconds unless the kernel holds it (uninterruptible
 # I/O); past this much longer the stop stops waiting for it.

@@ -1,7 +1,7 @@
 """The worker table of a node's supervisor: every worker's record, which process each one has now
 (by spawner tag), and the replicas whose restart waits for their last old process.
 
-The loop (ftrun.supervisor.run) owns the table and is its only user; the table signals the
+The loop (ftrun.supervisor.loop.run) owns the table and is its only user; the table signals the
 processes it is told to (a replica's kill, a hung worker's stacks and SIGKILL) and answers
 which workers run. Must never decide a restart or a stop, and never start a process (the
 loop spawns what respawns() hands back).
@@ -16,9 +16,9 @@ from typing import Dict, List, Optional
 
 from ftrun.protocol import DUMP_STACKS_SIGNAL
 from ftrun.supervisor.policy.hangs import HANG_DUMP_GRACE_S
-from ftrun.supervisor.logs import ConsoleOut, RankLog
+from ftrun.supervisor.loop.logs import ConsoleOut, RankLog
 from ftrun.supervisor.spawn import WorkerExited, Spawned, signal_group
-from ftrun.supervisor.worker import Worker, WorkerSpec, WorkerState
+from ftrun.supervisor.loop.worker import Worker, WorkerSpec, WorkerState
 
 
 class WorkerTable:
