@@ -10,6 +10,8 @@ invariants checked after every scheduled turn.
     scripts/simulate.py --replica-size 2 --schedules 500  # sharded replicas: K workers each
     scripts/simulate.py --nodes 2 --schedules 500         # two machines: node relays, a lost node
     scripts/simulate.py --round-steps 4 --schedules 500   # rounds of several steps, one vote each
+    scripts/simulate.py --max-restarts 1 --schedules 500  # restart budgets: replicas dropped, runs given up
+    scripts/simulate.py --joiners --schedules 500         # replicas that join the running run (elastic)
 
 A violation prints the shortest schedule that still fails (faults removed one at a time while
 it does), as a line to replay, and the run exits 1. The last line is always
@@ -31,7 +33,7 @@ from typing import List, Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ftrun.sim.bugs import BASELINE, BUGS  # noqa: E402
-from ftrun.sim.world import PROGRESS_BOUND_S, Fault, Schedule, run_schedule  # noqa: E402
+from ftrun.sim.world import PROGRESS_BOUND_S, UNLIMITED, Fault, Schedule, run_schedule  # noqa: E402
 
 CI_SCHEDULES = 2000
 SOAK_SCHEDULES = 20000
@@ -39,10 +41,15 @@ KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + [
         ["store-slow"]
 
 
-def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1) -> Schedule:
+def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
+                  max_restarts: Optional[int] = None, joiners: bool = False) -> Schedule:
     """A random schedule: 2-5 replicas (2-3 of K workers with K > 1; 1-2 per node on several
     nodes), 8-20 rounds, 0-6 faults within the run's first 1.5 s, or 3-8 within 0.6 s; a fault's
-    rank is any worker. On several nodes a quarter of the schedules lose a node besides."""
+    rank is any worker. On several nodes a quarter of the schedules lose a node besides. With a
+    restart budget (`max_restarts`), --min-replicas is 1 to all the replicas, and one worker is
+    killed 1-3 times more within the first 2 s, so that budgets run out. With `joiners`, 1-2
+    replicas of a late node join the running run (elastic) at 0.1-2.5 s, and half the schedules
+    kill one of them within a second of that."""
     rng = random.Random(seed)
     replicas = rng.randint(2, 5) if k == 1 else rng.randint(2, 3)
     if nodes > 1:
@@ -76,12 +83,25 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1) -
             faults.append(Fault(at, kind, dur=round(rng.uniform(0.1, 1.0), 3), x=round(rng.uniform(0.002, 0.02), 4)))
     if nodes > 1 and rng.random() < 0.25:
         faults.append(Fault(round(rng.uniform(0.0, 1.5), 3), "node-lost", rng.randrange(1, nodes)))
-    return Schedule(seed, replicas, total, faults, k, nodes, round_steps)
+    s = Schedule(seed, replicas, total, faults, k, nodes, round_steps)
+    if max_restarts is not None:
+        s.max_restarts, s.min_replicas = max_restarts, rng.randint(1, replicas)
+        target = rng.randrange(replicas * k)
+        faults += [Fault(round(rng.uniform(0.0, 2.0), 3), "kill", target) for _ in range(rng.randint(1, 3))]
+    if joiners:
+        s.joiners, s.join_at = rng.randint(1, 2), round(rng.uniform(0.1, 2.5), 3)
+        if rng.random() < 0.5:
+            faults.append(Fault(round(s.join_at + rng.uniform(0.0, 1.0), 3), "kill",
+                                rng.randrange(replicas * k, (replicas + s.joiners) * k)))
+    return s
 
 
 def schedule_line(s: Schedule) -> str:
     shape = {**({"k": s.k} if s.k > 1 else {}), **({"nodes": s.nodes} if s.nodes > 1 else {}),
-             **({"round_steps": s.round_steps} if s.round_steps > 1 else {})}
+             **({"round_steps": s.round_steps} if s.round_steps > 1 else {}),
+             **({"max_restarts": s.max_restarts, "min_replicas": s.min_replicas} if s.max_restarts != UNLIMITED
+                else {}),
+             **({"joiners": s.joiners, "join_at": s.join_at} if s.joiners else {})}
     return json.dumps({"seed": s.seed, "replicas": s.replicas, **shape, "total": s.total,
                        "faults": [asdict(f) for f in s.faults]}, separators=(",", ":"))
 
@@ -89,7 +109,9 @@ def schedule_line(s: Schedule) -> str:
 def parse_schedule(text: str) -> Schedule:
     d = json.loads(text)
     return Schedule(int(d["seed"]), int(d["replicas"]), int(d["total"]), [Fault(**f) for f in d["faults"]],
-                    int(d.get("k", 1)), int(d.get("nodes", 1)), int(d.get("round_steps", 1)))
+                    int(d.get("k", 1)), int(d.get("nodes", 1)), int(d.get("round_steps", 1)),
+                    int(d.get("max_restarts", UNLIMITED)), int(d.get("min_replicas", 1)),
+                    int(d.get("joiners", 0)), float(d.get("join_at", 0.0)))
 
 
 def shrink(s: Schedule, bug, correct=None, budget_s: float = 60.0) -> Schedule:
@@ -132,6 +154,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="machines, each relaying its workers' votes and reports through its own store (default 1)")
     ap.add_argument("--round-steps", type=int, default=1, choices=range(1, 9), metavar="N",
                     help="steps per round, one vote each N steps (FTRUN_FT_ROUND_STEPS; default 1)")
+    ap.add_argument("--max-restarts", type=int, default=None, choices=range(0, 6), metavar="N",
+                    help="each replica's restart budget (ftrun's --max-restarts; default: none, every failure "
+                         "restarts); --min-replicas is drawn per schedule")
+    ap.add_argument("--joiners", action="store_true",
+                    help="1-2 replicas join the running run (an elastic late node, admitted by the keeper's add_ranks)")
     ap.add_argument("--bug", default="none", choices=sorted(BUGS),
                     help="put a historic bug back (tests of the simulator itself)")
     ap.add_argument("--stop-at-first", action="store_true", help="stop at the first violation")
@@ -146,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         schedules = [parse_schedule(a.replay)]
     else:
         n = a.schedules if a.schedules is not None else (SOAK_SCHEDULES if a.soak else CI_SCHEDULES)
-        schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes, a.round_steps) for i in range(n))
+        schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes, a.round_steps, a.max_restarts, a.joiners) for i in range(n))
     t0 = time.monotonic()
     runs = violations = 0
     stats: dict = {}

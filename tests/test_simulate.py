@@ -97,6 +97,22 @@ STORE_GROWTH = {"seed": 700477, "replicas": 2, "total": 6, "faults": [
     {"at": 0.444, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
 
+# Planted in the supervisor's own failure policy (supervisor/policy/failure_policy.py), found by a
+# search of restart budgets (--max-restarts 1, seed 1).
+BUDGET_OVERRUN = {"seed": 100001, "replicas": 4, "max_restarts": 1, "min_replicas": 3, "total": 8, "faults": [
+    {"at": 0.694, "kind": "pause", "rank": 2, "dur": 1.967, "x": 0.0},
+    {"at": 0.578, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0},
+    {"at": 1.776, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
+
+DROP_BELOW_MIN = {"seed": 100012, "replicas": 2, "max_restarts": 1, "min_replicas": 2, "total": 2, "faults": [
+    {"at": 0.106, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 7.0},
+    {"at": 0.068, "kind": "pause", "rank": 1, "dur": 2.553, "x": 0.0},
+    {"at": 1.241, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
+
+# Planted in the keeper's add_ranks, found by a search of late joiners (--joiners, seed 1).
+KEYLESS_ADD = {"seed": 100002, "replicas": 5, "joiners": 1, "join_at": 0.158, "total": 12, "faults": [
+    {"at": 0.977, "kind": "kill", "rank": 5, "dur": 0.0, "x": 0.0}]}
+
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
     p = subprocess.run([sys.executable, str(SIMULATE), *args], capture_output=True, text=True, timeout=timeout,
                        cwd=ROOT)
@@ -250,6 +266,56 @@ def test_search_over_two_nodes_finds_the_lost_forward_bug():
                       "--stop-at-first", "--no-shrink")
     assert lines[-1].endswith(" schedules, 1 violations"), "\n".join(lines)
 
+
+def test_restart_budgets_budget_finds_no_violation():
+    """The supervisor's own failure policy decides each failure (restart the replica, drop it, or
+    give the run up) under a budget of one restart a replica and a --min-replicas drawn per
+    schedule: no replica restarts past its budget, none is dropped below --min-replicas, the
+    keeper lists a dropped replica in no quorum once told of its exit, and the replicas left
+    finish (or the run gives up)."""
+    lines = _simulate("--max-restarts", "1", "--schedules", "300", "--seed", "1", timeout=600)
+    assert lines[-1] == "300 schedules, 0 violations", "\n".join(lines[-20:])
+
+
+@pytest.mark.quick
+def test_budget_overrun_bug_fails_a_schedule_the_product_passes():
+    """(l) planted: a replica past its budget restarted once more. Replica 0 is killed twice
+    with a budget of one: the product drops it (three others live), the bug restarts it."""
+    assert _replay(BUDGET_OVERRUN)[-1] == "1 schedules, 0 violations"
+    bad = _replay(BUDGET_OVERRUN, "budget-overrun")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "past its budget of 1" in bad[0], bad
+
+
+def test_drop_below_min_bug_fails_a_schedule_the_product_passes():
+    """(m) planted: a replica past its budget dropped without the --min-replicas test. With
+    --min-replicas 2 and one replica left beside it, the product gives the run up."""
+    assert _replay(DROP_BELOW_MIN)[-1] == "1 schedules, 0 violations"
+    bad = _replay(DROP_BELOW_MIN, "drop-below-min")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "fewer than --min-replicas 2" in bad[0], bad
+
+
+def test_search_over_restart_budgets_finds_the_drop_below_min_bug():
+    lines = _simulate("--bug", "drop-below-min", "--only-bug", "--seed", "1", "--max-restarts", "1",
+                      "--schedules", "100", "--stop-at-first", "--no-shrink")
+    assert lines[-1].endswith(" schedules, 1 violations"), "\n".join(lines)
+
+def test_late_joiners_budget_finds_no_violation():
+    """Elastic late ranks: 1-2 replicas of a node that joins the running run, which node 0 admits
+    through the keeper's add_ranks; they join a quorum and heal from a peer like a restarted
+    replica (or find the run finished), and half the schedules kill one of them."""
+    lines = _simulate("--joiners", "--schedules", "300", "--seed", "1", timeout=600)
+    assert lines[-1] == "300 schedules, 0 violations", "\n".join(lines[-20:])
+
+
+def test_keyless_add_bug_fails_a_schedule_the_product_passes():
+    """(n) planted: the keeper took a late node's ranks without creating their keys first; its
+    poll, which reads every rank's keys at once, waits on keys only a healed newcomer writes."""
+    assert _replay(KEYLESS_ADD)[-1] == "1 schedules, 0 violations"
+    bad = _replay(KEYLESS_ADD, "keyless-add")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0], bad
 
 @pytest.mark.quick
 def test_a_failing_schedule_replays_exactly():

@@ -15,6 +15,7 @@ from ftrun import protocol as keys
 from ftrun.protocol import Epoch
 from ftrun.supervisor.keeper.core import KeeperSnapshot
 from ftrun.supervisor.keeper.dead import EPOCH_COLLECTED, KeeperRules
+from ftrun.supervisor.policy.failure_policy import FailurePolicy, ReplicaFailed, RestartAction, RestartVerdict
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.worker.ft import vote
 from ftrun.worker.ft.member import core as member_core
@@ -23,10 +24,12 @@ from ftrun.worker.ft.membership import Entry, Member
 
 
 class Wiring:
-    """What the simulator runs: the keeper's class and the member driver's class."""
+    """What the simulator runs: the keeper's class, the member driver's class and the
+    supervisor's failure policy's class."""
 
     keeper = QuorumKeeper
     driver = MemberDriver
+    policy = FailurePolicy
 
 
 # ---------------------------------------------------------------- (a) 0a17702
@@ -272,6 +275,61 @@ class UnstickOvercount(Wiring):
     keeper = _OvercountKeeper
 
 
+# ---------------------------------------------------------------- (l) planted: the restart budget
+class _OneMoreRestartPolicy(FailurePolicy):
+    """Planted (no commit): the budget's test off by one, so a replica past its budget restarts
+    once more (counted) instead of being dropped or giving the run up."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._overrun: Set[int] = set()
+
+    def on_replica_failure(self, ev: ReplicaFailed) -> RestartAction:
+        act = super().on_replica_failure(ev)
+        if act.verdict in (RestartVerdict.DROP_REPLICA, RestartVerdict.GIVE_UP) and ev.replica not in self._overrun:
+            self._overrun.add(ev.replica)
+            return RestartAction(RestartVerdict.RESTART_REPLICA, ev.replica, act.restarts + 1)
+        return act
+
+
+class BudgetOverrun(Wiring):
+    policy = _OneMoreRestartPolicy
+
+
+# ---------------------------------------------------------------- (m) planted: --min-replicas
+class _AlwaysDropPolicy(FailurePolicy):
+    """Planted (no commit): past its budget a replica is dropped whatever is left of the run,
+    without the --min-replicas test that gives the run up instead."""
+
+    def on_replica_failure(self, ev: ReplicaFailed) -> RestartAction:
+        act = super().on_replica_failure(ev)
+        if act.verdict is RestartVerdict.GIVE_UP:
+            return RestartAction(RestartVerdict.DROP_REPLICA, ev.replica, act.restarts, why=act.why)
+        return act
+
+
+class DropBelowMin(Wiring):
+    policy = _AlwaysDropPolicy
+
+
+# ---------------------------------------------------------------- (n) planted: elastic late ranks
+class _KeylessAddKeeper(QuorumKeeper):
+    """Planted (no commit): a late node's ranks become the keeper's before their keys exist (no
+    compare_set of their join, healed, entered, info and incarnation keys): the next poll's read
+    of every rank's keys waits on keys nobody writes until the newcomer has healed, which waits
+    on a quorum that only the poll publishes."""
+
+    def add_ranks(self, ranks: List[int], relay: Optional[Tuple[int, str]] = None) -> None:
+        new = [r for r in ranks if r not in self.ranks]
+        for r in new:
+            self.alive.setdefault(r, 0)
+        self.ranks = sorted(self.ranks + new)
+
+
+class KeylessAdd(Wiring):
+    keeper = _KeylessAddKeeper
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering an epoch at different rounds
@@ -285,6 +343,9 @@ BUGS: Dict[str, type] = {
     "lost-forward": LostForward,      # (i) a lost node's unforwarded votes taken as cast (found by it)
     "epoch-revote": EpochRevote,      # (j) a vote in an epoch whose keys were all collected (found by it)
     "unstick-overcount": UnstickOvercount,  # (k) a count jumping past its size, never closed (found by it)
+    "budget-overrun": BudgetOverrun,  # (l) planted: a replica restarted past its budget
+    "drop-below-min": DropBelowMin,   # (m) planted: a replica dropped with fewer than --min-replicas left
+    "keyless-add": KeylessAdd,        # (n) planted: a late node's ranks polled before their keys exist
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}

@@ -76,7 +76,8 @@ class Sched:
         self.turns = 0
         self.errors: List[BaseException] = []
         self.slow: Dict[str, float] = {}  # proc -> its turns cost this much more time (a slow member)
-        self.paused: Dict[str, float] = {}  # proc -> paused until (SIGSTOP)
+        self.paused: Dict[str, float] = {}  # proc -> paused until (SIGSTOP); set through pause()
+        self._pauses_end = 0.0  # the last pause's end: past it, `paused` is emptied
         self._live: Dict[str, int] = {}  # proc -> its threads neither done nor killed
         self._pool: List[SimThread] = []  # runnable whatever happens: their time came, or they yielded
         self._waiting: List[SimThread] = []  # waiting on a condition (and maybe a deadline)
@@ -181,16 +182,27 @@ class Sched:
         t.pooled = True
         self._pool.append(t)
 
+    def pause(self, proc: str, until: float) -> None:
+        """Stop `proc`'s threads until `until` (SIGSTOP, then SIGCONT)."""
+        self.paused[proc] = until
+        self._pauses_end = max(self._pauses_end, until)
+
     def alive(self, proc: str) -> bool:
         return self._live.get(proc, 0) > 0
 
     def _ready(self, now: float) -> List[SimThread]:
+        """The threads that may run now. The pool itself (not a copy) when no thread waits on a
+        condition and none is paused: the common turn, which then allocates nothing."""
         heap, pool = self._heap, self._pool
         while heap and heap[0][0] <= now:
             _, _, token, t = heapq.heappop(heap)
             if token == t.token:
                 t.pooled = True
                 pool.append(t)
+        if self.paused and now >= self._pauses_end:
+            self.paused.clear()  # every pause is over: none filters a turn any more
+        if not self._waiting and not self.paused:
+            return pool
         ready = list(pool)
         for t in self._waiting:
             until = t.until

@@ -112,7 +112,9 @@ class SimClient:
             missing = [k for k in keys if k not in data]
 
     def _note(self) -> None:
-        self.s.max_keys = max(self.s.max_keys, len(self.s.data))
+        s = self.s
+        if len(s.data) > s.max_keys:
+            s.max_keys = len(s.data)
 
     # ------------------------------------------------------------ TCPStore's calls
     def set(self, key: str, value: Value) -> None:

@@ -29,9 +29,9 @@ VOTE_TIMEOUT_S = 600.0  # FTRUN_FT_VOTE_TIMEOUT's default: the member's store cl
 class SimExit(BaseException):
     """The member exits (os._exit in the product): restart (75) or finished (0)."""
 
-    def __init__(self, code: int, why: str) -> None:
+    def __init__(self, code: int, why: str, by_peers: bool = False) -> None:
         super().__init__(why)
-        self.code, self.why = code, why
+        self.code, self.why, self.by_peers = code, why, by_peers
 
 
 class TransferBroken(Exception):
@@ -106,7 +106,7 @@ class SimWorker(MemberEffects):
             self._script()
             self.w.on_member_exit(self, 0, "finished")
         except SimExit as e:
-            self.w.on_member_exit(self, e.code, e.why)
+            self.w.on_member_exit(self, e.code, e.why, e.by_peers)
         self.sched.kill(self.proc)  # its other threads end with the process
         self.w.groups.died()  # its peers' collectives fail (a reset connection)
         raise SimKilled()
@@ -166,7 +166,7 @@ class SimWorker(MemberEffects):
         raise SimExit(code, line)
 
     def restart(self, line: str, peers_decided: str = "") -> Any:
-        raise SimExit(keys.EXIT_REPLICA_RESTART, line)
+        raise SimExit(keys.EXIT_REPLICA_RESTART, line, by_peers=bool(peers_decided))
 
     def log(self, msg: str) -> None:
         self.w.log.append(f"{self.sched.now:.3f}s {msg} (step {self.driver.step})")

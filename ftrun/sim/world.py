@@ -21,6 +21,7 @@ from ftrun import protocol as keys
 from ftrun.sim.worker import SimWorker
 from ftrun.sim.sched import Deadlock, Sched
 from ftrun.sim.store import SimStore
+from ftrun.supervisor.policy.failure_policy import ReplicaFailed, RestartVerdict
 from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
 from ftrun.supervisor.nodes.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
 
@@ -33,6 +34,7 @@ TURNS_BOUND = 400_000  # a livelock that keeps time from moving is a violation t
 KEYS_PER_RANK = 40  # the store holds at most this many keys per rank, plus KEYS_BASE (rounds in flight)
 KEYS_BASE = 100
 NODE_LOST_S = 3.0  # node 0 declares a node lost this long after its beats stop (supervisor/nodes/node_watch.py)
+UNLIMITED = 10 ** 9  # a schedule with no restart budget of its own (--max-restarts not given)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,10 @@ class Schedule:
     k: int = 1  # workers per replica (--replica-size): ranks are replicas * k, a fault's rank is a worker
     nodes: int = 1  # machines: each runs replicas / nodes replicas (whole), in rank order
     round_steps: int = 1  # steps a round takes (the keeper's pinned round length: one vote per round)
+    max_restarts: int = UNLIMITED  # ftrun's --max-restarts: each replica's restart budget
+    min_replicas: int = 1  # ftrun's --min-replicas: past its budget a replica is dropped while this many live
+    joiners: int = 0  # replicas of a node that joins the running run (elastic): ranks after the others'
+    join_at: float = 0.0  # when node 0 admits them (QuorumKeeper.add_ranks), and they start
 
 
 class Group:
@@ -166,7 +172,9 @@ class World:
         self.store = SimStore(sched)
         self.groups = Groups(self)
         self.k = schedule.k
-        self.ranks = list(range(schedule.replicas * self.k))
+        self.ranks = list(range((schedule.replicas + schedule.joiners) * self.k))
+        first = self.ranks[:schedule.replicas * self.k]  # the run's ranks at its start
+        self.joining = self.ranks[len(first):]  # a late node's: node 0 admits them at join_at
         self.members: Dict[int, SimWorker] = {}
         self.inc: Dict[int, int] = {r: -1 for r in self.ranks}
         self.done: Set[int] = set()
@@ -179,7 +187,8 @@ class World:
         self.heal_kill: Dict[int, bool] = {}
         self.call_kill: Dict[str, int] = {}  # proc -> store calls it makes before it is killed at the next
         self.call_pause: Dict[int, Tuple[int, float]] = {}  # rank -> (store calls before the pause, its length)
-        self.store.on_call = self._on_call
+        # self._on_call is the store's on_call while a kill-call or pause-call is armed (None: no
+        # function call per store call in the common turn).
         self.decided: Dict[str, bytes] = {}
         self.committed: Dict[Tuple[int, int], str] = {}  # (lineage, step) -> the digest of the state committed
         self.outcome: Dict[Tuple[int, int], bool] = {}
@@ -191,12 +200,18 @@ class World:
         self._keys_bound = KEYS_BASE + KEYS_PER_RANK * len(self.ranks)
         self._ranks_n = len(self.ranks)
         self.restarted: Set[Tuple[int, int]] = set()  # (replica, incarnation) already restarted whole
+        # The supervisor's own failure policy (supervisor/policy/failure_policy.py) decides each
+        # failure: restart the replica, drop it, leave it failed, or give the run up.
+        self.policy = bugs.policy(ft=True, max_restarts=schedule.max_restarts, min_replicas=schedule.min_replicas)
+        self.counted: Dict[int, int] = {}  # replica -> restarts charged to its budget (the invariant's own count)
+        self.dropped: Set[int] = set()  # ranks of replicas dropped or left failed: never back
+        self.given_up = False  # the policy gave the run up: it ends (every worker is stopped)
         self.routes: Optional[Routes] = None
         shape = {}
         if self.nodes > 1:
             self.routes = _SimRoutes(self, {n: (f"node{n}", self.node_ranks(n)) for n in range(1, self.nodes)})
             shape = {"local_ranks": self.node_ranks(0), "routes": self.routes}
-        self.keeper = bugs.keeper(_RunStore(self.store.client(600.0)), self.ranks, replica_size=self.k,
+        self.keeper = bugs.keeper(_RunStore(self.store.client(600.0)), first, replica_size=self.k,
                                   settings=KeeperSettings(schedule.round_steps, True), clock=lambda: sched.now,
                                   **shape)
         # Every other node's ftrun: a follower keeper (it reports its workers to node 0's) and the relay.
@@ -214,7 +229,10 @@ class World:
         return list(range(node * self.per_node, (node + 1) * self.per_node))
 
     def over(self) -> bool:
-        return len(self.done) + len(self.gone) >= self._ranks_n and len(self.done | self.gone) >= self._ranks_n
+        if self.given_up:
+            return True
+        ended = len(self.done) + len(self.gone) + len(self.dropped)
+        return ended >= self._ranks_n and len(self.done | self.gone | self.dropped) >= self._ranks_n
 
     # ------------------------------------------------------------ the supervisor
     def _supervise(self) -> None:
@@ -225,9 +243,15 @@ class World:
             self.sched.spawn(lambda n=n: self._supervise_node(n), "ftrun", f"node{n}")
         late = {f.rank: f.dur for f in self.sch.faults if f.kind == "late"}
         for r in self.ranks:
-            self.events.append((late.get(r, 0.0), "spawn", r, 0))
+            if r not in self.joining:
+                self.events.append((late.get(r, 0.0), "spawn", r, 0))
         while not self.over():
             now = self.sched.now
+            if self.joining and now >= self.sch.join_at:  # a late node is admitted: its ranks, then its workers
+                self.log.append(f"{now:.3f}s ranks {self.joining} join the run")
+                k.add_ranks(self.joining)
+                self.events += [(now + late.get(r, 0.0), "spawn", r, 0) for r in self.joining]
+                self.joining = []
             self._take_events(0, k)
             for n, at in sorted(self.lost_at.items()):
                 if now >= at + NODE_LOST_S and n not in self.routes.lost:
@@ -237,6 +261,10 @@ class World:
                 k.poll(now)
             except Exception:  # noqa: BLE001 - the store is down: the next tick tries again
                 pass
+            if self.dropped:  # the leader, told of a dropped replica's exit, lists it in no quorum again
+                listed = sorted(r for r in self.dropped if r in k.members and k.alive.get(r) is None)
+                if listed:
+                    self.violation(f"quorum {k.epoch_id} lists rank(s) {listed} of a replica dropped from the run")
             for r, inc in k.rejoined:  # the supervisor books a worker's next incarnation, its process the same
                 self.inc[r] = inc
             k.rejoined.clear()
@@ -264,7 +292,7 @@ class World:
         due = sorted(e for e in self.events if e[0] <= now and (e[2] < 0 or self.node_of(e[2]) == node))
         self.events = [e for e in self.events if e not in due]
         for _, what, r, inc in due:
-            if r in self.gone:  # its node is lost: nothing of it starts again
+            if r in self.gone or (what == "spawn" and r in self.dropped):  # lost or dropped: never back
                 continue
             if what == "spawn":
                 inc = max(inc, self.inc[r] + 1)  # after an incarnation booked in place (MemberDriver.rejoin)
@@ -279,18 +307,19 @@ class World:
                 booked = what in ("died", "finished") and self.k == 1
                 keeper.on_exit(r, self.inc[r] if booked else inc, finished=what == "finished")
 
-    def on_member_exit(self, m: SimWorker, code: int, why: str) -> None:
+    def on_member_exit(self, m: SimWorker, code: int, why: str, by_peers: bool = False) -> None:
         """The member's process ends (its own thread, just before it unwinds)."""
         self.log.append(f"{self.sched.now:.3f}s rank {m.rank}.{m.inc} exits {code}: {why} (step {m.step})")
         if code == 0:
             self.events.append((self.sched.now + 0.01, "finished", m.rank, m.inc))
             self.done.add(m.rank)
             return
-        self._died(m.rank, m.inc)
+        self._died(m.rank, m.inc, by_peers)
 
-    def _died(self, rank: int, inc: int) -> None:
-        """A worker died or exited to restart: the supervisor sees it, and restarts its replica
-        whole (with --replica-size K > 1 its other workers are killed first, as ftrun does)."""
+    def _died(self, rank: int, inc: int, by_peers: bool = False) -> None:
+        """A worker died or exited to restart: the supervisor sees it, and its failure policy says
+        whether the replica restarts whole (with --replica-size K > 1 its other workers are killed
+        first, as ftrun does), is dropped, or the run gives up."""
         now = self.sched.now
         self.events.append((now + 0.005 + 0.02 * self.sched.rng.random(), "died", rank, inc))
         replica = rank // self.k
@@ -298,6 +327,8 @@ class World:
             if (replica, inc) in self.restarted:
                 return
             self.restarted.add((replica, inc))
+        verdict = self._decide(replica, by_peers)
+        if self.k > 1:
             # A mate still starting (a late start) is part of the incarnation being replaced.
             self.events = [e for e in self.events
                            if not (e[1] == "spawn" and e[2] // self.k == replica and e[3] <= inc)]
@@ -308,10 +339,42 @@ class World:
                     self.groups.died()
                     self.log.append(f"{now:.3f}s rank {mate}.{m.inc} killed with its replica (step {m.step})")
                     self.events.append((now + 0.005 + 0.02 * self.sched.rng.random(), "died", mate, m.inc))
+        if verdict is not RestartVerdict.RESTART_REPLICA:
+            return
         back = now + 0.3 + 0.7 * self.sched.rng.random()
         for mate in range(replica * self.k, replica * self.k + self.k):
             if mate == rank or (self.k > 1 and mate not in self.done):
                 self.events.append((back, "spawn", mate, inc + 1))
+
+    def _decide(self, replica: int, by_peers: bool) -> RestartVerdict:
+        """The failure policy's verdict on the replica's failure, checked against the invariants
+        (a budget never overspent, a drop only while --min-replicas others live), and carried out
+        where it ends the replica or the run."""
+        mates = range(replica * self.k, replica * self.k + self.k)
+        live = {r // self.k for r, m in self.members.items()
+                if r // self.k != replica and r not in self.done and self.sched.alive(m.proc)}
+        act = self.policy.on_replica_failure(ReplicaFailed(replica, len(live), by_peers=by_peers,
+                                                           others_done=bool(self.done)))
+        v = act.verdict
+        self.log.append(f"{self.sched.now:.3f}s replica {replica}: {v.name} ({len(live)} live beside it"
+                        f"{', not counted' if not act.counted else ''})")
+        if v is RestartVerdict.RESTART_REPLICA:
+            if act.counted:
+                self.counted[replica] = self.counted.get(replica, 0) + 1
+                if self.counted[replica] > self.sch.max_restarts:
+                    self.violation(f"replica {replica} restarted {self.counted[replica]} times counted, past its "
+                                   f"budget of {self.sch.max_restarts}")
+            return v
+        if v is RestartVerdict.DROP_REPLICA and len(live) < self.sch.min_replicas:
+            self.violation(f"replica {replica} dropped with {len(live)} replicas live beside it, fewer than "
+                           f"--min-replicas {self.sch.min_replicas}")
+        if v is RestartVerdict.GIVE_UP:
+            self.given_up = True  # the supervisor stops every worker: the run ends here
+            return v
+        self.dropped.update(r for r in mates if r not in self.done)
+        # A mate still to start (a late start) never does.
+        self.events = [e for e in self.events if not (e[1] == "spawn" and e[2] // self.k == replica)]
+        return v
 
     def kill(self, rank: int) -> None:
         m = self.members.get(rank)
@@ -325,6 +388,7 @@ class World:
     # ------------------------------------------------------------ faults
     def _on_call(self, proc: str) -> None:
         if not self.call_pause and not self.call_kill:
+            self.store.on_call = None  # nothing armed any more
             return
         rank = int(proc[1:].split(".")[0]) if proc.startswith("r") else -1
         pause = self.call_pause.get(rank)
@@ -333,7 +397,7 @@ class World:
                 self.call_pause[rank] = (pause[0] - 1, pause[1])
             else:
                 del self.call_pause[rank]
-                self.sched.paused[proc] = self.sched.now + pause[1]
+                self.sched.pause(proc, self.sched.now + pause[1])
                 self.sched.sleep(0.0)  # stopped before its call takes effect
         left = self.call_kill.get(proc)
         if left is None:
@@ -355,12 +419,14 @@ class World:
             elif f.kind == "kill-call":
                 if m is not None and f.rank not in self.done:
                     self.call_kill[m.proc] = int(f.x)
+                    self.store.on_call = self._on_call
             elif f.kind == "heal-kill":
                 self.heal_kill[f.rank] = True
             elif f.kind == "pause-call":
                 self.call_pause[f.rank] = (int(f.x), f.dur)
+                self.store.on_call = self._on_call
             elif f.kind == "pause":
-                self.sched.paused[proc] = self.sched.now + f.dur
+                self.sched.pause(proc, self.sched.now + f.dur)
             elif f.kind == "slow":
                 self.sched.slow[proc] = f.x
                 self.events.append((self.sched.now + f.dur, "noop", f.rank, -1))
@@ -461,14 +527,22 @@ class World:
         self.sched.spawn(self._faults, "faults", "sim")
         try:
             turn, check, over = self.sched.turn, self._check, self.over
-            while not over() and self.first_violation is None:
+            done, gone, dropped, n = self.done, self.gone, self.dropped, self._ranks_n
+            sched, store = self.sched, self.store
+            writes, bound, deadline = store.writes, self._keys_bound, self._progress_deadline
+            every_turn = bool(self.node_store)  # other nodes' stores: their sizes are checked each turn
+            while ((len(done) + len(gone) + len(dropped) < n and not self.given_up) or not over()) \
+                    and self.first_violation is None:
                 try:
                     if not turn():
                         break
                 except Deadlock as e:
                     self.violation(f"deadlock: every thread waits for ever ({e}; {self._where()})")
                     break
-                check()
+                # _check's own test of the common turn, inline: nothing new to check
+                if (every_turn or len(writes) != self._writes_seen or store.max_keys > bound or sched.now > deadline
+                        or sched.turns > TURNS_BOUND or sched.errors):
+                    check()
         finally:
             self.sched.shutdown()
         return self.first_violation
