@@ -215,13 +215,19 @@ class Sched:
 
     def turn(self) -> bool:
         """Run one thread until its next yield point. False when nothing can run any more."""
-        ready = self._ready(self.now)
-        if not ready:
+        now = self.now
+        pool = self._pool
+        heap = self._heap
+        if (heap and heap[0][0] <= now) or self._waiting or self.paused:
+            ready = self._ready(now)
+        else:
+            ready = pool  # the common turn: _ready's answer, without the call
+        n = len(ready)
+        if not n:
             # Only deadlines still ahead: a paused process's thread may be past its own.
-            now = self.now
             deadlines = [t.until for t in self._waiting if t.until is not None and t.until > now]
-            if self._heap:
-                deadlines.append(self._heap[0][0])
+            if heap:
+                deadlines.append(heap[0][0])
             deadlines += [p for p in self.paused.values() if p > now]
             if not deadlines:
                 if self.threads:
@@ -230,15 +236,17 @@ class Sched:
             self.now = max(now, min(deadlines))
             return True
         rng = self.rng
-        t = ready[int(rng.random() * len(ready))] if len(ready) > 1 else ready[0]
+        t = ready[int(rng.random() * n)] if n > 1 else ready[0]
         if t.pooled:
-            self._pool.remove(t)
+            pool.remove(t)
         else:
             self._waiting.remove(t)
         t.pooled = False
         t.token += 1
-        slow = self.slow.get(t.proc, 0.0) if self.slow else 0.0
-        self.now += rng.random() * self.latency_s * (1.0 + slow)
+        if self.slow:
+            self.now = now + rng.random() * self.latency_s * (1.0 + self.slow.get(t.proc, 0.0))
+        else:
+            self.now = now + rng.random() * self.latency_s
         self.current = t
         t.fresh = True
         t.glet.switch()

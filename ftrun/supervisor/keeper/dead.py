@@ -12,6 +12,7 @@ Must never import torch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -251,6 +252,11 @@ def node_votes_kept_from(top: int) -> int:
     return top - 4 * ROUND_KEYS_KEPT
 
 
+# The store's key names repeat from one collection to the next (and in the simulator from one run to
+# the next): each is parsed once. protocol.parse_key is pure and returns immutable tuples.
+_parse_key = functools.lru_cache(maxsize=16384)(keys.parse_key)
+
+
 def collect(rules: KeeperRules, s: KeeperSnapshot, names: Iterable[str]) -> KeyCollection:
     """Which keys (`names`: the store's keys) to delete: those of rounds every live member is past
     (counters, decisions, transfer words, group addresses), of quorums nobody can still be in,
@@ -261,7 +267,7 @@ def collect(rules: KeeperRules, s: KeeperSnapshot, names: Iterable[str]) -> KeyC
     newest: Dict[int, int] = {}
     delete: List[str] = []
     for key in names:
-        parsed = keys.parse_key(key)
+        parsed = _parse_key(key)
         if parsed is None:
             continue
         kind, nums = parsed
