@@ -111,6 +111,44 @@ def test_node_modules_import_no_circle():
         assert "ftrun.supervisor.nodes.coordinator" not in names, f"{path.name} imports nodes/coordinator.py"
 
 
+
+@pytest.mark.quick
+def test_store_moves_are_decided_from_a_view():
+    """node_moves.py's functions are given a MoveView (and what they write to), never the coordinator."""
+    tree = ast.parse((SUPERVISOR / "nodes" / "node_moves.py").read_text())
+    for fn in [n for n in tree.body if isinstance(n, ast.FunctionDef)]:
+        assert fn.args.args[0].arg == "v" and ast.unparse(fn.args.args[0].annotation) == "MoveView", fn.name
+
+
+def _moves(me=1, host=0, size=3, others=(0, 2), lost=(), can_move=True, elastic=False, ft=True, has_store=True):
+    from ftrun.supervisor.nodes.node_moves import MoveView
+    return MoveView(me, host, size, tuple(sorted({me, *others})), others, lost, can_move, elastic, ft, has_store)
+
+
+MOVES_TABLE = [
+    # (why, view, may_move, may_move_between_rounds, majority_kept)
+    ("a node beside the host, three nodes, --ft: it may move the store", _moves(), True, False, True),
+    ("two nodes: no majority can move the store", _moves(size=2, others=(0,)), False, False, True),
+    ("the host itself never moves it", _moves(me=0, others=(1, 2)), False, False, True),
+    ("no standby store here", _moves(has_store=False), False, False, True),
+    ("c10d without --ft: the rounds move it", _moves(can_move=False, ft=False, elastic=True), False, True, True),
+    ("the host that lost one of three keeps half or more: it goes on",
+     _moves(me=0, others=(1, 2), lost=(2,)), False, False, True),
+    ("the host that lost two of three stops: the others may move the store",
+     _moves(me=0, others=(1, 2), lost=(1, 2)), False, False, False),
+    ("elastic: the host needs more than half (two of four is not enough)",
+     _moves(me=0, size=4, others=(1, 2, 3), lost=(2, 3), elastic=True), False, False, False),
+    ("static: two of four is half, enough", _moves(me=0, size=4, others=(1, 2, 3), lost=(2, 3)), False, False, True),
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("why,view,move,between,kept", MOVES_TABLE, ids=[row[0] for row in MOVES_TABLE])
+def test_store_move_rules_table(why, view, move, between, kept):
+    from ftrun.supervisor.nodes import node_moves
+    assert (node_moves.may_move(view), node_moves.may_move_between_rounds(view), node_moves.majority_kept(view)) == \
+        (move, between, kept)
+
 # The keeper's own modules: its shell and components (quorum*.py) and its core (keeper/).
 KEEPER_MODULES = tuple(f"supervisor/{m}" for m in ("quorum.py", "quorum_status.py", "quorum_votes.py", "keeper/"))
 MUTATORS = {"update", "add", "append", "extend", "clear", "pop", "popitem", "discard", "remove",

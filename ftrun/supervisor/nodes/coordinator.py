@@ -202,19 +202,26 @@ class NodeCoordinator:
     def rank0_report(self, n: int) -> Optional[ProgressReport]:
         return node_restart.rank0_report(self.store, n)
 
+    def move_view(self) -> node_moves.MoveView:
+        """What the store's moves are decided from, as this node sees it now (node_moves)."""
+        return node_moves.MoveView(
+            self.me, self.host_node, self.layout_size, tuple(self.live), tuple(self.others), tuple(self.lost_nodes()),
+            self.can_move, self.elastic, bool(self.cfg.ft), self.node_store is not None, dict(self.standby),
+            self.gen, self.attempt)
+
     def may_move(self) -> bool:
-        return node_moves.may_move(self)
+        return node_moves.may_move(self.move_view())
 
     def may_move_between_rounds(self) -> bool:
-        return node_moves.may_move_between_rounds(self)
+        return node_moves.may_move_between_rounds(self.move_view())
 
     def majority_kept(self) -> bool:
-        return node_moves.majority_kept(self)
+        return node_moves.majority_kept(self.move_view())
 
     def fail_over(self) -> failover.Elected:
         """The run's store is lost: agree with the surviving nodes on the next host (node_moves), and
         follow it. Raises failover.NoMajority when this node may not go on."""
-        elected = node_moves.elect_host(self)
+        elected = node_moves.elect_host(self.move_view(), self.node_store, lambda: self._signalled(0) is not None)
         host, _, port = elected.addr.rpartition(":")
         self.gen += 1
         self.host_node = elected.host
@@ -229,7 +236,8 @@ class NodeCoordinator:
 
     def open_to_late_nodes(self, master_addr: str) -> None:
         """The new host of an elastic --ft run takes late nodes in (node_moves)."""
-        self._next_arrival, self.arrivals_key = node_moves.open_to_late_nodes(self, master_addr)
+        self._next_arrival, self.arrivals_key = node_moves.open_to_late_nodes(self.move_view(), self.cfg, self.store,
+                                                                              self._seen, master_addr)
         if self.watch is not None:
             self.watch.follow(self._plan())
 
