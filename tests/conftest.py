@@ -27,6 +27,13 @@ FTRUN = [sys.executable, "-m", "ftrun"]
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# One OpenMP thread per process, as ftrun (and torchrun) give each worker when a node runs more than
+# one. The suite runs two tests at once on a few cores, and a test's nodes are several ftrun processes
+# with one worker each: left unset, every such worker's OpenMP threads spin-wait for CPUs the others
+# hold, and a 200-step run of train_ft.py took 39 CPU s instead of 4 (160 s instead of 30) on 2 cores.
+# Tests of what ftrun sets there remove it from the environment they pass.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _temporary_files_in_pytests_folder(tmp_path_factory):
