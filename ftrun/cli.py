@@ -178,7 +178,7 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
         from ftrun.plan import plan_text
 
         raise typer.Exit(_print_plan(plan_text(cfg)))
-    from ftrun.supervisor.loop.env import quiet_torch_warnings
+    from ftrun.supervisor.workers.env import quiet_torch_warnings
 
     quiet_torch_warnings()  # before the supervisor imports torch; workers keep the user's environment
     if cfg.rdzv == "c10d":

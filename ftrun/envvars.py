@@ -40,7 +40,7 @@ class EnvVar:
 
 
 VARIABLES: Tuple[EnvVar, ...] = (
-    # ---- torchrun's worker environment (ftrun.supervisor.loop.env; tests/test_env_contract.py, test_torchrun_oracle.py)
+    # ---- torchrun's worker environment (ftrun.supervisor.workers.env; tests/test_env_contract.py, test_torchrun_oracle.py)
     EnvVar("RANK", TORCHRUN, "The worker's global rank: node rank x workers per node + local rank."),
     EnvVar("LOCAL_RANK", TORCHRUN, "The worker's rank on its node (0 with --virtual-local-rank)."),
     EnvVar("WORLD_SIZE", TORCHRUN, "Workers in the run: nodes x workers per node (under --ft on an elastic run: "
@@ -70,7 +70,7 @@ VARIABLES: Tuple[EnvVar, ...] = (
            "sets it.", when="more than one worker and no value of your own"),
     EnvVar("CUDA_VISIBLE_DEVICES", TORCHRUN, "With --virtual-local-rank: the worker's own device only.",
            when="--virtual-local-rank"),
-    # ---- ftrun's own, in every worker (ftrun.supervisor.loop.env)
+    # ---- ftrun's own, in every worker (ftrun.supervisor.workers.env)
     EnvVar("FTRUN_RUN_ID", WORKER, "ftrun's name of the run (--run-id; shown by ftrun status)."),
     EnvVar("FTRUN_STORE", WORKER, "host:port of the run's store, hosted by node 0's ftrun."),
     EnvVar("FTRUN_FT", WORKER, "1 under --ft, else 0."),

@@ -2,7 +2,7 @@
 
 The plan is what a real run would do with the same line: the node layout,
 each worker's RANK, LOCAL_RANK and WORLD_SIZE, the environment each worker
-gets (from ftrun.supervisor.loop.env, the functions a real run uses), and every
+gets (from ftrun.supervisor.workers.env, the functions a real run uses), and every
 option with its value and where the value came from. Values that only a
 running launcher learns (a free port, a c10d node rank) are named as such.
 This module must never import torch, and never start, bind, connect to or
@@ -20,7 +20,7 @@ from ftrun.config import RunConfig
 from ftrun.errors import CLI
 from ftrun.machine import is_local_address, this_node_name
 from ftrun.options import HOOK_OPTIONS, OPTIONS_LIST, Option
-from ftrun.supervisor.loop.env import base_env, common_env, log_dir, worker_env
+from ftrun.supervisor.workers.env import base_env, common_env, log_dir, worker_env
 
 FREE_PORT = "<a free port, picked at start>"
 HOST_FQDN = "<the FQDN of the node hosting the store>"

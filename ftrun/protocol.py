@@ -359,7 +359,7 @@ CHECKPOINT_FAILURE = PREFIX + "checkpoint-failure"
 # committed step is written (or could not be): JSON {"step", "ok", "path" | "why"}.
 STOP_SAVE = PREFIX + "stop-save"
 # A line ftrun.ft writes into a worker's stderr for the rank's log file only: the console
-# filter (ftrun/supervisor/loop/logs.py) keeps it off the console unless --verbose.
+# filter (ftrun/supervisor/workers/logs.py) keeps it off the console unless --verbose.
 DETAIL_PREFIX = "ftrun.ft: detail: "
 
 # ---------------------------------------------------------------- exit statuses

@@ -145,10 +145,10 @@ def test_every_ftrun_variable_in_the_code_is_in_the_registry():
 
 @pytest.mark.quick
 def test_every_variable_a_worker_gets_is_in_the_registry(tmp_path):
-    """What ftrun.supervisor.loop.env sets in a worker, for a run that sets the most, is documented."""
+    """What ftrun.supervisor.workers.env sets in a worker, for a run that sets the most, is documented."""
     from ftrun.config import build_config
     from ftrun.envvars import BY_NAME
-    from ftrun.supervisor.loop.env import common_env, worker_env
+    from ftrun.supervisor.workers.env import common_env, worker_env
 
     cfg = build_config({"script": "x.py", "nproc": "2", "ft": True, "checkpoint_dir": str(tmp_path),
                         "step_timeout": "30", "virtual_local_rank": True, "hook": {"name": "fp16"}},

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ftrun.supervisor.policy.hangs import find_hung
-from ftrun.supervisor.loop.worker import Worker, WorkerSpec, WorkerState
+from ftrun.supervisor.workers.worker import Worker, WorkerSpec, WorkerState
 
 pytestmark = pytest.mark.quick
 

@@ -272,7 +272,7 @@ def test_a_heal_keeps_torchs_internals_off_the_console(ftrun_home, tmp_path, mon
 
 @pytest.mark.quick
 def test_torchs_store_timeout_warnings_stay_in_the_log():
-    from ftrun.supervisor.loop.logs import chatter
+    from ftrun.supervisor.workers.logs import chatter
 
     for line in ("[W1127 23:53:02.756119425 socket.cpp:494] [c10d] waitForInput: socket SocketImpl(fd=15, "
                  "addr=[::ffff:127.0.0.1]:60500, remote=[::ffff:127.0.0.1]:40087) timed out after 10000ms",

@@ -22,7 +22,7 @@ from ftrun.errors import ConfigError
 from ftrun.status.state import ReplicaStatus, RunStatus, read_states, run_dir, runs_root, write_state
 from ftrun.supervisor.accounting.report import exit_reason
 from ftrun.supervisor.policy.restart import GroupRestartPolicy, ReplicaRestartPolicy
-from ftrun.supervisor.loop.worker import WorkerState
+from ftrun.supervisor.workers.worker import WorkerState
 
 # What the supervisor really writes into a state file (not look-alikes a view could match by luck).
 FT_POLICY, GROUP_POLICY = ReplicaRestartPolicy(1, 1).name, GroupRestartPolicy(1).name

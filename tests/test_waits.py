@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import FTRUN, ROOT, SCRIPTS, free_port
-from ftrun.supervisor.loop.waits import replica_waits
+from ftrun.supervisor.accounting.waits import replica_waits
 
 
 def _two_nodes(tmp_path, node0_on_tty: bool) -> str:

@@ -31,7 +31,7 @@ class ReplicaStatus:
     rank: int
     local_rank: int
     pid: Optional[int] = None
-    state: str = "starting"  # a WorkerState value (ftrun.supervisor.loop.worker)
+    state: str = "starting"  # a WorkerState value (ftrun.supervisor.workers.worker)
     restarts: int = 0
     step: int = 0                       # optimizer steps taken (or global step with --ft)
     steps_per_s: float = 0.0

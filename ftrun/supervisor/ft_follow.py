@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ftrun.supervisor.loop.logs import ConsoleOut
+from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.nodes.node_common import one_line
 from ftrun.supervisor.accounting.progress_reader import ProgressReader, note_steps
-from ftrun.supervisor.loop.worker import Worker, WorkerState
+from ftrun.supervisor.workers.worker import Worker, WorkerState
 
 
 @dataclass(frozen=True)

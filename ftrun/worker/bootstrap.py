@@ -110,7 +110,7 @@ def _record_error(exc: BaseException) -> None:
         pass
 
 
-# The one line an interrupted worker writes instead of a traceback (ftrun.supervisor.loop.logs keeps it
+# The one line an interrupted worker writes instead of a traceback (ftrun.supervisor.workers.logs keeps it
 # in the rank's log, off the console: ftrun's own line says that the run was interrupted).
 INTERRUPTED_LINE = "ftrun: rank {rank}: stopped by SIGINT (KeyboardInterrupt) in {where}"
 

@@ -388,7 +388,7 @@ def note_overridden(spec: HookSpec, script_hook: str) -> None:
 
 
 def _log_at_exit() -> None:
-    # Every rank writes it to its log; the console shows one rank's (ftrun.supervisor.loop.logs).
+    # Every rank writes it to its log; the console shows one rank's (ftrun.supervisor.workers.logs).
     # A plain DDP's registration lives in _registrations; --ft's newest one in its replica hook.
     for _, ref, stats in list(_newest.values()):
         reg = ref()

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ftrun.status.state import RunStatus
 from ftrun.supervisor.accounting.goodput import Accountant, Breakdown, LaneState
 from ftrun.supervisor.accounting.timeline import Checkpoints, StepSeries, write_timeline
-from ftrun.supervisor.loop.worker import Failure, Worker
+from ftrun.supervisor.workers.worker import Failure, Worker
 from ftrun.wire import FirstFailure, ProgressReport
 
 TIMELINE_EVERY_S = 5.0

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ftrun.protocol import progress_key
 from ftrun.supervisor.store import STORE_TIMEOUT_S, RunStore
-from ftrun.supervisor.loop.worker import Worker
+from ftrun.supervisor.workers.worker import Worker
 from ftrun.wire import NO_PROGRESS, ProgressReport, Raw
 
 Reports = List[Tuple[Worker, ProgressReport]]

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from ftrun.status.state import ReplicaStatus, RunStatus, write_state
 from ftrun.supervisor.accounting.ledger import Ledger
-from ftrun.supervisor.loop.logs import ConsoleOut
-from ftrun.supervisor.loop.worker import Worker
+from ftrun.supervisor.workers.logs import ConsoleOut
+from ftrun.supervisor.workers.worker import Worker
 
 if TYPE_CHECKING:
     from ftrun.supervisor.nodes.coordinator import NodeCoordinator

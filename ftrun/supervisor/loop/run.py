@@ -30,11 +30,11 @@ from ftrun.protocol import EXIT_FAILED
 from ftrun.supervisor import start
 from ftrun.supervisor.accounting import checkpoints
 from ftrun.supervisor.accounting.accounts import Accounting
-from ftrun.supervisor.loop.env import error_file, log_dir, stacks_file, worker_env
+from ftrun.supervisor.workers.env import error_file, log_dir, stacks_file, worker_env
 from ftrun.supervisor.policy.failures import ReplicaOutcome, WorkerFailures, training_over
 from ftrun.supervisor.ft_follow import QuorumView
 from ftrun.supervisor.policy.hangs import find_hung
-from ftrun.supervisor.loop.logs import ConsoleOut, Pump, drain, open_pipes
+from ftrun.supervisor.workers.logs import ConsoleOut, Pump, drain, open_pipes
 from ftrun.supervisor.nodes.node_common import NodeEvent
 from ftrun.supervisor.nodes.node_decisions import NodeNews, RemoteFailure, StoreMoved, can_reform
 from ftrun.supervisor.nodes.coordinator import NodeCoordinator
@@ -45,9 +45,9 @@ from ftrun.supervisor.policy.restart import Repeats
 from ftrun.supervisor.spawn import WorkerExited, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner
 from ftrun.supervisor.policy.stopping import AfterStop, Stopper, StopRun, forwarded_signals
 from ftrun.supervisor.store import RunStore, open_run_store
-from ftrun.supervisor.loop.waits import Waits, replica_waits
+from ftrun.supervisor.accounting.waits import Waits, replica_waits
 from ftrun.supervisor.loop.table import WorkerTable
-from ftrun.supervisor.loop.worker import Failure, Worker, WorkerState
+from ftrun.supervisor.workers.worker import Failure, Worker, WorkerState
 
 TICK_S = 0.25
 STORE_READY_TIMEOUT_S = 30.0
@@ -147,7 +147,7 @@ class Supervisor:
         self.policy.to_group_restarts()
         self.books.policy(self.policy.name)
         self.k, self.quorum = 1, None
-        self.common["FTRUN_FT"] = "0"  # the workers' --ft switch (ftrun.supervisor.loop.env, ftrun.worker.settings)
+        self.common["FTRUN_FT"] = "0"  # the workers' --ft switch (ftrun.supervisor.workers.env, ftrun.worker.settings)
         for w in self.workers:
             if w.state == WorkerState.STARTING and w.first_step_seen:
                 w.state = WorkerState.RUNNING

@@ -41,7 +41,7 @@ from ftrun.protocol import EXIT_SIGNAL_BASE, rdzv_admit, rdzv_arrivals
 from ftrun.status.state import ReplicaStatus
 from ftrun.supervisor.nodes import failover, node_join, node_moves, node_restart
 from ftrun.supervisor.nodes import node_common as nc
-from ftrun.supervisor.loop.logs import ConsoleOut
+from ftrun.supervisor.workers.logs import ConsoleOut
 # The names other modules use from here (ftrun.supervisor.nodes.rendezvous, run).
 from ftrun.supervisor.nodes.node_common import (BEAT_S, JOIN_FAILED, NODE_LOST, NODE_TIMEOUT_S, POLL_S,  # noqa: F401
                                           REQUEUE, NodeEvent, NodeState, StoreState, one_line, route_ip, use_round)
@@ -49,7 +49,7 @@ from ftrun.supervisor.nodes.node_common import one_line as _one_line  # noqa: F4
 from ftrun.supervisor.nodes.node_restart import NextAttempt
 from ftrun.supervisor.nodes.node_watch import NodeWatch, WatchPlan, WatchView
 from ftrun.supervisor.store import RunStore, bind_listener
-from ftrun.supervisor.loop.worker import Failure
+from ftrun.supervisor.workers.worker import Failure
 from ftrun.wire import FirstFailure, ProgressReport
 
 
@@ -86,7 +86,7 @@ class NodeCoordinator:
         self._next_arrival = cfg.nnodes
         self.waiting: List[int] = []  # node 0: late nodes waiting for a place (the run has max nodes)
         self._joined: List[int] = []  # late nodes the watch found in the live list, not yet reported
-        self.waits: Any = waits  # ftrun.supervisor.loop.waits.Waits: progress while the nodes join, on a terminal
+        self.waits: Any = waits  # ftrun.supervisor.accounting.waits.Waits: progress while the nodes join, on a terminal
         # --ft on three nodes or more: the store moves when its node is lost
         # (ftrun.supervisor.nodes.failover). Every node but node 0 hosts a standby store from the start.
         self.host_node = 0

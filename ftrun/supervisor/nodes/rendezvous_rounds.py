@@ -26,9 +26,9 @@ from ftrun.poll import wait_until
 from ftrun.protocol import RDZV, RDZV_MOVED, NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.supervisor.nodes import coordinator as nodes
 from ftrun.supervisor import redirect
-from ftrun.supervisor.loop.logs import ConsoleOut
+from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.store import RunStore
-from ftrun.supervisor.loop.waits import Waits
+from ftrun.supervisor.accounting.waits import Waits
 
 POLL_S = 0.05
 JOIN_FAILED = nodes.JOIN_FAILED

@@ -18,7 +18,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import psutil
 
-from ftrun.supervisor.loop.worker import Worker
+from ftrun.supervisor.workers.worker import Worker
 
 # Below this share of one CPU a process is idle (a worker's progress thread costs a fraction of it).
 IDLE_CPU_PERCENT = 5.0

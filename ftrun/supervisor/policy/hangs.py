@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
-from ftrun.supervisor.loop.worker import Worker, WorkerState
+from ftrun.supervisor.workers.worker import Worker, WorkerState
 
 if TYPE_CHECKING:
     from ftrun.supervisor.quorum import QuorumKeeper

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from ftrun.protocol import EXIT_REPLICA_RESTART
-from ftrun.supervisor.loop.worker import Worker
+from ftrun.supervisor.workers.worker import Worker
 from ftrun.wire import PEERS_DECIDED, WorkerError
 
 # How far back a failure of another replica counts as the cause (a decision follows the death

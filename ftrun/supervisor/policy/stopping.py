@@ -26,9 +26,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_FAILED, EXIT_SIGNAL_BASE
 from ftrun.supervisor.accounting import checkpoints
-from ftrun.supervisor.loop.logs import ConsoleOut
+from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.spawn import SpawnerDied, signal_group
-from ftrun.supervisor.loop.worker import Failure, Worker
+from ftrun.supervisor.workers.worker import Failure, Worker
 
 # After SIGKILL a process is gone within milliseconds unless the kernel holds it (uninterruptible
 # I/O); past this much longer the stop stops waiting for it.

@@ -6,7 +6,7 @@ stderr (a spinner, what is awaited, a bar where the count is known, the time so 
 once it has lasted SHOW_AFTER_S, and is gone when it ends. Nothing is drawn when
 stderr is not a terminal (a log file, a pipe, CI), under --quiet, or with
 FTRUN_PROGRESS=0: the log files never hold progress. While a line is shown, the
-console's other lines print above it (ftrun.supervisor.loop.logs.ConsoleOut.live).
+console's other lines print above it (ftrun.supervisor.workers.logs.ConsoleOut.live).
 Must never block the supervisor's loop, decide anything, or import torch.
 """
 

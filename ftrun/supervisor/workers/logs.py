@@ -113,7 +113,7 @@ class ConsoleOut:
         self.verbose = verbose  # ftrun's per-rank chatter on the console too (--verbose, FTRUN_VERBOSE=1)
         self.lock = threading.Lock()
         self.trouble = WriteTrouble(self)
-        # A progress line is drawn on the terminal (ftrun.supervisor.loop.waits): every line goes through
+        # A progress line is drawn on the terminal (ftrun.supervisor.accounting.waits): every line goes through
         # self.err, which prints above it; stdout's console would write through the drawing.
         self.live = False
 
