@@ -12,6 +12,7 @@ invariants checked after every scheduled turn.
     scripts/simulate.py --round-steps 4 --schedules 500   # rounds of several steps, one vote each
     scripts/simulate.py --max-restarts 1 --schedules 500  # restart budgets: replicas dropped, runs given up
     scripts/simulate.py --joiners --schedules 500         # replicas that join the running run (elastic)
+    scripts/simulate.py --stops --schedules 500           # a stop signal mid-run: stop quorums
 
 A violation prints the shortest schedule that still fails (faults removed one at a time while
 it does), as a line to replay, and the run exits 1. The last line is always
@@ -42,14 +43,16 @@ KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + [
 
 
 def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
-                  max_restarts: Optional[int] = None, joiners: bool = False) -> Schedule:
+                  max_restarts: Optional[int] = None, joiners: bool = False, stops: bool = False) -> Schedule:
     """A random schedule: 2-5 replicas (2-3 of K workers with K > 1; 1-2 per node on several
     nodes), 8-20 rounds, 0-6 faults within the run's first 1.5 s, or 3-8 within 0.6 s; a fault's
     rank is any worker. On several nodes a quarter of the schedules lose a node besides. With a
     restart budget (`max_restarts`), --min-replicas is 1 to all the replicas, and one worker is
     killed 1-3 times more within the first 2 s, so that budgets run out. With `joiners`, 1-2
     replicas of a late node join the running run (elastic) at 0.1-2.5 s, and half the schedules
-    kill one of them within a second of that."""
+    kill one of them within a second of that. With `stops`, a stop signal reaches ftrun at
+    0.05-2.5 s (a stop quorum, its writer's word, then every worker stopped), and half the
+    schedules kill a worker 0.03-0.15 s after it."""
     rng = random.Random(seed)
     replicas = rng.randint(2, 5) if k == 1 else rng.randint(2, 3)
     if nodes > 1:
@@ -93,6 +96,11 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
         if rng.random() < 0.5:
             faults.append(Fault(round(s.join_at + rng.uniform(0.0, 1.0), 3), "kill",
                                 rng.randrange(replicas * k, (replicas + s.joiners) * k)))
+    if stops:
+        s.stop_at = round(rng.uniform(0.05, 2.5), 3)
+        if rng.random() < 0.5:  # a worker dies during the stop (the writer, the lowest holder, most often)
+            faults.append(Fault(round(s.stop_at + rng.uniform(0.03, 0.15), 3), "kill",
+                                0 if rng.random() < 0.5 else rng.randrange(replicas * k)))
     return s
 
 
@@ -101,7 +109,8 @@ def schedule_line(s: Schedule) -> str:
              **({"round_steps": s.round_steps} if s.round_steps > 1 else {}),
              **({"max_restarts": s.max_restarts, "min_replicas": s.min_replicas} if s.max_restarts != UNLIMITED
                 else {}),
-             **({"joiners": s.joiners, "join_at": s.join_at} if s.joiners else {})}
+             **({"joiners": s.joiners, "join_at": s.join_at} if s.joiners else {}),
+             **({"stop_at": s.stop_at} if s.stop_at >= 0 else {})}
     return json.dumps({"seed": s.seed, "replicas": s.replicas, **shape, "total": s.total,
                        "faults": [asdict(f) for f in s.faults]}, separators=(",", ":"))
 
@@ -111,7 +120,7 @@ def parse_schedule(text: str) -> Schedule:
     return Schedule(int(d["seed"]), int(d["replicas"]), int(d["total"]), [Fault(**f) for f in d["faults"]],
                     int(d.get("k", 1)), int(d.get("nodes", 1)), int(d.get("round_steps", 1)),
                     int(d.get("max_restarts", UNLIMITED)), int(d.get("min_replicas", 1)),
-                    int(d.get("joiners", 0)), float(d.get("join_at", 0.0)))
+                    int(d.get("joiners", 0)), float(d.get("join_at", 0.0)), float(d.get("stop_at", -1.0)))
 
 
 def shrink(s: Schedule, bug, correct=None, budget_s: float = 60.0) -> Schedule:
@@ -159,6 +168,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "restarts); --min-replicas is drawn per schedule")
     ap.add_argument("--joiners", action="store_true",
                     help="1-2 replicas join the running run (an elastic late node, admitted by the keeper's add_ranks)")
+    ap.add_argument("--stops", action="store_true",
+                    help="a stop signal reaches ftrun mid-run: a stop quorum, its writer's word, every worker stopped")
     ap.add_argument("--bug", default="none", choices=sorted(BUGS),
                     help="put a historic bug back (tests of the simulator itself)")
     ap.add_argument("--stop-at-first", action="store_true", help="stop at the first violation")
@@ -173,7 +184,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         schedules = [parse_schedule(a.replay)]
     else:
         n = a.schedules if a.schedules is not None else (SOAK_SCHEDULES if a.soak else CI_SCHEDULES)
-        schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes, a.round_steps, a.max_restarts, a.joiners) for i in range(n))
+        schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes, a.round_steps, a.max_restarts, a.joiners, a.stops) for i in range(n))
     t0 = time.monotonic()
     runs = violations = 0
     stats: dict = {}

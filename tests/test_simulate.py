@@ -113,6 +113,11 @@ DROP_BELOW_MIN = {"seed": 100012, "replicas": 2, "max_restarts": 1, "min_replica
 KEYLESS_ADD = {"seed": 100002, "replicas": 5, "joiners": 1, "join_at": 0.158, "total": 12, "faults": [
     {"at": 0.977, "kind": "kill", "rank": 5, "dur": 0.0, "x": 0.0}]}
 
+# Planted in the keeper's stop, found by a search of stop signals (--stops, seed 1).
+FORGETFUL_STOP = {"seed": 100001, "replicas": 4, "stop_at": 0.786, "total": 10, "faults": [
+    {"at": 0.694, "kind": "pause", "rank": 2, "dur": 1.967, "x": 0.0},
+    {"at": 0.915, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
+
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
     p = subprocess.run([sys.executable, str(SIMULATE), *args], capture_output=True, text=True, timeout=timeout,
                        cwd=ROOT)
@@ -316,6 +321,23 @@ def test_keyless_add_bug_fails_a_schedule_the_product_passes():
     bad = _replay(KEYLESS_ADD, "keyless-add")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "no progress" in bad[0], bad
+
+def test_stop_quorums_budget_finds_no_violation():
+    """A stop signal mid-run (SIGTERM with --checkpoint-dir): the keeper publishes a stop quorum,
+    its members stop at its switch, its writer says how its save went, and a worker that dies
+    meanwhile is not restarted. Every quorum after the signal is a stop quorum, and the step the
+    writer names is the state committed there."""
+    lines = _simulate("--stops", "--schedules", "300", "--seed", "1", timeout=600)
+    assert lines[-1] == "300 schedules, 0 violations", "\n".join(lines[-20:])
+
+
+def test_forgetful_stop_bug_fails_a_schedule_the_product_passes():
+    """(o) planted: the keeper forgot the stop after its first stop quorum; the writer's death
+    then published an ordinary quorum, in which the others would train on."""
+    assert _replay(FORGETFUL_STOP)[-1] == "1 schedules, 0 violations"
+    bad = _replay(FORGETFUL_STOP, "forgetful-stop")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "is not a stop quorum" in bad[0], bad
 
 @pytest.mark.quick
 def test_a_failing_schedule_replays_exactly():

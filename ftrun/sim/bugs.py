@@ -330,6 +330,21 @@ class KeylessAdd(Wiring):
     keeper = _KeylessAddKeeper
 
 
+# ---------------------------------------------------------------- (o) planted: stop quorums
+class _ForgetfulStopKeeper(QuorumKeeper):
+    """Planted (no commit): the keeper publishes one stop quorum and then forgets the stop, so a
+    member's death during the stop publishes an ordinary quorum in which the others train on."""
+
+    def stop(self) -> Optional[int]:
+        writer = super().stop()
+        self.stopping = False
+        return writer
+
+
+class ForgetfulStop(Wiring):
+    keeper = _ForgetfulStopKeeper
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering an epoch at different rounds
@@ -346,6 +361,7 @@ BUGS: Dict[str, type] = {
     "budget-overrun": BudgetOverrun,  # (l) planted: a replica restarted past its budget
     "drop-below-min": DropBelowMin,   # (m) planted: a replica dropped with fewer than --min-replicas left
     "keyless-add": KeylessAdd,        # (n) planted: a late node's ranks polled before their keys exist
+    "forgetful-stop": ForgetfulStop,  # (o) planted: an ordinary quorum published after a stop quorum
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}

@@ -13,11 +13,13 @@ Must never be imported by the product.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
+from ftrun.protocol import Epoch
 from ftrun.sim.worker import SimWorker
 from ftrun.sim.sched import Deadlock, Sched
 from ftrun.sim.store import SimStore
@@ -33,6 +35,7 @@ PROGRESS_BOUND_S = 60.0  # after the last fault ends, the run finishes within th
 TURNS_BOUND = 400_000  # a livelock that keeps time from moving is a violation too
 KEYS_PER_RANK = 40  # the store holds at most this many keys per rank, plus KEYS_BASE (rounds in flight)
 KEYS_BASE = 100
+STOP_BOUND_S = 30.0  # after a stop quorum, its members stop (and its writer says how its save went) within this
 NODE_LOST_S = 3.0  # node 0 declares a node lost this long after its beats stop (supervisor/nodes/node_watch.py)
 UNLIMITED = 10 ** 9  # a schedule with no restart budget of its own (--max-restarts not given)
 
@@ -72,6 +75,7 @@ class Schedule:
     min_replicas: int = 1  # ftrun's --min-replicas: past its budget a replica is dropped while this many live
     joiners: int = 0  # replicas of a node that joins the running run (elastic): ranks after the others'
     join_at: float = 0.0  # when node 0 admits them (QuorumKeeper.add_ranks), and they start
+    stop_at: float = -1.0  # a stop signal (SIGTERM with --checkpoint-dir) reaches ftrun then: a stop quorum
 
 
 class Group:
@@ -206,6 +210,8 @@ class World:
         self.counted: Dict[int, int] = {}  # replica -> restarts charged to its budget (the invariant's own count)
         self.dropped: Set[int] = set()  # ranks of replicas dropped or left failed: never back
         self.given_up = False  # the policy gave the run up: it ends (every worker is stopped)
+        self.stop_sent: Optional[float] = None  # when the stop signal reached the supervisor
+        self.stopped = False  # the stop is done: every worker is stopped, the run ends
         self.routes: Optional[Routes] = None
         shape = {}
         if self.nodes > 1:
@@ -229,7 +235,7 @@ class World:
         return list(range(node * self.per_node, (node + 1) * self.per_node))
 
     def over(self) -> bool:
-        if self.given_up:
+        if self.given_up or self.stopped:
             return True
         ended = len(self.done) + len(self.gone) + len(self.dropped)
         return ended >= self._ranks_n and len(self.done | self.gone | self.dropped) >= self._ranks_n
@@ -253,6 +259,8 @@ class World:
                 self.events += [(now + late.get(r, 0.0), "spawn", r, 0) for r in self.joining]
                 self.joining = []
             self._take_events(0, k)
+            if self.sch.stop_at >= 0:
+                self._stop(k, now)
             for n, at in sorted(self.lost_at.items()):
                 if now >= at + NODE_LOST_S and n not in self.routes.lost:
                     self.log.append(f"{now:.3f}s node {n} declared lost")
@@ -269,6 +277,46 @@ class World:
                 self.inc[r] = inc
             k.rejoined.clear()
             self.sched.sleep(TICK_S)
+
+    def _stop(self, k: QuorumKeeper, now: float) -> None:
+        """A stop signal: the keeper publishes a stop quorum (QuorumKeeper.stop), at whose switch its
+        members stop and its writer replica says how its save went (protocol.STOP_SAVE); then the
+        supervisor stops every worker. Before any quorum there is nothing to save: it stops at once."""
+        if self.stop_sent is None:
+            if now < self.sch.stop_at:
+                return
+            self.stop_sent = now
+            before = k.epoch_id
+            writer = k.stop()
+            published = k.epoch_id != before
+            self.log.append(f"{now:.3f}s stop signal: "
+                            + (f"stop quorum {k.epoch_id}, writer {writer}" if published else "no quorum yet"))
+            self.stopped = not published
+            return
+        if now > self.stop_sent + STOP_BOUND_S:
+            self.violation(f"the stop quorum's writer did not say how its save went within {STOP_BOUND_S:g} s "
+                           f"({self._where()})")
+            return
+        raw = self.store.data.get(keys.epoch_key(k.epoch_id))
+        epoch = Epoch.from_json(raw) if raw is not None else None
+        if epoch is not None and not epoch.stop:
+            self.violation(f"quorum {epoch.id}, published after the stop signal, is not a stop quorum")
+            return
+        writer = epoch.writer if epoch is not None else -1
+        word = self.store.data.get(keys.STOP_SAVE)
+        live = [r for r in k.members if r in self.members and self.sched.alive(self.members[r].proc)]
+        if writer >= 0 and word is None and live:
+            return  # the newest stop quorum's writer has not said how its save went yet
+        if word is not None:  # what it saves is the state committed at the step it names
+            said = json.loads(word)
+            m = self.members.get(said["rank"])
+            if m is not None and m.in_sync:
+                seen = self.committed.get((m.lineage, m.step))
+                if m.step != said["step"] or (seen is not None and seen != m.digest):
+                    self.violation(f"rank {m.rank} saves step {said['step']} at the stop holding step {m.step} "
+                                   f"({m.digest}; committed there: {seen})")
+        self.log.append(f"{now:.3f}s stop quorum {k.epoch_id}'s writer said: every worker is stopped")
+        self.stopped = True
 
     def _supervise_node(self, n: int) -> None:
         """Node n's ftrun: its workers' starts and deaths told to node 0 through the follower
@@ -354,7 +402,8 @@ class World:
         live = {r // self.k for r, m in self.members.items()
                 if r // self.k != replica and r not in self.done and self.sched.alive(m.proc)}
         act = self.policy.on_replica_failure(ReplicaFailed(replica, len(live), by_peers=by_peers,
-                                                           others_done=bool(self.done)))
+                                                           others_done=bool(self.done),
+                                                           saving=self.stop_sent is not None))
         v = act.verdict
         self.log.append(f"{self.sched.now:.3f}s replica {replica}: {v.name} ({len(live)} live beside it"
                         f"{', not counted' if not act.counted else ''})")
@@ -531,7 +580,7 @@ class World:
             sched, store = self.sched, self.store
             writes, bound, deadline = store.writes, self._keys_bound, self._progress_deadline
             every_turn = bool(self.node_store)  # other nodes' stores: their sizes are checked each turn
-            while ((len(done) + len(gone) + len(dropped) < n and not self.given_up) or not over()) \
+            while ((len(done) + len(gone) + len(dropped) < n and not self.given_up and not self.stopped) or not over()) \
                     and self.first_violation is None:
                 try:
                     if not turn():
