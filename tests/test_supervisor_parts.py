@@ -1,6 +1,8 @@
 """The supervisor's parts own their state: no field of the Supervisor or the NodeCoordinator is
-written in two modules, neither is built of mixins, the node watch works from what it is sent,
-and the failure policy (ftrun.supervisor.policy.failure_policy) decides in-process, from tables of events."""
+written in two modules, neither is built of mixins, no field of the quorum keeper is written outside
+its modules, the node watch works from what it is sent, the store's moves are decided from a view,
+the supervisor's packages keep their layers, and the failure policy
+(ftrun.supervisor.policy.failure_policy) decides in-process, from tables of events."""
 
 from __future__ import annotations
 
@@ -148,6 +150,43 @@ def test_store_move_rules_table(why, view, move, between, kept):
     from ftrun.supervisor.nodes import node_moves
     assert (node_moves.may_move(view), node_moves.may_move_between_rounds(view), node_moves.majority_kept(view)) == \
         (move, between, kept)
+
+
+def _supervisor_imports():
+    """(module, imported module) for every import of ftrun.supervisor.* in ftrun/supervisor (any
+    level: in functions and for type checkers too), both as paths under ftrun/supervisor."""
+    for path in sorted(SUPERVISOR.rglob("*.py")):
+        me = str(path.relative_to(SUPERVISOR))
+        for n in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+                     [f"{n.module}.{a.name}" for a in n.names] if isinstance(n, ast.ImportFrom) and n.module else [])
+            for name in names:
+                parts = name.split(".")[2:] if name.startswith("ftrun.supervisor.") else []
+                while parts and not (SUPERVISOR.joinpath(*parts).with_suffix(".py").exists()
+                                     or SUPERVISOR.joinpath(*parts).is_dir()):
+                    parts.pop()
+                if parts:
+                    yield me, "/".join(parts)
+
+
+# Who may import the loop: its builder and the c10d rendezvous, which runs it once per round.
+LOOP_IMPORTERS = {"start.py", "nodes/rendezvous.py"}
+
+
+@pytest.mark.quick
+def test_the_supervisors_packages_keep_their_layers():
+    """workers/ is the base (it imports nothing of the supervisor); no component imports the loop
+    (loop/) that applies its actions; accounting/ tells and imports nothing that decides."""
+    bad = []
+    for me, it in _supervisor_imports():
+        if me.startswith("workers/") and not it.startswith("workers"):
+            bad.append(f"{me} imports {it}: workers/ is the base")
+        if it.startswith("loop") and not me.startswith("loop/") and me not in LOOP_IMPORTERS:
+            bad.append(f"{me} imports {it}: only the loop's own modules import the loop")
+        if me.startswith("accounting/") and it.startswith(("policy", "loop")):
+            bad.append(f"{me} imports {it}: accounting/ decides nothing")
+    assert not bad, bad
+    assert {m for m, _ in _supervisor_imports()} >= {"loop/run.py", "policy/failures.py", "nodes/coordinator.py"}
 
 # The keeper's own modules: its shell and components (quorum*.py) and its core (keeper/).
 KEEPER_MODULES = tuple(f"supervisor/{m}" for m in ("quorum.py", "quorum_status.py", "quorum_votes.py", "keeper/"))

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 from ftrun.config import RunConfig
 from ftrun.status.state import RunPhase, RunStatus, run_dir, run_folder_name
-from ftrun.supervisor.policy import activity
+from ftrun.supervisor.accounting import activity
 from ftrun.supervisor.accounting import checkpoints
 from ftrun.supervisor.accounting.ledger import Ledger
 from ftrun.supervisor.workers.logs import ConsoleOut

@@ -92,7 +92,7 @@ def _hung_by_default(w: Worker, mates: Sequence[Worker], now: float, limit: floa
                      quorum: Optional["QuorumKeeper"]) -> Optional[str]:
     """No --step-timeout: a worker whose process has been stopped (SIGSTOP, SIGTSTP) for the
     limit; with --ft also one its peers have waited for that long while it did nothing (no CPU,
-    no I/O, no child process at work: ftrun.supervisor.policy.activity). A worker that computes (an
+    no I/O, no child process at work: ftrun.supervisor.accounting.activity). A worker that computes (an
     evaluation, a save) or waits on I/O or a child process is never taken by this rule."""
     if w.stopped_for(now) >= limit:
         return f"hung (its process was stopped for {limit:g} s)"
