@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ftrun.supervisor.workers.logs import ConsoleOut
-from ftrun.supervisor.nodes.node_common import one_line
 from ftrun.supervisor.accounting.progress_reader import ProgressReader, note_steps
+from ftrun.supervisor.nodes.node_common import one_line
+from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Worker, WorkerState
 
 

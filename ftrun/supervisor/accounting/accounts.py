@@ -20,9 +20,9 @@ from ftrun.status.state import RunPhase, RunStatus, run_dir, run_folder_name
 from ftrun.supervisor.accounting import activity
 from ftrun.supervisor.accounting import checkpoints
 from ftrun.supervisor.accounting.ledger import Ledger
-from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.accounting.progress_reader import ProgressReader, note_steps
 from ftrun.supervisor.accounting.status_writer import StatusWriter
+from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Failure, Worker, WorkerState
 
 METRICS_S = 1.0  # how often the processes' CPU and memory are sampled

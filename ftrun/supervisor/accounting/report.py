@@ -17,8 +17,8 @@ import psutil
 from rich.text import Text
 
 from ftrun.supervisor.spawn import signal_name
-from ftrun.supervisor.workers.worker import WorkerState
 from ftrun.supervisor.workers.worker import Failure, Worker
+from ftrun.supervisor.workers.worker import WorkerState
 from ftrun.wire import WorkerError, first_line
 
 SIGNAL_HINTS = {

@@ -30,23 +30,23 @@ from ftrun.protocol import EXIT_FAILED
 from ftrun.supervisor import start
 from ftrun.supervisor.accounting import checkpoints
 from ftrun.supervisor.accounting.accounts import Accounting
-from ftrun.supervisor.workers.env import error_file, log_dir, stacks_file, worker_env
-from ftrun.supervisor.policy.failures import ReplicaOutcome, WorkerFailures, training_over
+from ftrun.supervisor.accounting.waits import Waits, replica_waits
 from ftrun.supervisor.ft_follow import QuorumView
-from ftrun.supervisor.policy.hangs import find_hung
-from ftrun.supervisor.workers.logs import ConsoleOut, Pump, drain, open_pipes
+from ftrun.supervisor.loop.table import WorkerTable
+from ftrun.supervisor.nodes.coordinator import NodeCoordinator
 from ftrun.supervisor.nodes.node_common import NodeEvent
 from ftrun.supervisor.nodes.node_decisions import NodeNews, RemoteFailure, StoreMoved, can_reform
-from ftrun.supervisor.nodes.coordinator import NodeCoordinator
-from ftrun.supervisor.policy.failure_policy import FailurePolicy
-from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.nodes.relay import NodeRelay
+from ftrun.supervisor.policy.failure_policy import FailurePolicy
+from ftrun.supervisor.policy.failures import ReplicaOutcome, WorkerFailures, training_over
+from ftrun.supervisor.policy.hangs import find_hung
 from ftrun.supervisor.policy.restart import Repeats
-from ftrun.supervisor.spawn import WorkerExited, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner
 from ftrun.supervisor.policy.stopping import AfterStop, Stopper, StopRun, forwarded_signals
+from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.spawn import WorkerExited, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner
 from ftrun.supervisor.store import RunStore, open_run_store
-from ftrun.supervisor.accounting.waits import Waits, replica_waits
-from ftrun.supervisor.loop.table import WorkerTable
+from ftrun.supervisor.workers.env import error_file, log_dir, stacks_file, worker_env
+from ftrun.supervisor.workers.logs import ConsoleOut, Pump, drain, open_pipes
 from ftrun.supervisor.workers.worker import Failure, Worker, WorkerState
 
 TICK_S = 0.25

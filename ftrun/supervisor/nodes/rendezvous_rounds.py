@@ -24,11 +24,11 @@ from typing import Any, Optional, Tuple
 from ftrun.config import RunConfig
 from ftrun.poll import wait_until
 from ftrun.protocol import RDZV, RDZV_MOVED, NodeKeys, rdzv_admit, rdzv_arrivals
-from ftrun.supervisor.nodes import coordinator as nodes
 from ftrun.supervisor import redirect
-from ftrun.supervisor.workers.logs import ConsoleOut
-from ftrun.supervisor.store import RunStore
 from ftrun.supervisor.accounting.waits import Waits
+from ftrun.supervisor.nodes import coordinator as nodes
+from ftrun.supervisor.store import RunStore
+from ftrun.supervisor.workers.logs import ConsoleOut
 
 POLL_S = 0.05
 JOIN_FAILED = nodes.JOIN_FAILED

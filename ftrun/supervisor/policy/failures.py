@@ -20,14 +20,14 @@ from typing import Any, List, Optional, Sequence, Union
 from ftrun import protocol as keys
 from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ftrun.supervisor.accounting.report import early_signature, error_reason, exit_reason, failure_report, worker_error
+from ftrun.supervisor.nodes.node_common import NodeEvent, one_line
+from ftrun.supervisor.policy.failure_policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
+from ftrun.supervisor.policy.peer_restarts import forced_by_peers, peer_reason
+from ftrun.supervisor.policy.stopping import AfterStop, StopRun
+from ftrun.supervisor.spawn import WorkerExited
 from ftrun.supervisor.workers.env import error_file
 from ftrun.supervisor.workers.logs import ConsoleOut
-from ftrun.supervisor.nodes.node_common import NodeEvent, one_line
-from ftrun.supervisor.policy.peer_restarts import forced_by_peers, peer_reason
-from ftrun.supervisor.policy.failure_policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
-from ftrun.supervisor.accounting.report import early_signature, error_reason, exit_reason, failure_report, worker_error
-from ftrun.supervisor.spawn import WorkerExited
-from ftrun.supervisor.policy.stopping import AfterStop, StopRun
 from ftrun.supervisor.workers.worker import Failure, Worker, WorkerState
 from ftrun.wire import UNKNOWN_FAILURE, FirstFailure
 

@@ -26,8 +26,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_FAILED, EXIT_SIGNAL_BASE
 from ftrun.supervisor.accounting import checkpoints
-from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.spawn import SpawnerDied, signal_group
+from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Failure, Worker
 
 # After SIGKILL a process is gone within milliseconds unless the kernel holds it (uninterruptible
