@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 import psutil
 from rich.text import Text
 
-from ftrun.supervisor.spawn import signal_name
+from ftrun.supervisor.workers.spawn import signal_name
 from ftrun.supervisor.workers.worker import Failure, Worker
 from ftrun.supervisor.workers.worker import WorkerState
 from ftrun.wire import WorkerError, first_line

@@ -27,11 +27,11 @@ from typing import Optional, Union
 
 from ftrun.config import RunConfig, hang_after_s, store_listen_addr
 from ftrun.protocol import EXIT_FAILED
-from ftrun.supervisor import start
 from ftrun.supervisor.accounting import checkpoints
 from ftrun.supervisor.accounting.accounts import Accounting
 from ftrun.supervisor.accounting.waits import Waits, replica_waits
 from ftrun.supervisor.ft_follow import QuorumView
+from ftrun.supervisor.loop import start
 from ftrun.supervisor.loop.table import WorkerTable
 from ftrun.supervisor.nodes.coordinator import NodeCoordinator
 from ftrun.supervisor.nodes.node_common import NodeEvent
@@ -43,10 +43,10 @@ from ftrun.supervisor.policy.hangs import find_hung
 from ftrun.supervisor.policy.restart import Repeats
 from ftrun.supervisor.policy.stopping import AfterStop, Stopper, StopRun, forwarded_signals
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.supervisor.spawn import WorkerExited, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.workers.env import error_file, log_dir, stacks_file, worker_env
 from ftrun.supervisor.workers.logs import ConsoleOut, Pump, drain, open_pipes
+from ftrun.supervisor.workers.spawn import WorkerExited, Spawned, SpawnerDied, SpawnerWarning, ZygoteSpawner
 from ftrun.supervisor.workers.worker import Failure, Worker, WorkerState
 
 TICK_S = 0.25

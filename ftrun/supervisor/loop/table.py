@@ -16,8 +16,8 @@ from typing import Dict, List, Optional
 
 from ftrun.protocol import DUMP_STACKS_SIGNAL
 from ftrun.supervisor.policy.hangs import HANG_DUMP_GRACE_S
-from ftrun.supervisor.spawn import WorkerExited, Spawned, signal_group
 from ftrun.supervisor.workers.logs import ConsoleOut, RankLog
+from ftrun.supervisor.workers.spawn import WorkerExited, Spawned, signal_group
 from ftrun.supervisor.workers.worker import Worker, WorkerSpec, WorkerState
 
 

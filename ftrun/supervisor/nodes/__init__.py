@@ -1,5 +1,7 @@
 """Several machines, one run: the node coordinator (coordinator.py), an event source for the loop,
-with its parts as functions that return what they found (node_join.py, node_moves.py,
-node_restart.py, node_common.py) and its watch thread (node_watch.py); what the loop does on a
+with its parts as functions that return what they found (node_join.py, node_restart.py,
+node_common.py), the store's moves decided from a view (node_moves.py) and its watch thread
+(node_watch.py); what the loop does on a
 node's news (node_decisions.py); the store's election (failover.py) and the node relays (relay.py);
-the c10d rendezvous (rendezvous.py, one round in rendezvous_rounds.py)."""
+the c10d rendezvous (rendezvous.py, one round in rendezvous_rounds.py, and the word left at its
+endpoint once the store moved: redirect.py)."""

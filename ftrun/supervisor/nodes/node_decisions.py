@@ -20,10 +20,10 @@ from ftrun.config import RunConfig
 from ftrun.protocol import RUN_STORE
 from ftrun.supervisor.nodes.failover import NoMajority
 from ftrun.supervisor.nodes.node_common import NODE_LOST, REQUEUE, NodeEvent
+from ftrun.supervisor.nodes.redirect import Redirect
 from ftrun.supervisor.nodes.relay import Routes
 from ftrun.supervisor.policy.stopping import AfterStop, StopRun
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.supervisor.redirect import Redirect
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Worker
 from ftrun.wire import FirstFailure

@@ -85,7 +85,7 @@ def elect_host(v: MoveView, node_store: Any, stopped: Callable[[], bool]) -> fai
 
 def open_to_late_nodes(v: MoveView, cfg: Any, store: Any, seen: Set[int], master_addr: str) -> Tuple[int, str]:
     """The new host of an elastic --ft run: nodes that come now (sent here from the original
-    endpoint, ftrun.supervisor.redirect) ask this store to take them in, as they asked node 0's.
+    endpoint, ftrun.supervisor.nodes.redirect) ask this store to take them in, as they asked node 0's.
     Their node ranks come after every rank the run has used (`seen`). The next arrival's node
     rank and the arrivals key, for the coordinator to follow."""
     n, s = cfg.round, store

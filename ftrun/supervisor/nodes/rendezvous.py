@@ -38,7 +38,7 @@ run forms beside it, the hosting node then closes a round only with at least
 half of the last round's nodes.
 
 Wherever the store moved, its new host leaves its address at the original
-endpoint when a store of this run answers there (ftrun.supervisor.redirect:
+endpoint when a store of this run answers there (ftrun.supervisor.nodes.redirect:
 the endpoint's machine restarted with the run's line); a node hosting or
 joining at the endpoint reads it and joins the run where it is, instead of
 forming a second run there.
@@ -66,14 +66,14 @@ from typing import Any, Optional, Tuple
 from ftrun.config import RunConfig
 from ftrun.machine import store_bind_addr, store_listen_addr, this_node_name
 from ftrun.protocol import EXIT_SIGNAL_BASE, RDZV_RUN
-from ftrun.supervisor import redirect
 from ftrun.supervisor.nodes import failover, coordinator as nodes
+from ftrun.supervisor.nodes import redirect
 from ftrun.supervisor.nodes.rendezvous_rounds import (JOIN_FAILED, POLL_S, Moved, RendezvousStoreLost, Stop, fail,
                                                 host_round, join_round, key)
-from ftrun.supervisor.spawn import ZygoteSpawner
 from ftrun.supervisor.store import RunStore, bind_listener
 from ftrun.supervisor.workers.env import base_env
 from ftrun.supervisor.workers.logs import ConsoleOut
+from ftrun.supervisor.workers.spawn import ZygoteSpawner
 
 
 def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:

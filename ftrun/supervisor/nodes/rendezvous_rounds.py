@@ -24,9 +24,9 @@ from typing import Any, Optional, Tuple
 from ftrun.config import RunConfig
 from ftrun.poll import wait_until
 from ftrun.protocol import RDZV, RDZV_MOVED, NodeKeys, rdzv_admit, rdzv_arrivals
-from ftrun.supervisor import redirect
 from ftrun.supervisor.accounting.waits import Waits
 from ftrun.supervisor.nodes import coordinator as nodes
+from ftrun.supervisor.nodes import redirect
 from ftrun.supervisor.store import RunStore
 from ftrun.supervisor.workers.logs import ConsoleOut
 
@@ -44,7 +44,7 @@ class RendezvousStoreLost(Exception):
 
 
 class Moved(Exception):
-    """The run's store moved away from this endpoint (ftrun.supervisor.redirect): join it there."""
+    """The run's store moved away from this endpoint (ftrun.supervisor.nodes.redirect): join it there."""
 
     def __init__(self, addr: str) -> None:
         super().__init__(addr)
@@ -119,7 +119,7 @@ def host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, nee
         count = wait_until(lambda: arrived(least), t0 + cfg.join_timeout, POLL_S)
         if count is not None:
             # A first round short of MAX stays open long enough for the word that this run's
-            # store moved elsewhere (ftrun.supervisor.redirect): no second run may form here.
+            # store moved elsewhere (ftrun.supervisor.nodes.redirect): no second run may form here.
             now = time.monotonic()
             last_call = max(now + cfg.last_call_timeout, t0 + 2 * redirect.EVERY_S + 0.5 if n == 0 else 0.0)
             full = cfg.max_nodes if expect is None else min(cfg.max_nodes, max(expect, least))

@@ -25,7 +25,7 @@ from ftrun.supervisor.nodes.node_common import NodeEvent, one_line
 from ftrun.supervisor.policy.failure_policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
 from ftrun.supervisor.policy.peer_restarts import forced_by_peers, peer_reason
 from ftrun.supervisor.policy.stopping import AfterStop, StopRun
-from ftrun.supervisor.spawn import WorkerExited
+from ftrun.supervisor.workers.spawn import WorkerExited
 from ftrun.supervisor.workers.env import error_file
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Failure, Worker, WorkerState
