@@ -113,10 +113,10 @@ RDZV_HOST = RDZV + "host"     # "<node> <gen>": the node hosting a moved store, 
 # ---------------------------------------------------------------- --ft: the round protocol
 # Each member (ft/manager.py) is in one phase at a time, reported in its info key; what it
 # waits for, and what ends the wait:
-#   join     join_key = its incarnation; polls LATEST and the epochs for the newest one that
-#            lists it and has begun (start_round, or start_key). A deleted epoch ends the scan.
-#            Ends when such an epoch exists (or FINISHED).
-#   group    builds the epoch's group under pg_prefix(epoch, round): given up the moment a
+#   join     join_key = its incarnation; polls LATEST and the quorums for the newest one that
+#            lists it and has begun (start_round, or start_key). A deleted quorum ends the scan.
+#            Ends when such a quorum exists (or FINISHED).
+#   group    builds the quorum's group under pg_prefix(quorum, round): given up the moment a
 #            member's inc_key says "dead", else after FTRUN_FT_TIMEOUT (10 s).
 #   heal     the state travels from the source to its healers over a group of those ends
 #            (FTRUN_FT_TIMEOUT per chunk; a dead end fails it at once).
@@ -124,47 +124,47 @@ RDZV_HOST = RDZV + "host"     # "<node> <gen>": the node hosting a moved store, 
 #            (NCCL: the vote first waits for the stream at most that long). Before the
 #            round's first collective the member reads the previous round's decision
 #            (see "commit"), in the "vote" phase while it waits.
-#   vote     a round is Epoch.round_steps steps (fewer where a checkpoint or the loop's end
+#   vote     a round is Quorum.round_steps steps (fewer where a checkpoint or the loop's end
 #            falls: the same count on every member), one vote for them all. A member steps
 #            at once after each step whose collectives succeeded; after the round's last it
-#            adds OK_VOTE to count_key(epoch, round) from a thread of its own. One whose
+#            adds OK_VOTE to count_key(quorum, round) from a thread of its own. One whose
 #            collective fails in the round's step P lowers kept_key to P (the steps it has
 #            taken), adds FAIL_VOTE and waits for the decision. The add that completes the count
 #            writes decision_key; a member reads it when it needs it (FTRUN_FT_VOTE_TIMEOUT,
 #            600 s). The wait ends when every member voted, or when the keeper votes in a
 #            member's place: ABSTAIN_VOTE for a dead one (every round its peers may be in),
-#            FAIL_VOTE after STUCK_S for one that reports another epoch, or that is still
-#            joining while a newer epoch is out (it will enter that one, never this).
+#            FAIL_VOTE after STUCK_S for one that reports another quorum, or that is still
+#            joining while a newer quorum is out (it will enter that one, never this).
 #   commit / discard: a failed round keeps its first P steps, the lowest P voted. A member
 #            that took another count of the round's steps exits and restarts as a healer (a
 #            mixed outcome, when a peer dies mid-collective, or a dead member's own vote and
 #            its abstention both counted). The others switch
-#            to the decision's epoch: after a failed round at the next round (everyone who
+#            to the decision's quorum: after a failed round at the next round (everyone who
 #            goes on waited for that decision); after a commit at the round after next (the
 #            first boundary every member reaches having read it).
-#            In an epoch with start_round every member begins there; otherwise the first
+#            In a quorum with start_round every member begins there; otherwise the first
 #            member to enter writes its round into start_key and every other member and
 #            joiner begins at that round.
-# The keeper (supervisor/quorum.py, node 0) publishes an epoch when a replica dies or asks
+# The keeper (supervisor/quorum.py, node 0) publishes a quorum when a replica dies or asks
 # to join; one that starts from nothing (the first, or after every replica was lost) waits
 # up to 30 s for every replica being started.
 PREFIX = "ftrun/ft/"
-LATEST = PREFIX + "latest"            # id of the newest published epoch
+LATEST = PREFIX + "latest"            # id of the newest published quorum
 FINISHED = PREFIX + "finished"        # set by members that left the loop: the final global step
 
 
-def epoch_key(epoch: int) -> str:
-    return f"{PREFIX}epoch/{epoch}"   # JSON Epoch, immutable once written
+def quorum_key(quorum: int) -> str:
+    return f"{PREFIX}epoch/{quorum}"   # JSON Quorum, immutable once written (the key keeps its old word: wire format)
 
 
-def start_key(epoch: int) -> str:
-    return f"{PREFIX}start/{epoch}"   # round at which members switched to the epoch
+def start_key(quorum: int) -> str:
+    return f"{PREFIX}start/{quorum}"   # round at which members switched to the quorum
 
 
-# A round's votes are one counter per (epoch, round): each member adds OK_VOTE or FAIL_VOTE; the
+# A round's votes are one counter per (quorum, round): each member adds OK_VOTE or FAIL_VOTE; the
 # supervisor adds ABSTAIN_VOTE for a member it saw die (had it finished the round's collectives, its
 # peers' succeeded too) and FAIL_VOTE for a live member that will never vote there. The add that
-# takes the count to the epoch's size (or past it: closes) writes the decision (commit: no failed
+# takes the count to the quorum's size (or past it: closes) writes the decision (commit: no failed
 # vote, one ok at least); the others read it. Each field has 21 bits: 2M votes of a kind per round.
 OK_VOTE = 1
 ABSTAIN_VOTE = 1 << 21
@@ -172,22 +172,22 @@ FAIL_VOTE = 1 << 42
 TOP = PREFIX + "top"                  # the newest round whose decision was written (a hint for the keeper)
 
 
-def count_key(epoch: int, round_: int) -> str:
-    return f"{PREFIX}n/{epoch}/{round_}"
+def count_key(quorum: int, round_: int) -> str:
+    return f"{PREFIX}n/{quorum}/{round_}"
 
 
-def decision_key(epoch: int, round_: int) -> str:
-    # "commit E" / "fail E" / "fail E P": E = the newest epoch its author had seen; P = how many of
+def decision_key(quorum: int, round_: int) -> str:
+    # "commit E" / "fail E" / "fail E P": E = the newest quorum its author had seen; P = how many of
     # the round's steps stand (kept_key), 0 when absent.
-    return f"{PREFIX}d/{epoch}/{round_}"
+    return f"{PREFIX}d/{quorum}/{round_}"
 
 
-# Steps per round, read by the keeper and published in every epoch: one vote, and one store
+# Steps per round, read by the keeper and published in every quorum: one vote, and one store
 # round trip per member, for this many steps. Eight keep a 7 ms step's vote under 1% of it and a
 # join or a switch within a few rounds; a failure costs no more steps than with one (kept_key).
 ROUND_STEPS = 8
 ROUND_STEPS_ENV = "FTRUN_FT_ROUND_STEPS"
-# Unless FTRUN_FT_ROUND_STEPS is set, an epoch published once the keeper has seen the run's pace has
+# Unless FTRUN_FT_ROUND_STEPS is set, a quorum published once the keeper has seen the run's pace has
 # rounds of about this long (ROUND_STEPS steps at most): a restarted replica joins at a round's top,
 # and 21M-parameter steps of 0.3 s in rounds of eight kept it waiting up to 2.4 s (measured: back in
 # 2.5-3.0 s after half the kills). One vote per 0.2 s stays far under 1% of the time.
@@ -217,22 +217,22 @@ def round_steps_from_env(env: Mapping[str, str]) -> Tuple[int, Optional[str]]:
 # fails in the round's step P (counted from 0) has taken P of its steps and votes fail, after
 # lowering kept_key to P. The round's decision keeps the lowest P: its first P steps succeeded for
 # every member, so members holding exactly P steps go on and any member holding more restarts.
-def kept_key(epoch: int, round_: int) -> str:
-    return f"{PREFIX}p/{epoch}/{round_}"
+def kept_key(quorum: int, round_: int) -> str:
+    return f"{PREFIX}p/{quorum}/{round_}"
 
 
-def read_kept(store, epoch: int, rnd: int) -> int:
+def read_kept(store, quorum: int, rnd: int) -> int:
     """The steps of a failed round that stand: none unless a failed member said otherwise."""
-    key = kept_key(epoch, rnd)
+    key = kept_key(quorum, rnd)
     return int(store.get(key)) if store.check([key]) else 0
 
 
-def decision_text(commit: bool, epoch: int, kept: int = 0) -> str:
-    return f"commit {epoch}" if commit else (f"fail {epoch} {kept}" if kept else f"fail {epoch}")
+def decision_text(commit: bool, quorum: int, kept: int = 0) -> str:
+    return f"commit {quorum}" if commit else (f"fail {quorum} {kept}" if kept else f"fail {quorum}")
 
 
 def parse_decision(text: str) -> Tuple[bool, int, Optional[int]]:
-    """(commit, newest epoch its author had seen, steps kept: None for all of them)."""
+    """(commit, newest quorum its author had seen, steps kept: None for all of them)."""
     parts = text.split()
     commit = parts[0] == "commit"
     return commit, int(parts[1]), None if commit else (int(parts[2]) if len(parts) > 2 else 0)
@@ -266,7 +266,7 @@ def closes(total: int, added: int, size: int) -> bool:
 
 # Votes through a node's relay (--ft on several nodes): a node's workers vote in their node's own
 # store (its standby store, FTRUN_NODE_STORE; the run's store on the node hosting it), and the run's
-# store sees one vote per node and round. The add that completes node_count_key (the epoch's members
+# store sees one vote per node and round. The add that completes node_count_key (the quorum's members
 # on that node) makes its author the node's forwarder: it adds the node's whole count to count_key
 # (the fields add up), then copies the round's decision into node_decision_key for the node's other
 # members. The keeper's votes for a dead or absent member go to its node's counter while that store
@@ -289,16 +289,16 @@ def relayed_node(env: Mapping[str, str]) -> Optional[Tuple[int, int, int, str]]:
     return int(spec[0]), int(spec[1]), int(spec[2]), addr
 
 
-def node_count_key(node: int, epoch: int, round_: int) -> str:
-    return f"{PREFIX}ln/{node}/{epoch}/{round_}"
+def node_count_key(node: int, quorum: int, round_: int) -> str:
+    return f"{PREFIX}ln/{node}/{quorum}/{round_}"
 
 
-def node_decision_key(node: int, epoch: int, round_: int) -> str:
-    return f"{PREFIX}ld/{node}/{epoch}/{round_}"
+def node_decision_key(node: int, quorum: int, round_: int) -> str:
+    return f"{PREFIX}ld/{node}/{quorum}/{round_}"
 
 
-def node_forwarded_key(node: int, epoch: int, round_: int) -> str:
-    return f"{PREFIX}lf/{node}/{epoch}/{round_}"
+def node_forwarded_key(node: int, quorum: int, round_: int) -> str:
+    return f"{PREFIX}lf/{node}/{quorum}/{round_}"
 
 
 # A relayed node's workers write their status reports (progress_key, info_key) to their node's
@@ -318,12 +318,12 @@ def join_key(rank: int) -> str:
 
 
 def entered_key(rank: int) -> str:
-    return f"{PREFIX}entered/{rank}"  # incarnation that has entered an epoch (votes from now on)
+    return f"{PREFIX}entered/{rank}"  # incarnation that has entered a quorum (votes from now on)
 
 
 def survivor_key(rank: int) -> str:
     # JSON {"inc", "step", "in_sync"}: what a replica holds when it rejoins after the run's store
-    # moved; the keeper makes the holder of the newest complete step the source of the first epoch.
+    # moved; the keeper makes the holder of the newest complete step the source of the first quorum.
     return f"{PREFIX}survivor/{rank}"
 
 
@@ -331,11 +331,11 @@ def healed_key(rank: int) -> str:
     return f"{PREFIX}healed/{rank}"   # incarnation that holds the committed state
 
 
-def heal_key(epoch: int, round_: int, shard: Optional[int] = None) -> str:
-    # "ok"/"fail": the source's word that its transfer of the epoch ended (the state
+def heal_key(quorum: int, round_: int, shard: Optional[int] = None) -> str:
+    # "ok"/"fail": the source's word that its transfer of the quorum ended (the state
     # itself goes over the process group, never through the store); one per shard index
     # when replicas are sharded (--replica-size > 1)
-    return f"{PREFIX}heal/{epoch}/{round_}" + (f"/{shard}" if shard is not None else "")
+    return f"{PREFIX}heal/{quorum}/{round_}" + (f"/{shard}" if shard is not None else "")
 
 
 EVENTS = PREFIX + "events"  # queue: "<rank> <inc> spawn|died|finished" (other nodes), "<rank> <inc> rejoin <next>"
@@ -426,8 +426,8 @@ EXIT_STATUSES: Tuple[ExitStatus, ...] = (
 
 
 def parse_key(key: str) -> Optional[Tuple[str, Tuple[int, ...]]]:
-    """The kind of one of the keys above and the numbers it names, in order ("d", (epoch,
-    round)); ("ln", (node, epoch, round)); ("pg", (epoch, round[, shard])) for a group's keys,
+    """The kind of one of the keys above and the numbers it names, in order ("d", (quorum,
+    round)); ("ln", (node, quorum, round)); ("pg", (quorum, round[, shard])) for a group's keys,
     whatever follows), or None for a key outside the protocol's prefix. The keeper and the
     node relays find the keys they collect by this, not by splitting names of their own."""
     if not key.startswith(PREFIX):
@@ -442,11 +442,11 @@ def parse_key(key: str) -> Optional[Tuple[str, Tuple[int, ...]]]:
     return kind, tuple(nums)
 
 
-def pg_prefix(epoch: int, round_: int, shard: Optional[int] = None) -> str:
+def pg_prefix(quorum: int, round_: int, shard: Optional[int] = None) -> str:
     # Named by the round at which members (re)build it: every member rebuilds at the
     # same rounds (after a switch or a failed round), so the name needs no counter.
     # Sharded replicas: one group per shard index (worker j of every replica).
-    return f"{PREFIX}pg/{epoch}/{round_}/" + (f"{shard}/" if shard is not None else "")
+    return f"{PREFIX}pg/{quorum}/{round_}/" + (f"{shard}/" if shard is not None else "")
 
 
 def replica_prefix(replica: int, incarnation: int) -> str:
@@ -454,16 +454,16 @@ def replica_prefix(replica: int, incarnation: int) -> str:
 
 
 @dataclass(frozen=True)
-class Epoch:
+class Quorum:
     """Who takes part from a round on: (rank, incarnation) pairs, and which of them must heal."""
 
     id: int
     members: Tuple[Tuple[int, int], ...]
     healers: Tuple[int, ...] = ()
-    # No member holds committed state (the first epoch, or every holder died):
+    # No member holds committed state (the first quorum, or every holder died):
     # the lowest rank's state is sent to the others.
     fresh: bool = False
-    # Every member is new (no member of the previous epoch is alive): they start at
+    # Every member is new (no member of the previous quorum is alive): they start at
     # this round. Otherwise (-1) the continuing members switch by their votes; the
     # first to enter writes its round into start_key, where every other member and
     # every joiner begins.
@@ -472,7 +472,7 @@ class Epoch:
     # round after a different count would wait for a decision while its peers wait for its
     # collective. Sharded replicas and layout rounds take one step a round whatever this says.
     round_steps: int = 1
-    # A stop signal with --checkpoint-dir: at the switch to this epoch every member stops (no
+    # A stop signal with --checkpoint-dir: at the switch to this quorum every member stops (no
     # group, no step), the workers of replica `writer` save the step they hold (-1: no replica
     # holds the trained state, nothing is saved), and all wait to be stopped.
     stop: bool = False
@@ -493,7 +493,7 @@ class Epoch:
         return json.dumps(d)
 
     @classmethod
-    def from_json(cls, text) -> "Epoch":
+    def from_json(cls, text) -> "Quorum":
         d = json.loads(text)
         return cls(d["id"], tuple(sorted((int(r), int(k)) for r, k in d["members"])), tuple(d.get("healers", ())),
                    bool(d.get("fresh", False)), int(d.get("start_round", -1)), int(d.get("round_steps", 1)),

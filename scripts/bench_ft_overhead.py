@@ -8,7 +8,7 @@ Each run is `ftrun --nproc 3 --ft scripts/train_ft_vs_ddp.py`: every worker
 builds the model three times: under torch's DDP on a gloo group of its own,
 the same with torch's own Python allreduce comm hook (the cost of any hook
 written in Python, against DDP's built-in one), and under ftrun.ft (DDP on
-ftrun's epoch group, store-voted commit), and steps each once a step in a
+ftrun's quorum group, store-voted commit), and steps each once a step in a
 random order, so all see the same machine at the same moments. A run's figure is the mean step
 time over the three workers; the ratio is plain DDP's time over ftrun.ft's
 (1.0 = --ft costs nothing), and the Python-hook DDP's over ftrun.ft's. Medians over

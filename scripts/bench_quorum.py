@@ -51,7 +51,7 @@ import torch.distributed as dist  # noqa: E402
 
 from ftrun import protocol as keys  # noqa: E402
 from ftrun.worker.ft import vote  # noqa: E402
-from ftrun.protocol import Epoch  # noqa: E402
+from ftrun.protocol import Quorum  # noqa: E402
 import scratch  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=120)
@@ -201,7 +201,7 @@ def relayed_replicas(port: int, nodes: list, per_node: int, size: int, rounds: i
 
 
 def _keeper(n: int, per_node: int = 0):
-    """A store server, a counting client and the supervisor's keeper with N members in epoch 1
+    """A store server, a counting client and the supervisor's keeper with N members in quorum 1
     (per_node P: as N/P relaying nodes of P, whose reports it reads in one key per node)."""
     from ftrun.supervisor.quorum import QuorumKeeper
     from ftrun.supervisor.nodes.relay import Routes
@@ -216,8 +216,8 @@ def _keeper(n: int, per_node: int = 0):
         keeper.on_spawn(r, 0)
     keeper.on_store_ready()
     members = tuple((r, 0) for r in range(n))
-    keeper.epoch_id, keeper.members = 1, dict(members)
-    keeper.epochs[1] = set(members)
+    keeper.quorum_id, keeper.members = 1, dict(members)
+    keeper.quorums[1] = set(members)
     return server, client, keeper
 
 
@@ -229,7 +229,7 @@ def measure(n: int, rounds: int, procs: int, per_node: int = 0, forwarders: bool
     server, client, keeper = _keeper(n, per_node)
     port = server.port
     members = tuple((r, 0) for r in range(n))
-    client.set(keys.epoch_key(1), Epoch(1, members, (), False, 0).to_json())
+    client.set(keys.quorum_key(1), Quorum(1, members, (), False, 0).to_json())
     client.set(keys.LATEST, "1")
     client.requests = 0
     stop = threading.Event()

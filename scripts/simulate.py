@@ -60,7 +60,7 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
     total = rng.randint(8, 20)
     faults: List[Fault] = []
     # A third of the schedules are bursts: many faults within a fraction of a second, the churn
-    # of epochs in which joiners and voters race.
+    # of quorums in which joiners and voters race.
     burst = rng.random() < 1 / 3
     lo = rng.uniform(0.0, 1.2) if burst else 0.0
     hi = lo + 0.6 if burst else 1.5

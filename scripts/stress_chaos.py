@@ -8,7 +8,7 @@ schedule of tests/test_ft.py::test_chaos_kills_keep_replicas_identical: 6 SIGKIL
 random replicas at random moments, one of them while the replica rejoins. A run whose
 replicas show no change of state for --stall seconds is a deadlock: its workers' stacks
 are dumped into their logs (ftrun's dump signal), the run's --ft keys (each replica's
-report, every epoch and its start round) are printed, and its folder is kept. A run that
+report, every quorum and its start round) are printed, and its folder is kept. A run that
 completes must end with its three replicas bitwise identical (step, parameters, optimizer
 state); a folder of one that does not is kept too. `--busy N` adds N busy-looping
 processes for load. Prints one line per run, then the counts; exits 1 if any run
@@ -67,7 +67,7 @@ def _store_dump(state: dict) -> str:
             lines.append(f"  info {r}: {store.get(f'ftrun/ft/info/{r}').decode()[:200]}")
         for e in range(1, latest + 1):
             key, start = f"ftrun/ft/epoch/{e}", f"ftrun/ft/start/{e}"
-            lines.append(f"  epoch {e}: {store.get(key).decode() if store.check([key]) else '(deleted)'}, "
+            lines.append(f"  quorum {e}: {store.get(key).decode() if store.check([key]) else '(deleted)'}, "
                          f"start round {store.get(start).decode() if store.check([start]) else '-'}")
         break
     return "\n".join(lines)

@@ -140,24 +140,24 @@ def test_keeper_sizes_rounds_to_the_pace_once_it_knows_it(step_s, rounds):
     pace is known, rounds far from 0.2 s get an epoch of the same members with rounds re-sized,
     said nowhere, once per pace window (it came only with a failure's new quorum: 8 steps of
     0.6 s kept a SIGTERM's save past the 5 s grace). A fast run keeps its 8, no new epoch."""
-    from test_quorum_keeper import _RunStore, _epoch, _join
+    from test_quorum_keeper import _RunStore, _join, _quorum
 
     q = QuorumKeeper(_RunStore(), [0, 1], settings=KeeperSettings())
     q.on_store_ready()
     for r in range(2):
         _join(q, r, 0)
     q.poll(0.0)
-    assert _epoch(q, 1)["round_steps"] == keys.ROUND_STEPS
+    assert _quorum(q, 1)["round_steps"] == keys.ROUND_STEPS
     for r in range(2):
         q._s.set(keys.healed_key(r), "0")  # both hold the state (the source, and its healed peer)
     n = max(8, int(2.0 / step_s))
     t = _reports(q, 0.0, n, step_s)
-    assert q.epoch_id == (2 if rounds else 1), q.history
+    assert q.quorum_id == (2 if rounds else 1), q.history
     if rounds:
-        assert _epoch(q, 2)["round_steps"] == rounds and _epoch(q, 2)["members"] == _epoch(q, 1)["members"]
-        assert not _epoch(q, 2)["healers"] and not _epoch(q, 2)["fresh"]
+        assert _quorum(q, 2)["round_steps"] == rounds and _quorum(q, 2)["members"] == _quorum(q, 1)["members"]
+        assert not _quorum(q, 2)["healers"] and not _quorum(q, 2)["fresh"]
         _reports(q, t, n, step_s / 20, first=n, epoch=2)  # far faster now, within the window: not yet
-        assert q.epoch_id == 2
+        assert q.quorum_id == 2
     assert q.history == ["quorum 1: 2 replicas (first replicas joined)"], q.history
 
 

@@ -30,9 +30,9 @@ def snap(**kw) -> KeeperSnapshot:
     return KeeperSnapshot(**kw)
 
 
-def rep(epoch: Optional[int], rnd: int = 5, inc: int = 0, phase: str = "vote", **more) -> dict:
-    """A replica's status report: in `epoch` (None: joining), at round `rnd`."""
-    return {"inc": inc, "epoch": epoch, "round": rnd, "phase": phase, **more}
+def rep(quorum: Optional[int], rnd: int = 5, inc: int = 0, phase: str = "vote", **more) -> dict:
+    """A replica's status report: in `quorum` (None: joining), at round `rnd`."""
+    return {"inc": inc, "epoch": quorum, "round": rnd, "phase": phase, **more}
 
 
 def seen(*ranks, at: float = 10.0) -> dict:
@@ -49,40 +49,40 @@ ADMIT = [
         snap(), {0: 0, 1: 0, 2: 0}, 1.0, {0: 0, 1: 0, 2: 0}, "first replicas joined", "admitted"),
     row("first quorum waits for a replica still starting",
         snap(), {0: 0, 1: 0}, 1.0, {0: 0, 1: 0}, None, "waits for ranks [2]"),
-    row("first quorum stops waiting after FIRST_EPOCH_WAIT_S",
-        snap(pending={0: 0, 1: 0}, pending_since=1.0), {0: 0, 1: 0}, 1.0 + core.FIRST_EPOCH_WAIT_S,
+    row("first quorum stops waiting after FIRST_QUORUM_WAIT_S",
+        snap(pending={0: 0, 1: 0}, pending_since=1.0), {0: 0, 1: 0}, 1.0 + core.FIRST_QUORUM_WAIT_S,
         {0: 0, 1: 0}, "first replicas joined", "admitted"),
     row("first quorum does not wait for a dead replica",
         snap(alive={0: 0, 1: 0, 2: None}), {0: 0, 1: 0}, 1.0, {0: 0, 1: 0}, "first replicas joined", "admitted"),
     row("a join of an older incarnation is not the live one's",
         snap(alive={0: 0, 1: 0, 2: 1}), {0: 0, 1: 0, 2: 0}, 1.0, {0: 0, 1: 0}, None, "waits for ranks [2]"),
     row("a restarted replica joins a running quorum at once",
-        snap(epoch_id=3, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1}), {0: 0, 1: 0, 2: 1}, 5.0,
+        snap(quorum_id=3, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1}), {0: 0, 1: 0, 2: 1}, 5.0,
         {2: 1}, "rank 2 joined", "admitted [2]"),
     row("two replicas join together",
-        snap(epoch_id=3, members={0: 0}, alive={0: 0, 1: 2, 2: 1}), {0: 0, 1: 2, 2: 1}, 5.0,
+        snap(quorum_id=3, members={0: 0}, alive={0: 0, 1: 2, 2: 1}), {0: 0, 1: 2, 2: 1}, 5.0,
         {1: 2, 2: 1}, "ranks 1, 2 joined", "admitted [1, 2]"),
     row("a sharded replica is admitted only whole",
-        snap(n=4, k=2, epoch_id=2, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1, 3: 1}), {2: 1, 3: -1}, 5.0,
+        snap(n=4, k=2, quorum_id=2, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1, 3: 1}), {2: 1, 3: -1}, 5.0,
         {}, None, "nobody to admit"),
     row("a sharded replica whose workers all asked is admitted",
-        snap(n=4, k=2, epoch_id=2, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1, 3: 1}), {2: 1, 3: 1}, 5.0,
+        snap(n=4, k=2, quorum_id=2, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1, 3: 1}), {2: 1, 3: 1}, 5.0,
         {2: 1, 3: 1}, "ranks 2, 3 joined", "admitted"),
     row("a sharded replica's workers asking as different incarnations wait",
-        snap(n=4, k=2, epoch_id=2, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1, 3: 2}), {2: 1, 3: 2}, 5.0,
+        snap(n=4, k=2, quorum_id=2, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1, 3: 2}), {2: 1, 3: 2}, 5.0,
         {}, None, "nobody to admit"),
     row("a stopping run admits nobody",
-        snap(epoch_id=3, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1}, stopping=True), {2: 1}, 5.0,
+        snap(quorum_id=3, members={0: 0, 1: 0}, alive={0: 0, 1: 0, 2: 1}, stopping=True), {2: 1}, 5.0,
         {}, None, "stopping"),
     row("every member lost: the next quorum waits for the others like a first",
-        snap(epoch_id=4, members={}, alive={0: 1, 1: 1, 2: 1}), {0: 1}, 5.0, {0: 1}, None, "waits for ranks [1, 2]"),
+        snap(quorum_id=4, members={}, alive={0: 1, 1: 1, 2: 1}), {0: 1}, 5.0, {0: 1}, None, "waits for ranks [1, 2]"),
     row("every member lost: published after the wait",
-        snap(epoch_id=4, members={}, pending={0: 1}, pending_since=5.0, alive={0: 1, 1: 1, 2: 1}), {0: 1}, 36.0,
+        snap(quorum_id=4, members={}, pending={0: 1}, pending_since=5.0, alive={0: 1, 1: 1, 2: 1}), {0: 1}, 36.0,
         {0: 1}, "rank 0 joined", "admitted"),
     row("on a moved store only the last quorum's members are awaited",
         snap(awaited={0, 1}), {0: 0, 1: 0}, 1.0, {0: 0, 1: 0}, "first replicas joined", "admitted"),
     row("a member does not join again",
-        snap(epoch_id=2, members={0: 0, 1: 0, 2: 0}), {0: 0, 1: 0, 2: 0}, 5.0, {}, None, "nobody to admit"),
+        snap(quorum_id=2, members={0: 0, 1: 0, 2: 0}), {0: 0, 1: 0, 2: 0}, 5.0, {}, None, "nobody to admit"),
 ]
 
 
@@ -102,8 +102,8 @@ def test_admission(s, joins, now, pending, publish, reason):
 # ------------------------------------------------------------------ the pace: rounds re-sized without a failure
 def _steady(**kw) -> KeeperSnapshot:
     """Members 0, 1 in quorum 2 holding the state and reporting freshly, rounds of 8 steps."""
-    base = dict(n=2, epoch_id=2, members={0: 0, 1: 0}, healed={(0, 0), (1, 0)},
-                info={0: rep(2), 1: rep(2)}, info_seen=seen(0, 1), epoch_steps=8, round_steps=8)
+    base = dict(n=2, quorum_id=2, members={0: 0, 1: 0}, healed={(0, 0), (1, 0)},
+                info={0: rep(2), 1: rep(2)}, info_seen=seen(0, 1), quorum_steps=8, round_steps=8)
     base.update(kw)
     return snap(**base)
 
@@ -119,7 +119,7 @@ REPACE = [
     row("a member reports another quorum", _steady(step_s=0.3, info={0: rep(2), 1: rep(1)}), 10.0, False, None),
     row("a member's report is stale", _steady(step_s=0.3, info_seen={0: 10.0, 1: 8.0}), 10.0, False, None),
     row("no members", _steady(step_s=0.3, members={}), 10.0, False, None),
-    row("slow rounds of 2 steps get 1", _steady(step_s=0.3, epoch_steps=2), 10.0, True, "re-sized to 1"),
+    row("slow rounds of 2 steps get 1", _steady(step_s=0.3, quorum_steps=2), 10.0, True, "re-sized to 1"),
 ]
 
 
@@ -151,7 +151,7 @@ def test_paced_steps(s, steps):
 
 # ------------------------------------------------------------------ the next quorum: members, healers, source, start
 def _moved(**kw) -> KeeperSnapshot:
-    base = dict(n=4, epoch_id=7, top=40, moved=True, pending={0: 1, 1: 1, 2: 1, 3: 1},
+    base = dict(n=4, quorum_id=7, top=40, moved=True, pending={0: 1, 1: 1, 2: 1, 3: 1},
                 alive={0: 1, 1: 1, 2: 1, 3: 1}, round_steps=1, round_steps_chosen=True)
     base.update(kw)
     return snap(**base)
@@ -167,37 +167,37 @@ NEXT = [
         snap(pending={0: 0, 1: 0, 2: 0}, top=-1), "first replicas joined", {},
         {0: 0, 1: 0, 2: 0}, (1, 2), True, 0, False, "quorum 1: 3 replicas (first replicas joined)"),
     row("a joiner heals from the holders; members that entered continue",
-        snap(epoch_id=2, top=9, members={0: 0, 1: 0}, pending={2: 1}, healed={(0, 0), (1, 0)},
+        snap(quorum_id=2, top=9, members={0: 0, 1: 0}, pending={2: 1}, healed={(0, 0), (1, 0)},
              entered={0: 0, 1: 0}), "rank 2 joined", {},
         {0: 0, 1: 0, 2: 1}, (2,), False, -1, False, "quorum 3: 3 replicas (rank 2 joined)"),
     row("nobody entered yet: the quorum starts after the newest decided round",
-        snap(epoch_id=2, top=9, members={0: 0, 1: 0}, pending={2: 1}, healed={(0, 0), (1, 0)},
+        snap(quorum_id=2, top=9, members={0: 0, 1: 0}, pending={2: 1}, healed={(0, 0), (1, 0)},
              entered={0: -1, 1: -1}), "rank 2 joined", {},
         {0: 0, 1: 0, 2: 1}, (2,), False, 10, False, "quorum 3"),
     row("a member that healed a moment ago holds the state",
-        snap(epoch_id=2, top=9, members={0: 0, 1: 0}, healed={(0, 0)}, entered={0: 0}), "rank 2 left", {1: 0},
+        snap(quorum_id=2, top=9, members={0: 0, 1: 0}, healed={(0, 0)}, entered={0: 0}), "rank 2 left", {1: 0},
         {0: 0, 1: 0}, (), False, -1, False, "(rank 2 left)"),
     row("an older incarnation's heal is not the member's",
-        snap(epoch_id=2, top=9, members={0: 0, 1: 1}, healed={(0, 0), (1, 0)}, entered={0: 0}), "rank 2 left", {},
+        snap(quorum_id=2, top=9, members={0: 0, 1: 1}, healed={(0, 0), (1, 0)}, entered={0: 0}), "rank 2 left", {},
         {0: 0, 1: 1}, (1,), False, -1, False, "(rank 2 left)"),
     row("no holder left: a fresh quorum, said so",
-        snap(epoch_id=4, top=20, members={1: 1}, pending={0: 2}, healed={(1, 0)}), "rank 0 joined", {},
+        snap(quorum_id=4, top=20, members={1: 1}, pending={0: 2}, healed={(1, 0)}), "rank 0 joined", {},
         {0: 2, 1: 1}, (1,), True, 21, True, "no replica holding the trained state is left: starting again"),
     row("no holder left, resumed from a checkpoint: said so",
-        snap(epoch_id=4, top=20, members={1: 1}, fresh_start="resuming from the newest checkpoint"), "x", {},
+        snap(quorum_id=4, top=20, members={1: 1}, fresh_start="resuming from the newest checkpoint"), "x", {},
         {1: 1}, (), True, 21, True, "left: resuming from the newest checkpoint"),
     row("a sharded replica heals whole when one of its workers does not hold its shard",
-        snap(n=4, k=2, epoch_id=2, top=3, members={0: 0, 1: 0, 2: 0, 3: 0}, healed={(0, 0), (1, 0), (2, 0)},
+        snap(n=4, k=2, quorum_id=2, top=3, members={0: 0, 1: 0, 2: 0, 3: 0}, healed={(0, 0), (1, 0), (2, 0)},
              entered={0: 0, 1: 0, 2: 0, 3: 0}), "rank 3 joined", {},
         {0: 0, 1: 0, 2: 0, 3: 0}, (2, 3), False, -1, False, "2 replicas of 2 workers"),
     row("a fresh quorum of sharded replicas: replica 0's workers send",
         snap(n=4, k=2, pending={0: 0, 1: 0, 2: 0, 3: 0}), "first replicas joined", {},
         {0: 0, 1: 0, 2: 0, 3: 0}, (2, 3), True, 0, False, "2 replicas of 2 workers"),
     row("the lowest replica left sends a fresh quorum's state",
-        snap(epoch_id=0, pending={1: 0, 2: 0}), "first replicas joined", {},
+        snap(quorum_id=0, pending={1: 0, 2: 0}), "first replicas joined", {},
         {1: 0, 2: 0}, (2,), True, 0, False, "2 replicas"),
     row("rounds paced to the run: said in the history",
-        snap(epoch_id=2, top=9, members={0: 0, 1: 0}, healed={(0, 0), (1, 0)}, entered={0: 0}, step_s=0.05,
+        snap(quorum_id=2, top=9, members={0: 0, 1: 0}, healed={(0, 0), (1, 0)}, entered={0: 0}, step_s=0.05,
              round_steps=8), "rank 2 left", {},
         {0: 0, 1: 0}, (), False, -1, False, "rounds of 4 steps"),
     row("moved store: the replica with the newest whole step heals the others",
@@ -222,8 +222,8 @@ NEXT = [
 @pytest.mark.parametrize("s,why,healed,members,healers,fresh,start,fresh_after,history", NEXT)
 def test_next_quorum(s, why, healed, members, healers, fresh, start, fresh_after, history):
     d = core.next_quorum(s, why, healed)
-    e = d.epoch
-    assert e.id == s.epoch_id + 1 and not e.stop
+    e = d.quorum
+    assert e.id == s.quorum_id + 1 and not e.stop
     assert dict(e.members) == members
     assert e.healers == healers
     assert (e.fresh, e.start_round, d.fresh) == (fresh, start, fresh_after)
@@ -232,23 +232,23 @@ def test_next_quorum(s, why, healed, members, healers, fresh, start, fresh_after
     assert d.healed == frozenset((r, h) for r, h in healed.items() if h >= 0)
     assert set(d.forget) == (set(s.survivors) & set(members) if s.moved and not d.healed else set())
     quiet = core.next_quorum(s, why, healed, quiet=True)
-    assert quiet.history is None and quiet.epoch == e
+    assert quiet.history is None and quiet.quorum == e
 
 
 STOP = [
     # (snapshot, healed read now) -> (writer, start, saver)
     row("the lowest holder writes",
-        snap(epoch_id=3, top=7, members={0: 0, 1: 0, 2: 0}, healed={(1, 0), (2, 0)}, entered={0: 0}, local={0, 1, 2}),
+        snap(quorum_id=3, top=7, members={0: 0, 1: 0, 2: 0}, healed={(1, 0), (2, 0)}, entered={0: 0}, local={0, 1, 2}),
         {}, 1, -1, "replica 1 saves"),
     row("a holder on the keeper's node writes before a lower one elsewhere",
-        snap(epoch_id=3, top=7, members={0: 0, 1: 0, 2: 0}, healed={(0, 0), (1, 0), (2, 0)}, local={2}),
+        snap(quorum_id=3, top=7, members={0: 0, 1: 0, 2: 0}, healed={(0, 0), (1, 0), (2, 0)}, local={2}),
         {}, 2, 8, "replica 2 saves"),
     row("nobody holds the state: nothing is saved",
-        snap(epoch_id=3, top=7, members={0: 0, 1: 0}, entered={1: 0}), {}, -1, -1, "nothing to save"),
+        snap(quorum_id=3, top=7, members={0: 0, 1: 0}, entered={1: 0}), {}, -1, -1, "nothing to save"),
     row("a member that healed a moment ago writes",
-        snap(epoch_id=3, top=7, members={0: 0, 1: 0}), {1: 0}, 1, 8, "replica 1 saves"),
+        snap(quorum_id=3, top=7, members={0: 0, 1: 0}), {1: 0}, 1, 8, "replica 1 saves"),
     row("sharded: a replica whose every worker holds its shard writes",
-        snap(n=4, k=2, epoch_id=3, top=7, members={0: 0, 1: 0, 2: 0, 3: 0}, healed={(0, 0), (2, 0), (3, 0)},
+        snap(n=4, k=2, quorum_id=3, top=7, members={0: 0, 1: 0, 2: 0, 3: 0}, healed={(0, 0), (2, 0), (3, 0)},
              local={0, 1, 2, 3}), {}, 1, 8, "replica 1 saves"),
 ]
 
@@ -258,27 +258,27 @@ def test_stop_quorum(s, healed, writer, start, saver):
     for d in (core.stop_quorum(s, "a stop signal", healed),
               core.next_quorum(KeeperSnapshot(**{**s.__dict__, "stopping": True, "pending": {9: 0}}),
                                "a stop signal", healed)):
-        assert d.epoch.stop and d.epoch.writer == writer and d.epoch.start_round == start
-        assert dict(d.epoch.members) == dict(s.members)  # nobody joins a stop quorum
-        assert d.epoch.healers == () and d.epoch.round_steps == 1
+        assert d.quorum.stop and d.quorum.writer == writer and d.quorum.start_round == start
+        assert dict(d.quorum.members) == dict(s.members)  # nobody joins a stop quorum
+        assert d.quorum.healers == () and d.quorum.round_steps == 1
         assert saver in d.history
 
 
 EXITS = [
     # (snapshot, rank, inc, finished) -> (leaving, publish, finished, unpend)
     row("a member dies: a quorum without it",
-        snap(epoch_id=2, members={0: 0, 1: 0, 2: 0}), 1, 0, False, {1: 0}, "rank 1 left", False, (1,)),
+        snap(quorum_id=2, members={0: 0, 1: 0, 2: 0}), 1, 0, False, {1: 0}, "rank 1 left", False, (1,)),
     row("the last member dies: no quorum",
-        snap(epoch_id=2, members={1: 0}), 1, 0, False, {1: 0}, None, False, (1,)),
+        snap(quorum_id=2, members={1: 0}), 1, 0, False, {1: 0}, None, False, (1,)),
     row("a member finishes: it never votes again, no quorum",
-        snap(epoch_id=2, members={0: 0, 1: 0}), 1, 0, True, {1: 0}, None, True, (1,)),
+        snap(quorum_id=2, members={0: 0, 1: 0}), 1, 0, True, {1: 0}, None, True, (1,)),
     row("an older incarnation dies: nothing changes",
-        snap(epoch_id=2, members={0: 0, 1: 2}), 1, 1, False, {}, None, False, (1,)),
+        snap(quorum_id=2, members={0: 0, 1: 2}), 1, 1, False, {}, None, False, (1,)),
     row("a sharded replica leaves whole",
-        snap(n=6, k=2, epoch_id=2, members={r: 0 for r in range(6)}), 3, 0, False, {2: 0, 3: 0},
+        snap(n=6, k=2, quorum_id=2, members={r: 0 for r in range(6)}), 3, 0, False, {2: 0, 3: 0},
         "replica 1 left (rank 3 of ranks 2-3)", False, (2, 3)),
     row("a pending sharded replica waits for its next incarnation",
-        snap(n=4, k=2, epoch_id=2, members={0: 0, 1: 0}, pending={2: 1, 3: 1}), 2, 1, False, {}, None, False, (2, 3)),
+        snap(n=4, k=2, quorum_id=2, members={0: 0, 1: 0}, pending={2: 1, 3: 1}), 2, 1, False, {}, None, False, (2, 3)),
 ]
 
 
@@ -306,57 +306,57 @@ def test_rejoin_applies(s, rank, inc, applies):
 DEAD = [
     # (snapshot, dead member) -> {quorum: rounds}, vote
     row("the newest quorum: the two rounds after the newest decided one",
-        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, alive={0: 0, 1: None}), (1, 0),
+        snap(quorum_id=2, top=9, quorums={2: {(0, 0), (1, 0)}}, alive={0: 0, 1: None}), (1, 0),
         {2: (10, 11)}, A),
     row("a quorum started afresh: its start too",
-        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, starts={2: 4}, alive={0: 0, 1: None}), (1, 0),
+        snap(quorum_id=2, top=9, quorums={2: {(0, 0), (1, 0)}}, starts={2: 4}, alive={0: 0, 1: None}), (1, 0),
         {2: (4, 5, 10, 11)}, A),
     row("the rounds live members report being in",
-        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, alive={0: 0, 1: None}, info={0: rep(2, rnd=7)}),
+        snap(quorum_id=2, top=9, quorums={2: {(0, 0), (1, 0)}}, alive={0: 0, 1: None}, info={0: rep(2, rnd=7)}),
         (1, 0), {2: (7, 8, 10, 11)}, A),
     row("an older quorum nobody reports being in: its start only",
-        snap(epoch_id=3, top=9, epochs={2: {(0, 0), (1, 0)}, 3: {(0, 0)}}, starts={2: 4}, alive={0: 0, 1: None},
+        snap(quorum_id=3, top=9, quorums={2: {(0, 0), (1, 0)}, 3: {(0, 0)}}, starts={2: 4}, alive={0: 0, 1: None},
              info={0: rep(None)}), (1, 0), {2: (4, 5)}, A),
     row("every member of the newest quorum dead: no rounds ahead",
-        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, alive={0: None, 1: None}), (1, 0), {2: ()}, A),
+        snap(quorum_id=2, top=9, quorums={2: {(0, 0), (1, 0)}}, alive={0: None, 1: None}), (1, 0), {2: ()}, A),
     row("a quorum below every live replica's is past",
-        snap(epoch_id=3, top=9, epochs={1: {(0, 0), (1, 0)}, 3: {(0, 0), (1, 0)}}, alive={0: 0, 1: None},
+        snap(quorum_id=3, top=9, quorums={1: {(0, 0), (1, 0)}, 3: {(0, 0), (1, 0)}}, alive={0: 0, 1: None},
              info={0: rep(3, rnd=8)}), (1, 0), {3: (8, 9, 10, 11)}, A),
     row("a joiner that reports no quorum yet keeps the old ones",
-        snap(epoch_id=3, top=9, epochs={1: {(0, 0), (1, 0)}, 3: {(0, 0), (1, 0)}}, starts={1: 0},
+        snap(quorum_id=3, top=9, quorums={1: {(0, 0), (1, 0)}, 3: {(0, 0), (1, 0)}}, starts={1: 0},
              alive={0: 0, 1: None, 2: 1}, info={0: rep(3, rnd=8), 2: rep(None, inc=1)}), (1, 0),
         {1: (0, 1), 3: (8, 9, 10, 11)}, A),
     row("never below the collected horizon",
-        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, starts={2: 4}, collected_below={2: 6},
+        snap(quorum_id=2, top=9, quorums={2: {(0, 0), (1, 0)}}, starts={2: 4}, collected_below={2: 6},
              alive={0: 0, 1: None}), (1, 0), {2: (10, 11)}, A),
     row("never in a quorum whose keys are all gone",
-        snap(epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0)}}, starts={2: 4}, collected_below={2: dead.EPOCH_COLLECTED},
+        snap(quorum_id=2, top=9, quorums={2: {(0, 0), (1, 0)}}, starts={2: 4}, collected_below={2: dead.QUORUM_COLLECTED},
              alive={0: 0, 1: None}), (1, 0), {2: ()}, A),
     row("sharded replicas: a failed vote",
-        snap(n=4, k=2, epoch_id=2, top=9, epochs={2: {(0, 0), (1, 0), (2, 0), (3, 0)}},
+        snap(n=4, k=2, quorum_id=2, top=9, quorums={2: {(0, 0), (1, 0), (2, 0), (3, 0)}},
              alive={0: 0, 1: 0, 2: None, 3: None}), (2, 0), {2: (10, 11)}, F),
     row("a quorum that does not list it: nothing",
-        snap(epoch_id=2, top=9, epochs={2: {(0, 0)}}, alive={0: 0, 1: None}), (1, 0), {}, A),
+        snap(quorum_id=2, top=9, quorums={2: {(0, 0)}}, alive={0: 0, 1: None}), (1, 0), {}, A),
 ]
 
 
 @pytest.mark.parametrize("s,member,rounds,vote", DEAD)
 def test_votes_for_the_dead(s, member, rounds, vote):
     due = dead.dead_votes(RULES, s, member)
-    assert {d.epoch: d.rounds for d in due} == rounds
+    assert {d.quorum: d.rounds for d in due} == rounds
     assert all(d.vote == vote and d.reason for d in due)
 
 
 FORGET = [
     # (snapshot, dead members) -> forgotten
     row("every live replica is past every quorum that listed it",
-        snap(epochs={1: {(1, 0)}, 2: {(0, 0)}}, alive={0: 0, 1: None, 2: None}, info={0: rep(2)}), [(1, 0)], [(1, 0)]),
+        snap(quorums={1: {(1, 0)}, 2: {(0, 0)}}, alive={0: 0, 1: None, 2: None}, info={0: rep(2)}), [(1, 0)], [(1, 0)]),
     row("a live replica is still in its quorum",
-        snap(epochs={1: {(0, 0), (1, 0)}}, alive={0: 0, 1: None}, info={0: rep(1)}), [(1, 0)], []),
+        snap(quorums={1: {(0, 0), (1, 0)}}, alive={0: 0, 1: None}, info={0: rep(1)}), [(1, 0)], []),
     row("a joiner not reporting yet may enter it",
-        snap(epochs={1: {(1, 0), (2, 0)}, 2: {(0, 0)}}, alive={0: 0, 1: None, 2: 0}, info={0: rep(2)}), [(1, 0)], []),
+        snap(quorums={1: {(1, 0), (2, 0)}, 2: {(0, 0)}}, alive={0: 0, 1: None, 2: 0}, info={0: rep(2)}), [(1, 0)], []),
     row("nobody alive reports: kept",
-        snap(epochs={1: {(1, 0)}}, alive={0: None, 1: None}), [(1, 0)], []),
+        snap(quorums={1: {(1, 0)}}, alive={0: None, 1: None}), [(1, 0)], []),
 ]
 
 
@@ -368,7 +368,7 @@ def test_forget_dead(s, members, gone):
 
 def _waiting(**kw) -> KeeperSnapshot:
     """Rank 0 votes in round 5 of quorum 2, which lists ranks 0 and 1, since t=1 (STUCK_S ago at t=3)."""
-    base = dict(epoch_id=3, epochs={2: {(0, 0), (1, 0)}, 3: {(1, 0)}}, info={0: rep(2)}, info_seen=seen(0, 1, at=3.0))
+    base = dict(quorum_id=3, quorums={2: {(0, 0), (1, 0)}, 3: {(1, 0)}}, info={0: rep(2)}, info_seen=seen(0, 1, at=3.0))
     base.update(kw)
     return snap(**base)
 
@@ -387,7 +387,7 @@ UNSTICK = [
     row("a joiner reporting no quorum while a newer one is out",
         _waiting(info={0: rep(2), 1: rep(None)}), SINCE, set(), 3.0, [(1, 2, 5)], ((2, 5), 1.0)),
     row("a joiner of the newest quorum is waited for",
-        _waiting(epoch_id=2, info={0: rep(2), 1: rep(None)}), SINCE, set(), 3.0, [], ((2, 5), 1.0)),
+        _waiting(quorum_id=2, info={0: rep(2), 1: rep(None)}), SINCE, set(), 3.0, [], ((2, 5), 1.0)),
     row("a member that finished",
         _waiting(finished={(1, 0)}, alive={0: 0, 1: None}), SINCE, set(), 3.0, [(1, 2, 5)], ((2, 5), 1.0)),
     row("a member in the same quorum is waited for",
@@ -408,7 +408,7 @@ UNSTICK = [
 @pytest.mark.parametrize("s,since,cast,now,votes,kept", UNSTICK)
 def test_unstick(s, since, cast, now, votes, kept):
     voting_since, due = dead.unstick(RULES, s, since, cast, now)
-    assert [(v.rank, v.epoch, v.rnd) for v in due] == votes
+    assert [(v.rank, v.quorum, v.rnd) for v in due] == votes
     assert all("voted fail in its place" in v.reason for v in due)
     assert voting_since.get(0) == kept
 
@@ -467,10 +467,10 @@ def _round_keys(e: int, rnd: int):
             keys.pg_prefix(e, rnd) + "addr"]
 
 
-def _names(*epochs_rounds, extra=()):
+def _names(*quorums_rounds, extra=()):
     names = [keys.LATEST, keys.TOP, keys.join_key(0), keys.info_key(1), "not/ours"]
-    for e, rounds in epochs_rounds:
-        names += [keys.epoch_key(e), keys.start_key(e)]
+    for e, rounds in quorums_rounds:
+        names += [keys.quorum_key(e), keys.start_key(e)]
         for rnd in rounds:
             names += _round_keys(e, rnd)
     return names + list(extra)
@@ -483,12 +483,12 @@ COLLECT = [
         [k for rnd in range(5) for k in _round_keys(3, rnd)], {3: 5}, 1),
     row("quorums two below the oldest any live replica is in go whole",
         snap(n=2, info={0: rep(4), 1: rep(5)}), _names((1, [0]), (2, [1]), (4, [2])),
-        [keys.epoch_key(1), keys.start_key(1)] + _round_keys(1, 0), {1: dead.EPOCH_COLLECTED, 2: -1, 4: -1}, 2),
+        [keys.quorum_key(1), keys.start_key(1)] + _round_keys(1, 0), {1: dead.QUORUM_COLLECTED, 2: -1, 4: -1}, 2),
     row("a live replica reporting no quorum yet: no quorum goes",
         snap(n=2, info={0: rep(5)}), _names((1, [0]), (5, [1])), [], {1: -1, 5: -1}, -1),
     row("a dead replica's silence keeps nothing",
         snap(n=2, alive={0: 0, 1: None}, info={0: rep(5)}), _names((1, [0]), (5, [1])),
-        [keys.epoch_key(1), keys.start_key(1)] + _round_keys(1, 0), {1: dead.EPOCH_COLLECTED, 5: -1}, 3),
+        [keys.quorum_key(1), keys.start_key(1)] + _round_keys(1, 0), {1: dead.QUORUM_COLLECTED, 5: -1}, 3),
     row("a sharded replica's group of an earlier incarnation goes",
         snap(n=4, k=2, alive={0: 2, 1: 2, 2: 0, 3: 0}),
         _names(extra=[keys.replica_prefix(0, 1) + "addr", keys.replica_prefix(0, 2) + "addr",
@@ -545,7 +545,7 @@ def test_waits(s, before, now, after):
 
 
 def test_status_figures():
-    s = snap(epoch_id=4, members={0: 1, 1: 0}, healed={(0, 1)}, alive={0: 1, 1: 0, 2: None},
+    s = snap(quorum_id=4, members={0: 1, 1: 0}, healed={(0, 1)}, alive={0: 1, 1: 0, 2: None},
              info={0: rep(4, inc=1, step=30, discarded=2, healing=False),
                    1: rep(4, step=31, discarded=1, healing=True, phase="heal"), 2: rep(3, step=12, discarded=5)})
     assert core.run_status(s) == {"quorum_id": 4, "quorum_size": 2, "steps_committed": 31, "steps_discarded": 5}

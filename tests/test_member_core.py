@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 from ftrun.worker.ft.member.core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Computing, Decided,
                                          Entered, Entering, Finish, FinishedRead, InSync, Join, Joined, MemberCore,
                                          ReadFinished, Rejoin, Restart, RoundTop, Skipped, StoreLost, Switch, TakeStep,
@@ -21,30 +21,30 @@ pytestmark = pytest.mark.quick
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _epoch(eid: int, members, healers=(), fresh=False) -> Epoch:
-    return Epoch(id=eid, members=tuple(tuple(m) for m in members), healers=tuple(healers), fresh=fresh)
+def _quorum(eid: int, members, healers=(), fresh=False) -> Quorum:
+    return Quorum(id=eid, members=tuple(tuple(m) for m in members), healers=tuple(healers), fresh=fresh)
 
 
-def _in_epoch(eid: int = 3, rnd: int = 10) -> MemberCore:
+def _in_quorum(eid: int = 3, rnd: int = 10) -> MemberCore:
     core = MemberCore()
     core.handle(InSync())
-    epoch = _epoch(eid, [(0, 0), (1, 0), (2, 0)])
-    assert core.handle(Entering(epoch, (1, 0), joining=True)) == []
-    core.handle(Entered(epoch, rnd))
+    quorum = _quorum(eid, [(0, 0), (1, 0), (2, 0)])
+    assert core.handle(Entering(quorum, (1, 0), joining=True)) == []
+    core.handle(Entered(quorum, rnd))
     return core
 
 
-def test_a_member_with_no_epoch_joins_and_enters_where_it_was_given():
+def test_a_member_with_no_quorum_joins_and_enters_where_it_was_given():
     core = MemberCore()
     assert core.handle(RoundTop()) == [Join()]
-    assert core.handle(Joined(epoch=4, round=17)) == [Switch(4)]
+    assert core.handle(Joined(quorum=4, round=17)) == [Switch(4)]
     assert core.round == 17
 
 
-def test_a_commit_naming_a_newer_epoch_switches_at_the_round_after_next():
+def test_a_commit_naming_a_newer_quorum_switches_at_the_round_after_next():
     """Members read a commit at different moments of the next round: the round after it is the
     first boundary all of them reach knowing it."""
-    core = _in_epoch(3, 10)
+    core = _in_quorum(3, 10)
     core.handle(ClosedOk())                  # stepped round 10, its vote in flight
     assert core.round == 11
     assert core.handle(Decided(10, True, 5)) == []
@@ -54,7 +54,7 @@ def test_a_commit_naming_a_newer_epoch_switches_at_the_round_after_next():
 
 
 def test_a_member_that_stepped_past_a_round_voted_down_restarts():
-    core = _in_epoch()
+    core = _in_quorum()
     core.handle(ClosedOk())
     out = core.handle(Decided(10, False, 3))
     assert len(out) == 1 and isinstance(out[0], Restart) and "voted down" in out[0].why
@@ -71,7 +71,7 @@ def test_a_member_the_peers_decision_contradicts_rejoins_in_place_where_its_driv
     again without leaving the process (Rejoin); a driver that cannot (a sharded replica, a node
     of several) restarts as before. The rejoin keeps the run's decision state untouched: the
     driver carries it out at the next round's top with a fresh core."""
-    core = _in_epoch()
+    core = _in_quorum()
     core.can_rejoin = can_rejoin
     if isinstance(event, Decided):
         core.handle(ClosedOk())
@@ -80,41 +80,41 @@ def test_a_member_the_peers_decision_contradicts_rejoins_in_place_where_its_driv
 
 
 def test_a_member_whose_collectives_failed_in_a_committed_round_still_restarts():
-    core = _in_epoch()
+    core = _in_quorum()
     core.can_rejoin = True
     out = core.handle(Voted(ok=False, taken=0, commit=True, target=3, kept=0))
     assert isinstance(out[0], Restart)
 
 
 def test_a_failed_round_rebuilds_at_the_next_round_and_looks_for_the_runs_end():
-    core = _in_epoch(3, 10)
+    core = _in_quorum(3, 10)
     core.handle(CollectiveFailed())
     assert not core.round_ok
     out = core.handle(Voted(ok=False, taken=0, commit=False, target=3, kept=0))
     assert out == [ReadFinished()]
     assert core.round == 11 and core.round_ok and core.rebuild
-    assert core.handle(RoundTop()) == [Switch(3)]  # the same epoch: a fresh group
+    assert core.handle(RoundTop()) == [Switch(3)]  # the same quorum: a fresh group
     core.handle(Voted(ok=False, taken=0, commit=False, target=6, kept=0))
-    assert core.handle(RoundTop()) == [Switch(6)]  # a newer epoch named by a failed round: at once
+    assert core.handle(RoundTop()) == [Switch(6)]  # a newer quorum named by a failed round: at once
 
 
 def test_mixed_outcomes_restart_the_member_the_decision_contradicts():
-    core = _in_epoch()
+    core = _in_quorum()
     out = core.handle(Voted(ok=False, taken=0, commit=True, target=3, kept=0))
     assert isinstance(out[0], Restart) and "committed" in out[0].why
-    core = _in_epoch()
+    core = _in_quorum()
     out = core.handle(Voted(ok=False, taken=2, commit=False, target=3, kept=1))
     assert isinstance(out[0], Restart) and "keeps its first 1 steps" in out[0].why
 
 
 def test_a_sharded_replicas_commit_is_stepped_then_switches_at_the_next_round():
-    core = _in_epoch(3, 10)
+    core = _in_quorum(3, 10)
     assert core.handle(Voted(ok=True, taken=0, commit=True, target=4, kept=0)) == [TakeStep()]
     assert core.handle(RoundTop()) == [Switch(4)]
 
 
-def test_failed_rounds_with_no_new_epoch_back_off_boundedly():
-    core = _in_epoch(3, 10)
+def test_failed_rounds_with_no_new_quorum_back_off_boundedly():
+    core = _in_quorum(3, 10)
     waits = []
     for _ in range(12):
         out = core.handle(Voted(ok=False, taken=0, commit=False, target=3, kept=0))
@@ -125,23 +125,23 @@ def test_failed_rounds_with_no_new_epoch_back_off_boundedly():
     assert core.failed_in_row == 0
 
 
-def test_entering_an_epoch_that_leaves_this_incarnation_out_restarts():
-    core = _in_epoch()
-    out = core.handle(Entering(_epoch(4, [(0, 0), (1, 1)]), (1, 0)))
+def test_entering_an_quorum_that_leaves_this_incarnation_out_restarts():
+    core = _in_quorum()
+    out = core.handle(Entering(_quorum(4, [(0, 0), (1, 1)]), (1, 0)))
     assert isinstance(out[0], Restart) and "left out of quorum 4" in out[0].why
 
 
 def test_continuing_members_agree_on_the_entry_round_a_joiner_does_not():
-    core = _in_epoch(3, 10)
-    nxt = _epoch(4, [(0, 0), (1, 0)])
+    core = _in_quorum(3, 10)
+    nxt = _quorum(4, [(0, 0), (1, 0)])
     assert core.handle(Entering(nxt, (1, 0))) == [AskEntryRound()]
-    assert core.handle(Entering(_epoch(3, [(0, 0), (1, 0), (2, 0)]), (1, 0))) == []  # a rebuild
+    assert core.handle(Entering(_quorum(3, [(0, 0), (1, 0), (2, 0)]), (1, 0))) == []  # a rebuild
     core.handle(Entered(nxt, 14))
-    assert (core.epoch.id, core.round, core.group_round, core.target_epoch, core.rebuild) == (4, 14, 14, None, False)
+    assert (core.quorum.id, core.round, core.group_round, core.target_quorum, core.rebuild) == (4, 14, 14, None, False)
 
 
 def test_the_runs_end_finishes_a_member_alone_only_when_it_is_not_in_sync():
-    core = _in_epoch()
+    core = _in_quorum()
     assert core.handle(FinishedRead(None)) == []
     assert core.handle(FinishedRead(40)) == [Finish(40, alone=False)] and core.finished
     joiner = MemberCore()
@@ -150,7 +150,7 @@ def test_the_runs_end_finishes_a_member_alone_only_when_it_is_not_in_sync():
 
 def test_a_member_not_in_sync_never_votes_ok():
     core = MemberCore()
-    core.handle(Entered(_epoch(2, [(0, 0), (1, 1)], healers=[1]), 5))
+    core.handle(Entered(_quorum(2, [(0, 0), (1, 1)], healers=[1]), 5))
     core.handle(Computing())
     assert not core.round_ok
     core.handle(Skipped())
@@ -160,25 +160,25 @@ def test_a_member_not_in_sync_never_votes_ok():
 
 
 def test_a_lost_store_leaves_the_member_to_rejoin():
-    core = _in_epoch()
+    core = _in_quorum()
     core.handle(Voted(ok=False, taken=0, commit=False, target=5, kept=0))
     core.handle(StoreLost())
-    assert core.epoch is None and core.target_epoch is None and not core.rebuild
+    assert core.quorum is None and core.target_quorum is None and not core.rebuild
     assert core.handle(RoundTop()) == [Join()]
 
 
 def test_heals_come_from_one_source_replica_for_every_shard():
-    e = _epoch(5, [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0), (5, 0)], healers=[2, 3])
+    e = _quorum(5, [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0), (5, 0)], healers=[2, 3])
     assert transfer_ends(e, 2, k=2) == [0, 2]
     assert transfer_ends(e, 3, k=2) == [1, 3]
     assert transfer_ends(e, 5, k=2) == [1, 3]  # a bystander of shard 1: these are the ends it waits on
-    fresh = _epoch(6, [(1, 0), (0, 2)], healers=[0, 1], fresh=True)
+    fresh = _quorum(6, [(1, 0), (0, 2)], healers=[0, 1], fresh=True)
     assert transfer_ends(fresh, 1) == [0, 1]
     assert source_refuses(True, tainted=True) is not None
     assert source_refuses(False, tainted=True) is None
 
 
-def test_a_fresh_epochs_sharded_source_never_sends_shards_of_two_steps():
+def test_a_fresh_quorums_sharded_source_never_sends_shards_of_two_steps():
     """Fresh: no replica holds the whole state. A worker of the source replica that holds its
     shard of it (its mate never healed) restarts with its replica instead of sending."""
     assert source_refuses(True, False, fresh=True, holds_state=True, k=1) is None  # whole replicas: its own state
@@ -261,5 +261,5 @@ def test_the_rules_the_driver_asks():
     assert core.gives_up(4, 4, lambda: None) is None
     assert core.resumes_checkpoint(True, True, False, True, False)
     assert not core.resumes_checkpoint(True, True, False, True, True)  # once per incarnation
-    assert not core.resumes_checkpoint(True, False, False, True, False)  # not a fresh epoch
+    assert not core.resumes_checkpoint(True, False, False, True, False)  # not a fresh quorum
     assert core.loop_ends(True, 0, 10) and core.loop_ends(False, 10, 10) and not core.loop_ends(False, 3, None)

@@ -42,16 +42,16 @@ def _join(q: QuorumKeeper, rank: int, inc: int) -> None:
     q._s.set(keys.join_key(rank), str(inc))
 
 
-def _report(q: QuorumKeeper, rank: int, inc: int, epoch, rnd: int, phase: str) -> None:
-    q._s.set(keys.info_key(rank), json.dumps({"inc": inc, "epoch": epoch, "round": rnd, "phase": phase,
+def _report(q: QuorumKeeper, rank: int, inc: int, quorum, rnd: int, phase: str) -> None:
+    q._s.set(keys.info_key(rank), json.dumps({"inc": inc, "epoch": quorum, "round": rnd, "phase": phase,
                                               "beat": q._s.add(f"beat{rank}", 1)}))
 
 
-def _in_round(q: QuorumKeeper, ranks, epoch: int = 1, rnd: int = 5, now: float = 0.1) -> None:
+def _in_round(q: QuorumKeeper, ranks, quorum: int = 1, rnd: int = 5, now: float = 0.1) -> None:
     """The live members' status reports, as each member writes them every 0.25 s (through its
-    node's relay when it has one): they are in `epoch`, voting in round `rnd`. The keeper
-    abstains for a dead member only in the newest rounds of an epoch someone is in."""
-    info = {r: {"inc": 0, "epoch": epoch, "round": rnd, "phase": "vote", "beat": 1} for r in ranks}
+    node's relay when it has one): they are in `quorum`, voting in round `rnd`. The keeper
+    abstains for a dead member only in the newest rounds of a quorum someone is in."""
+    info = {r: {"inc": 0, "epoch": quorum, "round": rnd, "phase": "vote", "beat": 1} for r in ranks}
     if q.routes is None:
         for r in ranks:
             q._s.set(keys.info_key(r), json.dumps(info[r]))
@@ -63,38 +63,38 @@ def _in_round(q: QuorumKeeper, ranks, epoch: int = 1, rnd: int = 5, now: float =
     q.poll(now)
 
 
-def _members(q: QuorumKeeper, epoch: int) -> dict:
-    return dict(tuple(m) for m in json.loads(q._s.get(keys.epoch_key(epoch)))["members"])
+def _members(q: QuorumKeeper, quorum: int) -> dict:
+    return dict(tuple(m) for m in json.loads(q._s.get(keys.quorum_key(quorum)))["members"])
 
 
-def test_first_epoch_waits_for_every_started_replica(keeper):
+def test_first_quorum_waits_for_every_started_replica(keeper):
     _join(keeper, 0, 0)
     keeper.poll(0.0)
-    assert keeper.epoch_id == 0  # ranks 1 and 2 are starting: the first epoch waits for them
+    assert keeper.quorum_id == 0  # ranks 1 and 2 are starting: the first quorum waits for them
     _join(keeper, 1, 0)
     _join(keeper, 2, 0)
     keeper.poll(0.1)
-    assert keeper.epoch_id == 1 and _members(keeper, 1) == {0: 0, 1: 0, 2: 0}
+    assert keeper.quorum_id == 1 and _members(keeper, 1) == {0: 0, 1: 0, 2: 0}
 
 
-def test_after_every_replica_died_the_next_epoch_waits_for_all(keeper):
-    """Every holder lost: the fresh epoch waits for every replica being started (a resumed run
+def test_after_every_replica_died_the_next_quorum_waits_for_all(keeper):
+    """Every holder lost: the fresh quorum waits for every replica being started (a resumed run
     must not train alone on one replica's gradients), as the first does."""
     for r in range(3):
         _join(keeper, r, 0)
     keeper.poll(0.0)
     for r in range(3):
         keeper.on_exit(r, 0)
-    assert keeper.members == {} and keeper.epoch_id == 3  # epochs 2 and 3 as the first two left
+    assert keeper.members == {} and keeper.quorum_id == 3  # quorums 2 and 3 as the first two left
     for r in range(3):
         keeper.alive[r] = 1
     _join(keeper, 2, 1)
     keeper.poll(1.0)
-    assert keeper.epoch_id == 3
+    assert keeper.quorum_id == 3
     _join(keeper, 0, 1)
     _join(keeper, 1, 1)
     keeper.poll(1.1)
-    assert keeper.epoch_id == 4 and _members(keeper, 4) == {0: 1, 1: 1, 2: 1}
+    assert keeper.quorum_id == 4 and _members(keeper, 4) == {0: 1, 1: 1, 2: 1}
 
 
 def test_a_rejoining_replica_does_not_wait_for_others(keeper):
@@ -103,24 +103,24 @@ def test_a_rejoining_replica_does_not_wait_for_others(keeper):
         _join(keeper, r, 0)
     keeper.poll(0.0)
     keeper.on_exit(0, 0)
-    assert keeper.epoch_id == 2 and _members(keeper, 2) == {1: 0, 2: 0}
+    assert keeper.quorum_id == 2 and _members(keeper, 2) == {1: 0, 2: 0}
     _join(keeper, 0, 1)
     keeper.poll(0.1)
-    assert keeper.epoch_id == 3 and _members(keeper, 3) == {0: 1, 1: 0, 2: 0}
+    assert keeper.quorum_id == 3 and _members(keeper, 3) == {0: 1, 1: 0, 2: 0}
 
 
-def test_joiner_that_will_enter_a_newer_epoch_is_voted_for_in_the_older(keeper):
-    """Rank 1 votes in epoch 3, which lists rank 0's new incarnation; epoch 4 is out before rank
-    0 entered any epoch, so rank 0 will enter 4 and never vote in 3. The keeper votes fail in
+def test_joiner_that_will_enter_a_newer_quorum_is_voted_for_in_the_older(keeper):
+    """Rank 1 votes in quorum 3, which lists rank 0's new incarnation; quorum 4 is out before rank
+    0 entered any quorum, so rank 0 will enter 4 and never vote in 3. The keeper votes fail in
     its place, the round closes, and rank 1 moves on (it waited for ever before)."""
     for r in range(3):
         _join(keeper, r, 0)
     keeper.poll(0.0)
-    keeper.on_exit(0, 0)                      # epoch 2: ranks 1, 2
+    keeper.on_exit(0, 0)                      # quorum 2: ranks 1, 2
     _join(keeper, 0, 1)
-    keeper.poll(0.1)                          # epoch 3: rank 0 (incarnation 1) joins
-    keeper.on_exit(2, 0)                      # epoch 4: ranks 0, 1
-    assert keeper.epoch_id == 4 and _members(keeper, 3) == {0: 1, 1: 0, 2: 0}
+    keeper.poll(0.1)                          # quorum 3: rank 0 (incarnation 1) joins
+    keeper.on_exit(2, 0)                      # quorum 4: ranks 0, 1
+    assert keeper.quorum_id == 4 and _members(keeper, 3) == {0: 1, 1: 0, 2: 0}
     rnd = 7
     keeper._s.add(keys.count_key(3, rnd), 1)  # rank 1's ok vote
     for poll in range(3):
@@ -132,15 +132,15 @@ def test_joiner_that_will_enter_a_newer_epoch_is_voted_for_in_the_older(keeper):
     assert any("rank 0 is still joining while quorum 3 waits for its vote" in h for h in keeper.history)
 
 
-def test_joiner_of_the_newest_epoch_is_left_to_enter_it(keeper):
-    """The same wait in the newest epoch is not stuck: the joiner will enter that epoch and
+def test_joiner_of_the_newest_quorum_is_left_to_enter_it(keeper):
+    """The same wait in the newest quorum is not stuck: the joiner will enter that quorum and
     vote, so the keeper must not vote in its place."""
     for r in range(3):
         _join(keeper, r, 0)
     keeper.poll(0.0)
     keeper.on_exit(0, 0)
     _join(keeper, 0, 1)
-    keeper.poll(0.1)                          # epoch 3, the newest
+    keeper.poll(0.1)                          # quorum 3, the newest
     rnd = 7
     keeper._s.add(keys.count_key(3, rnd), 2)  # ranks 1 and 2 voted ok
     for poll in range(3):
@@ -151,18 +151,18 @@ def test_joiner_of_the_newest_epoch_is_left_to_enter_it(keeper):
     assert not keeper._s.check([keys.decision_key(3, rnd)]), keeper.history
 
 
-def _epoch(q: QuorumKeeper, epoch: int) -> dict:
-    return json.loads(q._s.get(keys.epoch_key(epoch)))
+def _quorum(q: QuorumKeeper, quorum: int) -> dict:
+    return json.loads(q._s.get(keys.quorum_key(quorum)))
 
 
 @pytest.mark.parametrize("step_s,expected", [(0.3, 1), (0.05, 4), (0.007, keys.ROUND_STEPS), (None, keys.ROUND_STEPS)])
 def test_rounds_follow_the_runs_pace(keeper, step_s, expected):
-    """Epochs published once the keeper has seen the global step rise have rounds of about
+    """Quorums published once the keeper has seen the global step rise have rounds of about
     ROUND_TARGET_S: a slow model's restarted replica must not wait 8 of its steps to join."""
     for r in range(3):
         _join(keeper, r, 0)
     keeper.poll(0.0)
-    assert _epoch(keeper, 1)["round_steps"] == keys.ROUND_STEPS  # no pace known yet
+    assert _quorum(keeper, 1)["round_steps"] == keys.ROUND_STEPS  # no pace known yet
     if step_s is not None:
         for i in range(150):  # over 0.5 s from the first step reported (step 0 is no pace)
             for r in range(3):
@@ -171,10 +171,10 @@ def test_rounds_follow_the_runs_pace(keeper, step_s, expected):
             keeper.poll((i + 1) * step_s)
     assert (keeper.pace.step_s() is None) == (step_s is None)  # a fast run's 8 comes from its pace, too
     keeper.on_exit(0, 0)
-    assert _epoch(keeper, 2)["round_steps"] == expected, keeper.history
+    assert _quorum(keeper, 2)["round_steps"] == expected, keeper.history
     _join(keeper, 0, 1)
     keeper.poll(151 * step_s if step_s else 100.0)  # the run goes on at its pace
-    assert _epoch(keeper, 3)["round_steps"] == expected
+    assert _quorum(keeper, 3)["round_steps"] == expected
 
 
 def test_pace_forgets_a_run_that_started_again_from_step_0():
@@ -205,63 +205,63 @@ def test_a_chosen_round_length_is_kept(monkeypatch):
             q._s.set(keys.info_key(r), json.dumps({"inc": 0, "epoch": 1, "round": i, "phase": "compute", "step": i}))
         q.poll(1.0 + i)
     q.on_exit(1, 0)
-    assert _epoch(q, 1)["round_steps"] == 5 and _epoch(q, 2)["round_steps"] == 5
+    assert _quorum(q, 1)["round_steps"] == 5 and _quorum(q, 2)["round_steps"] == 5
 
 
-def test_joiner_scanning_epochs_never_waits_on_a_deleted_one():
-    """A joining worker looks for the newest started epoch that lists it, scanning down; the
-    keeper deletes epochs nobody is in. Reaching a deleted one ends the scan (nothing older can
-    list it) at once: a blocking read would wait for the store's timeout, deaf to the epoch
+def test_joiner_scanning_quorums_never_waits_on_a_deleted_one():
+    """A joining worker looks for the newest started quorum that lists it, scanning down; the
+    keeper deletes quorums nobody is in. Reaching a deleted one ends the scan (nothing older can
+    list it) at once: a blocking read would wait for the store's timeout, deaf to the quorum
     its peers then start (a deadlock seen in 1 chaos run in 28)."""
     import time
 
-    from ftrun.protocol import Epoch
-    from ftrun.worker.ft.membership import started_epoch_with_me
+    from ftrun.protocol import Quorum
+    from ftrun.worker.ft.membership import started_quorum_with_me
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30))
     for e in (4, 5):
-        store.set(keys.epoch_key(e), Epoch(e, ((0, 1), (1, 1))).to_json())
+        store.set(keys.quorum_key(e), Quorum(e, ((0, 1), (1, 1))).to_json())
     t0 = time.monotonic()
-    assert started_epoch_with_me(store, (0, 1), 5) is None  # 4 and 5 not started, 3 deleted
+    assert started_quorum_with_me(store, (0, 1), 5) is None  # 4 and 5 not started, 3 deleted
     assert time.monotonic() - t0 < 5
     store.set(keys.start_key(5), "17")
-    assert started_epoch_with_me(store, (0, 1), 5) == (5, 17)
+    assert started_quorum_with_me(store, (0, 1), 5) == (5, 17)
 
 
-def test_no_epoch_is_deleted_while_a_live_replica_is_joining(keeper):
-    """Rank 1 rejoins and is about to enter epoch 3 while every other replica dies and comes
-    back: with no live replica reporting an epoch, the keeper once deleted epochs up to the
+def test_no_quorum_is_deleted_while_a_live_replica_is_joining(keeper):
+    """Rank 1 rejoins and is about to enter quorum 3 while every other replica dies and comes
+    back: with no live replica reporting a quorum, the keeper once deleted quorums up to the
     newest minus two, and with them the decision rank 1 then waited for forever."""
     for r in range(3):
         _join(keeper, r, 0)
     keeper.poll(0.0)
-    keeper.on_exit(1, 0)                      # epoch 2
+    keeper.on_exit(1, 0)                      # quorum 2
     _join(keeper, 1, 1)
-    keeper.poll(0.1)                          # epoch 3: rank 1 (incarnation 1) joins
-    keeper.on_exit(0, 0)                      # epoch 4
-    keeper.on_exit(2, 0)                      # epoch 5: rank 1 alone
+    keeper.poll(0.1)                          # quorum 3: rank 1 (incarnation 1) joins
+    keeper.on_exit(0, 0)                      # quorum 4
+    keeper.on_exit(2, 0)                      # quorum 5: rank 1 alone
     _join(keeper, 0, 1)
-    keeper.poll(0.2)                          # epoch 6
+    keeper.poll(0.2)                          # quorum 6
     _join(keeper, 2, 1)
-    keeper.poll(0.3)                          # epoch 7
-    assert keeper.epoch_id == 7
+    keeper.poll(0.3)                          # quorum 7
+    assert keeper.quorum_id == 7
     for r, inc in ((0, 1), (1, 1), (2, 1)):
         _report(keeper, r, inc, None, 0, "join")
     keeper._collected_at, keeper._collected_when = -99, -1e9  # collect on this poll
     keeper.poll(1.0)
-    assert all(keeper._s.check([keys.epoch_key(e)]) for e in range(1, 8))
-    _report(keeper, 1, 1, 3, 28, "vote")     # rank 1 entered epoch 3 after all
+    assert all(keeper._s.check([keys.quorum_key(e)]) for e in range(1, 8))
+    _report(keeper, 1, 1, 3, 28, "vote")     # rank 1 entered quorum 3 after all
     for r in (0, 2):
         _report(keeper, r, 1, 7, 30, "vote")
     keeper.poll(2.0)                          # reads the reports (the keeper collects before it reads)
     keeper._collected_at, keeper._collected_when = -99, -1e9
     keeper.poll(2.1)
-    assert all(keeper._s.check([keys.epoch_key(e)]) for e in range(1, 8))  # rank 1 is in epoch 3
-    _report(keeper, 1, 1, 7, 30, "vote")     # every live replica in epoch 7: older ones go
+    assert all(keeper._s.check([keys.quorum_key(e)]) for e in range(1, 8))  # rank 1 is in quorum 3
+    _report(keeper, 1, 1, 7, 30, "vote")     # every live replica in quorum 7: older ones go
     keeper.poll(3.0)
     keeper._collected_at, keeper._collected_when = -99, -1e9
     keeper.poll(3.1)
-    assert [e for e in range(1, 8) if keeper._s.check([keys.epoch_key(e)])] == [5, 6, 7]
+    assert [e for e in range(1, 8) if keeper._s.check([keys.quorum_key(e)])] == [5, 6, 7]
 
 
 @pytest.mark.parametrize("second", ["ok", "fail"])
@@ -282,24 +282,24 @@ def test_a_dead_members_abstention_leaves_the_decision_to_the_survivors(keeper, 
     assert keeper._s.get(keys.decision_key(1, 5)).decode() == ("commit 2" if second == "ok" else "fail 2")
 
 
-def test_no_abstention_piles_up_in_an_epoch_nobody_is_in(keeper):
-    """Rank 0 dies and restarts; while its new incarnation starts (no report yet) the old epoch
-    that lists the dead one may still be entered, so it is kept. The others train on in epoch
-    2: the keeper abstains for the dead in the rounds of epoch 2 they reach, not in rounds of
-    epoch 1 nobody will come to (those counts never close: found by the simulator, where a
+def test_no_abstention_piles_up_in_an_quorum_nobody_is_in(keeper):
+    """Rank 0 dies and restarts; while its new incarnation starts (no report yet) the old quorum
+    that lists the dead one may still be entered, so it is kept. The others train on in quorum
+    2: the keeper abstains for the dead in the rounds of quorum 2 they reach, not in rounds of
+    quorum 1 nobody will come to (those counts never close: found by the simulator, where a
     store grew past 300 keys)."""
     for r in range(3):
         _join(keeper, r, 0)
     keeper.poll(0.0)
-    keeper.on_exit(0, 0)                      # epoch 2: ranks 1, 2
+    keeper.on_exit(0, 0)                      # quorum 2: ranks 1, 2
     keeper.alive[0] = 1                       # its next incarnation, starting: it has not reported
     for top in (4, 8, 12, 16):
         keeper._s.set(keys.TOP, str(top))
-        _in_round(keeper, [1, 2], epoch=2, rnd=top + 1, now=top / 10)
+        _in_round(keeper, [1, 2], quorum=2, rnd=top + 1, now=top / 10)
     rounds_1 = sorted(keys.parse_key(k)[1][1] for k in keeper._s.list_keys()
                       if (keys.parse_key(k) or ("", ()))[0] == "n" and keys.parse_key(k)[1][0] == 1)
     assert rounds_1 == [0, 1], rounds_1  # its start (where a joiner would begin), nothing more
-    assert keeper._s.check([keys.epoch_key(1)])  # kept: the starting replica may yet enter it
+    assert keeper._s.check([keys.quorum_key(1)])  # kept: the starting replica may yet enter it
 
 
 def test_a_round_whose_closer_died_is_decided_by_its_votes(keeper):
@@ -346,7 +346,7 @@ def test_a_failed_round_keeps_the_steps_every_member_took(keeper):
         t.join(10)
     assert keeper._s.get(keys.decision_key(1, 5)).decode() == "fail 2 2"
     assert out[1] == (False, 2, False, 2) and out[2] == (False, 2, False, 2)
-    # A member's vote that closes a failed round writes the same: lowest count, newest epoch it saw.
+    # A member's vote that closes a failed round writes the same: lowest count, newest quorum it saw.
     keeper._s.set(keys.kept_key(1, 9), "7")
     vote.lower_kept(keeper._s, 1, 9, 9)
     vote.lower_kept(keeper._s, 1, 9, 4)
@@ -395,7 +395,7 @@ class _Counting:
 
 @pytest.fixture
 def relayed(monkeypatch):
-    """Four replicas on two relaying nodes (ranks 0-1 on node 1, 2-3 on node 2), epoch 1 formed."""
+    """Four replicas on two relaying nodes (ranks 0-1 on node 1, 2-3 on node 2), quorum 1 formed."""
     monkeypatch.setattr(dead, "STUCK_S", 0.0)
     nodes = {1: _Node(), 2: _Node()}
     q = QuorumKeeper(_RunStore(), [0, 1, 2, 3], routes=Routes({1: (nodes[1].addr, [0, 1]),
@@ -405,7 +405,7 @@ def relayed(monkeypatch):
     for r in range(4):
         _join(q, r, 0)
     q.poll(0.0)
-    assert q.epoch_id == 1
+    assert q.quorum_id == 1
     q._s.set(keys.TOP, "4")  # rounds up to 4 decided: 5 and 6 are in flight
     return q, nodes
 

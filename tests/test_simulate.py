@@ -39,7 +39,7 @@ COLLECT_JOINER = {"seed": 100455, "replicas": 3, "total": 11, "faults": [
     {"at": 0.782, "kind": "pause-call", "rank": 1, "dur": 0.75, "x": 4.0},
     {"at": 0.739, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
-DELETED_EPOCH = {"seed": 300487, "replicas": 5, "total": 13, "faults": [
+DELETED_QUORUM = {"seed": 300487, "replicas": 5, "total": 13, "faults": [
     {"at": 0.811, "kind": "heal-kill", "rank": 1, "dur": 0.0, "x": 0.0},
     {"at": 0.944, "kind": "kill", "rank": 1, "dur": 0.0, "x": 0.0},
     {"at": 0.795, "kind": "heal-kill", "rank": 1, "dur": 0.0, "x": 0.0},
@@ -75,7 +75,7 @@ LOST_FORWARD = {"seed": 100195, "replicas": 2, "nodes": 2, "total": 7, "faults":
     {"at": 1.413, "kind": "node-lost", "rank": 1, "dur": 0.0, "x": 0.0}]}
 
 # Found by a search of replicas of 2 workers (--replica-size 2, seed 10) over the product's member driver.
-EPOCH_REVOTE = {"seed": 1000966, "replicas": 2, "k": 2, "total": 11, "faults": [
+QUORUM_REVOTE = {"seed": 1000966, "replicas": 2, "k": 2, "total": 11, "faults": [
     {"at": 0.09, "kind": "kill", "rank": 3, "dur": 0.0, "x": 0.0},
     {"at": 0.994, "kind": "slow", "rank": 2, "dur": 1.54, "x": 20.0},
     {"at": 0.886, "kind": "heal-kill", "rank": 0, "dur": 0.0, "x": 0.0},
@@ -138,7 +138,7 @@ def test_ci_budget_of_schedules_finds_no_violation():
 
 @pytest.mark.quick
 def test_start_round_bug_fails_a_schedule_the_product_passes():
-    """(a) 0a17702: members entering an epoch each at its own round vote where the others never
+    """(a) 0a17702: members entering a quorum each at its own round vote where the others never
     come; the run stops making progress."""
     assert _replay(START_ROUND)[-1] == "1 schedules, 0 violations"
     bad = _replay(START_ROUND, "start-round")
@@ -147,22 +147,22 @@ def test_start_round_bug_fails_a_schedule_the_product_passes():
 
 
 def test_collect_joiner_bug_fails_a_schedule_the_product_passes():
-    """(c) 3b9d79e: the keeper deleted the epochs older than every reported epoch while a
-    replica that had not reported one yet was entering such an epoch: it waits for ever."""
+    """(c) 3b9d79e: the keeper deleted the quorums older than every reported quorum while a
+    replica that had not reported one yet was entering such a quorum: it waits for ever."""
     assert _replay(COLLECT_JOINER)[-1] == "1 schedules, 0 violations"
     bad = _replay(COLLECT_JOINER, "collect-joiner")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "no progress" in bad[0], bad
 
 
-def test_deleted_epoch_bug_fails_a_schedule_the_keeper_of_its_time_passes():
-    """(b) b1dd880: a joiner stopped in the middle of its scan of the epochs while kills moved the
-    others epochs on, so the keeper of that time (before 3b9d79e) deleted the epoch it was about
-    to read: its blocking get waited for the store's whole timeout, deaf to the epoch the others
+def test_deleted_quorum_bug_fails_a_schedule_the_keeper_of_its_time_passes():
+    """(b) b1dd880: a joiner stopped in the middle of its scan of the quorums while kills moved the
+    others quorums on, so the keeper of that time (before 3b9d79e) deleted the quorum it was about
+    to read: its blocking get waited for the store's whole timeout, deaf to the quorum the others
     then waited in for it (it stays in the join)."""
-    assert _replay(DELETED_EPOCH)[-1] == "1 schedules, 0 violations"
-    assert _replay(DELETED_EPOCH, "collect-joiner")[-1] == "1 schedules, 0 violations"
-    bad = _replay(DELETED_EPOCH, "deleted-epoch")
+    assert _replay(DELETED_QUORUM)[-1] == "1 schedules, 0 violations"
+    assert _replay(DELETED_QUORUM, "collect-joiner")[-1] == "1 schedules, 0 violations"
+    bad = _replay(DELETED_QUORUM, "deleted-quorum")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "no progress" in bad[0] and re.search(r"rank \d+: \{'inc': \d+, 'epoch': None", bad[0]), bad
     assert "'phase': 'join'" in bad[0], bad
@@ -191,7 +191,7 @@ def test_finished_voter_bug_fails_a_schedule_the_product_passes():
 
 def test_store_growth_bug_fails_a_schedule_the_product_passes():
     """(g) found by the soak: the keeper abstained for the dead in the newest rounds of every
-    epoch that lists them, also old epochs nobody is in while a restarted replica starts; those
+    quorum that lists them, also old quorums nobody is in while a restarted replica starts; those
     rounds never close, and the store grows past its bound (100 keys and 40 a rank)."""
     assert _replay(STORE_GROWTH)[-1] == "1 schedules, 0 violations"
     bad = _replay(STORE_GROWTH, "store-growth")
@@ -209,7 +209,7 @@ def test_sharded_replicas_budget_finds_no_violation():
 def test_mixed_shards_bug_fails_a_schedule_the_product_passes():
     """(h) found by the simulator on sharded replicas: replica 0 restarts; its worker 1 heals
     its shard while worker 0 is stopped mid-join, and the source replica dies in the transfer.
-    The next epoch is fresh (no replica holds the whole state), and replica 0's workers each sent
+    The next quorum is fresh (no replica holds the whole state), and replica 0's workers each sent
     what they held: shard 1 of step 6 beside shard 0 of step 0. Now the worker holding trained
     state restarts with its replica, and both begin again from the first step."""
     assert _replay(MIXED_SHARDS)[-1] == "1 schedules, 0 violations"
@@ -244,20 +244,20 @@ def test_lost_forward_bug_fails_a_schedule_the_product_passes():
     assert "no progress" in bad[0], bad
 
 
-def test_epoch_revote_bug_fails_a_schedule_the_product_passes():
-    """(j) found by the simulator on sharded replicas: the keeper deleted every key of an epoch
+def test_quorum_revote_bug_fails_a_schedule_the_product_passes():
+    """(j) found by the simulator on sharded replicas: the keeper deleted every key of a quorum
     nobody was in any more, kept no horizon for it, and later voted for a member of it that
-    had died (an epoch's start round is always filled): a fresh count, and a decided round
+    had died (a quorum's start round is always filled): a fresh count, and a decided round
     decided a second time."""
-    assert _replay(EPOCH_REVOTE)[-1] == "1 schedules, 0 violations"
-    bad = _replay(EPOCH_REVOTE, "epoch-revote")
+    assert _replay(QUORUM_REVOTE)[-1] == "1 schedules, 0 violations"
+    bad = _replay(QUORUM_REVOTE, "quorum-revote")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "decided twice" in bad[0], bad
 
 
 def test_unstick_overcount_bug_fails_a_schedule_the_product_passes():
     """(k) found by the simulator on three nodes: the keeper voted fail for rank 1, stopped and
-    in no epoch, and rank 1 resumed and voted too; a node's forward took the round's count from
+    in no quorum, and rank 1 resumed and voted too; a node's forward took the round's count from
     below its size to past it, and a count that closed only at exactly its size was never
     closed. Now the add that takes a count to its size or past it closes it."""
     assert _replay(UNSTICK_OVERCOUNT)[-1] == "1 schedules, 0 violations"
@@ -347,7 +347,7 @@ def test_a_failing_schedule_replays_exactly():
     assert found(_replay(START_ROUND, "start-round")) == found(_replay(START_ROUND, "start-round"))
 
 
-@pytest.mark.parametrize("bug,seed,schedules", [("start-round", 1, 250), ("deleted-epoch", 3, 550)])
+@pytest.mark.parametrize("bug,seed,schedules", [("start-round", 1, 250), ("deleted-quorum", 3, 550)])
 def test_search_from_a_seed_finds_the_bug(bug, seed, schedules):
     lines = _simulate("--bug", bug, "--only-bug", "--seed", str(seed), "--schedules", str(schedules),
                       "--stop-at-first", "--no-shrink")

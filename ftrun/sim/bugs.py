@@ -12,9 +12,9 @@ import functools
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 from ftrun.supervisor.keeper.core import KeeperSnapshot
-from ftrun.supervisor.keeper.dead import EPOCH_COLLECTED, KeeperRules
+from ftrun.supervisor.keeper.dead import QUORUM_COLLECTED, KeeperRules
 from ftrun.supervisor.policy.failure_policy import FailurePolicy, ReplicaFailed, RestartAction, RestartVerdict
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.worker.ft import vote
@@ -33,12 +33,12 @@ class Wiring:
 
 
 # ---------------------------------------------------------------- (a) 0a17702
-def _entry_round_own(store: Any, epoch: Epoch, current: int) -> int:
-    """Before 0a17702: a continuing member wrote its round as the epoch's start and began the
-    epoch at its OWN round, whatever the first member to enter had written."""
-    if epoch.start_round >= 0:
-        return epoch.start_round
-    store.compare_set(keys.start_key(epoch.id), "", str(current))
+def _entry_round_own(store: Any, quorum: Quorum, current: int) -> int:
+    """Before 0a17702: a continuing member wrote its round as the quorum's start and began the
+    quorum at its OWN round, whatever the first member to enter had written."""
+    if quorum.start_round >= 0:
+        return quorum.start_round
+    store.compare_set(keys.start_key(quorum.id), "", str(current))
     return current
 
 
@@ -52,14 +52,14 @@ class StartRound(Wiring):
 
 # ---------------------------------------------------------------- (b) b1dd880
 def _scan_blocking(store: Any, me: Member, latest: int) -> Optional[Tuple[int, int]]:
-    """Before b1dd880: the scan read each epoch with a blocking get, even one the keeper had
-    deleted (the get then waits for the store's whole timeout, deaf to newer epochs)."""
+    """Before b1dd880: the scan read each quorum with a blocking get, even one the keeper had
+    deleted (the get then waits for the store's whole timeout, deaf to newer quorums)."""
     for e in range(latest, 0, -1):
-        epoch = Epoch.from_json(store.get(keys.epoch_key(e)))
-        if me not in epoch.members:
+        quorum = Quorum.from_json(store.get(keys.quorum_key(e)))
+        if me not in quorum.members:
             return None
-        if epoch.start_round >= 0:
-            return e, epoch.start_round
+        if quorum.start_round >= 0:
+            return e, quorum.start_round
         if store.check([keys.start_key(e)]):
             return e, int(store.get(keys.start_key(e)))
     return None
@@ -85,8 +85,8 @@ class _BlockingScanDriver(MemberDriver):
 class _AbstainingRules(KeeperRules):
     def rounds_of(self, s: KeeperSnapshot, e: int) -> Set[int]:
         """Before the store-growth fix (found by the simulator's soak): the keeper abstained for
-        the dead in the two rounds after the newest decided one in every epoch that lists them,
-        also old epochs nobody reports being in. Every keeper the historic bugs below ran with
+        the dead in the two rounds after the newest decided one in every quorum that lists them,
+        also old quorums nobody reports being in. Every keeper the historic bugs below ran with
         did; the bugs that need such an abstention (it decides a round before a joiner reports)
         are shown on it."""
         rounds = {s.top + 1, s.top + 2}
@@ -109,10 +109,10 @@ class StoreGrowth(Wiring):
 
 # ---------------------------------------------------------------- (c) 3b9d79e
 class _CollectingRules(_AbstainingRules):
-    def oldest_kept_epoch(self, s: KeeperSnapshot) -> int:
-        """Before 3b9d79e: epochs older than every live replica's reported epoch were deleted even
+    def oldest_kept_quorum(self, s: KeeperSnapshot) -> int:
+        """Before 3b9d79e: quorums older than every live replica's reported quorum were deleted even
         while a live replica (a joiner) reported none yet and was about to enter one of them."""
-        return min(s.live_epochs(), default=s.epoch_id) - 2
+        return min(s.live_quorums(), default=s.quorum_id) - 2
 
 
 class _CollectingKeeper(QuorumKeeper):
@@ -123,8 +123,8 @@ class CollectJoiners(Wiring):
     keeper = _CollectingKeeper
 
 
-class DeletedEpoch(Wiring):
-    """b1dd880 came before 3b9d79e: then the keeper still deleted epochs while a joiner scanned
+class DeletedQuorum(Wiring):
+    """b1dd880 came before 3b9d79e: then the keeper still deleted quorums while a joiner scanned
     them, which the keeper no longer does. The bug is shown on the keeper of its time: a schedule
     that fails with both and passes with the keeper's bug alone (BASELINE)."""
 
@@ -135,8 +135,8 @@ class DeletedEpoch(Wiring):
 # ---------------------------------------------------------------- (d) 0a17702's keeper half
 class _DeafRules(KeeperRules):
     def elsewhere(self, s: KeeperSnapshot, m: int, k: int, e: int, now: float) -> bool:
-        """Before 0a17702: only a member reporting ANOTHER epoch was voted for; a joiner that
-        reports none yet, and will enter the newest epoch, left the old epoch's voters waiting."""
+        """Before 0a17702: only a member reporting ANOTHER quorum was voted for; a joiner that
+        reports none yet, and will enter the newest quorum, left the old quorum's voters waiting."""
         if (m, k) in s.finished:
             return True
         mi = s.report(m)
@@ -175,7 +175,7 @@ class _FinishedDeafRules(KeeperRules):
         whose heal failed at the last round boundary then waited in a round nobody else votes in."""
         mi = s.report(m)
         return (s.alive.get(m) == k and mi.get("inc") == k and s.fresh(m, now)
-                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < s.epoch_id)))
+                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < s.quorum_id)))
 
 
 class _FinishedDeafKeeper(QuorumKeeper):
@@ -199,7 +199,7 @@ class FinishedVoter(Wiring):
 # ---------------------------------------------------------------- (h) found by the simulator, sharded replicas
 def _source_sends_any_shard(sending: bool, tainted: bool, fresh: bool = False, holds_state: bool = False,
                             k: int = 1) -> Optional[member_core.Restart]:
-    """Before the fix: in a fresh epoch of sharded replicas a source worker that held its shard
+    """Before the fix: in a fresh quorum of sharded replicas a source worker that held its shard
     of the trained state sent it, while its mate (never healed) sent its initial shard: one
     replica of shards from different steps."""
     return member_core.source_refuses(sending, tainted)
@@ -231,28 +231,28 @@ class LostForward(Wiring):
 
 
 # ---------------------------------------------------------------- (j) found by the simulator, sharded replicas
-class _EpochRevotingRules(KeeperRules):
+class _QuorumRevotingRules(KeeperRules):
     def rounds_to_fill(self, s: KeeperSnapshot, e: int) -> Set[int]:
-        """Before the fix: an epoch whose keys were all collected kept no horizon, so a vote for a
+        """Before the fix: a quorum whose keys were all collected kept no horizon, so a vote for a
         member that died later (its start round is always filled) began a fresh count there and
         decided a decided round a second time."""
         below = s.collected_below.get(e, -1)
-        below = -1 if below >= EPOCH_COLLECTED else below
+        below = -1 if below >= QUORUM_COLLECTED else below
         return {r for r in self.rounds_of(s, e) if r >= below}
 
 
-class _EpochRevotingKeeper(QuorumKeeper):
-    rules = _EpochRevotingRules()
+class _QuorumRevotingKeeper(QuorumKeeper):
+    rules = _QuorumRevotingRules()
 
 
-class EpochRevote(Wiring):
-    keeper = _EpochRevotingKeeper
+class QuorumRevote(Wiring):
+    keeper = _QuorumRevotingKeeper
 
 
 # ---------------------------------------------------------------- (k) found by the simulator, three nodes
 def _closes_at_size(total: int, added: int, size: int) -> bool:  # noqa: ARG001
     """Before the fix: an add completed a count only where it left it at exactly its size. The
-    keeper had voted fail for a member it found in no epoch (SIGSTOPped), the member resumed and
+    keeper had voted fail for a member it found in no quorum (SIGSTOPped), the member resumed and
     voted too; a node's forward then took the run's count from below its size to past it, and
     the round waited for ever."""
     return keys.tally(total).votes == size
@@ -347,16 +347,16 @@ class ForgetfulStop(Wiring):
 
 BUGS: Dict[str, type] = {
     "none": Wiring,
-    "start-round": StartRound,        # (a) members entering an epoch at different rounds
-    "deleted-epoch": DeletedEpoch,    # (b) a joiner blocked on a deleted epoch
+    "start-round": StartRound,        # (a) members entering a quorum at different rounds
+    "deleted-quorum": DeletedQuorum,    # (b) a joiner blocked on a deleted quorum
     "collect-joiner": CollectJoiners,  # (c) the keeper deleting keys a joiner needed
     "voter-waits": VoterWaits,        # (d) a voter waiting for a joiner that never comes
     "revote": Revote,                 # (e) a decided round decided again (found by the simulator)
     "finished-voter": FinishedVoter,  # (f) a voter waiting for a member that left the loop (found by it)
-    "store-growth": StoreGrowth,      # (g) abstentions piling up in epochs nobody is in (found by its soak)
-    "mixed-shards": MixedShards,      # (h) a fresh epoch's sharded source of shards from two steps (found by it)
+    "store-growth": StoreGrowth,      # (g) abstentions piling up in quorums nobody is in (found by its soak)
+    "mixed-shards": MixedShards,      # (h) a fresh quorum's sharded source of shards from two steps (found by it)
     "lost-forward": LostForward,      # (i) a lost node's unforwarded votes taken as cast (found by it)
-    "epoch-revote": EpochRevote,      # (j) a vote in an epoch whose keys were all collected (found by it)
+    "quorum-revote": QuorumRevote,      # (j) a vote in a quorum whose keys were all collected (found by it)
     "unstick-overcount": UnstickOvercount,  # (k) a count jumping past its size, never closed (found by it)
     "budget-overrun": BudgetOverrun,  # (l) planted: a replica restarted past its budget
     "drop-below-min": DropBelowMin,   # (m) planted: a replica dropped with fewer than --min-replicas left
@@ -364,4 +364,4 @@ BUGS: Dict[str, type] = {
     "forgetful-stop": ForgetfulStop,  # (o) planted: an ordinary quorum published after a stop quorum
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
-BASELINE: Dict[str, str] = {"deleted-epoch": "collect-joiner"}
+BASELINE: Dict[str, str] = {"deleted-quorum": "collect-joiner"}

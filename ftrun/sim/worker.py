@@ -2,7 +2,7 @@
 (ftrun.worker.ft.member.driver.MemberDriver, or a historic bug's subclass of it) over this
 module's effects: the simulator's in-memory store, its process groups, its scheduler's threads
 and virtual clock. The model is a digest of the rounds it stepped on (its lineage: the fresh
-epoch its state descends from), which a heal moves. The script is the loop of ft.steps(): a
+quorum its state descends from), which a heal moves. The script is the loop of ft.steps(): a
 compute, the collective, opt.step(). Nothing here decides: the driver and member/core.py do.
 Must never be imported by the product.
 """
@@ -14,7 +14,7 @@ import json
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ftrun import protocol as keys
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 from ftrun.sim.sched import SimKilled
 from ftrun.sim.store import DistStoreError
 from ftrun.worker.ft import vote
@@ -83,7 +83,7 @@ class SimWorker(MemberEffects):
         self.sched = world.sched
         self.proc = f"r{rank}.{inc}"
         self.digest = "0"
-        self.lineage = 0  # the fresh epoch this state descends from (a run with nobody holding its state starts again)
+        self.lineage = 0  # the fresh quorum this state descends from (a run with nobody holding its state starts again)
         # Rounds stepped on whose decision is not in yet: how many of their steps it took.
         self.stepped: Dict[Tuple[int, int], int] = {}
         self._after: Dict[Tuple[int, int], Tuple[int, int, str]] = {}  # round -> (lineage, step, digest) after it
@@ -172,7 +172,7 @@ class SimWorker(MemberEffects):
         self.w.log.append(f"{self.sched.now:.3f}s {msg} (step {self.driver.step})")
 
     # ------------------------------------------------------------ effects: groups and the state
-    def form_group(self, prefix: str, epoch: Epoch, ranks: list, give_up: Callable[[], Optional[str]]) -> Any:
+    def form_group(self, prefix: str, quorum: Quorum, ranks: list, give_up: Callable[[], Optional[str]]) -> Any:
         g = self.w.groups.form(self, prefix, ranks, give_up)
         if g is None:
             raise TransferBroken(f"gave up forming {prefix}")
@@ -189,10 +189,10 @@ class SimWorker(MemberEffects):
     def send_state(self, group: Any, snapshot: Snapshot) -> Any:
         """The state moves in two collectives: a receiver's tensors are written between them."""
         self._heal_kill()
-        epoch = self.driver.epoch
-        if not epoch.fresh and not self.driver.in_sync:
-            self.w.violation(f"rank {self.rank} sends its state in quorum {epoch.id} while not in sync")
-        lineage = epoch.id if epoch.fresh else self.lineage  # a fresh epoch's source starts a new one
+        quorum = self.driver.quorum
+        if not quorum.fresh and not self.driver.in_sync:
+            self.w.violation(f"rank {self.rank} sends its state in quorum {quorum.id} while not in sync")
+        lineage = quorum.id if quorum.fresh else self.lineage  # a fresh quorum's source starts a new one
         group.payload = (snapshot, self.digest, lineage)
         for _ in range(2):
             if self.w.groups.allreduce(self, group):
@@ -214,14 +214,14 @@ class SimWorker(MemberEffects):
         return snapshot, None
 
     # ------------------------------------------------------------ effects: what the script sees
-    def took_step(self, epoch: int, rnd: int, step: int) -> None:
-        self.digest = hashlib.blake2b(f"{self.digest}/{epoch}/{rnd}".encode(), digest_size=6).hexdigest()
-        self.stepped[(epoch, rnd)] = self.stepped.get((epoch, rnd), 0) + 1
-        self._after[(epoch, rnd)] = (self.lineage, step, self.digest)
+    def took_step(self, quorum: int, rnd: int, step: int) -> None:
+        self.digest = hashlib.blake2b(f"{self.digest}/{quorum}/{rnd}".encode(), digest_size=6).hexdigest()
+        self.stepped[(quorum, rnd)] = self.stepped.get((quorum, rnd), 0) + 1
+        self._after[(quorum, rnd)] = (self.lineage, step, self.digest)
 
-    def decided(self, epoch: int, rnd: int, commit: bool) -> None:
-        after = self._after.pop((epoch, rnd), None)
+    def decided(self, quorum: int, rnd: int, commit: bool) -> None:
+        after = self._after.pop((quorum, rnd), None)
         if not commit or after is None:
             return  # voted down after it stepped: it takes the committed state again
-        self.w.note_commit(self, epoch, rnd, after)
-        self.stepped.pop((epoch, rnd), None)
+        self.w.note_commit(self, quorum, rnd, after)
+        self.stepped.pop((quorum, rnd), None)

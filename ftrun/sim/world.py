@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 from ftrun.sim.worker import SimWorker
 from ftrun.sim.sched import Deadlock, Sched
 from ftrun.sim.store import SimStore
@@ -272,7 +272,7 @@ class World:
             if self.dropped:  # the leader, told of a dropped replica's exit, lists it in no quorum again
                 listed = sorted(r for r in self.dropped if r in k.members and k.alive.get(r) is None)
                 if listed:
-                    self.violation(f"quorum {k.epoch_id} lists rank(s) {listed} of a replica dropped from the run")
+                    self.violation(f"quorum {k.quorum_id} lists rank(s) {listed} of a replica dropped from the run")
             for r, inc in k.rejoined:  # the supervisor books a worker's next incarnation, its process the same
                 self.inc[r] = inc
             k.rejoined.clear()
@@ -286,23 +286,23 @@ class World:
             if now < self.sch.stop_at:
                 return
             self.stop_sent = now
-            before = k.epoch_id
+            before = k.quorum_id
             writer = k.stop()
-            published = k.epoch_id != before
+            published = k.quorum_id != before
             self.log.append(f"{now:.3f}s stop signal: "
-                            + (f"stop quorum {k.epoch_id}, writer {writer}" if published else "no quorum yet"))
+                            + (f"stop quorum {k.quorum_id}, writer {writer}" if published else "no quorum yet"))
             self.stopped = not published
             return
         if now > self.stop_sent + STOP_BOUND_S:
             self.violation(f"the stop quorum's writer did not say how its save went within {STOP_BOUND_S:g} s "
                            f"({self._where()})")
             return
-        raw = self.store.data.get(keys.epoch_key(k.epoch_id))
-        epoch = Epoch.from_json(raw) if raw is not None else None
-        if epoch is not None and not epoch.stop:
-            self.violation(f"quorum {epoch.id}, published after the stop signal, is not a stop quorum")
+        raw = self.store.data.get(keys.quorum_key(k.quorum_id))
+        quorum = Quorum.from_json(raw) if raw is not None else None
+        if quorum is not None and not quorum.stop:
+            self.violation(f"quorum {quorum.id}, published after the stop signal, is not a stop quorum")
             return
-        writer = epoch.writer if epoch is not None else -1
+        writer = quorum.writer if quorum is not None else -1
         word = self.store.data.get(keys.STOP_SAVE)
         live = [r for r in k.members if r in self.members and self.sched.alive(self.members[r].proc)]
         if writer >= 0 and word is None and live:
@@ -315,7 +315,7 @@ class World:
                 if m.step != said["step"] or (seen is not None and seen != m.digest):
                     self.violation(f"rank {m.rank} saves step {said['step']} at the stop holding step {m.step} "
                                    f"({m.digest}; committed there: {seen})")
-        self.log.append(f"{now:.3f}s stop quorum {k.epoch_id}'s writer said: every worker is stopped")
+        self.log.append(f"{now:.3f}s stop quorum {k.quorum_id}'s writer said: every worker is stopped")
         self.stopped = True
 
     def _supervise_node(self, n: int) -> None:
@@ -526,7 +526,7 @@ class World:
             return
         d = m.driver
         # A round of several steps is decided at its end: a member mid-round learns it at its vote.
-        open_round = (d.epoch.id, d.round) if d.epoch is not None and d.taken else None
+        open_round = (d.quorum.id, d.round) if d.quorum is not None and d.taken else None
         for (e, rnd), taken in m.stepped.items():
             decided = self.decided.get(keys.decision_key(e, rnd))
             if decided is None or (e, rnd) == open_round:

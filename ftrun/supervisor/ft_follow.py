@@ -72,7 +72,7 @@ class QuorumView:
                         w.rejoin_s = took
                         who = (f"rank {w.rank}" if self.k == 1 else
                                f"replica {w.rank // self.k} (rank {w.rank} failed)")
-                        if q.epoch_id in q.fresh_epochs:
+                        if q.quorum_id in q.fresh_quorums:
                             self.console.note(f"{who} is training again {took:.2f} s after it failed; no replica "
                                               f"held the trained state: {q.fresh_start}", style="green")
                         else:
@@ -82,7 +82,7 @@ class QuorumView:
                     changed = True
         if self.plain_script(q, workers, several_nodes):
             return QuorumNews(True, to_group=True)
-        return QuorumNews(changed or quorum_id != q.epoch_id)  # the run's figures are taken at every write
+        return QuorumNews(changed or quorum_id != q.quorum_id)  # the run's figures are taken at every write
 
     def plain_script(self, q: Any, workers: Sequence[Worker], several_nodes: bool) -> bool:
         """A worker that steps without ever asking to join a quorum runs a script without ftrun.ft:

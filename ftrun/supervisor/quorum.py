@@ -14,7 +14,7 @@ join with the same incarnation, it leaves as a whole when any of them dies
 (the supervisor kills the others), and it heals as a whole (all K ranks are
 healers, or none).
 
-It publishes a quorum (protocol.Epoch: members, and which of them must heal)
+It publishes a quorum (protocol.Quorum: members, and which of them must heal)
 whenever membership changes: when every first replica has asked to join, when a
 restarted replica asks to join, and when a member dies. For a member that
 died it abstains in the rounds its peers may be waiting on, so those rounds
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from ftrun import protocol as keys
-from ftrun.protocol import EVENTS, Epoch
+from ftrun.protocol import EVENTS, Quorum
 from ftrun.supervisor.keeper import core, dead
 from ftrun.supervisor.keeper.core import FRESH_START, KeeperDecision, KeeperSnapshot, Pace
 from ftrun.supervisor.keeper.dead import KeeperRules
@@ -79,7 +79,7 @@ class QuorumKeeper:
         self.ranks = sorted(ranks)              # every replica of the run (all nodes)
         self.local = set(local_ranks if local_ranks is not None else ranks)
         self.leader = leader
-        self.epoch_id = 0
+        self.quorum_id = 0
         self.members: Dict[int, int] = {}
         self.rejoined: List[Tuple[int, int]] = []  # (rank, incarnation) booked in place, for the supervisor
         self.healed: Set[Tuple[int, int]] = set()
@@ -104,7 +104,7 @@ class QuorumKeeper:
         self.voting_since: Dict[int, Tuple[Tuple[object, object], float]] = {}
         self.unstuck: Set[Tuple[int, int, int, int]] = set()
         self._collected_at, self._collected_when = -2, float("-inf")
-        self.epochs: Dict[int, Set[Tuple[int, int]]] = {}
+        self.quorums: Dict[int, Set[Tuple[int, int]]] = {}
         # Per quorum, the rounds below this one had their keys collected: nobody waits on them, and
         # a vote there would start a fresh counter and write a second decision of a decided round.
         self.collected_below: Dict[int, int] = {}
@@ -119,10 +119,10 @@ class QuorumKeeper:
         self.awaited: Optional[Set[int]] = None
         # What a fresh quorum after the first means for the run (said once, in its history line).
         self.fresh_start = fresh_start
-        self.fresh_epochs: Set[int] = set()  # quorums after the first that no holder of the trained state was in
+        self.fresh_quorums: Set[int] = set()  # quorums after the first that no holder of the trained state was in
         # A stop signal with --checkpoint-dir (stop()): every quorum from then on is a stop quorum.
         self.stopping = False
-        self.epoch_steps, self.repace_after = self.round_steps, float("-inf")  # the newest quorum's (core.repace_due)
+        self.quorum_steps, self.repace_after = self.round_steps, float("-inf")  # the newest quorum's (core.repace_due)
 
     @property
     def info(self) -> Dict[int, dict]:
@@ -135,12 +135,12 @@ class QuorumKeeper:
     def _snapshot(self, top: int = -1, **read) -> KeeperSnapshot:
         """What the core decides from: the keeper's books as they are, and what was just `read`."""
         return KeeperSnapshot.of(
-            k=self.k, ranks=self.ranks, local=self.local, epoch_id=self.epoch_id, top=top, members=self.members,
+            k=self.k, ranks=self.ranks, local=self.local, quorum_id=self.quorum_id, top=top, members=self.members,
             pending=self.pending, pending_since=self.pending_since, alive=self.alive, healed=self.healed,
-            info=self.reports.info, info_seen=self.reports.seen, epochs=self.epochs, starts=self.starts,
+            info=self.reports.info, info_seen=self.reports.seen, quorums=self.quorums, starts=self.starts,
             collected_below=self.collected_below, finished=self.finished_members, awaited=self.awaited,
             stopping=self.stopping, moved=self.moved, fresh_start=self.fresh_start, round_steps=self.round_steps,
-            round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(), epoch_steps=self.epoch_steps,
+            round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(), quorum_steps=self.quorum_steps,
             repace_after=self.repace_after, **read)
 
     def store_moved(self, old: "QuorumKeeper", alive: Mapping[int, Optional[int]]) -> None:
@@ -149,7 +149,7 @@ class QuorumKeeper:
         waits for `old`'s members and heals from the newest holder (core.survivors_source), and the
         replicas' last words stand until they speak again. `alive`: this node's ranks' incarnations."""
         self.fresh_start = old.fresh_start
-        self.epoch_id = old.epoch_id + 1
+        self.quorum_id = old.quorum_id + 1
         self.reports.info.update(old.info)
         self.moved = True
         self.awaited = set(old.members) or None
@@ -188,7 +188,7 @@ class QuorumKeeper:
             s.compare_set(keys.node_info_key(k), "", "{}")
         # Last: followers read every rank's keys once LATEST exists. Above 0 on a store that
         # moved (ftrun.supervisor.nodes.failover): quorums go on counting from the lost store's.
-        s.compare_set(keys.LATEST, "", str(self.epoch_id))
+        s.compare_set(keys.LATEST, "", str(self.quorum_id))
         self.ready = True
         for r, k in self._dead_pending:
             self.on_exit(r, k)
@@ -315,10 +315,10 @@ class QuorumKeeper:
         """A follower reads what the leader decided, for status and hang detection."""
         s = self._s
         latest = int(s.get(keys.LATEST)) if s.check([keys.LATEST]) else 0
-        if latest != self.epoch_id and latest > 0:
-            epoch = Epoch.from_json(s.get(keys.epoch_key(latest)))
-            self.epoch_id = latest
-            self.members = dict(epoch.members)
+        if latest != self.quorum_id and latest > 0:
+            quorum = Quorum.from_json(s.get(keys.quorum_key(latest)))
+            self.quorum_id = latest
+            self.members = dict(quorum.members)
         healed, infos = self.reports.read(s, [keys.healed_key(r) for r in self.ranks], self.ranks, self.routes)
         now = self.clock()
         self._absorb(healed, infos, now)
@@ -366,14 +366,14 @@ class QuorumKeeper:
             self._publish(admission.publish, quiet=admission.quiet)
 
     def stop(self) -> Optional[int]:
-        """A stop signal: publish a stop quorum (protocol.Epoch.stop), at whose switch every member
+        """A stop signal: publish a stop quorum (protocol.Quorum.stop), at whose switch every member
         stops and the writer replica saves the step it holds. The writer (a replica holding the
         trained state, on this node where one is) or None: no quorum yet, or nobody holds it."""
-        if not self.leader or not self.ready or self.epoch_id == 0 or not self.members:
+        if not self.leader or not self.ready or self.quorum_id == 0 or not self.members:
             return None
         self.stopping = True
         decision = self._publish("a stop signal: the last committed step is saved, then every worker stops")
-        return decision.epoch.writer if decision.epoch.writer >= 0 else None
+        return decision.quorum.writer if decision.quorum.writer >= 0 else None
 
     def _publish(self, why: str, quiet: bool = False) -> KeeperDecision:
         """Read what the next quorum depends on, have the core decide it (core.next_quorum), write it."""
@@ -392,19 +392,19 @@ class QuorumKeeper:
         decision = core.next_quorum(self._snapshot(top, entered=entered, survivors=survivors), why, healed, quiet)
         for r in decision.forget:
             s.delete_key(keys.survivor_key(r))
-        epoch = decision.epoch
+        quorum = decision.quorum
         self.healed |= decision.healed
-        if not epoch.stop:
+        if not quorum.stop:
             self.pending, self.pending_since, self.moved = {}, None, False
-            self.epoch_steps = epoch.round_steps
-        self.members = dict(epoch.members)
-        self.epoch_id = epoch.id
+            self.quorum_steps = quorum.round_steps
+        self.members = dict(quorum.members)
+        self.quorum_id = quorum.id
         if decision.fresh:
-            self.fresh_epochs.add(epoch.id)
-        self.epochs[epoch.id] = set(epoch.members)
-        self.starts[epoch.id] = epoch.start_round
-        s.set(keys.epoch_key(epoch.id), epoch.to_json())
-        s.set(keys.LATEST, str(epoch.id))
+            self.fresh_quorums.add(quorum.id)
+        self.quorums[quorum.id] = set(quorum.members)
+        self.starts[quorum.id] = quorum.start_round
+        s.set(keys.quorum_key(quorum.id), quorum.to_json())
+        s.set(keys.LATEST, str(quorum.id))
         if decision.history is not None:
             self.history.append(decision.history)
         return decision
@@ -415,16 +415,16 @@ class QuorumKeeper:
         they completed whose closer died."""
         filled = self.dead.setdefault((rank, inc), {})
         for due in dead.dead_votes(self.rules, s, (rank, inc)):
-            done = filled.setdefault(due.epoch, set())
+            done = filled.setdefault(due.quorum, set())
             for rnd in due.rounds:
-                if rnd not in done and self.votes.cast(s, due.epoch, rnd, due.vote, rank, self.routes):
+                if rnd not in done and self.votes.cast(s, due.quorum, rnd, due.vote, rank, self.routes):
                     done.add(rnd)
             for rnd in due.rounds:
                 if rnd in done:
-                    line = self.votes.close_orphaned_node(s, rank, due.epoch, rnd, now, self.routes)
+                    line = self.votes.close_orphaned_node(s, rank, due.quorum, rnd, now, self.routes)
                     if line is not None:
                         self.history.append(line)
-                    self.votes.close_orphaned(s, due.epoch, rnd)
+                    self.votes.close_orphaned(s, due.quorum, rnd)
 
     def _refill(self, s: KeeperSnapshot, now: float) -> None:
         """Keep voting for dead members some live replica may still wait for (dead.forget_dead)."""
@@ -438,9 +438,9 @@ class QuorumKeeper:
         """Vote fail in the place of members that will never vote where others wait (dead.unstick)."""
         self.voting_since, due = dead.unstick(self.rules, s, self.voting_since, self.unstuck, now)
         for vote in due:
-            if not self.votes.cast(s, vote.epoch, vote.rnd, keys.FAIL_VOTE, vote.rank, self.routes):
+            if not self.votes.cast(s, vote.quorum, vote.rnd, keys.FAIL_VOTE, vote.rank, self.routes):
                 continue  # its node's store did not answer: again at the next poll
-            self.unstuck.add((vote.rank, vote.inc, vote.epoch, vote.rnd))
+            self.unstuck.add((vote.rank, vote.inc, vote.quorum, vote.rnd))
             self.history.append(vote.reason)
 
     def _collect(self, s: KeeperSnapshot, now: float) -> None:

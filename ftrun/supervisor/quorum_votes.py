@@ -24,7 +24,7 @@ class VoteCaster:
     def __init__(self, run_store, rules: KeeperRules) -> None:
         self._run_store = run_store  # RunStore; its .store is the TCPStore once ready
         self._rules = rules
-        self.node_added: Dict[Tuple[int, int, int], List[int]] = {}  # (node, epoch, round) -> the keeper's votes there
+        self.node_added: Dict[Tuple[int, int, int], List[int]] = {}  # (node, quorum, round) -> the keeper's votes there
         self.orphan_seen: Dict[Tuple[int, int, int], float] = {}  # since when a node's full count is not forwarded
 
     @property
@@ -54,14 +54,14 @@ class VoteCaster:
             routes.drop(node)  # a new connection next time
             return False
         self.node_added.setdefault((node, e, rnd), []).append(vote)
-        if dead.closed_round(self._rules, total, vote, dead.node_size(s.epochs[e], routes.ranks(node))) is not None:
+        if dead.closed_round(self._rules, total, vote, dead.node_size(s.quorums[e], routes.ranks(node))) is not None:
             self._forward(s, node, local, e, rnd, total)
         return True
 
     def close_orphaned(self, s: KeeperSnapshot, e: int, rnd: int) -> None:
         """A round every member voted in but nobody decided (its closer died between its vote and
         its decision): decided by its votes (compare_set: a decision already written stands)."""
-        commit = dead.orphan_commit(self._s.add(keys.count_key(e, rnd), 0), len(s.epochs[e]))
+        commit = dead.orphan_commit(self._s.add(keys.count_key(e, rnd), 0), len(s.quorums[e]))
         if commit is not None and not self._s.check([keys.decision_key(e, rnd)]):
             self._decide(s, e, rnd, commit)
 
@@ -76,7 +76,7 @@ class VoteCaster:
         where = (node, e, rnd)
         try:
             total = local.add(keys.node_count_key(node, e, rnd), 0)
-            size = dead.node_size(s.epochs[e], routes.ranks(node))
+            size = dead.node_size(s.quorums[e], routes.ranks(node))
             forwarded = dead.node_counted(total, size) and local.check([keys.node_forwarded_key(node, e, rnd)])
             step = dead.node_forward(total, size, forwarded, self.orphan_seen.get(where), now,
                                      self.node_added.get(where, []))
@@ -105,7 +105,7 @@ class VoteCaster:
 
     def _run_vote(self, s: KeeperSnapshot, e: int, rnd: int, total: int) -> None:
         after = self._s.add(keys.count_key(e, rnd), total)
-        commit = dead.closed_round(self._rules, after, total, len(s.epochs[e]))
+        commit = dead.closed_round(self._rules, after, total, len(s.quorums[e]))
         if commit is not None:  # this closed the round: nobody else decides it
             self._decide(s, e, rnd, commit)
 
@@ -117,6 +117,6 @@ class VoteCaster:
 
     def _decide(self, s: KeeperSnapshot, e: int, rnd: int, commit: bool) -> None:
         kept = 0 if commit else keys.read_kept(self._s, e, rnd)
-        self._s.compare_set(keys.decision_key(e, rnd), "", keys.decision_text(commit, s.epoch_id, kept))
+        self._s.compare_set(keys.decision_key(e, rnd), "", keys.decision_text(commit, s.quorum_id, kept))
         if rnd > s.top:
             self._s.set(keys.TOP, str(rnd))

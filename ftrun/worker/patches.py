@@ -60,7 +60,7 @@ class Patch:
 PATCHES: Dict[str, Patch] = {
     "autograd.backward": Patch(
         ("torch.autograd.backward",), "ftrun.worker.ft.ddp",
-        "a collective failure in a backward on an epoch's group fails the round instead of raising; a layout "
+        "a collective failure in a backward on a quorum's group fails the round instead of raising; a layout "
         "round averages the gradients after the backward",
         "undo('autograd.backward'); otherwise a pass-through to torch's backward for models ftrun does not arm"),
     "save.load": Patch(

@@ -45,7 +45,7 @@ class StatusWriter:
     def write(self, workers: Sequence[Worker], quorum: Optional["QuorumKeeper"],
               nodes: Optional["NodeCoordinator"]) -> None:
         if quorum is not None:
-            # Every write, not only when the epoch changes: the figures move with every step.
+            # Every write, not only when the quorum changes: the figures move with every step.
             for k, v in quorum.run_fields().items():
                 setattr(self.status, k, v)
         self.status.replicas = [self.replica_status(w, quorum) for w in workers]

@@ -17,12 +17,12 @@ from typing import (AbstractSet, Deque, Dict, FrozenSet, Mapping, Optional, Sequ
                     Tuple)
 
 from ftrun import protocol as keys
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 
 # How long a quorum that starts from nothing (the first, or one after every replica was lost)
 # waits for the replicas being started: one that began alone would train on its own gradients
 # until the others caught up, and a resumed run would not be the run it resumes.
-FIRST_EPOCH_WAIT_S = 30.0
+FIRST_QUORUM_WAIT_S = 30.0
 INFO_FRESH_S = 1.0  # a replica reports every 0.25 s: silent for longer, its last report is stale
 FRESH_START = "starting again from the first step"  # a fresh quorum after the first, without --checkpoint-dir
 
@@ -39,7 +39,7 @@ class KeeperSnapshot:
     k: int = 1                                          # workers per replica (--replica-size)
     ranks: Sequence[int] = ()                           # every rank of the run, sorted
     local: AbstractSet[int] = frozenset()               # the ranks on the keeper's own node
-    epoch_id: int = 0                                   # the newest quorum published
+    quorum_id: int = 0                                   # the newest quorum published
     top: int = -1                                       # the newest round decided (keys.TOP)
     members: Mapping[int, int] = field(default_factory=dict)   # the newest quorum's members
     pending: Mapping[int, int] = field(default_factory=dict)   # admitted, not yet in a quorum
@@ -48,7 +48,7 @@ class KeeperSnapshot:
     healed: AbstractSet[Member] = frozenset()           # incarnations holding the committed state
     info: Mapping[int, Mapping] = field(default_factory=dict)   # each replica's newest report
     info_seen: Mapping[int, float] = field(default_factory=dict)  # when it last changed
-    epochs: Mapping[int, AbstractSet[Member]] = field(default_factory=dict)  # quorum -> its members
+    quorums: Mapping[int, AbstractSet[Member]] = field(default_factory=dict)  # quorum -> its members
     starts: Mapping[int, int] = field(default_factory=dict)  # quorum -> its start round (-1: continuing)
     collected_below: Mapping[int, int] = field(default_factory=dict)  # quorum -> rounds collected below
     finished: AbstractSet[Member] = frozenset()         # incarnations that left the loop (exit 0)
@@ -59,7 +59,7 @@ class KeeperSnapshot:
     round_steps: int = keys.ROUND_STEPS                 # the most steps per round
     round_steps_chosen: bool = False                    # the user chose them: kept, not paced
     step_s: Optional[float] = None                      # the run's pace (Pace.step_s)
-    epoch_steps: int = keys.ROUND_STEPS                 # the newest quorum's round length
+    quorum_steps: int = keys.ROUND_STEPS                 # the newest quorum's round length
     repace_after: float = float("-inf")                 # no re-paced quorum before this
     # Read for a quorum being published: each member's entered incarnation (keys.entered_key) and,
     # on a moved store, what each rejoined replica said it holds (keys.survivor_key's raw text).
@@ -89,7 +89,7 @@ class KeeperSnapshot:
         """Whether the replica's report changed within INFO_FRESH_S: a silent one's says nothing now."""
         return now - self.info_seen.get(rank, -1e9) <= INFO_FRESH_S
 
-    def live_epochs(self) -> Set[int]:
+    def live_quorums(self) -> Set[int]:
         """The quorums live replicas report being in (their own incarnation's report)."""
         live = set()
         for r, inc in self.alive.items():
@@ -109,9 +109,9 @@ class KeeperSnapshot:
 
 @dataclass(frozen=True)
 class KeeperDecision:
-    """A quorum to publish (keys.epoch_key, then keys.LATEST), and what the keeper books with it."""
+    """A quorum to publish (keys.quorum_key, then keys.LATEST), and what the keeper books with it."""
 
-    epoch: Epoch
+    quorum: Quorum
     reason: str                      # why this quorum, with these healers and this source
     history: Optional[str]           # the line for the run's history (None: said nowhere)
     healed: FrozenSet[Member] = frozenset()  # incarnations newly seen holding the state
@@ -152,7 +152,7 @@ def _joined(ranks: Sequence[int]) -> str:
 def admit(s: KeeperSnapshot, joins: Mapping[int, int], now: float) -> KeeperAdmission:
     """Joiners (`joins`: each rank's keys.join_key, the incarnation that asked) are admitted
     whole: every worker of a replica asked, as its live incarnation. A quorum is published when
-    someone is admitted, except that one starting from nothing waits FIRST_EPOCH_WAIT_S for the
+    someone is admitted, except that one starting from nothing waits FIRST_QUORUM_WAIT_S for the
     replicas still starting (on a moved store only the last quorum's members). With nobody to
     admit, a quorum may be re-paced (repace_due). A stopping run admits nobody."""
     if s.stopping:
@@ -172,12 +172,12 @@ def admit(s: KeeperSnapshot, joins: Mapping[int, int], now: float) -> KeeperAdmi
             return _NOBODY_TO_ADMIT  # most polls: one instance, not one a poll
         return KeeperAdmission(pending, None, "", why, quiet=True, repace_after=now + Pace.WINDOW_S)
     since = s.pending_since if s.pending_since is not None else now
-    if s.epoch_id == 0 or not s.members:
+    if s.quorum_id == 0 or not s.members:
         waiting_for = [r for r in s.ranks if s.alive.get(r) is not None and r not in pending
                        and (s.awaited is None or r in s.awaited)]
-        if waiting_for and now - since < FIRST_EPOCH_WAIT_S:
+        if waiting_for and now - since < FIRST_QUORUM_WAIT_S:
             return KeeperAdmission(pending, since, None, f"a first quorum waits for ranks {waiting_for}")
-        why = "first replicas joined" if s.epoch_id == 0 else _joined(list(pending))
+        why = "first replicas joined" if s.quorum_id == 0 else _joined(list(pending))
     else:
         why = _joined(list(pending))
     return KeeperAdmission(pending, since, why, f"admitted {sorted(pending)}")
@@ -253,15 +253,15 @@ def repace_due(s: KeeperSnapshot, now: float) -> Optional[str]:
     groups). The reason, or None."""
     if s.step_s is None or s.round_steps_chosen or not s.members or now < s.repace_after:
         return None
-    want, round_s = paced_steps(s), s.epoch_steps * s.step_s
-    if want == s.epoch_steps or keys.ROUND_TARGET_S / 4 <= round_s <= 2 * keys.ROUND_TARGET_S:
+    want, round_s = paced_steps(s), s.quorum_steps * s.step_s
+    if want == s.quorum_steps or keys.ROUND_TARGET_S / 4 <= round_s <= 2 * keys.ROUND_TARGET_S:
         return None
     for r, inc in s.members.items():
         info = s.report(r)
-        if ((r, inc) not in s.healed or info.get("inc") != inc or info.get("epoch") != s.epoch_id
+        if ((r, inc) not in s.healed or info.get("inc") != inc or info.get("epoch") != s.quorum_id
                 or not s.fresh(r, now)):
             return None
-    return f"rounds of {s.epoch_steps} steps last {round_s:.2f} s: re-sized to {want}"
+    return f"rounds of {s.quorum_steps} steps last {round_s:.2f} s: re-sized to {want}"
 
 
 def continues(members: Mapping[int, int], entered: Mapping[int, int]) -> bool:
@@ -301,24 +301,24 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
             holders = list(s.mates(source * s.k))
             why = (f"the replicas rejoined on the moved store; replica {source} holds the newest step "
                    f"and heals the others")
-    eid = s.epoch_id + 1
-    fresh = s.epoch_id == 0 or not holders
+    eid = s.quorum_id + 1
+    fresh = s.quorum_id == 0 or not holders
     start = -1 if continuing else s.top + 1  # rounds are numbered across quorums
     steps = paced_steps(s)
     ranked = tuple(sorted(members.items()))
     if fresh:
         src = min(members) // s.k
-        epoch = Epoch(eid, ranked, tuple(sorted(r for r in members if r // s.k != src)), True, start, steps)
+        quorum = Quorum(eid, ranked, tuple(sorted(r for r in members if r // s.k != src)), True, start, steps)
         reason = f"fresh: nobody holds the trained state; replica {src} sends its own"
         if eid > 1:
             why += f"; no replica holding the trained state is left: {s.fresh_start}"
     else:
-        epoch = Epoch(eid, ranked, tuple(sorted(r for r in members if r not in holders)), False, start, steps)
+        quorum = Quorum(eid, ranked, tuple(sorted(r for r in members if r not in holders)), False, start, steps)
     n = len(ranked) // s.k
     shape = f" of {s.k} workers" if s.k > 1 else ""
     rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if steps != s.round_steps else ""
     line = None if quiet else f"quorum {eid}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}"
-    return KeeperDecision(epoch, f"{why or 're-paced'}: {reason}; starts at round {start}", line,
+    return KeeperDecision(quorum, f"{why or 're-paced'}: {reason}; starts at round {start}", line,
                           _healed_now(s, healed), fresh and eid > 1, forget)
 
 
@@ -333,11 +333,11 @@ def stop_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int]) -> Keepe
                       if all((m, s.members.get(m)) in known for m in s.mates(r))})
     local = [rep for rep in holders if rep * s.k in s.local]
     writer = (local or holders or [-1])[0]
-    eid = s.epoch_id + 1
+    eid = s.quorum_id + 1
     start = -1 if continuing else s.top + 1
-    epoch = Epoch(eid, tuple(sorted(s.members.items())), (), False, start, 1, stop=True, writer=writer)
+    quorum = Quorum(eid, tuple(sorted(s.members.items())), (), False, start, 1, stop=True, writer=writer)
     saver = f"replica {writer} saves" if writer >= 0 else "no replica holds the trained state: nothing to save"
-    return KeeperDecision(epoch, f"stop: holders {holders}, writer {writer}", f"quorum {eid}: stop ({why}; {saver})",
+    return KeeperDecision(quorum, f"stop: holders {holders}, writer {writer}", f"quorum {eid}: stop ({why}; {saver})",
                           _healed_now(s, healed))
 
 
@@ -388,7 +388,7 @@ def run_status(s: KeeperSnapshot) -> dict:
     restarted)."""
     reports = [s.report(r) for r in s.ranks]
     return {
-        "quorum_id": s.epoch_id,
+        "quorum_id": s.quorum_id,
         "quorum_size": len(s.members),
         "steps_committed": max((int(i.get("step", 0)) for i in reports), default=0),
         "steps_discarded": max((int(i.get("discarded", 0)) for i in reports), default=0),

@@ -22,7 +22,7 @@ from ftrun.supervisor.keeper.core import KeeperSnapshot, Member
 STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another quorum
 COLLECT_EVERY_S = 0.25  # one list_keys per status report: a few dozen keys of rounds in flight at most
 ROUND_KEYS_KEPT = 4  # keys of this many rounds behind the newest decided one stay in the store
-EPOCH_COLLECTED = 1 << 62  # the collected horizon of a quorum whose keys are all gone: no round of it is voted in again
+QUORUM_COLLECTED = 1 << 62  # the collected horizon of a quorum whose keys are all gone: no round of it is voted in again
 ROUND_KEYS = ("n", "d", "p", "heal", "pg")  # the kinds of a round's keys (keys.parse_key)
 
 
@@ -31,7 +31,7 @@ class DeadVotes:
     """The votes due in one quorum for one dead member: cast `vote` in each of `rounds` not yet
     cast (the shell books those cast), then look at each cast one for a closer that died."""
 
-    epoch: int
+    quorum: int
     vote: int
     rounds: Tuple[int, ...]          # every round due, sorted
     reason: str
@@ -39,11 +39,11 @@ class DeadVotes:
 
 @dataclass(frozen=True)
 class FailVote:
-    """A failed vote in the place of member (rank, inc) of quorum `epoch`, in round `rnd`."""
+    """A failed vote in the place of member (rank, inc) of quorum `quorum`, in round `rnd`."""
 
     rank: int
     inc: int
-    epoch: int
+    quorum: int
     rnd: int
     reason: str
 
@@ -88,7 +88,7 @@ class KeeperRules:
             rounds |= {start, start + 1}
         # The newest quorum while a member it lists lives (it may be entering, before it reports):
         # with every one of them dead, each abstention would close the next round, and the next.
-        someone = e == s.epoch_id and any(s.alive.get(r) == inc for r, inc in s.epochs.get(e, ()))
+        someone = e == s.quorum_id and any(s.alive.get(r) == inc for r, inc in s.quorums.get(e, ()))
         for r, inc in s.alive.items():
             info = s.report(r)
             if inc is not None and info.get("inc") == inc and info.get("epoch") == e:
@@ -114,14 +114,14 @@ class KeeperRules:
             return True
         mi = s.report(m)
         return (s.alive.get(m) == k and mi.get("inc") == k and s.fresh(m, now)
-                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < s.epoch_id)))
+                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < s.quorum_id)))
 
-    def oldest_kept_epoch(self, s: KeeperSnapshot) -> int:
+    def oldest_kept_quorum(self, s: KeeperSnapshot) -> int:
         """Quorums below this one have their keys deleted (-1: none). A live replica that reports
         no quorum of its own yet (joining, or its first report not read) may be about to enter
         any quorum that lists it: nothing is deleted by quorum meanwhile (this once took a
         joiner's quorum, and the decision it was about to read, from under it)."""
-        return min(s.live_epochs(), default=-1) - 2 if s.all_live_report() else -1
+        return min(s.live_quorums(), default=-1) - 2 if s.all_live_report() else -1
 
 
 def dead_votes(rules: KeeperRules, s: KeeperSnapshot, member: Member) -> List[DeadVotes]:
@@ -134,9 +134,9 @@ def dead_votes(rules: KeeperRules, s: KeeperSnapshot, member: Member) -> List[De
     then discards a round nobody has stepped past, where an abstention could commit a round
     whose other shard failed, and the replica holding that shard would restart whole."""
     vote = keys.ABSTAIN_VOTE if s.k == 1 else keys.FAIL_VOTE
-    oldest = min(s.live_epochs(), default=0) if s.all_live_report() else 0
+    oldest = min(s.live_quorums(), default=0) if s.all_live_report() else 0
     due = []
-    for e, members in s.epochs.items():
+    for e, members in s.quorums.items():
         if member not in members or e < oldest:
             continue
         rounds = tuple(sorted(rules.rounds_to_fill(s, e)))
@@ -148,12 +148,12 @@ def dead_votes(rules: KeeperRules, s: KeeperSnapshot, member: Member) -> List[De
 def forget_dead(s: KeeperSnapshot, dead: Iterable[Member]) -> Tuple[Tuple[Member, ...], Tuple[Member, ...]]:
     """(forgotten, kept) of the dead members voted for: one is forgotten once every live replica
     reports being past every quorum that listed it; the others are voted for again."""
-    live_epochs = s.live_epochs()
+    live_quorums = s.live_quorums()
     settled = s.all_live_report()  # a joiner may yet enter an old quorum that lists the dead
     gone, kept = [], []
     for member in dead:
-        newest = max((e for e, m in s.epochs.items() if member in m), default=0)
-        (gone if settled and live_epochs and min(live_epochs) > newest else kept).append(member)
+        newest = max((e for e, m in s.quorums.items() if member in m), default=0)
+        (gone if settled and live_quorums and min(live_quorums) > newest else kept).append(member)
     return tuple(gone), tuple(kept)
 
 
@@ -181,7 +181,7 @@ def unstick(rules: KeeperRules, s: KeeperSnapshot, voting_since: Mapping[int, Tu
         inc = alive.get(v)
         where = (info.get("epoch"), info.get("round"))
         if (inc is None or info.get("inc") != inc or info.get("phase") != "vote" or not s.fresh(v, now)
-                or where[0] not in s.epochs):
+                or where[0] not in s.quorums):
             continue
         since = voting_since.get(v)
         if since is None or since[0] != where:
@@ -191,7 +191,7 @@ def unstick(rules: KeeperRules, s: KeeperSnapshot, voting_since: Mapping[int, Tu
         if now - since[1] < STUCK_S:
             continue
         e, rnd = int(where[0]), int(where[1])
-        for m, k in s.epochs[e]:
+        for m, k in s.quorums[e]:
             if (m, k, e, rnd) in unstuck or (m, k, e, rnd) in planned or not rules.elsewhere(s, m, k, e, now):
                 continue
             planned.add((m, k, e, rnd))
@@ -282,14 +282,14 @@ def collect(rules: KeeperRules, s: KeeperSnapshot, names: Iterable[str]) -> KeyC
             now_inc = s.alive.get(rep * s.k)
             if now_inc is not None and inc < now_inc:
                 delete.append(key)
-    # A quorum's keys go once every live replica reports being past it (oldest_kept_epoch).
-    oldest = rules.oldest_kept_epoch(s)
+    # A quorum's keys go once every live replica reports being past it (oldest_kept_quorum).
+    oldest = rules.oldest_kept_quorum(s)
     below = {e: max(s.collected_below.get(e, -1), rnd - ROUND_KEYS_KEPT) for e, rnd in newest.items()}
     for e in {e for _, _, (e, _) in ours if e < oldest}:
         # Its decisions go too: a vote there later (for a member that dies after, while a
         # restarted replica has not reported yet) would start a fresh count and decide a
         # decided round again (found by the simulator on sharded replicas).
-        below[e] = EPOCH_COLLECTED
+        below[e] = QUORUM_COLLECTED
     for key, kind, (e, rnd) in ours:
         if e < oldest or kind in ROUND_KEYS and rnd < newest.get(e, -1) - ROUND_KEYS_KEPT:
             delete.append(key)

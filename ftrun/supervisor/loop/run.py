@@ -307,7 +307,7 @@ class Supervisor:
         over = self.quorum is not None and training_over(self.store)
         if self.quorum is not None:
             # first: the survivors may be waiting for its vote. Past the run's last step it left the
-            # loop, whatever it did after: no epoch may start without it (nobody trains again).
+            # loop, whatever it did after: no quorum may start without it (nobody trains again).
             self.quorum.on_exit(w.rank, w.incarnation, finished=over or ev.exit_code == 0 and not w.hang_reason)
         for p in w.pumps:
             p.done.wait(0.5)

@@ -41,11 +41,11 @@ class RemoteFailure:
 @dataclass(frozen=True)
 class StoreMoved:
     """An action for the loop: the run's store moved; the new quorum keeper, the workers' new
-    environment entries, and the first epoch above every epoch a replica may have seen."""
+    environment entries, and the first quorum above every quorum a replica may have seen."""
 
     quorum: QuorumKeeper
     env: Dict[str, str] = field(default_factory=dict)
-    epoch: int = 0
+    first_quorum_id: int = 0
     elected: Any = None      # failover.Elected
     before: int = 0          # the run's nodes before the move
     t0: float = 0.0          # when the move began (time.monotonic)
@@ -168,7 +168,7 @@ class NodeNews:
                    k: int) -> Union[StopRun, StoreMoved]:
         """--ft: the run's store is lost with its node; the surviving nodes agree on a new host
         (ftrun.supervisor.nodes.failover), and this node's keeper and workers follow it. The replicas
-        keep their state: each rejoins, and the first epoch on the new store is healed from the
+        keep their state: each rejoins, and the first quorum on the new store is healed from the
         replica holding the newest complete step. The loop takes the new keeper, readies it, then
         publish_move() tells the workers."""
         cfg = self.cfg
@@ -186,7 +186,7 @@ class NodeNews:
                               [w.rank for w in workers], leader=elected.host == cfg.node_rank,
                               replica_size=k, routes=routes(cfg, nodes, elected.nodes))
         quorum.store_moved(old, {w.rank: w.incarnation if w.alive else None for w in workers})
-        return StoreMoved(quorum, env, quorum.epoch_id, elected, before, t0)
+        return StoreMoved(quorum, env, quorum.quorum_id, elected, before, t0)
 
     def publish_move(self, mv: StoreMoved, nodes: Any, relay: Any) -> None:
         """After the loop took the new keeper: the workers learn the store's new address, late nodes
@@ -198,7 +198,7 @@ class NodeNews:
             nodes.open_to_late_nodes(elected.addr.rpartition(":")[0])
             Redirect(cfg.endpoint, cfg.run_id, elected.addr).start()
         if relay is not None:  # members waiting for a decision of the old store follow the new one
-            relay.moved(mv.epoch)
+            relay.moved(mv.first_quorum_id)
         self.console.note(f"node {elected.host} hosts the run's store now, at {elected.addr} ({len(elected.nodes)} "
                           f"of {mv.before} nodes, agreed in {time.monotonic() - mv.t0:.1f} s); the "
                           f"replicas keep their state and rejoin", style="bold cyan")

@@ -33,7 +33,7 @@ from ftrun.supervisor.store import BoundedStore, wait_reachable
 
 UPKEEP_EVERY_S = 0.25
 ROUND_KEYS_KEPT = 4      # as the keeper keeps the run's store: rounds this far behind the newest decided one
-OLD_EPOCH_KEPT_S = 10.0  # decided rounds of an epoch behind the newest seen here go after this long
+OLD_QUORUM_KEPT_S = 10.0  # decided rounds of a quorum behind the newest seen here go after this long
 NODE_OP_TIMEOUT_S = 3.0  # the keeper's calls on another node's store: a node that does not answer is lost
 
 
@@ -92,7 +92,7 @@ class Routes:
 
 
 def _parse(key: str, node: int) -> Optional[Tuple[str, int, int]]:
-    """("ln" | "ld" | "lf", epoch, round) of one of this node's relay keys, else None."""
+    """("ln" | "ld" | "lf", quorum, round) of one of this node's relay keys, else None."""
     parsed = keys.parse_key(key)
     if parsed is None or parsed[0] not in ("ln", "ld", "lf") or len(parsed[1]) != 3 or parsed[1][0] != node:
         return None
@@ -113,12 +113,12 @@ class NodeRelay:
         self._last = 0.0
         self._pending: Set[Tuple[int, int]] = set()
         self._decided_at: Dict[Tuple[int, int], float] = {}
-        self.lost_up_to: Optional[int] = None  # epochs decided on a store that is gone
+        self.lost_up_to: Optional[int] = None  # quorums decided on a store that is gone
 
-    def moved(self, up_to_epoch: int) -> None:
-        """The run's store moved: a round of an epoch up to this one that has no decision here
+    def moved(self, up_to_quorum: int) -> None:
+        """The run's store moved: a round of a quorum up to this one that has no decision here
         will never get one (its forwarder lost the old store); its members follow the store."""
-        self.lost_up_to = up_to_epoch
+        self.lost_up_to = up_to_quorum
         self._last = 0.0
         self._relayed = None  # the new store has none of this node's reports yet
 
@@ -179,8 +179,8 @@ class NodeRelay:
         local.compare_set(keys.node_decision_key(self.node, e, rnd), "", decision)
 
     def _collect(self, local: Any, seen: Dict[Tuple[int, int], Set[str]], now: float) -> None:
-        """Delete decided rounds every member is past: those well behind their epoch's newest decided
-        round (as the keeper does in the run's store), and those of an older epoch once they have been
+        """Delete decided rounds every member is past: those well behind their quorum's newest decided
+        round (as the keeper does in the run's store), and those of an older quorum once they have been
         decided for a while (a member that voted there has read its decision long since)."""
         newest: Dict[int, int] = {}
         for (e, rnd), kinds in seen.items():
@@ -189,12 +189,12 @@ class NodeRelay:
                 self._decided_at.setdefault((e, rnd), now)
         if not newest:
             return
-        top_epoch = max(e for e, _ in seen)
+        top_quorum = max(e for e, _ in seen)
         for (e, rnd), kinds in seen.items():
             if "ld" not in kinds:
                 continue
-            old_epoch = e < top_epoch and now - self._decided_at[(e, rnd)] > OLD_EPOCH_KEPT_S
-            if old_epoch or (e == top_epoch and rnd < newest[e] - ROUND_KEYS_KEPT):
+            old_quorum = e < top_quorum and now - self._decided_at[(e, rnd)] > OLD_QUORUM_KEPT_S
+            if old_quorum or (e == top_quorum and rnd < newest[e] - ROUND_KEYS_KEPT):
                 for kind in kinds:
                     local.delete_key(f"{keys.PREFIX}{kind}/{self.node}/{e}/{rnd}")
                 self._decided_at.pop((e, rnd), None)

@@ -78,7 +78,7 @@ def _hung_restarting(w: Worker, mates: Sequence[Worker], now: float, limit: floa
     """--ft, either rule: a restarted replica that has not asked to join the run yet and whose
     every worker has done nothing (no CPU, no I/O, no child at work) for the limit is hung as
     any other, e.g. one blocked in a group its peers formed long ago. Its peers do not wait
-    for it (it is in no epoch yet), so the waited-for rules never see it."""
+    for it (it is in no quorum yet), so the waited-for rules never see it."""
     if quorum is None or w.state != WorkerState.RECOVERING:
         return None
     if any(quorum.replica_fields(m.rank)["ft_phase"] not in (None, "init") for m in mates):

@@ -135,7 +135,7 @@ class Stopper:
     def _save_before_stop(self, signum: int, q, any_done: bool) -> bool:
         """--ft with --checkpoint-dir, on the node keeping the quorum: have the replicas stop at one
         round boundary and save the last committed step before they are signalled. False when
-        there is nothing to save (no epoch yet, nobody holds the trained state, the loop ended)."""
+        there is nothing to save (no quorum yet, nobody holds the trained state, the loop ended)."""
         if not (self.cfg.checkpoint_dir and q is not None and q.leader) or any_done:
             return False
         try:

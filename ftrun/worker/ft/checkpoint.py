@@ -1,6 +1,6 @@
 """Durable replica state for --ft: the save schedule, and the resume when no replica holds state.
 
-Saving. Every N committed steps the replica at index 0 of the epoch writes
+Saving. Every N committed steps the replica at index 0 of the quorum writes
 the state a heal would send (registered models, optimizers and extra state)
 with torch.distributed.checkpoint (DCP), and the global step with it:
 - asynchronous: the state is copied into host memory (staging buffers kept
@@ -25,7 +25,7 @@ with torch.distributed.checkpoint (DCP), and the global step with it:
   for it (DCP's collectives run in the writer thread, never on the group the
   training uses).
 
-Loading (the source of a fresh epoch, before it sends its state): the newest
+Loading (the source of a fresh quorum, before it sends its state): the newest
 checkpoint that is whole and whose checksums hold (ft/checkpoint_read.py) is
 read into the replica's own tensors in place; a damaged one is moved aside
 with one line, and any other failure to load one falls back to the previous

@@ -2,15 +2,15 @@
 
 Torch's DDP keeps doing what it does well (buckets, overlap with backward).
 With the default hook (a plain averaging all-reduce) DDP's own C++ reducer
-sends each bucket over the current epoch's group: no Python runs per
+sends each bucket over the current quorum's group: no Python runs per
 bucket, so a failure-free --ft step costs what plain DDP's does. ftrun
-points the reducer at the epoch's group before each backward (at a group of
+points the reducer at the quorum's group before each backward (at a group of
 one when the round must not send) and turns a collective that fails inside
 the backward into a failed round (`torch.autograd.backward` is wrapped for
 that, listed in ftrun/worker/patches.py, and only re-raises what is not a
 collective failure). Any other hook
 (--hook, --wrap) is a Python comm hook that sends through the run's chosen
-hook (ftrun.worker.hooks) on the epoch's group. Either way the hook state is
+hook (ftrun.worker.hooks) on the quorum's group. Either way the hook state is
 rebuilt on every member whenever the group changes, so it never silently
 diverges, and nothing raises into the user's loop for a failed collective.
 Must never import the supervisor.
@@ -132,12 +132,12 @@ class ReplicaHook(_Replicated):
 
 
 class ReducerPath(_Replicated):
-    """The default hook: DDP's reducer all-reduces on the epoch's group itself.
+    """The default hook: DDP's reducer all-reduces on the quorum's group itself.
 
     DDP was built on a group of one. A forward that may rebuild the buckets starts there
     (it syncs their layout over the reducer's group, which must never be a collective with
     peers), and a forward that a reducing backward follows ends on the group this round's
-    buckets go to: the epoch's, or the group of one when the round must not send (a layout
+    buckets go to: the quorum's, or the group of one when the round must not send (a layout
     round, a round known to have failed). Every new group (rebind) resets the
     reducer, and its first round is a layout round: each member records the order in which
     its gradients become ready and rebuilds its buckets from it at the next forward, so all
@@ -161,7 +161,7 @@ class ReducerPath(_Replicated):
 
     @property
     def armed(self) -> bool:
-        """The reducer is on the epoch's group: a collective failure in a backward is this round's."""
+        """The reducer is on the quorum's group: a collective failure in a backward is this round's."""
         return self.on is not self.local
 
     def _use(self, pg: dist.ProcessGroup) -> None:
@@ -183,7 +183,7 @@ class ReducerPath(_Replicated):
             self.layout_forward()
             return
         if not mgr.round_ok or mgr.pg is None or self.reg is None:
-            if mgr.epoch is not None:
+            if mgr.quorum is not None:
                 mgr.fail_round()  # the round is already known to have failed: nothing goes out
             self._use(self.local)
             return
@@ -214,7 +214,7 @@ def _collective_failure(e: BaseException) -> bool:
 
 
 def _guarded_backward(*args: Any, **kwargs: Any) -> Any:
-    """torch.autograd.backward, but a collective failure of a reducer on an epoch's group fails
+    """torch.autograd.backward, but a collective failure of a reducer on a quorum's group fails
     the round instead of raising (the optimizer then leaves the state as it was), and in a
     layout round the gradients are averaged before it returns."""
     paths = [p for p in (r() for r in _paths) if p is not None]

@@ -1,4 +1,4 @@
-"""A process group over the replicas of one epoch, rebuilt whenever membership changes.
+"""A process group over the replicas of one quorum, rebuilt whenever membership changes.
 
 Backends are built directly on a PrefixStore of the supervisor's TCPStore
 (gloo on CPU, NCCL with GPUs) and wrapped into a ``dist.ProcessGroup`` so that
@@ -49,7 +49,7 @@ def _timeout() -> datetime.timedelta:
 
 
 def build_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.ProcessGroup:
-    """Connect this replica to the others of an epoch (blocks until all have arrived)."""
+    """Connect this replica to the others of a quorum (blocks until all have arrived)."""
     pstore = dist.PrefixStore(prefix, store)
     pg = dist.ProcessGroup(pstore, rank, size)
     if torch.cuda.is_available():

@@ -1,29 +1,29 @@
-"""The replica's side of --ft: join, vote on every step, switch epochs, heal from a peer.
+"""The replica's side of --ft: join, vote on every step, switch quorums, heal from a peer.
 
 A round is one attempt at a step. Each member adds its vote (ok, or failed)
 to the round's counter in the store, one round trip; the member whose vote
 completes the count writes the decision (commit when no vote failed, and
-the newest epoch it has seen), and the others read it, so all members
+the newest quorum it has seen), and the others read it, so all members
 decide alike and the store does O(1) work per member. A member whose
 collectives succeeded steps at once and reads the decision during the next
 round, before that round's first collective; one whose action the decision
 contradicts heals again, in its own process as its next incarnation (a
 sharded replica, or one on several nodes, restarts and heals). A member that died never votes: the
 supervisor, which sees the death within milliseconds, abstains for it.
-Members switch to the epoch a decision names at one boundary: the round
+Members switch to the quorum a decision names at one boundary: the round
 after next for a commit (read late), the next for a failed round (read at
-once by everyone who goes on); a thread learns of new epochs as they are
+once by everyone who goes on); a thread learns of new quorums as they are
 published, so no step asks. A new or restarted replica asks to join, is
-put into an epoch as a healer, and receives the model, optimizer and
+put into a quorum as a healer, and receives the model, optimizer and
 registered state from a peer over a process group (ft/transport.py), before
 the round's forward pass. With --checkpoint-dir the replica at index 0
 writes the committed state to disk every N steps (ft/checkpoint.py), and
-the source of a fresh epoch (no member holds trained state) first loads the
+the source of a fresh quorum (no member holds trained state) first loads the
 newest checkpoint, so the heal spreads it.
 
 With --replica-size K a replica is K workers sharding the model (FSDP2 over
 the replica's own group, `device_mesh()`). Every worker is a member and
-votes; worker j of each live replica forms the epoch's group of shard index
+votes; worker j of each live replica forms the quorum's group of shard index
 j, over which its gradient shard is averaged (ft/sharded.py) and its shard
 of the state is healed, from worker j of one source replica.
 Must never raise a collective failure into the user's loop, and never import
@@ -86,7 +86,7 @@ class Manager:
         self.mesh: Any = None  # the replica's own DeviceMesh (device_mesh())
         self.optimizer_wrapped = False  # ft.Optimizer was made (one per run: ft/optim.py)
         self.loaders: List[Any] = []  # every ft.DataLoader (ft/data.py), in the order made
-        self.epochs_state: Any = None  # ft.epochs()' registered epoch (ft/data.py), once asked for
+        self.epochs_state: Any = None  # ft.epochs()' registered quorum (ft/data.py), once asked for
         if self.fx.progress is not None:
             self.fx.progress.info_provider = self.member.info
 
@@ -113,7 +113,7 @@ class Manager:
     k = property(lambda self: self.member.k)
     replica = property(lambda self: self.member.replica)
     shard = property(lambda self: self.member.shard)
-    epoch = property(lambda self: self.member.epoch)
+    quorum = property(lambda self: self.member.quorum)
     step = property(lambda self: self.member.step)
     pg = property(lambda self: self.member.pg)
     round_ok = property(lambda self: self.member.round_ok)

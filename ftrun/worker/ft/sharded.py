@@ -2,7 +2,7 @@
 
 FSDP2 keeps doing what it does inside the replica (all-gather, reduce-scatter
 over the replica's own mesh, untouched). Its all-reduce hook, called with
-each reduce-scattered gradient shard, sums that shard over the epoch's group
+each reduce-scattered gradient shard, sums that shard over the quorum's group
 of the same shard index (worker j of every live replica) and divides by the
 number of live replicas; FSDP2 itself is set to sum and divide by the
 replica's size afterwards. So the result is the exact mean over every

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Tuple
 
 from ftrun import protocol as keys
 
-# (commit, the newest epoch its author had seen, whether this vote closed it, the steps of the
+# (commit, the newest quorum its author had seen, whether this vote closed it, the steps of the
 # round that stand: None for all of them; see protocol.kept_key)
 Decision = Tuple[bool, int, bool, Optional[int]]
 
@@ -50,7 +50,7 @@ class Node:
         return Node(node, first, count, connect(addr))
 
     def size(self, members: Any) -> int:
-        """How many of an epoch's members ((rank, incarnation) pairs) vote through this node."""
+        """How many of a quorum's members ((rank, incarnation) pairs) vote through this node."""
         return sum(1 for r, _ in members if self.first <= r < self.first + self.count)
 
 
@@ -58,7 +58,7 @@ def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
-def _close_or_read(store: Any, total: int, added: int, epoch: int, rnd: int, size: int,
+def _close_or_read(store: Any, total: int, added: int, quorum: int, rnd: int, size: int,
                    latest_seen: int, closes: Optional[Callable[[int, int, int], bool]] = None) -> Tuple[str, bool]:
     """After an add of `added` that left the round's counter at `total`: decide the round if
     that add closed it, else wait for its decision. (decision text, whether this add closed it)."""
@@ -66,57 +66,57 @@ def _close_or_read(store: Any, total: int, added: int, epoch: int, rnd: int, siz
     if (closes or keys.closes)(total, added, size):
         # compare_set, not set: if this process had died right after its add, the supervisor
         # would have closed the round; whichever decision is written first is the one.
-        mine = keys.decision_text(t.commit, latest_seen, 0 if t.commit else keys.read_kept(store, epoch, rnd))
-        decision = _text(store.compare_set(keys.decision_key(epoch, rnd), "", mine))
+        mine = keys.decision_text(t.commit, latest_seen, 0 if t.commit else keys.read_kept(store, quorum, rnd))
+        decision = _text(store.compare_set(keys.decision_key(quorum, rnd), "", mine))
         store.set(keys.TOP, str(rnd))
         return decision, True
-    return _text(store.get(keys.decision_key(epoch, rnd))), False
+    return _text(store.get(keys.decision_key(quorum, rnd))), False
 
 
-def lower_kept(store: Any, epoch: int, rnd: int, taken: int) -> None:
+def lower_kept(store: Any, quorum: int, rnd: int, taken: int) -> None:
     """Lower the round's kept count to `taken` (a failed member's steps in it), before the vote:
     compare_set in a loop, so concurrent failed members leave the lowest of their counts."""
-    key, want = keys.kept_key(epoch, rnd), str(taken)
+    key, want = keys.kept_key(quorum, rnd), str(taken)
     current = _text(store.compare_set(key, "", want))
     while int(current) > taken:
         current = _text(store.compare_set(key, current, want))
 
 
-def cast(store: Any, epoch: int, rnd: int, size: int, ok: bool, latest_seen: int,
+def cast(store: Any, quorum: int, rnd: int, size: int, ok: bool, latest_seen: int,
          node: Optional[Node] = None, node_size: int = 0, taken: int = 0,
          closes: Optional[Callable[[int, int, int], bool]] = None) -> Decision:
-    """Vote on round `rnd` of `epoch` (of `size` members) and wait for its decision; through
-    `node` (of whose members `node_size` are in the epoch) when the member has one. A failed
+    """Vote on round `rnd` of `quorum` (of `size` members) and wait for its decision; through
+    `node` (of whose members `node_size` are in the quorum) when the member has one. A failed
     member says how many of the round's steps it had `taken` (in the run's store, before its vote).
     `closes`: whether an add completed a count (protocol.closes; the simulator's historic bugs
     pass another)."""
     if not ok:
-        lower_kept(store, epoch, rnd, taken)
+        lower_kept(store, quorum, rnd, taken)
     vote = keys.OK_VOTE if ok else keys.FAIL_VOTE
     if node is None:
-        decision, closed = _close_or_read(store, store.add(keys.count_key(epoch, rnd), vote), vote, epoch, rnd,
+        decision, closed = _close_or_read(store, store.add(keys.count_key(quorum, rnd), vote), vote, quorum, rnd,
                                           size, latest_seen, closes)
     else:
         local = node.store
-        total = local.add(keys.node_count_key(node.id, epoch, rnd), vote)
+        total = local.add(keys.node_count_key(node.id, quorum, rnd), vote)
         if (closes or keys.closes)(total, vote, node_size):  # the node's last vote: this member forwards its count
-            decision, closed = forward(store, local, node.id, epoch, rnd, size, total, latest_seen, closes)
+            decision, closed = forward(store, local, node.id, quorum, rnd, size, total, latest_seen, closes)
         else:
-            decision, closed = _text(local.get(keys.node_decision_key(node.id, epoch, rnd))), False
+            decision, closed = _text(local.get(keys.node_decision_key(node.id, quorum, rnd))), False
             if decision == keys.NODE_LOST_DECISION:
-                raise StoreMovedMidVote(f"the run's store moved while round {rnd} of epoch {epoch} was being decided")
+                raise StoreMovedMidVote(f"the run's store moved while round {rnd} of quorum {quorum} was being decided")
     commit, target, kept = keys.parse_decision(decision)
     return commit, target, closed, kept
 
 
-def forward(store: Any, local: Any, node: int, epoch: int, rnd: int, size: int, total: int,
+def forward(store: Any, local: Any, node: int, quorum: int, rnd: int, size: int, total: int,
             latest_seen: int, closes: Optional[Callable[[int, int, int], bool]] = None) -> Tuple[str, bool]:
     """Add a node's whole count to the round's counter in the run's store, mark it forwarded, and
     copy the round's decision back into the node's store for its other members."""
-    run_total = store.add(keys.count_key(epoch, rnd), total)
-    local.set(keys.node_forwarded_key(node, epoch, rnd), "1")
-    decision, closed = _close_or_read(store, run_total, total, epoch, rnd, size, latest_seen, closes)
-    local.set(keys.node_decision_key(node, epoch, rnd), decision)
+    run_total = store.add(keys.count_key(quorum, rnd), total)
+    local.set(keys.node_forwarded_key(node, quorum, rnd), "1")
+    decision, closed = _close_or_read(store, run_total, total, quorum, rnd, size, latest_seen, closes)
+    local.set(keys.node_decision_key(node, quorum, rnd), decision)
     return decision, closed
 
 
@@ -140,17 +140,17 @@ class Ballot:
         self._job: Optional[Tuple[int, int, int, int, int]] = None
         self._result: Any = None
         self._started = False
-        self.round: Optional[Tuple[int, int]] = None  # (epoch, round) of the vote in flight
+        self.round: Optional[Tuple[int, int]] = None  # (quorum, round) of the vote in flight
 
-    def submit(self, epoch: int, rnd: int, size: int, latest_seen: int, node_size: int = 0) -> None:
+    def submit(self, quorum: int, rnd: int, size: int, latest_seen: int, node_size: int = 0) -> None:
         if self.round is not None:
             raise RuntimeError("a vote is already in flight")
         if not self._started:
             self._started = True
             self._spawn(self._run, "ftrun-vote", low_priority=True)
-        self.round = (epoch, rnd)
+        self.round = (quorum, rnd)
         self._done.clear()
-        self._job = (epoch, rnd, size, latest_seen, node_size)
+        self._job = (quorum, rnd, size, latest_seen, node_size)
         self._wake.set()
 
     def ready(self) -> bool:
@@ -172,12 +172,12 @@ class Ballot:
             job, self._job = self._job, None
             if job is None:
                 continue
-            epoch, rnd, size, latest, node_size = job
+            quorum, rnd, size, latest, node_size = job
             try:
                 if store is None:
                     store = self._connect()
                     node = self._connect_node() if self._connect_node is not None else None
-                self._result = self._cast(store, epoch, rnd, size, True, latest, node, node_size)
+                self._result = self._cast(store, quorum, rnd, size, True, latest, node, node_size)
             except Exception as e:  # handed to the training thread, which decides what it means
                 self._result = e
             self._done.set()

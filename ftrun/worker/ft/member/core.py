@@ -1,5 +1,5 @@
 """A member's decisions, without IO: what a replica does at the top of a round, after its vote,
-when the decision of a round it stepped past comes in, when it joins or enters an epoch, who
+when the decision of a round it stepped past comes in, when it joins or enters a quorum, who
 sends and who receives in a heal, and when the run ended without it.
 
 A state machine: `MemberCore.handle(event) -> commands`, and the pure rules the driver asks
@@ -10,8 +10,8 @@ simulator's under seeded faults, so both run exactly these decisions. The store 
 speak is ft/membership.py and ft/vote.py.
 
 A hot spare fits these events without a new mechanism: a spare is a joiner the keeper leaves
-out of its epochs until a member is lost (its `Join` waits as any joiner's does), and its
-promotion is the epoch that lists it as a healer (`Joined`, `Entering`, `Entered`, then a heal
+out of its quorums until a member is lost (its `Join` waits as any joiner's does), and its
+promotion is the quorum that lists it as a healer (`Joined`, `Entering`, `Entered`, then a heal
 with it as a receiving end). Only the keeper's choice of members changes.
 
 Must never import torch, touch a store, read a clock or the environment, sleep, or exit: it
@@ -23,44 +23,44 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 
 Member = Tuple[int, int]  # (global rank, incarnation)
 
-# The longest back-off between failed rounds with no new epoch in sight (seconds).
+# The longest back-off between failed rounds with no new quorum in sight (seconds).
 BACKOFF_MAX_S = 0.2
 
 
 # ------------------------------------------------------------------ events (what happened)
 @dataclass(frozen=True)
 class RoundTop:
-    """The top of a round: join, or switch to the epoch a decision named, as due."""
+    """The top of a round: join, or switch to the quorum a decision named, as due."""
 
 
 @dataclass(frozen=True)
 class Joined:
-    """The keeper took this incarnation in: enter `epoch` at `round` (or the run finished at
+    """The keeper took this incarnation in: enter `quorum` at `round` (or the run finished at
     step `finished` while it was joining)."""
 
-    epoch: int = 0
+    quorum: int = 0
     round: int = 0
     finished: Optional[int] = None
 
 
 @dataclass(frozen=True)
 class Entering:
-    """The epoch about to be entered was read (a join, a switch, or a rebuild of the group)."""
+    """The quorum about to be entered was read (a join, a switch, or a rebuild of the group)."""
 
-    epoch: Epoch
+    quorum: Quorum
     me: Member
     joining: bool = False
 
 
 @dataclass(frozen=True)
 class Entered:
-    """The epoch is entered at `round` (the agreed entry round, or the joiner's)."""
+    """The quorum is entered at `round` (the agreed entry round, or the joiner's)."""
 
-    epoch: Epoch
+    quorum: Quorum
     round: int
 
 
@@ -82,7 +82,7 @@ class CollectiveFailed:
 @dataclass(frozen=True)
 class InSync:
     """This member holds the committed state: it received it, or it is the source of a fresh
-    epoch, or it resumed the final step from a checkpoint."""
+    quorum, or it resumed the final step from a checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -137,19 +137,19 @@ Event = Union[RoundTop, Joined, Entering, Entered, Computing, Skipped, Collectiv
 # ------------------------------------------------------------------ commands (what to do)
 @dataclass(frozen=True)
 class Join:
-    """Ask the keeper to take this incarnation in and wait for an epoch (membership.wait_to_enter)."""
+    """Ask the keeper to take this incarnation in and wait for a quorum (membership.wait_to_enter)."""
 
 
 @dataclass(frozen=True)
 class Switch:
-    """Read epoch `epoch` and enter it (a new epoch, or the same one to rebuild its group)."""
+    """Read quorum `quorum` and enter it (a new quorum, or the same one to rebuild its group)."""
 
-    epoch: int
+    quorum: int
 
 
 @dataclass(frozen=True)
 class AskEntryRound:
-    """Agree with the epoch's other members on the round to begin it at (membership.entry_round)."""
+    """Agree with the quorum's other members on the round to begin it at (membership.entry_round)."""
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ class TakeStep:
 
 @dataclass(frozen=True)
 class Backoff:
-    """Rounds keep failing with no new epoch in sight: wait before the next one."""
+    """Rounds keep failing with no new quorum in sight: wait before the next one."""
 
     seconds: float
 
@@ -188,7 +188,7 @@ class Restart:
 @dataclass(frozen=True)
 class Rejoin:
     """This member's state is not the committed one, but its process is sound (a round its peers
-    decided otherwise): at the next round's top it leaves its epoch as this incarnation and joins
+    decided otherwise): at the next round's top it leaves its quorum as this incarnation and joins
     again as the next one, which heals from a peer into its own objects, without leaving the
     process. Only where the driver can (`MemberCore.can_rejoin`); else the same case is a Restart."""
 
@@ -203,11 +203,11 @@ Command = Union[Join, Switch, AskEntryRound, TakeStep, Backoff, ReadFinished, Fi
 class MemberCore:
     """A member's decision state; its drivers read it and feed it events."""
 
-    epoch: Optional[Epoch] = None
+    quorum: Optional[Quorum] = None
     round: int = 0
     group_round: int = -1  # the round at which the current group was built
-    target_epoch: Optional[int] = None
-    switch_round: Optional[int] = None  # the round at whose top the member switches to target_epoch
+    target_quorum: Optional[int] = None
+    switch_round: Optional[int] = None  # the round at whose top the member switches to target_quorum
     rebuild: bool = False
     round_ok: bool = True
     in_sync: bool = False
@@ -222,16 +222,16 @@ class MemberCore:
 
     # -------------------------------------------------------------- queries
     def due_switch(self) -> Optional[int]:
-        """The epoch to switch to (or to rebuild the group of) at the top of this round, if any."""
-        if self.target_epoch is not None and (self.rebuild or self.round >= (self.switch_round or 0)):
-            return self.target_epoch
+        """The quorum to switch to (or to rebuild the group of) at the top of this round, if any."""
+        if self.target_quorum is not None and (self.rebuild or self.round >= (self.switch_round or 0)):
+            return self.target_quorum
         if self.rebuild:
-            return self.epoch.id
+            return self.quorum.id
         return None
 
     # -------------------------------------------------------------- handlers
     def _on_RoundTop(self, e: RoundTop) -> List[Command]:
-        if self.epoch is None:
+        if self.quorum is None:
             return [Join()]
         target = self.due_switch()
         return [Switch(target)] if target is not None else []
@@ -241,19 +241,19 @@ class MemberCore:
             self.finished = True
             return [Finish(e.finished, alone=not self.in_sync)]
         self.round = e.round
-        return [Switch(e.epoch)]
+        return [Switch(e.quorum)]
 
     def _on_Entering(self, e: Entering) -> List[Command]:
-        if e.me not in e.epoch.members:
-            return [Restart(f"left out of quorum {e.epoch.id}")]
-        changed = self.epoch is None or e.epoch.id != self.epoch.id
-        # Every continuing member begins the epoch at one round; a joiner at the one it was given.
+        if e.me not in e.quorum.members:
+            return [Restart(f"left out of quorum {e.quorum.id}")]
+        changed = self.quorum is None or e.quorum.id != self.quorum.id
+        # Every continuing member begins the quorum at one round; a joiner at the one it was given.
         return [AskEntryRound()] if changed and not e.joining else []
 
     def _on_Entered(self, e: Entered) -> List[Command]:
         self.round = self.group_round = e.round
-        self.epoch = e.epoch
-        self.target_epoch = self.switch_round = None
+        self.quorum = e.quorum
+        self.target_quorum = self.switch_round = None
         self.rebuild = False
         return []
 
@@ -275,7 +275,7 @@ class MemberCore:
         return []
 
     def _on_ClosedOk(self, e: ClosedOk) -> List[Command]:
-        return self._end_round(True, self.epoch.id)
+        return self._end_round(True, self.quorum.id)
 
     def _on_Voted(self, e: Voted) -> List[Command]:
         if e.commit and not e.ok:  # possible only when a dead member's own vote and its abstention both counted
@@ -311,8 +311,8 @@ class MemberCore:
         return []
 
     def _on_StoreLost(self, e: StoreLost) -> List[Command]:
-        self.epoch = None
-        self.target_epoch = self.switch_round = None
+        self.quorum = None
+        self.target_quorum = self.switch_round = None
         self.rebuild = False
         self.round_ok = True
         return []
@@ -332,8 +332,8 @@ class MemberCore:
         self.failed_in_row += 1
         self.rebuild = True  # the group may be broken: every member builds a fresh one
         out: List[Command] = []
-        if self.failed_in_row > 3 and target <= self.epoch.id:
-            # Rounds keep failing and no new epoch is in sight: wait a little for the keeper
+        if self.failed_in_row > 3 and target <= self.quorum.id:
+            # Rounds keep failing and no new quorum is in sight: wait a little for the keeper
             # to change membership instead of spinning (bounded).
             out.append(Backoff(min(BACKOFF_MAX_S, 0.005 * 2 ** min(self.failed_in_row - 3, 6))))
         # Every member that goes on from a failed round voted it down and waited for its
@@ -342,8 +342,8 @@ class MemberCore:
         return out + [ReadFinished()]
 
     def _note_target(self, target: int, at_round: int) -> None:
-        if target > self.epoch.id:
-            self.target_epoch = max(target, self.target_epoch or 0)
+        if target > self.quorum.id:
+            self.target_quorum = max(target, self.target_quorum or 0)
             self.switch_round = at_round if self.switch_round is None else min(self.switch_round, at_round)
 
 
@@ -358,22 +358,22 @@ def rejoins_in_place(replica_size: int, nodes: int) -> bool:
     return replica_size == 1 and nodes == 1
 
 
-def transfer_ends(epoch: Epoch, rank: int, k: int = 1) -> List[int]:
+def transfer_ends(quorum: Quorum, rank: int, k: int = 1) -> List[int]:
     """The ends of a heal's transfer for worker `rank` (shard rank % k): first the source, its own
     shard in the lowest replica holding the state (one source replica for every shard, so all
     shards come from the same step), then the healers of that shard."""
     shard = rank % k
-    holders = [r for r in epoch.ranks if r not in epoch.healers]
-    source = (min(holders or epoch.ranks) // k) * k + shard
-    return [source] + [r for r in sorted(epoch.healers) if r != source and r % k == shard]
+    holders = [r for r in quorum.ranks if r not in quorum.healers]
+    source = (min(holders or quorum.ranks) // k) * k + shard
+    return [source] + [r for r in sorted(quorum.healers) if r != source and r % k == shard]
 
 
 def source_refuses(sending: bool, tainted: bool, fresh: bool = False, holds_state: bool = False,
                    k: int = 1) -> Optional[Restart]:
     """Whether the source of a transfer must restart clean instead of sending: never a half-received
     state, nor one that stepped past a round voted down (`tainted` until it heals); and in a fresh
-    epoch of sharded replicas (k > 1), never a worker that holds the trained
-    state (`holds_state`: in sync on this store). An epoch is fresh when no replica holds the whole
+    quorum of sharded replicas (k > 1), never a worker that holds the trained
+    state (`holds_state`: in sync on this store). A quorum is fresh when no replica holds the whole
     state, so such a worker's mates do not hold their shards of that step: sent with theirs, the
     replica would be a model whose shards come from different steps (found by the simulator). The
     whole replica restarts and begins again from the first step or the checkpoint, as its
@@ -392,7 +392,7 @@ def source_refuses(sending: bool, tainted: bool, fresh: bool = False, holds_stat
 # the same points on the worker and in the simulator.
 def votes_ok(round_ok: bool, in_sync: bool, has_group: bool) -> bool:
     """The vote rule: ok only when every collective of the round went through, this member holds
-    the committed state, and it has the epoch's group (else it sent nothing)."""
+    the committed state, and it has the quorum's group (else it sent nothing)."""
     return round_ok and in_sync and has_group
 
 
@@ -403,7 +403,7 @@ def save_is_due(step: int, total: Optional[int], every: int) -> bool:
 
 def round_length(round_steps: int, k: int, layout_round: bool, step: int, total: Optional[int],
                  every: Optional[int]) -> int:
-    """Steps in the round starting at `step`: the epoch's round_steps, ending early where a
+    """Steps in the round starting at `step`: the quorum's round_steps, ending early where a
     checkpoint (every `every` steps; None: none) or the end of the loop needs the step decided.
     One step for sharded replicas and layout rounds. The same on every member."""
     if k > 1 or layout_round:
@@ -430,17 +430,17 @@ def holds_state(in_sync: bool, healed_gen: int, store_gen: int) -> bool:
     return in_sync and healed_gen == store_gen
 
 
-def gives_up(latest_seen: int, epoch_id: int, gone: Callable[[], Optional[str]]) -> Optional[str]:
-    """Why a group of epoch `epoch_id` is given up while forming: a newer epoch is out (its members
+def gives_up(latest_seen: int, quorum_id: int, gone: Callable[[], Optional[str]]) -> Optional[str]:
+    """Why a group of quorum `quorum_id` is given up while forming: a newer quorum is out (its members
     never come), or some of its ranks are gone (`gone()`: membership.gone, asked only then);
     None: keep waiting."""
-    if latest_seen > epoch_id:
+    if latest_seen > quorum_id:
         return f"quorum {latest_seen} is out"
     return gone()
 
 
 def resumes_checkpoint(sending: bool, fresh: bool, in_sync: bool, has_checkpoints: bool, resumed: bool) -> bool:
-    """The source of a fresh epoch (no member holds trained state) first loads the newest
+    """The source of a fresh quorum (no member holds trained state) first loads the newest
     checkpoint, once per incarnation, so that the heal spreads it."""
     return sending and fresh and not in_sync and has_checkpoints and not resumed
 

@@ -8,10 +8,10 @@ counter in the store (ft/vote.py); the member whose vote completes the count wri
 the others read it. A member whose collectives succeeded steps at once and reads the decision
 during the next round, before that round's first collective; one whose action the decision
 contradicts takes the committed state again (in place, or by a restart). Members switch to the
-epoch a decision names at one boundary; a thread learns of new epochs as they are published. A
-new or restarted replica asks to join, is put into an epoch as a healer, and receives the state
-from a peer. Components that own their fields: joining and switching with the epoch's group
-(member/entry.py), the epoch watcher (watch.py), the heal (heal.py), the layout rounds
+quorum a decision names at one boundary; a thread learns of new quorums as they are published. A
+new or restarted replica asks to join, is put into a quorum as a healer, and receives the state
+from a peer. Components that own their fields: joining and switching with the quorum's group
+(member/entry.py), the quorum watcher (watch.py), the heal (heal.py), the layout rounds
 (layout.py), the ways out of the loop (stop.py) and the store's moves (moves.py).
 Must never raise a collective failure into the user's loop, never import torch, and never
 import the supervisor.
@@ -23,26 +23,26 @@ import json
 from typing import Any, Iterator, List, Optional, Tuple
 
 from ftrun import protocol as keys
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 from ftrun.worker.ft import membership, vote
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import (Backoff, ClosedOk, CollectiveFailed, Command, Computing, Decided, Finish,
                                          FinishedRead, Join, MemberCore, ReadFinished, Rejoin, Restart, RoundTop,
                                          Skipped, TakeStep, Voted)
 from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
-from ftrun.worker.ft.member.entry import EpochEntry
+from ftrun.worker.ft.member.entry import QuorumEntry
 from ftrun.worker.ft.member.heal import HealTransfers
 from ftrun.worker.ft.member.layout import LayoutRounds
 from ftrun.worker.ft.member_io import PEER_LOST, _plain
 from ftrun.worker.ft.member.moves import StoreFollower
 from ftrun.worker.ft.member.stop import StopPaths
-from ftrun.worker.ft.member.watch import EpochWatch
+from ftrun.worker.ft.member.watch import QuorumWatch
 
 SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
 
 
 class MemberDriver:
-    """One member (a worker of a replica): its loop, rounds, epochs and rejoins."""
+    """One member (a worker of a replica): its loop, rounds, quorums and rejoins."""
 
     # The store protocol's steps, as class attributes: the simulator's historic bugs put old ones
     # back in a subclass (ftrun/sim/bugs.py), never by patching a module.
@@ -68,10 +68,10 @@ class MemberDriver:
         self.heals = HealTransfers(self)
         self.stops = StopPaths(self)
         self.moves = StoreFollower(self)
-        self.watch = EpochWatch(self)
-        self.entry = EpochEntry(self)
+        self.watch = QuorumWatch(self)
+        self.entry = QuorumEntry(self)
         self.step = 0
-        # A round is up to epoch.round_steps steps; `round_len` is this round's, fixed at its top
+        # A round is up to quorum.round_steps steps; `round_len` is this round's, fixed at its top
         # from what every member knows alike, and `taken` how many of them this member has stepped.
         self.round_len = 1
         self.taken = 0
@@ -92,8 +92,8 @@ class MemberDriver:
         self.last_failure: Optional[str] = None
         self.phase = "init"
         self.phase_since = fx.wall()
-        self._index_of: Tuple[int, int] = (-1, 0)  # (epoch id, replica index in it)
-        self._node_count: Tuple[int, int] = (-1, 0)  # (epoch id, its members voting through this node)
+        self._index_of: Tuple[int, int] = (-1, 0)  # (quorum id, replica index in it)
+        self._node_count: Tuple[int, int] = (-1, 0)  # (quorum id, its members voting through this node)
 
     def _new_ballot(self) -> vote.Ballot:
         fx = self.fx
@@ -101,8 +101,8 @@ class MemberDriver:
 
     # ------------------------------------------------------------ what the member's state says
     latest_seen = property(lambda self: self.watch.latest)
-    pg = property(lambda self: self.entry.pg)  # the epoch's group of this worker's shard (the replica's when k == 1)
-    epoch = property(lambda self: self.core.epoch)
+    pg = property(lambda self: self.entry.pg)  # the quorum's group of this worker's shard (the replica's when k == 1)
+    quorum = property(lambda self: self.core.quorum)
     round = property(lambda self: self.core.round)
     round_ok = property(lambda self: self.core.round_ok)
     in_sync = property(lambda self: self.core.in_sync)
@@ -116,34 +116,34 @@ class MemberDriver:
 
     @property
     def num_replicas(self) -> int:
-        return len(self.epoch.members) // self.k if self.epoch else 1
+        return len(self.quorum.members) // self.k if self.quorum else 1
 
     @property
     def replica_index(self) -> int:
-        if self.epoch is None:
+        if self.quorum is None:
             return 0
-        if self._index_of[0] != self.epoch.id:  # asked every step by most scripts: once per epoch
-            self._index_of = (self.epoch.id, sorted({r // self.k for r in self.epoch.ranks}).index(self.replica))
+        if self._index_of[0] != self.quorum.id:  # asked every step by most scripts: once per quorum
+            self._index_of = (self.quorum.id, sorted({r // self.k for r in self.quorum.ranks}).index(self.replica))
         return self._index_of[1]
 
-    def shard_ranks(self, epoch: Epoch) -> List[int]:
-        """Worker `shard` of every replica of the epoch: the ranks of this worker's group."""
-        return [r for r in epoch.ranks if r % self.k == self.shard]
+    def shard_ranks(self, quorum: Quorum) -> List[int]:
+        """Worker `shard` of every replica of the quorum: the ranks of this worker's group."""
+        return [r for r in quorum.ranks if r % self.k == self.shard]
 
     def node_size(self) -> int:
-        """How many of the epoch's members vote through this member's node (0: no node)."""
-        if self.node is None or self.epoch is None:
+        """How many of the quorum's members vote through this member's node (0: no node)."""
+        if self.node is None or self.quorum is None:
             return 0
-        if self._node_count[0] != self.epoch.id:
-            self._node_count = (self.epoch.id, self.node.size(self.epoch.members))
+        if self._node_count[0] != self.quorum.id:
+            self._node_count = (self.quorum.id, self.node.size(self.quorum.members))
         return self._node_count[1]
 
     def info(self) -> dict:
-        """What the member reports (`ftrun status`, and the keeper, which reads inc, epoch, round)."""
+        """What the member reports (`ftrun status`, and the keeper, which reads inc, quorum, round)."""
         h = self.heals
         return {
-            "inc": self.inc, "epoch": self.epoch.id if self.epoch else None,
-            "quorum": self.num_replicas if self.epoch else 0, "in_quorum": self.epoch is not None and self.in_sync,
+            "inc": self.inc, "epoch": self.quorum.id if self.quorum else None,
+            "quorum": self.num_replicas if self.quorum else 0, "in_quorum": self.quorum is not None and self.in_sync,
             "healing": self.phase == "heal", "step": self.step,
             "round": self.waiting_round if self.waiting_round is not None else self.round,
             "committed": self.committed, "discarded": self.discarded, "last_heal_s": h.last_heal_s,
@@ -177,10 +177,10 @@ class MemberDriver:
 
     def finish_loop(self) -> None:
         """ft.epochs() ran out: the end of the loop, as steps() ends at its total. A round of several
-        steps the last epoch cut short is voted as it stands, the last step is saved when
+        steps the last quorum cut short is voted as it stands, the last step is saved when
         checkpoints are on, the decision is awaited, and the run is marked finished."""
         self.close_round()
-        if (self.checkpoints is not None and self.step > 0 and self.epoch is not None and self.in_sync
+        if (self.checkpoints is not None and self.step > 0 and self.quorum is not None and self.in_sync
                 and self.replica_index == 0 and self.checkpoints.due(self.step, self.step)):
             self.save_due = True
         self.loop_ending = True
@@ -188,7 +188,7 @@ class MemberDriver:
             self.start_round()
             try:
                 self._settle()
-                if self.rejoin_why is not None:  # the script's loop is over: its epochs cannot be given again
+                if self.rejoin_why is not None:  # the script's loop is over: its quorums cannot be given again
                     self.restart(self.rejoin_why)
                 self._end_loop()
                 break
@@ -215,8 +215,8 @@ class MemberDriver:
 
     def close_round(self) -> None:
         """Vote the steps this member took in the current round, as its last step would."""
-        if self.taken and self.epoch is not None and self.k == 1:
-            self.ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
+        if self.taken and self.quorum is not None and self.k == 1:
+            self.ballot.submit(self.quorum.id, self.round, len(self.quorum.members), self.latest_seen,
                                self.node_size())
             self._end_round(True, self.core.handle(ClosedOk()))
 
@@ -254,10 +254,10 @@ class MemberDriver:
             if isinstance(c, Join):
                 self.entry.join()
             else:
-                self.entry.switch(c.epoch)
+                self.entry.switch(c.quorum)
         every = self.checkpoints.settings.every if self.checkpoints is not None else None
-        self.round_len = (core.round_length(self.epoch.round_steps, self.k, self.layout.round, self.step,
-                                            self.total, every) if self.epoch is not None else 1)
+        self.round_len = (core.round_length(self.quorum.round_steps, self.k, self.layout.round, self.step,
+                                            self.total, every) if self.quorum is not None else 1)
         self.core.handle(Computing())
         self.set_phase("compute")
 
@@ -297,7 +297,7 @@ class MemberDriver:
         self.step_open = False
         if self.rejoin_why is not None:  # it leaves this incarnation at the next round's top: no vote, no step
             return False
-        if self.epoch is None:
+        if self.quorum is None:
             if not self.looping:
                 self.misused("opt.step() was called outside an ftrun.ft loop, so no step could ever be committed "
                              "(every one would be discarded): drive the training loop with ft.epochs() or "
@@ -333,7 +333,7 @@ class MemberDriver:
         if ok and self.k == 1:
             self._took_step(self.round)
             if self.taken >= self.round_len:
-                self.ballot.submit(self.epoch.id, self.round, len(self.epoch.members), self.latest_seen,
+                self.ballot.submit(self.quorum.id, self.round, len(self.quorum.members), self.latest_seen,
                                    self.node_size())
                 self._end_round(True, self.core.handle(ClosedOk()))
             return True
@@ -342,7 +342,7 @@ class MemberDriver:
         if not ok and self.pg is not None:
             self.entry.drop_group()
         t0 = self.fx.now()
-        e, rnd = self.epoch, self.round
+        e, rnd = self.quorum, self.round
         commit, target, _, kept = self.cast_vote(self.store, e.id, rnd, len(e.members), ok, self.latest_seen,
                                                  self.node, self.node_size(), self.taken)
         self._slow(t0, f"the decision of round {rnd}")
@@ -364,7 +364,7 @@ class MemberDriver:
         self.step += 1
         self.taken += 1
         self.committed += 1
-        self.fx.took_step(self.epoch.id, rnd, self.step)
+        self.fx.took_step(self.quorum.id, rnd, self.step)
         self.set_phase("commit")
 
     def _end_round(self, commit: bool, commands: List[Command], rnd: int = -1) -> None:
@@ -405,7 +405,7 @@ class MemberDriver:
         ballot = self.ballot
         if ballot.round is None or not (block or ballot.ready()):
             return
-        epoch_id, rnd = ballot.round
+        quorum_id, rnd = ballot.round
         waiting = not ballot.ready()
         back = self.phase
         if waiting:
@@ -419,7 +419,7 @@ class MemberDriver:
                 self.waiting_round = None
                 self.set_phase(back)
         self._slow(t0, f"the decision of round {rnd}")
-        self.fx.decided(epoch_id, rnd, commit)
+        self.fx.decided(quorum_id, rnd, commit)
         for c in self.core.handle(Decided(rnd, commit, target)):
             if isinstance(c, Restart):
                 self.restart(c.why)
@@ -441,11 +441,11 @@ class MemberDriver:
         decision came from the others (no restart budget is charged for it)."""
         self.fx.restart(f"rank {self.rank}: {why}; restarting to take the committed state from a peer", why)
 
-    # ------------------------------------------------------------ epochs
+    # ------------------------------------------------------------ quorums
     # ------------------------------------------------------------ a new incarnation, in place
     def rejoin(self) -> None:
         """The peers decided a round this member stepped past otherwise (core.Rejoin): it leaves
-        its epoch as this incarnation and joins as the next, as a restarted process would: the
+        its quorum as this incarnation and joins as the next, as a restarted process would: the
         supervisor books the change (keys.EVENTS, "rejoin"), and the keeper makes the new one a
         healer; the heal puts the committed state into this process's own objects. Called at a
         round's top, with no vote in flight."""
@@ -480,7 +480,7 @@ class MemberDriver:
         self.fx.note_step(self.step)
 
     def resumed_at(self, step: int) -> None:
-        """The source of a fresh epoch resumed a checkpoint of `step` (member/heal.py)."""
+        """The source of a fresh quorum resumed a checkpoint of `step` (member/heal.py)."""
         self.step = step
         self.yielded = max(self.yielded, step - 1)
         self.fx.note_step(step)
@@ -491,7 +491,7 @@ class MemberDriver:
         self.store = store
         self.ballot = self._new_ballot()
         self.watch.seen(latest)
-        self.store_gen = gen  # the epoch watcher reconnects on this
+        self.store_gen = gen  # the quorum watcher reconnects on this
         self.core.handle(core.StoreLost())
         self._forget_round()
         self.heals.store_moved()

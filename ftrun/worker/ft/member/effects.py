@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NoReturn, Optional, Tuple
 
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 
 # (round, step, newest step yielded): what a heal's transfer carries besides the model's state.
 Snapshot = Tuple[int, int, int]
@@ -96,7 +96,7 @@ class MemberEffects:
         """A line for the rank's log only."""
 
     # ------------------------------------------------------------ groups and collectives
-    def form_group(self, prefix: str, epoch: Epoch, ranks: list, give_up: Callable[[], Optional[str]]) -> Any:
+    def form_group(self, prefix: str, quorum: Quorum, ranks: list, give_up: Callable[[], Optional[str]]) -> Any:
         """A group of `ranks` (this worker among them), given up (an exception) as soon as
         `give_up()` names a reason."""
         raise NotImplementedError
@@ -124,10 +124,10 @@ class MemberEffects:
         raise NotImplementedError
 
     # ------------------------------------------------------------ what the script sees
-    def took_step(self, epoch: int, rnd: int, step: int) -> None:
-        """This member stepped on round `rnd` of `epoch`, to `step` (loaders advance, progress)."""
+    def took_step(self, quorum: int, rnd: int, step: int) -> None:
+        """This member stepped on round `rnd` of `quorum`, to `step` (loaders advance, progress)."""
 
-    def decided(self, epoch: int, rnd: int, commit: bool) -> None:
+    def decided(self, quorum: int, rnd: int, commit: bool) -> None:
         """The decision of a round this member stepped on came in."""
 
     def note_step(self, step: int) -> None:

@@ -1,5 +1,5 @@
-"""The member's way into an epoch: joining (ft/membership.py's store protocol), switching at the
-agreed round, forming the epoch's group and dropping it. Owns the member's group. Must never
+"""The member's way into a quorum: joining (ft/membership.py's store protocol), switching at the
+agreed round, forming the quorum's group and dropping it. Owns the member's group. Must never
 import torch, and never import the supervisor.
 """
 
@@ -8,74 +8,74 @@ from __future__ import annotations
 from typing import Any, List
 
 from ftrun import protocol as keys
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 from ftrun.worker.ft import membership
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import AskEntryRound, Entered, Entering, Finish, Joined, Restart
 
 
-class EpochEntry:
-    """Joins and switches; the epoch's group (`pg`) is its own."""
+class QuorumEntry:
+    """Joins and switches; the quorum's group (`pg`) is its own."""
 
     def __init__(self, driver: Any) -> None:  # the member/driver.py MemberDriver that owns this part
         self.d = driver
-        self.pg: Any = None  # the epoch's group of this worker's shard (all of the replica's when k == 1)
+        self.pg: Any = None  # the quorum's group of this worker's shard (all of the replica's when k == 1)
 
     def join(self) -> None:
-        """Ask the keeper to take this incarnation in, and wait for an epoch that has it."""
+        """Ask the keeper to take this incarnation in, and wait for a quorum that has it."""
         d = self.d
         d.set_phase("join")
         t0 = d.fx.wall()
         entry = d.wait_to_enter(d.store, (d.rank, d.inc), d.fx.sleep, d.fx.poll_s)
         if entry.finished is None:
-            d.watch.seen(entry.latest)  # the newest epoch: a round we close names it, so members move on
+            d.watch.seen(entry.latest)  # the newest quorum: a round we close names it, so members move on
             d.watch.start()
-        for c in d.core.handle(Joined(entry.epoch, entry.round, entry.finished)):
+        for c in d.core.handle(Joined(entry.quorum, entry.round, entry.finished)):
             if isinstance(c, Finish):
                 d._carry_out([c])
                 return
-            self.switch(c.epoch, joining=True)
+            self.switch(c.quorum, joining=True)
         d.store.set(keys.entered_key(d.rank), str(d.inc))
-        if d.epoch is not None and d.in_sync:
-            d.fx.log_detail(f"rank {d.rank} (incarnation {d.inc}) joined quorum {entry.epoch} at step "
+        if d.quorum is not None and d.in_sync:
+            d.fx.log_detail(f"rank {d.rank} (incarnation {d.inc}) joined quorum {entry.quorum} at step "
                         f"{d.step} after {d.fx.wall() - t0:.2f} s")
 
-    def switch(self, epoch_id: int, joining: bool = False) -> None:
-        """Enter epoch `epoch_id` (a new epoch, or the same one to rebuild its group): its round,
+    def switch(self, quorum_id: int, joining: bool = False) -> None:
+        """Enter quorum `quorum_id` (a new quorum, or the same one to rebuild its group): its round,
         its group, its heal."""
         d = self.d
-        epoch = membership.read_epoch(d.store, epoch_id)
-        commands = d.core.handle(Entering(epoch, (d.rank, d.inc), joining))
+        quorum = membership.read_quorum(d.store, quorum_id)
+        commands = d.core.handle(Entering(quorum, (d.rank, d.inc), joining))
         for c in commands:
             if isinstance(c, Restart):
                 d.fx.restart(f"rank {d.rank}: {c.why}; exiting so that ftrun restarts and heals it")
-        if epoch.stop:
-            d.stops.stop_here(epoch)
+        if quorum.stop:
+            d.stops.stop_here(quorum)
         asked = any(isinstance(c, AskEntryRound) for c in commands)
-        d.core.handle(Entered(epoch, d.entry_round(d.store, epoch, d.round) if asked else d.round))
+        d.core.handle(Entered(quorum, d.entry_round(d.store, quorum, d.round) if asked else d.round))
         d.set_phase("group")
         self.drop_group(quiet=True)
-        gone = membership.gone(d.store, epoch, epoch.ranks)
-        if gone:  # connecting would wait for the dead until the timeout; the next epoch drops them
+        gone = membership.gone(d.store, quorum, quorum.ranks)
+        if gone:  # connecting would wait for the dead until the timeout; the next quorum drops them
             d.fail_round(gone)
         else:
             t0 = d.fx.now()
             try:
-                self.pg = self.form(keys.pg_prefix(epoch.id, d.group_round, d.shard_id), epoch,
-                                    d.shard_ranks(epoch))
-            except Exception as e:  # a member died while we connected: this round fails, the next epoch fixes it
-                d.fail_round(f"could not form the group of quorum {epoch.id}: {str(e).splitlines()[0]}")
-            d._slow(t0, f"the group of quorum {epoch.id} (round {d.group_round})")
-        if epoch.healers or epoch.fresh:
-            d.heals.heal(epoch)  # also after a gone end: the transfer's ends must say how it went
-        d.layout.plan(epoch, d.checkpoints is not None)
+                self.pg = self.form(keys.pg_prefix(quorum.id, d.group_round, d.shard_id), quorum,
+                                    d.shard_ranks(quorum))
+            except Exception as e:  # a member died while we connected: this round fails, the next quorum fixes it
+                d.fail_round(f"could not form the group of quorum {quorum.id}: {str(e).splitlines()[0]}")
+            d._slow(t0, f"the group of quorum {quorum.id} (round {d.group_round})")
+        if quorum.healers or quorum.fresh:
+            d.heals.heal(quorum)  # also after a gone end: the transfer's ends must say how it went
+        d.layout.plan(quorum, d.checkpoints is not None)
         d.fx.group_changed(self.pg)
 
-    def form(self, prefix: str, epoch: Epoch, ranks: List[int]) -> Any:
-        """A group of `ranks`, given up as soon as one of them dies or a newer epoch is out."""
+    def form(self, prefix: str, quorum: Quorum, ranks: List[int]) -> Any:
+        """A group of `ranks`, given up as soon as one of them dies or a newer quorum is out."""
         d = self.d
-        return d.fx.form_group(prefix, epoch, ranks, lambda: core.gives_up(
-            d.latest_seen, epoch.id, lambda: membership.gone(d.store, epoch, ranks)))
+        return d.fx.form_group(prefix, quorum, ranks, lambda: core.gives_up(
+            d.latest_seen, quorum.id, lambda: membership.gone(d.store, quorum, ranks)))
 
     def drop_group(self, quiet: bool = False) -> None:
         """Close this member's connections at once: peers blocked in a failed collective then fail

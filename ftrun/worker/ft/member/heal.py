@@ -1,5 +1,5 @@
-"""A member's heals: the committed state moves from the epoch's source to its healers over a group
-of just them (the transfer itself is the effects': ft/transport.py on the worker); a fresh epoch's
+"""A member's heals: the committed state moves from the quorum's source to its healers over a group
+of just them (the transfer itself is the effects': ft/transport.py on the worker); a fresh quorum's
 source first resumes from the newest checkpoint. This component owns the heal's bookkeeping:
 whether the member's state is tainted, the store generation it last healed in, the key it wrote,
 and the figures `ftrun status` shows. Must never send a half-received state, never import torch,
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from ftrun import protocol as keys
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 from ftrun.worker.ft import membership
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import InSync
@@ -27,7 +27,7 @@ class HealTransfers:
         self.tainted = False  # part of a transfer landed in this replica's tensors and it failed, or it stepped past a round voted down
         self.healed_gen = 0  # the store generation in which healed_key was last written
         self.written: Optional[str] = None  # the heal key this member wrote last (deleted at the next)
-        self.resumed = False  # this incarnation resumed a checkpoint (a fresh epoch's source does once)
+        self.resumed = False  # this incarnation resumed a checkpoint (a fresh quorum's source does once)
         self.count = 0
         self.last_heal_s: Optional[float] = None
         self.last_transfer: Optional[Dict[str, Any]] = None
@@ -48,35 +48,35 @@ class HealTransfers:
         d = self.d
         return core.holds_state(d.in_sync, self.healed_gen, d.store_gen)
 
-    def heal(self, epoch: Epoch) -> None:
-        """Move the committed state from the epoch's source to its healers, over a group of just
+    def heal(self, quorum: Quorum) -> None:
+        """Move the committed state from the quorum's source to its healers, over a group of just
         those replicas; the other members wait (bounded by the liveness of the transfer's ends)
         so their next collective does not time out behind the transfer."""
         d, fx = self.d, self.d.fx
-        ends = core.transfer_ends(epoch, d.rank, d.k)
+        ends = core.transfer_ends(quorum, d.rank, d.k)
         source = ends[0]
-        done_key = keys.heal_key(epoch.id, d.group_round, d.shard_id)
+        done_key = keys.heal_key(quorum.id, d.group_round, d.shard_id)
         if d.rank not in ends:
-            self._await(epoch, ends, done_key)
+            self._await(quorum, ends, done_key)
             return
         sending = d.rank == source
-        if membership.gone(d.store, epoch, ends):
+        if membership.gone(d.store, quorum, ends):
             # An end of the transfer is gone: forming its group would wait for it until the timeout.
-            d.fail_round(f"the state transfer of quorum {epoch.id} lost an end before it began")
+            d.fail_round(f"the state transfer of quorum {quorum.id} lost an end before it began")
             if sending:
                 self._done(done_key, "fail")
             return
-        refused = d.source_refuses(sending, self.tainted, epoch.fresh, self.holds_state(), d.k)
+        refused = d.source_refuses(sending, self.tainted, quorum.fresh, self.holds_state(), d.k)
         if refused is not None:
             fx.restart(f"rank {d.rank}: {refused.why}; exiting so that ftrun restarts it clean")
-        if core.resumes_checkpoint(sending, bool(epoch.fresh), d.in_sync, d.checkpoints is not None, self.resumed):
+        if core.resumes_checkpoint(sending, bool(quorum.fresh), d.in_sync, d.checkpoints is not None, self.resumed):
             d.stops.resume()
             self.resumed = True
         d.set_phase("send" if sending else "heal")
         t0 = fx.wall()
         hpg = None
         try:
-            hpg = d.entry.form(keys.pg_prefix(epoch.id, d.group_round, d.shard_id) + "heal/", epoch, ends)
+            hpg = d.entry.form(keys.pg_prefix(quorum.id, d.group_round, d.shard_id) + "heal/", quorum, ends)
             if sending:
                 stats = fx.send_state(hpg, (d.round, d.step, d.yielded))
             else:
@@ -89,7 +89,7 @@ class HealTransfers:
             fx.exit(keys.EXIT_FAILED, f"rank {d.rank}: cannot take the state of rank {source}: {e}. This replica's "
                                       f"model, optimizer or ft.register_state() objects differ from its peers'; "
                                       f"exiting")
-        except Exception as e:  # an end of the transfer died: this round fails, the next epoch heals again
+        except Exception as e:  # an end of the transfer died: this round fails, the next quorum heals again
             fx.drop_group(hpg)
             who = "to its healers" if sending else f"from rank {source}"
             if d.round_ok:
@@ -108,8 +108,8 @@ class HealTransfers:
         if sending:
             self._done(done_key, "ok")
             if not self.holds_state():
-                # A fresh epoch's source (its state is the run's state from now on), or the
-                # source of the first epoch on a store that moved, which knows nothing yet.
+                # A fresh quorum's source (its state is the run's state from now on), or the
+                # source of the first quorum on a store that moved, which knows nothing yet.
                 self._synced()
             return
         self._synced()
@@ -130,16 +130,16 @@ class HealTransfers:
         if self.written:
             try:
                 store.delete_key(self.written)
-            except Exception:  # noqa: BLE001 - the key goes with the epoch anyway
+            except Exception:  # noqa: BLE001 - the key goes with the quorum anyway
                 pass
         store.set(key, what)
         self.written = key
 
-    def _await(self, epoch: Epoch, ends: List[int], done_key: str) -> None:
+    def _await(self, quorum: Quorum, ends: List[int], done_key: str) -> None:
         """A member that neither sends nor receives waits for the transfer to end, or for one of
-        its ends to die (then the round fails and the next epoch moves on)."""
+        its ends to die (then the round fails and the next quorum moves on)."""
         d, fx = self.d, self.d.fx
         d.set_phase("heal-wait")
         t0 = fx.now()
-        if membership.await_transfer(d.store, epoch, ends, done_key, fx.sleep, fx.poll_s):
-            d._slow(t0, f"the state transfer of quorum {epoch.id}")
+        if membership.await_transfer(d.store, quorum, ends, done_key, fx.sleep, fx.poll_s):
+            d._slow(t0, f"the state transfer of quorum {quorum.id}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 
 
 class LayoutRounds:
@@ -22,7 +22,7 @@ class LayoutRounds:
         self.round = False  # this round is a layout round
         self.averages: List[Optional[Callable[[], None]]] = []  # one per wrapped model
         self.serial = 0  # counts layout rounds planned: a model's average runs once in each
-        # A fresh epoch may resume from a checkpoint (--checkpoint-dir): its layout round is
+        # A fresh quorum may resume from a checkpoint (--checkpoint-dir): its layout round is
         # discarded, so the resumed step runs on the rebuilt buckets as it did in the run that
         # wrote the checkpoint, and the resumed run stays bitwise that run.
         self.discard = False
@@ -35,16 +35,16 @@ class LayoutRounds:
         """DDP's own reducer sends the gradients (ft/ddp.py): a layout round on every new group."""
         self.each_group = sends
 
-    def plan(self, epoch: Epoch, has_checkpoints: bool) -> None:
+    def plan(self, quorum: Quorum, has_checkpoints: bool) -> None:
         """The first round on the group just formed: a layout round after a heal for DDP's buckets,
         and on every group when DDP's own reducer sends. Every member of a group formed it at the
         same round, so they all agree."""
-        self.round = self.uses_ddp and (self.each_group or bool(epoch.healers or epoch.fresh))
+        self.round = self.uses_ddp and (self.each_group or bool(quorum.healers or quorum.fresh))
         self.serial += 1
-        self.discard = bool(epoch.fresh) and has_checkpoints
+        self.discard = bool(quorum.fresh) and has_checkpoints
 
     def forget(self) -> None:
-        """The member left its epoch (a rejoin, a store move): no layout round is pending."""
+        """The member left its quorum (a rejoin, a store move): no layout round is pending."""
         self.round = False
 
     def can_average(self) -> bool:

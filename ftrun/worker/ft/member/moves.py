@@ -39,7 +39,7 @@ class StoreFollower:
             fx.sleep(fx.poll_s * 4)
         gen, addr = moved
         d.entry.drop_group()
-        fx.store_moved(addr)  # group formation, the epoch watcher and checkpoint reports connect there
+        fx.store_moved(addr)  # group formation, the quorum watcher and checkpoint reports connect there
         store = fx.connect()
         while not store.check([keys.LATEST]):  # the new keeper's first words
             if fx.now() > deadline:

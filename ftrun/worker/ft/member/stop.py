@@ -1,6 +1,6 @@
-"""How a member stops: at a stop epoch (the writer replica saves the last committed step), at the
+"""How a member stops: at a stop quorum (the writer replica saves the last committed step), at the
 loop's end (the last save retried), and when the run finished while it was restarting; and the
-checkpoint a fresh epoch's source resumes. Must never run the script's code after the loop on an
+checkpoint a fresh quorum's source resumes. Must never run the script's code after the loop on an
 untrained state, never import torch, and never import the supervisor.
 """
 
@@ -10,10 +10,10 @@ import json
 from typing import Any, Dict
 
 from ftrun import protocol as keys
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 from ftrun.worker.ft.member.core import Entered, InSync
 
-PARK_POLL_S = 0.2  # a stopped member looks this often for a newer stop epoch naming it the writer
+PARK_POLL_S = 0.2  # a stopped member looks this often for a newer stop quorum naming it the writer
 
 
 class StopPaths:
@@ -23,7 +23,7 @@ class StopPaths:
         self.d = driver
 
     def resume(self) -> None:
-        """The source of a fresh epoch: take the newest complete checkpoint, if any, into this
+        """The source of a fresh quorum: take the newest complete checkpoint, if any, into this
         worker's own objects and its global step; the heal then sends that state to the others."""
         d = self.d
         d.set_phase("resume")
@@ -78,29 +78,29 @@ class StopPaths:
                                 f"exiting now (status 0) instead of running the script's code after the loop on an "
                                 f"untrained model")
 
-    def stop_here(self, epoch: Epoch) -> None:
-        """A stop signal reached the run (ftrun published a stop epoch): every member stops at
+    def stop_here(self, quorum: Quorum) -> None:
+        """A stop signal reached the run (ftrun published a stop quorum): every member stops at
         this round boundary, each holding the state of the last step it committed. The writer
         replica saves that step and says how it went (protocol.STOP_SAVE); every member then waits
-        to be stopped, and saves after all should a newer stop epoch name its replica the writer.
+        to be stopped, and saves after all should a newer stop quorum name its replica the writer.
         The script's code after the loop never runs on a stopped run. Never returns."""
         d = self.d
         d.entry.drop_group()
         d.set_phase("stop")
         saved = False
         while True:
-            d.core.handle(Entered(epoch, d.round))  # reported as the member's epoch
-            if not saved and d.replica == epoch.writer:
+            d.core.handle(Entered(quorum, d.round))  # reported as the member's quorum
+            if not saved and d.replica == quorum.writer:
                 saved = True
                 self._save_before_stop()
             d.fx.sleep(PARK_POLL_S)
-            if d.latest_seen > epoch.id:
+            if d.latest_seen > quorum.id:
                 try:
-                    newest = Epoch.from_json(d.store.get(keys.epoch_key(d.latest_seen)))
+                    newest = Quorum.from_json(d.store.get(keys.quorum_key(d.latest_seen)))
                 except Exception:  # noqa: BLE001 - the store is going away with the run
                     continue
                 if newest.stop and (d.rank, d.inc) in newest.members:
-                    epoch = newest
+                    quorum = newest
 
     def _save_before_stop(self) -> None:
         d = self.d

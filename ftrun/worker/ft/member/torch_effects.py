@@ -16,7 +16,7 @@ from typing import Any, Callable, List, NoReturn, Optional, Tuple
 import torch.distributed as dist
 
 from ftrun import protocol as keys
-from ftrun.protocol import Epoch
+from ftrun.protocol import Quorum
 from ftrun.worker.ft import vote
 from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
 from ftrun.worker.ft.member.effects import HealRefused, MemberEffects, Snapshot
@@ -140,7 +140,7 @@ class TorchEffects(MemberEffects):
         _log_detail(msg)
 
     # ------------------------------------------------------------ groups and collectives
-    def form_group(self, prefix: str, epoch: Epoch, ranks: list, give_up: Callable[[], Optional[str]]) -> Any:
+    def form_group(self, prefix: str, quorum: Quorum, ranks: list, give_up: Callable[[], Optional[str]]) -> Any:
         return build_group_watched(run_store(), prefix, ranks.index(self.rank), len(ranks), give_up, POLL_S)
 
     def drop_group(self, group: Any) -> None:
@@ -177,7 +177,7 @@ class TorchEffects(MemberEffects):
             time.sleep(delay)
 
     # ------------------------------------------------------------ what the script sees
-    def took_step(self, epoch: int, rnd: int, step: int) -> None:
+    def took_step(self, quorum: int, rnd: int, step: int) -> None:
         for fn in self.step_listeners:
             fn()
         if self.progress is not None:

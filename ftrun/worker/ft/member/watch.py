@@ -1,6 +1,6 @@
-"""The member's epoch watcher: a thread that learns of each new epoch as the keeper publishes it
-(a blocking read of the next epoch's key), so that no step asks; it follows the run's store when
-it moves. Owns the newest epoch id this member has seen. Must never import torch, and never
+"""The member's quorum watcher: a thread that learns of each new quorum as the keeper publishes it
+(a blocking read of the next quorum's key), so that no step asks; it follows the run's store when
+it moves. Owns the newest quorum id this member has seen. Must never import torch, and never
 import the supervisor.
 """
 
@@ -11,8 +11,8 @@ from typing import Any, Optional
 from ftrun import protocol as keys
 
 
-class EpochWatch:
-    """The newest epoch seen (`latest`), kept up to date off the training thread."""
+class QuorumWatch:
+    """The newest quorum seen (`latest`), kept up to date off the training thread."""
 
     def __init__(self, driver: Any) -> None:  # the member/driver.py MemberDriver that owns this part
         self.d = driver
@@ -20,14 +20,14 @@ class EpochWatch:
         self._started = False
 
     def seen(self, latest: int) -> None:
-        """The training thread read the newest epoch (a join, a store's move): from here on."""
+        """The training thread read the newest quorum (a join, a store's move): from here on."""
         self.latest = latest
 
     def start(self) -> None:
         """Start the thread once per process (a rejoin in place keeps it)."""
         if not self._started:
             self._started = True
-            self.d.fx.spawn(self._run, "ftrun-epochs")
+            self.d.fx.spawn(self._run, "ftrun-quorums")
 
     def _run(self) -> None:
         d, fx = self.d, self.d.fx
@@ -44,8 +44,8 @@ class EpochWatch:
                     continue
                 nxt = self.latest + 1
             try:
-                store.get(keys.epoch_key(nxt))
-            except Exception:  # noqa: BLE001 - no new epoch for a while (a timeout), or the store is gone
+                store.get(keys.quorum_key(nxt))
+            except Exception:  # noqa: BLE001 - no new quorum for a while (a timeout), or the store is gone
                 if d.finished:
                     return
                 while gen == d.store_gen and not d.finished and fx.store_gone():
