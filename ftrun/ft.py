@@ -41,10 +41,10 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ftrun.worker.ft.data import DataLoader
-from ftrun.worker.ft.ddp import DistributedDataParallel
+from ftrun.worker.ft.api.data import DataLoader
+from ftrun.worker.ft.api.ddp import DistributedDataParallel
 from ftrun.worker.ft.manager import manager
-from ftrun.worker.ft.optim import Optimizer
+from ftrun.worker.ft.api.optim import Optimizer
 
 __all__ = ["DistributedDataParallel", "Optimizer", "DataLoader", "epochs", "steps", "register_state", "redo",
            "replica_id", "replica_index", "num_replicas", "global_step", "replicate", "device_mesh",
@@ -59,7 +59,7 @@ def replicate(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         if kwargs:
             raise TypeError(f"ftrun.ft.replicate(): a fully_shard-ed model takes no options, not {sorted(kwargs)}")
-        from ftrun.worker.ft.sharded import replicate_sharded
+        from ftrun.worker.ft.api.sharded import replicate_sharded
 
         return replicate_sharded(manager(), module)
     return DistributedDataParallel(module, **kwargs)
@@ -122,7 +122,7 @@ def global_step() -> int:
 def epochs(total: int) -> Iterator[int]:
     """The run's training epochs, from the current one to `total` (a restarted replica, or a run
     resumed from a checkpoint, starts at the run's current epoch): `for epoch in ft.epochs(10):`."""
-    from ftrun.worker.ft.data import TrainingEpochs
+    from ftrun.worker.ft.api.data import TrainingEpochs
 
     mgr = manager()
     if mgr.epochs_state is None:

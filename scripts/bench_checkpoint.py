@@ -119,7 +119,7 @@ def _checksum_writes(model, optimizer, scratch: Path) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ftrun.worker.ft.checkpoint_state import StateDicts
+    from ftrun.worker.ft.checkpoint.state import StateDicts
 
     sd = StateDicts().state_dict(types.SimpleNamespace(models=[model], optimizers=[optimizer], extras={}))
     default = torch.serialization.get_crc32_options()

@@ -8,7 +8,7 @@ One process hosts the run's TCPStore and the supervisor's quorum keeper
 (ftrun.supervisor.quorum.QuorumKeeper, polled every 50 ms as in a run: joins,
 healed flags, status reports, key collection). N replica clients, spread
 over --procs processes of threads, each with its own store connection, vote
-round after round with ftrun.worker.ft.vote.cast (the code a replica runs
+round after round with ftrun.worker.ft.member.vote.cast (the code a replica runs
 in opt.step()) and write their status report every 0.25 s as a replica's
 heartbeat does. With --per-node P they vote and report through their
 node's store, and each node's relay (ftrun.supervisor.nodes.relay.NodeRelay)
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch.distributed as dist  # noqa: E402
 
 from ftrun import protocol as keys  # noqa: E402
-from ftrun.worker.ft import vote  # noqa: E402
+from ftrun.worker.ft.member import vote  # noqa: E402
 from ftrun.protocol import Quorum  # noqa: E402
 import scratch  # noqa: E402
 

@@ -4,7 +4,7 @@
     python scripts/bench_reconfigure.py --sizes 4 --rounds 15
 
 ftrun gives every quorum change a fresh group: each member builds a new
-ProcessGroupGloo under a fresh store prefix (ftrun.worker.ft.group.build_group),
+ProcessGroupGloo under a fresh store prefix (ftrun.worker.ft.member.group.build_group),
 which connects every pair of ranks again through the run's TCPStore. torch 2.14
 adds an experimental alternative: a backend made once with
 ``enable_reconfigure=True`` is re-pointed at a new set of peers by
@@ -53,7 +53,7 @@ def member(port: int, rank: int, size: int, rounds: int, methods: List[str]) -> 
     import torch
     import torch.distributed as dist
 
-    from ftrun.worker.ft.group import build_group
+    from ftrun.worker.ft.member.group import build_group
 
     store = dist.TCPStore("127.0.0.1", port, None, False, TIMEOUT)
     recon = None

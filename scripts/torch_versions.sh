@@ -9,7 +9,7 @@
 # pip picks the CPU build where the index has one (the local 2.13.0+cpu wheel outranks 2.13.0);
 # where only the CUDA build exists (PyPI's Linux wheels) it is installed with its CUDA packages,
 # several GB, and runs on CPU all the same: too large for every CI run, so run this by hand, and
-# in every change to ftrun/worker/patches.py or the group code (ftrun/worker/ft/group.py).
+# in every change to ftrun/worker/patches.py or the group code (ftrun/worker/ft/member/group.py).
 # Exit status: 0 only when every release passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."

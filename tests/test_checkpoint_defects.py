@@ -183,7 +183,7 @@ def test_a_checkpoint_written_before_the_loaders_fingerprint_still_fits():
     checkpoint has, and the user's own state, are left alone."""
     from types import SimpleNamespace
 
-    from ftrun.worker.ft.checkpoint_read import drop_fields_added_since
+    from ftrun.worker.ft.checkpoint.read import drop_fields_added_since
 
     old = SimpleNamespace(state_dict_metadata={f"extras.ftrun.data.0.{f}": None for f in ("epoch", "pos", "size")}
                           | {"extras.mine.fingerprint": None})

@@ -13,7 +13,7 @@ import torch
 from conftest import run_ftrun
 from helpers import restarts_of_kills
 
-# Step 0 is a layout round (see ftrun/worker/ft/ddp.py); with a sparse embedding its gradients
+# Step 0 is a layout round (see ftrun/worker/ft/api/ddp.py); with a sparse embedding its gradients
 # cannot be averaged, so every replica discards it and the loop hands step 0 out again: a
 # discarded step on every run, without a kill.
 SCRIPT = '''

@@ -19,7 +19,7 @@ from ftrun import protocol as keys
 from ftrun.supervisor.keeper import core, dead
 from ftrun.supervisor.quorum import QuorumKeeper
 from ftrun.supervisor.nodes.relay import NodeRelay, Routes
-from ftrun.worker.ft import vote
+from ftrun.worker.ft.member import vote
 
 pytestmark = pytest.mark.quick
 
@@ -216,7 +216,7 @@ def test_joiner_scanning_quorums_never_waits_on_a_deleted_one():
     import time
 
     from ftrun.protocol import Quorum
-    from ftrun.worker.ft.membership import started_quorum_with_me
+    from ftrun.worker.ft.member.membership import started_quorum_with_me
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30))
     for e in (4, 5):

@@ -19,7 +19,7 @@ DIRECT_PATCH = re.compile(r"^\s*(torch|dist|dcp|DDP|TorchDDP)(\.\w+)+\s*=[^=]|se
 # Modules that read os.environ themselves: the settings, the zygote (not a worker yet: it sets
 # the worker's environment), and the --ft member's modules (the store's moves still rewrite
 # FTRUN_STORE when the store moves, and the others read it and the member's tuning knobs at use).
-READS_ENV = {"settings.py", "zygote.py", "ft/manager.py", "ft/vote.py", "ft/member/torch_effects.py", "ft/member_io.py"}
+READS_ENV = {"settings.py", "zygote.py", "ft/manager.py", "ft/member/vote.py", "ft/member/torch_effects.py", "ft/member/member_io.py"}
 
 
 def _sources():
@@ -45,7 +45,7 @@ def test_undo_gives_torch_its_own_functions_back():
 
     from ftrun.hookspec import HookSpec
     from ftrun.worker import inject, patches
-    from ftrun.worker.ft import world
+    from ftrun.worker.ft.api import world
 
     init, destroy, ddp_init = dist.init_process_group, dist.destroy_process_group, DDP.__init__
     try:

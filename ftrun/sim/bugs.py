@@ -17,10 +17,10 @@ from ftrun.supervisor.keeper.core import KeeperSnapshot
 from ftrun.supervisor.keeper.dead import QUORUM_COLLECTED, KeeperRules
 from ftrun.supervisor.policy.failure_policy import FailurePolicy, ReplicaFailed, RestartAction, RestartVerdict
 from ftrun.supervisor.quorum import QuorumKeeper
-from ftrun.worker.ft import vote
+from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member import core as member_core
 from ftrun.worker.ft.member.driver import MemberDriver
-from ftrun.worker.ft.membership import Entry, Member
+from ftrun.worker.ft.member.membership import Entry, Member
 
 
 class Wiring:

@@ -17,7 +17,7 @@ from ftrun import protocol as keys
 from ftrun.protocol import Quorum
 from ftrun.sim.sched import SimKilled
 from ftrun.sim.store import DistStoreError
-from ftrun.worker.ft import vote
+from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member.driver import MemberDriver
 from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
 

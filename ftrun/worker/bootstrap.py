@@ -58,11 +58,11 @@ def install() -> None:
 
     progress.start_from_env()
     if s.ft and s.replica_size == "1":
-        from ftrun.worker.ft import world
+        from ftrun.worker.ft.api import world
 
         world.install()
     if s.ft:
-        from ftrun.worker.ft import data_checks
+        from ftrun.worker.ft.api import data_checks
 
         data_checks.install()
     # With --ft the hook goes through ftrun.ft's DDP (over the live replicas), not plain DDP.

@@ -277,7 +277,7 @@ class Registration:
 
     def count_step(self, nbytes: int) -> None:
         """A step whose gradients DDP's own reducer all-reduced whole (--ft's default hook,
-        which is no Python hook at all: ftrun.worker.ft.ddp), counted as the composed hook counts."""
+        which is no Python hook at all: ftrun.worker.ft.api.ddp), counted as the composed hook counts."""
         self.stats.bytes_dense += nbytes
         self.stats.step_bytes += nbytes
         self._step_sent()

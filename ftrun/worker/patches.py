@@ -5,7 +5,7 @@ methods, because a user's unchanged script (and Lightning, Accelerate) calls
 them by name. Each is listed in PATCHES, and each is applied through
 `install()`, which records the original so that `undo()` puts it back:
 
-- `torch.autograd.backward` (ft/ddp.py, --ft with ftrun.ft's DDP): a peer's
+- `torch.autograd.backward` (ft/api/ddp.py, --ft with ftrun.ft's DDP): a peer's
   death inside a backward's allreduce fails the round instead of raising,
   and a layout round averages the gradients once the backward returns.
   Tensor.backward() calls it by name. Installed at the first ft.DistributedDataParallel();
@@ -16,11 +16,11 @@ them by name. Each is listed in PATCHES, and each is applied through
   DCP) notes the step count it saved at, for the goodput of a group restart.
   The wrappers only bump counters and call torch's function.
 - `torch.distributed.init_process_group` and `destroy_process_group`
-  (ft/world.py, --ft with one worker per replica): a restarted replica cannot
+  (ft/api/world.py, --ft with one worker per replica): a restarted replica cannot
   join the group of all workers formed at the start, so its call is skipped
   with one line, and the destroy of that group is then a no-op. ftrun's own
   calls go to torch's function (`world.torch_init_process_group()`).
-- `DistributedSampler.__init__` (ft/data_checks.py, --ft): with no default
+- `DistributedSampler.__init__` (ft/api/data_checks.py, --ft): with no default
   group (a restarted replica, or a script that never made one), a sampler
   built without num_replicas/rank splits over WORLD_SIZE at RANK, as the
   group of all workers would, instead of raising; ft.DataLoader reads the
@@ -59,7 +59,7 @@ class Patch:
 
 PATCHES: Dict[str, Patch] = {
     "autograd.backward": Patch(
-        ("torch.autograd.backward",), "ftrun.worker.ft.ddp",
+        ("torch.autograd.backward",), "ftrun.worker.ft.api.ddp",
         "a collective failure in a backward on a quorum's group fails the round instead of raising; a layout "
         "round averages the gradients after the backward",
         "undo('autograd.backward'); otherwise a pass-through to torch's backward for models ftrun does not arm"),
@@ -73,12 +73,12 @@ PATCHES: Dict[str, Patch] = {
         "without --ft: the step count of the script's latest DCP save (goodput)",
         "undo('dcp.save'); the wrappers call DCP's own function"),
     "process_group": Patch(
-        ("torch.distributed.init_process_group", "torch.distributed.destroy_process_group"), "ftrun.worker.ft.world",
+        ("torch.distributed.init_process_group", "torch.distributed.destroy_process_group"), "ftrun.worker.ft.api.world",
         "--ft, one worker per replica: a restarted replica skips the script's group of all workers, which it "
         "could never join again",
         "undo('process_group'); ftrun's own calls use world.torch_init_process_group()"),
     "sampler": Patch(
-        ("torch.utils.data.distributed.DistributedSampler.__init__",), "ftrun.worker.ft.data_checks",
+        ("torch.utils.data.distributed.DistributedSampler.__init__",), "ftrun.worker.ft.api.data_checks",
         "--ft: DistributedSampler(dataset) with no default group takes WORLD_SIZE and RANK (a restarted replica has "
         "no default group); ft.DataLoader compares its order with the samplers the script built",
         "undo('sampler'); a sampler with num_replicas and rank given, or built with a default group, is torch's own"),

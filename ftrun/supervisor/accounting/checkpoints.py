@@ -1,7 +1,7 @@
 """The supervisor's side of --checkpoint-dir: what `ftrun status` and the run's last lines say
 of its checkpoints, and the save that a stop signal asks for before the workers stop.
 
-The workers write and read the checkpoints (ftrun.worker.ft.checkpoint) and leave a few words in
+The workers write and read the checkpoints (ftrun.worker.ft.checkpoint.schedule) and leave a few words in
 the store: the newest good one (protocol.CHECKPOINT, with the count of failed saves when it was
 published), the last failed save (protocol.CHECKPOINT_FAILURE) and, after a stop signal, how the
 save before stopping went (protocol.STOP_SAVE). This module turns them into the status record,

@@ -15,16 +15,16 @@ after next for a commit (read late), the next for a failed round (read at
 once by everyone who goes on); a thread learns of new quorums as they are
 published, so no step asks. A new or restarted replica asks to join, is
 put into a quorum as a healer, and receives the model, optimizer and
-registered state from a peer over a process group (ft/transport.py), before
+registered state from a peer over a process group (ft/heal/transport.py), before
 the round's forward pass. With --checkpoint-dir the replica at index 0
-writes the committed state to disk every N steps (ft/checkpoint.py), and
+writes the committed state to disk every N steps (ft/checkpoint/schedule.py), and
 the source of a fresh quorum (no member holds trained state) first loads the
 newest checkpoint, so the heal spreads it.
 
 With --replica-size K a replica is K workers sharding the model (FSDP2 over
 the replica's own group, `device_mesh()`). Every worker is a member and
 votes; worker j of each live replica forms the quorum's group of shard index
-j, over which its gradient shard is averaged (ft/sharded.py) and its shard
+j, over which its gradient shard is averaged (ft/api/sharded.py) and its shard
 of the state is healed, from worker j of one source replica.
 Must never raise a collective failure into the user's loop, and never import
 the supervisor.
@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 from ftrun import protocol as keys
-from ftrun.worker.ft.checkpoint import Checkpointer
+from ftrun.worker.ft.checkpoint.schedule import Checkpointer
 from ftrun.worker.ft.member.driver import MemberDriver
 from ftrun.worker.ft.member.torch_effects import TorchEffects
-from ftrun.worker.ft.member_io import _log, _log_detail, leave
-from ftrun.worker.ft.state import ReplicaState
+from ftrun.worker.ft.member.member_io import _log, _log_detail, leave
+from ftrun.worker.ft.heal.state import ReplicaState
 from ftrun.worker.settings import store_moved
 
 
@@ -66,7 +66,7 @@ class Manager:
             raise RuntimeError("ftrun.ft needs to run under `ftrun --ft` (FTRUN_STORE and FTRUN_FT=1 are not set)")
         rank = int(os.environ["RANK"])
         k = max(1, int(os.environ.get("FTRUN_REPLICA_SIZE", "1")))
-        self.state = ReplicaState()  # what a heal moves (ft/state.py)
+        self.state = ReplicaState()  # what a heal moves (ft/heal/state.py)
         self.fx = TorchEffects(self.state, rank, datetime.timedelta(
             seconds=float(os.environ.get("FTRUN_FT_VOTE_TIMEOUT", "600"))))
         # On several nodes this member votes through its node's store (vote.Node). On three nodes
@@ -84,9 +84,9 @@ class Manager:
         self.member = MemberDriver(self.fx, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), k, nodes,
                                    checkpoints, self.state, store_gen)
         self.mesh: Any = None  # the replica's own DeviceMesh (device_mesh())
-        self.optimizer_wrapped = False  # ft.Optimizer was made (one per run: ft/optim.py)
-        self.loaders: List[Any] = []  # every ft.DataLoader (ft/data.py), in the order made
-        self.epochs_state: Any = None  # ft.epochs()' registered quorum (ft/data.py), once asked for
+        self.optimizer_wrapped = False  # ft.Optimizer was made (one per run: ft/api/optim.py)
+        self.loaders: List[Any] = []  # every ft.DataLoader (ft/api/data.py), in the order made
+        self.epochs_state: Any = None  # ft.epochs()' registered quorum (ft/api/data.py), once asked for
         if self.fx.progress is not None:
             self.fx.progress.info_provider = self.member.info
 
@@ -138,13 +138,13 @@ class Manager:
         return self.member.looping
 
     @looping.setter
-    def looping(self, value: bool) -> None:  # ft.epochs() (ft/data.py) drives the loop itself
+    def looping(self, value: bool) -> None:  # ft.epochs() (ft/api/data.py) drives the loop itself
         self.member.set_looping(value)
 
     def info(self) -> Dict[str, Any]:
         return self.member.info()
 
-    # ------------------------------------------------------------ layout rounds (ft/ddp.py)
+    # ------------------------------------------------------------ layout rounds (ft/api/ddp.py)
     layout_round = property(lambda self: self.member.layout.round)
     layout_serial = property(lambda self: self.member.layout.serial)
     layout_averages = property(lambda self: self.member.layout.averages)
@@ -230,7 +230,7 @@ class Manager:
                     f"initialized; under --ft the default group must be this replica's {k} workers. "
                     f"Drop the script's init_process_group() call: ftrun.ft.device_mesh() makes it")
         else:
-            from ftrun.worker.ft.world import torch_init_process_group
+            from ftrun.worker.ft.api.world import torch_init_process_group
 
             # torch's own call, not the script's wrapped one (world.py), which a restarted replica skips.
             store = dist.PrefixStore(keys.replica_prefix(self.replica, self.inc), self.member.store)

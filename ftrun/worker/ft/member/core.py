@@ -7,7 +7,7 @@ A state machine: `MemberCore.handle(event) -> commands`, and the pure rules the 
 loop_ends). One driver (member/driver.py) turns store replies, group results and timers into
 events and carries out the commands, over the worker's effects in the product and the
 simulator's under seeded faults, so both run exactly these decisions. The store protocol they
-speak is ft/membership.py and ft/vote.py.
+speak is ft/member/membership.py and ft/member/vote.py.
 
 A hot spare fits these events without a new mechanism: a spare is a joiner the keeper leaves
 out of its quorums until a member is lost (its `Join` waits as any joiner's does), and its

@@ -4,7 +4,7 @@ the TCPStore; the simulator (ftrun/sim) runs this very class over its in-memory 
 groups and virtual clock, so both run the same code.
 
 A round is one attempt at a step. Each member adds its vote (ok, or failed) to the round's
-counter in the store (ft/vote.py); the member whose vote completes the count writes the decision,
+counter in the store (ft/member/vote.py); the member whose vote completes the count writes the decision,
 the others read it. A member whose collectives succeeded steps at once and reads the decision
 during the next round, before that round's first collective; one whose action the decision
 contradicts takes the committed state again (in place, or by a restart). Members switch to the
@@ -24,7 +24,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
-from ftrun.worker.ft import membership, vote
+from ftrun.worker.ft.member import membership, vote
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import (Backoff, ClosedOk, CollectiveFailed, Command, Computing, Decided, Finish,
                                          FinishedRead, Join, MemberCore, ReadFinished, Rejoin, Restart, RoundTop,
@@ -33,7 +33,7 @@ from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
 from ftrun.worker.ft.member.entry import QuorumEntry
 from ftrun.worker.ft.member.heal import HealTransfers
 from ftrun.worker.ft.member.layout import LayoutRounds
-from ftrun.worker.ft.member_io import PEER_LOST, _plain
+from ftrun.worker.ft.member.member_io import PEER_LOST, _plain
 from ftrun.worker.ft.member.moves import StoreFollower
 from ftrun.worker.ft.member.stop import StopPaths
 from ftrun.worker.ft.member.watch import QuorumWatch
@@ -63,7 +63,7 @@ class MemberDriver:
         self.ballot = self._new_ballot()
         self.core = MemberCore(can_rejoin=core.rejoins_in_place(k, nodes))
         self.checkpoints = checkpoints  # a Checkpointer (--checkpoint-dir), or None
-        self.state = state  # what a checkpoint saves and resumes (ft/state.py's ReplicaState), or None
+        self.state = state  # what a checkpoint saves and resumes (ft/heal/state.py's ReplicaState), or None
         self.layout = LayoutRounds()
         self.heals = HealTransfers(self)
         self.stops = StopPaths(self)
@@ -204,7 +204,7 @@ class MemberDriver:
             self.store.compare_set(keys.FINISHED, "", str(self.step))
 
     def set_looping(self, looping: bool) -> None:
-        """ft.epochs() (ft/data.py) drives the loop itself: it says when it is inside one."""
+        """ft.epochs() (ft/api/data.py) drives the loop itself: it says when it is inside one."""
         self.looping = looping
 
     def _left_loop(self) -> None:

@@ -1,4 +1,4 @@
-"""The member's way into a quorum: joining (ft/membership.py's store protocol), switching at the
+"""The member's way into a quorum: joining (ft/member/membership.py's store protocol), switching at the
 agreed round, forming the quorum's group and dropping it. Owns the member's group. Must never
 import torch, and never import the supervisor.
 """
@@ -9,7 +9,7 @@ from typing import Any, List
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
-from ftrun.worker.ft import membership
+from ftrun.worker.ft.member import membership
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import AskEntryRound, Entered, Entering, Finish, Joined, Restart
 

@@ -1,5 +1,5 @@
 """A member's heals: the committed state moves from the quorum's source to its healers over a group
-of just them (the transfer itself is the effects': ft/transport.py on the worker); a fresh quorum's
+of just them (the transfer itself is the effects': ft/heal/transport.py on the worker); a fresh quorum's
 source first resumes from the newest checkpoint. This component owns the heal's bookkeeping:
 whether the member's state is tainted, the store generation it last healed in, the key it wrote,
 and the figures `ftrun status` shows. Must never send a half-received state, never import torch,
@@ -12,11 +12,11 @@ from typing import Any, Dict, List, Optional
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
-from ftrun.worker.ft import membership
+from ftrun.worker.ft.member import membership
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import InSync
 from ftrun.worker.ft.member.effects import HealRefused
-from ftrun.worker.ft.member_io import PEER_LOST
+from ftrun.worker.ft.member.member_io import PEER_LOST
 
 
 class HealTransfers:

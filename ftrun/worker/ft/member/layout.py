@@ -1,4 +1,4 @@
-"""A member's layout rounds (ft/ddp.py): the first round after a heal (with DDP's own reducer
+"""A member's layout rounds (ft/api/ddp.py): the first round after a heal (with DDP's own reducer
 sending, on every new group) sends nothing during the backward, so every member's DDP records
 the order in which gradients become ready and builds the same buckets; each wrapped model's
 layout average then averages the gradients once, and the round is voted as any other. Where a
@@ -17,8 +17,8 @@ class LayoutRounds:
     """Whether this round is a layout round, and the wrapped models' averages; owned by the driver."""
 
     def __init__(self) -> None:
-        self.uses_ddp = False  # a layout round follows each heal only for DDP's buckets (ft/ddp.py)
-        self.each_group = False  # DDP's reducer sends (ft/ddp.py): a layout round on every new group
+        self.uses_ddp = False  # a layout round follows each heal only for DDP's buckets (ft/api/ddp.py)
+        self.each_group = False  # DDP's reducer sends (ft/api/ddp.py): a layout round on every new group
         self.round = False  # this round is a layout round
         self.averages: List[Optional[Callable[[], None]]] = []  # one per wrapped model
         self.serial = 0  # counts layout rounds planned: a model's average runs once in each
@@ -28,11 +28,11 @@ class LayoutRounds:
         self.discard = False
 
     def use_ddp(self, uses: bool = True) -> None:
-        """A model was wrapped in ft.DistributedDataParallel (ft/ddp.py)."""
+        """A model was wrapped in ft.DistributedDataParallel (ft/api/ddp.py)."""
         self.uses_ddp = uses
 
     def reducer_sends(self, sends: bool = True) -> None:
-        """DDP's own reducer sends the gradients (ft/ddp.py): a layout round on every new group."""
+        """DDP's own reducer sends the gradients (ft/api/ddp.py): a layout round on every new group."""
         self.each_group = sends
 
     def plan(self, quorum: Quorum, has_checkpoints: bool) -> None:

@@ -40,7 +40,7 @@ class StopPaths:
         """The checkpoint of the loop's last step failed (this replica wrote it): try again, a few
         times, a little later each time (every worker of the replica knows the outcome alike, so
         they all retry together). The training itself is done either way."""
-        from ftrun.worker.ft.checkpoint_writer import FINAL_SAVE_ATTEMPTS, FINAL_SAVE_RETRY_S
+        from ftrun.worker.ft.checkpoint.writer import FINAL_SAVE_ATTEMPTS, FINAL_SAVE_RETRY_S
 
         d = self.d
         ck = d.checkpoints

@@ -1,6 +1,6 @@
 """The worker's effects for the member's driver (member/effects.py): the run's TCPStore, process
-groups over torch.distributed (ft/group.py), the state transfer (ft/transport.py) of the replica's
-registered state (ft/state.py), real threads and clocks, and the process's exits. Carries out;
+groups over torch.distributed (ft/member/group.py), the state transfer (ft/heal/transport.py) of the replica's
+registered state (ft/heal/state.py), real threads and clocks, and the process's exits. Carries out;
 decides nothing. Must never import the supervisor.
 """
 
@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
-from ftrun.worker.ft import vote
-from ftrun.worker.ft.group import abort_group, build_group_watched, group_device, settle
+from ftrun.worker.ft.member import vote
+from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device, settle
 from ftrun.worker.ft.member.effects import HealRefused, MemberEffects, Snapshot
-from ftrun.worker.ft.member_io import POLL_S, _env_number, _log, _log_detail, leave, restart_replica
-from ftrun.worker.ft.state import ReplicaState
-from ftrun.worker.ft.transport import StateMismatch, receive_state, send_state
+from ftrun.worker.ft.member.member_io import POLL_S, _env_number, _log, _log_detail, leave, restart_replica
+from ftrun.worker.ft.heal.state import ReplicaState
+from ftrun.worker.ft.heal.transport import StateMismatch, receive_state, send_state
 from ftrun.worker.settings import run_store, store_moved
 
 STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's store to count as up

@@ -66,7 +66,7 @@ class StateDicts:
         """This worker's own tensors for a checkpoint to be read into. A fresh optimizer first gets
         its state tensors at their final shapes (a step on zero gradients with lr 0, parameters
         unchanged), even where gradients of a discarded round are still there."""
-        from ftrun.worker.ft.state import _create_optimizer_state
+        from ftrun.worker.ft.heal.state import _create_optimizer_state
 
         for opt in state.optimizers:
             _create_optimizer_state(opt)

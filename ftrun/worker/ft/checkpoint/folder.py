@@ -5,7 +5,7 @@
   one rename publishes it as DIR/step-N/; the folder's entry is fsynced
   after the rename, and the written files leave the page cache.
 - pruned: the newest `keep` checkpoints that verify are kept
-  (ft/checkpoint_read.py: checksums); a damaged one is moved aside to
+  (ft/checkpoint/read.py: checksums); a damaged one is moved aside to
   step-N.damaged, never counted and never deleted; the only good one is
   never deleted. Partial folders older than the newest published one go.
   A step-N folder without ftrun.json is not ftrun's: neither counted nor removed.
@@ -23,8 +23,8 @@ import shutil
 from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
-from ftrun.worker.ft import checkpoint_read as disk
-from ftrun.worker.ft.checkpoint_read import DAMAGED_SUFFIX, META, PARTIAL_DIR, Damaged, complete_checkpoints, one_line
+from ftrun.worker.ft.checkpoint import read as disk
+from ftrun.worker.ft.checkpoint.read import DAMAGED_SUFFIX, META, PARTIAL_DIR, Damaged, complete_checkpoints, one_line
 
 
 class Folder:

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ftrun.hookspec import HookSpec
 from ftrun.worker import patches, settings
-from ftrun.worker.ft.group import local_group
+from ftrun.worker.ft.member.group import local_group
 from ftrun.worker.ft.manager import Manager, manager
 
 

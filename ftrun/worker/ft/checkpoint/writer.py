@@ -6,7 +6,7 @@ while the copy holds the GIL, cost the loop 10-25 ms). The thread runs at a
 low CPU priority (nice 10), waits for the copy, and `dcp.save`s it into the
 partial folder with fsync and torch's record CRCs (set per thread: this one
 is the writer's own, whatever the script chose); the replica's first worker
-then publishes it (ft/checkpoint_folder.py) and prunes.
+then publishes it (ft/checkpoint/folder.py) and prunes.
 - never fatal: a save that fails (a full disk, a quota, an I/O error: DCP
   raises them as CheckpointException, a BaseException) is one line, counted
   in the store for `ftrun status` (a save tried again counts once); its
@@ -42,10 +42,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ftrun.worker.ft.checkpoint_folder import Folder, drop_cached
-from ftrun.worker.ft.checkpoint_read import one_line
-from ftrun.worker.ft.checkpoint_state import tensor_bytes
-from ftrun.worker.ft.checkpoint_status import StoreStatus
+from ftrun.worker.ft.checkpoint.folder import Folder, drop_cached
+from ftrun.worker.ft.checkpoint.read import one_line
+from ftrun.worker.ft.checkpoint.state import tensor_bytes
+from ftrun.worker.ft.checkpoint.status import StoreStatus
 from ftrun.worker.settings import current
 
 FORMAT = 2  # 2: ftrun.json holds "checksums" and "optimizers"

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset
 
-from ftrun.worker.ft import data_checks
+from ftrun.worker.ft.api import data_checks
 from ftrun.worker.ft.manager import Manager, manager
 
 Plan = Tuple[int, int, int, int]  # (epoch, position, workers, this worker's index)

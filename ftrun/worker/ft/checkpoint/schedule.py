@@ -9,14 +9,14 @@ with torch.distributed.checkpoint (DCP), and the global step with it:
   which never change parameters or optimizer state; the loop waits for the
   copy only before the round's optimizer step (`staged()`), if it is not
   done by then. What may change earlier is copied at once
-  (ft/checkpoint_state.py). Then ftrun's writer thread writes the copy
-  (ft/checkpoint_writer.py). A save first waits for the previous one if it
+  (ft/checkpoint/state.py). Then ftrun's writer thread writes the copy
+  (ft/checkpoint/writer.py). A save first waits for the previous one if it
   is still writing.
-- atomic and pruned: ft/checkpoint_folder.py (a partial folder, published by
+- atomic and pruned: ft/checkpoint/folder.py (a partial folder, published by
   one rename once complete; the newest `keep` good ones kept, damaged ones
   moved aside).
 - never fatal: a save that fails is one line, counted in the store for
-  `ftrun status` (ft/checkpoint_status.py); training goes on, and the next
+  `ftrun status` (ft/checkpoint/status.py); training goes on, and the next
   save tries again.
 - sharded replicas (FSDP2): each worker writes its own shard, in parallel, as
   DTensors whose global layout DCP records, so a checkpoint loads at another
@@ -26,7 +26,7 @@ with torch.distributed.checkpoint (DCP), and the global step with it:
   training uses).
 
 Loading (the source of a fresh quorum, before it sends its state): the newest
-checkpoint that is whole and whose checksums hold (ft/checkpoint_read.py) is
+checkpoint that is whole and whose checksums hold (ft/checkpoint/read.py) is
 read into the replica's own tensors in place; a damaged one is moved aside
 with one line, and any other failure to load one falls back to the previous
 one, with one line. One whose tensors or optimizer classes do not fit this run
@@ -47,12 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ftrun.worker.ft import checkpoint_read as disk
-from ftrun.worker.ft.checkpoint_folder import Folder
-from ftrun.worker.ft.checkpoint_read import Damaged, complete_checkpoints, one_line
-from ftrun.worker.ft.checkpoint_state import StateDicts, new_stager, stager_reusable
-from ftrun.worker.ft.checkpoint_status import StoreStatus
-from ftrun.worker.ft.checkpoint_writer import SAVE_ERRORS, Job, Writer, inner_error
+from ftrun.worker.ft.checkpoint import read as disk
+from ftrun.worker.ft.checkpoint.folder import Folder
+from ftrun.worker.ft.checkpoint.read import Damaged, complete_checkpoints, one_line
+from ftrun.worker.ft.checkpoint.state import StateDicts, new_stager, stager_reusable
+from ftrun.worker.ft.checkpoint.status import StoreStatus
+from ftrun.worker.ft.checkpoint.writer import SAVE_ERRORS, Job, Writer, inner_error
 from ftrun.worker.settings import CheckpointSettings as Settings
 from ftrun.worker.settings import current
 

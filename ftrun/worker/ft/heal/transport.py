@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from ftrun.wire import first_line
-from ftrun.worker.ft.group import settle
+from ftrun.worker.ft.member.group import settle
 
 CHUNK_BYTES = 64 << 20
 _SLOT = "__ftrun_tensor__"

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Set, Tuple
 
 import torch
 
-from ftrun.worker.ft.transport import StateMismatch, tensor_leaves
+from ftrun.worker.ft.heal.transport import StateMismatch, tensor_leaves
 
 Path = Tuple[Any, ...]
 

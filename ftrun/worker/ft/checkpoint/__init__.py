@@ -1,0 +1,1 @@
+"""Durable replica state for --ft: the save schedule, the folder, the writer thread, the resume."""

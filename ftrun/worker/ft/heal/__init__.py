@@ -1,0 +1,1 @@
+"""What a heal moves (a replica's registered state) and how it moves (over a process group)."""
