@@ -145,7 +145,7 @@ RDZV_HOST = RDZV + "host"     # "<node> <gen>": the node hosting a moved store, 
 #            In a quorum with start_round every member begins there; otherwise the first
 #            member to enter writes its round into start_key and every other member and
 #            joiner begins at that round.
-# The keeper (supervisor/quorum.py, node 0) publishes a quorum when a replica dies or asks
+# The keeper (supervisor/ft/quorum.py, node 0) publishes a quorum when a replica dies or asks
 # to join; one that starts from nothing (the first, or after every replica was lost) waits
 # up to 30 s for every replica being started.
 PREFIX = "ftrun/ft/"

@@ -5,7 +5,7 @@
     .venv/bin/python scripts/bench_quorum.py --failover 5    # the store's node lost: time to the next commit
 
 One process hosts the run's TCPStore and the supervisor's quorum keeper
-(ftrun.supervisor.quorum.QuorumKeeper, polled every 50 ms as in a run: joins,
+(ftrun.supervisor.ft.quorum.QuorumKeeper, polled every 50 ms as in a run: joins,
 healed flags, status reports, key collection). N replica clients, spread
 over --procs processes of threads, each with its own store connection, vote
 round after round with ftrun.worker.ft.member.vote.cast (the code a replica runs
@@ -203,7 +203,7 @@ def relayed_replicas(port: int, nodes: list, per_node: int, size: int, rounds: i
 def _keeper(n: int, per_node: int = 0):
     """A store server, a counting client and the supervisor's keeper with N members in quorum 1
     (per_node P: as N/P relaying nodes of P, whose reports it reads in one key per node)."""
-    from ftrun.supervisor.quorum import QuorumKeeper
+    from ftrun.supervisor.ft.quorum import QuorumKeeper
     from ftrun.supervisor.nodes.relay import Routes
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)

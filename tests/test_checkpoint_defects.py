@@ -16,8 +16,8 @@ import pytest
 
 from conftest import SCRIPTS, run_ftrun
 from ftrun import protocol as keys
-from ftrun.supervisor.keeper.core import Pace
-from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
+from ftrun.supervisor.ft.keeper.core import Pace
+from ftrun.supervisor.ft.quorum import KeeperSettings, QuorumKeeper
 from helpers import assert_bad, err_text, start_logged
 from test_checkpoint import _complete, _wait_for
 from test_checkpoint_faults import _printed_step

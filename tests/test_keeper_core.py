@@ -1,4 +1,4 @@
-"""The quorum keeper's core (ftrun.supervisor.keeper), tested by tables: each row is a snapshot of
+"""The quorum keeper's core (ftrun.supervisor.ft.keeper), tested by tables: each row is a snapshot of
 what the keeper knows and `now`, and the decision the core must take, with its reason. No store,
 no clock, no process: the whole file runs in milliseconds. The keeper's shell, against a real
 store, is tests/test_quorum_keeper.py; the interleavings, tests/test_simulate.py.
@@ -12,9 +12,9 @@ from typing import Optional
 import pytest
 
 from ftrun import protocol as keys
-from ftrun.supervisor.keeper import core, dead
-from ftrun.supervisor.keeper.core import KeeperSnapshot
-from ftrun.supervisor.keeper.dead import KeeperRules
+from ftrun.supervisor.ft.keeper import core, dead
+from ftrun.supervisor.ft.keeper.core import KeeperSnapshot
+from ftrun.supervisor.ft.keeper.dead import KeeperRules
 
 pytestmark = pytest.mark.quick
 
@@ -575,14 +575,14 @@ def test_pace(notes, step_s):
 
 def test_the_core_has_no_io():
     """The keeper's core imports nothing that reaches a store, a clock, a thread or a log: what
-    it decides is a function of its arguments alone (the shell, ftrun.supervisor.quorum, does IO)."""
+    it decides is a function of its arguments alone (the shell, ftrun.supervisor.ft.quorum, does IO)."""
     import ast
     from pathlib import Path
 
     # functools: a memo of a pure function (dead.py's parse of key names), no IO.
     allowed = {"__future__", "json", "collections", "dataclasses", "functools", "types", "typing", "ftrun",
                "ftrun.protocol",
-               "ftrun.supervisor.keeper", "ftrun.supervisor.keeper.core", "ftrun.supervisor.keeper.dead"}
+               "ftrun.supervisor.ft.keeper", "ftrun.supervisor.ft.keeper.core", "ftrun.supervisor.ft.keeper.dead"}
     folder = Path(core.__file__).parent
     for path in sorted(folder.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -596,7 +596,7 @@ def test_the_shells_snapshot_is_the_constructors():
     is given, and the snapshot is the one the constructor builds, frozen as well."""
     import dataclasses
 
-    from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
+    from ftrun.supervisor.ft.quorum import KeeperSettings, QuorumKeeper
 
     q = QuorumKeeper(None, [0, 1, 2], settings=KeeperSettings())
     s = q._snapshot(7, entered={0: 0})

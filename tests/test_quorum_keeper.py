@@ -16,8 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from ftrun import protocol as keys
-from ftrun.supervisor.keeper import core, dead
-from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.ft.keeper import core, dead
+from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.nodes.relay import NodeRelay, Routes
 from ftrun.worker.ft.member import vote
 

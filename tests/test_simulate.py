@@ -383,7 +383,7 @@ def test_the_simulator_runs_the_products_member_driver():
     from ftrun.sim.bugs import BUGS
     from ftrun.sim.sched import Sched
     from ftrun.sim.world import Fault, Schedule, World
-    from ftrun.supervisor.quorum import QuorumKeeper
+    from ftrun.supervisor.ft.quorum import QuorumKeeper
     from ftrun.worker.ft.member.driver import MemberDriver
 
     schedule = Schedule(7, 3, 4, [Fault(0.2, "kill", 1)])

@@ -189,7 +189,7 @@ def test_the_supervisors_packages_keep_their_layers():
     assert {m for m, _ in _supervisor_imports()} >= {"loop/run.py", "policy/failures.py", "nodes/coordinator.py"}
 
 # The keeper's own modules: its shell and components (quorum*.py) and its core (keeper/).
-KEEPER_MODULES = tuple(f"supervisor/{m}" for m in ("quorum.py", "quorum_status.py", "quorum_votes.py", "keeper/"))
+KEEPER_MODULES = tuple(f"supervisor/ft/{m}" for m in ("quorum.py", "quorum_status.py", "quorum_votes.py", "keeper/"))
 MUTATORS = {"update", "add", "append", "extend", "clear", "pop", "popitem", "discard", "remove",
             "setdefault", "insert"}
 

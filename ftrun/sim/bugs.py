@@ -13,10 +13,10 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
-from ftrun.supervisor.keeper.core import KeeperSnapshot
-from ftrun.supervisor.keeper.dead import QUORUM_COLLECTED, KeeperRules
+from ftrun.supervisor.ft.keeper.core import KeeperSnapshot
+from ftrun.supervisor.ft.keeper.dead import QUORUM_COLLECTED, KeeperRules
 from ftrun.supervisor.policy.failure_policy import FailurePolicy, ReplicaFailed, RestartAction, RestartVerdict
-from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member import core as member_core
 from ftrun.worker.ft.member.driver import MemberDriver

@@ -1,4 +1,4 @@
-"""One simulated run of --ft: the real keeper (ftrun.supervisor.quorum.QuorumKeeper) polled by a
+"""One simulated run of --ft: the real keeper (ftrun.supervisor.ft.quorum.QuorumKeeper) polled by a
 simulated supervisor that sees deaths and restarts replicas, simulated worker processes running
 the product's member driver (sim/worker.py),
 simulated process groups (a collective succeeds only if every member of the group reaches it
@@ -24,7 +24,7 @@ from ftrun.sim.worker import SimWorker
 from ftrun.sim.sched import Deadlock, Sched
 from ftrun.sim.store import SimStore
 from ftrun.supervisor.policy.failure_policy import ReplicaFailed, RestartVerdict
-from ftrun.supervisor.quorum import KeeperSettings, QuorumKeeper
+from ftrun.supervisor.ft.quorum import KeeperSettings, QuorumKeeper
 from ftrun.supervisor.nodes.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
 
 STEP_S = 0.05  # a training step's compute, on average (virtual)

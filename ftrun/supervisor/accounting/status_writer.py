@@ -21,7 +21,7 @@ from ftrun.supervisor.workers.worker import Worker
 
 if TYPE_CHECKING:
     from ftrun.supervisor.nodes.coordinator import NodeCoordinator
-    from ftrun.supervisor.quorum import QuorumKeeper
+    from ftrun.supervisor.ft.quorum import QuorumKeeper
 
 
 class StatusWriter:

@@ -11,7 +11,7 @@ own state, takes events and returns an action the loop carries out:
   the failure policy and the failures (policy/failure_policy.py, policy/failures.py): ReplicaOutcome, StopRun;
   stopping (policy/stopping.py): the stop under way, the save before it, the signal;
   other nodes' news (nodes/node_decisions.py): StopRun, RemoteFailure, StoreMoved;
-  the --ft quorum's view (ft_follow.py): QuorumNews;
+  the --ft quorum's view (ft/quorum_view.py): QuorumNews;
   accounting (accounting/accounts.py): the status, progress, goodput and checkpoints.
 Must never import torch on the main thread before the workers have started,
 and never wait on the queue outside the loop.
@@ -30,7 +30,7 @@ from ftrun.protocol import EXIT_FAILED
 from ftrun.supervisor.accounting import checkpoints
 from ftrun.supervisor.accounting.accounts import Accounting
 from ftrun.supervisor.accounting.waits import Waits, replica_waits
-from ftrun.supervisor.ft_follow import QuorumView
+from ftrun.supervisor.ft.quorum_view import QuorumView
 from ftrun.supervisor.loop import start
 from ftrun.supervisor.loop.table import WorkerTable
 from ftrun.supervisor.nodes.coordinator import NodeCoordinator
@@ -42,7 +42,7 @@ from ftrun.supervisor.policy.failures import ReplicaOutcome, WorkerFailures, tra
 from ftrun.supervisor.policy.hangs import find_hung
 from ftrun.supervisor.policy.restart import Repeats
 from ftrun.supervisor.policy.stopping import AfterStop, Stopper, StopRun, forwarded_signals
-from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.workers.env import error_file, log_dir, stacks_file, worker_env
 from ftrun.supervisor.workers.logs import ConsoleOut, Pump, drain, open_pipes
@@ -89,7 +89,7 @@ class Supervisor:
         self._last_poll = 0.0
         self._last_progress = 0.0
         self.store: Optional[RunStore] = None
-        # --ft: the supervisor keeps the quorum (ftrun.supervisor.quorum).
+        # --ft: the supervisor keeps the quorum (ftrun.supervisor.ft.quorum).
         self.quorum: Optional[QuorumKeeper] = None
         self.tick_s = 0.05 if cfg.ft else TICK_S
         self.default_hang_s, _ = hang_after_s(os.environ)  # refused at the start when not a number

@@ -14,11 +14,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ftrun.config import RunConfig
 from ftrun.protocol import NODE_RANKS_ENV, NODE_STORE_ENV
-from ftrun.supervisor.keeper.core import FRESH_START
+from ftrun.supervisor.ft.keeper.core import FRESH_START
 from ftrun.supervisor.loop import folder_lock
 from ftrun.supervisor.nodes.node_decisions import node_ranks, routes
 from ftrun.supervisor.nodes.relay import NodeRelay
-from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.store import RunStore
 from ftrun.supervisor.workers.env import base_env, common_env
 from ftrun.supervisor.workers.logs import ConsoleOut

@@ -23,7 +23,7 @@ from ftrun.supervisor.nodes.node_common import NODE_LOST, REQUEUE, NodeEvent
 from ftrun.supervisor.nodes.redirect import Redirect
 from ftrun.supervisor.nodes.relay import Routes
 from ftrun.supervisor.policy.stopping import AfterStop, StopRun
-from ftrun.supervisor.quorum import QuorumKeeper
+from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Worker
 from ftrun.wire import FirstFailure

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 from ftrun.supervisor.workers.worker import Worker, WorkerState
 
 if TYPE_CHECKING:
-    from ftrun.supervisor.quorum import QuorumKeeper
+    from ftrun.supervisor.ft.quorum import QuorumKeeper
 
 # After the stacks-dump signal, how long a hung worker has to write them before SIGKILL.
 HANG_DUMP_GRACE_S = 1.0

@@ -67,7 +67,7 @@ def install() -> None:
             return None
         real(*args, **kwargs)
         # A script that has not imported ftrun.ft is a plain one: ftrun restarts its whole group
-        # (ftrun.supervisor.ft_follow), each incarnation with this call going through.
+        # (ftrun.supervisor.ft.quorum_view), each incarnation with this call going through.
         if rank == "0" and "ftrun.ft" in sys.modules:
             _log(f"rank 0: the script called init_process_group() over all {world} workers: a replica that restarts "
                  f"cannot join that group again, so ftrun skips the call there and the default group is missing on "

@@ -24,7 +24,7 @@ node, ftrun.supervisor.nodes.relay) while the node answers. It deletes the keys 
 finished rounds and old quorums, so the store does not grow with the run.
 
 This module is the shell: it reads the store into a snapshot, asks the keeper core
-(ftrun.supervisor.keeper: pure functions returning a decision and its reason) and writes what
+(ftrun.supervisor.ft.keeper: pure functions returning a decision and its reason) and writes what
 was decided; it decides nothing itself. Its components own their state: ReplicaReports (the
 replicas' reports, quorum_status) and VoteCaster (the votes as cast, quorum_votes).
 Must never import torch (it talks to the store through RunStore), and never touch processes.
@@ -39,11 +39,11 @@ from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import EVENTS, Quorum
-from ftrun.supervisor.keeper import core, dead
-from ftrun.supervisor.keeper.core import FRESH_START, KeeperDecision, KeeperSnapshot, Pace
-from ftrun.supervisor.keeper.dead import KeeperRules
-from ftrun.supervisor.quorum_status import ReplicaReports
-from ftrun.supervisor.quorum_votes import VoteCaster
+from ftrun.supervisor.ft.keeper import core, dead
+from ftrun.supervisor.ft.keeper.core import FRESH_START, KeeperDecision, KeeperSnapshot, Pace
+from ftrun.supervisor.ft.keeper.dead import KeeperRules
+from ftrun.supervisor.ft.quorum_status import ReplicaReports
+from ftrun.supervisor.ft.quorum_votes import VoteCaster
 from ftrun.supervisor.nodes.relay import Routes
 
 

@@ -1,7 +1,7 @@
 """The replicas' status reports as the quorum keeper last read them: each replica's own key, or
 on several nodes the one key per relaying node where the node's ftrun copies its replicas'
 reports (ftrun.supervisor.nodes.relay). A component of quorum.QuorumKeeper that owns what it read;
-the figures made of it are the keeper core's (ftrun.supervisor.keeper.core). Must never write
+the figures made of it are the keeper core's (ftrun.supervisor.ft.keeper.core). Must never write
 to the store, and never import torch.
 """
 

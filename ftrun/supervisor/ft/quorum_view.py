@@ -1,7 +1,7 @@
 """--ft: what the loop takes from the quorum keeper each tick: the keeper's own polls (and the node
 relay's), the step each replica committed, which restarted replicas are training again.
 
-The keeper (ftrun.supervisor.quorum) decides the quorum; QuorumView turns its view into the worker
+The keeper (ftrun.supervisor.ft.quorum) decides the quorum; QuorumView turns its view into the worker
 records' states and the console's lines, and returns what the loop does about it (QuorumNews).
 It owns only what it said once (a failing poll, a script without ftrun.ft). A script that never
 joins a quorum is found here (plain_script); the loop turns the run to group restarts.

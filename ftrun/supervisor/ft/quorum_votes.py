@@ -2,7 +2,7 @@
 through the member's node store while that node relays and answers (ftrun.supervisor.nodes.relay),
 forwarding a node's count it completes as the node's last voter would; a round's decision
 written where a vote closes it, or where its closer died. Which votes are due, and what a count
-means, is the keeper core's (ftrun.supervisor.keeper.dead); this component only carries them
+means, is the keeper core's (ftrun.supervisor.ft.keeper.dead); this component only carries them
 out, and owns what it must remember of them (its own votes through node stores, and since when
 a node's count waits to be forwarded). Must never import torch, and never touch processes.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Tuple
 
 from ftrun import protocol as keys
-from ftrun.supervisor.keeper import dead
-from ftrun.supervisor.keeper.core import KeeperSnapshot
-from ftrun.supervisor.keeper.dead import KeeperRules
+from ftrun.supervisor.ft.keeper import dead
+from ftrun.supervisor.ft.keeper.core import KeeperSnapshot
+from ftrun.supervisor.ft.keeper.dead import KeeperRules
 from ftrun.supervisor.nodes.relay import Routes
 
 

@@ -6,7 +6,7 @@ rounds whose closer died before deciding (closed_round, orphan_commit, node_forw
 of rounds every live member is past and of quorums nobody can still be in (collect). Never a
 vote in a round whose keys were collected. The rules a historic bug changes are the methods of
 KeeperRules (ftrun/sim/bugs.py overrides them); the rest are functions. Each is pure: what the
-shell (ftrun.supervisor.quorum) read, in, a decision with its reason, out.
+shell (ftrun.supervisor.ft.quorum) read, in, a decision with its reason, out.
 Must never import torch.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ftrun import protocol as keys
-from ftrun.supervisor.keeper.core import KeeperSnapshot, Member
+from ftrun.supervisor.ft.keeper.core import KeeperSnapshot, Member
 
 STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another quorum
 COLLECT_EVERY_S = 0.25  # one list_keys per status report: a few dozen keys of rounds in flight at most
