@@ -263,3 +263,19 @@ def test_the_rules_the_driver_asks():
     assert not core.resumes_checkpoint(True, True, False, True, True)  # once per incarnation
     assert not core.resumes_checkpoint(True, False, False, True, False)  # not a fresh quorum
     assert core.loop_ends(True, 0, 10) and core.loop_ends(False, 10, 10) and not core.loop_ends(False, 3, None)
+
+
+def test_the_newest_quorum_seen_never_goes_back():
+    """A rejoin in place reads the newest quorum while the watcher runs: a read older than what the
+    watcher saw meanwhile must not take it back (the soak's stalls from seed 7: the member then
+    closed rounds naming the older quorum for ever)."""
+    from ftrun.worker.ft.member.watch import QuorumWatch
+
+    watch = QuorumWatch(driver=None)
+    watch.seen(4)
+    assert watch.latest == 4
+    watch.latest = 5  # the watcher's thread read quorum 5
+    watch.seen(4)  # the join's read, from before it
+    assert watch.latest == 5
+    watch.seen(7)  # a store's move: the new store counts on above every quorum seen
+    assert watch.latest == 7

@@ -118,6 +118,16 @@ FORGETFUL_STOP = {"seed": 100001, "replicas": 4, "stop_at": 0.786, "total": 10, 
     {"at": 0.694, "kind": "pause", "rank": 2, "dur": 1.967, "x": 0.0},
     {"at": 0.915, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
+# Found by the soak from seed 7 (seed 708652, shrunk): rank 0 is killed mid-round, rank 1 had
+# stepped past the round voted down and rejoins in place; while its join waited, the keeper
+# published quorum 5 (rank 0 back), which rank 1's quorum watcher saw, and the join's own older
+# read of the newest quorum (4) then overwrote it: rank 1 wrote every later decision naming quorum
+# 4 and the run stalled (ranks 2-4 knew 5 was out and gave up each group of 4 at once).
+REJOIN_STALE_LATEST = {"seed": 708652, "replicas": 5, "total": 4, "faults": [
+    {"at": 0.306, "kind": "slow", "rank": 4, "dur": 1.569, "x": 100.0},
+    {"at": 0.342, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
+
+
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
     p = subprocess.run([sys.executable, str(SIMULATE), *args], capture_output=True, text=True, timeout=timeout,
                        cwd=ROOT)
@@ -129,6 +139,10 @@ def _simulate(*args: str, timeout: float = 300) -> List[str]:
 
 def _replay(schedule: dict, bug: str = "none") -> List[str]:
     return _simulate("--replay", json.dumps(schedule), "--bug", bug, "--no-shrink")
+
+
+def test_a_rejoin_in_place_keeps_the_newest_quorum_its_watcher_saw():
+    assert _replay(REJOIN_STALE_LATEST)[-1] == "1 schedules, 0 violations"
 
 
 def test_ci_budget_of_schedules_finds_no_violation():

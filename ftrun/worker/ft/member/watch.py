@@ -20,8 +20,11 @@ class QuorumWatch:
         self._started = False
 
     def seen(self, latest: int) -> None:
-        """The training thread read the newest quorum (a join, a store's move): from here on."""
-        self.latest = latest
+        """The training thread read the newest quorum (a join, a store's move). Never backwards:
+        a rejoin in place reads it while this thread runs, which may have seen a newer one since;
+        going back to the older one, the member would close rounds naming it and its peers, who
+        know the newer one is out, would give up each of its groups for ever."""
+        self.latest = max(self.latest, latest)
 
     def start(self) -> None:
         """Start the thread once per process (a rejoin in place keeps it)."""
@@ -43,6 +46,7 @@ class QuorumWatch:
                     gen = None
                     continue
                 nxt = self.latest + 1
+            nxt = max(nxt, self.latest + 1)  # the training thread may have read a newer one (seen)
             try:
                 store.get(keys.quorum_key(nxt))
             except Exception:  # noqa: BLE001 - no new quorum for a while (a timeout), or the store is gone
