@@ -359,3 +359,64 @@ def test_plain_script_under_ft_turns_to_group_restarts_afresh():
     policy.to_group_restarts()
     assert policy.group and policy.name == "group restart"
     assert [a.verdict for a in _run(policy, [GroupFailed(0), GroupFailed(0)])] == [V.RESTART_GROUP, V.GIVE_UP]
+
+
+# ------------------------------------------------------------ the quorum's view: what the console says
+class _Keeper:
+    """The fields and calls of ftrun.supervisor.ft.quorum.QuorumKeeper that QuorumView reads, set
+    by the test from tick to tick (the keeper's own decisions are tested in test_keeper_core)."""
+
+    def __init__(self) -> None:
+        self.quorum_id, self.fresh_quorums, self.fresh_start = 2, set(), "resuming from the newest checkpoint"
+        self.rejoined, self.history, self.info, self.members_in = [], [], {}, set()
+
+    def poll(self, now: float) -> None:
+        pass
+
+    def replica_fields(self, rank: int) -> dict:
+        return {"in_quorum": rank in self.members_in}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("fresh_seen", [True, False])
+def test_a_replica_back_from_a_checkpoint_is_said_so_even_after_a_re_paced_quorum(capsys, fresh_seen):
+    """Every holder died; the restarted replica enters the fresh quorum 3, and a re-paced quorum 4 of
+    the same members may follow before a tick sees it training (a zygote-started replica resumes a
+    small checkpoint in 0.2 s). Either way the console says it came back from the checkpoint, never
+    'healed from a peer' (which the quorum current when it was seen training alone made it say)."""
+    from ftrun.supervisor.accounting.progress_reader import ProgressReader
+    from ftrun.supervisor.ft.quorum_view import QuorumView
+    from ftrun.supervisor.workers.logs import ConsoleOut
+    from ftrun.supervisor.workers.worker import Failure, Worker, WorkerSpec, WorkerState
+
+    view, q = QuorumView(ConsoleOut(), 1), _Keeper()
+    w = Worker(WorkerSpec(0, 0), state=WorkerState.RECOVERING, incarnation=1)
+    w.last_failure = Failure(0, None, None, 9, "killed by SIGKILL", when=100.0)
+    progress = ProgressReader(lambda: None)
+    view.poll(q, None, [w], progress, 100.1, False, q.quorum_id)  # restarted, not in a quorum yet
+    q.quorum_id, q.fresh_quorums, q.members_in = 3, {3}, {0}
+    if not fresh_seen:
+        q.quorum_id = 4  # re-paced before the next tick
+    view.poll(q, None, [w], progress, 100.3, False, q.quorum_id)
+    err = capsys.readouterr().err
+    assert w.state is WorkerState.RUNNING
+    assert "rank 0 is training again 0.30 s after it failed; no replica held the trained state" in err, err
+    assert "healed from a peer" not in err
+
+
+@pytest.mark.quick
+def test_a_replica_healed_from_a_peer_is_said_so(capsys):
+    from ftrun.supervisor.accounting.progress_reader import ProgressReader
+    from ftrun.supervisor.ft.quorum_view import QuorumView
+    from ftrun.supervisor.workers.logs import ConsoleOut
+    from ftrun.supervisor.workers.worker import Failure, Worker, WorkerSpec, WorkerState
+
+    view, q = QuorumView(ConsoleOut(), 1), _Keeper()
+    q.fresh_quorums = {1}  # the run's first quorum: before the failure
+    w = Worker(WorkerSpec(0, 0), state=WorkerState.RECOVERING, incarnation=1)
+    w.last_failure = Failure(0, None, None, 9, "killed by SIGKILL", when=100.0)
+    progress = ProgressReader(lambda: None)
+    view.poll(q, None, [w], progress, 100.1, False, q.quorum_id)
+    q.quorum_id, q.members_in = 3, {0}
+    view.poll(q, None, [w], progress, 100.5, False, q.quorum_id)
+    assert "rank 0 is training again, healed from a peer 0.50 s after it failed" in capsys.readouterr().err

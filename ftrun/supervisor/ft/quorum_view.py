@@ -36,6 +36,10 @@ class QuorumView:
         self.k = k
         self._failing = False      # a failed poll, said once until a poll works again
         self._told_plain = False   # a script without ftrun.ft, said once
+        # rank -> the newest quorum when its restarted replica was first seen away: a fresh quorum
+        # published since means it came back from a checkpoint (or from nothing), not from a peer,
+        # even when a re-paced quorum of the same members followed before it was seen training.
+        self._away_from: dict[int, int] = {}
 
     def poll(self, q: Any, relay: Any, workers: Sequence[Worker], progress: ProgressReader, now: float,
              several_nodes: bool, quorum_id: Optional[int]) -> QuorumNews:
@@ -66,13 +70,17 @@ class QuorumView:
                     changed = True
         for w in workers:
             if w.state in (WorkerState.RECOVERING, WorkerState.STARTING, WorkerState.RUNNING) and w.alive:
-                if q.replica_fields(w.rank)["in_quorum"] and w.state != WorkerState.RUNNING:
+                in_quorum = q.replica_fields(w.rank)["in_quorum"]
+                if w.state == WorkerState.RECOVERING and not in_quorum:
+                    self._away_from.setdefault(w.rank, q.quorum_id)
+                if in_quorum and w.state != WorkerState.RUNNING:
                     if w.state == WorkerState.RECOVERING and w.last_failure is not None:
                         took = now - w.last_failure.when
                         w.rejoin_s = took
                         who = (f"rank {w.rank}" if self.k == 1 else
                                f"replica {w.rank // self.k} (rank {w.rank} failed)")
-                        if q.quorum_id in q.fresh_quorums:
+                        away_from = self._away_from.pop(w.rank, q.quorum_id - 1)
+                        if any(f > away_from for f in q.fresh_quorums):
                             self.console.note(f"{who} is training again {took:.2f} s after it failed; no replica "
                                               f"held the trained state: {q.fresh_start}", style="green")
                         else:
