@@ -4,8 +4,7 @@
 # under 2 minutes on 2 cores), for everyday work; the whole suite is what CI runs.
 # Two pytest-xdist workers run the tests, even on 2 cores: most tests wait on real processes
 # (heartbeats, sleeps, restarts) more than they compute. `-n 0` (or another count) after the
-# script's name overrides it; tests marked `alone` run afterwards, one at a time (and, in a run of
-# pytest with workers, while no other test runs: tests/conftest.py).
+# script's name overrides it; tests marked `alone` run while no other test runs (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 quick=0
@@ -29,15 +28,4 @@ if [ "${FTRUN_SKIP_LIGHTNING:-0}" != "1" ] && ! .venv/bin/python -c "import ligh
 fi
 # The slowest tests are listed at the end: the suite must stay within about 18 minutes on 2 cores.
 # (No path here: pytest takes pyproject's testpaths, or only the paths among the arguments.)
-# Two passes: the tests that share the machine on two workers, then the `alone` ones one after
-# another. Mixed in one pass, each `alone` test first waits for the other worker's test in flight
-# to end while its own worker idles.
-status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=15 -m "not alone" \
-  ${args[@]+"${args[@]}"} || status=$?
-rc=0
-.venv/bin/python -m pytest -q -p no:cacheprovider -n 0 --durations=5 -m alone ${args[@]+"${args[@]}"} || rc=$?
-[ "$rc" = 5 ] && rc=0  # no `alone` test among the ones asked for
-[ "$status" = 5 ] && status=0
-[ "$status" != 0 ] && exit "$status"
-exit "$rc"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=15 ${args[@]+"${args[@]}"}
