@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 from conftest import FTRUN, ROOT, run_ftrun
 from helpers import finish, restarts_of_kills
@@ -52,8 +53,15 @@ def test_tutorial_port_survives_kills(ftrun_home, tmp_path):
     proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "tut", PORTED, 4, 1, "--batch_size", 16])
     try:
         for rank, step in ((1, 20), (2, 70)):
-            r = _wait_replica(ftrun_home, "tut", rank, lambda r, st: r["step"] >= step and r["state"] == "running")
-            os.kill(r["pid"], 9)
+            for _ in range(20):  # the state file may still name a process that has just exited: read again
+                r = _wait_replica(ftrun_home, "tut", rank, lambda r, st: r["step"] >= step and r["state"] == "running")
+                try:
+                    os.kill(r["pid"], 9)
+                    break
+                except ProcessLookupError:
+                    time.sleep(0.1)
+            else:
+                raise AssertionError(f"rank {rank} never had a live process to kill")
         rc, err = finish(proc, 300)
     finally:
         proc.kill()
