@@ -59,8 +59,10 @@ def install() -> None:
     progress.start_from_env()
     if s.ft and s.replica_size == "1":
         from ftrun.worker.ft.api import world
+        from ftrun.worker.frameworks import lightning
 
         world.install()
+        lightning.install()  # FTStrategy for an unmodified Lightning script, as it imports Lightning
     if s.ft:
         from ftrun.worker.ft.api import data_checks
 

@@ -30,7 +30,14 @@ them by name. Each is listed in PATCHES, and each is applied through
   model gets the run's comm hook after its first forward, unless the script
   registers its own. `inject.uninstall()` undoes it.
 
-Not patches, but global too: progress.py registers an optimizer step
+- `_AcceleratorConnector.__init__` of Lightning (frameworks/lightning.py, --ft, once the script
+  imports Lightning): one line when a Trainer's strategy is one ftrun cannot heal (a strategy
+  object, FSDP, one device per run...), so a group restart is not a surprise.
+
+Not patches, but global too: under --ft a finder on sys.meta_path (frameworks/imports.py) runs
+ftrun's code right after Lightning's strategies package is imported, which registers FTStrategy
+under Lightning's DDP names in its StrategyRegistry (an entry Lightning's API lets any package
+override). progress.py registers an optimizer step
 post-hook and (with --step-timeout) a module forward hook through torch's
 own API (`register_optimizer_step_post_hook`, `register_module_forward_hook`);
 they last as long as the worker. ft/manager.py patches nothing of torch.
@@ -82,6 +89,11 @@ PATCHES: Dict[str, Patch] = {
         "--ft: DistributedSampler(dataset) with no default group takes WORLD_SIZE and RANK (a restarted replica has "
         "no default group); ft.DataLoader compares its order with the samplers the script built",
         "undo('sampler'); a sampler with num_replicas and rank given, or built with a default group, is torch's own"),
+    "lightning.strategy": Patch(
+        ("lightning.pytorch.trainer.connectors.accelerator_connector._AcceleratorConnector.__init__",),
+        "ftrun.worker.frameworks.lightning",
+        "--ft: one line when a Lightning Trainer's strategy is not one ftrun can heal (the run then gets group "
+        "restarts)", "undo('lightning.strategy'); the wrapper calls Lightning's own __init__ first"),
     "ddp.hook": Patch(
         ("torch.nn.parallel.DistributedDataParallel.__init__",
          "torch.nn.parallel.DistributedDataParallel.register_comm_hook",

@@ -1,0 +1,341 @@
+"""Lightning's part of --ft: FTStrategy, a DDP strategy over ftrun.ft, and its injection into an
+unmodified script.
+
+FTStrategy is Lightning's DDPStrategy with the model wrapped by ft.DistributedDataParallel, the
+optimizer by ft.Optimizer, and the training loader's DistributedSampler replaced by ft's step
+sampler (sampler.py); the fit loop is driven as a framework loop (loop.py):
+- no process group of all workers is formed (a restarted replica could never join it again);
+- the member joins at the end of setup(), before the fit loop builds its data iterator: a
+  restarted replica receives the model and optimizer (as ft's DDP and ft.Optimizer registered
+  them) and Lightning's own state (what a checkpoint of it holds: the fit loop's progress, LR
+  schedulers, callbacks, the precision plugin's state, the datamodule's, on_save_checkpoint's),
+  and restores it as Lightning restores a checkpoint, so fit() goes on mid-epoch;
+- each training batch opens a round (on_train_batch_start); an optimizer step whose round is
+  discarded is made again on the same step's batch (training_step loads it again when the live
+  replicas changed), so global_step and batch_idx count committed steps only;
+- barrier() waits for nobody, broadcast() returns this replica's object, reduce() (sync_dist,
+  reduce_boolean_decision) this replica's own value: the replicas are not in step outside a
+  training step's round, and a collective there could pair with a peer's gradient all-reduce.
+  world_size and global_rank are the run's: the replicas it was started with, and this replica's
+  fixed id (rank 0 writes checkpoints and logs; while it is away nobody does).
+
+`install()` (the worker bootstrap, --ft) registers FTStrategy under Lightning's DDP names as
+Lightning's strategies package is imported (both `lightning` and `pytorch_lightning`), so that
+`Trainer(strategy="ddp")` and the default strategy on several devices get it; what it cannot run
+(another Lightning version, manual optimization, gradient accumulation, a GradScaler, another
+strategy) gets one line at the start and the plain strategy: ftrun then restarts the whole group
+on a failure, as for any script that does not use ftrun.ft.
+Must never import the supervisor, and never import Lightning before the script does.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ftrun.worker import patches, settings
+from ftrun.worker.frameworks import imports
+from ftrun.worker.frameworks.loop import say
+
+SUPPORTED = ((2, 6),)  # the Lightning versions (major, minor) FTStrategy is tested with
+PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+DDP_NAMES = ("ddp", "ddp_find_unused_parameters_false", "ddp_find_unused_parameters_true")
+_classes: Dict[str, type] = {}
+
+
+def _version(pl: ModuleType) -> Tuple[int, ...]:
+    parts = []
+    for p in str(getattr(pl, "__version__", "0")).split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def unsupported_version(pl: ModuleType) -> Optional[str]:
+    if _version(pl)[:2] in SUPPORTED:
+        return None
+    return (f"--ft: this Lightning is {pl.__version__}; ftrun heals Lightning {', '.join('%d.%d.x' % v for v in SUPPORTED)} "
+            f"replicas only, so a failure restarts all workers (install a supported Lightning for replica restarts)")
+
+
+def strategy_class(package: str = "") -> type:
+    """FTStrategy for one Lightning package ("lightning.pytorch" or "pytorch_lightning"; the one
+    installed when not said), built once: each package has its own DDPStrategy to extend."""
+    import importlib
+
+    if not package:
+        import importlib.util
+
+        package = next((p for p in PACKAGES if importlib.util.find_spec(p.split(".")[0]) is not None), PACKAGES[0])
+    found = _classes.get(package)
+    if found is None:
+        found = _classes[package] = _build(importlib.import_module(package))
+    return found
+
+
+def install() -> None:
+    """Under --ft with one worker per replica: FTStrategy under Lightning's DDP names, as soon as
+    the script imports Lightning (either package)."""
+    for package in PACKAGES:
+        imports.after_import(f"{package}.strategies", _register)
+        imports.after_import(f"{package}.trainer.connectors.accelerator_connector", _watch_choice)
+
+
+def _root(module: ModuleType) -> str:
+    return module.__name__.rsplit(".", 1)[0] if module.__name__.endswith(".strategies") else \
+        module.__name__.split(".trainer.")[0]
+
+
+def _register(strategies: ModuleType) -> None:
+    import importlib
+
+    package = _root(strategies)
+    pl = importlib.import_module(package.split(".")[0])
+    why = unsupported_version(pl)
+    if why:
+        say(why)
+        return
+
+    def make(**init_params: Any) -> Any:
+        return strategy_class(package)(**init_params)
+
+    registry = strategies.StrategyRegistry
+    for name in DDP_NAMES:
+        if name in registry:
+            entry = registry[name]
+            registry.register(name, make, description=f"ftrun --ft: {entry['description']}", override=True,
+                              **entry["init_params"])
+
+
+def _watch_choice(connector_module: ModuleType) -> None:
+    """One line when the Trainer's strategy is not FTStrategy (a strategy object, FSDP, one device...)."""
+    cls = connector_module._AcceleratorConnector
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        strategy = getattr(self, "strategy", None)
+        if strategy is not None and not getattr(strategy, "_ftrun", False) and (settings.current().world_size or 1) > 1:
+            say(f"--ft: this Lightning Trainer's strategy is {type(strategy).__name__}, which ftrun cannot heal: a "
+                f"failure restarts all workers (Trainer(strategy=\"ddp\") or ftrun.lightning.FTStrategy() for "
+                f"replica restarts)")
+
+    patches.install("lightning.strategy", cls, "__init__", __init__)
+
+
+def _build(pl: ModuleType) -> type:
+    """The FTStrategy class over `pl`'s DDPStrategy (see the module's docstring)."""
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+    import ftrun.ft as ft
+    from ftrun.worker.frameworks.loop import FrameworkLoop, framework_loop
+    from ftrun.worker.frameworks.sampler import StepBatchSampler, empty_like
+
+    DDPStrategy = pl.strategies.DDPStrategy
+    version_line = unsupported_version(pl)
+
+    class StepLoader(DataLoader):
+        """The training loader over ft's step sampler. Resumable for Lightning (its position is
+        the fit loop's, restored with it), so a restart mid-epoch is not warned about."""
+
+        def state_dict(self) -> Dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, sd: Dict[str, Any]) -> None:
+            pass
+
+    class FTStrategy(DDPStrategy):
+        """Lightning's DDP strategy over ftrun.ft: only a failed replica restarts, and it goes on
+        mid-epoch with the whole Lightning state from a live peer. Takes DDPStrategy's arguments."""
+
+        strategy_name = "ftrun_ft"
+        _ftrun = True
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._ft = True
+            self._loop: Optional[FrameworkLoop] = None
+            self._sampler: Optional[StepBatchSampler] = None
+            self._collate: Any = None
+            self._dataset: Any = None
+
+        # ------------------------------------------------------------ what it cannot heal
+        def _cannot_heal(self) -> Optional[str]:
+            if version_line:
+                return version_line
+            if not settings.current().ft:
+                return ""  # not under `ftrun --ft` (or after a group restart): Lightning's own DDP
+            if settings.current().replica_size != "1":
+                return "--ft: FTStrategy replicates a whole model per worker: use --replica-size 1"
+            module = self.lightning_module
+            trainer = module.trainer if module is not None else None
+            if module is not None and not module.automatic_optimization:
+                return ("--ft: this LightningModule optimizes manually (automatic_optimization = False), which "
+                        "ftrun cannot redo step by step: a failure restarts all workers")
+            if trainer is not None and trainer.accumulate_grad_batches != 1:
+                return (f"--ft: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
+                        f"supported by ftrun's Lightning strategy yet: a failure restarts all workers")
+            if getattr(self.precision_plugin, "scaler", None) is not None:
+                return ("--ft: a GradScaler (precision='16-mixed') is not supported by ftrun's Lightning strategy "
+                        "yet: a failure restarts all workers (bf16 works)")
+            return None
+
+        # ------------------------------------------------------------ set-up: no group of all workers
+        def setup_environment(self) -> None:
+            why = self._cannot_heal()
+            if why is not None:
+                self._ft = False
+                if why:
+                    say(why)
+                super().setup_environment()
+                return
+            super(DDPStrategy, self).setup_environment()  # the accelerator's device, not DDP's group
+            self.set_world_ranks()
+            self._process_group_backend = self._get_process_group_backend()
+            self._loop = framework_loop("lightning", self._capture, self._restore)
+
+        def _setup_model(self, model: torch.nn.Module) -> Any:
+            if not self._ft:
+                return super()._setup_model(model)
+            return ft.DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+        def _register_ddp_hooks(self) -> None:
+            if not self._ft:
+                super()._register_ddp_hooks()
+            # Under --ft, ftrun's --hook goes through ft.DistributedDataParallel.
+
+        def setup_optimizers(self, trainer: Any) -> None:
+            super().setup_optimizers(trainer)
+            if self._ft and self.optimizers:
+                if len(self.optimizers) != 1:  # automatic optimization takes one (Lightning says so itself)
+                    self._loop.misused(f"FTStrategy: {len(self.optimizers)} optimizers; automatic optimization "
+                                       f"steps one")
+                self.optimizers = [ft.Optimizer(self.optimizers[0])]
+
+        def setup(self, trainer: Any) -> None:
+            super().setup(trainer)
+            if self._ft and trainer.training:
+                # Joins; a restarted replica heals here (_restore), before the fit loop starts.
+                self._loop.start()
+
+        # ------------------------------------------------------------ the whole Lightning state
+        def _capture(self) -> Dict[str, Any]:
+            trainer = self.lightning_module.trainer
+            ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            # The model and optimizer travel as tensors already (ft's DDP and ft.Optimizer
+            # registered them); hyperparameters are the script's, the same on every replica.
+            for key in ("state_dict", "optimizer_states", "hyper_parameters", "hparams_name", "hparams_type",
+                        "datamodule_hyper_parameters", "datamodule_hparams_name"):
+                ckpt.pop(key, None)
+            return ckpt
+
+        def _restore(self, ckpt: Dict[str, Any]) -> None:
+            trainer = self.lightning_module.trainer
+            connector = trainer._checkpoint_connector
+            connector._loaded_checkpoint = ckpt
+            try:
+                connector.restore_datamodule()
+                self.lightning_module.on_load_checkpoint(ckpt)
+                connector.restore_callbacks()
+                connector.restore_precision_plugin_state()
+                connector.restore_loops()
+                for config, sd in zip(trainer.lr_scheduler_configs, ckpt.get("lr_schedulers", [])):
+                    config.scheduler.load_state_dict(sd)
+            finally:
+                connector._loaded_checkpoint = {}
+            # The state was taken at a step's top: the fit loop's restart counts the step before
+            # as one more batch that stepped (it expects a checkpoint saved at a batch's end).
+            trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
+
+        # ------------------------------------------------------------ the data
+        def process_dataloader(self, dataloader: Any) -> Any:
+            dataloader = super().process_dataloader(dataloader)
+            module = self.lightning_module
+            if not self._ft or module is None or not module.trainer.training:
+                return dataloader
+            sampler = getattr(dataloader, "sampler", None)
+            batches = getattr(dataloader, "batch_sampler", None)
+            if type(sampler) is not DistributedSampler or (batches is not None and type(batches) is not BatchSampler):
+                self._loop.misused(
+                    f"FTStrategy: the training DataLoader's sampler is {type(sampler).__name__} (batches from "
+                    f"{type(batches).__name__}); under --ft ftrun splits each step over the live replicas itself: "
+                    f"give the DataLoader shuffle= (and no sampler or batch_sampler of its own)")
+            dataset = dataloader.dataset
+            trainer = module.trainer
+
+            def position() -> Tuple[int, int]:
+                return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.completed
+
+            def live() -> Tuple[int, int]:
+                return self._loop.num_replicas, self._loop.replica_index
+
+            self._sampler = StepBatchSampler(len(dataset), dataloader.batch_size, self.world_size, sampler.shuffle,
+                                             sampler.seed, dataloader.drop_last, position, live)
+            self._collate, self._dataset = dataloader.collate_fn, dataset
+            kwargs = {k: getattr(dataloader, k) for k in (
+                "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                "generator", "persistent_workers", "pin_memory_device", "in_order") if hasattr(dataloader, k)}
+            if dataloader.num_workers > 0:
+                kwargs["prefetch_factor"] = dataloader.prefetch_factor
+            return StepLoader(dataset, batch_sampler=self._sampler, **kwargs)
+
+        def _step_batch(self, batch: Any, batch_idx: int) -> Any:
+            """The batch of this step at the current membership (the loader's, or loaded again)."""
+            if self._sampler is None:
+                return batch
+            trainer = self.lightning_module.trainer
+            again, indices = self._sampler.fix(trainer.current_epoch, batch_idx)
+            if not again:
+                return batch
+            if not indices:
+                return empty_like(batch)
+            fresh = self._collate([self._dataset[i] for i in indices])
+            fresh = self.precision_plugin.convert_input(fresh)
+            fresh = self.lightning_module._on_before_batch_transfer(fresh, dataloader_idx=0)
+            return self.batch_to_device(fresh, dataloader_idx=0)
+
+        # ------------------------------------------------------------ the steps
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_start(batch, batch_idx)
+            if self._ft:
+                self._loop.step_top()
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            if self._ft and len(args) >= 2 and self.lightning_module.trainer.training:
+                args = (self._step_batch(args[0], args[1]),) + tuple(args[1:])
+            return super().training_step(*args, **kwargs)
+
+        def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+            if not self._ft or not isinstance(optimizer, ft.Optimizer):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+            return self._loop.until_committed(
+                lambda: super(FTStrategy, self).optimizer_step(optimizer, closure, model, **kwargs),
+                lambda: optimizer.stepped)
+
+        def on_train_end(self) -> None:
+            super().on_train_end()
+            if self._ft and self._loop is not None:
+                self._loop.finish()
+
+        # ------------------------------------------------------------ collectives
+        def barrier(self, *args: Any, **kwargs: Any) -> None:
+            if not self._ft:
+                super().barrier(*args, **kwargs)
+
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            return obj if self._ft else super().broadcast(obj, src)
+
+        def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+            return tensor if self._ft else super().reduce(tensor, group, reduce_op)
+
+        def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+            return decision if self._ft else super().reduce_boolean_decision(decision, all)
+
+        @classmethod
+        def register_strategies(cls, strategy_registry: Any) -> None:
+            pass  # registered by install() under DDP's names, not by Lightning's scan of subclasses
+
+    FTStrategy.__module__ = "ftrun.lightning"
+    FTStrategy.__qualname__ = FTStrategy.__name__ = "FTStrategy"
+    return FTStrategy

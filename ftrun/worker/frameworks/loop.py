@@ -1,0 +1,122 @@
+"""A framework's training loop (Lightning's fit loop, the Hugging Face Trainer's) driven as an
+ftrun.ft loop: the framework-neutral part of running it under --ft.
+
+The framework keeps its loop; this class is told where the loop is and does what ft.epochs()
+and ft.Optimizer do for a hand-written one:
+- `start()` before the loop's first step: the member joins (a restarted replica heals here,
+  before the framework builds its data iterator, so it starts from the run's position);
+- `step_top()` at the top of each of the loop's steps (a no-op for the first, which start() opened);
+- `until_committed(attempt)` around the framework's optimizer step: an attempt whose round is
+  discarded (a peer died mid-step) changed nothing, and is made again from its round's top, so
+  the framework's counters (its global step, its batch index) count committed steps only;
+- `finish()` when the loop is over.
+The framework's whole state (its loop's progress, schedulers, callbacks...) travels in heals and
+checkpoints as registered state, beside the model and optimizer ft's DDP and ft.Optimizer
+registered: `capture()` on the source, `restore()` on a replica that heals before its loop starts.
+A heal in place later (a member whose step the others' decision contradicted) cannot put a
+framework's loop back a step: that replica restarts instead and heals as a new one.
+Must never decide a step's fate (ft.Optimizer's vote does), and never import the supervisor.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, Optional, TypeVar
+
+from ftrun.worker.ft.manager import Manager, manager
+
+T = TypeVar("T")
+
+
+def say(line: str) -> None:
+    """One line in ftrun's words from replica 0's first worker (the others would say the same)."""
+    from ftrun.worker import settings
+
+    if settings.current().rank_text == "0":
+        sys.stderr.write(f"ftrun: {line}\n")
+        sys.stderr.flush()
+
+
+class _State:
+    """The framework's state as registered state (state_dict / load_state_dict)."""
+
+    def __init__(self, loop: "FrameworkLoop") -> None:
+        self.loop = loop
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.loop.capture()
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.loop.received(sd)
+
+
+class FrameworkLoop:
+    """One per process: the framework's loop as a member of the run (see the module's docstring)."""
+
+    def __init__(self, name: str, capture: Callable[[], Dict[str, Any]],
+                 restore: Callable[[Dict[str, Any]], None]) -> None:
+        self.mgr: Manager = manager()
+        self.name = name
+        self.capture = capture
+        self._restore = restore
+        self.starting = False  # inside start(): a heal now lands before the framework's loop runs
+        self.running = False   # between start() and finish()
+        self.mgr.register_state(f"ftrun.framework.{name}", _State(self))
+
+    def received(self, sd: Dict[str, Any]) -> None:
+        if self.running and not self.starting:
+            # A heal in place mid-loop: the model went back to the committed step, but the
+            # framework's loop cannot; a new process takes it all from a peer.
+            self.mgr.member.restart(f"the {self.name} loop stepped past a step the others discarded")
+        self._restore(sd)
+
+    def start(self) -> None:
+        self.running = self.starting = True
+        self.mgr.looping = True
+        try:
+            self.mgr.begin_step()
+        finally:
+            self.starting = False
+
+    def step_top(self) -> None:
+        self.mgr.begin_step()
+
+    def until_committed(self, attempt: Callable[[], T], stepped: Callable[[], bool]) -> T:
+        """Run `attempt` (the framework's optimizer step: forward, backward, vote, step) until its
+        round commits; each attempt after the first starts from the round's top."""
+        while True:
+            out = attempt()
+            if stepped():
+                return out
+            self.mgr.begin_step()
+
+    def finish(self) -> None:
+        if self.running:
+            self.running = False
+            self.mgr.finish_loop()
+
+    # ------------------------------------------------------------ what the script may ask
+    @property
+    def num_replicas(self) -> int:
+        return self.mgr.num_replicas
+
+    @property
+    def replica_index(self) -> int:
+        return self.mgr.replica_index
+
+    def misused(self, why: str) -> None:
+        self.mgr._misused(why)
+
+
+_loop: Optional[FrameworkLoop] = None
+
+
+def framework_loop(name: str, capture: Callable[[], Dict[str, Any]],
+                   restore: Callable[[Dict[str, Any]], None]) -> FrameworkLoop:
+    """The process's framework loop (one per process: a second fit() reuses it, re-pointed)."""
+    global _loop
+    if _loop is None:
+        _loop = FrameworkLoop(name, capture, restore)
+    else:
+        _loop.capture, _loop._restore = capture, restore
+    return _loop

@@ -1,0 +1,78 @@
+"""An unmodified Lightning script (no ftrun in it): the counter model, for `ftrun --ft`.
+
+One weight per sample and epoch, zero at the start; SGD with lr 1; the loss is the sum of the
+batch's weights of the current epoch. DDP averages the gradients over the n replicas of a step,
+so a committed step lowers each of its samples' weights by exactly 1/n: every weight ends at
+-1/n for the n of the step that trained it if and only if every sample was trained exactly once
+in every epoch.
+
+argv: EPOCHS OUT, then options. Appends one line per fit start to OUT.rankN.starts (the epoch
+and global step it started at: a restarted replica's shows where it went on), and writes
+OUT.rankN.json at the end: the weights and the global step.
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # the older package name
+    import pytorch_lightning as pl
+
+
+class Indices(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(i)
+
+
+class Counter(pl.LightningModule):
+    def __init__(self, size: int, epochs: int, sleep: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(epochs, size))
+        self.sleep = sleep
+
+    def on_train_start(self) -> None:
+        with open(f"{OUT}.rank{self.global_rank}.starts", "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "epoch": self.current_epoch,
+                                "step": self.trainer.global_step}) + "\n")
+
+    def training_step(self, idx: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.sleep:
+            time.sleep(self.sleep)
+        return self.w[self.current_epoch, idx].sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+p = argparse.ArgumentParser()
+p.add_argument("epochs", type=int)
+p.add_argument("out")
+p.add_argument("--size", type=int, default=120)
+p.add_argument("--batch", type=int, default=4)
+p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--strategy", default="ddp", help="'default': no strategy= (several devices choose DDP)")
+args = p.parse_args()
+OUT = args.out
+
+torch.manual_seed(0)
+model = Counter(args.size, args.epochs, args.sleep)
+kwargs = {} if args.strategy == "default" else {"strategy": args.strategy}
+trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_epochs=args.epochs,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+trainer.fit(model, DataLoader(Indices(args.size), batch_size=args.batch, shuffle=True))
+with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:
+    json.dump({"weights": model.w.detach().tolist(), "step": trainer.global_step}, f)
+print(f"done rank {trainer.global_rank} step {trainer.global_step}", flush=True)

@@ -1,0 +1,60 @@
+"""--ft for an unmodified Lightning script (ftrun's FTStrategy put in place of DDP): only the
+killed replica restarts, it goes on mid-run with the whole Lightning state from a peer, and every
+sample is trained once an epoch (the counter model of tests/lightning_counter.py). Real CLI,
+real SIGKILL, CPU gloo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
+
+from conftest import ROOT  # noqa: E402
+from helpers import finish  # noqa: E402
+from test_ft import start_ftrun  # noqa: E402
+from test_ft_data import _kill_at  # noqa: E402
+
+WORKER = ROOT / "tests" / "lightning_counter.py"
+
+
+def _weights_once_an_epoch(report, epochs, size):
+    """Each (epoch, sample) weight is -1/n for the n replicas of the one committed step that
+    trained it: once, at full or reduced strength."""
+    strengths = {}
+    for e in range(epochs):
+        for i, w in enumerate(report["weights"][e]):
+            n = next((n for n in (3, 2, 1) if abs(w + 1 / n) < 1e-5), None)
+            assert n is not None, (e, i, w)
+            strengths.setdefault(e, set()).add(n)
+    return strengths
+
+
+def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
+    """Three replicas, 4 epochs of 20 steps; replica 1 killed in epoch 1, then replica 2: the run
+    finishes, each restarted replica's fit() went on where the run was (not from epoch 0), every
+    sample was trained once an epoch, and the replicas end identical."""
+    out, size, epochs = tmp_path / "o", 120, 4
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "light", WORKER, epochs, out,
+                        "--size", size, "--batch", 2, "--sleep", 0.1])
+    try:
+        _kill_at(ftrun_home, "light", proc, [(1, 25), (2, 45)])
+        rc, err = finish(proc, 300)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert err.count("restarting it alone") == 2, err[-3000:]
+    assert "cannot heal" not in err, err[-3000:]
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    assert all(rep["step"] == epochs * 20 for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
+    assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
+    strengths = _weights_once_an_epoch(reports[0], epochs, size)
+    assert strengths[0] == {3}, strengths  # nothing failed in epoch 0
+    assert any(2 in s for s in strengths.values()), strengths  # steps ran with a replica away
+    for r in (1, 2):
+        starts = [json.loads(line) for line in Path(f"{out}.rank{r}.starts").read_text().splitlines()]
+        assert len(starts) == 2 and starts[0] == {**starts[0], "epoch": 0, "step": 0}, starts
+        # Went on where the run was, mid-epoch or at an epoch's start, not from epoch 0:
+        assert starts[1]["step"] >= 25 and starts[1]["epoch"] == starts[1]["step"] // 20, starts
