@@ -62,6 +62,7 @@ p.add_argument("out")
 p.add_argument("--size", type=int, default=120)
 p.add_argument("--batch", type=int, default=4)
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--workers", type=int, default=0, help="the DataLoader's (persistent) workers")
 p.add_argument("--strategy", default="ddp", help="'default': no strategy= (several devices choose DDP)")
 args = p.parse_args()
 OUT = args.out
@@ -72,7 +73,8 @@ kwargs = {} if args.strategy == "default" else {"strategy": args.strategy}
 trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_epochs=args.epochs,
                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
-trainer.fit(model, DataLoader(Indices(args.size), batch_size=args.batch, shuffle=True))
+trainer.fit(model, DataLoader(Indices(args.size), batch_size=args.batch, shuffle=True, num_workers=args.workers,
+                             persistent_workers=args.workers > 0))
 with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:
     json.dump({"weights": model.w.detach().tolist(), "step": trainer.global_step}, f)
 print(f"done rank {trainer.global_rank} step {trainer.global_step}", flush=True)

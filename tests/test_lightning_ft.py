@@ -33,12 +33,12 @@ def _weights_once_an_epoch(report, epochs, size):
 
 
 def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
-    """Three replicas, 4 epochs of 20 steps; replica 1 killed in epoch 1, then replica 2: the run
-    finishes, each restarted replica's fit() went on where the run was (not from epoch 0), every
+    """Three replicas, 4 epochs of 20 steps, a loader with 2 workers (prefetching batches planned
+    for a membership that changes); replica 1 killed in epoch 1, then replica 2: the run finishes, each restarted replica's fit() went on where the run was (not from epoch 0), every
     sample was trained once an epoch, and the replicas end identical."""
     out, size, epochs = tmp_path / "o", 120, 4
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "light", WORKER, epochs, out,
-                        "--size", size, "--batch", 2, "--sleep", 0.1])
+                        "--size", size, "--batch", 2, "--sleep", 0.1, "--workers", 2])
     try:
         _kill_at(ftrun_home, "light", proc, [(1, 25), (2, 45)])
         rc, err = finish(proc, 300)
@@ -58,3 +58,40 @@ def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
         assert len(starts) == 2 and starts[0] == {**starts[0], "epoch": 0, "step": 0}, starts
         # Went on where the run was, mid-epoch or at an epoch's start, not from epoch 0:
         assert starts[1]["step"] >= 25 and starts[1]["epoch"] == starts[1]["step"] // 20, starts
+
+
+FEATURES = ROOT / "tests" / "lightning_features.py"
+
+
+def test_lightning_state_scheduler_callbacks_and_checkpoints_heal(ftrun_home, tmp_path):
+    """An LR scheduler stepped every batch, a callback counting batches, sync_dist logging,
+    validation every epoch, a ModelCheckpoint and a loader with workers; replica 1 killed, then
+    replica 0 (the checkpoint writer): the run finishes, and every replica ends with the same
+    parameters, learning rate, callback state and checkpoint choices as the others, the callback
+    having counted each committed batch once; the checkpoints are written."""
+    import torch
+
+    out, epochs, steps = tmp_path / "o", 3, 20
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "feat", FEATURES, epochs, out,
+                        "--size", 240, "--batch", 4, "--sleep", 0.1])
+    try:
+        _kill_at(ftrun_home, "feat", proc, [(1, 15), (0, 35)])
+        rc, err = finish(proc, 300)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert err.count("restarting it alone") == 2, err[-3000:]
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    first = reports[0]
+    for r, rep in reports.items():
+        assert rep["params"] == first["params"], r
+        assert rep["step"] == rep["batches"] == epochs * steps, (r, rep["step"], rep["batches"])
+        assert rep["lr"] == first["lr"] and abs(rep["lr"] - 0.05 * 0.9 ** (epochs * steps // 7)) < 1e-9, (r, rep["lr"])
+        assert rep["best"] == first["best"] and rep["best_k"] == first["best_k"], (r, rep["best"], first["best"])
+        assert rep["metrics"]["val_loss"] == first["metrics"]["val_loss"], r
+    for r in (0, 1):
+        starts = [json.loads(line) for line in Path(f"{out}.rank{r}.starts").read_text().splitlines()]
+        assert len(starts) == 2 and starts[1]["step"] >= 15, starts
+    last = torch.load(f"{out}.ckpt/last.ckpt", weights_only=False)
+    assert last["global_step"] == epochs * steps
+    assert all(Path(p).exists() for p in first["best_k"]), first["best_k"]

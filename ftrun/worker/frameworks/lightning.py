@@ -13,11 +13,14 @@ sampler (sampler.py); the fit loop is driven as a framework loop (loop.py):
 - each training batch opens a round (on_train_batch_start); an optimizer step whose round is
   discarded is made again on the same step's batch (training_step loads it again when the live
   replicas changed), so global_step and batch_idx count committed steps only;
+- validation (and testing) runs on every live replica over the whole set, so its metrics are the
+  same on each, and the run's whoever is away (the cost: each replica evaluates all of it);
 - barrier() waits for nobody, broadcast() returns this replica's object, reduce() (sync_dist,
   reduce_boolean_decision) this replica's own value: the replicas are not in step outside a
   training step's round, and a collective there could pair with a peer's gradient all-reduce.
   world_size and global_rank are the run's: the replicas it was started with, and this replica's
-  fixed id (rank 0 writes checkpoints and logs; while it is away nobody does).
+  fixed id; is_global_zero is the first live replica's, so checkpoints are written by one
+  replica whoever is away (Lightning's rank-zero logging stays replica 0's).
 
 `install()` (the worker bootstrap, --ft) registers FTStrategy under Lightning's DDP names as
 Lightning's strategies package is imported (both `lightning` and `pytorch_lightning`), so that
@@ -132,7 +135,10 @@ def _build(pl: ModuleType) -> type:
     from ftrun.worker.frameworks.loop import FrameworkLoop, framework_loop
     from ftrun.worker.frameworks.sampler import StepBatchSampler, empty_like
 
+    import importlib
+
     DDPStrategy = pl.strategies.DDPStrategy
+    update_dataloader = importlib.import_module(f"{pl.__name__}.utilities.data")._update_dataloader
     version_line = unsupported_version(pl)
 
     class StepLoader(DataLoader):
@@ -252,9 +258,16 @@ def _build(pl: ModuleType) -> type:
         def process_dataloader(self, dataloader: Any) -> Any:
             dataloader = super().process_dataloader(dataloader)
             module = self.lightning_module
-            if not self._ft or module is None or not module.trainer.training:
+            if not self._ft or module is None:
                 return dataloader
             sampler = getattr(dataloader, "sampler", None)
+            if not module.trainer.training:
+                if type(sampler) is DistributedSampler and sampler.num_replicas > 1:
+                    # Each live replica evaluates the whole set: its metrics are the run's, whoever is away.
+                    whole = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=sampler.shuffle,
+                                               seed=sampler.seed, drop_last=sampler.drop_last)
+                    return update_dataloader(dataloader, whole)
+                return dataloader
             batches = getattr(dataloader, "batch_sampler", None)
             if type(sampler) is not DistributedSampler or (batches is not None and type(batches) is not BatchSampler):
                 self._loop.misused(
@@ -317,6 +330,14 @@ def _build(pl: ModuleType) -> type:
             super().on_train_end()
             if self._ft and self._loop is not None:
                 self._loop.finish()
+
+        @property
+        def is_global_zero(self) -> bool:
+            """The first live replica of the step: the one that writes checkpoints (there is always
+            one, whoever is away). Lightning's rank_zero_only (logging) stays replica 0's."""
+            if self._ft and self._loop is not None and self._loop.running:
+                return self._loop.replica_index == 0
+            return super().is_global_zero
 
         # ------------------------------------------------------------ collectives
         def barrier(self, *args: Any, **kwargs: Any) -> None:

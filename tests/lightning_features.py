@@ -1,0 +1,104 @@
+"""An unmodified Lightning script (no ftrun in it) using what a real one does: an LR scheduler
+stepped every batch, a callback holding state, sync_dist logging, validation every epoch, a
+ModelCheckpoint, and a DataLoader with workers. For `ftrun --ft` under kills.
+
+A linear model on a fixed synthetic regression. argv: EPOCHS OUT, then options. Writes
+OUT.rankN.json at the end: the parameters, the learning rate, the callback's count of
+committed batches, the checkpoint callback's state, the global step; OUT.rankN.starts gets a
+line per fit start; checkpoints go to OUT.ckpt/.
+"""
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Dict
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+except ImportError:  # the older package name
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+
+
+class CountBatches(Callback):
+    """State a callback keeps across a fit (and in checkpoints): batches trained, losses summed."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.batches = state_dict["batches"]
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, sleep: float) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+        self.sleep = sleep
+
+    def on_train_start(self) -> None:
+        with open(f"{OUT}.rank{self.global_rank}.starts", "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "epoch": self.current_epoch,
+                                "step": self.trainer.global_step}) + "\n")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.sleep:
+            time.sleep(self.sleep)
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+p = argparse.ArgumentParser()
+p.add_argument("epochs", type=int)
+p.add_argument("out")
+p.add_argument("--size", type=int, default=240)
+p.add_argument("--batch", type=int, default=4)
+p.add_argument("--workers", type=int, default=2)
+p.add_argument("--sleep", type=float, default=0.0)
+args = p.parse_args()
+OUT = args.out
+
+g = torch.Generator().manual_seed(1)
+x = torch.randn(args.size, 8, generator=g)
+y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(args.size, 1, generator=g)
+train = DataLoader(TensorDataset(x, y), batch_size=args.batch, shuffle=True, num_workers=args.workers,
+                   persistent_workers=args.workers > 0)
+val = DataLoader(TensorDataset(x[:60], y[:60]), batch_size=10)
+
+torch.manual_seed(0)
+model = Regression(args.sleep)
+counter = CountBatches()
+checkpoints = ModelCheckpoint(dirpath=f"{OUT}.ckpt", monitor="val_loss", save_top_k=2, save_last=True)
+trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy="ddp",
+                     max_epochs=args.epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     callbacks=[counter, checkpoints])
+trainer.fit(model, train, val)
+with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:
+    json.dump({"params": [p.detach().flatten().tolist() for p in model.parameters()],
+               "lr": trainer.optimizers[0].param_groups[0]["lr"], "batches": counter.batches,
+               "step": trainer.global_step, "epoch": trainer.current_epoch,
+               "best": checkpoints.best_model_path, "best_k": sorted(checkpoints.best_k_models),
+               "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
+print(f"done rank {trainer.global_rank} step {trainer.global_step}", flush=True)
