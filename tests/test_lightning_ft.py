@@ -95,3 +95,34 @@ def test_lightning_state_scheduler_callbacks_and_checkpoints_heal(ftrun_home, tm
     last = torch.load(f"{out}.ckpt/last.ckpt", weights_only=False)
     assert last["global_step"] == epochs * steps
     assert all(Path(p).exists() for p in first["best_k"]), first["best_k"]
+
+
+def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
+    """--checkpoint-dir: the whole run (ftrun and every worker) is SIGKILLed mid-epoch, then run
+    again: fit() goes on from the checkpoint's step, mid-epoch, and every sample is trained once an
+    epoch (the steps after the checkpoint are trained again, on the checkpoint's model)."""
+    import signal
+
+    from conftest import run_ftrun
+    from test_ft import _wait_replica
+
+    out, ck, size, epochs = tmp_path / "o", tmp_path / "ck", 80, 3
+    args = ["--nproc", 2, "--ft", "--checkpoint-dir", ck, "--checkpoint-every", 7, "--run-id", "first", WORKER,
+            epochs, out, "--size", size, "--batch", 2, "--sleep", 0.05]
+    proc = start_ftrun(args)
+    try:
+        _wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 30, 180)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+    args[args.index("first")] = "second"
+    again = run_ftrun(args, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from checkpoint" in again.stderr, again.stderr[-3000:]
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    assert reports[0]["weights"] == reports[1]["weights"] and reports[0]["step"] == epochs * 20
+    strengths = _weights_once_an_epoch(reports[0], epochs, size)
+    assert all(s == {2} for s in strengths.values()), strengths
+    starts = [json.loads(line) for line in Path(f"{out}.rank0.starts").read_text().splitlines()]
+    assert starts[-1]["step"] >= 28 and starts[-1]["step"] % 7 == 0, starts  # the checkpoint's step, mid-run

@@ -20,8 +20,12 @@ Must never decide a step's fate (ft.Optimizer's vote does), and never import the
 
 from __future__ import annotations
 
+import io
+import pickle
 import sys
 from typing import Any, Callable, Dict, Optional, TypeVar
+
+import torch
 
 from ftrun.worker.ft.manager import Manager, manager
 
@@ -38,16 +42,27 @@ def say(line: str) -> None:
 
 
 class _State:
-    """The framework's state as registered state (state_dict / load_state_dict)."""
+    """The framework's state as registered state (state_dict / load_state_dict), packed as one
+    torch.save blob: a framework's state changes shape as it trains (a callback's dict of best
+    checkpoints grows), which a heal's skeleton and a checkpoint's target (DCP loads what the
+    resuming replica's own state holds) would not follow; as bytes it travels whole. It is read
+    back with weights_only=True, as a heal's skeleton is."""
 
     def __init__(self, loop: "FrameworkLoop") -> None:
         self.loop = loop
 
     def state_dict(self) -> Dict[str, Any]:
-        return self.loop.capture()
+        buf = io.BytesIO()
+        torch.save(self.loop.capture(), buf)
+        return {"state": buf.getvalue()}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        self.loop.received(sd)
+        try:
+            state = torch.load(io.BytesIO(sd["state"]), weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise RuntimeError(f"the {self.loop.name} state holds an object torch.load(weights_only=True) does "
+                               f"not load: {str(e).splitlines()[0]}") from None
+        self.loop.received(state)
 
 
 class FrameworkLoop:
