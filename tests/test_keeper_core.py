@@ -157,8 +157,8 @@ def _moved(**kw) -> KeeperSnapshot:
     return snap(**base)
 
 
-def said(step: int, inc: int = 1, in_sync: bool = True) -> str:
-    return json.dumps({"inc": inc, "step": step, "in_sync": in_sync})
+def said(step: int, inc: int = 1, in_sync: bool = True, decided: bool = False) -> str:
+    return json.dumps({"inc": inc, "step": step, "in_sync": in_sync, "decided": decided})
 
 
 NEXT = [
@@ -216,6 +216,18 @@ NEXT = [
     row("moved store: a tie goes to the lowest replica",
         _moved(survivors={2: said(9), 3: said(9)}), "first replicas joined", {},
         {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1, 3), False, 41, False, "replica 2 holds the newest step"),
+    row("moved store: a decided state beats a newer step past a round whose decision was lost",
+        _moved(survivors={0: said(11), 1: said(10, decided=True), 2: said(11), 3: said(9, decided=True)}),
+        "first replicas joined", {},
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 2, 3), False, 41, False, "replica 1 holds the newest step"),
+    row("moved store, the first source died in its transfer: the survivors' words stand",
+        _moved(quorum_id=8, members={0: 1, 1: 1, 3: 1}, pending={}, survivors={0: said(10), 1: said(12), 3: said(11)}),
+        "rank 2 left", {},
+        {0: 1, 1: 1, 3: 1}, (0, 3), False, 41, False, "replica 1 holds the newest step"),
+    row("moved store, a replica holds the state there: an ordinary quorum, the survivors' words spent",
+        _moved(quorum_id=8, members={0: 1, 1: 1, 3: 1}, pending={}, healed={(1, 1)},
+               survivors={0: said(10), 1: said(12), 3: said(11)}), "rank 2 left", {},
+        {0: 1, 1: 1, 3: 1}, (0, 3), False, 41, False, "rank 2 left"),
 ]
 
 
@@ -230,7 +242,8 @@ def test_next_quorum(s, why, healed, members, healers, fresh, start, fresh_after
     assert e.round_steps == core.paced_steps(s)
     assert history in d.history and d.reason
     assert d.healed == frozenset((r, h) for r, h in healed.items() if h >= 0)
-    assert set(d.forget) == (set(s.survivors) & set(members) if s.moved and not d.healed else set())
+    assert d.moving == (s.moved and not (set(s.healed) | d.healed) & set(e.members))
+    assert set(d.forget) == (set(s.survivors) & set(members) if s.moved and not d.moving else set())
     quiet = core.next_quorum(s, why, healed, quiet=True)
     assert quiet.history is None and quiet.quorum == e
 

@@ -54,7 +54,7 @@ class KeeperSnapshot:
     finished: AbstractSet[Member] = frozenset()         # incarnations that left the loop (exit 0)
     awaited: Optional[AbstractSet[int]] = None          # on a moved store: the ranks the first quorum waits for
     stopping: bool = False                              # a stop signal came: every quorum is a stop quorum
-    moved: bool = False                                 # started on a store that moved, no quorum yet
+    moved: bool = False                                 # on a store that moved, where nobody holds the state yet
     fresh_start: str = FRESH_START                      # what a fresh quorum after the first means for the run
     round_steps: int = keys.ROUND_STEPS                 # the most steps per round
     round_steps_chosen: bool = False                    # the user chose them: kept, not paced
@@ -116,7 +116,10 @@ class KeeperDecision:
     history: Optional[str]           # the line for the run's history (None: said nowhere)
     healed: FrozenSet[Member] = frozenset()  # incarnations newly seen holding the state
     fresh: bool = False              # a fresh quorum after the first: the trained state is lost
-    forget: Tuple[int, ...] = ()     # ranks whose survivor keys were read once: to delete
+    forget: Tuple[int, ...] = ()     # ranks whose survivor keys are of no use any more: to delete
+    # On a moved store, no replica holds the state there yet (its first heal has not landed): the
+    # next quorum heals from the survivors' words again.
+    moving: bool = False
 
 
 @dataclass(frozen=True)
@@ -211,9 +214,14 @@ def rejoin_applies(s: KeeperSnapshot, rank: int, inc: int) -> bool:
 def survivors_source(s: KeeperSnapshot, members: Mapping[int, int]) -> Tuple[Optional[int], str]:
     """After the store moved, replicas rejoin holding what they held then: each says which step
     (s.survivors, keys.survivor_key). The source is the replica whose workers all hold the same
-    newest step (a step that some took and others did not, as the old store went down mid-
-    round, is a step whose collectives went through: every gradient had every part); the
-    others heal from it. None when no replica is whole (every one was healing, or none said)."""
+    newest step, and of those first one whose state its last round's decision left ("decided":
+    no vote in flight): a replica that stepped past a round whose decision the lost store held
+    and never delivered may hold a step its peers voted down (a member whose collective completed
+    while a peer's failed; found by the simulator), while a decided state is committed (a member
+    sends a round's gradients only once the round before is decided). With every replica past
+    an undecided round, the newest step is a step whose collectives went through: every gradient
+    had every part. The others heal from it. None when no replica is whole (every one was
+    healing, or none said)."""
     said: Dict[int, dict] = {}
     for r in members:
         if r not in s.survivors:  # a replica started since the move says nothing
@@ -228,11 +236,12 @@ def survivors_source(s: KeeperSnapshot, members: Mapping[int, int]) -> Tuple[Opt
     for rep in sorted({r // s.k for r in said}):
         steps = {int(said[m]["step"]) if m in said else None for m in s.mates(rep * s.k)}
         if len(steps) == 1 and None not in steps:
-            whole[rep] = steps.pop()
+            whole[rep] = (all(said[m].get("decided") is True for m in s.mates(rep * s.k)), steps.pop())
     if not whole:
         return None, "no replica says it holds a whole step"
     best = max(whole, key=lambda rep: (whole[rep], -rep))
-    return best, f"replica {best} holds step {whole[best]}, the newest whole one"
+    decided, step = whole[best]
+    return best, f"replica {best} holds step {step}, the newest {'decided' if decided else 'whole'} one"
 
 
 def paced_steps(s: KeeperSnapshot) -> int:
@@ -281,7 +290,10 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
     committed state (`healed`: each member's keys.healed_key read now, not as of the last poll:
     a replica that healed a moment ago must not be taken for one that has nothing). With no
     holder it is fresh: the lowest replica sends its state, shard by shard; on a moved store the
-    replica that says it holds the newest whole step does (survivors_source)."""
+    replica that says it holds the newest whole step does (survivors_source), in every quorum
+    until a replica holds the state there: a first source that dies in its transfer leaves the
+    survivors holding what they held (found by the simulator: the next quorum was fresh, and a
+    replica restarted since the move sent its initial state over the newest committed step)."""
     if s.stopping:
         return stop_quorum(s, why, healed)
     members = dict(s.members)
@@ -291,8 +303,10 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
     holders = [r for r in members if all((m, members.get(m)) in known for m in s.mates(r))]
     reason = f"holders {sorted(holders)}"
     forget: Tuple[int, ...] = ()
-    if s.moved and not holders:
+    moving = s.moved and not holders
+    if s.moved and holders:  # a replica holds the state on the moved store: the survivors' words are spent
         forget = tuple(r for r in members if r in s.survivors)
+    if moving:
         source, said = survivors_source(s, members)
         reason = said
         if source is not None:
@@ -319,7 +333,7 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
     rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if steps != s.round_steps else ""
     line = None if quiet else f"quorum {eid}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}"
     return KeeperDecision(quorum, f"{why or 're-paced'}: {reason}; starts at round {start}", line,
-                          _healed_now(s, healed), fresh and eid > 1, forget)
+                          _healed_now(s, healed), fresh and eid > 1, forget, moving)
 
 
 def stop_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int]) -> KeeperDecision:
