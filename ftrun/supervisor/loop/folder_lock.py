@@ -39,7 +39,7 @@ RENEW_S = 5.0
 LEASE_S = 60.0    # a lease of another host not renewed for this long: its holder is gone
 WATCH_S = 12.0    # a fresher one is watched this long for a renewal (more than two)
 SIZE = 1024       # the record is written whole, padded, at offset 0: a reader sees the old one or the new one
-PARTIAL_DIR = re.compile(r"\.step-(\d+)\.[A-Za-z0-9._-]+\.partial")  # as ftrun.worker.ft.checkpoint.read
+PARTIAL_DIR = re.compile(r"\.step-(\d+)\.[A-Za-z0-9._-]+\.partial")  # as ftrun.worker.ft.checkpoint.names
 
 
 class Verdict(enum.Enum):

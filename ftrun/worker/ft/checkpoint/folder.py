@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Callable, Dict, Optional, Tuple
 
 from ftrun.worker.ft.checkpoint import read as disk
-from ftrun.worker.ft.checkpoint.read import DAMAGED_SUFFIX, META, PARTIAL_DIR, Damaged, complete_checkpoints, one_line
+from ftrun.worker.ft.checkpoint import names
+from ftrun.worker.ft.checkpoint.names import PARTIAL_DIR
+from ftrun.worker.ft.checkpoint.read import DAMAGED_SUFFIX, META, Damaged, complete_checkpoints, one_line
 
 
 class Folder:
@@ -41,10 +43,10 @@ class Folder:
 
     def partial(self, step: int, run_id: str) -> Path:
         """Where the save of `step` is written before it is published."""
-        return self.root / f".step-{step}.{run_id or 'run'}.partial"
+        return self.root / names.partial_name(step, run_id)
 
     def final(self, step: int) -> Path:
-        return self.root / f"step-{step}"
+        return self.root / names.step_name(step)
 
     def publish(self, partial: Path, step: int, meta: bytes) -> Path:
         """Add ftrun.json to a complete partial folder and publish it as step-N (durably)."""

@@ -29,7 +29,6 @@ import io
 import json
 import os
 import pickle
-import re
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -39,10 +38,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from ftrun.wire import first_line
+from ftrun.worker.ft.checkpoint.names import resume_order
 
 META = "ftrun.json"            # written last, by the replica's first worker: the step, checksums, the write's cost
-STEP_DIR = re.compile(r"step-(\d+)")
-PARTIAL_DIR = re.compile(r"\.step-(\d+)\.[A-Za-z0-9._-]+\.partial")
 DAMAGED_SUFFIX = ".damaged"    # step-N.damaged: moved aside, never read again, never pruned
 CHUNK = 1 << 22                # bytes read at a time while checking
 
@@ -61,16 +59,12 @@ class Whole:
 
 def complete_checkpoints(root: Path) -> List[Tuple[int, Path]]:
     """(step, folder) of every published checkpoint under `root`, newest first."""
-    found = []
     try:
         entries = list(os.scandir(root))
     except OSError:
         return []
-    for e in entries:
-        m = STEP_DIR.fullmatch(e.name)
-        if m and e.is_dir(follow_symlinks=False):
-            found.append((int(m.group(1)), Path(e.path)))
-    return sorted(found, reverse=True)
+    dirs = {e.name: e.path for e in entries if e.is_dir(follow_symlinks=False)}
+    return [(step, Path(dirs[name])) for step, name in resume_order(dirs)]
 
 
 def check(path: Path, step: int, checksums: bool = True) -> Union[Whole, Damaged]:
