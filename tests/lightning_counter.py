@@ -52,6 +52,12 @@ class Counter(pl.LightningModule):
             time.sleep(self.sleep)
         return self.w[self.current_epoch, idx].sum()
 
+    def manual_step(self, idx: torch.Tensor, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(self.w[self.current_epoch, idx].sum())
+        opt.step()
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1.0)
 
@@ -63,12 +69,16 @@ p.add_argument("--size", type=int, default=120)
 p.add_argument("--batch", type=int, default=4)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--workers", type=int, default=0, help="the DataLoader's (persistent) workers")
+p.add_argument("--manual", action="store_true", help="manual optimization (automatic_optimization = False)")
 p.add_argument("--strategy", default="ddp", help="'default': no strategy= (several devices choose DDP)")
 args = p.parse_args()
 OUT = args.out
 
 torch.manual_seed(0)
 model = Counter(args.size, args.epochs, args.sleep)
+if args.manual:
+    model.automatic_optimization = False
+    model.training_step = model.manual_step
 kwargs = {} if args.strategy == "default" else {"strategy": args.strategy}
 trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_epochs=args.epochs,
                      logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -4,7 +4,7 @@ ModelCheckpoint, and a DataLoader with workers. For `ftrun --ft` under kills.
 
 A linear model on a fixed synthetic regression. argv: EPOCHS OUT, then options. Writes
 OUT.rankN.json at the end: the parameters, the learning rate, the callback's count of
-committed batches, the checkpoint callback's state, the global step; OUT.rankN.starts gets a
+committed batches, the checkpoint callback's state, the global step, a validate() after fit(); OUT.rankN.starts gets a
 line per fit start; checkpoints go to OUT.ckpt/.
 """
 
@@ -95,10 +95,11 @@ trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_
                      max_epochs=args.epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                      callbacks=[counter, checkpoints])
 trainer.fit(model, train, val)
+validated = trainer.validate(model, val, verbose=False)
 with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:
     json.dump({"params": [p.detach().flatten().tolist() for p in model.parameters()],
                "lr": trainer.optimizers[0].param_groups[0]["lr"], "batches": counter.batches,
                "step": trainer.global_step, "epoch": trainer.current_epoch,
                "best": checkpoints.best_model_path, "best_k": sorted(checkpoints.best_k_models),
-               "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}, f)
+               "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "validated": validated}, f)
 print(f"done rank {trainer.global_rank} step {trainer.global_step}", flush=True)

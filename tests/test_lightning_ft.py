@@ -68,7 +68,8 @@ def test_lightning_state_scheduler_callbacks_and_checkpoints_heal(ftrun_home, tm
     validation every epoch, a ModelCheckpoint and a loader with workers; replica 1 killed, then
     replica 0 (the checkpoint writer): the run finishes, and every replica ends with the same
     parameters, learning rate, callback state and checkpoint choices as the others, the callback
-    having counted each committed batch once; the checkpoints are written."""
+    having counted each committed batch once; the checkpoints are written; validate() after fit()
+    gives every replica the same metrics."""
     import torch
 
     out, epochs, steps = tmp_path / "o", 3, 20
@@ -89,6 +90,7 @@ def test_lightning_state_scheduler_callbacks_and_checkpoints_heal(ftrun_home, tm
         assert rep["lr"] == first["lr"] and abs(rep["lr"] - 0.05 * 0.9 ** (epochs * steps // 7)) < 1e-9, (r, rep["lr"])
         assert rep["best"] == first["best"] and rep["best_k"] == first["best_k"], (r, rep["best"], first["best"])
         assert rep["metrics"]["val_loss"] == first["metrics"]["val_loss"], r
+        assert rep["validated"] == first["validated"], r  # validate() after fit(): no group of all workers
     for r in (0, 1):
         starts = [json.loads(line) for line in Path(f"{out}.rank{r}.starts").read_text().splitlines()]
         assert len(starts) == 2 and starts[1]["step"] >= 15, starts
@@ -126,3 +128,18 @@ def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
     assert all(s == {2} for s in strengths.values()), strengths
     starts = [json.loads(line) for line in Path(f"{out}.rank0.starts").read_text().splitlines()]
     assert starts[-1]["step"] >= 28 and starts[-1]["step"] % 7 == 0, starts  # the checkpoint's step, mid-run
+
+
+def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_path):
+    """Manual optimization cannot be redone step by step: one line at the start, Lightning's own
+    DDP (all workers in one group), and the run trains as without --ft (group restarts)."""
+    from conftest import run_ftrun
+
+    out = tmp_path / "o"
+    proc = run_ftrun(["--nproc", 2, "--ft", WORKER, 1, out, "--size", 24, "--manual"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("optimizes manually (automatic_optimization = False)") == 1, proc.stderr[-3000:]
+    assert "trains without ftrun.ft" in proc.stderr, proc.stderr[-3000:]  # the supervisor's: group restarts
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    assert reports[0]["weights"] == reports[1]["weights"]
+    assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}

@@ -138,6 +138,7 @@ def _build(pl: ModuleType) -> type:
     import importlib
 
     DDPStrategy = pl.strategies.DDPStrategy
+    TrainerFn = importlib.import_module(f"{pl.__name__}.trainer.states").TrainerFn
     update_dataloader = importlib.import_module(f"{pl.__name__}.utilities.data")._update_dataloader
     version_line = unsupported_version(pl)
 
@@ -182,6 +183,9 @@ def _build(pl: ModuleType) -> type:
             if trainer is not None and trainer.accumulate_grad_batches != 1:
                 return (f"--ft: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
                         f"supported by ftrun's Lightning strategy yet: a failure restarts all workers")
+            if self._layer_sync is not None:
+                return ("--ft: Trainer(sync_batchnorm=True) needs a process group of all workers, which a "
+                        "restarted replica cannot join: a failure restarts all workers")
             if getattr(self.precision_plugin, "scaler", None) is not None:
                 return ("--ft: a GradScaler (precision='16-mixed') is not supported by ftrun's Lightning strategy "
                         "yet: a failure restarts all workers (bf16 works)")
@@ -220,10 +224,18 @@ def _build(pl: ModuleType) -> type:
                 self.optimizers = [ft.Optimizer(self.optimizers[0])]
 
         def setup(self, trainer: Any) -> None:
-            super().setup(trainer)
-            if self._ft and trainer.training:
-                # Joins; a restarted replica heals here (_restore), before the fit loop starts.
-                self._loop.start()
+            if not self._ft or trainer.state.fn == TrainerFn.FITTING:
+                super().setup(trainer)
+                if self._ft:
+                    # Joins; a restarted replica heals here (_restore), before the fit loop starts.
+                    self._loop.start()
+                return
+            # validate(), test(), predict(): each replica evaluates its own model (DDP's set-up
+            # would broadcast replica 0's over a group of all workers, which there is not).
+            self.accelerator.setup(trainer)
+            self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self.setup_precision_plugin()
 
         # ------------------------------------------------------------ the whole Lightning state
         def _capture(self) -> Dict[str, Any]:
