@@ -13,6 +13,8 @@ invariants checked after every scheduled turn.
     scripts/simulate.py --max-restarts 1 --schedules 500  # restart budgets: replicas dropped, runs given up
     scripts/simulate.py --joiners --schedules 500         # replicas that join the running run (elastic)
     scripts/simulate.py --stops --schedules 500           # a stop signal mid-run: stop quorums
+    scripts/simulate.py --moves --schedules 500           # the store's host lost: the store moves (3 nodes)
+    scripts/simulate.py --checkpoints --schedules 500     # checkpoints saved, resumed after every replica died
 
 A violation prints the shortest schedule that still fails (faults removed one at a time while
 it does), as a line to replay, and the run exits 1. The last line is always
@@ -43,7 +45,8 @@ KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + [
 
 
 def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
-                  max_restarts: Optional[int] = None, joiners: bool = False, stops: bool = False) -> Schedule:
+                  max_restarts: Optional[int] = None, joiners: bool = False, stops: bool = False,
+                  moves: bool = False, checkpoints: bool = False) -> Schedule:
     """A random schedule: 2-5 replicas (2-3 of K workers with K > 1; 1-2 per node on several
     nodes), 8-20 rounds, 0-6 faults within the run's first 1.5 s, or 3-8 within 0.6 s; a fault's
     rank is any worker. On several nodes a quarter of the schedules lose a node besides. With a
@@ -52,8 +55,14 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
     replicas of a late node join the running run (elastic) at 0.1-2.5 s, and half the schedules
     kill one of them within a second of that. With `stops`, a stop signal reaches ftrun at
     0.05-2.5 s (a stop quorum, its writer's word, then every worker stopped), and half the
-    schedules kill a worker 0.03-0.15 s after it."""
+    schedules kill a worker 0.03-0.15 s after it. With `moves` (three nodes at least), the node
+    hosting the run's store is lost at 0.1-2.5 s, and half the schedules kill a worker of another
+    node, or in its next heal, around then. With `checkpoints`, the writer saves every 1-5 steps,
+    and half the schedules kill every worker at once at 0.2-2.5 s (a whole-run restart: the next
+    quorum's source resumes the newest complete checkpoint)."""
     rng = random.Random(seed)
+    if moves:
+        nodes = max(nodes, 3)
     replicas = rng.randint(2, 5) if k == 1 else rng.randint(2, 3)
     if nodes > 1:
         replicas = nodes * rng.randint(1, 2)
@@ -84,7 +93,7 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
             faults.append(Fault(at, kind, dur=round(rng.uniform(0.05, 1.0), 3)))
         else:
             faults.append(Fault(at, kind, dur=round(rng.uniform(0.1, 1.0), 3), x=round(rng.uniform(0.002, 0.02), 4)))
-    if nodes > 1 and rng.random() < 0.25:
+    if nodes > 1 and rng.random() < 0.25 and not moves:  # (with a move too, the run would keep no majority)
         faults.append(Fault(round(rng.uniform(0.0, 1.5), 3), "node-lost", rng.randrange(1, nodes)))
     s = Schedule(seed, replicas, total, faults, k, nodes, round_steps)
     if max_restarts is not None:
@@ -96,6 +105,16 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
         if rng.random() < 0.5:
             faults.append(Fault(round(s.join_at + rng.uniform(0.0, 1.0), 3), "kill",
                                 rng.randrange(replicas * k, (replicas + s.joiners) * k)))
+    if moves:
+        at = round(rng.uniform(0.1, 2.5), 3)
+        faults.append(Fault(at, "host-lost"))
+        if rng.random() < 0.5:  # a survivor dies around the move, or as it heals the others after it
+            faults.append(Fault(round(at + rng.uniform(-0.3, 1.5), 3), rng.choice(["kill", "heal-kill"]),
+                                rng.randrange(replicas * k // nodes, replicas * k)))
+    if checkpoints:
+        s.checkpoint_every = rng.choice([1, 2, 3, 5])
+        if rng.random() < 0.5:
+            faults.append(Fault(round(rng.uniform(0.2, 2.5), 3), "kill-all"))
     if stops:
         s.stop_at = round(rng.uniform(0.05, 2.5), 3)
         if rng.random() < 0.5:  # a worker dies during the stop (the writer, the lowest holder, most often)
@@ -110,7 +129,8 @@ def schedule_line(s: Schedule) -> str:
              **({"max_restarts": s.max_restarts, "min_replicas": s.min_replicas} if s.max_restarts != UNLIMITED
                 else {}),
              **({"joiners": s.joiners, "join_at": s.join_at} if s.joiners else {}),
-             **({"stop_at": s.stop_at} if s.stop_at >= 0 else {})}
+             **({"stop_at": s.stop_at} if s.stop_at >= 0 else {}),
+             **({"checkpoint_every": s.checkpoint_every} if s.checkpoint_every else {})}
     return json.dumps({"seed": s.seed, "replicas": s.replicas, **shape, "total": s.total,
                        "faults": [asdict(f) for f in s.faults]}, separators=(",", ":"))
 
@@ -120,7 +140,8 @@ def parse_schedule(text: str) -> Schedule:
     return Schedule(int(d["seed"]), int(d["replicas"]), int(d["total"]), [Fault(**f) for f in d["faults"]],
                     int(d.get("k", 1)), int(d.get("nodes", 1)), int(d.get("round_steps", 1)),
                     int(d.get("max_restarts", UNLIMITED)), int(d.get("min_replicas", 1)),
-                    int(d.get("joiners", 0)), float(d.get("join_at", 0.0)), float(d.get("stop_at", -1.0)))
+                    int(d.get("joiners", 0)), float(d.get("join_at", 0.0)), float(d.get("stop_at", -1.0)),
+                    int(d.get("checkpoint_every", 0)))
 
 
 def shrink(s: Schedule, bug, correct=None, budget_s: float = 60.0) -> Schedule:
@@ -170,6 +191,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="1-2 replicas join the running run (an elastic late node, admitted by the keeper's add_ranks)")
     ap.add_argument("--stops", action="store_true",
                     help="a stop signal reaches ftrun mid-run: a stop quorum, its writer's word, every worker stopped")
+    ap.add_argument("--moves", action="store_true",
+                    help="the node hosting the run's store is lost mid-run (three nodes at least): the others move "
+                         "the store and the replicas rejoin there")
+    ap.add_argument("--checkpoints", action="store_true",
+                    help="the writer replica saves every 1-5 steps (--checkpoint-dir); half the schedules kill every "
+                         "worker at once, and the run resumes from the newest complete checkpoint")
     ap.add_argument("--bug", default="none", choices=sorted(BUGS),
                     help="put a historic bug back (tests of the simulator itself)")
     ap.add_argument("--stop-at-first", action="store_true", help="stop at the first violation")
@@ -184,7 +211,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         schedules = [parse_schedule(a.replay)]
     else:
         n = a.schedules if a.schedules is not None else (SOAK_SCHEDULES if a.soak else CI_SCHEDULES)
-        schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes, a.round_steps, a.max_restarts, a.joiners, a.stops) for i in range(n))
+        schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes, a.round_steps, a.max_restarts, a.joiners, a.stops, a.moves,
+                                   a.checkpoints)
+                     for i in range(n))
     t0 = time.monotonic()
     runs = violations = 0
     stats: dict = {}

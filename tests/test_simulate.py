@@ -128,6 +128,45 @@ REJOIN_STALE_LATEST = {"seed": 708652, "replicas": 5, "total": 4, "faults": [
     {"at": 0.342, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
 
+# The store's moves (--moves: three nodes, the node hosting the run's store lost), found by the
+# first searches of that mode (seed 1, and seed 2 for the undecided step).
+# The first quorum on the moved store heals from the survivor holding step 4; its source dies in the
+# transfer. Before the fix the next quorum was fresh, and its lowest replica (restarted since the
+# move) sent its initial state over the step two live members held.
+MOVED_SOURCE_DIED = {"seed": 100050, "replicas": 6, "nodes": 3, "total": 5, "faults": [
+    {"at": 0.114, "kind": "heal-kill", "rank": 2, "dur": 0.0, "x": 0.0},
+    {"at": 1.029, "kind": "pause", "rank": 1, "dur": 2.528, "x": 0.0},
+    {"at": 0.232, "kind": "kill", "rank": 4, "dur": 0.0, "x": 0.0},
+    {"at": 2.439, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0},
+    {"at": 3.624, "kind": "heal-kill", "rank": 3, "dur": 0.0, "x": 0.0}]}
+
+# Node 2's keeper on the moved store counted below the new leader's LATEST, which names no quorum
+# yet: before the fix its blocking read of that quorum stopped node 2's supervision, its relay
+# with it, and rank 5, waiting on node 2's store for a decision the lost store held, waited for ever.
+MOVED_FOLLOWER_STALL = {"seed": 100083, "replicas": 6, "nodes": 3, "total": 5, "faults": [
+    {"at": 0.561, "kind": "kill", "rank": 4, "dur": 0.0, "x": 0.0},
+    {"at": 0.423, "kind": "pause", "rank": 0, "dur": 1.947, "x": 0.0},
+    {"at": 0.281, "kind": "slow", "rank": 5, "dur": 1.421, "x": 20.0},
+    {"at": 1.306, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0}]}
+
+# Rank 3 dies in round 4 after its part of rank 2's allreduce: rank 2 steps, the others' collectives
+# fail and the lost store decides the round down, which rank 2 never reads. Before the fix rank 2
+# said it held the newest whole step (5) and healed the others with a step voted down.
+MOVED_UNDECIDED_STEP = {"seed": 200316, "replicas": 6, "nodes": 3, "total": 6, "faults": [
+    {"at": 0.763, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0},
+    {"at": 0.545, "kind": "kill", "rank": 3, "dur": 0.0, "x": 0.0}]}
+
+# Planted in the moved store's keeper (--moves, seed 1, its first schedule) and in the save's wait
+# (--checkpoints, seed 1, schedule 80).
+MOVE_RECOUNT = {"seed": 100000, "replicas": 6, "nodes": 3, "total": 19, "faults": [
+    {"at": 1.496, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0}]}
+
+EARLY_SAVE = {"seed": 100080, "replicas": 3, "checkpoint_every": 1, "total": 8, "faults": [
+    {"at": 0.057, "kind": "store-down", "rank": -1, "dur": 0.439, "x": 0.0},
+    {"at": 0.95, "kind": "store-down", "rank": -1, "dur": 0.896, "x": 0.0},
+    {"at": 1.404, "kind": "kill-all", "rank": -1, "dur": 0.0, "x": 0.0}]}
+
+
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
     p = subprocess.run([sys.executable, str(SIMULATE), *args], capture_output=True, text=True, timeout=timeout,
                        cwd=ROOT)
@@ -352,6 +391,79 @@ def test_forgetful_stop_bug_fails_a_schedule_the_product_passes():
     bad = _replay(FORGETFUL_STOP, "forgetful-stop")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "is not a stop quorum" in bad[0], bad
+
+def test_store_moves_budget_finds_no_violation():
+    """Three nodes; the node hosting the run's store is lost mid-run: the others move the store to
+    the lowest node left, each node's keeper starts there after its old one (store_moved), and the
+    replicas follow it (member/moves.py) and rejoin holding their state. No committed decision is
+    lost or decided again otherwise, and a quorum's source after the move holds the newest step
+    committed before it while a member does."""
+    lines = _simulate("--moves", "--schedules", "300", "--seed", "1", timeout=600)
+    assert lines[-1] == "300 schedules, 0 violations", "\n".join(lines[-20:])
+
+
+def test_a_moved_store_heals_from_the_survivors_until_a_heal_lands():
+    """(r) found by the simulator: the first source on the moved store died in its transfer, and
+    the next quorum forgot the survivors' words: a replica restarted since the move sent its
+    initial state over the newest committed step."""
+    assert _replay(MOVED_SOURCE_DIED)[-1] == "1 schedules, 0 violations"
+    bad = _replay(MOVED_SOURCE_DIED, "first-source-only")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "the moved store lost committed step" in bad[0], bad
+
+
+def test_a_follower_on_a_moved_store_does_not_wait_for_a_quorum_not_published():
+    """(s) found by the simulator: a follower's blocking read of the quorum a moved store's LATEST
+    names before its first quorum stopped its node's relay; a member waited for ever."""
+    assert _replay(MOVED_FOLLOWER_STALL)[-1] == "1 schedules, 0 violations"
+    bad = _replay(MOVED_FOLLOWER_STALL, "blocking-follower")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "no progress" in bad[0], bad
+
+
+def test_a_moved_store_does_not_heal_from_a_step_voted_down():
+    """Found by the simulator: a survivor that stepped past a round the lost store voted down (its
+    collective completed as a peer's failed) held the newest step; it now says its last round is
+    undecided, and the keeper heals from a replica whose state is decided."""
+    assert _replay(MOVED_UNDECIDED_STEP)[-1] == "1 schedules, 0 violations"
+
+
+def test_move_recount_bug_fails_a_schedule_the_product_passes():
+    """(p) planted: the moved store's keeper counts quorums from the first again; quorum 1 is then
+    a second quorum, and its rounds are decided again."""
+    assert _replay(MOVE_RECOUNT)[-1] == "1 schedules, 0 violations"
+    bad = _replay(MOVE_RECOUNT, "move-recount")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "quorum 1 published twice" in bad[0], bad
+
+
+def test_checkpoints_budget_finds_no_violation():
+    """The writer replica saves every 1-5 steps through the simulator's checkpointer (partial, then
+    published whole); half the schedules kill every worker at once, and the next quorum's source
+    resumes the newest complete checkpoint. A resumed checkpoint holds a committed state, never
+    past the last committed step; the stop's writer saves for real."""
+    lines = _simulate("--checkpoints", "--schedules", "200", "--seed", "1", timeout=600)
+    assert lines[-1] == "200 schedules, 0 violations", "\n".join(lines[-20:])
+    lines = _simulate("--checkpoints", "--stops", "--schedules", "100", "--seed", "2", timeout=600)
+    assert lines[-1] == "100 schedules, 0 violations", "\n".join(lines[-20:])
+
+
+def test_early_save_bug_fails_a_schedule_the_product_passes():
+    """(q) planted: the writer saves at the top of the round after a due commit without waiting
+    for its vote's decision; every worker dies, and the run resumes a step never decided."""
+    assert _replay(EARLY_SAVE)[-1] == "1 schedules, 0 violations"
+    bad = _replay(EARLY_SAVE, "early-save")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "resumes checkpoint step" in bad[0], bad
+
+
+@pytest.mark.parametrize("bug,mode,schedules", [("move-recount", "--moves", 20),
+                                                ("early-save", "--checkpoints", 150)])
+def test_search_finds_the_planted_move_and_checkpoint_bugs(bug, mode, schedules):
+    lines = _simulate("--bug", bug, "--only-bug", "--seed", "1", mode, "--schedules", str(schedules),
+                      "--stop-at-first", "--no-shrink")
+    assert lines[-1].endswith(" schedules, 1 violations"), "\n".join(lines)
+
 
 @pytest.mark.quick
 def test_a_failing_schedule_replays_exactly():

@@ -24,12 +24,14 @@ from ftrun.worker.ft.member.membership import Entry, Member
 
 
 class Wiring:
-    """What the simulator runs: the keeper's class, the member driver's class and the
-    supervisor's failure policy's class."""
+    """What the simulator runs: the keeper's class (node 0's, and the leader's after a store move),
+    the other nodes' keepers' class, the member driver's class and the supervisor's failure
+    policy's class."""
 
     keeper = QuorumKeeper
     driver = MemberDriver
     policy = FailurePolicy
+    follower = QuorumKeeper  # the other nodes' keepers
 
 
 # ---------------------------------------------------------------- (a) 0a17702
@@ -345,6 +347,78 @@ class ForgetfulStop(Wiring):
     keeper = _ForgetfulStopKeeper
 
 
+# ---------------------------------------------------------------- (p) planted: the store's moves
+class _RecountingKeeper(QuorumKeeper):
+    """Planted (no commit): the keeper started on a moved store counts quorums from the first again
+    instead of above every quorum a replica may have seen, so the rounds of quorums the lost store
+    decided are decided again on the new one."""
+
+    def store_moved(self, old: QuorumKeeper, alive) -> None:
+        super().store_moved(old, alive)
+        self.quorum_id = 0
+
+
+class MoveRecount(Wiring):
+    keeper = _RecountingKeeper
+
+
+# ---------------------------------------------------------------- (r) found by the simulator, store moves
+class _FirstSourceOnlyKeeper(QuorumKeeper):
+    """Before the fix: the keeper of a moved store took the survivors' words for its first quorum
+    only. When that quorum's source died in its transfer, the next quorum was fresh, and its lowest
+    replica (one restarted since the move) sent its initial state over the newest committed step
+    two live replicas held."""
+
+    def _publish(self, why: str, quiet: bool = False):
+        decision = super()._publish(why, quiet)
+        if not decision.quorum.stop:
+            self.moved = False
+        return decision
+
+
+class FirstSourceOnly(Wiring):
+    keeper = _FirstSourceOnlyKeeper
+
+
+# ---------------------------------------------------------------- (s) found by the simulator, store moves
+class _BlockingFollower(QuorumKeeper):
+    def _follow(self) -> None:
+        """Before the fix: a follower read the quorum LATEST names with a blocking get. On a moved
+        store LATEST first names no quorum (the leader counts on above every quorum seen, and this
+        follower's count may be lower): the read stopped the node's supervision, its relay with it,
+        and a member waiting there for a decision the lost store held waited for ever."""
+        s = self._s
+        latest = int(s.get(keys.LATEST)) if s.check([keys.LATEST]) else 0
+        if latest != self.quorum_id and latest > 0:
+            quorum = Quorum.from_json(s.get(keys.quorum_key(latest)))
+            self.quorum_id = latest
+            self.members = dict(quorum.members)
+        healed, infos = self.reports.read(s, [keys.healed_key(r) for r in self.ranks], self.ranks, self.routes)
+        now = self.clock()
+        self._absorb(healed, infos, now)
+        self._track_waits(self._snapshot(), now)
+
+
+class BlockingFollower(Wiring):
+    follower = _BlockingFollower
+
+
+# ---------------------------------------------------------------- (q) planted: checkpoints
+def _settles_for_switches(vote_in_flight: bool, save_due: bool, switch_due: bool, step: int,
+                          total: Optional[int]) -> bool:
+    """Planted (no commit): the round's top waits for the vote in flight before a switch and at the
+    loop's end, not before a save: the writer saves a step whose round may yet be voted down."""
+    return member_core.settles_first(vote_in_flight, False, switch_due, step, total)
+
+
+class _EarlySaveDriver(MemberDriver):
+    settles_first = staticmethod(_settles_for_switches)
+
+
+class EarlySave(Wiring):
+    driver = _EarlySaveDriver
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering a quorum at different rounds
@@ -362,6 +436,10 @@ BUGS: Dict[str, type] = {
     "drop-below-min": DropBelowMin,   # (m) planted: a replica dropped with fewer than --min-replicas left
     "keyless-add": KeylessAdd,        # (n) planted: a late node's ranks polled before their keys exist
     "forgetful-stop": ForgetfulStop,  # (o) planted: an ordinary quorum published after a stop quorum
+    "move-recount": MoveRecount,      # (p) planted: a moved store's keeper counting quorums from 1 again
+    "early-save": EarlySave,          # (q) planted: a checkpoint of a step whose round was not decided yet
+    "first-source-only": FirstSourceOnly,  # (r) a moved store's survivors forgotten after one quorum (found by it)
+    "blocking-follower": BlockingFollower,  # (s) a follower blocked on a moved store's LATEST (found by it)
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-quorum": "collect-joiner"}

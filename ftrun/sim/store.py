@@ -2,7 +2,9 @@
 yield point of the simulator's scheduler: set, get (waiting for the key, with the client's
 timeout), add, compare_set, check, multi_get, delete_key, list_keys, num_keys, wait, and the
 queues. Faults: every call may take longer (latency), and the store may be down for a while
-(calls then wait, then fail with the client's timeout, as a TCPStore client does).
+(calls then wait, then fail with the client's timeout, as a TCPStore client does), or be gone
+for good with the process that served it (`lose`: every call, and every wait in flight, fails at
+once, as a reset connection does).
 Must never block outside the scheduler.
 """
 
@@ -45,6 +47,16 @@ class SimStore:
         self.max_keys = 0
         self.on_call: Optional[Callable[[str], None]] = None  # told the calling process before each call
         self.waiters: Dict[str, list] = {}  # key -> threads parked until it is written
+        self.gone = False  # the process serving it is gone: every call fails at once (lose)
+
+    def lose(self) -> None:
+        """The process serving this store is gone (its node was lost): calls fail at once, and
+        so does every wait in flight (a reset connection)."""
+        self.gone = True
+        waiting, self.waiters = self.waiters, {}
+        for ts in waiting.values():
+            for t in ts:
+                self.sched.wake(t)
 
     def written(self, key: str) -> None:
         """`key` was written: wake whoever waits for it."""
@@ -78,6 +90,8 @@ class SimClient:
             # takes effect in the turn that resumed it, which orders it among the others alike.
             sched.sleep(0.0)
         me.fresh = False
+        if s.gone:
+            raise dist.DistStoreError("simulated store: connection reset (the store's process is gone)")
         if sched.now >= s.down_until:
             return
         deadline = sched.now + self.timeout_s
@@ -98,6 +112,8 @@ class SimClient:
         deadline = sched.now + self.timeout_s
         me = sched.current
         while missing:
+            if s.gone:  # it went while this call waited for it to come back (store-down)
+                raise dist.DistStoreError("simulated store: connection reset (the store's process is gone)")
             if sched.now >= deadline:
                 raise dist.DistStoreError(f"wait timeout after {self.timeout_s * 1000:.0f}ms, keys: {list(keys)}")
             for k in missing:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
+from ftrun.sim.checkpoint import Marker, SimCheckpointer
 from ftrun.sim.sched import SimKilled
 from ftrun.sim.store import DistStoreError
 from ftrun.worker.ft.member import vote
@@ -87,7 +88,13 @@ class SimWorker(MemberEffects):
         # Rounds stepped on whose decision is not in yet: how many of their steps it took.
         self.stepped: Dict[Tuple[int, int], int] = {}
         self._after: Dict[Tuple[int, int], Tuple[int, int, str]] = {}  # round -> (lineage, step, digest) after it
-        self.driver: MemberDriver = world.bugs.driver(self, rank, inc, world.k, world.nodes)
+        # Where the run's store is, as this node's ftrun told the process when it started it (the
+        # environment's FTRUN_STORE, and the generation of a store that moved before it started).
+        gen, self._addr = world.node_run.get(world.node_of(rank), (0, world.first_addr))
+        every = world.sch.checkpoint_every
+        ck = SimCheckpointer(self, world.checkpoints, every) if every else None
+        self.driver: MemberDriver = world.bugs.driver(self, rank, inc, world.k, world.nodes, checkpoints=ck,
+                                                      store_gen=gen)
 
     # ------------------------------------------------------------ what the world reads
     inc = property(lambda self: self.driver.inc)
@@ -130,7 +137,7 @@ class SimWorker(MemberEffects):
         """The status report the keeper reads (ftrun/worker/progress.py's, through the node's store)."""
         beat = 0
         node = self.node()
-        store = self.w.store.client(VOTE_TIMEOUT_S) if node is None else node.store
+        store = self.connect() if node is None else node.store
         while True:
             beat += 1
             try:
@@ -141,7 +148,24 @@ class SimWorker(MemberEffects):
 
     # ------------------------------------------------------------ effects: store, clock, threads, exits
     def connect(self, timeout_s: Optional[float] = None) -> Any:
-        return self.w.store.client(VOTE_TIMEOUT_S if timeout_s is None else timeout_s)
+        return self.w.stores[self._addr].client(VOTE_TIMEOUT_S if timeout_s is None else timeout_s)
+
+    def store_gone(self) -> bool:
+        return self.w.stores[self._addr].gone
+
+    def announced_store(self) -> Optional[Tuple[int, str]]:
+        """What this node's ftrun wrote in its store after the run's store moved (keys.RUN_STORE)."""
+        node = self.node()
+        if node is None or not node.store.check([keys.RUN_STORE]):
+            return None
+        gen, where = node.store.get(keys.RUN_STORE).decode().split()
+        return int(gen), where
+
+    def store_address(self) -> str:
+        return self._addr
+
+    def store_moved(self, addr: str) -> None:
+        self._addr = addr
 
     def node(self) -> Optional[vote.Node]:
         n = self.w.node_of(self.rank)
@@ -192,6 +216,7 @@ class SimWorker(MemberEffects):
         quorum = self.driver.quorum
         if not quorum.fresh and not self.driver.in_sync:
             self.w.violation(f"rank {self.rank} sends its state in quorum {quorum.id} while not in sync")
+        self.w.check_source(self, quorum)
         lineage = quorum.id if quorum.fresh else self.lineage  # a fresh quorum's source starts a new one
         group.payload = (snapshot, self.digest, lineage)
         for _ in range(2):
@@ -212,6 +237,13 @@ class SimWorker(MemberEffects):
         self.stepped = {}
         self._after.clear()
         return snapshot, None
+
+    def loaded(self, marker: Marker) -> None:
+        """A resume read checkpoint `marker` into this worker's objects (sim/checkpoint.py)."""
+        self.w.check_resume(self, marker)
+        self.lineage, _, self.digest, _ = marker
+        self.stepped = {}
+        self._after.clear()
 
     # ------------------------------------------------------------ effects: what the script sees
     def took_step(self, quorum: int, rnd: int, step: int) -> None:

@@ -8,6 +8,11 @@ On several nodes every node but node 0 has its own store, through which its work
 report, kept by the real node relay (ftrun.supervisor.nodes.relay.NodeRelay) and a follower keeper
 that tells node 0's leader of its workers' starts and deaths; a lost node's workers die with
 it and its store is gone, and node 0 declares it lost NODE_LOST_S later, as its node watch does.
+On three nodes or more the node hosting the run's store may be lost (host-lost): the others agree
+on the next host (the lowest node left, whose standby store, its node store, becomes the run's),
+and each surviving node's ftrun starts the product's keeper there after its old one
+(QuorumKeeper.store_moved), says where the store went in its own store (keys.RUN_STORE) and tells
+its relay; its workers follow through the product's member/moves.py.
 Must never be imported by the product.
 """
 
@@ -20,11 +25,13 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
+from ftrun.sim.checkpoint import Marker
 from ftrun.sim.worker import SimWorker
 from ftrun.sim.sched import Deadlock, Sched
 from ftrun.sim.store import SimStore
 from ftrun.supervisor.policy.failure_policy import ReplicaFailed, RestartVerdict
 from ftrun.supervisor.ft.quorum import KeeperSettings, QuorumKeeper
+from ftrun.supervisor.nodes import failover
 from ftrun.supervisor.nodes.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
 
 STEP_S = 0.05  # a training step's compute, on average (virtual)
@@ -37,6 +44,11 @@ KEYS_PER_RANK = 40  # the store holds at most this many keys per rank, plus KEYS
 KEYS_BASE = 100
 STOP_BOUND_S = 30.0  # after a stop quorum, its members stop (and its writer says how its save went) within this
 NODE_LOST_S = 3.0  # node 0 declares a node lost this long after its beats stop (supervisor/nodes/node_watch.py)
+# After the store's host is lost, the others notice (their node watch), agree on the next host
+# (supervisor/nodes/failover.py: at once once every candidate chose it) and start their keepers on it
+# this long after, give or take MOVE_SPREAD_S between the nodes.
+MOVE_S = (0.3, 1.5)
+MOVE_SPREAD_S = 0.2
 UNLIMITED = 10 ** 9  # a schedule with no restart budget of its own (--max-restarts not given)
 
 
@@ -48,7 +60,10 @@ class Fault:
     then on, whichever incarnation makes it: a restarted replica stopped mid-join), slow (its turns `x` times slower for `dur`), late (its first
     start delayed by `dur`), heal-kill (killed as soon as it next sends or receives state),
     store-down (every store call waits `dur`), store-slow (latency `x` for `dur`), node-lost (node
-    `rank` and every worker on it are gone for good, its store with them)."""
+    `rank` and every worker on it are gone for good, its store with them), host-lost (the node
+    hosting the run's store is lost so, and the run's store moves to the lowest node left), kill-all
+    (every worker at once: nobody holds the trained state, and the next quorum's source resumes the
+    newest checkpoint)."""
 
     at: float
     kind: str
@@ -76,6 +91,7 @@ class Schedule:
     joiners: int = 0  # replicas of a node that joins the running run (elastic): ranks after the others'
     join_at: float = 0.0  # when node 0 admits them (QuorumKeeper.add_ranks), and they start
     stop_at: float = -1.0  # a stop signal (SIGTERM with --checkpoint-dir) reaches ftrun then: a stop quorum
+    checkpoint_every: int = 0  # --checkpoint-dir with --checkpoint-every N: the writer saves every N steps
 
 
 class Group:
@@ -213,6 +229,26 @@ class World:
         self.stop_sent: Optional[float] = None  # when the stop signal reached the supervisor
         self.stopped = False  # the stop is done: every worker is stopped, the run ends
         self.routes: Optional[Routes] = None
+        # Where the run's store is: node 0's until its host is lost, then the next host's standby
+        # store (its node store). `node_run`: what each node's ftrun announced after a move.
+        self.first_addr = "node0"
+        self.stores: Dict[str, SimStore] = {"node0": self.store,
+                                            **{f"node{n}": st for n, st in self.node_store.items()}}
+        self.node_run: Dict[int, Tuple[int, str]] = {}
+        self.host = 0
+        self.host_lost_at: Optional[float] = None
+        self.move_at: Dict[int, float] = {}  # node -> when its ftrun follows the store to the next host
+        self.requeued = False  # too few nodes were left to move the store: every node stopped its workers
+        # The newest step committed before the move that a surviving member held then (lineage,
+        # step), and the old keeper's last quorum: a source of a quorum after it sends nothing older.
+        self.kept: Optional[Tuple[int, int]] = None
+        self.moved_after = 0
+        self.elected: List[int] = []  # the nodes the run goes on with after the move
+        # Every quorum published, on any store: a quorum id names one quorum for the whole run (a
+        # moved store's keeper counts on above the lost store's), and up to which each keeper was read.
+        self.published: Dict[int, bytes] = {}
+        self.checkpoints: Dict[str, Marker] = {}  # the run's checkpoint folder (sim/checkpoint.py): name -> marker
+        self._published_upto: Dict[int, int] = {}
         shape = {}
         if self.nodes > 1:
             self.routes = _SimRoutes(self, {n: (f"node{n}", self.node_ranks(n)) for n in range(1, self.nodes)})
@@ -222,11 +258,12 @@ class World:
                                   **shape)
         # Every other node's ftrun: a follower keeper (it reports its workers to node 0's) and the relay.
         self.followers: Dict[int, QuorumKeeper] = {
-            n: QuorumKeeper(_RunStore(self.store.client(600.0)), self.ranks, local_ranks=self.node_ranks(n),
+            n: bugs.follower(_RunStore(self.store.client(600.0)), self.ranks, local_ranks=self.node_ranks(n),
                             leader=False, replica_size=self.k, routes=self.routes,
                             settings=KeeperSettings(schedule.round_steps, True),
                             clock=lambda: sched.now)
             for n in range(1, self.nodes)}
+        self.node_keeper: Dict[int, QuorumKeeper] = {0: self.keeper, **self.followers}
 
     def node_of(self, rank: int) -> int:
         return rank // self.per_node
@@ -235,7 +272,7 @@ class World:
         return list(range(node * self.per_node, (node + 1) * self.per_node))
 
     def over(self) -> bool:
-        if self.given_up or self.stopped:
+        if self.given_up or self.stopped or self.requeued:
             return True
         ended = len(self.done) + len(self.gone) + len(self.dropped)
         return ended >= self._ranks_n and len(self.done | self.gone | self.dropped) >= self._ranks_n
@@ -252,31 +289,49 @@ class World:
             if r not in self.joining:
                 self.events.append((late.get(r, 0.0), "spawn", r, 0))
         while not self.over():
-            now = self.sched.now
-            if self.joining and now >= self.sch.join_at:  # a late node is admitted: its ranks, then its workers
-                self.log.append(f"{now:.3f}s ranks {self.joining} join the run")
-                k.add_ranks(self.joining)
-                self.events += [(now + late.get(r, 0.0), "spawn", r, 0) for r in self.joining]
-                self.joining = []
-            self._take_events(0, k)
-            if self.sch.stop_at >= 0:
-                self._stop(k, now)
-            for n, at in sorted(self.lost_at.items()):
-                if now >= at + NODE_LOST_S and n not in self.routes.lost:
-                    self.log.append(f"{now:.3f}s node {n} declared lost")
-                    k.on_node_lost(n, self.node_ranks(n))  # as node 0's ftrun does on its node watch's word
-            try:
-                k.poll(now)
-            except Exception:  # noqa: BLE001 - the store is down: the next tick tries again
-                pass
-            if self.dropped:  # the leader, told of a dropped replica's exit, lists it in no quorum again
-                listed = sorted(r for r in self.dropped if r in k.members and k.alive.get(r) is None)
-                if listed:
-                    self.violation(f"quorum {k.quorum_id} lists rank(s) {listed} of a replica dropped from the run")
-            for r, inc in k.rejoined:  # the supervisor books a worker's next incarnation, its process the same
-                self.inc[r] = inc
-            k.rejoined.clear()
+            self._lead(0, k)
             self.sched.sleep(TICK_S)
+
+    def _lead(self, node: int, k: QuorumKeeper) -> None:
+        """A tick of the ftrun hosting the run's store (node 0's, then the next host's): late nodes
+        admitted, its workers' starts and deaths, the stop, lost nodes declared, the keeper's poll."""
+        now = self.sched.now
+        if self.joining and now >= self.sch.join_at:  # a late node is admitted: its ranks, then its workers
+            late = {f.rank: f.dur for f in self.sch.faults if f.kind == "late"}
+            self.log.append(f"{now:.3f}s ranks {self.joining} join the run")
+            k.add_ranks(self.joining)
+            self.events += [(now + late.get(r, 0.0), "spawn", r, 0) for r in self.joining]
+            self.joining = []
+        self._take_events(node, k)
+        if self.sch.stop_at >= 0:
+            self._stop(k, now)
+        for n, at in sorted(self.lost_at.items()):
+            if now >= at + NODE_LOST_S and n not in self.routes.lost:
+                self.log.append(f"{now:.3f}s node {n} declared lost")
+                k.on_node_lost(n, self.node_ranks(n))  # as node 0's ftrun does on its node watch's word
+        try:
+            k.poll(now)
+        except Exception:  # noqa: BLE001 - the store is down: the next tick tries again
+            pass
+        if self.dropped:  # the leader, told of a dropped replica's exit, lists it in no quorum again
+            listed = sorted(r for r in self.dropped if r in k.members and k.alive.get(r) is None)
+            if listed:
+                self.violation(f"quorum {k.quorum_id} lists rank(s) {listed} of a replica dropped from the run")
+        for r, inc in k.rejoined:  # the supervisor books a worker's next incarnation, its process the same
+            self.inc[r] = inc
+        k.rejoined.clear()
+        if k.quorum_id > self._published_upto.get(node, 0):
+            self._note_quorums(node, k)
+
+    def _note_quorums(self, node: int, k: QuorumKeeper) -> None:
+        """The quorums node's keeper published since the last tick: none published twice otherwise."""
+        data = self.store.data
+        for q in range(self._published_upto.get(node, 0) + 1, k.quorum_id + 1):
+            raw = data.get(keys.quorum_key(q))
+            if raw is not None and self.published.setdefault(q, raw) != raw:
+                self.violation(f"quorum {q} published twice, otherwise: {self.published[q].decode()} on the lost "
+                               f"store, {raw.decode()} on the moved one")
+        self._published_upto[node] = k.quorum_id
 
     def _stop(self, k: QuorumKeeper, now: float) -> None:
         """A stop signal: the keeper publishes a stop quorum (QuorumKeeper.stop), at whose switch its
@@ -324,16 +379,47 @@ class World:
         keeper = self.followers[n]
         keeper.on_store_ready()
         local = self.node_store[n].client(NODE_OP_TIMEOUT_S)
-        run = self.store.client(NODE_OP_TIMEOUT_S)
-        relay = NodeRelay(n, self.node_ranks(n), lambda: local, lambda: run)
+        run = [self.store.client(NODE_OP_TIMEOUT_S)]  # the run's store, wherever it is
+        relay = NodeRelay(n, self.node_ranks(n), lambda: local, lambda: run[0])
         while not self.over() and n not in self.lost_at:
-            self._take_events(n, keeper)
-            for step in (keeper.poll, relay.poll):
+            if self.sched.now >= self.move_at.get(n, float("inf")):
+                del self.move_at[n]
+                run[0] = self.store.client(NODE_OP_TIMEOUT_S)
+                keeper = self._follow_store(n, keeper, relay)
+            if self.host == n and n in self.node_run:  # the store moved here: this node's keeper leads
+                self._lead(n, keeper)
+                steps = (relay.poll,)
+            else:
+                self._take_events(n, keeper)
+                steps = (keeper.poll, relay.poll)
+            for step in steps:
                 try:
                     step(self.sched.now)
                 except Exception:  # noqa: BLE001 - a store does not answer: the next tick tries again
                     pass
             self.sched.sleep(TICK_S)
+
+    def _follow_store(self, n: int, old: QuorumKeeper, relay: NodeRelay) -> QuorumKeeper:
+        """Node n's ftrun after the election (supervisor/nodes/node_decisions.py's move_store and
+        publish_move): a keeper on the new store after its old one, readied, then the store's new
+        place said in the node's own store (its workers' members/moves.py read it there) and the
+        relay told that rounds without a decision here never get one."""
+        h, gen, addr = self.host, 1, f"node{self.host}"
+        alive = {r: self.inc[r] if r in self.members and r not in self.done and self.sched.alive(self.members[r].proc)
+                 else None for r in self.node_ranks(n)}
+        keeper = (self.bugs.keeper if n == h else self.bugs.follower)(
+            _RunStore(self.store.client(600.0)), [r for e in self.elected for r in self.node_ranks(e)],
+            local_ranks=self.node_ranks(n), leader=n == h, replica_size=self.k, routes=self.routes,
+            settings=KeeperSettings(self.sch.round_steps, True), clock=lambda: self.sched.now)
+        keeper.store_moved(old, alive)
+        keeper.on_store_ready()
+        self.node_keeper[n] = keeper
+        self.node_run[n] = (gen, addr)  # the environment of the workers it starts from now on
+        self.node_store[n].client(NODE_OP_TIMEOUT_S).set(keys.RUN_STORE, f"{gen} {addr}")
+        relay.moved(keeper.quorum_id)
+        self.log.append(f"{self.sched.now:.3f}s node {n} follows the run's store to node {h} "
+                        f"(keeper {'leader' if n == h else 'follower'} from quorum {keeper.quorum_id})")
+        return keeper
 
     def _take_events(self, node: int, keeper: QuorumKeeper) -> None:
         now = self.sched.now
@@ -485,9 +571,98 @@ class World:
                 self.store.extra_latency = f.x
             elif f.kind == "node-lost":
                 self._lose_node(f.rank)
+            elif f.kind == "host-lost":
+                self._host_lost()
+            elif f.kind == "kill-all":
+                for r in sorted(self.members):
+                    self.kill(r)
         self.sched.sleep(max(0.0, self.last_fault_end - self.sched.now))
         self.sched.slow.clear()
         self.store.extra_latency = 0.0
+
+    def _host_lost(self) -> None:
+        """The node hosting the run's store is lost, its workers and its store with it. The others
+        agree on the next host, the lowest node left (failover.elect's first candidate that
+        answers), if more than half of the run's nodes are left; else every node stops its workers
+        (node_decisions' lost_majority: the job is requeued)."""
+        h = self.host
+        if self.host_lost_at is not None or self.nodes < 3:
+            return  # one move a run: a second needs more than half of the layout, which one move leaves
+        now = self.sched.now
+        self.host_lost_at = now
+        self.kept = self._newest_kept(h)
+        self.moved_after = self.node_keeper[h].quorum_id
+        self.sched.kill("supervisor" if h == 0 else f"node{h}")
+        self.store.lose()
+        for r in self.node_ranks(h):
+            m = self.members.get(r)
+            if m is not None and r not in self.done and self.sched.alive(m.proc):
+                self.sched.kill(m.proc)
+                self.groups.died()
+                self.log.append(f"{now:.3f}s rank {r}.{m.inc} lost with the store's host, node {h} (step {m.step})")
+            if r not in self.done:
+                self.gone.add(r)
+        self.events = [e for e in self.events if e[2] < 0 or self.node_of(e[2]) != h]
+        left = [n for n in range(self.nodes) if n != h and n not in self.lost_at]
+        if len(left) < failover.majority(self.nodes):
+            self.log.append(f"{now:.3f}s the store's host is lost and only nodes {left} are left: requeued")
+            self.requeued = True
+            return
+        self.host, self.elected = left[0], left
+        self.routes = _SimRoutes(self, {e: (f"node{e}", self.node_ranks(e)) for e in left})
+        on_call, self.store = self.store.on_call, self.node_store[left[0]]
+        self.store.on_call = on_call
+        self._writes_seen = len(self.store.writes)
+        at = now + MOVE_S[0] + (MOVE_S[1] - MOVE_S[0]) * self.sched.rng.random()
+        for n in left:
+            self.move_at[n] = at + MOVE_SPREAD_S * self.sched.rng.random()
+        self.log.append(f"{now:.3f}s node {h}, the store's host, is lost: the store moves to node {left[0]} "
+                        f"(newest committed step a survivor holds: {self.kept})")
+
+    def _newest_kept(self, h: int) -> Optional[Tuple[int, int]]:
+        """(lineage, step): the newest step committed that a member off node `h` holds in sync."""
+        best: Optional[Tuple[int, int]] = None
+        for r, m in self.members.items():
+            if (self.node_of(r) == h or r in self.done or not self.sched.alive(m.proc) or not m.in_sync
+                    or m.driver.heals.tainted):
+                continue
+            c = max((st for (lin, st) in self.committed if lin == m.lineage and st <= m.step), default=None)
+            if c is not None and (best is None or c > best[1]):
+                best = (m.lineage, c)
+        return best
+
+    def check_source(self, m: SimWorker, quorum: Quorum) -> None:
+        """A moved store loses no committed step: a quorum's source after the move sends the newest
+        step committed before it, or newer, while a member of that quorum still holds it."""
+        if self.kept is None or quorum.id <= self.moved_after:
+            return
+        lineage, step = self.kept
+        if m.lineage == lineage and m.step >= step:
+            return
+        for r, inc in quorum.members:
+            o = self.members.get(r)
+            if (o is not None and o.inc == inc and self.sched.alive(o.proc) and o.lineage == lineage
+                    and o.step >= step and not o.driver.heals.tainted):
+                self.violation(f"the moved store lost committed step {step}: rank {m.rank}, the source of quorum "
+                               f"{quorum.id}, sends step {m.step} while rank {r}, a member, holds step {o.step}")
+                return
+
+    def check_resume(self, m: SimWorker, marker: Marker) -> None:
+        """A resumed checkpoint holds a committed state: every round its writer had stepped on
+        was decided to keep its steps, and its state is the one committed at its step."""
+        lineage, step, digest, undecided = marker
+        for (e, rnd), taken in undecided:
+            raw = self.decided.get(keys.decision_key(e, rnd))
+            commit, _, kept = keys.parse_decision(raw.decode()) if raw is not None else (False, 0, 0)
+            if not commit and taken > (kept or 0):
+                self.violation(f"rank {m.rank} resumes checkpoint step {step}, written after round {rnd} of quorum "
+                               f"{e}, which was {'voted down' if raw is not None else 'never decided'}")
+                return
+        seen = self.committed.get((lineage, step))
+        if seen is not None and seen != digest:
+            self.violation(f"rank {m.rank} resumes checkpoint step {step} holding {digest}, while the committed "
+                           f"state there is {seen}")
+        self.log.append(f"{self.sched.now:.3f}s rank {m.rank} resumes checkpoint step {step}")
 
     def _lose_node(self, n: int) -> None:
         if n in self.lost_at or not 0 < n < self.nodes:
@@ -522,9 +697,9 @@ class World:
     def check_state(self, m: SimWorker) -> None:
         """Before a member sends its gradients: no round it stepped on may have been decided
         otherwise, and its state is the state every member committed at its step."""
-        if not m.in_sync:
-            return
         d = m.driver
+        if not m.in_sync or d.quorum is None:  # in no quorum (the store moved): it sends nothing
+            return
         # A round of several steps is decided at its end: a member mid-round learns it at its vote.
         open_round = (d.quorum.id, d.round) if d.quorum is not None and d.taken else None
         for (e, rnd), taken in m.stepped.items():
@@ -556,7 +731,7 @@ class World:
         if s.max_keys > self._keys_bound:
             self.violation(f"the store grew to {s.max_keys} keys")
         for n, ns in self.node_store.items():
-            if ns.max_keys > KEYS_BASE + KEYS_PER_RANK * self.per_node:
+            if ns is not s and ns.max_keys > KEYS_BASE + KEYS_PER_RANK * self.per_node:
                 self.violation(f"node {n}'s store grew to {ns.max_keys} keys")
         if self.sched.now > self._progress_deadline:
             self.violation(f"no progress: the run has not finished {PROGRESS_BOUND_S:g} s after the last fault "
@@ -580,7 +755,8 @@ class World:
             sched, store = self.sched, self.store
             writes, bound, deadline = store.writes, self._keys_bound, self._progress_deadline
             every_turn = bool(self.node_store)  # other nodes' stores: their sizes are checked each turn
-            while ((len(done) + len(gone) + len(dropped) < n and not self.given_up and not self.stopped) or not over()) \
+            while ((len(done) + len(gone) + len(dropped) < n and not self.given_up and not self.stopped
+                    and not self.requeued) or not over()) \
                     and self.first_violation is None:
                 try:
                     if not turn():

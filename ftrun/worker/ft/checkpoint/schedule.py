@@ -119,12 +119,6 @@ class Checkpointer:
         """How often the step of the last save has been tried (0: no save yet)."""
         return self._job.attempt if self._job is not None else 0
 
-    def due(self, step: int, total: Optional[int]) -> bool:
-        """A save after the step that brought the count to `step` (and after the last one)."""
-        from ftrun.worker.ft.member.core import save_is_due
-
-        return save_is_due(step, total, self.settings.every)
-
     # ------------------------------------------------------------ saving
     def save(self, state: Any, step: int, kind: str = "periodic") -> None:
         """Start staging this worker's state and hand the write to the writer thread. Every

@@ -50,6 +50,7 @@ class MemberDriver:
     entry_round = staticmethod(membership.entry_round)
     finished_step = staticmethod(membership.finished_step)
     source_refuses = staticmethod(core.source_refuses)
+    settles_first = staticmethod(core.settles_first)
     cast_vote = staticmethod(vote.cast)
 
     def __init__(self, fx: MemberEffects, rank: int, inc: int, k: int, nodes: int,
@@ -80,6 +81,7 @@ class MemberDriver:
         # Why this member takes the committed state again in place at the next round's top, or None.
         self.rejoin_why: Optional[str] = None
         self.save_due = False  # a checkpoint at the top of the next round (after a due commit)
+        self.unsettled = False  # the decision of a round it stepped past was lost with the run's store
         self.loop_ending = False  # ft.epochs() ran out (finish_loop): its save is the loop's last
         self.looping = False  # inside ft.steps() or ft.epochs() (opt.step() outside one is a misuse)
         self.step_open = False  # a step's top ran and opt.step() has not voted on it yet
@@ -181,7 +183,8 @@ class MemberDriver:
         checkpoints are on, the decision is awaited, and the run is marked finished."""
         self.close_round()
         if (self.checkpoints is not None and self.step > 0 and self.quorum is not None and self.in_sync
-                and self.replica_index == 0 and self.checkpoints.due(self.step, self.step)):
+                and self.replica_index == 0
+                and core.save_is_due(self.step, self.step, self.checkpoints.settings.every)):
             self.save_due = True
         self.loop_ending = True
         while True:
@@ -240,7 +243,7 @@ class MemberDriver:
             self.core.handle(Computing())
             self.set_phase("compute")
             return
-        if core.settles_first(self.ballot.round is not None, self.save_due, self.core.due_switch() is not None,
+        if self.settles_first(self.ballot.round is not None, self.save_due, self.core.due_switch() is not None,
                               self.step, self.total):
             self._settle()
         if self.rejoin_why is not None:
@@ -380,7 +383,8 @@ class MemberDriver:
         if commit:
             self.last_failure = None
             # The same on every worker of a replica (all of them stepped).
-            self.save_due = (self.checkpoints is not None and self.checkpoints.due(self.step, self.total)
+            self.save_due = (self.checkpoints is not None
+                             and core.save_is_due(self.step, self.total, self.checkpoints.settings.every)
                              and self.replica_index == 0)
         else:
             self.discarded += 1
@@ -414,6 +418,9 @@ class MemberDriver:
         t0 = self.fx.now()
         try:
             commit, target, _, _ = ballot.result()
+        except self.fx.store_errors:
+            self.unsettled = True  # stepped past a round whose decision never came (the store moved)
+            raise
         finally:
             if waiting:
                 self.waiting_round = None
@@ -487,7 +494,10 @@ class MemberDriver:
 
     def moved_store(self, gen: int, store: Any, latest: int) -> None:
         """The run's store moved (member/moves.py): connected to the next one (`store`), this member
-        rejoins there holding its state."""
+        rejoins there holding its state, and says whether its last round's decision left it
+        (the keeper heals from a decided state first: core.survivors_source)."""
+        decided = self.ballot.round is None and not self.taken and not self.unsettled
+        self.unsettled = False
         self.store = store
         self.ballot = self._new_ballot()
         self.watch.seen(latest)
@@ -496,4 +506,5 @@ class MemberDriver:
         self._forget_round()
         self.heals.store_moved()
         self.store.set(keys.survivor_key(self.rank), json.dumps(
-            {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self.heals.tainted}))
+            {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self.heals.tainted,
+             "decided": decided}))

@@ -40,10 +40,12 @@ class StopPaths:
         """The checkpoint of the loop's last step failed (this replica wrote it): try again, a few
         times, a little later each time (every worker of the replica knows the outcome alike, so
         they all retry together). The training itself is done either way."""
-        from ftrun.worker.ft.checkpoint.writer import FINAL_SAVE_ATTEMPTS, FINAL_SAVE_RETRY_S
-
         d = self.d
         ck = d.checkpoints
+        if ck.result != (d.step, False):
+            return  # it went through (the usual case: nothing to load for it)
+        from ftrun.worker.ft.checkpoint.writer import FINAL_SAVE_ATTEMPTS, FINAL_SAVE_RETRY_S
+
         for _ in range(FINAL_SAVE_ATTEMPTS - 1):  # the tries so far count: a round top's save of it is one
             tried = ck.attempts
             if ck.result != (d.step, False) or tried >= FINAL_SAVE_ATTEMPTS:
