@@ -14,15 +14,16 @@ OUT.rankN.json at the end: the weights and the global step.
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-try:
-    import lightning.pytorch as pl
-except ImportError:  # the older package name
+if "--package=pytorch_lightning" in sys.argv:  # the older package name
     import pytorch_lightning as pl
+else:
+    import lightning.pytorch as pl
 
 
 class Indices(Dataset):
@@ -69,8 +70,10 @@ p.add_argument("--size", type=int, default=120)
 p.add_argument("--batch", type=int, default=4)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--workers", type=int, default=0, help="the DataLoader's (persistent) workers")
+p.add_argument("--package", default="lightning", help="pytorch_lightning: import Lightning by its older name")
 p.add_argument("--manual", action="store_true", help="manual optimization (automatic_optimization = False)")
-p.add_argument("--strategy", default="ddp", help="'default': no strategy= (several devices choose DDP)")
+p.add_argument("--strategy", default="ddp",
+               help="'default': no strategy= (several devices choose DDP); 'FTStrategy': ftrun.lightning's object")
 args = p.parse_args()
 OUT = args.out
 
@@ -80,6 +83,10 @@ if args.manual:
     model.automatic_optimization = False
     model.training_step = model.manual_step
 kwargs = {} if args.strategy == "default" else {"strategy": args.strategy}
+if args.strategy == "FTStrategy":  # a script that says so itself
+    from ftrun.lightning import FTStrategy
+
+    kwargs["strategy"] = FTStrategy()
 trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_epochs=args.epochs,
                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0, **kwargs)

@@ -26,19 +26,22 @@ except ImportError:  # the older package name
 
 
 class CountBatches(Callback):
-    """State a callback keeps across a fit (and in checkpoints): batches trained, losses summed."""
+    """State a callback keeps across a fit (and in checkpoints): batches begun and trained."""
 
     def __init__(self) -> None:
-        self.batches = 0
+        self.batches = self.started = 0
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.started += 1
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.batches += 1
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"batches": self.batches}
+        return {"batches": self.batches, "started": self.started}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.batches = state_dict["batches"]
+        self.batches, self.started = state_dict["batches"], state_dict["started"]
 
 
 class Regression(pl.LightningModule):
@@ -98,7 +101,8 @@ trainer.fit(model, train, val)
 validated = trainer.validate(model, val, verbose=False)
 with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:
     json.dump({"params": [p.detach().flatten().tolist() for p in model.parameters()],
-               "lr": trainer.optimizers[0].param_groups[0]["lr"], "batches": counter.batches,
+               "lr": trainer.optimizers[0].param_groups[0]["lr"],
+               "batches": counter.batches, "started": counter.started,
                "step": trainer.global_step, "epoch": trainer.current_epoch,
                "best": checkpoints.best_model_path, "best_k": sorted(checkpoints.best_k_models),
                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "validated": validated}, f)

@@ -34,7 +34,8 @@ def _weights_once_an_epoch(report, epochs, size):
 
 def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
     """Three replicas, 4 epochs of 20 steps, a loader with 2 workers (prefetching batches planned
-    for a membership that changes); replica 1 killed in epoch 1, then replica 2: the run finishes, each restarted replica's fit() went on where the run was (not from epoch 0), every
+    for a membership that changes); replica 1 killed in epoch 1, then replica 2: the run
+    finishes, each restarted replica's fit() went on where the run was (not from epoch 0), every
     sample was trained once an epoch, and the replicas end identical."""
     out, size, epochs = tmp_path / "o", 120, 4
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "light", WORKER, epochs, out,
@@ -86,7 +87,7 @@ def test_lightning_state_scheduler_callbacks_and_checkpoints_heal(ftrun_home, tm
     first = reports[0]
     for r, rep in reports.items():
         assert rep["params"] == first["params"], r
-        assert rep["step"] == rep["batches"] == epochs * steps, (r, rep["step"], rep["batches"])
+        assert rep["step"] == rep["batches"] == rep["started"] == epochs * steps, (r, rep)
         assert rep["lr"] == first["lr"] and abs(rep["lr"] - 0.05 * 0.9 ** (epochs * steps // 7)) < 1e-9, (r, rep["lr"])
         assert rep["best"] == first["best"] and rep["best_k"] == first["best_k"], (r, rep["best"], first["best"])
         assert rep["metrics"]["val_loss"] == first["metrics"]["val_loss"], r
@@ -140,6 +141,21 @@ def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("optimizes manually (automatic_optimization = False)") == 1, proc.stderr[-3000:]
     assert "trains without ftrun.ft" in proc.stderr, proc.stderr[-3000:]  # the supervisor's: group restarts
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    assert reports[0]["weights"] == reports[1]["weights"]
+    assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
+
+
+def test_the_older_package_and_a_strategy_object_the_script_builds(ftrun_home, tmp_path):
+    """`import pytorch_lightning` and `Trainer(strategy=FTStrategy())` from ftrun.lightning: the
+    replicas form a quorum (no group-restart line) and train each sample once."""
+    from conftest import run_ftrun
+
+    out = tmp_path / "o"
+    proc = run_ftrun(["--nproc", 2, "--ft", WORKER, 1, out, "--size", 24, "--package=pytorch_lightning",
+                      "--strategy", "FTStrategy"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "quorum 1: 2 replicas" in proc.stderr and "ftrun: --ft:" not in proc.stderr, proc.stderr[-3000:]
     reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
     assert reports[0]["weights"] == reports[1]["weights"]
     assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}

@@ -10,9 +10,10 @@ sampler (sampler.py); the fit loop is driven as a framework loop (loop.py):
   them) and Lightning's own state (what a checkpoint of it holds: the fit loop's progress, LR
   schedulers, callbacks, the precision plugin's state, the datamodule's, on_save_checkpoint's),
   and restores it as Lightning restores a checkpoint, so fit() goes on mid-epoch;
-- each training batch opens a round (on_train_batch_start); an optimizer step whose round is
-  discarded is made again on the same step's batch (training_step loads it again when the live
-  replicas changed), so global_step and batch_idx count committed steps only;
+- each training batch opens a round as it is moved to the device, before its hooks run; an
+  optimizer step whose round is discarded is made again on the same step's batch (training_step
+  loads it again when the live replicas changed), so global_step and batch_idx count committed
+  steps only;
 - validation (and testing) runs on every live replica over the whole set, so its metrics are the
   same on each, and the run's whoever is away (the cost: each replica evaluates all of it);
 - barrier() waits for nobody, broadcast() returns this replica's object, reduce() (sync_dist,
@@ -34,7 +35,7 @@ Must never import the supervisor, and never import Lightning before the script d
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ftrun.worker import patches, settings
 from ftrun.worker.frameworks import imports
@@ -57,19 +58,24 @@ def _version(pl: ModuleType) -> Tuple[int, ...]:
 def unsupported_version(pl: ModuleType) -> Optional[str]:
     if _version(pl)[:2] in SUPPORTED:
         return None
-    return (f"--ft: this Lightning is {pl.__version__}; ftrun heals Lightning {', '.join('%d.%d.x' % v for v in SUPPORTED)} "
+    supported = ", ".join("%d.%d.x" % v for v in SUPPORTED)
+    return (f"--ft: this Lightning is {pl.__version__}; ftrun heals Lightning {supported} "
             f"replicas only, so a failure restarts all workers (install a supported Lightning for replica restarts)")
 
 
 def strategy_class(package: str = "") -> type:
-    """FTStrategy for one Lightning package ("lightning.pytorch" or "pytorch_lightning"; the one
-    installed when not said), built once: each package has its own DDPStrategy to extend."""
+    """FTStrategy for one Lightning package ("lightning.pytorch" or "pytorch_lightning"; when not
+    said, the one the script imported, else the one installed), built once: each package has its
+    own DDPStrategy to extend."""
     import importlib
 
     if not package:
         import importlib.util
+        import sys
 
-        package = next((p for p in PACKAGES if importlib.util.find_spec(p.split(".")[0]) is not None), PACKAGES[0])
+        # The one the script imported, else the one installed.
+        package = next((p for p in PACKAGES if p in sys.modules), None) or next(
+            (p for p in PACKAGES if importlib.util.find_spec(p.split(".")[0]) is not None), PACKAGES[0])
     found = _classes.get(package)
     if found is None:
         found = _classes[package] = _build(importlib.import_module(package))
@@ -136,6 +142,7 @@ def _build(pl: ModuleType) -> type:
     from ftrun.worker.frameworks.sampler import StepBatchSampler, empty_like
 
     import importlib
+    import inspect
 
     DDPStrategy = pl.strategies.DDPStrategy
     TrainerFn = importlib.import_module(f"{pl.__name__}.trainer.states").TrainerFn
@@ -166,6 +173,7 @@ def _build(pl: ModuleType) -> type:
             self._sampler: Optional[StepBatchSampler] = None
             self._collate: Any = None
             self._dataset: Any = None
+            self._reloading = False  # training_step loads its step's batch again (not a new step)
 
         # ------------------------------------------------------------ what it cannot heal
         def _cannot_heal(self) -> Optional[str]:
@@ -183,6 +191,9 @@ def _build(pl: ModuleType) -> type:
             if trainer is not None and trainer.accumulate_grad_batches != 1:
                 return (f"--ft: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
                         f"supported by ftrun's Lightning strategy yet: a failure restarts all workers")
+            if module is not None and "dataloader_iter" in inspect.signature(module.training_step).parameters:
+                return ("--ft: a training_step(dataloader_iter) fetches its own batches, which ftrun cannot give "
+                        "again for a redone step: a failure restarts all workers")
             if self._layer_sync is not None:
                 return ("--ft: Trainer(sync_batchnorm=True) needs a process group of all workers, which a "
                         "restarted replica cannot join: a failure restarts all workers")
@@ -262,9 +273,11 @@ def _build(pl: ModuleType) -> type:
                     config.scheduler.load_state_dict(sd)
             finally:
                 connector._loaded_checkpoint = {}
-            # The state was taken at a step's top: the fit loop's restart counts the step before
-            # as one more batch that stepped (it expects a checkpoint saved at a batch's end).
-            trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
+            # Taken inside a batch (a redone step's top), the fit loop's restart counts the step
+            # before as one more batch that stepped (it expects a checkpoint saved at a batch's end).
+            progress = trainer.fit_loop.epoch_loop.batch_progress.total
+            if progress.ready != progress.completed:
+                trainer.fit_loop.epoch_loop._batches_that_stepped -= 1
 
         # ------------------------------------------------------------ the data
         def process_dataloader(self, dataloader: Any) -> Any:
@@ -318,13 +331,21 @@ def _build(pl: ModuleType) -> type:
             fresh = self._collate([self._dataset[i] for i in indices])
             fresh = self.precision_plugin.convert_input(fresh)
             fresh = self.lightning_module._on_before_batch_transfer(fresh, dataloader_idx=0)
-            return self.batch_to_device(fresh, dataloader_idx=0)
+            self._reloading = True
+            try:
+                return self.batch_to_device(fresh, dataloader_idx=0)
+            finally:
+                self._reloading = False
 
         # ------------------------------------------------------------ the steps
-        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-            super().on_train_batch_start(batch, batch_idx)
-            if self._ft:
-                self._loop.step_top()
+        def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+            # A training batch just fetched: the step's top, before any of the batch's hooks run,
+            # so a peer's state taken here holds nothing of this batch.
+            if self._ft and self._loop is not None and self._loop.running and not self._reloading:
+                trainer = self.lightning_module.trainer
+                if trainer.training and not trainer.sanity_checking:
+                    self._loop.step_top()
+            return super().batch_to_device(batch, device, dataloader_idx)
 
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
             if self._ft and len(args) >= 2 and self.lightning_module.trainer.training:
