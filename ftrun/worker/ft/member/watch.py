@@ -1,7 +1,7 @@
 """The member's quorum watcher: a thread that learns of each new quorum as the keeper publishes it
 (a blocking read of the next quorum's key), so that no step asks; it follows the run's store when
-it moves. Owns the newest quorum id this member has seen. Must never import torch, and never
-import the supervisor.
+it moves. Owns the newest quorum id this member has seen. Must never import torch, never wait
+unbounded on one quorum's key, and never import the supervisor.
 """
 
 from __future__ import annotations
@@ -9,6 +9,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ftrun import protocol as keys
+
+# A read of the next quorum waits this long, then the newest quorum is read again: the quorum it
+# waits for may have come and been collected while this process was stopped, and a read of it
+# would wait for ever, deaf to every later quorum.
+WAIT_S = 10.0
 
 
 class QuorumWatch:
@@ -40,7 +45,7 @@ class QuorumWatch:
             if gen != d.store_gen:
                 gen = d.store_gen
                 try:
-                    store = fx.connect(86400.0)  # waiting is this thread's whole job
+                    store = fx.connect(WAIT_S)
                 except Exception:  # noqa: BLE001 - the store is moving: try again
                     fx.sleep(0.05)
                     gen = None
@@ -52,9 +57,23 @@ class QuorumWatch:
             except Exception:  # noqa: BLE001 - no new quorum for a while (a timeout), or the store is gone
                 if d.finished:
                     return
+                newest = self._newest(store) if gen == d.store_gen else None
+                if newest is not None:  # the store answers: the wait timed out
+                    nxt = max(nxt, newest + 1)
+                    continue
                 while gen == d.store_gen and not d.finished and fx.store_gone():
                     fx.sleep(0.05)  # wait for the training thread to find the next store
                 continue
             if gen == d.store_gen:
                 self.latest = max(self.latest, nxt)
             nxt += 1
+
+    def _newest(self, store: Any) -> Optional[int]:
+        """The newest quorum published (keys.LATEST), taken as seen; None if the store does not
+        answer (it may be gone: the caller looks)."""
+        try:
+            if store.check([keys.LATEST]):
+                self.latest = max(self.latest, int(store.get(keys.LATEST)))
+        except Exception:  # noqa: BLE001 - the store is down or moving
+            return None
+        return self.latest
