@@ -118,6 +118,10 @@ def _register(strategies: ModuleType) -> None:
 
 def _watch_choice(connector_module: ModuleType) -> None:
     """One line when the Trainer's strategy is not FTStrategy (a strategy object, FSDP, one device...)."""
+    import importlib
+
+    if unsupported_version(importlib.import_module(_root(connector_module).split(".")[0])):
+        return  # said once already (_register)
     cls = connector_module._AcceleratorConnector
     init = cls.__init__
 
