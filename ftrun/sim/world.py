@@ -317,9 +317,8 @@ class World:
             listed = sorted(r for r in self.dropped if r in k.members and k.alive.get(r) is None)
             if listed:
                 self.violation(f"quorum {k.quorum_id} lists rank(s) {listed} of a replica dropped from the run")
-        for r, inc in k.rejoined:  # the supervisor books a worker's next incarnation, its process the same
+        for r, inc in k.take_rejoined():  # the supervisor books a worker's next incarnation, its process the same
             self.inc[r] = inc
-        k.rejoined.clear()
         if k.quorum_id > self._published_upto.get(node, 0):
             self._note_quorums(node, k)
 

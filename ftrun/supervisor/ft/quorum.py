@@ -294,6 +294,12 @@ class QuorumKeeper:
         self.on_spawn(rank, nxt)
         self.rejoined.append((rank, nxt))
 
+    def take_rejoined(self) -> List[Tuple[int, int]]:
+        """The (rank, incarnation) pairs booked in place since the last call, for the supervisor's
+        worker records (their processes live on as the next incarnation)."""
+        taken, self.rejoined = self.rejoined, []
+        return taken
+
     def _top(self) -> int:
         return int(self._s.get(keys.TOP))
 
