@@ -178,6 +178,9 @@ def _build(pl: ModuleType) -> type:
             self._collate: Any = None
             self._dataset: Any = None
             self._reloading = False  # training_step loads its step's batch again (not a new step)
+            # The callbacks' states at the current batch's top: what a peer that heals at a redone
+            # step's top (inside the batch) receives, since it runs the batch's hooks itself.
+            self._callbacks_at_top: Tuple[Any, Dict[str, Any]] = (None, {})
 
         # ------------------------------------------------------------ what it cannot heal
         def _cannot_heal(self) -> Optional[str]:
@@ -253,9 +256,33 @@ def _build(pl: ModuleType) -> type:
             self.setup_precision_plugin()
 
         # ------------------------------------------------------------ the whole Lightning state
+        @staticmethod
+        def _batch_key(trainer: Any) -> Tuple[int, int]:
+            """(epoch, batches of it begun): the same at a batch's top and all through it."""
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            return trainer.current_epoch, progress.completed
+
+        @staticmethod
+        def _callback_states(trainer: Any) -> Dict[str, Any]:
+            """Every callback's state_dict() as a checkpoint holds them, its containers copied (a
+            callback may change its own dicts in place later in the batch)."""
+            from torch.utils._pytree import tree_map
+
+            states = {}
+            for callback in trainer.callbacks:
+                state = callback.state_dict()
+                if state:
+                    states[callback.state_key] = tree_map(lambda leaf: leaf, state)
+            return states
+
         def _capture(self) -> Dict[str, Any]:
             trainer = self.lightning_module.trainer
             ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            key, states = self._callbacks_at_top
+            if progress.ready != progress.completed and key == self._batch_key(trainer) and "callbacks" in ckpt:
+                # Inside a batch (a redone step's top): the healer runs this batch's hooks itself.
+                ckpt["callbacks"] = states
             # The model and optimizer travel as tensors already (ft's DDP and ft.Optimizer
             # registered them); hyperparameters are the script's, the same on every replica.
             for key in ("state_dict", "optimizer_states", "hyper_parameters", "hparams_name", "hparams_type",
@@ -348,6 +375,7 @@ def _build(pl: ModuleType) -> type:
             if self._ft and self._loop is not None and self._loop.running and not self._reloading:
                 trainer = self.lightning_module.trainer
                 if trainer.training and not trainer.sanity_checking:
+                    self._callbacks_at_top = (self._batch_key(trainer), self._callback_states(trainer))
                     self._loop.step_top()
             return super().batch_to_device(batch, device, dataloader_idx)
 
