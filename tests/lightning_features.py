@@ -104,6 +104,7 @@ with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:
                "lr": trainer.optimizers[0].param_groups[0]["lr"],
                "batches": counter.batches, "started": counter.started,
                "step": trainer.global_step, "epoch": trainer.current_epoch,
+               "total_batch_idx": trainer.fit_loop.total_batch_idx,
                "best": checkpoints.best_model_path, "best_k": sorted(checkpoints.best_k_models),
                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "validated": validated}, f)
 print(f"done rank {trainer.global_rank} step {trainer.global_step}", flush=True)

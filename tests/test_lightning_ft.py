@@ -88,7 +88,7 @@ def test_lightning_state_scheduler_callbacks_and_checkpoints_heal(ftrun_home, tm
     first = reports[0]
     for r, rep in reports.items():
         assert rep["params"] == first["params"], r
-        assert rep["step"] == rep["batches"] == rep["started"] == epochs * steps, (r, rep)
+        assert rep["step"] == rep["batches"] == rep["started"] == rep["total_batch_idx"] + 1 == epochs * steps, (r, rep)
         assert rep["lr"] == first["lr"] and abs(rep["lr"] - 0.05 * 0.9 ** (epochs * steps // 7)) < 1e-9, (r, rep["lr"])
         assert rep["best"] == first["best"] and rep["best_k"] == first["best_k"], (r, rep["best"], first["best"])
         assert rep["metrics"]["val_loss"] == first["metrics"]["val_loss"], r

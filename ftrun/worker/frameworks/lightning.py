@@ -375,6 +375,12 @@ def _build(pl: ModuleType) -> type:
             if self._ft and self._loop is not None and self._loop.running and not self._reloading:
                 trainer = self.lightning_module.trainer
                 if trainer.training and not trainer.sanity_checking:
+                    total = trainer.fit_loop.epoch_loop.batch_progress.total
+                    if total.ready != total.completed:
+                        # After a heal inside a batch, Lightning's restart resets the epoch's counts
+                        # only: no batch is in progress at a batch's top (total_batch_idx, which
+                        # step-based validation counts by, is then the peers').
+                        total.ready = total.started = total.processed = total.completed
                     self._callbacks_at_top = (self._batch_key(trainer), self._callback_states(trainer))
                     self._loop.step_top()
             return super().batch_to_device(batch, device, dataloader_idx)
