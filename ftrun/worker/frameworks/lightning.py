@@ -141,7 +141,10 @@ def _build(pl: ModuleType) -> type:
     import torch
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
-    import ftrun.ft as ft
+    # ftrun.ft's classes by their own modules: importing ftrun.ft itself marks a script as one that
+    # uses it (ft/api/world.py), which one whose strategy fell back to Lightning's DDP is not.
+    from ftrun.worker.ft.api.ddp import DistributedDataParallel as FTDistributedDataParallel
+    from ftrun.worker.ft.api.optim import Optimizer as FTOptimizer
     from ftrun.worker.frameworks.loop import FrameworkLoop, framework_loop
     from ftrun.worker.frameworks.sampler import StepBatchSampler, empty_like
 
@@ -226,7 +229,7 @@ def _build(pl: ModuleType) -> type:
         def _setup_model(self, model: torch.nn.Module) -> Any:
             if not self._ft:
                 return super()._setup_model(model)
-            return ft.DistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+            return FTDistributedDataParallel(model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
         def _register_ddp_hooks(self) -> None:
             if not self._ft:
@@ -239,7 +242,7 @@ def _build(pl: ModuleType) -> type:
                 if len(self.optimizers) != 1:  # automatic optimization takes one (Lightning says so itself)
                     self._loop.misused(f"FTStrategy: {len(self.optimizers)} optimizers; automatic optimization "
                                        f"steps one")
-                self.optimizers = [ft.Optimizer(self.optimizers[0])]
+                self.optimizers = [FTOptimizer(self.optimizers[0])]
 
         def setup(self, trainer: Any) -> None:
             if not self._ft or trainer.state.fn == TrainerFn.FITTING:
@@ -391,7 +394,7 @@ def _build(pl: ModuleType) -> type:
             return super().training_step(*args, **kwargs)
 
         def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-            if not self._ft or not isinstance(optimizer, ft.Optimizer):
+            if not self._ft or not isinstance(optimizer, FTOptimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
             return self._loop.until_committed(
                 lambda: super(FTStrategy, self).optimizer_step(optimizer, closure, model, **kwargs),
