@@ -618,3 +618,13 @@ def test_the_shells_snapshot_is_the_constructors():
     assert dict(q._snapshot().survivors) == {}
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.top = 8
+
+
+def test_a_moved_stores_first_quorum_counts_above_every_quorum_a_survivor_saw():
+    """This keeper counts from its node's last read of the lost store, which may have published
+    more since; a survivor that saw quorum 12 must not be given another quorum 12 (found by the
+    simulator's store moves: a quorum id published twice)."""
+    saw = json.dumps({"inc": 1, "step": 5, "in_sync": True, "decided": True, "latest": 12})
+    d = core.next_quorum(_moved(survivors={0: saw, 1: said(5)}), "first replicas joined", {})
+    assert d.quorum.id == 13
+    assert core.next_quorum(_moved(survivors={1: said(5)}), "first replicas joined", {}).quorum.id == 8

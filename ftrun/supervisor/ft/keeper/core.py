@@ -244,6 +244,21 @@ def survivors_source(s: KeeperSnapshot, members: Mapping[int, int]) -> Tuple[Opt
     return best, f"replica {best} holds step {step}, the newest {'decided' if decided else 'whole'} one"
 
 
+def survivors_latest(s: KeeperSnapshot) -> int:
+    """The newest quorum of the lost store any rejoined replica says it saw (0: none said). This
+    keeper's own count is its node's last read of the lost store, which may have published more
+    since: a quorum id published again would name two quorums (found by the simulator)."""
+    newest = 0
+    for raw in s.survivors.values():
+        try:
+            d = json.loads(raw)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(d, dict) and isinstance(d.get("latest"), int):
+            newest = max(newest, d["latest"])
+    return newest
+
+
 def paced_steps(s: KeeperSnapshot) -> int:
     """Steps per round of a quorum published now: the user's choice, else about ROUND_TARGET_S
     at the run's pace (the most while it is not known: rounds of one step would be paced by
@@ -315,7 +330,7 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
             holders = list(s.mates(source * s.k))
             why = (f"the replicas rejoined on the moved store; replica {source} holds the newest step "
                    f"and heals the others")
-    eid = s.quorum_id + 1
+    eid = max(s.quorum_id, survivors_latest(s) if s.moved else 0) + 1
     fresh = s.quorum_id == 0 or not holders
     start = -1 if continuing else s.top + 1  # rounds are numbered across quorums
     steps = paced_steps(s)

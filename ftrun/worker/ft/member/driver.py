@@ -498,6 +498,7 @@ class MemberDriver:
         (the keeper heals from a decided state first: core.survivors_source)."""
         decided = self.ballot.round is None and not self.taken and not self.unsettled
         self.unsettled = False
+        seen = self.watch.latest  # the newest quorum of the lost store it saw: the new one counts above it
         self.store = store
         self.ballot = self._new_ballot()
         self.watch.seen(latest)
@@ -507,4 +508,4 @@ class MemberDriver:
         self.heals.store_moved()
         self.store.set(keys.survivor_key(self.rank), json.dumps(
             {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self.heals.tainted,
-             "decided": decided}))
+             "decided": decided, "latest": seen}))
