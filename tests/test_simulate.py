@@ -149,12 +149,25 @@ MOVED_FOLLOWER_STALL = {"seed": 100083, "replicas": 6, "nodes": 3, "total": 5, "
     {"at": 0.281, "kind": "slow", "rank": 5, "dur": 1.421, "x": 20.0},
     {"at": 1.306, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0}]}
 
-# Rank 3 dies in round 4 after its part of rank 2's allreduce: rank 2 steps, the others' collectives
-# fail and the lost store decides the round down, which rank 2 never reads. Before the fix rank 2
-# said it held the newest whole step (5) and healed the others with a step voted down.
-MOVED_UNDECIDED_STEP = {"seed": 200316, "replicas": 6, "nodes": 3, "total": 6, "faults": [
-    {"at": 0.763, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0},
-    {"at": 0.545, "kind": "kill", "rank": 3, "dur": 0.0, "x": 0.0}]}
+# Rank 5 dies in round 12 after its part of rank 4's allreduce: rank 4 steps, the others' collectives
+# fail and the lost store decides the round down, which rank 4 (on node 2) never reads. Before the
+# fix rank 4 said it held the newest whole step (12) and healed the others with a step voted down.
+MOVED_UNDECIDED_STEP = {"seed": 200944, "replicas": 6, "nodes": 3, "total": 13, "faults": [
+    {"at": 0.241, "kind": "heal-kill", "rank": 2, "dur": 0.0, "x": 0.0},
+    {"at": 0.0, "kind": "late", "rank": 1, "dur": 0.153, "x": 0.0},
+    {"at": 0.0, "kind": "late", "rank": 5, "dur": 0.085, "x": 0.0},
+    {"at": 1.536, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0},
+    {"at": 1.237, "kind": "kill", "rank": 5, "dur": 0.0, "x": 0.0}]}
+
+# Node 1's keeper had last read quorum 2 of the lost store, which published quorums 3 and 4 just
+# before it went; ranks of nodes 1 and 2 had seen quorum 4. Before the fix the moved store's keeper
+# counted from its own read and published another quorum 4 (found by a search from seed 3).
+MOVED_QUORUM_SEEN = {"seed": 300363, "replicas": 6, "nodes": 3, "total": 8, "faults": [
+    {"at": 0.997, "kind": "kill", "rank": 1, "dur": 0.0, "x": 0.0},
+    {"at": 0.899, "kind": "store-down", "rank": -1, "dur": 0.459, "x": 0.0},
+    {"at": 0.717, "kind": "kill", "rank": 4, "dur": 0.0, "x": 0.0},
+    {"at": 0.573, "kind": "slow", "rank": 5, "dur": 0.155, "x": 100.0},
+    {"at": 1.954, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0}]}
 
 # Planted in the moved store's keeper (--moves, seed 1, its first schedule) and in the save's wait
 # (--checkpoints, seed 1, schedule 80).
@@ -426,6 +439,12 @@ def test_a_moved_store_does_not_heal_from_a_step_voted_down():
     collective completed as a peer's failed) held the newest step; it now says its last round is
     undecided, and the keeper heals from a replica whose state is decided."""
     assert _replay(MOVED_UNDECIDED_STEP)[-1] == "1 schedules, 0 violations"
+
+
+def test_a_moved_store_counts_above_every_quorum_a_survivor_saw():
+    """Found by the simulator: the moved store's keeper counted from its node's last read of the lost
+    store, below a quorum survivors had seen; each survivor now says the newest quorum it saw."""
+    assert _replay(MOVED_QUORUM_SEEN)[-1] == "1 schedules, 0 violations"
 
 
 def test_move_recount_bug_fails_a_schedule_the_product_passes():

@@ -349,13 +349,13 @@ class ForgetfulStop(Wiring):
 
 # ---------------------------------------------------------------- (p) planted: the store's moves
 class _RecountingKeeper(QuorumKeeper):
-    """Planted (no commit): the keeper started on a moved store counts quorums from the first again
-    instead of above every quorum a replica may have seen, so the rounds of quorums the lost store
-    decided are decided again on the new one."""
+    """Planted (no commit): the keeper started on a moved store as on a new run: it counts quorums
+    from the first again, above no quorum a replica saw, and takes no replica's word for what it
+    holds, so quorums the lost store published are published again, otherwise."""
 
     def store_moved(self, old: QuorumKeeper, alive) -> None:
         super().store_moved(old, alive)
-        self.quorum_id = 0
+        self.quorum_id, self.moved = 0, False
 
 
 class MoveRecount(Wiring):

@@ -53,6 +53,7 @@ class SimStore:
         """The process serving this store is gone (its node was lost): calls fail at once, and
         so does every wait in flight (a reset connection)."""
         self.gone = True
+        self.down_until = float("inf")  # the common call's one test (`_enter`) finds it
         waiting, self.waiters = self.waiters, {}
         for ts in waiting.values():
             for t in ts:
@@ -90,12 +91,12 @@ class SimClient:
             # takes effect in the turn that resumed it, which orders it among the others alike.
             sched.sleep(0.0)
         me.fresh = False
-        if s.gone:
-            raise dist.DistStoreError("simulated store: connection reset (the store's process is gone)")
         if sched.now >= s.down_until:
             return
         deadline = sched.now + self.timeout_s
         while sched.now < s.down_until:  # a wait on time alone: a deadline, which the scheduler jumps to
+            if s.gone:  # (it may go while the call waits for it to come back)
+                raise dist.DistStoreError("simulated store: connection reset (the store's process is gone)")
             if s.down_until > deadline:
                 sched.sleep(deadline - sched.now)
                 raise dist.DistStoreError("simulated store: timed out (the store is down)")

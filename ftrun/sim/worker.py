@@ -125,9 +125,9 @@ class SimWorker(MemberEffects):
         for _ in d.steps(w.total):
             self.sched.sleep(w.step_s * (0.5 + rng.random()))  # the forward and backward passes
             d.before_collective()
-            if d.rejoin_why is None:
-                w.check_state(self)
-            if d.pg is not None and d.round_ok:
+            if d.pg is not None and d.round_ok:  # what it sends is checked (a failed round sends nothing)
+                if d.rejoin_why is None:
+                    w.check_state(self)
                 err = w.groups.allreduce(self, d.pg)
                 if err:
                     d.fail_round(err)

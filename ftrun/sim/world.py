@@ -249,6 +249,7 @@ class World:
         self.published: Dict[int, bytes] = {}
         self.checkpoints: Dict[str, Marker] = {}  # the run's checkpoint folder (sim/checkpoint.py): name -> marker
         self._published_upto: Dict[int, int] = {}
+        self.seen_before_move = 0  # the newest quorum a member that lived on had seen when the store moved
         shape = {}
         if self.nodes > 1:
             self.routes = _SimRoutes(self, {n: (f"node{n}", self.node_ranks(n)) for n in range(1, self.nodes)})
@@ -323,11 +324,13 @@ class World:
             self._note_quorums(node, k)
 
     def _note_quorums(self, node: int, k: QuorumKeeper) -> None:
-        """The quorums node's keeper published since the last tick: none published twice otherwise."""
+        """The quorums node's keeper published since the last tick: none published twice otherwise
+        while a member that lived on had seen the first (one the lost store published just before
+        it went, which no survivor saw, may be published again)."""
         data = self.store.data
         for q in range(self._published_upto.get(node, 0) + 1, k.quorum_id + 1):
             raw = data.get(keys.quorum_key(q))
-            if raw is not None and self.published.setdefault(q, raw) != raw:
+            if raw is not None and self.published.setdefault(q, raw) != raw and q <= self.seen_before_move:
                 self.violation(f"quorum {q} published twice, otherwise: {self.published[q].decode()} on the lost "
                                f"store, {raw.decode()} on the moved one")
         self._published_upto[node] = k.quorum_id
@@ -591,6 +594,9 @@ class World:
         self.host_lost_at = now
         self.kept = self._newest_kept(h)
         self.moved_after = self.node_keeper[h].quorum_id
+        self.seen_before_move = max((m.driver.latest_seen for r, m in self.members.items()
+                                     if self.node_of(r) != h and r not in self.done and self.sched.alive(m.proc)),
+                                    default=0)
         self.sched.kill("supervisor" if h == 0 else f"node{h}")
         self.store.lose()
         for r in self.node_ranks(h):
@@ -652,6 +658,8 @@ class World:
         lineage, step, digest, undecided = marker
         for (e, rnd), taken in undecided:
             raw = self.decided.get(keys.decision_key(e, rnd))
+            if raw is None and self.host_lost_at is not None and e <= self.moved_after:
+                continue  # its decision went with the lost store: the moved store's first source adopted it
             commit, _, kept = keys.parse_decision(raw.decode()) if raw is not None else (False, 0, 0)
             if not commit and taken > (kept or 0):
                 self.violation(f"rank {m.rank} resumes checkpoint step {step}, written after round {rnd} of quorum "
@@ -696,9 +704,9 @@ class World:
     def check_state(self, m: SimWorker) -> None:
         """Before a member sends its gradients: no round it stepped on may have been decided
         otherwise, and its state is the state every member committed at its step."""
-        d = m.driver
-        if not m.in_sync or d.quorum is None:  # in no quorum (the store moved): it sends nothing
+        if not m.in_sync:
             return
+        d = m.driver
         # A round of several steps is decided at its end: a member mid-round learns it at its vote.
         open_round = (d.quorum.id, d.round) if d.quorum is not None and d.taken else None
         for (e, rnd), taken in m.stepped.items():
