@@ -178,9 +178,13 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
         from ftrun.plan import plan_text
 
         raise typer.Exit(_print_plan(plan_text(cfg)))
-    from ftrun.supervisor.workers.env import quiet_torch_warnings
+    from ftrun.supervisor.workers.env import import_env, quiet_torch_warnings
 
-    quiet_torch_warnings()  # before the supervisor imports torch; workers keep the user's environment
+    if not cfg.no_python and os.environ.get("FTRUN_ZYGOTE", "1") != "0":
+        from ftrun.supervisor.workers.spawn import start_zygote_early
+
+        start_zygote_early(import_env(cfg))  # before any thread: one torch import for the store and the zygote
+    quiet_torch_warnings()  # workers keep the user's environment
     if cfg.rdzv == "c10d":
         from ftrun.supervisor.nodes.rendezvous import run_c10d
 

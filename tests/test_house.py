@@ -49,6 +49,9 @@ LAYERS: List[Tuple[str, Tuple[str, ...], Set[str]]] = [
     ("cli",        ("ftrun.*",),                                                     {"shared", "cli", "supervisor"}),
 ]
 TORCH_FREE = {"shared", "cli", "supervisor", "sim"}
+# The one import across the layers, with its reason: the supervisor imports torch once and forks
+# the zygote from itself (spawn.start_zygote_early), which then runs the zygote's own code.
+CROSSINGS = {("ftrun.supervisor.workers.spawn", "ftrun.worker.zygote")}
 
 
 def _modules() -> Dict[str, Path]:
@@ -214,7 +217,7 @@ def test_layers():
     for module, targets in ftrun_graph().items():
         allowed = next(row[2] for row in LAYERS if row[0] == layer_of(module))
         broken += [f"{module} ({layer_of(module)}) imports {t} ({layer_of(t)})"
-                   for t in sorted(targets) if layer_of(t) not in allowed]
+                   for t in sorted(targets) if layer_of(t) not in allowed and (module, t) not in CROSSINGS]
     assert not broken, "imports across the layers (see LAYERS in tests/test_house.py):\n" + "\n".join(broken)
 
 

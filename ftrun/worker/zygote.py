@@ -1,9 +1,11 @@
 """The zygote: one process that imports torch once and forks every worker from it.
 
 Importing torch costs about a second of CPU per process; forking a process that
-has already imported it costs milliseconds. So the supervisor starts one
-zygote per node, it imports torch (and the modules the bootstrap needs), then
-forks a worker for each spawn request and reports every child's exit status.
+has already imported it costs milliseconds. So there is one zygote per node: the
+supervisor, which needs torch for its store anyway, imports it before it starts
+any thread and forks the zygote from itself (fork_waiting; started as a program
+of its own where that cannot be done). It forks a worker for each spawn request
+and reports every child's exit status.
 A restarted worker therefore starts training at once instead of importing
 torch again while its peers are busy.
 
@@ -27,7 +29,7 @@ import signal
 import socket
 import sys
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ftrun.protocol import EXIT_FAILED, EXIT_OK
 from ftrun.worker.proc import become_subreaper, set_parent_death_signal, set_title
@@ -207,10 +209,13 @@ def main() -> None:
     set_parent_death_signal()
     if os.getppid() != supervisor_pid:
         os._exit(EXIT_FAILED)
+    _run(socket.socket(fileno=fd), supervisor_pid)
+
+
+def _run(sock: socket.socket, supervisor_pid: int) -> None:
     # What a worker leaves behind comes to the zygote, which reaps it when it ends; at the
     # zygote's own end it goes on to the supervisor (a subreaper too), which kills it.
     become_subreaper()
-    sock = socket.socket(fileno=fd)
     set_title(f"ftrun zygote {os.environ.get('FTRUN_RUN_ID', '')}".rstrip())
     _preimport()
     child = serve(sock, supervisor_pid)
@@ -219,6 +224,68 @@ def main() -> None:
     from ftrun.worker.bootstrap import main as bootstrap_main
 
     bootstrap_main(child.argv)
+
+
+def fork_waiting(import_env: Dict[str, str]) -> Optional[Tuple[int, socket.socket]]:
+    """Import torch here, in the supervisor, under the workers' environment, then fork the
+    zygote-to-be from this process: the supervisor's store needs torch too, and one import
+    serves both (about a second of CPU less per node start). Call it before this process
+    starts any thread. The child waits for one message {"op": "become", "env", "cwd"} on the
+    returned socket (ZygoteSpawner sends it), then runs as `python -m ftrun.worker.zygote`
+    would; it never returns into the caller's frames, and exits when the socket closes first.
+    Returns (the child's pid, the supervisor's end of the socket), or None in a process that
+    runs threads already (a fork would copy their locks, not them): the zygote is then started
+    as a program of its own."""
+    import threading
+
+    if threading.active_count() > 1:
+        return None
+    try:  # its set-up takes over the memory of argv and environ, which must still be the originals
+        import setproctitle
+
+        setproctitle.getproctitle()
+    except ImportError:
+        pass
+    saved = dict(os.environ)
+    os.environ.clear()  # what torch, OpenMP and OpenBLAS read as they load is the workers' setting
+    os.environ.update(import_env)
+    try:
+        _preimport()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    supervisor_pid = os.getpid()
+    pid = _fork()
+    if pid != 0:
+        theirs.close()
+        return pid, ours
+    code = EXIT_FAILED
+    try:
+        ours.close()
+        os.setsid()
+        set_parent_death_signal()
+        if os.getppid() != supervisor_pid:
+            os._exit(EXIT_FAILED)
+        keep = theirs.fileno()  # as Popen's close_fds: nothing of the supervisor's but stdio
+        os.closerange(3, keep)
+        os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+        set_title(f"ftrun zygote {import_env.get('FTRUN_RUN_ID', '')}".rstrip())
+        data = theirs.recv(MAX_MSG)
+        if not data:  # the supervisor never needed a zygote
+            os._exit(EXIT_OK)
+        msg = json.loads(data)
+        os.environ.clear()
+        os.environ.update(msg["env"])
+        os.chdir(msg["cwd"])
+        _run(theirs, supervisor_pid)
+        code = EXIT_OK
+    except BaseException:  # noqa: BLE001 - said, then the exit status tells the supervisor
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
 
 
 if __name__ == "__main__":

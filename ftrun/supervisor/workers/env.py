@@ -9,8 +9,9 @@ what these functions return without starting a run).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
-from typing import Dict, Mapping, Union
+from typing import Any, Dict, Mapping, Union
 
 from ftrun.config import RunConfig
 
@@ -49,9 +50,24 @@ def common_env(cfg: RunConfig, store_addr: str, store_port: Union[int, str],
     # A pod's RANK/WORLD_SIZE/... describe the node, not a worker: every torchrun variable is ours.
     if cfg.step_timeout:
         env["FTRUN_STEP_TIMEOUT"] = str(cfg.step_timeout)
-    # torchrun's rule: one thread per worker unless the user chose otherwise.
+    env.update(_threads(cfg, base))
+    return env
+
+
+def _threads(cfg: RunConfig, base: Mapping[str, str]) -> Dict[str, str]:
+    """torchrun's rule: one thread per worker unless the user chose otherwise."""
     if "OMP_NUM_THREADS" not in base and "OMP_NUM_THREADS" not in cfg.env and cfg.nproc > 1:
-        env["OMP_NUM_THREADS"] = "1"
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
+
+
+def import_env(cfg: RunConfig) -> Dict[str, str]:
+    """The environment torch is imported under for the zygote (ftrun.worker.zygote.fork_waiting):
+    what OpenMP, OpenBLAS and torch read as they load must be the workers' own setting."""
+    env = base_env()
+    env.update(cfg.env)
+    env.update(_threads(cfg, base_env()))
+    env["FTRUN_RUN_ID"] = cfg.run_id
     return env
 
 
@@ -112,4 +128,32 @@ def quiet_torch_warnings() -> None:
     """The supervisor's own torch (its store client and server) logs C++ warnings with stack
     frames when a peer goes away; ftrun says that in one line. Errors still show. Only this
     process: base_env() is the environment from before, and the user's own setting wins."""
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read when torch loads, if it loads later
+    if "torch" in sys.modules:  # loaded already (the zygote's import, start_zygote_early): set the level it read
+        set_cpp_log_level_error()
+
+
+def set_cpp_log_level_error() -> None:
+    level = _cpp_log_level()
+    if level is not None:
+        level.value = 2  # c10's ERROR, what TORCH_CPP_LOG_LEVEL=ERROR sets as torch loads
+
+
+def _cpp_log_level() -> Any:
+    """c10's log level, the int TORCH_CPP_LOG_LEVEL sets as torch loads (torch has no call that
+    sets it later); None where this torch's libc10 does not export it."""
+    import ctypes
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        lib = os.path.join(folder, "lib", "libc10.so")
+        try:
+            return ctypes.c_int.in_dll(ctypes.CDLL(lib), "FLAGS_caffe2_log_level")
+        except (OSError, ValueError):
+            continue
+    return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import select
 import signal
 import socket
 import subprocess
@@ -84,18 +85,28 @@ class ZygoteSpawner:
         self.events = events
         note_inherited_children()
         become_subreaper()
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock = parent
-        zenv = dict(env)
-        zenv["FTRUN_ZYGOTE_FD"] = str(child.fileno())
-        zenv["FTRUN_SUPERVISOR_PID"] = str(os.getpid())
-        # No preexec_fn: forking a multi-threaded supervisor through Python code is
-        # unsafe; the zygote sets its own parent-death signal first thing.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ftrun.worker.zygote"], env=zenv, cwd=cwd,
-            pass_fds=(child.fileno(),), start_new_session=True,
-        )
-        child.close()
+        global _waiting
+        self.proc: "subprocess.Popen | _Forked"
+        if _waiting is not None:  # forked before the supervisor's first thread, torch imported
+            pid, self.sock = _waiting
+            _waiting = None
+            try:
+                self.sock.send(json.dumps({"op": "become", "env": dict(env), "cwd": cwd}).encode())
+            except OSError:
+                pass  # it died already: the reader sees its socket closed and reports it
+            self.proc = _Forked(pid)
+        else:
+            self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            zenv = dict(env)
+            zenv["FTRUN_ZYGOTE_FD"] = str(child.fileno())
+            zenv["FTRUN_SUPERVISOR_PID"] = str(os.getpid())
+            # No preexec_fn: forking a multi-threaded supervisor through Python code is
+            # unsafe; the zygote sets its own parent-death signal first thing.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ftrun.worker.zygote"], env=zenv, cwd=cwd,
+                pass_fds=(child.fileno(),), start_new_session=True,
+            )
+            child.close()
         self.ready = threading.Event()
         self._lock = threading.Lock()
         self._live: Dict[str, Optional[psutil.Process]] = {}  # tag -> worker, written by the reader only
@@ -171,6 +182,56 @@ class ZygoteSpawner:
         except (OSError, subprocess.TimeoutExpired):
             pass
         kill_orphans()
+
+
+# The zygote-to-be forked at the supervisor's start (start_zygote_early), taken by the first ZygoteSpawner.
+_waiting: Optional[Tuple[int, socket.socket]] = None
+
+
+def start_zygote_early(import_env: Dict[str, str]) -> None:
+    """Fork the zygote from this process once torch is imported here, before any thread starts
+    (ftrun.worker.zygote.fork_waiting): the supervisor's store and the zygote share one import.
+    The processes this one had before are noted first: the zygote is not one of them."""
+    global _waiting
+    from ftrun.worker.zygote import fork_waiting
+
+    note_inherited_children()
+    _waiting = fork_waiting(import_env)
+
+
+class _Forked:
+    """The zygote forked by this process, with what ZygoteSpawner uses of a Popen."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: Optional[int] = None
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:  # reaped elsewhere already
+            self.returncode = 0
+            return 0
+        try:
+            if not select.select([fd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+        finally:
+            os.close(fd)
+        try:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        except ChildProcessError:  # reaped elsewhere: as Popen, no status to tell
+            self.returncode = 0
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 class PopenSpawner:
