@@ -59,10 +59,11 @@ def install() -> None:
     progress.start_from_env()
     if s.ft and s.replica_size == "1":
         from ftrun.worker.ft.api import world
-        from ftrun.worker.frameworks import lightning
+        from ftrun.worker.frameworks import hf, lightning
 
         world.install()
         lightning.install()  # FTStrategy for an unmodified Lightning script, as it imports Lightning
+        hf.install()  # the Hugging Face Trainer's part, as the script imports transformers
     if s.ft:
         from ftrun.worker.ft.api import data_checks
 

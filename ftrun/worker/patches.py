@@ -30,6 +30,11 @@ them by name. Each is listed in PATCHES, and each is applied through
   model gets the run's comm hook after its first forward, unless the script
   registers its own. `inject.uninstall()` undoes it.
 
+- `TrainingArguments._setup_devices`, `should_save`, `should_log` and eight of the `Trainer`'s
+  methods (frameworks/hf.py, --ft, once the script imports transformers): each worker's Trainer
+  is a run of one whose model, optimizer, loader and loop go through ftrun.ft; while its arguments
+  set up their device, Accelerate's state modules see `os` with an environment that lacks the
+  distributed run's variables (`hf.accelerate_env`, undone when the set-up returns).
 - `_AcceleratorConnector.__init__` of Lightning (frameworks/lightning.py, --ft, once the script
   imports Lightning): one line when a Trainer's strategy is one ftrun cannot heal (a strategy
   object, FSDP, one device per run...), so a group restart is not a surprise.
@@ -94,6 +99,25 @@ PATCHES: Dict[str, Patch] = {
         "ftrun.worker.frameworks.lightning",
         "--ft: one line when a Lightning Trainer's strategy is not one ftrun can heal (the run then gets group "
         "restarts)", "undo('lightning.strategy'); the wrapper calls Lightning's own __init__ first"),
+    "hf.arguments": Patch(
+        tuple(f"transformers.training_args.TrainingArguments.{a}" for a in ("_setup_devices", "should_save",
+                                                                           "should_log")),
+        "ftrun.worker.frameworks.hf",
+        "--ft: each worker's Trainer is a run of one (Accelerate forms no group of all workers, which a restarted "
+        "replica could never join); the first live replica saves and logs",
+        "undo('hf.arguments'); the wrappers call transformers' own functions"),
+    "hf.accelerate_env": Patch(
+        ("accelerate.state.os", "accelerate.utils.environment.os"), "ftrun.worker.frameworks.hf",
+        "--ft: while a TrainingArguments sets up its device, Accelerate reads an environment without the "
+        "distributed run's variables (a run of one); the worker's own environment is not changed",
+        "undone as soon as the set-up returns"),
+    "hf.trainer": Patch(
+        ("transformers.trainer.skip_first_batches",) + tuple(f"transformers.trainer.Trainer.{m}" for m in (
+            "get_train_dataloader", "create_optimizer", "_wrap_model", "_init_training_state",
+            "_prepare_for_training", "_run_epoch", "get_batch_samples", "_finalize_training")),
+        "ftrun.worker.frameworks.hf",
+        "--ft: the Trainer's model, optimizer, loader and loop over ftrun.ft (a failed replica heals from a peer)",
+        "undo('hf.trainer'); a Trainer whose arguments ftrun did not set up calls transformers' own methods"),
     "ddp.hook": Patch(
         ("torch.nn.parallel.DistributedDataParallel.__init__",
          "torch.nn.parallel.DistributedDataParallel.register_comm_hook",

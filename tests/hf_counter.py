@@ -1,0 +1,84 @@
+"""An unmodified Hugging Face Trainer script (no ftrun in it): the counter model, for `ftrun --ft`.
+
+One weight per sample and epoch, zero at the start; SGD with lr 1 passed through optimizers=, a
+constant schedule, no clipping; the loss is the sum of the batch's weights of the current epoch.
+DDP averages the gradients over the n replicas of a step, so a committed step lowers each of its
+samples' weights by exactly 1/n: every weight ends at -1/n for the n of the step that trained it
+if and only if every sample was trained exactly once in every epoch.
+
+argv: EPOCHS OUT, then options. Appends one line per train() start to OUT.rankN.starts (the
+epoch and global step it started at: a restarted replica's shows where it went on), and writes
+OUT.rankN.json at the end: the weights and the global step.
+"""
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+
+class Indices(torch.utils.data.Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return {"idx": i}
+
+
+class Counter(torch.nn.Module):
+    def __init__(self, size: int, epochs: int, sleep: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(epochs, size))
+        self.sleep, self.epoch = sleep, 0
+
+    def forward(self, idx: torch.Tensor) -> dict:
+        if self.sleep:
+            time.sleep(self.sleep)
+        return {"loss": self.w[self.epoch, idx].sum()}
+
+
+class Epochs(TrainerCallback):
+    """Tells the model its epoch; notes where each train() started."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        with open(f"{OUT}.rank{RANK}.starts", "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "epoch": math.floor(state.epoch or 0),
+                                "step": state.global_step}) + "\n")
+
+    def on_epoch_begin(self, args, state, control, model=None, **kwargs):
+        COUNTER.epoch = math.floor(state.epoch or 0)
+
+
+p = argparse.ArgumentParser()
+p.add_argument("epochs", type=int)
+p.add_argument("out")
+p.add_argument("--size", type=int, default=120)
+p.add_argument("--batch", type=int, default=4)
+p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--subclass", action="store_true", help="ftrun.hf's FTTrainer, as a script that says so")
+args = p.parse_args()
+OUT, RANK = args.out, os.environ.get("RANK", "0")
+
+torch.manual_seed(0)
+COUNTER = Counter(args.size, args.epochs, args.sleep)
+opt = torch.optim.SGD(COUNTER.parameters(), lr=1.0)
+targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=args.batch,
+                          num_train_epochs=args.epochs, max_grad_norm=0, lr_scheduler_type="constant",
+                          logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
+                          disable_tqdm=True, seed=1, dataloader_drop_last=False)
+cls = Trainer
+if args.subclass:
+    from ftrun.hf import FTTrainer as cls
+trainer = cls(model=COUNTER, args=targs, train_dataset=Indices(args.size), optimizers=(opt, None),
+              callbacks=[Epochs()])
+trainer.train()
+with open(f"{OUT}.rank{RANK}.json", "w") as f:
+    json.dump({"weights": COUNTER.w.detach().tolist(), "step": trainer.state.global_step}, f)
+print(f"done rank {RANK} step {trainer.state.global_step}", flush=True)
