@@ -26,6 +26,13 @@ if [ "${FTRUN_SKIP_LIGHTNING:-0}" != "1" ] && ! .venv/bin/python -c "import ligh
     echo "test: lightning not installable here ($(tail -n 1 /tmp/ftrun-pip-lightning.log)); its test will be skipped"
   fi
 fi
+# transformers and accelerate (the Hugging Face Trainer's test) likewise: test-only, torch unchanged.
+if [ "${FTRUN_SKIP_HF:-0}" != "1" ] && ! .venv/bin/python -c "import transformers, accelerate" >/dev/null 2>&1; then
+  TV=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
+  if ! .venv/bin/python -m pip install -q --disable-pip-version-check transformers accelerate "torch==$TV" >/tmp/ftrun-pip-hf.log 2>&1; then
+    echo "test: transformers/accelerate not installable here ($(tail -n 1 /tmp/ftrun-pip-hf.log)); their test will be skipped"
+  fi
+fi
 # The slowest tests are listed at the end: the suite must stay within about 18 minutes on 2 cores.
 # (No path here: pytest takes pyproject's testpaths, or only the paths among the arguments.)
 exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=15 ${args[@]+"${args[@]}"}

@@ -33,14 +33,15 @@ class Indices(torch.utils.data.Dataset):
 
 
 class Counter(torch.nn.Module):
-    def __init__(self, size: int, epochs: int, sleep: float) -> None:
+    def __init__(self, size: int, epochs: int, sleep: float, sleep_late: float) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(epochs, size))
-        self.sleep, self.epoch = sleep, 0
+        self.sleep, self.sleep_late, self.epoch = sleep, sleep_late, 0
 
     def forward(self, idx: torch.Tensor) -> dict:
-        if self.sleep:
-            time.sleep(self.sleep)
+        pause = self.sleep_late if self.epoch and self.sleep_late else self.sleep
+        if pause:
+            time.sleep(pause)
         return {"loss": self.w[self.epoch, idx].sum()}
 
 
@@ -62,12 +63,13 @@ p.add_argument("out")
 p.add_argument("--size", type=int, default=120)
 p.add_argument("--batch", type=int, default=4)
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--sleep-late", type=float, default=0.0, help="the sleep a step after epoch 0 (default: --sleep)")
 p.add_argument("--subclass", action="store_true", help="ftrun.hf's FTTrainer, as a script that says so")
 args = p.parse_args()
 OUT, RANK = args.out, os.environ.get("RANK", "0")
 
 torch.manual_seed(0)
-COUNTER = Counter(args.size, args.epochs, args.sleep)
+COUNTER = Counter(args.size, args.epochs, args.sleep, args.sleep_late)
 opt = torch.optim.SGD(COUNTER.parameters(), lr=1.0)
 targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=args.batch,
                           num_train_epochs=args.epochs, max_grad_norm=0, lr_scheduler_type="constant",

@@ -35,12 +35,13 @@ def _strengths(report, epochs):
 
 
 def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
-    """Three replicas, 2 epochs of 30 steps; replica 1 killed early in epoch 1, then replica 2: the
+    """Three replicas, 2 epochs of 30 steps (epoch 1 slower, for the restarted replicas to come back
+    in it); replica 1 killed early in epoch 1, then replica 2: the
     run finishes, each restarted replica's train() went on where the run was (not from step 0),
     every sample was trained once an epoch, and the replicas end identical."""
     out, size, epochs, steps = tmp_path / "o", 180, 2, 30
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "hf", WORKER, epochs, out,
-                        "--size", size, "--batch", 2, "--sleep", 0.25])
+                        "--size", size, "--batch", 2, "--sleep", 0.08, "--sleep-late", 0.4])
     try:
         _kill_at(ftrun_home, "hf", proc, [(1, steps + 1), (2, steps + 4)])
         rc, err = finish(proc, 300)
@@ -60,3 +61,73 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
         assert len(starts) == 2 and starts[0] == {**starts[0], "epoch": 0, "step": 0}, starts
         # Went on where the run was, in epoch 1, not from step 0:
         assert steps + 1 <= starts[1]["step"] < epochs * steps and starts[1]["epoch"] == 1, starts
+
+
+def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
+    """--checkpoint-dir: the whole run (ftrun and every worker) is SIGKILLed mid-epoch, then run
+    again: train() goes on from the checkpoint's step, mid-epoch, and every sample is trained once
+    an epoch (the steps after the checkpoint are trained again, on the checkpoint's model)."""
+    import signal
+
+    from conftest import run_ftrun
+    from test_ft import _wait_replica
+
+    out, ck, size, epochs = tmp_path / "o", tmp_path / "ck", 80, 2
+    args = ["--nproc", 2, "--ft", "--checkpoint-dir", ck, "--checkpoint-every", 7, "--run-id", "first", WORKER,
+            epochs, out, "--size", size, "--batch", 2, "--sleep", 0.05]
+    proc = start_ftrun(args)
+    try:
+        _wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 24, 180)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+    args[args.index("first")] = "second"
+    again = run_ftrun(args, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from checkpoint" in again.stderr, again.stderr[-3000:]
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    assert reports[0]["weights"] == reports[1]["weights"] and reports[0]["step"] == epochs * 20
+    strengths = _strengths(reports[0], epochs)
+    assert all(s == {2} for s in strengths.values()), strengths
+    starts = [json.loads(line) for line in Path(f"{out}.rank0.starts").read_text().splitlines()]
+    # The checkpoint's step, in epoch 1 (mid-epoch: 21 and 28 are its steps there):
+    assert starts[-1]["step"] in (21, 28) and starts[-1]["epoch"] == 1, starts
+
+
+GPT2 = ROOT / "tests" / "hf_gpt2.py"
+
+
+def _evals(report):
+    return {h["step"]: h["eval_loss"] for h in report["history"] if "eval_loss" in h}
+
+
+def test_gpt2_with_accumulation_clipping_schedule_eval_and_saves_under_a_kill(ftrun_home, tmp_path):
+    """A 2-layer GPT-2 from a config, gradient_accumulation_steps=2, max_grad_norm=1.0, a cosine
+    schedule, evaluation every 4 steps and checkpoints every 6: a failure-free run, then the same
+    run with replica 1 killed mid-epoch. The killed run finishes with every replica at the same
+    parameters and learning rate, its evaluation losses are the failure-free run's within float
+    noise (each step's gradient is the same global batch's), and the checkpoints are written."""
+    from conftest import run_ftrun
+
+    common = ["--nproc", 3, "--ft", "--max-restarts", 2]
+    clean = run_ftrun(common + [GPT2, tmp_path / "c", "--size", 288], timeout=300)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    ref = json.loads(Path(f"{tmp_path / 'c'}.rank0.json").read_text())
+    out = tmp_path / "k"
+    proc = start_ftrun(common + ["--run-id", "gpt", GPT2, out, "--size", 288, "--sleep", 0.4])
+    try:
+        _kill_at(ftrun_home, "gpt", proc, [(1, 6)])
+        rc, err = finish(proc, 300)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert err.count("restarting it alone") == 1 and "cannot heal" not in err, err[-3000:]
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    assert all(rep["step"] == ref["step"] == 24 for rep in reports.values()), [rep["step"] for rep in reports.values()]
+    assert len({(rep["params"], rep["lr"]) for rep in reports.values()}) == 1, reports
+    evals, ref_evals = _evals(reports[0]), _evals(ref)
+    assert sorted(evals) == sorted(ref_evals) == [4, 8, 12, 16, 20, 24], (evals, ref_evals)
+    assert all(abs(evals[s] - ref_evals[s]) < 5e-3 for s in evals), (evals, ref_evals)
+    assert ref_evals[24] < ref_evals[4] - 0.2, ref_evals  # it learns
+    assert (Path(f"{out}.out") / "checkpoint-24" / "trainer_state.json").exists()
