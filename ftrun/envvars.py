@@ -143,6 +143,8 @@ VARIABLES: Tuple[EnvVar, ...] = (
     EnvVar("FTRUN_TORCH", DEVELOPMENT, "scripts/setup.sh: the torch requirement to install when none is "
            "importable.", "torch==2.13.0"),
     EnvVar("FTRUN_SKIP_LIGHTNING", DEVELOPMENT, "scripts/test.sh: 1 skips installing Lightning for its test.", "0"),
+    EnvVar("FTRUN_SKIP_HF", DEVELOPMENT, "scripts/test.sh: 1 skips installing transformers and accelerate for the "
+           "Hugging Face Trainer's test.", "0"),
     EnvVar("FTRUN_DOCS_MERMAID", DEVELOPMENT, "scripts/docs.sh: the mermaid script the site draws its diagrams "
            "with (fetched from the npm registry when npm is there).", "unset: the theme loads it when viewed"),
 )
