@@ -41,6 +41,7 @@ p.add_argument("out")
 p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--size", type=int, default=192)
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--bf16", action="store_true")
 args = p.parse_args()
 OUT, RANK, SLEEP = args.out, os.environ.get("RANK", "0"), args.sleep
 
@@ -52,11 +53,11 @@ targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=4
                           lr_scheduler_type="cosine", warmup_steps=2, num_train_epochs=args.epochs,
                           eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=6,
                           save_total_limit=2, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                          seed=1, dataloader_drop_last=True)
+                          seed=1, dataloader_drop_last=True, bf16=args.bf16)
 trainer = Trainer(model=model, args=targs, train_dataset=Tokens(args.size, 16, 48, 1),
                   eval_dataset=Tokens(48, 16, 48, 2), callbacks=[Slow()])
 trainer.train()
-total = sum(float(p.double().sum()) for p in model.parameters())
+total = sum(float(p.detach().double().sum()) for p in model.parameters())
 with open(f"{OUT}.rank{RANK}.json", "w") as f:
     json.dump({"history": trainer.state.log_history, "step": trainer.state.global_step,
                "lr": trainer.lr_scheduler.get_last_lr()[0], "params": total}, f)

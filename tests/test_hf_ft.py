@@ -131,3 +131,31 @@ def test_gpt2_with_accumulation_clipping_schedule_eval_and_saves_under_a_kill(ft
     assert all(abs(evals[s] - ref_evals[s]) < 5e-3 for s in evals), (evals, ref_evals)
     assert ref_evals[24] < ref_evals[4] - 0.2, ref_evals  # it learns
     assert (Path(f"{out}.out") / "checkpoint-24" / "trainer_state.json").exists()
+
+
+def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_path):
+    """fp16 steps through a GradScaler, which the Trainer's part does not support: one line at the
+    start, Accelerate's own DDP (all workers in one group), and the run trains as without --ft."""
+    from conftest import run_ftrun
+
+    out = tmp_path / "o"
+    proc = run_ftrun(["--nproc", 2, "--ft", WORKER, 1, out, "--size", 24, "--fp16"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("TrainingArguments(fp16=True) steps through a GradScaler") == 1, proc.stderr[-3000:]
+    assert "quorum 1" not in proc.stderr, proc.stderr[-3000:]  # no replica joined one: plain DDP
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    assert reports[0]["weights"] == reports[1]["weights"]
+    assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
+
+
+def test_a_script_that_says_so_with_ftrun_hf(ftrun_home, tmp_path):
+    """`from ftrun.hf import FTTrainer`: the replicas form a quorum (no line) and train each sample once."""
+    from conftest import run_ftrun
+
+    out = tmp_path / "o"
+    proc = run_ftrun(["--nproc", 2, "--ft", WORKER, 1, out, "--size", 24, "--subclass"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "quorum 1: 2 replicas" in proc.stderr and "ftrun: --ft:" not in proc.stderr, proc.stderr[-3000:]
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    assert reports[0]["weights"] == reports[1]["weights"]
+    assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
