@@ -105,6 +105,14 @@ def _cannot_heal(args: Any) -> Optional[str]:
     why = unsupported()
     if why:
         return why
+    # The Trainer this script trains with: its module is imported now (the script's own next step),
+    # so that a Trainer ftrun cannot drive never trains as a lone run of one.
+    from transformers import trainer as trainer_module
+
+    missing = [m for m in METHODS if not callable(getattr(trainer_module.Trainer, m, None))]
+    if missing:
+        return (f"--ft: this transformers' Trainer has no {missing[0]}(), which ftrun's Trainer part "
+                f"drives: a failure restarts all workers")
     if getattr(args, "deepspeed", None):
         return ("--ft: a Trainer with DeepSpeed shards its state over a group of all workers, which a restarted "
                 "replica cannot join: a failure restarts all workers")
@@ -353,14 +361,8 @@ def _optimizer_class() -> type:
 
 def _patch_trainer(module: ModuleType) -> None:
     cls = module.Trainer
-    missing = [m for m in METHODS if not callable(getattr(cls, m, None))]
-    if missing or unsupported():
-        if not missing:
-            return  # said by TrainingArguments already
-        say(f"--ft: this transformers' Trainer has no {missing[0]}(), which ftrun's Trainer part drives: a failure "
-            f"restarts all workers")
-        module._ftrun_unsupported = True
-        return
+    if unsupported() or any(not callable(getattr(cls, m, None)) for m in METHODS):
+        return  # said by TrainingArguments' set-up, which then sets up the plain distributed run
     original = {m: getattr(cls, m) for m in METHODS}
     _ORIGINAL.update(original)
     skip_first_batches = module.skip_first_batches
