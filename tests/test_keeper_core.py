@@ -260,6 +260,12 @@ STOP = [
         snap(quorum_id=3, top=7, members={0: 0, 1: 0}, entered={1: 0}), {}, -1, -1, "nothing to save"),
     row("a member that healed a moment ago writes",
         snap(quorum_id=3, top=7, members={0: 0, 1: 0}), {1: 0}, 1, 8, "replica 1 saves"),
+    row("a holder that left the loop never reads the quorum: the next writes",
+        snap(quorum_id=3, top=7, members={0: 0, 1: 0, 2: 0}, healed={(0, 0), (1, 0), (2, 0)},
+             info={0: rep(3, phase="done"), 1: rep(3, phase="done", inc=1)}), {}, 1, 8, "replica 1 saves"),
+    row("every holder left the loop: nothing to save",
+        snap(quorum_id=3, top=7, members={0: 0, 1: 0}, healed={(0, 0), (1, 0)},
+             info={0: rep(3, phase="done"), 1: rep(3, phase="done")}), {}, -1, 8, "left the loop, which saved"),
     row("sharded: a replica whose every worker holds its shard writes",
         snap(n=4, k=2, quorum_id=3, top=7, members={0: 0, 1: 0, 2: 0, 3: 0}, healed={(0, 0), (2, 0), (3, 0)},
              local={0, 1, 2, 3}), {}, 1, 8, "replica 1 saves"),
@@ -277,6 +283,38 @@ def test_stop_quorum(s, healed, writer, start, saver):
         assert saver in d.history
 
 
+def test_stop_word_when_no_writer_is_left():
+    """A stop quorum that names nobody after one that named a writer: the keeper's word stands in
+    for the writer's (the supervisor waits for one); the first stop quorum needs none."""
+    later = snap(quorum_id=5, members={2: 1}, stopping=True, writer=1, info={2: {"step": 15}})
+    d = core.stop_quorum(later, "the writer died", {})
+    assert d.quorum.writer == -1 and d.stop_word["ok"] is False and d.stop_word["step"] == 15
+    assert "replica 1" in d.stop_word["why"] and not d.stop_word.get("nothing")
+    for ended in (snap(quorum_id=5, members={2: 1}, stopping=True, writer=1, finished={(1, 0)}),
+                  snap(quorum_id=5, members={1: 0, 2: 1}, stopping=True, writer=1, healed={(1, 0)},
+                       info={1: rep(4, phase="done")})):
+        word = core.stop_quorum(ended, "the writer left the loop", {}).stop_word
+        assert word["nothing"] and "the training loop had ended" in word["why"]  # its end saved the last step
+    assert core.stop_quorum(snap(quorum_id=5, members={2: 1}, stopping=True), "a stop signal", {}).stop_word is None
+    held = core.stop_quorum(snap(quorum_id=5, members={2: 1}, stopping=True, writer=1, healed={(2, 1)}), "x", {})
+    assert held.quorum.writer == 2 and held.stop_word is None
+
+
+def test_a_writer_that_left_the_loop_is_replaced():
+    """The stop quorum's writer reports it left the loop (of its member incarnation): a stop quorum
+    naming another is due; not for another replica's report, an older incarnation's, or no writer."""
+    base = dict(quorum_id=4, members={0: 0, 1: 0, 2: 0}, stopping=True, writer=0)
+    assert "replica 0, the writer, left the loop" in core.stop_writer_left(snap(**base, info={0: rep(3, phase="done")}))
+    assert core.stop_writer_left(snap(**base, info={1: rep(3, phase="done")})) is None
+    assert core.stop_writer_left(snap(**base, info={0: rep(3, phase="done", inc=1)})) is None
+    assert core.stop_writer_left(snap(**base, info={0: rep(3, phase="stop")})) is None
+    assert core.stop_writer_left(snap(**{**base, "writer": -1}, info={0: rep(3, phase="done")})) is None
+    assert core.stop_writer_left(snap(**{**base, "stopping": False}, info={0: rep(3, phase="done")})) is None
+    sharded = snap(n=4, k=2, quorum_id=4, members={r: 0 for r in range(4)}, stopping=True, writer=1,
+                   info={3: rep(3, phase="done")})
+    assert "replica 1" in core.stop_writer_left(sharded)
+
+
 EXITS = [
     # (snapshot, rank, inc, finished) -> (leaving, publish, finished, unpend)
     row("a member dies: a quorum without it",
@@ -285,6 +323,13 @@ EXITS = [
         snap(quorum_id=2, members={1: 0}), 1, 0, False, {1: 0}, None, False, (1,)),
     row("a member finishes: it never votes again, no quorum",
         snap(quorum_id=2, members={0: 0, 1: 0}), 1, 0, True, {1: 0}, None, True, (1,)),
+    row("the stop quorum's writer finishes: a stop quorum naming another",
+        snap(quorum_id=4, members={0: 0, 1: 0, 2: 0}, stopping=True, writer=1), 1, 0, True, {1: 0},
+        "the writer, rank 1, finished before the stop", True, (1,)),
+    row("a stop quorum's other member finishes: no quorum",
+        snap(quorum_id=4, members={0: 0, 1: 0, 2: 0}, stopping=True, writer=0), 1, 0, True, {1: 0}, None, True, (1,)),
+    row("the stop quorum's last member, its writer, finishes: no quorum",
+        snap(quorum_id=4, members={1: 0}, stopping=True, writer=1), 1, 0, True, {1: 0}, None, True, (1,)),
     row("an older incarnation dies: nothing changes",
         snap(quorum_id=2, members={0: 0, 1: 2}), 1, 1, False, {}, None, False, (1,)),
     row("a sharded replica leaves whole",

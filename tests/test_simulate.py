@@ -128,6 +128,17 @@ REJOIN_STALE_LATEST = {"seed": 708652, "replicas": 5, "total": 4, "faults": [
     {"at": 0.342, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
 
+# Found by a search of stops with checkpoints (--checkpoints --stops, seed 3, shrunk): the stop
+# signal comes as the run reaches its last step; rank 0, the stop quorum's writer, dies sending its
+# state to rank 2, and the next stop quorum names replica 1, which had just left the loop (its exit 0
+# not yet seen). Before the fix its finish published nothing: no writer was left to say how a save
+# went, and rank 2, parked at the stop, waited with the supervisor for the grace period.
+STOP_WRITER_FINISHED = {"seed": 300266, "replicas": 4, "stop_at": 1.245, "checkpoint_every": 1, "total": 15,
+                        "faults": [{"at": 1.268, "kind": "heal-kill", "rank": 0, "dur": 0.0, "x": 0.0},
+                                   {"at": 1.143, "kind": "heal-kill", "rank": 2, "dur": 0.0, "x": 0.0},
+                                   {"at": 0.225, "kind": "kill", "rank": 2, "dur": 0.0, "x": 0.0}]}
+
+
 # The store's moves (--moves: three nodes, the node hosting the run's store lost), found by the
 # first searches of that mode (seed 1, and seed 2 for the undecided step).
 # The first quorum on the moved store heals from the survivor holding step 4; its source dies in the
@@ -405,6 +416,16 @@ def test_forgetful_stop_bug_fails_a_schedule_the_product_passes():
     assert bad[-1] == "1 schedules, 1 violations"
     assert "is not a stop quorum" in bad[0], bad
 
+def test_a_stop_writer_that_finished_is_replaced():
+    """(t) found by the simulator: the stop quorum named a replica that had already left the loop as
+    its writer; its finish now publishes a stop quorum naming another holder, or nobody, and then
+    the keeper says so in the writer's place."""
+    assert _replay(STOP_WRITER_FINISHED)[-1] == "1 schedules, 0 violations"
+    bad = _replay(STOP_WRITER_FINISHED, "finished-writer")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "did not say how its save went" in bad[0], bad
+
+
 def test_store_moves_budget_finds_no_violation():
     """Three nodes; the node hosting the run's store is lost mid-run: the others move the store to
     the lowest node left, each node's keeper starts there after its old one (store_moved), and the
@@ -477,9 +498,10 @@ def test_early_save_bug_fails_a_schedule_the_product_passes():
 
 
 @pytest.mark.parametrize("bug,mode,schedules", [("move-recount", "--moves", 20),
-                                                ("early-save", "--checkpoints", 150)])
+                                                ("early-save", "--checkpoints", 150),
+                                                ("finished-writer", "--checkpoints --stops --seed 3", 300)])
 def test_search_finds_the_planted_move_and_checkpoint_bugs(bug, mode, schedules):
-    lines = _simulate("--bug", bug, "--only-bug", "--seed", "1", mode, "--schedules", str(schedules),
+    lines = _simulate("--bug", bug, "--only-bug", "--seed", "1", *mode.split(), "--schedules", str(schedules),
                       "--stop-at-first", "--no-shrink")
     assert lines[-1].endswith(" schedules, 1 violations"), "\n".join(lines)
 

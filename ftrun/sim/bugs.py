@@ -419,6 +419,23 @@ class EarlySave(Wiring):
     driver = _EarlySaveDriver
 
 
+# ---------------------------------------------------------------- (t) found by the simulator: the stop's writer
+class _FinishedWriterKeeper(QuorumKeeper):
+    """Before the fix (found by the simulator, --checkpoints --stops): the keeper forgot which replica
+    its stop quorum named the writer, so a writer that left the loop before that quorum reached it
+    (its exit 0 seen a moment after) published no stop quorum naming another, and a stop quorum that
+    named nobody after it said nothing in its place: the supervisor waited out its grace."""
+
+    def _publish(self, why: str, quiet: bool = False):
+        decision = super()._publish(why, quiet)
+        self.writer = -1
+        return decision
+
+
+class FinishedWriter(Wiring):
+    keeper = _FinishedWriterKeeper
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering a quorum at different rounds
@@ -440,6 +457,7 @@ BUGS: Dict[str, type] = {
     "early-save": EarlySave,          # (q) planted: a checkpoint of a step whose round was not decided yet
     "first-source-only": FirstSourceOnly,  # (r) a moved store's survivors forgotten after one quorum (found by it)
     "blocking-follower": BlockingFollower,  # (s) a follower blocked on a moved store's LATEST (found by it)
+    "finished-writer": FinishedWriter,  # (t) a stop's writer that had left the loop, never replaced (found by it)
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-quorum": "collect-joiner"}

@@ -338,7 +338,10 @@ class World:
     def _stop(self, k: QuorumKeeper, now: float) -> None:
         """A stop signal: the keeper publishes a stop quorum (QuorumKeeper.stop), at whose switch its
         members stop and its writer replica says how its save went (protocol.STOP_SAVE); then the
-        supervisor stops every worker. Before any quorum there is nothing to save: it stops at once."""
+        supervisor stops every worker. Before any quorum, or with nobody holding the trained state,
+        there is nothing to save: it stops at once. Else it waits for the word while a member lives,
+        as ftrun's supervisor does (policy/stopping.py check_saving), whichever writer a later stop
+        quorum names: a later one that names nobody has to say so."""
         if self.stop_sent is None:
             if now < self.sch.stop_at:
                 return
@@ -348,7 +351,7 @@ class World:
             published = k.quorum_id != before
             self.log.append(f"{now:.3f}s stop signal: "
                             + (f"stop quorum {k.quorum_id}, writer {writer}" if published else "no quorum yet"))
-            self.stopped = not published
+            self.stopped = writer is None
             return
         if now > self.stop_sent + STOP_BOUND_S:
             self.violation(f"the stop quorum's writer did not say how its save went within {STOP_BOUND_S:g} s "
@@ -359,11 +362,10 @@ class World:
         if quorum is not None and not quorum.stop:
             self.violation(f"quorum {quorum.id}, published after the stop signal, is not a stop quorum")
             return
-        writer = quorum.writer if quorum is not None else -1
         word = self.store.data.get(keys.STOP_SAVE)
         live = [r for r in k.members if r in self.members and self.sched.alive(self.members[r].proc)]
-        if writer >= 0 and word is None and live:
-            return  # the newest stop quorum's writer has not said how its save went yet
+        if word is None and live:
+            return  # no writer has said how its save went yet
         if word is not None:  # what it saves is the state committed at the step it names
             said = json.loads(word)
             m = self.members.get(said["rank"])

@@ -91,6 +91,8 @@ class SaveBeforeStop:
         if word is None and now < self.deadline and workers_alive:
             return None
         took = now - self.started
+        if word and word.get("nothing"):  # the keeper's word: the loop had ended (ft/keeper/core.py stop_quorum)
+            return f"no checkpoint before stopping: {word.get('why')}; stopping all workers", "bold yellow"
         if word and word.get("ok"):
             return (f"checkpoint of step {word.get('step')} written to {word.get('path')} in {took:.1f} s; stopping "
                     f"all workers", "bold yellow")

@@ -32,6 +32,7 @@ Must never import torch (it talks to the store through RunStore), and never touc
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -122,6 +123,7 @@ class QuorumKeeper:
         self.fresh_quorums: Set[int] = set()  # quorums after the first that no holder of the trained state was in
         # A stop signal with --checkpoint-dir (stop()): every quorum from then on is a stop quorum.
         self.stopping = False
+        self.writer = -1  # the newest stop quorum's writer replica (-1: none)
         self.quorum_steps, self.repace_after = self.round_steps, float("-inf")  # the newest quorum's (core.repace_due)
 
     @property
@@ -139,7 +141,7 @@ class QuorumKeeper:
             pending=self.pending, pending_since=self.pending_since, alive=self.alive, healed=self.healed,
             info=self.reports.info, info_seen=self.reports.seen, quorums=self.quorums, starts=self.starts,
             collected_below=self.collected_below, finished=self.finished_members, awaited=self.awaited,
-            stopping=self.stopping, moved=self.moved, fresh_start=self.fresh_start, round_steps=self.round_steps,
+            stopping=self.stopping, writer=self.writer, moved=self.moved, fresh_start=self.fresh_start, round_steps=self.round_steps,
             round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(), quorum_steps=self.quorum_steps,
             repace_after=self.repace_after, **read)
 
@@ -257,6 +259,8 @@ class QuorumKeeper:
         if plan.finished:
             del self.members[rank]
             self.finished_members.add((rank, inc))
+            if plan.publish is not None:
+                self._publish(plan.publish)
             return
         if plan.leaving:
             for m in plan.leaving:
@@ -373,6 +377,10 @@ class QuorumKeeper:
             self.repace_after = admission.repace_after
         if admission.publish is not None:
             self._publish(admission.publish, quiet=admission.quiet)
+        if self.stopping:
+            why = core.stop_writer_left(s)
+            if why is not None:
+                self._publish(why)
 
     def stop(self) -> Optional[int]:
         """A stop signal: publish a stop quorum (protocol.Quorum.stop), at whose switch every member
@@ -406,6 +414,8 @@ class QuorumKeeper:
         if not quorum.stop:
             self.pending, self.pending_since, self.moved = {}, None, decision.moving
             self.quorum_steps = quorum.round_steps
+        else:
+            self.writer = quorum.writer
         self.members = dict(quorum.members)
         self.quorum_id = quorum.id
         if decision.fresh:
@@ -414,6 +424,8 @@ class QuorumKeeper:
         self.starts[quorum.id] = quorum.start_round
         s.set(keys.quorum_key(quorum.id), quorum.to_json())
         s.set(keys.LATEST, str(quorum.id))
+        if decision.stop_word is not None:  # never over a word a writer gave before it went
+            s.compare_set(keys.STOP_SAVE, "", json.dumps(decision.stop_word))
         if decision.history is not None:
             self.history.append(decision.history)
         return decision

@@ -54,6 +54,7 @@ class KeeperSnapshot:
     finished: AbstractSet[Member] = frozenset()         # incarnations that left the loop (exit 0)
     awaited: Optional[AbstractSet[int]] = None          # on a moved store: the ranks the first quorum waits for
     stopping: bool = False                              # a stop signal came: every quorum is a stop quorum
+    writer: int = -1                                    # the newest stop quorum's writer replica (-1: none)
     moved: bool = False                                 # on a store that moved, where nobody holds the state yet
     fresh_start: str = FRESH_START                      # what a fresh quorum after the first means for the run
     round_steps: int = keys.ROUND_STEPS                 # the most steps per round
@@ -120,6 +121,10 @@ class KeeperDecision:
     # On a moved store, no replica holds the state there yet (its first heal has not landed): the
     # next quorum heals from the survivors' words again.
     moving: bool = False
+    # A stop quorum that names no writer after one that did: the keeper says so in the writer's place
+    # (protocol.STOP_SAVE; "nothing": no save was due), or the supervisor, told a replica saves,
+    # waits out its grace for a word.
+    stop_word: Optional[Mapping] = None
 
 
 @dataclass(frozen=True)
@@ -187,14 +192,19 @@ def admit(s: KeeperSnapshot, joins: Mapping[int, int], now: float) -> KeeperAdmi
 
 
 def exit_plan(s: KeeperSnapshot, rank: int, inc: int, finished: bool) -> KeeperExit:
-    """A member that finished leaves the books alone; one that died takes its whole replica
-    out (its other workers are being killed and its shard groups are broken, so nobody may wait
-    for any of them), and the others get a quorum without it. Not a member: nothing."""
+    """A member that finished leaves the books alone, unless its replica is the stop quorum's
+    writer: it left the loop before that quorum reached it (a replica's exit 0 is seen a moment
+    after its last round; found by the simulator), so it never says how a save went, and the
+    others get a stop quorum naming another holder, or nobody. One that died takes its whole
+    replica out (its other workers are being killed and its shard groups are broken, so nobody
+    may wait for any of them), and the others get a quorum without it. Not a member: nothing."""
     mates = s.mates(rank)
     if s.members.get(rank) != inc:
         return KeeperExit(mates, {}, None, False, f"rank {rank}.{inc} is not a member")
     if finished:
-        return KeeperExit(mates, {rank: inc}, None, True, f"rank {rank}.{inc} finished")
+        writes = s.stopping and rank // s.k == s.writer and any(r != rank for r in s.members)
+        return KeeperExit(mates, {rank: inc}, f"the writer, rank {rank}, finished before the stop" if writes else None,
+                          True, f"rank {rank}.{inc} finished" + (", the stop quorum's writer" if writes else ""))
     leaving = {m: s.members[m] for m in mates if m in s.members}
     left = any(r not in leaving for r in s.members)
     why = None
@@ -351,23 +361,54 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
                           _healed_now(s, healed), fresh and eid > 1, forget, moving)
 
 
+def left_loop(s: KeeperSnapshot, rep: int) -> bool:
+    """Whether a worker of replica `rep` says it left the training loop (a report of its member
+    incarnation in phase "done"): it never reads a stop quorum, so it saves nothing at one."""
+    for m in s.mates(rep * s.k):
+        info = s.report(m)
+        if info.get("phase") == "done" and info.get("inc") == s.members.get(m):
+            return True
+    return False
+
+
+def stop_writer_left(s: KeeperSnapshot) -> Optional[str]:
+    """While stopping: the stop quorum's writer says it left the loop (it had, or did, before that
+    quorum reached it; found by the simulator): a stop quorum naming another is due, and why."""
+    if not s.stopping or s.writer < 0 or not left_loop(s, s.writer):
+        return None
+    return f"replica {s.writer}, the writer, left the loop before the stop"
+
+
 def stop_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int]) -> KeeperDecision:
     """A stop quorum of the members there are now (nobody joins any more): at its switch every
     member stops, and the writer saves the step it holds: the lowest replica whose every worker
-    holds the trained state, on the keeper's node where one does (its workers are the last this
-    node's ftrun stops); -1 when nobody holds it."""
+    holds the trained state and is still in the loop (left_loop: a replica that left it never
+    reads the quorum; its last step was saved at the loop's end), on the keeper's node where one
+    does (its workers are the last this node's ftrun stops); -1 when there is none, and then, when
+    an earlier stop quorum named a writer, the keeper's word in its place (stop_word)."""
     continuing = continues(s.members, s.entered)
     known = set(s.healed) | _healed_now(s, healed)
-    holders = sorted({r // s.k for r in s.members
-                      if all((m, s.members.get(m)) in known for m in s.mates(r))})
+    held = sorted({r // s.k for r in s.members if all((m, s.members.get(m)) in known for m in s.mates(r))})
+    holders = [rep for rep in held if not left_loop(s, rep)]
     local = [rep for rep in holders if rep * s.k in s.local]
     writer = (local or holders or [-1])[0]
     eid = s.quorum_id + 1
     start = -1 if continuing else s.top + 1
     quorum = Quorum(eid, tuple(sorted(s.members.items())), (), False, start, 1, stop=True, writer=writer)
-    saver = f"replica {writer} saves" if writer >= 0 else "no replica holds the trained state: nothing to save"
+    saver = (f"replica {writer} saves" if writer >= 0 else
+             "the replicas holding the trained state left the loop, which saved its last step" if held else
+             "no replica holds the trained state: nothing to save")
+    word = None
+    if writer < 0 and s.writer >= 0:  # replica s.writer was to save, and died or left the loop first
+        if s.finished or held:  # the loop's end saved its last step
+            word = {"step": global_step(s), "ok": False, "rank": -1, "nothing": True,
+                    "why": "the training loop had ended before the stop reached a replica, and its last step is "
+                           "saved at its end"}
+        else:
+            word = {"step": global_step(s), "ok": False, "rank": -1,
+                    "why": f"replica {s.writer}, which was to save it, is gone and no other holds the trained state"}
     return KeeperDecision(quorum, f"stop: holders {holders}, writer {writer}", f"quorum {eid}: stop ({why}; {saver})",
-                          _healed_now(s, healed))
+                          _healed_now(s, healed), stop_word=word)
 
 
 def waits(s: KeeperSnapshot, waited_since: Mapping[int, float], now: float) -> Dict[int, float]:
