@@ -368,10 +368,19 @@ class _Keeper:
 
     def __init__(self) -> None:
         self.quorum_id, self.fresh_quorums, self.fresh_start = 2, set(), "resuming from the newest checkpoint"
-        self.rejoined, self.history, self.info, self.members_in = [], [], {}, set()
+        self.history, self.info, self.members_in = [], {}, set()
+        self.booked_in_place: list = []  # what take_rejoined hands over at the next tick
 
     def poll(self, now: float) -> None:
         pass
+
+    def take_rejoined(self) -> list:
+        taken, self.booked_in_place = self.booked_in_place, []
+        return taken
+
+    def take_history(self) -> list:
+        taken, self.history = self.history, []
+        return taken
 
     def replica_fields(self, rank: int) -> dict:
         return {"in_quorum": rank in self.members_in}

@@ -304,6 +304,12 @@ class QuorumKeeper:
         taken, self.rejoined = self.rejoined, []
         return taken
 
+    def take_history(self) -> List[str]:
+        """The run's history lines (quorums published, votes cast for the dead) since the last call,
+        oldest first, for the console."""
+        taken, self.history = self.history, []
+        return taken
+
     def _top(self) -> int:
         return int(self._s.get(keys.TOP))
 

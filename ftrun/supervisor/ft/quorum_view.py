@@ -11,12 +11,15 @@ Must never start, stop or signal a worker, and never be called from outside the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ftrun.supervisor.accounting.progress_reader import ProgressReader, note_steps
 from ftrun.supervisor.nodes.node_common import one_line
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Worker, WorkerState
+
+if TYPE_CHECKING:  # the loop's keeper; imported for the annotation only
+    from ftrun.supervisor.ft.quorum import QuorumKeeper
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class QuorumView:
         # even when a re-paced quorum of the same members followed before it was seen training.
         self._away_from: dict[int, int] = {}
 
-    def poll(self, q: Any, relay: Any, workers: Sequence[Worker], progress: ProgressReader, now: float,
+    def poll(self, q: QuorumKeeper, relay: Any, workers: Sequence[Worker], progress: ProgressReader, now: float,
              several_nodes: bool, quorum_id: Optional[int]) -> QuorumNews:
         try:
             if relay is not None:
@@ -54,14 +57,13 @@ class QuorumView:
             return QuorumNews()
         self._failing = False
         changed = False
-        for rank, inc in q.rejoined:  # a worker became its next incarnation in place: its process lives on
+        for rank, inc in q.take_rejoined():  # a worker became its next incarnation in place: its process lives on
             for w in workers:
                 if w.rank == rank and w.alive:
                     w.incarnation = inc
                     progress.forget(rank)
-        q.rejoined.clear()
-        while q.history:
-            self.console.note(q.history.pop(0), style="cyan")
+        for line in q.take_history():
+            self.console.note(line, style="cyan")
         for w in workers:
             info = q.info.get(w.rank)
             if w.alive and info and info.get("inc") == w.incarnation and w.first_step_seen:
