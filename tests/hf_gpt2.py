@@ -42,11 +42,13 @@ p.add_argument("--epochs", type=int, default=2)
 p.add_argument("--size", type=int, default=192)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--bf16", action="store_true")
+p.add_argument("--embd", type=int, default=32, help="the width (512 with --vocab 32000: about 25M parameters)")
+p.add_argument("--vocab", type=int, default=48)
 args = p.parse_args()
 OUT, RANK, SLEEP = args.out, os.environ.get("RANK", "0"), args.sleep
 
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=48,
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=args.embd, n_positions=16, vocab_size=args.vocab, bos_token_id=0, eos_token_id=0,
                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=4, per_device_eval_batch_size=16,
                           gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=3e-3,
@@ -54,8 +56,8 @@ targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=4
                           eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=6,
                           save_total_limit=2, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
                           seed=1, dataloader_drop_last=True, bf16=args.bf16)
-trainer = Trainer(model=model, args=targs, train_dataset=Tokens(args.size, 16, 48, 1),
-                  eval_dataset=Tokens(48, 16, 48, 2), callbacks=[Slow()])
+trainer = Trainer(model=model, args=targs, train_dataset=Tokens(args.size, 16, args.vocab, 1),
+                  eval_dataset=Tokens(48, 16, args.vocab, 2), callbacks=[Slow()])
 trainer.train()
 total = sum(float(p.detach().double().sum()) for p in model.parameters())
 with open(f"{OUT}.rank{RANK}.json", "w") as f:
