@@ -141,9 +141,9 @@ class QuorumKeeper:
             pending=self.pending, pending_since=self.pending_since, alive=self.alive, healed=self.healed,
             info=self.reports.info, info_seen=self.reports.seen, quorums=self.quorums, starts=self.starts,
             collected_below=self.collected_below, finished=self.finished_members, awaited=self.awaited,
-            stopping=self.stopping, writer=self.writer, moved=self.moved, fresh_start=self.fresh_start, round_steps=self.round_steps,
-            round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(), quorum_steps=self.quorum_steps,
-            repace_after=self.repace_after, **read)
+            stopping=self.stopping, writer=self.writer, moved=self.moved, fresh_start=self.fresh_start,
+            round_steps=self.round_steps, round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(),
+            quorum_steps=self.quorum_steps, repace_after=self.repace_after, **read)
 
     def store_moved(self, old: "QuorumKeeper", alive: Mapping[int, Optional[int]]) -> None:
         """This keeper starts on the store the run moved to (ftrun.supervisor.nodes.failover) after `old`'s
