@@ -65,6 +65,7 @@ p.add_argument("--batch", type=int, default=4)
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--sleep-late", type=float, default=0.0, help="the sleep a step after epoch 0 (default: --sleep)")
 p.add_argument("--subclass", action="store_true", help="ftrun.hf's FTTrainer, as a script that says so")
+p.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers (persistent)")
 p.add_argument("--fp16", action="store_true", help="fp16 mixed precision (a GradScaler): a setup ftrun cannot heal")
 args = p.parse_args()
 OUT, RANK = args.out, os.environ.get("RANK", "0")
@@ -75,7 +76,8 @@ opt = torch.optim.SGD(COUNTER.parameters(), lr=1.0)
 targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=args.batch,
                           num_train_epochs=args.epochs, max_grad_norm=0, lr_scheduler_type="constant",
                           logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
-                          disable_tqdm=True, seed=1, dataloader_drop_last=False, fp16=args.fp16)
+                          disable_tqdm=True, seed=1, dataloader_drop_last=False, fp16=args.fp16,
+                          dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0)
 cls = Trainer
 if args.subclass:
     from ftrun.hf import FTTrainer as cls

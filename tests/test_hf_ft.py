@@ -36,12 +36,14 @@ def _strengths(report, epochs):
 
 def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     """Three replicas, 2 epochs of 30 steps (epoch 1 slower, for the restarted replicas to come back
-    in it); replica 1 killed early in epoch 1, then replica 2: the
+    in it), a loader with 2 workers (prefetching batches planned for a membership that changes);
+    replica 1 killed early in epoch 1, then replica 2: the
     run finishes, each restarted replica's train() went on where the run was (not from step 0),
     every sample was trained once an epoch, and the replicas end identical."""
     out, size, epochs, steps = tmp_path / "o", 180, 2, 30
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "hf", WORKER, epochs, out,
-                        "--size", size, "--batch", 2, "--sleep", 0.08, "--sleep-late", 0.4])
+                        "--size", size, "--batch", 2, "--sleep", 0.08, "--sleep-late", 0.4,
+                        "--workers", 2])
     try:
         _kill_at(ftrun_home, "hf", proc, [(1, steps + 1), (2, steps + 4)])
         rc, err = finish(proc, 300)
