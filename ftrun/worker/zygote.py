@@ -67,10 +67,21 @@ def _preimport_ddp() -> None:
     With --ft it is imported before the first fork, since every replica builds
     DDP and restarts must be fast. Otherwise only with FTRUN_ZYGOTE_WARM=1, while
     the zygote is idle (see serve())."""
+    import importlib
+
     import torch._dynamo  # noqa: F401
 
     import ftrun.worker.ft.manager  # noqa: F401
     import ftrun.worker.hooks  # noqa: F401
+
+    # The training frameworks the script imports (the supervisor read its file): a restarted
+    # replica is back without importing one again. Its hooks into ftrun run at the worker's
+    # start instead (ftrun.worker.frameworks.imports.after_import, for a module imported already).
+    for name in filter(None, os.environ.get("FTRUN_ZYGOTE_PREIMPORT", "").split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not installed, or broken: the worker's own import says so
+            pass
 
 
 class _Child:

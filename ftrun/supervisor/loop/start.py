@@ -20,7 +20,7 @@ from ftrun.supervisor.nodes.node_decisions import node_ranks, routes
 from ftrun.supervisor.nodes.relay import NodeRelay
 from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.store import RunStore
-from ftrun.supervisor.workers.env import base_env, common_env
+from ftrun.supervisor.workers.env import base_env, common_env, zygote_env
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.spawn import PopenSpawner, ZygoteSpawner
 
@@ -63,7 +63,7 @@ def spawner(cfg: RunConfig, events: "queue.SimpleQueue", common: Dict[str, str],
         given.events = events  # nothing is posted before the first spawn but "ready"
         return given, True
     if use_zygote:
-        return ZygoteSpawner(events, common, cwd), True
+        return ZygoteSpawner(events, zygote_env(cfg, common), cwd), True
     return PopenSpawner(events), False
 
 

@@ -71,7 +71,7 @@ from ftrun.supervisor.nodes import redirect
 from ftrun.supervisor.nodes.rendezvous_rounds import (JOIN_FAILED, POLL_S, Moved, RendezvousStoreLost, Stop, fail,
                                                 host_round, join_round, key)
 from ftrun.supervisor.store import RunStore, bind_listener
-from ftrun.supervisor.workers.env import base_env
+from ftrun.supervisor.workers.env import base_env, zygote_env
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.spawn import ZygoteSpawner
 
@@ -194,7 +194,7 @@ def _prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
     env = base_env()
     env.update(cfg.env)
     env.update({"FTRUN_RUN_ID": cfg.run_id, "FTRUN_FT": "1" if cfg.ft else "0"})
-    return ZygoteSpawner(queue.SimpleQueue(), env, os.getcwd())
+    return ZygoteSpawner(queue.SimpleQueue(), zygote_env(cfg, env), os.getcwd())
 
 
 def _open(cfg: RunConfig, console: ConsoleOut, join_only: bool = False) -> Tuple[Optional[RunStore], bool]:
