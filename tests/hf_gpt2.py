@@ -59,6 +59,7 @@ targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=4
 trainer = Trainer(model=model, args=targs, train_dataset=Tokens(args.size, 16, args.vocab, 1),
                   eval_dataset=Tokens(48, 16, args.vocab, 2), callbacks=[Slow()])
 trainer.train()
+trainer.save_model(f"{OUT}.final")  # one writer: the first live replica
 total = sum(float(p.detach().double().sum()) for p in model.parameters())
 with open(f"{OUT}.rank{RANK}.json", "w") as f:
     json.dump({"history": trainer.state.log_history, "step": trainer.state.global_step,

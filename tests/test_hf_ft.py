@@ -133,6 +133,7 @@ def test_gpt2_with_accumulation_clipping_schedule_eval_and_saves_under_a_kill(ft
     assert all(abs(evals[s] - ref_evals[s]) < 5e-3 for s in evals), (evals, ref_evals)
     assert ref_evals[24] < ref_evals[4] - 0.2, ref_evals  # it learns
     assert (Path(f"{out}.out") / "checkpoint-24" / "trainer_state.json").exists()
+    assert (Path(f"{out}.final") / "config.json").exists()
 
 
 def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_path):

@@ -181,7 +181,9 @@ def _patch_arguments(module: ModuleType) -> None:
     def _first_live(original: Any) -> property:
         def get(self: Any) -> bool:
             ft = _active_ft()
-            if getattr(self, "_ftrun", False) and ft is not None and ft.loop.running:
+            if getattr(self, "_ftrun", False) and ft is not None and ft.joined:
+                # The first replica of the newest quorum (after train(), the last one's: a
+                # save_model() after it has one writer too).
                 return ft.loop.replica_index == 0
             return original.fget(self)
         return property(get)
@@ -229,6 +231,7 @@ class _TrainerFT:
         self.pending_loader: Any = None  # the training loader train() made, for the early preparation
         self.prepared: Any = None  # _prepare_for_training's result, made early (before the heal)
         self.top: Dict[str, Any] = {}  # the stateful callbacks' states at the current step's top
+        self.joined = False  # the member joined (train() began): the first live replica is known
         _current = self
 
     # ------------------------------------------------------------ the whole Trainer state
@@ -413,6 +416,7 @@ def _patch_trainer(module: ModuleType) -> None:
         self.accelerator.no_sync = lambda model=None: (model.no_sync() if hasattr(model, "no_sync")
                                                        else contextlib.nullcontext())
         ft.loop.start()  # joins; a restarted replica heals here (restore)
+        ft.joined = True
         step = self.state.global_step
         return step // per_epoch, (step % per_epoch) * self.args.gradient_accumulation_steps
 
