@@ -368,13 +368,14 @@ def _patch_trainer(module: ModuleType) -> None:
         return  # said by TrainingArguments' set-up, which then sets up the plain distributed run
     original = {m: getattr(cls, m) for m in METHODS}
     _ORIGINAL.update(original)
-    skip_first_batches = module.skip_first_batches
+    skip_first_batches = getattr(module, "skip_first_batches", None)
 
     def skip(dataloader: Any, num_batches: int = 0) -> Any:
         # ft's loader starts where the loop is (its sampler's position): nothing to skip.
         return dataloader if getattr(dataloader, "_ftrun_steps", False) else skip_first_batches(dataloader, num_batches)
 
-    patches.install("hf.trainer", module, "skip_first_batches", skip)
+    if skip_first_batches is not None:  # what the Trainer's mid-epoch resume calls
+        patches.install("hf.trainer", module, "skip_first_batches", skip)
 
     def get_train_dataloader(self: Any) -> Any:
         dataloader = original["get_train_dataloader"](self)
