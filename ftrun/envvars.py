@@ -124,7 +124,7 @@ VARIABLES: Tuple[EnvVar, ...] = (
     # ---- between ftrun's processes
     EnvVar("FTRUN_ZYGOTE_FD", INTERNAL, "The zygote's end of its socket pair with the supervisor."),
     EnvVar("FTRUN_SUPERVISOR_PID", INTERNAL, "The supervisor's pid, for the zygote's parent-death check."),
-    EnvVar("FTRUN_ZYGOTE_PREIMPORT", INTERNAL, "--ft: the training frameworks the script imports (Lightning), "
+    EnvVar("FTRUN_ZYGOTE_PREIMPORT", INTERNAL, "--ft: the training frameworks the script imports (Lightning, the Trainer), "
            "which the zygote imports before its first fork, so a restarted replica does not import them again."),
     # ---- tests
     EnvVar("FTRUN_RUN_ID_DEFAULT", TEST, "The run id to use when none is given (instead of a fresh one)."),

@@ -63,20 +63,24 @@ def _threads(cfg: RunConfig, base: Mapping[str, str]) -> Dict[str, str]:
 
 # The frameworks a zygote imports for an --ft script that uses them: a restarted replica would
 # otherwise import one again after its fork (Lightning: about 1.3 s of its 2.2-2.6 s back).
-FRAMEWORKS = ("lightning", "pytorch_lightning")
+# Lightning's two packages: one alone, since which one FTStrategy extends is told by the one the
+# script imported (ftrun.worker.frameworks.lightning), and a file naming both may run either.
+LIGHTNING = ("lightning", "pytorch_lightning")
+TRAINER = "transformers.trainer"  # the Trainer, which `import transformers` alone leaves unloaded
 
 
 def zygote_env(cfg: RunConfig, common: Mapping[str, str]) -> Dict[str, str]:
     """The zygote's own environment: the workers' common one, plus (--ft) the frameworks the script
-    imports anywhere in its file, for the zygote to import before its first fork: one alone, since
-    which Lightning package a script uses is told by the one it imported (ftrun.worker.frameworks.
-    lightning), and a file naming both may run either. Never a worker's (each spawn request carries
-    the worker's whole environment)."""
+    imports anywhere in its file, for the zygote to import before its first fork. Never a
+    worker's (each spawn request carries the worker's whole environment)."""
     env = dict(common)
     if cfg.ft and not cfg.module:
-        found = _imported(cfg.script) & set(FRAMEWORKS)
-        if len(found) == 1:
-            env["FTRUN_ZYGOTE_PREIMPORT"] = found.pop()
+        found = _imported(cfg.script)
+        names = [p for p in LIGHTNING if p in found] if len(found & set(LIGHTNING)) == 1 else []
+        if "transformers" in found:
+            names.append(TRAINER)
+        if names:
+            env["FTRUN_ZYGOTE_PREIMPORT"] = ",".join(names)
     return env
 
 
