@@ -93,3 +93,19 @@ def test_an_ft_script_that_imports_lightning_finds_it_imported_at_its_start(tmp_
     assert preloaded("--ft", script) == "[rank 0] preloaded True"
     assert preloaded(script) == "[rank 0] preloaded False"
     assert preloaded("--ft", plain) == "[rank 0] preloaded False"
+
+
+def test_an_ft_script_that_imports_transformers_finds_the_trainer_imported(tmp_path):
+    """The same for the Trainer: `import transformers` alone loads little, so the zygote imports
+    transformers.trainer, which a Trainer script's `from transformers import Trainer` loads."""
+    import pytest
+
+    pytest.importorskip("transformers", reason="transformers is a test-only dependency (scripts/test.sh installs it)")
+    script = tmp_path / "uses_trainer.py"
+    script.write_text("import sys\nprint('preloaded', 'transformers.trainer' in sys.modules, flush=True)\n"
+                      "if False:\n    from transformers import Trainer\n")
+    env = dict(os.environ, FTRUN_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(FTRUN + ["--nproc", "1", "--ft", str(script)], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[rank 0] preloaded True", proc.stdout
