@@ -23,6 +23,7 @@ from ftrun.supervisor.accounting.ledger import Ledger
 from ftrun.supervisor.accounting.progress_reader import ProgressReader, note_steps
 from ftrun.supervisor.accounting.status_writer import StatusWriter
 from ftrun.supervisor.workers.logs import ConsoleOut
+from ftrun.supervisor.workers.spawn import take_early_start
 from ftrun.supervisor.workers.worker import Failure, Worker, WorkerState
 
 METRICS_S = 1.0  # how often the processes' CPU and memory are sampled
@@ -35,7 +36,8 @@ class Accounting:
     def __init__(self, cfg: RunConfig, console: ConsoleOut, policy_name: str, log_dir: str, reports: Any) -> None:
         self.cfg = cfg
         self.console = console
-        self.started = time.time()
+        # The run's start-up began before the torch import the supervisor and the zygote share.
+        self.started = take_early_start() or time.time()
         self.status = RunStatus(
             run_id=cfg.run_id, script=cfg.script, argv=list(sys.argv), started=self.started, pid=os.getpid(),
             hook=cfg.hook.describe() if cfg.hook else None, policy=policy_name,

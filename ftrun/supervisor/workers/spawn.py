@@ -186,15 +186,25 @@ class ZygoteSpawner:
 
 # The zygote-to-be forked at the supervisor's start (start_zygote_early), taken by the first ZygoteSpawner.
 _waiting: Optional[Tuple[int, socket.socket]] = None
+# When that start began (the torch import it waits for is part of the run's start-up), taken once.
+_early_at: Optional[float] = None
+
+
+def take_early_start() -> Optional[float]:
+    """When start_zygote_early began, once (the first run's accounts date their start from it)."""
+    global _early_at
+    at, _early_at = _early_at, None
+    return at
 
 
 def start_zygote_early(import_env: Dict[str, str]) -> None:
     """Fork the zygote from this process once torch is imported here, before any thread starts
     (ftrun.worker.zygote.fork_waiting): the supervisor's store and the zygote share one import.
     The processes this one had before are noted first: the zygote is not one of them."""
-    global _waiting
+    global _waiting, _early_at
     from ftrun.worker.zygote import fork_waiting
 
+    _early_at = time.time()
     note_inherited_children()
     _waiting = fork_waiting(import_env)
 
