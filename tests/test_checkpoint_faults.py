@@ -105,7 +105,11 @@ def test_full_disk_mid_run_recovers_and_no_replica_is_killed(ftrun_home, small_d
                   "the new checkpoint in ftrun status", timeout=30)
         ck = status_record("fills", ftrun_home)["checkpoint"]
         assert ck["failed_total"] >= 2, ck
-        assert _no_partials(d) == [], list(d.iterdir())
+        # The run goes on saving: the next save's partial folder may be there (1 in 8 looks saw one,
+        # on 2 loaded cores). None is left by a failed save, and each one there now goes.
+        partials = _no_partials(d)
+        assert not [p for p in partials for s in failed_steps if p.startswith(f".step-{s}.")], partials
+        _wait_for(lambda: not set(partials) & set(_no_partials(d)), run, f"{partials} published or removed")
         fill_disk(small_disk)
         seen = err_text(run).count("not written")
         _wait_for(lambda: err_text(run).count("not written") > seen, run, "a failed save on the full disk again")
