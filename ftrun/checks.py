@@ -108,8 +108,23 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
     if cfg.ft and cfg.min_nodes == cfg.max_nodes and cfg.min_replicas > replicas:
         raise blame("min_replicas", f"--min-replicas {cfg.min_replicas} exceeds the {replicas} replicas "
                                     f"of this run; lower it")
+    if cfg.ft and cfg.spares:
+        _check_spares(cfg)
     if check_paths:
         preflight(cfg, check_script)
+
+
+def _check_spares(cfg: RunConfig) -> None:
+    """--spares N: at least one replica trains (on the fewest nodes an elastic run starts with), and
+    --min-replicas counts training replicas only."""
+    fewest = cfg.min_nodes * cfg.nproc // cfg.replica_size
+    if cfg.spares >= fewest:
+        shape = f" of {cfg.replica_size} workers" if cfg.replica_size > 1 else ""
+        raise blame("spares", f"--spares {cfg.spares} leaves no training replica: this run has {fewest} "
+                              f"replica{'s' if fewest != 1 else ''}{shape}; use --spares {fewest - 1} or fewer")
+    if cfg.min_replicas > fewest - cfg.spares:
+        raise blame("min_replicas", f"--min-replicas {cfg.min_replicas} exceeds the {fewest - cfg.spares} training "
+                                    f"replicas of this run ({fewest} less --spares {cfg.spares}); lower one of them")
 
 
 def _check_replica_size(cfg: RunConfig) -> None:
@@ -150,6 +165,9 @@ def _check_ignored_options(cfg: RunConfig) -> None:
                              f"drop {flag}")
     if cfg.checkpoint_dir is not None and not cfg.checkpoint_dir.strip():
         raise blame("checkpoint_dir", "--checkpoint-dir is empty; give a folder")
+    if given("spares") and cfg.spares and not cfg.ft:
+        raise blame("spares", f"--spares {cfg.spares} applies only to --ft runs (a spare takes a failed replica's "
+                              f"place); add --ft, or drop --spares")
     if given("min_replicas") and not cfg.ft:
         raise blame("min_replicas", f"--min-replicas {cfg.min_replicas} applies only to --ft runs; add --ft, or "
                                     f"drop --min-replicas")

@@ -112,7 +112,7 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     kw["script_args"] = args
 
     kw["nproc"] = resolve_nproc(pick("nproc"), sources["nproc"])
-    for key in ("max_restarts", "min_replicas", "replica_size", "step_timeout", "shutdown_timeout", "node_rank",
+    for key in ("max_restarts", "min_replicas", "replica_size", "spares", "step_timeout", "shutdown_timeout", "node_rank",
                 "master_addr", "master_port", "join_timeout", "ft", "quiet", "verbose", "module", "no_python",
                 "log_dir", "ranks", "metrics_port",
                 "local_ranks_filter", "role", "signals_to_handle", "virtual_local_rank", "local_addr"):

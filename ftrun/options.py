@@ -180,6 +180,10 @@ OPTIONS_LIST: Tuple[Option, ...] = (
          is_flag=True),
     _opt("min_replicas", ("--min-replicas",), count(1), 1, "With --ft: fewest live replicas that keep training.",
          metavar="N"),
+    _opt("spares", ("--spares",), count(0), 0,
+         "With --ft: replicas kept warm as hot spares (script started, model built, waiting in its first "
+         "ft.steps()/ft.epochs()); one takes a failed replica's place. Counted out of the --nproc workers. "
+         "[default: 0]", pet=True, metavar="N"),
     _opt("replica_size", _both("--replica-size"), count(1), 1,
          "With --ft: workers per replica; they shard the model (FSDP2 over ft.device_mesh()). [default: 1]",
          metavar="K"),

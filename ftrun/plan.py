@@ -89,6 +89,11 @@ def _summary(cfg: RunConfig, shown: RunConfig, hosts: Optional[bool]) -> List[st
                   f"live replica{'s' if cfg.min_replicas != 1 else ''}")
         if cfg.replica_size > 1:
             policy += f"; a replica is {cfg.replica_size} workers sharding the model"
+        if cfg.spares:
+            total = cfg.world_size // cfg.replica_size
+            policy += (f"; {total - cfg.spares} training replica{'s' if total - cfg.spares != 1 else ''} and "
+                       f"{cfg.spares} hot spare{'s' if cfg.spares != 1 else ''} (replica{'s' if cfg.spares != 1 else ''} "
+                       f"{_span(total - cfg.spares, total - 1)} at the start), a spare takes a failed replica's place")
         if cfg.checkpoint_dir:
             policy += f"; checkpoints in {cfg.checkpoint_dir} every {cfg.checkpoint_every} steps"
     else:
@@ -108,6 +113,10 @@ def _summary(cfg: RunConfig, shown: RunConfig, hosts: Optional[bool]) -> List[st
         rows.insert(1, ("recipe", cfg.recipe))
     width = max(len(k) for k, _ in rows)
     return [f"{k.ljust(width)}  {v}" for k, v in rows]
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}-{last}"
 
 
 def _is_uuid(text: str) -> bool:

@@ -45,6 +45,7 @@ class RunConfig:
     ft: bool = False
     min_replicas: int = 1
     replica_size: int = 1
+    spares: int = 0  # --ft: replicas held back as hot spares (ftrun/supervisor/ft/keeper/spares.py)
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 500
     checkpoint_keep: int = 2

@@ -115,7 +115,9 @@ def render_run(run: Dict[str, Any], width: Optional[int] = None) -> "RenderableT
         info.append(f"  node {run.get('node_rank')} of {run.get('nnodes')}", style="dim")
     lines: List[Any] = [head, info]
     if ft and (run.get("quorum_id") is not None or run.get("steps_committed") is not None):
-        lines.append(Text(f"  quorum {_num(run.get('quorum_id'), '{}')}: {_num(run.get('quorum_size'), '{}')} replicas;"
+        spares = f" and {run['spares']} spare{'s' if run['spares'] != 1 else ''}" if run.get("spares") else ""
+        lines.append(Text(f"  quorum {_num(run.get('quorum_id'), '{}')}: {_num(run.get('quorum_size'), '{}')} replicas"
+                          f"{spares};"
                           f" steps committed {_num(run.get('steps_committed'), '{}')},"
                           f" discarded {_num(run.get('steps_discarded'), '{}')}", style="magenta"))
     ck = run.get("checkpoint")
@@ -162,7 +164,8 @@ def render_run(run: Dict[str, Any], width: Optional[int] = None) -> "RenderableT
             _num(r.get("cpu_percent")) if not ended else "-", _bytes(r.get("rss_bytes")) if not ended else "-",
         ]
         if ft:
-            q = "healing" if r.get("healing") else ("in" if r.get("in_quorum") else ("out" if r.get("in_quorum") is False else "-"))
+            q = "healing" if r.get("healing") else ("in" if r.get("in_quorum") else (
+                "spare" if r.get("spare") else ("out" if r.get("in_quorum") is False else "-")))
             row += [q, _num(r.get("last_heal_s"), "{:.2f}s")]
         # One line per replica, so --watch stays steady: a long reason is cut (--json has it whole).
         row.append(Text(r.get("last_failure") or "", style="red", no_wrap=True, overflow="ellipsis"))

@@ -43,6 +43,7 @@ class ReplicaStatus:
     node_rank: int = 0
     # --ft only
     in_quorum: Optional[bool] = None
+    spare: Optional[bool] = None        # --spares: held back as a hot spare, waiting to take a replica's place
     healing: Optional[bool] = None
     last_heal_s: Optional[float] = None
     ft_phase: Optional[str] = None      # join, group, heal, send, compute, vote, commit, discard, done
@@ -71,6 +72,7 @@ class RunStatus:
     # --ft only
     quorum_id: Optional[int] = None
     quorum_size: Optional[int] = None
+    spares: Optional[int] = None        # --spares: replicas held back as hot spares now
     steps_committed: Optional[int] = None
     steps_discarded: Optional[int] = None
     # --checkpoint-dir: the newest good checkpoint written (or resumed from): step, path, bytes,
@@ -136,6 +138,7 @@ RUN_FIELDS: Dict[str, str] = {
     "replicas": "One object per worker of this node (the whole run's on several nodes), fields below.",
     "quorum_id": "--ft: the current quorum's id.",
     "quorum_size": "--ft: replicas in the current quorum.",
+    "spares": "--ft --spares: replicas held back as hot spares now (not in the quorum, not training).",
     "steps_committed": "--ft: the run's global step (exact once the run ended).",
     "steps_discarded": "--ft: rounds voted down (a step a failure interrupted).",
     "checkpoint": "--checkpoint-dir: the newest good checkpoint written or resumed from: step, path, bytes, "
@@ -171,6 +174,7 @@ REPLICA_FIELDS: Dict[str, str] = {
     "last_failure": "Why it last failed (exit status or signal, and the exception), or null.",
     "node_rank": "The node it runs on.",
     "in_quorum": "--ft: whether it takes part in the current quorum.",
+    "spare": "--ft --spares: whether it is a hot spare (model built, waiting to take a failed replica's place).",
     "healing": "--ft: whether it is receiving the state from a peer.",
     "last_heal_s": "--ft: seconds its last heal took (receiving the state from a peer).",
     "ft_phase": "--ft: where it is in the round: join, group, heal, send, compute, vote, commit, discard, done.",

@@ -69,7 +69,7 @@ class QuorumKeeper:
 
     def __init__(self, store, ranks: List[int], local_ranks: Optional[List[int]] = None, leader: bool = True,
                  replica_size: int = 1, routes: Optional[Routes] = None, settings: Optional[KeeperSettings] = None,
-                 clock: Callable[[], float] = time.time, fresh_start: str = FRESH_START) -> None:
+                 clock: Callable[[], float] = time.time, fresh_start: str = FRESH_START, spares: int = 0) -> None:
         # Time comes in: poll(now) is given it, and the events between polls (a death) read `clock`,
         # the same clock the supervisor passes to poll (the simulator passes its virtual one).
         self.clock = clock
@@ -85,6 +85,8 @@ class QuorumKeeper:
         self.rejoined: List[Tuple[int, int]] = []  # (rank, incarnation) booked in place, for the supervisor
         self.healed: Set[Tuple[int, int]] = set()
         self.pending: Dict[int, int] = {}
+        self.spares = spares  # --spares: replicas held back while the others train (keeper/spares.py)
+        self.held: Dict[int, int] = {}  # the spares' ranks -> incarnations, as the last poll admitted them
         self.alive: Dict[int, Optional[int]] = {r: 0 for r in ranks}
         self.reports = ReplicaReports()
         self.votes = VoteCaster(store, self.rules)
@@ -143,7 +145,8 @@ class QuorumKeeper:
             collected_below=self.collected_below, finished=self.finished_members, awaited=self.awaited,
             stopping=self.stopping, writer=self.writer, moved=self.moved, fresh_start=self.fresh_start,
             round_steps=self.round_steps, round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(),
-            quorum_steps=self.quorum_steps, repace_after=self.repace_after, **read)
+            quorum_steps=self.quorum_steps, repace_after=self.repace_after, spares=self.spares, held=self.held,
+            **read)
 
     def store_moved(self, old: "QuorumKeeper", alive: Mapping[int, Optional[int]]) -> None:
         """This keeper starts on the store the run moved to (ftrun.supervisor.nodes.failover) after `old`'s
@@ -256,6 +259,10 @@ class QuorumKeeper:
         plan = core.exit_plan(self._snapshot(), rank, inc, finished)
         for m in plan.unpend:
             self.pending.pop(m, None)
+            self.held.pop(m, None)
+        for m, k in plan.promote.items():  # a spare takes the place of the replica that died
+            self.held.pop(m, None)
+            self.pending[m] = k
         if plan.finished:
             del self.members[rank]
             self.finished_members.add((rank, inc))
@@ -378,6 +385,8 @@ class QuorumKeeper:
         admission = core.admit(s, {r: int(j) for r, j in zip(self.ranks, vals[:n])}, now)
         if admission.pending or self.pending:
             self.pending = dict(admission.pending)
+        if admission.held or self.held:
+            self.held = dict(admission.held)
         self.pending_since = admission.pending_since
         if admission.repace_after is not None:
             self.repace_after = admission.repace_after

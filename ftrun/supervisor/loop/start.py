@@ -82,4 +82,4 @@ def first_quorum(cfg: RunConfig, store: RunStore, nodes: Any, local: List[int], 
     live = nodes.live if nodes is not None else [0]
     fresh = "resuming from the newest checkpoint, if any" if cfg.checkpoint_dir else FRESH_START
     return QuorumKeeper(store, [r for n in live for r in node_ranks(cfg, n)], local, leader=cfg.node_rank == 0,
-                        replica_size=k, routes=routes(cfg, nodes, live), fresh_start=fresh)
+                        replica_size=k, routes=routes(cfg, nodes, live), fresh_start=fresh, spares=cfg.spares)

@@ -184,7 +184,7 @@ class NodeNews:
         env.update({"MASTER_PORT": port, "FTRUN_STORE": elected.addr})
         quorum = QuorumKeeper(store, [r for n in elected.nodes for r in node_ranks(cfg, n)],
                               [w.rank for w in workers], leader=elected.host == cfg.node_rank,
-                              replica_size=k, routes=routes(cfg, nodes, elected.nodes))
+                              replica_size=k, routes=routes(cfg, nodes, elected.nodes), spares=cfg.spares)
         quorum.store_moved(old, {w.rank: w.incarnation if w.alive else None for w in workers})
         return StoreMoved(quorum, env, quorum.quorum_id, elected, before, t0)
 

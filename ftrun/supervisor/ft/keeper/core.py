@@ -18,6 +18,7 @@ from typing import (AbstractSet, Deque, Dict, FrozenSet, Mapping, Optional, Sequ
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
+from ftrun.supervisor.ft.keeper import spares
 
 # How long a quorum that starts from nothing (the first, or one after every replica was lost)
 # waits for the replicas being started: one that began alone would train on its own gradients
@@ -66,6 +67,8 @@ class KeeperSnapshot:
     # on a moved store, what each rejoined replica said it holds (keys.survivor_key's raw text).
     entered: Mapping[int, int] = field(default_factory=dict)
     survivors: Mapping[int, object] = field(default_factory=dict)
+    spares: int = 0                                     # --spares: replicas held back while the others train
+    held: Mapping[int, int] = field(default_factory=dict)  # the spares' ranks now (asked to join, held back)
 
     @classmethod
     def of(cls, **fields) -> "KeeperSnapshot":
@@ -137,6 +140,7 @@ class KeeperAdmission:
     reason: str
     quiet: bool = False              # a re-paced quorum of the same members, said nowhere
     repace_after: Optional[float] = None  # set when re-paced: no other before this
+    held: Mapping[int, int] = field(default_factory=dict)  # ranks held back as hot spares (ftrun/supervisor/ft/keeper/spares.py)
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,7 @@ class KeeperExit:
     publish: Optional[str]           # the new quorum's why (None: none left, or it finished)
     finished: bool                   # it left the loop with the others: it never votes again
     reason: str
+    promote: Mapping[int, int] = field(default_factory=dict)  # spares admitted in its place (spares.promote)
 
 
 _NOBODY_TO_ADMIT = KeeperAdmission(_NOTHING_READ, None, None, "nobody to admit")
@@ -174,21 +179,27 @@ def admit(s: KeeperSnapshot, joins: Mapping[int, int], now: float) -> KeeperAdmi
     for r, inc in asked.items():
         if all(asked.get(m) == inc for m in s.mates(r)):
             pending[r] = inc
+    pending, held = spares.split(s, pending)  # beyond the training replicas, a replica waits as a spare
     if not pending:
         why = repace_due(s, now)
         if why is None:
-            return _NOBODY_TO_ADMIT  # most polls: one instance, not one a poll
-        return KeeperAdmission(pending, None, "", why, quiet=True, repace_after=now + Pace.WINDOW_S)
+            # Most polls: one instance, not one a poll.
+            return KeeperAdmission(pending, None, None, "spares held", held=held) if held else _NOBODY_TO_ADMIT
+        return KeeperAdmission(pending, None, "", why, quiet=True, repace_after=now + Pace.WINDOW_S, held=held)
     since = s.pending_since if s.pending_since is not None else now
     if s.quorum_id == 0 or not s.members:
-        waiting_for = [r for r in s.ranks if s.alive.get(r) is not None and r not in pending
+        waiting_for = [r for r in s.ranks if s.alive.get(r) is not None and r not in pending and r not in held
                        and (s.awaited is None or r in s.awaited)]
         if waiting_for and now - since < FIRST_QUORUM_WAIT_S:
-            return KeeperAdmission(pending, since, None, f"a first quorum waits for ranks {waiting_for}")
+            return KeeperAdmission(pending, since, None, f"a first quorum waits for ranks {waiting_for}",
+                                   held=held)
         why = "first replicas joined" if s.quorum_id == 0 else _joined(list(pending))
     else:
         why = _joined(list(pending))
-    return KeeperAdmission(pending, since, why, f"admitted {sorted(pending)}")
+    if held:
+        n = len({r // s.k for r in held})
+        why += f"; {n} spare{'s' if n != 1 else ''} held back"
+    return KeeperAdmission(pending, since, why, f"admitted {sorted(pending)}", held=held)
 
 
 def exit_plan(s: KeeperSnapshot, rank: int, inc: int, finished: bool) -> KeeperExit:
@@ -208,10 +219,15 @@ def exit_plan(s: KeeperSnapshot, rank: int, inc: int, finished: bool) -> KeeperE
     leaving = {m: s.members[m] for m in mates if m in s.members}
     left = any(r not in leaving for r in s.members)
     why = None
+    promote: Mapping[int, int] = _NOTHING_READ
     if left:
         why = (f"rank {rank} left" if s.k == 1 else
                f"replica {rank // s.k} left (rank {rank} of ranks {mates[0]}-{mates[-1]})")
-    return KeeperExit(mates, leaving, why, False, f"rank {rank}.{inc} died" + ("" if left else ": nobody is left"))
+        promote = spares.promote(s, leaving)
+        if promote:
+            why += f"; spare replica {min(promote) // s.k} takes its place"
+    return KeeperExit(mates, leaving, why, False, f"rank {rank}.{inc} died" + ("" if left else ": nobody is left"),
+                      promote)
 
 
 def rejoin_applies(s: KeeperSnapshot, rank: int, inc: int) -> bool:
@@ -436,12 +452,15 @@ def replica_status(s: KeeperSnapshot, rank: int) -> dict:
     """One replica's figures for `ftrun status`."""
     info = s.report(rank)
     inc = s.alive.get(rank)
-    return {
+    fields = {
         "in_quorum": inc is not None and s.members.get(rank) == inc and (rank, inc) in s.healed,
         "healing": bool(info.get("healing")) and info.get("inc") == inc,
         "last_heal_s": info.get("last_heal_s"),
         "ft_phase": info.get("phase") if info.get("inc") == inc else None,
     }
+    if s.spares:
+        fields["spare"] = inc is not None and s.held.get(rank) == inc
+    return fields
 
 
 def global_step(s: KeeperSnapshot) -> int:
@@ -457,12 +476,15 @@ def run_status(s: KeeperSnapshot) -> dict:
     longest-lived replica's count is the run's (a lower bound once every first replica has been
     restarted)."""
     reports = [s.report(r) for r in s.ranks]
-    return {
+    fields = {
         "quorum_id": s.quorum_id,
         "quorum_size": len(s.members),
         "steps_committed": max((int(i.get("step", 0)) for i in reports), default=0),
         "steps_discarded": max((int(i.get("discarded", 0)) for i in reports), default=0),
     }
+    if s.spares:
+        fields["spares"] = len(spares.spare_replicas(s))
+    return fields
 
 
 class Pace:
