@@ -99,6 +99,35 @@ def test_a_kill_costs_the_victims_time_away_and_the_survivors_stall():
     assert acc.lanes[1].state is LaneState.TRAINING
 
 
+def test_a_survivors_stall_is_judged_by_the_pace_the_run_has_now():
+    """The run stepped at 0.6 s for 20 steps, then 8 at 0.3 s (a machine less loaded):
+    a survivor's 0.9 s stall at a kill is 0.6 s lost against the pace of that moment. The old books
+    judged it by the median of their last 64 samples, all lanes together, still half of the slow
+    steps: 0.6 s, so the stall was below the limit and counted as steps (found by the goodput test
+    of two kills, which measures the survivors' stalls from their commits)."""
+    acc = Accountant(3, started=0.0, ft=True)
+    lanes = [Steps(acc, r, 0.6) for r in range(3)]
+    for r, s in enumerate(lanes):
+        acc.spawned(r, 0.0)
+        s.run(1.0, 12.4)                                   # 20 steps of 0.6 s
+    for s in lanes:
+        s.dt = 0.3
+        s.run(12.7, 14.8)                                  # 8 steps of 0.3 s
+    assert acc.step_time() == pytest.approx(0.3, abs=0.01)
+    idx = acc.failed(2, 14.9, rank=2, cause="killed by SIGKILL", kind="signal", detect_s=0.01)
+    acc.spawned(2, 14.95)
+    for s in lanes[:2]:
+        s.run(15.7, 16.9)                                  # the survivors' step after 14.8 comes at 15.7
+    lanes[2].first = None
+    lanes[2].run(15.7, 16.9, start_step=lanes[0].step - 5)
+    b = acc.snapshot(16.9)
+    _balanced(b)
+    victim = 15.7 - 14.8
+    survivors = 2 * (0.9 - 0.3)
+    assert b.failures[idx].lost_s == pytest.approx(victim + survivors, rel=0.05), b
+    assert b.lost_s["waiting"] == 0
+
+
 def test_a_hang_is_lost_until_its_detection_then_a_failure():
     acc = Accountant(2, started=0.0, ft=True)
     for r in (0, 1):

@@ -29,7 +29,11 @@ PRODUCTIVE = "productive"
 # and by STALL_MIN_S at least: below that it is the jitter of a busy machine, not lost time.
 STALL_FACTOR = 1.0
 STALL_MIN_S = 0.2
-STEP_SAMPLES = 64          # recent per-step times kept for the usual step time (their median)
+# Recent per-step times kept per lane for the usual step time (the median of every lane's): few
+# enough that it follows the run's pace within a few reports when that changes (a machine less
+# loaded); 64 for all lanes together lagged some 20 steps behind, and a survivor's stall at a kill
+# was judged by the slower steps before and counted as steps.
+STEP_SAMPLES = 8
 MAX_SEGMENTS = 4000        # per lane, for the report; older ones are merged away beyond it
 MAX_FAILURES = 1000
 
@@ -137,7 +141,7 @@ class Accountant:
         self.acc: Dict[str, float] = {PRODUCTIVE: 0.0, **{c.value: 0.0 for c in Cause}}
         self.failures: List[FailureRecord] = []
         self.windows: List[Window] = []
-        self.step_times: Deque[float] = deque(maxlen=STEP_SAMPLES)
+        self.step_times: Dict[int, Deque[float]] = {r: deque(maxlen=STEP_SAMPLES) for r in range(replicas)}
         self.ended: Optional[float] = None
         self.max_step = 0                   # --ft: the newest global step seen
         self.attempt_steps = 0              # without --ft: the current attempt's steps
@@ -317,7 +321,8 @@ class Accountant:
 
     def step_time(self) -> Optional[float]:
         """The run's usual time per step (median of the recent ones), None before any."""
-        return statistics.median(self.step_times) if self.step_times else None
+        samples = [dt for lane in self.step_times.values() for dt in lane]
+        return statistics.median(samples) if samples else None
 
     def segments(self, now: float) -> Dict[int, List[Tuple[float, float, str]]]:
         """Each lane's states over time, the open one up to `now` (for the report)."""
@@ -352,7 +357,7 @@ class Accountant:
             self._accrue(cause, excess, idx)
         else:
             self.acc[PRODUCTIVE] += gap
-            self.step_times.append(gap / n)
+            self.step_times[lane.replica].append(gap / n)
 
     def _cause_of(self, a: float, b: float) -> Tuple[Cause, Optional[int]]:
         """What a stall from `a` to `b` is blamed on: the weightiest window it overlaps."""
