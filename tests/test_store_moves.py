@@ -331,3 +331,33 @@ def test_late_node_that_loses_the_store_mid_join_is_not_counted(ftrun_home, tmp_
         err[-3000:]
     _, stats = _assert_identical(out, [1, 2])
     assert stats["step"] == 400
+
+
+def test_a_workers_store_client_is_refused_at_once_by_a_store_that_is_gone():
+    """A worker that connects just as the run's store goes away (a node that joins as the endpoint's
+    node is lost) is refused at once. torch's client retried its connect for the whole vote timeout
+    (600 s) and took the store a node started later at that port (the run's original line again):
+    the newcomer never followed the move, and the keeper of the moved store waited for it in vain
+    (test_c10d_ft_store_host_lost_while_a_node_joins, now and then under load)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from ftrun.worker.ft.member.torch_effects import store_client
+
+    port = free_port()
+    later = []
+    started = threading.Event()
+
+    def host_later() -> None:  # a store at the old address a second later
+        started.wait(10)
+        time.sleep(1.0)
+        later.append(dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=30)))
+
+    threading.Thread(target=host_later, daemon=True).start()
+    t0 = time.monotonic()
+    started.set()
+    with pytest.raises(dist.DistError, match="does not answer"):
+        store_client(f"127.0.0.1:{port}", datetime.timedelta(seconds=600))
+    assert time.monotonic() - t0 < 1.0

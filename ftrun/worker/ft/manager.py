@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from ftrun import protocol as keys
 from ftrun.worker.ft.checkpoint.schedule import Checkpointer
 from ftrun.worker.ft.member.driver import MemberDriver
+from ftrun.worker.ft.member.moves import RELOCATE_S
 from ftrun.worker.ft.member.torch_effects import TorchEffects
 from ftrun.worker.ft.member.member_io import _log, _log_detail, leave
 from ftrun.worker.ft.heal.state import ReplicaState
@@ -81,14 +83,35 @@ class Manager:
         # Durable state (--checkpoint-dir): saved at the top of the round after a due commit,
         # before any switch, so it is exactly the state of the step just committed.
         checkpoints = Checkpointer.from_env(rank, rank % k, k, _log, _log_detail)
-        self.member = MemberDriver(self.fx, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), k, nodes,
-                                   checkpoints, self.state, store_gen)
+        self.member = self._start_member(rank, k, nodes, checkpoints, store_gen)
         self.mesh: Any = None  # the replica's own DeviceMesh (device_mesh())
         self.optimizer_wrapped = False  # ft.Optimizer was made (one per run: ft/api/optim.py)
         self.loaders: List[Any] = []  # every ft.DataLoader (ft/api/data.py), in the order made
         self.epochs_state: Any = None  # ft.epochs()' registered quorum (ft/api/data.py), once asked for
         if self.fx.progress is not None:
             self.fx.progress.info_provider = self.member.info
+
+    def _start_member(self, rank: int, k: int, nodes: int, checkpoints: Any, store_gen: int) -> MemberDriver:
+        """The member, connected to the run's store. The store may go away as this worker starts,
+        before its node's ftrun says where the next one is: the member then connects there, as one
+        that loses the store later does (member/moves.py)."""
+        deadline = time.monotonic() + RELOCATE_S
+        while True:
+            try:
+                return MemberDriver(self.fx, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), k,
+                                    nodes, checkpoints, self.state, store_gen)
+            except TorchEffects.store_errors:
+                if self.fx.node() is None or not self.fx.store_gone():
+                    raise
+            moved = self.fx.announced_store()
+            while (moved is None or moved[0] <= store_gen) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                moved = self.fx.announced_store()
+            if moved is None or moved[0] <= store_gen:
+                self.fx.restart(f"rank {rank}: the run's store went away as this worker started, and no new one "
+                                f"was announced within {RELOCATE_S:g} s; exiting")
+            store_gen = moved[0]
+            self.fx.store_moved(moved[1])
 
     # ------------------------------------------------------------ registration
     def register_model(self, model: torch.nn.Module) -> None:

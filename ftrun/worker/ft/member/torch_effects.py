@@ -27,6 +27,7 @@ from ftrun.worker.settings import run_store, store_moved
 
 STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's store to count as up
 NICER = 5
+CONNECT_S = 10.0  # a store client's connect (store_client)
 
 
 def _yield_to_training() -> None:
@@ -38,6 +39,22 @@ def _yield_to_training() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + NICER)
     except (AttributeError, OSError):  # not Linux, or not allowed: the default priority works too
         pass
+
+
+def store_client(addr: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A client of the store at `addr` whose operations wait up to `timeout`. torch's client retries
+    its connect for that whole timeout (the vote's: 600 s): a worker that connected as the run's
+    store went away took, seconds later, whatever store bound that port next (a node started with
+    the run's original line) and never followed the move. A store that refuses now is gone (the
+    caller follows the move, member/moves.py), and a live one takes the connect within CONNECT_S."""
+    host, _, port = addr.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+    except OSError as e:
+        raise dist.DistNetworkError(f"the store at {addr} does not answer ({e})") from None
+    store = dist.TCPStore(host, int(port), None, False, min(timeout, datetime.timedelta(seconds=CONNECT_S)))
+    store.set_timeout(timeout)
+    return store
 
 
 class TorchEffects(MemberEffects):
@@ -64,9 +81,7 @@ class TorchEffects(MemberEffects):
 
     # ------------------------------------------------------------ the store
     def client(self, addr: str, timeout_s: Optional[float] = None) -> dist.TCPStore:
-        host, _, port = addr.rpartition(":")
-        timeout = self._timeout if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        return dist.TCPStore(host, int(port), None, False, timeout)
+        return store_client(addr, self._timeout if timeout_s is None else datetime.timedelta(seconds=timeout_s))
 
     def connect(self, timeout_s: Optional[float] = None) -> dist.TCPStore:
         return self.client(run_store(), timeout_s)
