@@ -1,10 +1,12 @@
 """An unmodified Lightning script (no ftrun in it) using what a real one does: an LR scheduler
 stepped every batch, a callback holding state, sync_dist logging, validation every epoch, a
-ModelCheckpoint, and a DataLoader with workers. For `ftrun --ft` under kills.
+ModelCheckpoint, a DataLoader with workers, and Lightning's distributed calls (barrier, reduce,
+all_gather, broadcast, reduce_boolean_decision) inside a step and between steps. For `ftrun --ft` under kills.
 
 A linear model on a fixed synthetic regression. argv: EPOCHS OUT, then options. Writes
 OUT.rankN.json at the end: the parameters, the learning rate, the callback's count of
-committed batches, the checkpoint callback's state, the global step, a validate() after fit(); OUT.rankN.starts gets a
+committed batches, the checkpoint callback's state, the global step, a validate() after fit(), what
+the distributed calls gave at each step; OUT.rankN.starts gets a
 line per fit start; checkpoints go to OUT.ckpt/.
 """
 
@@ -55,17 +57,38 @@ class Regression(pl.LightningModule):
             f.write(json.dumps({"pid": os.getpid(), "epoch": self.current_epoch,
                                 "step": self.trainer.global_step}) + "\n")
 
+    def collectives(self) -> Dict[str, Any]:
+        """What Lightning's distributed calls give here: who takes part, and that they agree."""
+        strategy = self.trainer.strategy
+        strategy.barrier()
+        return {"n": float(strategy.reduce(torch.tensor(1.0), reduce_op="sum")),
+                "ids": self.all_gather(torch.tensor(self.global_rank)).tolist(),
+                "first": strategy.broadcast(self.global_rank),
+                "any0": strategy.reduce_boolean_decision(self.global_rank == 0, all=False),
+                "all0": strategy.reduce_boolean_decision(self.global_rank == 0)}
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        seen = SEEN["in_step"][self.trainer.global_step] = self.collectives()
         if self.sleep:
-            time.sleep(self.sleep)
+            # Slower while a replica is away, so that a restarted one is back before the run's end
+            # however loaded the machine is.
+            time.sleep(self.sleep if seen["n"] == self.trainer.world_size else 4 * self.sleep)
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)
+        self.log("live", 1.0, sync_dist=True, reduce_fx="sum", on_step=True, on_epoch=False)
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        SEEN["between"][self.trainer.global_step] = self.collectives()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+        if not self.trainer.sanity_checking:
+            # Each replica evaluates the whole set: its values are already the run's.
+            SEEN["validation"] = {"n": float(self.trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum")),
+                                  "gathered": list(self.all_gather(torch.tensor(1.0)).shape)}
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -82,6 +105,7 @@ p.add_argument("--workers", type=int, default=2)
 p.add_argument("--sleep", type=float, default=0.0)
 args = p.parse_args()
 OUT = args.out
+SEEN: Dict[str, Any] = {"in_step": {}, "between": {}, "validation": None}
 
 g = torch.Generator().manual_seed(1)
 x = torch.randn(args.size, 8, generator=g)
@@ -98,6 +122,7 @@ trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_
                      max_epochs=args.epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                      callbacks=[counter, checkpoints])
 trainer.fit(model, train, val)
+SEEN["live"] = float(trainer.callback_metrics["live"])  # the last step's self.log(..., sync_dist=True)
 validated = trainer.validate(model, val, verbose=False)
 with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:
     json.dump({"params": [p.detach().flatten().tolist() for p in model.parameters()],
@@ -106,5 +131,6 @@ with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:
                "step": trainer.global_step, "epoch": trainer.current_epoch,
                "total_batch_idx": trainer.fit_loop.total_batch_idx,
                "best": checkpoints.best_model_path, "best_k": sorted(checkpoints.best_k_models),
-               "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "validated": validated}, f)
+               "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "validated": validated,
+               "seen": SEEN}, f)
 print(f"done rank {trainer.global_rank} step {trainer.global_step}", flush=True)

@@ -16,10 +16,11 @@ sampler (sampler.py); the fit loop is driven as a framework loop (loop.py):
   steps only;
 - validation (and testing) runs on every live replica over the whole set, so its metrics are the
   same on each, and the run's whoever is away (the cost: each replica evaluates all of it);
-- barrier() waits for nobody, broadcast() returns this replica's object, reduce() (sync_dist,
-  reduce_boolean_decision) this replica's own value: the replicas are not in step outside a
-  training step's round, and a collective there could pair with a peer's gradient all-reduce.
-  world_size and global_rank are the run's: the replicas it was started with, and this replica's
+- barrier(), broadcast(), reduce() (sync_dist), all_gather() and reduce_boolean_decision() go
+  over the replicas alive in the step where they are in step (FrameworkLoop.across: inside a
+  training step, and between steps once this process committed one), else they are this
+  replica's own; reduce() and all_gather() in an evaluation are this replica's own (it evaluated
+  the whole set). world_size and global_rank are the run's: the replicas it was started with, and this replica's
   fixed id; is_global_zero is the first live replica's, so checkpoints are written by one
   replica whoever is away (Lightning's rank-zero logging stays replica 0's).
 
@@ -136,9 +137,29 @@ def _watch_choice(connector_module: ModuleType) -> None:
     patches.install("lightning.strategy", cls, "__init__", __init__)
 
 
+def _all_reduce(tensor: Any, group: Any, reduce_op: Any) -> Any:
+    """Lightning's reduce (in place, as DDPStrategy's) over `group`: "mean"/"avg" (a sum divided
+    by the group's size: gloo has no average), "sum", "max", "min", "product", or a ReduceOp."""
+    import torch
+    import torch.distributed as dist
+
+    op, mean = reduce_op, False
+    if op is None or isinstance(op, str):
+        name = (op or "sum").lower()
+        mean = name in ("mean", "avg")
+        op = dist.ReduceOp.SUM if mean else getattr(dist.ReduceOp, name.upper())
+    dist.all_reduce(tensor, op=op, group=group)
+    if not mean:
+        return tensor
+    if not torch.is_floating_point(tensor):
+        return tensor.copy_(tensor / group.size())
+    return tensor.div_(group.size())
+
+
 def _build(pl: ModuleType) -> type:
     """The FTStrategy class over `pl`'s DDPStrategy (see the module's docstring)."""
     import torch
+    import torch.distributed as dist
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 
     # ftrun.ft's classes by their own modules: importing ftrun.ft itself marks a script as one that
@@ -150,6 +171,31 @@ def _build(pl: ModuleType) -> type:
 
     import importlib
     import inspect
+
+    class Gather(torch.autograd.Function):
+        """(group size, ...) of every member's tensor (the same shape on each, as under DDP);
+        gradients flow back to each member's own, summed over the members. torch.distributed.nn's
+        all_gather asks torch's registry for the group's backend in its backward, which the
+        quorum's group (not made by new_group) is not in."""
+
+        @staticmethod
+        def forward(ctx: Any, tensor: Any, group: Any) -> Any:
+            ctx.group = group
+            out = [torch.empty_like(tensor) for _ in range(group.size())]
+            dist.all_gather(out, tensor.contiguous(), group=group)
+            return torch.stack(out)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+            return grad[ctx.group.rank()], None
+
+    def all_gather(tensor: Any, group: Any, sync_grads: bool) -> Any:
+        if sync_grads:
+            return Gather.apply(tensor, group)
+        with torch.no_grad():
+            return Gather.apply(tensor, group)
 
     DDPStrategy = pl.strategies.DDPStrategy
     TrainerFn = importlib.import_module(f"{pl.__name__}.trainer.states").TrainerFn
@@ -414,18 +460,62 @@ def _build(pl: ModuleType) -> type:
             return super().is_global_zero
 
         # ------------------------------------------------------------ collectives
+        # Over the replicas alive in the step (FrameworkLoop.across says where the replicas are in
+        # step, and what a collective is elsewhere: this replica's own). Values an evaluation
+        # reduces stay this replica's: every live replica evaluates the whole set itself.
+        def _evaluating(self) -> bool:
+            module = self.lightning_module
+            return module is None or not module.trainer.training
+
         def barrier(self, *args: Any, **kwargs: Any) -> None:
             if not self._ft:
-                super().barrier(*args, **kwargs)
+                return super().barrier(*args, **kwargs)
+            if self._loop is not None:
+                self._loop.across(lambda group: dist.all_reduce(torch.zeros(1, device=self.root_device), group=group),
+                                  lambda: None)
 
         def broadcast(self, obj: Any, src: int = 0) -> Any:
-            return obj if self._ft else super().broadcast(obj, src)
+            if not self._ft:
+                return super().broadcast(obj, src)
+            if self._loop is None:
+                return obj
+
+            def send(group: Any) -> Any:
+                # src is a replica's fixed id (Lightning's global rank); the first live one when it is away.
+                live = sorted(self._loop.mgr.quorum.ranks)
+                box = [obj]
+                dist.broadcast_object_list(box, group_src=live.index(src) if src in live else 0, group=group)
+                return box[0]
+
+            return self._loop.across(send, lambda: obj)
 
         def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-            return tensor if self._ft else super().reduce(tensor, group, reduce_op)
+            if not self._ft:
+                return super().reduce(tensor, group, reduce_op)
+            if not isinstance(tensor, torch.Tensor) or self._loop is None or self._evaluating():
+                return tensor
+            return self._loop.across(lambda g: _all_reduce(tensor, g, reduce_op), lambda: tensor)
 
         def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-            return decision if self._ft else super().reduce_boolean_decision(decision, all)
+            if not self._ft:
+                return super().reduce_boolean_decision(decision, all)
+            if self._loop is None:
+                return decision
+
+            def send(group: Any) -> bool:
+                votes = torch.tensor(int(decision), device=self.root_device)
+                dist.all_reduce(votes, group=group)
+                return bool(votes == group.size()) if all else bool(votes)
+
+            return self._loop.across(send, lambda: decision)
+
+        def all_gather(self, tensor: Any, group: Any = None, sync_grads: bool = False) -> Any:
+            if not self._ft:
+                return super().all_gather(tensor, group, sync_grads)
+            # (live replicas, ...) as DDP's (world size, ...): (1, ...) for this replica's own.
+            if self._loop is None or self._evaluating():
+                return tensor.unsqueeze(0)
+            return self._loop.across(lambda g: all_gather(tensor, g, sync_grads), lambda: tensor.unsqueeze(0))
 
         @classmethod
         def register_strategies(cls, strategy_registry: Any) -> None:

@@ -76,6 +76,10 @@ class FrameworkLoop:
         self._restore = restore
         self.starting = False  # inside start(): a heal now lands before the framework's loop runs
         self.running = False   # between start() and finish()
+        # Where the replicas are in step (across()): inside a training step (step_top() to its
+        # commit), and between steps once this process committed one of its own.
+        self.in_step = False
+        self.stepped = False
         self.mgr.register_state(f"ftrun.framework.{name}", _State(self))
 
     def received(self, sd: Dict[str, Any]) -> None:
@@ -87,6 +91,7 @@ class FrameworkLoop:
 
     def start(self) -> None:
         self.running = self.starting = True
+        self.in_step = self.stepped = False
         self.mgr.looping = True
         try:
             self.mgr.begin_step()
@@ -95,6 +100,7 @@ class FrameworkLoop:
 
     def step_top(self) -> None:
         self.mgr.begin_step()
+        self.in_step = True
 
     def until_committed(self, attempt: Callable[[], T], stepped: Callable[[], bool]) -> T:
         """Run `attempt` (the framework's optimizer step: forward, backward, vote, step) until its
@@ -102,13 +108,38 @@ class FrameworkLoop:
         while True:
             out = attempt()
             if stepped():
+                self.in_step, self.stepped = False, True
                 return out
             self.mgr.begin_step()
 
     def finish(self) -> None:
         if self.running:
-            self.running = False
+            self.running = self.in_step = self.stepped = False
             self.mgr.finish_loop()
+
+    def across(self, send: Callable[[Any], T], local: Callable[[], T]) -> T:
+        """A collective the framework makes (a metric's reduce, a barrier, a broadcast...):
+        `send(group)` over the replicas alive in the step, where all of them make it at the same
+        point of the loop: inside a training step (its round: a failure votes it down and the
+        step is redone), or between steps once this process has committed a step. Elsewhere it
+        is `local()`, this replica's own: before this process's first step a restarted replica
+        runs start-up hooks (barriers, sanity checks) its peers ran long ago, and a collective
+        there would pair with a peer's gradient all-reduce. Between steps the last round's
+        decision is taken in first: a member it contradicts is about to take the state again
+        and sends nothing. A collective that fails (a peer died in it) votes the current round
+        down and gives local()."""
+        if not self.running or not (self.in_step or self.stepped):
+            return local()
+        mgr = self.mgr
+        mgr.before_collective()
+        group = mgr.pg
+        if group is None or not (mgr.round_ok and mgr.in_sync):
+            return local()
+        try:
+            return send(group)
+        except RuntimeError as e:  # torch's collective errors (DistBackendError is one)
+            mgr.fail_round(str(e))
+            return local()
 
     # ------------------------------------------------------------ what the script may ask
     @property
