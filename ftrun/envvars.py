@@ -77,6 +77,8 @@ VARIABLES: Tuple[EnvVar, ...] = (
     EnvVar("FTRUN_HOOK", WORKER, "The --hook spec as JSON (empty without --hook): the worker puts it on every "
            "DDP model."),
     EnvVar("FTRUN_REPLICA_SIZE", WORKER, "--replica-size: workers per replica."),
+    EnvVar("FTRUN_SPARES", WORKER, "--spares: replicas held back as hot spares; WORLD_SIZE // FTRUN_REPLICA_SIZE - "
+           "FTRUN_SPARES replicas train (ft.num_replicas() counts those taking part now).", when="--spares"),
     EnvVar("FTRUN_REPLICA_ID", WORKER, "The worker's replica: RANK // --replica-size."),
     EnvVar("FTRUN_STEP_TIMEOUT", WORKER, "--step-timeout in seconds: the worker also counts forward passes and "
            "torch.save/load as progress.", when="--step-timeout"),

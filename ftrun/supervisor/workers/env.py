@@ -42,6 +42,8 @@ def common_env(cfg: RunConfig, store_addr: str, store_port: Union[int, str],
         "FTRUN_HOOK": cfg.hook.to_json() if cfg.hook else "",
         "FTRUN_REPLICA_SIZE": str(cfg.replica_size),
     })
+    if cfg.spares:  # the replicas that train: WORLD_SIZE // FTRUN_REPLICA_SIZE - FTRUN_SPARES
+        env["FTRUN_SPARES"] = str(cfg.spares)
     if cfg.checkpoint_dir:
         # Absolute: a worker (or a script) may change its directory before the first save.
         env["FTRUN_CHECKPOINT_DIR"] = os.path.abspath(cfg.checkpoint_dir)
