@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_heal.py                       # 1M, 10M, 100M parameters, 3 runs each
     .venv/bin/python scripts/bench_heal.py --sizes 1M,10M --runs 1   # quicker
+    .venv/bin/python scripts/bench_heal.py --sizes 25M --spares both  # with a hot spare against without
 
 For each size: `ftrun --nproc 3 --ft scripts/train_ft.py --optim adamw` (an MLP
 of that many parameters; state = parameters + two AdamW moments = 12 bytes a
@@ -20,6 +21,10 @@ Measured per run:
 - floor: in the same session, one plain `broadcast` of the same number of
   bytes between two processes over gloo (a fresh receive buffer each time,
   as the healer's optimizer state is fresh), median of 3.
+
+With `--spares 1` the run is `--nproc 4 --ft --spares 1` (3 training replicas and replica 3
+waiting as a warm spare, docs/guides/spares.md): the spare takes rank 1's place, and "back" is
+from the kill to the spare's first committed step. `--spares both` runs each size both ways.
 
 Medians over --runs runs; a markdown table is printed at the end.
 """
@@ -49,6 +54,7 @@ TRAIN = ROOT / "scripts" / "train_ft.py"
 SIZES = {
     "1M": (1024, 1000, 1, 96, 20, 60),
     "10M": (1024, 2048, 3, 96, 10, 35),
+    "25M": (1024, 2700, 4, 24, 6, 25),
     "100M": (1024, 4096, 7, 12, 3, 12),
 }
 
@@ -132,19 +138,29 @@ def kill_when_running(state: Path, rank: int, min_step: int, proc: subprocess.Po
     return None
 
 
-def one_run(size: str, home: Path) -> dict:
-    dim, hidden, depth, batch, kill_after, steps = SIZES[size]
+def one_run(size: str, home: Path, spares: int = 0, restart_delay: float = 0.0, steps: int = 0) -> dict:
+    dim, hidden, depth, batch, kill_after, default_steps = SIZES[size]
+    steps = steps or default_steps
+    # The replica that replaces rank 1: the spare (replica 3) when there is one, else rank 1 restarted.
+    back_rank, nproc = (3, 4) if spares else (1, 3)
     out = Path(tempfile.mkdtemp(prefix=f"heal-{size}-"))
     run_id = f"heal-{size}-{int(time.time() * 1000)}"
     env = dict(os.environ, FTRUN_HOME=str(home))
     # --verbose: the heal's own line (MB received, seconds) is read from the console below.
-    cmd = [sys.executable, "-m", "ftrun", "--nproc", "3", "--ft", "--verbose", "--run-id", run_id, str(TRAIN),
+    cmd = [sys.executable, "-m", "ftrun", "--nproc", str(nproc), "--ft", "--spares", str(spares), "--verbose",
+           "--run-id", run_id, str(TRAIN),
            "--dim", str(dim), "--hidden", str(hidden), "--depth", str(depth), "--batch", str(batch),
            "--optim", "adamw", "--lr", "0.0005", "--steps", str(steps), "--print-every", "1000", "--announce",
-           "--out", str(out / "p")]
+           "--out", str(out / "p"), "--restart-delay", str(restart_delay)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    lines = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    lines, seen = [], []  # the console's lines, and when each arrived (the phases are dated by them)
+
+    def read() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            lines.append(line)
+            seen.append((time.time(), line))
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     watch = RssWatch(proc.pid)
     watch.start()
@@ -156,9 +172,11 @@ def one_run(size: str, home: Path) -> dict:
     text = "".join(lines)
     if proc.returncode != 0 or killed_at is None:
         raise SystemExit(f"bench_heal: run {size} failed (exit {proc.returncode}):\n{text[-3000:]}")
-    back = [float(m.group(1)) for m in re.finditer(r"\[announce\] rank 1 pid \d+ first step \d+ t ([\d.]+)", text)]
+    back = [float(m.group(1)) for m in re.finditer(rf"\[announce\] rank {back_rank} pid \d+ first step \d+ t ([\d.]+)",
+                                                   text)]
     back_t = [t for t in back if t > killed_at]
-    heal = [m for m in re.finditer(r"\[rank 1\] ftrun\.ft: detail: rank 1: received ([\d.]+) MB of state from rank \d+ in "
+    heal = [m for m in re.finditer(rf"\[rank {back_rank}\] ftrun\.ft: detail: rank {back_rank}: received ([\d.]+) MB "
+                                   r"of state from rank \d+ in "
                                    r"([\d.]+) s \(([\d.]+) GB/s", text)]
     mb, secs, gbps = (float(x) for x in heal[-1].groups())
     back_at = back_t[0]
@@ -170,37 +188,77 @@ def one_run(size: str, home: Path) -> dict:
             all_gaps.append(b - a)
             if b >= killed_at and a <= back_at:
                 gaps.append(b - a)
+    phases = phases_of(seen, killed_at, back_at, back_rank, spares, secs)
     return {
-        "size": size, "params": params_of(dim, hidden, depth), "state_mb": mb, "back_s": back_at - killed_at,
+        **phases,
+        "size": size, "spares": spares, "params": params_of(dim, hidden, depth), "state_mb": mb, "back_s": back_at - killed_at,
         "transfer_s": secs, "gbps": gbps, "survivor_max_step_s": max(gaps) if gaps else 0.0,
         "survivor_median_step_s": statistics.median(all_gaps), "sup_rss_mb": watch.peak / 1e6,
         "sup_rss_before_mb": watch.before(killed_at) / 1e6,
     }
 
 
+# The phases from a kill to full strength, each ending at a line of the console (--verbose) as it
+# arrives here: the supervisor sees the exit; the replacement is ready to join (a restart: its
+# process started, the script built its model and asked; a spare: already waiting); the keeper
+# publishes the quorum that lists it; the survivors reach the round's top and the quorum's groups
+# form (until the transfer starts); the state transfer (its own measured time); the layout round
+# and first batch, to the replacement's first committed step.
+PHASES = ("detect_s", "restart_s", "decide_s", "groups_s", "transfer_phase_s", "first_batch_s")
+
+
+def phases_of(seen, killed_at: float, back_at: float, back_rank: int, spares: int, transfer_s: float) -> dict:
+    def first(pattern: str, after: float) -> float:
+        return next((t for t, line in seen if t >= after and re.search(pattern, line)), float("nan"))
+
+    detected = first(r"ftrun: rank 1 \(pid \d+\) killed by SIGKILL", killed_at)
+    decided = first(r"ftrun: quorum \d+: .*(spare replica \d+ takes its place|rank 1 joined|ranks [\d, ]*1[\d, ]* joined)",
+                    killed_at)
+    healed = first(rf"\[rank {back_rank}\] ftrun\.ft: detail: rank {back_rank}: received", killed_at)
+    # A spare is ready when the quorum is decided (it waited all along); a restarted replica when it
+    # asked to join, which the keeper answers at its next poll: the decision is then a poll away.
+    ready = decided if not spares else detected
+    out = dict(zip(PHASES, (detected - killed_at, ready - detected, decided - ready,
+                            healed - transfer_s - decided, transfer_s, back_at - healed)))
+    return {k: round(v, 4) for k, v in out.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1M,10M,100M")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--spares", default="0", choices=("0", "1", "both"),
+                    help="1: a hot spare takes the killed replica's place; both: each size both ways")
+    ap.add_argument("--restart-delay", type=float, default=0.0,
+                    help="a restarted process sleeps this long before its script starts: what a restart costs "
+                         "beyond ftrun's fork (CUDA init, imports, opening a data set) on a real job")
+    ap.add_argument("--steps", type=int, default=0, help="steps in all (default: the size's own)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-heal-home-"))
     rows = []
-    for size in args.sizes.split(","):
+    ways = [0, 1] if args.spares == "both" else [int(args.spares)]
+    for size, spares in [(size, n) for size in args.sizes.split(",") for n in ways]:
         runs = []
         for i in range(args.runs):
-            r = one_run(size, home)
+            r = one_run(size, home, spares, args.restart_delay, args.steps)
             print(f"{size} run {i + 1}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})}",
                   flush=True)
             runs.append(r)
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "size"}
-        med["size"] = size
+        med["size"] = size + (" + spare" if spares else "")
         med["floor_s"] = statistics.median(floor_seconds(int(med["state_mb"] * 1e6)) for _ in range(1))
         med["rss_max_mb"] = max(r["sup_rss_mb"] for r in runs)
         med["runs"] = len(runs)
         rows.append(med)
         print(f"{size}: floor {med['floor_s']:.3f} s for {med['state_mb']:.1f} MB", flush=True)
     load = os.getloadavg()[0]
+    print()
+    print("| model | kill -> detected | restart to join | quorum decided | groups formed | state transfer | "
+          "first batch (layout round) | kill -> training again |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for m in rows:
+        print(f"| {m['size']} | " + " | ".join(f"{m[k]:.2f} s" for k in PHASES) + f" | {m['back_s']:.2f} s |")
     print()
     print("| model | params | state sent | kill -> training again | transfer | bandwidth | floor (plain broadcast) "
           "| transfer / floor | survivors' longest step during heal (median step) | supervisor RSS peak (before kill) |")
@@ -210,7 +268,9 @@ def main() -> None:
               f"{m['transfer_s']:.2f} s | {m['gbps']:.2f} GB/s | {m['floor_s']:.2f} s | "
               f"{m['transfer_s'] / m['floor_s']:.2f} | {m['survivor_max_step_s']:.2f} s ({m['survivor_median_step_s']:.2f} s) | "
               f"{m['rss_max_mb']:.0f} MB ({m['sup_rss_before_mb']:.0f} MB) |")
-    print(f"\nmedians of {args.runs} run(s) per size; AdamW, 3 replicas, gloo on CPU; load average {load:.1f}; "
+    delay = f"; a restart sleeps {args.restart_delay:g} s first" if args.restart_delay else ""
+    print(f"\nmedians of {args.runs} run(s) per size; AdamW, 3 training replicas{delay}, gloo on CPU; "
+          f"load average {load:.1f}; "
           f"torch {__import__('torch').__version__}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

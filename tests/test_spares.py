@@ -73,80 +73,97 @@ def _replicas_seen(log_dir: Path, rank: int) -> set:
     return {int(n) for n in re.findall(r"replicas (\d+)", text)}
 
 
-def test_a_spare_takes_each_failed_replicas_place_and_the_failed_one_becomes_the_spare(ftrun_home, tmp_path):
-    """3 training replicas and 1 spare, two kills at different moments. The spare (replica 3) waits
-    out of the quorum (status: spare), takes rank 1's place in the quorum published without it, and
-    rank 1, restarted, becomes the spare; it then takes rank 0's place the same way. The training
-    replicas are 3 throughout (ft.num_replicas() is never 4), the three that trained to the end are
-    bitwise identical, and rank 0, the spare at the end, exits 0 without running the code after its
-    loop (it saved nothing)."""
+def test_spares_take_failed_replicas_places_and_the_failed_ones_become_spares(ftrun_home, tmp_path):
+    """3 training replicas and 1 spare, one run, four kills at different moments:
+    - the spare (replica 3, status: spare) is killed: it restarts and waits as the spare again, and
+      no quorum changes;
+    - rank 1 is killed: the quorum published without it lists the spare in its place, and rank 1,
+      restarted, is the spare;
+    - ranks 0 and 2 are killed together (more failures than spares): the spare (rank 1) takes one
+      place, the quorum trains on with 2 replicas until one of them is back, and the other waits
+      as the spare.
+    The training replicas are never more than 3 (ft.num_replicas() is never 4), the three that
+    trained to the end are bitwise identical, and the spare at the end exits 0 without running
+    the code after its loop (it saves nothing)."""
     out = tmp_path / "p"
     run_id = "spares"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--run-id", run_id, "--max-restarts", 3, TRAIN, *TINY,
-                         "--steps", 160, "--step-sleep", 0.03, "--out", out])
+    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--run-id", run_id, TRAIN, *TINY,
+                         "--steps", 240, "--step-sleep", 0.03, "--out", out])
     try:
         st = _wait(ftrun_home, run_id, proc, "replica 3 waiting as the spare with the others training",
-                   lambda st: _replica(st, 3).get("spare") and _replica(st, 0)["step"] >= 10)
+                   lambda st: _replica(st, 3).get("spare") and _replica(st, 0)["step"] >= 5)
         assert st["spares"] == 1 and st["quorum_size"] == 3, st
         assert [_replica(st, r).get("spare") for r in range(4)] == [False, False, False, True], st["replicas"]
+        quorum = st["quorum_id"]
+        _kill(st, 3)
+        st = _wait(ftrun_home, run_id, proc, "rank 3 restarted as the spare again",
+                   lambda st: _replica(st, 3)["restarts"] == 1 and _replica(st, 3).get("spare"))
         _kill(st, 1)
         st = _wait(ftrun_home, run_id, proc, "rank 1 restarted as the spare and rank 3 training",
                    lambda st: _replica(st, 1)["restarts"] == 1 and _replica(st, 1).get("spare")
                    and _replica(st, 3).get("in_quorum"))
         _kill(st, 0)
-        _wait(ftrun_home, run_id, proc, "rank 0 restarted as the spare",
-              lambda st: _replica(st, 0)["restarts"] == 1 and _replica(st, 0).get("spare")
-              and _replica(st, 1).get("in_quorum"))
-        rc, err = finish(proc, 180)
-    finally:
-        proc.kill()
-    assert rc == 0, err[-3000:]
-    assert "quorum 1: 3 replicas (first replicas joined; 1 spare held back)" in err, err[-3000:]
-    assert "(rank 1 left; spare replica 3 takes its place)" in err, err[-3000:]
-    assert "(rank 0 left; spare replica 1 takes its place)" in err, err[-3000:]
-    assert not re.search(r"quorum \d+: [124] replicas", err), err[-3000:]
-    assert "rank 0: the run finished at step 160 while this replica was" in err, err[-3000:]
-    assert not Path(f"{out}.rank0.pt").exists()  # the spare never ran the code after the loop
-    assert _identical(out, [1, 2, 3]) == 160
-    log_dir = Path(read_state(ftrun_home, run_id)["log_dir"])
-    assert set().union(*(_replicas_seen(log_dir, r) for r in range(4))) == {3}
-
-
-def test_a_killed_spare_is_only_restarted_and_more_failures_than_spares_still_finish(ftrun_home, tmp_path):
-    """The spare itself is killed: it restarts and waits as the spare again, and no quorum changes.
-    Then two training replicas die together with one spare: the spare takes one place, the quorum
-    trains on with 2 replicas until the restarted ones are back, one of which trains again while
-    the other becomes the spare. The three that trained to the end are bitwise identical."""
-    out = tmp_path / "p"
-    run_id = "spares2"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--run-id", run_id, TRAIN, *TINY,
-                         "--steps", 160, "--step-sleep", 0.03, "--out", out])
-    try:
-        st = _wait(ftrun_home, run_id, proc, "replica 3 waiting as the spare",
-                   lambda st: _replica(st, 3).get("spare") and _replica(st, 0)["step"] >= 5)
-        quorum = st["quorum_id"]
-        _kill(st, 3)
-        st = _wait(ftrun_home, run_id, proc, "rank 3 restarted as the spare again",
-                   lambda st: _replica(st, 3)["restarts"] == 1 and _replica(st, 3).get("spare"))
-        assert st["quorum_size"] == 3, st
-        _kill(st, 0)
-        _kill(st, 1)
-        _wait(ftrun_home, run_id, proc, "ranks 0 and 1 back, one training, one the spare",
-              lambda st: all(_replica(st, r)["restarts"] == 1 for r in (0, 1)) and st.get("spares") == 1
+        _kill(st, 2)
+        _wait(ftrun_home, run_id, proc, "ranks 0 and 2 back, one training, one the spare",
+              lambda st: all(_replica(st, r)["restarts"] == 1 for r in (0, 2)) and st.get("spares") == 1
               and st["quorum_size"] == 3)
         rc, err = finish(proc, 180)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
     lines = [line for line in err.splitlines() if re.match(r"ftrun: quorum \d+:", line)]
-    assert not any(f"quorum {q}:" in line for line in lines for q in range(quorum + 1, quorum + 2)
-                   if "rank 3" in line), lines  # the spare's death changed no quorum
-    assert "spare replica 3 takes its place" in err, lines
-    assert "quorum" in err and re.search(r"quorum \d+: 2 replicas", err), lines
-    assert not re.search(r"quorum \d+: [14] replicas", err), lines
+    assert lines[0] == "ftrun: quorum 1: 3 replicas (first replicas joined; 1 spare held back)", lines
+    assert not any("rank 3 left" in line for line in lines), lines  # the spare's death changed no quorum
+    assert any("(rank 1 left; spare replica 3 takes its place)" in line for line in lines), lines
+    assert any(re.search(r"rank [02] left; spare replica 1 takes its place", line) for line in lines), lines
+    assert not any(re.search(r"quorum \d+: [14] replicas", line) for line in lines), lines
     trained = [r for r in range(4) if Path(f"{out}.rank{r}.pt").exists()]
-    assert len(trained) == 3, trained
-    assert _identical(out, trained) == 160
+    assert len(trained) == 3 and 1 in trained and 3 in trained, trained
+    spare = ({0, 2} - set(trained)).pop()
+    assert f"rank {spare}: the run finished at step 240 while this replica was" in err, err[-3000:]
+    assert _identical(out, trained) == 240
+    log_dir = Path(read_state(ftrun_home, run_id)["log_dir"])
+    assert set().union(*(_replicas_seen(log_dir, r) for r in range(4))) <= {2, 3}
+
+
+def test_a_sharded_spare_replica_takes_a_failed_replicas_place(ftrun_home, tmp_path):
+    """--replica-size 2 --spares 1 on 6 workers: replicas 0 and 1 train (FSDP2 over their 2 workers),
+    replica 2 (ranks 4 and 5) waits whole as the spare. A worker of replica 0 is killed: replica 0
+    leaves whole, replica 2 takes its place and receives its shards from replica 1 (a transfer held
+    open by an injected delay), and a worker of replica 2 is killed mid-promotion, while it heals:
+    replica 2 leaves whole too, replica 1 trains on alone, and the two restarted replicas come back,
+    one to train and one as the spare, which at the end saves nothing. The two replicas that trained
+    to the end hold the same shards, bitwise."""
+    import torch
+
+    out = tmp_path / "p"
+    run_id = "sharded-spare"
+    proc = start_logged(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--run-id", run_id,
+                         SCRIPTS / "train_fsdp_ft.py", "--dim", 32, "--hidden", 64, "--blocks", 1, "--steps", 80,
+                         "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5"})
+    try:
+        st = _wait(ftrun_home, run_id, proc, "replica 2 waiting as the spare",
+                   lambda st: all(_replica(st, r).get("spare") for r in (4, 5)) and _replica(st, 0)["step"] >= 10)
+        assert not any(_replica(st, r).get("spare") for r in range(4)), st["replicas"]
+        _kill(st, 1)
+        st = _wait(ftrun_home, run_id, proc, "the spare healing as it takes replica 0's place",
+                   lambda st: _replica(st, 4).get("ft_phase") == "heal")
+        _kill(st, 4)
+        rc, err = finish(proc, 180)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert "(replica 0 left (rank 1 of ranks 0-1); spare replica 2 takes its place)" in err, err[-3000:]
+    assert "(replica 2 left (rank 4 of ranks 4-5)" in err, err[-3000:]
+    trained = [rep for rep in (0, 2) if Path(f"{out}.rank{2 * rep}.pt").exists()]
+    assert len(trained) == 1, trained  # the other, the spare at the end, saved nothing
+    for j in (0, 1):
+        a, b = (torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in (2 + j, 2 * trained[0] + j))
+        for name, t in a["model"].items():
+            assert torch.equal(t, b["model"][name]), f"shard {j}: parameter {name} differs"
+        for idx, group in a["optim"].items():
+            for name, t in group.items():
+                assert torch.equal(t, b["optim"][idx][name]), f"shard {j}: optimizer state {idx}.{name} differs"
 
 
 @pytest.mark.parametrize("args, needles", [
