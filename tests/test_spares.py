@@ -94,7 +94,9 @@ def test_spares_take_failed_replicas_places_and_the_failed_ones_become_spares(ft
                    lambda st: _replica(st, 3).get("spare") and _replica(st, 0)["step"] >= 5)
         assert st["spares"] == 1 and st["quorum_size"] == 3, st
         assert [_replica(st, r).get("spare") for r in range(4)] == [False, False, False, True], st["replicas"]
-        quorum = st["quorum_id"]
+        table = run_ftrun(["status", run_id], timeout=30, env={"COLUMNS": "200"})
+        assert re.search(r"quorum \d+: 3 replicas and 1 spare;", table.stdout), table.stdout
+        assert re.search(r"(?m)^\W*3\b.*\bspare\b", table.stdout), table.stdout  # rank 3's row says spare
         _kill(st, 3)
         st = _wait(ftrun_home, run_id, proc, "rank 3 restarted as the spare again",
                    lambda st: _replica(st, 3)["restarts"] == 1 and _replica(st, 3).get("spare"))
