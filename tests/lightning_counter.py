@@ -4,7 +4,8 @@ One weight per sample and epoch, zero at the start; SGD with lr 1; the loss is t
 batch's weights of the current epoch. DDP averages the gradients over the n replicas of a step,
 so a committed step lowers each of its samples' weights by exactly 1/n: every weight ends at
 -1/n for the n of the step that trained it if and only if every sample was trained exactly once
-in every epoch.
+in every epoch. With --accumulate k (Lightning divides the loss by k) a step is k batches, and
+every weight ends at -1/(k n).
 
 argv: EPOCHS OUT, then options. Appends one line per fit start to OUT.rankN.starts (the epoch
 and global step it started at: a restarted replica's shows where it went on), and writes
@@ -54,7 +55,7 @@ class Counter(pl.LightningModule):
             # reduce), so that a restarted one is back before the run's end however loaded the
             # machine is.
             live = self.trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum")
-            time.sleep(self.sleep if live == self.trainer.world_size else 4 * self.sleep)
+            time.sleep(self.sleep if live == self.trainer.world_size else 10 * self.sleep)
         return self.w[self.current_epoch, idx].sum()
 
     def manual_step(self, idx: torch.Tensor, batch_idx: int) -> None:
@@ -76,6 +77,7 @@ p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--workers", type=int, default=0, help="the DataLoader's (persistent) workers")
 p.add_argument("--package", default="lightning", help="pytorch_lightning: import Lightning by its older name")
 p.add_argument("--manual", action="store_true", help="manual optimization (automatic_optimization = False)")
+p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=)")
 p.add_argument("--strategy", default="ddp",
                help="'default': no strategy= (several devices choose DDP); 'FTStrategy': ftrun.lightning's object")
 args = p.parse_args()
@@ -93,7 +95,8 @@ if args.strategy == "FTStrategy":  # a script that says so itself
     kwargs["strategy"] = FTStrategy()
 trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_epochs=args.epochs,
                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+                     enable_model_summary=False, num_sanity_val_steps=0,
+                     accumulate_grad_batches=args.accumulate, **kwargs)
 trainer.fit(model, DataLoader(Indices(args.size), batch_size=args.batch, shuffle=True, num_workers=args.workers,
                              persistent_workers=args.workers > 0))
 with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:

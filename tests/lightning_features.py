@@ -72,7 +72,7 @@ class Regression(pl.LightningModule):
         if self.sleep:
             # Slower while a replica is away, so that a restarted one is back before the run's end
             # however loaded the machine is.
-            time.sleep(self.sleep if seen["n"] == self.trainer.world_size else 4 * self.sleep)
+            time.sleep(self.sleep if seen["n"] == self.trainer.world_size else 10 * self.sleep)
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True, on_step=True, on_epoch=True)

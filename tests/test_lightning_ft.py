@@ -20,13 +20,13 @@ from test_ft_data import _kill_at  # noqa: E402
 WORKER = ROOT / "tests" / "lightning_counter.py"
 
 
-def _weights_once_an_epoch(report, epochs, size):
+def _weights_once_an_epoch(report, epochs, size, accumulate=1):
     """Each (epoch, sample) weight is -1/n for the n replicas of the one committed step that
-    trained it: once, at full or reduced strength."""
+    trained it (-1/(k n) with accumulate_grad_batches=k): once, at full or reduced strength."""
     strengths = {}
     for e in range(epochs):
         for i, w in enumerate(report["weights"][e]):
-            n = next((n for n in (3, 2, 1) if abs(w + 1 / n) < 1e-5), None)
+            n = next((n for n in (3, 2, 1) if abs(w + 1 / (accumulate * n)) < 1e-5), None)
             assert n is not None, (e, i, w)
             strengths.setdefault(e, set()).add(n)
     return strengths
@@ -60,6 +60,30 @@ def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
         assert len(starts) == 2 and starts[0] == {**starts[0], "epoch": 0, "step": 0}, starts
         # Went on where the run was, mid-epoch or at an epoch's start, not from epoch 0:
         assert starts[1]["step"] >= 22 and starts[1]["epoch"] == starts[1]["step"] // 20, starts
+
+
+def test_gradient_accumulation_redoes_whole_windows(ftrun_home, tmp_path):
+    """accumulate_grad_batches=2: a step is two batches, one round. Replica 1 killed, then replica
+    2: the run finishes with every restarted replica back mid-run, each committed step trained
+    both its batches once (every weight is -1/(2n): a redone step computed its first batch again,
+    not only its last, and never twice), and the replicas end identical."""
+    out, size, epochs = tmp_path / "o", 120, 2
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "accum", WORKER, epochs, out,
+                        "--size", size, "--batch", 2, "--sleep", 0.06, "--accumulate", 2])
+    try:
+        _kill_at(ftrun_home, "accum", proc, [(1, 3), (2, 9)])
+        rc, err = finish(proc, 300)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert err.count("restarting it alone") == 2 and "cannot heal" not in err, err[-3000:]
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    assert all(rep["step"] == epochs * 10 for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
+    assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
+    _weights_once_an_epoch(reports[0], epochs, size, accumulate=2)
+    for r in (1, 2):
+        starts = [json.loads(line) for line in Path(f"{out}.rank{r}.starts").read_text().splitlines()]
+        assert len(starts) == 2 and starts[1]["step"] >= 3, starts
 
 
 FEATURES = ROOT / "tests" / "lightning_features.py"

@@ -13,7 +13,8 @@ sampler (sampler.py); the fit loop is driven as a framework loop (loop.py):
 - each training batch opens a round as it is moved to the device, before its hooks run; an
   optimizer step whose round is discarded is made again on the same step's batch (training_step
   loads it again when the live replicas changed), so global_step and batch_idx count committed
-  steps only;
+  steps only; with accumulate_grad_batches=k a step is its window of k batches, and a redone one
+  computes them all again;
 - validation (and testing) runs on every live replica over the whole set, so its metrics are the
   same on each, and the run's whoever is away (the cost: each replica evaluates all of it);
 - barrier(), broadcast(), reduce() (sync_dist), all_gather() and reduce_boolean_decision() go
@@ -27,8 +28,7 @@ sampler (sampler.py); the fit loop is driven as a framework loop (loop.py):
 `install()` (the worker bootstrap, --ft) registers FTStrategy under Lightning's DDP names as
 Lightning's strategies package is imported (both `lightning` and `pytorch_lightning`), so that
 `Trainer(strategy="ddp")` and the default strategy on several devices get it; what it cannot run
-(another Lightning version, manual optimization, gradient accumulation, a GradScaler, another
-strategy) gets one line at the start and the plain strategy: ftrun then restarts the whole group
+(another Lightning version, manual optimization, a GradScaler, another strategy) gets one line at the start and the plain strategy: ftrun then restarts the whole group
 on a failure, as for any script that does not use ftrun.ft.
 Must never import the supervisor, and never import Lightning before the script does.
 """
@@ -171,6 +171,7 @@ def _build(pl: ModuleType) -> type:
 
     import importlib
     import inspect
+    from collections import OrderedDict
 
     class Gather(torch.autograd.Function):
         """(group size, ...) of every member's tensor (the same shape on each, as under DDP);
@@ -230,6 +231,7 @@ def _build(pl: ModuleType) -> type:
             # The callbacks' states at the current batch's top: what a peer that heals at a redone
             # step's top (inside the batch) receives, since it runs the batch's hooks itself.
             self._callbacks_at_top: Tuple[Any, Dict[str, Any]] = (None, {})
+            self._window: Tuple[int, int, int] = (-1, -1, -1)  # (round serial, epoch, batch) of a window's top
 
         # ------------------------------------------------------------ what it cannot heal
         def _cannot_heal(self) -> Optional[str]:
@@ -244,9 +246,6 @@ def _build(pl: ModuleType) -> type:
             if module is not None and not module.automatic_optimization:
                 return ("--ft: this LightningModule optimizes manually (automatic_optimization = False), which "
                         "ftrun cannot redo step by step: a failure restarts all workers")
-            if trainer is not None and trainer.accumulate_grad_batches != 1:
-                return (f"--ft: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
-                        f"supported by ftrun's Lightning strategy yet: a failure restarts all workers")
             if module is not None and "dataloader_iter" in inspect.signature(module.training_step).parameters:
                 return ("--ft: a training_step(dataloader_iter) fetches its own batches, which ftrun cannot give "
                         "again for a redone step: a failure restarts all workers")
@@ -406,8 +405,15 @@ def _build(pl: ModuleType) -> type:
             again, indices = self._sampler.fix(trainer.current_epoch, batch_idx)
             if not again:
                 return batch
+            return self._load(indices, batch)
+
+        def _load(self, indices: Any, like: Any = None) -> Any:
+            """The batch of these samples, as Lightning's loop would give it (none: an empty batch
+            shaped as `like`, or as one sample of the dataset's)."""
             if not indices:
-                return empty_like(batch)
+                if like is None:
+                    like = self._load([0])
+                return empty_like(like)
             fresh = self._collate([self._dataset[i] for i in indices])
             fresh = self.precision_plugin.convert_input(fresh)
             fresh = self.lightning_module._on_before_batch_transfer(fresh, dataloader_idx=0)
@@ -432,6 +438,10 @@ def _build(pl: ModuleType) -> type:
                         total.ready = total.started = total.processed = total.completed
                     self._callbacks_at_top = (self._batch_key(trainer), self._callback_states(trainer))
                     self._loop.step_top()
+                    epoch, b = self._batch_key(trainer)
+                    if b % trainer.accumulate_grad_batches == 0:
+                        # The first batch of an accumulation window, in this round.
+                        self._window = (self._loop.mgr.step_serial, epoch, b)
             return super().batch_to_device(batch, device, dataloader_idx)
 
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -442,9 +452,34 @@ def _build(pl: ModuleType) -> type:
         def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
             if not self._ft or not isinstance(optimizer, FTOptimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
-            return self._loop.until_committed(
-                lambda: super(FTStrategy, self).optimizer_step(optimizer, closure, model, **kwargs),
-                lambda: optimizer.stepped)
+
+            def attempt() -> Any:
+                self._accumulate_again(optimizer)
+                return super(FTStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
+
+            return self._loop.until_committed(attempt, lambda: optimizer.stepped)
+
+        def _accumulate_again(self, optimizer: Any) -> None:
+            """With accumulate_grad_batches=k, a step is its window's k batches and its round opens
+            at the first: an attempt of the step in another round (a redone step, or the first of a
+            replica that healed inside the window) computes the window's batches before the last
+            again (Lightning's own closure for each, gradients zeroed at the first, DDP's sync held
+            back as Lightning holds it), at the current membership; the last batch's closure follows
+            in the optimizer step. Each batch's training_step and backward hooks run once more."""
+            trainer = self.lightning_module.trainer
+            k = trainer.accumulate_grad_batches
+            epoch, b = self._batch_key(trainer)
+            start = b - b % k
+            if k == 1 or start == b or self._window == (self._loop.mgr.step_serial, epoch, start):
+                return
+            automatic = trainer.fit_loop.epoch_loop.automatic_optimization
+            for j in range(start, b):
+                indices = self._sampler.share(epoch, j, self._loop.num_replicas, self._loop.replica_index)
+                again = automatic._make_closure(OrderedDict(batch=self._load(indices), batch_idx=j), optimizer, j)
+                with self.block_backward_sync():
+                    again()
+                again.consume_result()
+            self._window = (self._loop.mgr.step_serial, epoch, start)
 
         def on_train_end(self) -> None:
             super().on_train_end()
