@@ -134,7 +134,11 @@ def redo() -> bool:
     """True when the step just handed out was handed out before on this state: the step before
     was discarded (a peer died mid-step) or not stepped. The same on every replica. Gate the
     script's own side effects on it (an evaluation, a save, a log line) to run them once per
-    step: `if step % 500 == 0 and not ft.redo(): evaluate()`. A run resumed from a checkpoint
-    hands out the checkpoint's step as a new one: the checkpoint holds the state from before
-    that step's side effects."""
+    step: `if step % 500 == 0 and not ft.redo(): evaluate()`. At a round's top it first reads
+    the decision of the round before (its collectives went through, its vote was still out):
+    voted down, the step is handed out again on the committed state, and this call says True.
+    Inside a round of several steps (FTRUN_FT_ROUND_STEPS) the steps before are decided at the
+    round's end: a failure later in the round may discard the state a side effect ran on, and
+    the step then runs them again. A run resumed from a checkpoint hands out the checkpoint's
+    step as a new one: the checkpoint holds the state from before that step's side effects."""
     return manager().redo

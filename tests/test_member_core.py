@@ -279,3 +279,17 @@ def test_the_newest_quorum_seen_never_goes_back():
     assert watch.latest == 5
     watch.seen(7)  # a store's move: the new store counts on above every quorum seen
     assert watch.latest == 7
+
+
+def test_a_member_out_of_sync_gets_no_step_and_a_step_past_a_round_voted_down_is_a_redo():
+    """Issue 41's flaky nanoGPT port: a restarted replica whose heal did not land was handed step
+    0 on its initial state (its evaluation printed a second time), and a step handed out before
+    the decision of the round under it, which was then voted down, was handed out again without
+    ft.redo() (step 20's evaluation printed twice). The simulator's replays show the driver
+    (tests/test_simulate.py); these are the rules it asks."""
+    from ftrun.worker.ft.member import core
+
+    assert core.sits_out(in_sync=False) and not core.sits_out(in_sync=True)
+    assert core.redo(handed_before=True, retaking=False)   # the round that took it was discarded
+    assert core.redo(handed_before=False, retaking=True)   # the round under it was voted down
+    assert not core.redo(handed_before=False, retaking=False)

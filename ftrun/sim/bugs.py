@@ -436,6 +436,39 @@ class FinishedWriter(Wiring):
     keeper = _FinishedWriterKeeper
 
 
+# ---------------------------------------------------------------- (u) found by the simulator: a step out of sync
+def _never_sits_out(in_sync: bool) -> bool:  # noqa: ARG001
+    """Before the fix: the round's top handed the script a step whatever the member held. A
+    restarted replica whose group or heal failed (a newer quorum was out) ran the script's code,
+    an evaluation and a log line, on its initial state; the round was voted down, the script's
+    output stood (the ported nanoGPT test's "step 0" printed twice)."""
+    return False
+
+
+class _UnsyncedStepDriver(MemberDriver):
+    sits_out = staticmethod(_never_sits_out)
+
+
+class UnsyncedStep(Wiring):
+    driver = _UnsyncedStepDriver
+
+
+# ---------------------------------------------------------------- (v) found by the simulator: ft.redo() undecided
+class _UndecidedRedoDriver(MemberDriver):
+    @property
+    def redo(self) -> bool:
+        """Before the fix: ft.redo() said only whether the step was handed out before on this
+        state. A member that stepped past a round and was handed the next step before that
+        round's decision ran the step's side effects; the round was voted down, the member healed
+        from a peer that had not been handed the step, and ran them again (the ported nanoGPT
+        test's step 20 evaluation printed twice)."""
+        return self.handed_before
+
+
+class UndecidedRedo(Wiring):
+    driver = _UndecidedRedoDriver
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering a quorum at different rounds
@@ -458,6 +491,8 @@ BUGS: Dict[str, type] = {
     "first-source-only": FirstSourceOnly,  # (r) a moved store's survivors forgotten after one quorum (found by it)
     "blocking-follower": BlockingFollower,  # (s) a follower blocked on a moved store's LATEST (found by it)
     "finished-writer": FinishedWriter,  # (t) a stop's writer that had left the loop, never replaced (found by it)
+    "unsynced-step": UnsyncedStep,    # (u) a step handed to the script on a state out of sync (found by it)
+    "undecided-redo": UndecidedRedo,  # (v) ft.redo() False on a step handed before its round's decision (found by it)
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-quorum": "collect-joiner"}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
@@ -88,6 +88,8 @@ class SimWorker(MemberEffects):
         # Rounds stepped on whose decision is not in yet: how many of their steps it took.
         self.stepped: Dict[Tuple[int, int], int] = {}
         self._after: Dict[Tuple[int, int], Tuple[int, int, str]] = {}  # round -> (lineage, step, digest) after it
+        # (lineage, step, state) whose side effects the script ran: its own, or its heal's source's.
+        self.effects: Set[Tuple[int, int, str]] = set()
         # Where the run's store is, as this node's ftrun told the process when it started it (the
         # environment's FTRUN_STORE, and the generation of a store that moved before it started).
         gen, self._addr = world.node_run.get(world.node_of(rank), (0, world.first_addr))
@@ -123,6 +125,7 @@ class SimWorker(MemberEffects):
         d, w = self.driver, self.w
         rng = self.sched.rng
         for _ in d.steps(w.total):
+            w.check_handout(self)
             self.sched.sleep(w.step_s * (0.5 + rng.random()))  # the forward and backward passes
             d.before_collective()
             if d.pg is not None and d.round_ok:  # what it sends is checked (a failed round sends nothing)
@@ -218,7 +221,7 @@ class SimWorker(MemberEffects):
             self.w.violation(f"rank {self.rank} sends its state in quorum {quorum.id} while not in sync")
         self.w.check_source(self, quorum)
         lineage = quorum.id if quorum.fresh else self.lineage  # a fresh quorum's source starts a new one
-        group.payload = (snapshot, self.digest, lineage)
+        group.payload = (snapshot, self.digest, lineage, frozenset(self.effects))
         for _ in range(2):
             if self.w.groups.allreduce(self, group):
                 raise TransferBroken("a peer left mid-transfer")
@@ -233,7 +236,8 @@ class SimWorker(MemberEffects):
         self.sched.sleep(0.001)  # the bulk of the transfer
         if self.w.groups.allreduce(self, group):
             raise TransferBroken("a peer left mid-transfer")
-        snapshot, self.digest, self.lineage = group.payload
+        snapshot, self.digest, self.lineage, effects = group.payload
+        self.effects = set(effects)
         self.stepped = {}
         self._after.clear()
         return snapshot, None

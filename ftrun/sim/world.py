@@ -40,6 +40,7 @@ FORM_TIMEOUT_S = 10.0  # FTRUN_FT_TIMEOUT's default: a group formation, a collec
 PROGRESS_BOUND_S = 60.0  # after the last fault ends, the run finishes within this (virtual) time:
 # six group formations' timeouts, more than any schedule of the product's own code has needed
 TURNS_BOUND = 400_000  # a livelock that keeps time from moving is a violation too
+EVAL_EVERY = 2  # the simulated script evaluates (a side effect gated on ft.redo()) every this many steps
 KEYS_PER_RANK = 40  # the store holds at most this many keys per rank, plus KEYS_BASE (rounds in flight)
 KEYS_BASE = 100
 STOP_BOUND_S = 30.0  # after a stop quorum, its members stop (and its writer says how its save went) within this
@@ -101,7 +102,7 @@ class Group:
         self.left: Set[int] = set()
         self.seq: Dict[int, int] = {}
         self.ops: Dict[int, Set[int]] = {}
-        self.payload: Optional[tuple] = None  # what a heal sends: (snapshot, digest, lineage)
+        self.payload: Optional[tuple] = None  # what a heal sends: (snapshot, digest, lineage, side effects run)
         self.waiters: list = []  # threads parked in one of its collectives
 
 
@@ -212,6 +213,7 @@ class World:
         self.decided: Dict[str, bytes] = {}
         self.committed: Dict[Tuple[int, int], str] = {}  # (lineage, step) -> the digest of the state committed
         self.outcome: Dict[Tuple[int, int], bool] = {}
+        self.effects: Dict[Tuple[int, int], Dict[str, int]] = {}  # (lineage, step) -> {state: a rank} side effects ran on
         self.first_violation: Optional[str] = None
         self.log: List[str] = []  # what happened to the replicas, for a violation's report
         self._writes_seen = 0
@@ -699,6 +701,7 @@ class World:
         """A member learned that round (e, rnd), on which it stepped to `after`, committed."""
         lineage, step, digest = after
         seen = self.committed.setdefault((lineage, step), digest)
+        self._effects_committed(lineage, step)
         if seen != digest:
             self.violation(f"step {step} committed with two states: rank {m.rank} (incarnation {m.inc}) holds "
                            f"{digest}, another member {seen} (round {rnd} of quorum {e})")
@@ -723,6 +726,47 @@ class World:
         if seen is not None and seen != m.digest:
             self.violation(f"rank {m.rank} (incarnation {m.inc}) goes on at step {m.step} holding {m.digest}, "
                            f"while the committed state is {seen}")
+
+    def check_handout(self, m: SimWorker) -> None:
+        """A step the loop hands the script: only to a member in sync (healed, or the source of a
+        fresh quorum: never its initial state, nor one it stepped past a round voted down on, until
+        it heals). On an evaluation step (every EVAL_EVERY) at a round's top, the script runs its
+        side effects unless ft.redo(): never twice on one state (what they changed is the script's
+        state, which a heal moves: a healed member's count is its source's), and only on the state
+        committed at that step (checked here and as commits are learned, note_commit). Inside a round of several
+        steps the steps before are not decided yet: a side effect there may run on a state a
+        failure later in the round discards (a limit the docs state), so only a round's top is
+        checked."""
+        d = m.driver
+        if not m.in_sync or d.heals.tainted:
+            self.violation(f"rank {m.rank} (incarnation {m.inc}) is handed step {d.step} while out of sync "
+                           f"({'tainted' if d.heals.tainted else 'never healed'}; quorum "
+                           f"{d.quorum.id if d.quorum else None}, round {d.round})")
+            return
+        if d.step % EVAL_EVERY or d.taken:
+            return
+        if d.redo:  # what ft.redo() returns (the script gates its evaluation on it)
+            return
+        state = (m.lineage, d.step, m.digest)
+        if state in m.effects:
+            self.violation(f"rank {m.rank} (incarnation {m.inc}) runs step {d.step}'s side effects a second time on "
+                           f"one state (its own, or its heal's source's): the step was handed out again without "
+                           f"ft.redo()")
+        m.effects.add(state)
+        self.effects.setdefault((m.lineage, d.step), {})[m.digest] = m.rank
+        self._effects_committed(m.lineage, d.step)
+
+    def _effects_committed(self, lineage: int, step: int) -> None:
+        """Every side effect of `step` ran on the state committed there (once that is known)."""
+        seen = self.committed.get((lineage, step))
+        ran = self.effects.get((lineage, step))
+        if seen is None or not ran:
+            return
+        for digest, rank in ran.items():
+            if digest != seen:
+                self.violation(f"rank {rank} ran step {step}'s side effects on {digest}, a state the run discarded "
+                               f"(committed there: {seen}); ft.redo() was False before the decision of the round "
+                               f"under it was read")
 
     def _check(self) -> None:
         s = self.store

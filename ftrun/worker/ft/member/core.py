@@ -3,8 +3,8 @@ when the decision of a round it stepped past comes in, when it joins or enters a
 sends and who receives in a heal, and when the run ended without it.
 
 A state machine: `MemberCore.handle(event) -> commands`, and the pure rules the driver asks
-(votes_ok, round_length, save_is_due, settles_first, holds_state, gives_up, resumes_checkpoint,
-loop_ends). One driver (member/driver.py) turns store replies, group results and timers into
+(sits_out, redo, votes_ok, round_length, save_is_due, settles_first, holds_state, gives_up,
+resumes_checkpoint, loop_ends). One driver (member/driver.py) turns store replies, group results and timers into
 events and carries out the commands, over the worker's effects in the product and the
 simulator's under seeded faults, so both run exactly these decisions. The store protocol they
 speak is ft/member/membership.py and ft/member/vote.py.
@@ -390,6 +390,26 @@ def source_refuses(sending: bool, tainted: bool, fresh: bool = False, holds_stat
 # ------------------------------------------------------------------ the rules the driver asks
 # Pure functions of what every member knows alike; the driver (member/driver.py) asks them at
 # the same points on the worker and in the simulator.
+def sits_out(in_sync: bool) -> bool:
+    """Whether the round's top hands the script no step: this member does not hold the committed
+    state (its heal did not land: the quorum's group or the transfer failed, so it holds its
+    initial state, or a state it stepped past a round voted down on). It votes the round down at
+    once, without the script's code, and heals again at the next round's top. Handed the step,
+    the script would run its code (an evaluation, a log line) on a state that is not the run's,
+    and the round would be voted down anyway (votes_ok)."""
+    return not in_sync
+
+
+def redo(handed_before: bool, retaking: bool) -> bool:
+    """ft.redo(): the step just handed out must not run the script's side effects (an evaluation,
+    a save, a log line). Either it was handed out before on this state (the round that took it was
+    discarded), or this member stepped past the round before it (its collectives went through,
+    its vote off the training thread) and that round was voted down: its state is not the
+    committed one, and the step is handed out again on the committed state (`retaking`, known
+    once the driver has read that decision). The same on every member handed the step in a round."""
+    return handed_before or retaking
+
+
 def votes_ok(round_ok: bool, in_sync: bool, has_group: bool) -> bool:
     """The vote rule: ok only when every collective of the round went through, this member holds
     the committed state, and it has the quorum's group (else it sent nothing)."""

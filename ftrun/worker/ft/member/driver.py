@@ -51,6 +51,7 @@ class MemberDriver:
     finished_step = staticmethod(membership.finished_step)
     source_refuses = staticmethod(core.source_refuses)
     settles_first = staticmethod(core.settles_first)
+    sits_out = staticmethod(core.sits_out)
     cast_vote = staticmethod(vote.cast)
 
     def __init__(self, fx: MemberEffects, rank: int, inc: int, k: int, nodes: int,
@@ -86,9 +87,10 @@ class MemberDriver:
         self.looping = False  # inside ft.steps() or ft.epochs() (opt.step() outside one is a misuse)
         self.step_open = False  # a step's top ran and opt.step() has not voted on it yet
         self.step_serial = 0  # counts step tops: an ft.DataLoader rewinds to its committed position at each
-        # ft.redo(): the step just handed out was handed out before on this state (a discarded round).
+        # The newest step handed to the script, and whether the step just handed out was handed
+        # out before on this state (a discarded round): what ft.redo() starts from (`redo`).
         self.yielded = -1
-        self.redo = False
+        self.handed_before = False
         self.committed = 0
         self.discarded = 0
         self.last_failure: Optional[str] = None
@@ -152,6 +154,22 @@ class MemberDriver:
             "phase": self.phase, "phase_since": self.phase_since, "heals": h.count,
             "last_transfer": h.last_transfer,
         }
+
+    @property
+    def redo(self) -> bool:
+        """ft.redo() (core.redo). A member that stepped past the round before this step first reads
+        that round's decision, as the step's first collective would: voted down, its state is not
+        the committed one, and this hand-out does not count (the step is handed out again on the
+        committed state, as a new one)."""
+        if self.step_open and self.ballot.round is not None:
+            try:
+                self._settle()
+            except self.fx.store_errors as e:  # the store moved: this round is nobody's now
+                self.moves.relocate(e)
+        retaking = self.step_open and (self.rejoin_why is not None or self.quorum is None)
+        if retaking and not self.handed_before:
+            self.yielded = self.step - 1
+        return core.redo(self.handed_before, retaking)
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase
@@ -225,16 +243,19 @@ class MemberDriver:
 
     def start_round(self) -> None:
         """The top of a step: join, switch quorum, heal, checkpoint, as due. A step is then open
-        until the vote."""
+        until the vote. A member left out of sync (core.sits_out) votes the round down without the
+        script and tries again at the next round's top."""
         while True:
             try:
                 self._start_round()
-                break
+                if self.finished or not self.sits_out(self.in_sync):
+                    break
+                self._sit_out()
             except self.fx.store_errors as e:  # the run's store went away: rejoin on the next one
                 self.moves.relocate(e)
         self.step_open = True
         self.step_serial += 1
-        self.redo = self.step <= self.yielded
+        self.handed_before = self.step <= self.yielded
         self.yielded = max(self.yielded, self.step)
 
     def _start_round(self) -> None:
@@ -342,6 +363,23 @@ class MemberDriver:
             return True
         # A sharded replica waits for the decision even when its collectives went through: its
         # shards may disagree, and a replica holds the state only if every shard does.
+        return self._cast(ok)
+
+    def _sit_out(self) -> None:
+        """The round's top left this member out of sync (core.sits_out): it votes the round down at
+        once, sending nothing (its group is dropped, so a peer's collective fails at once), and
+        its next round's top switches again, healing. A layout round every member discards
+        without a vote is discarded here too."""
+        if self.layout.take() is False:
+            self.core.handle(Skipped())
+            self.set_phase("discard")
+            return
+        self.set_phase("vote")
+        self._cast(False)
+
+    def _cast(self, ok: bool) -> bool:
+        """Vote on the round in this thread and take in its decision (a failed round, a member
+        sitting it out, a sharded replica's round); True if the round committed."""
         if not ok and self.pg is not None:
             self.entry.drop_group()
         t0 = self.fx.now()
