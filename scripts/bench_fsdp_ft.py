@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_fsdp_ft.py                    # the table of docs/benchmarks/sharded.md (about 10 minutes)
     .venv/bin/python scripts/bench_fsdp_ft.py --repeats 1 --heal-sizes 10M   # quicker
+    .venv/bin/python scripts/bench_fsdp_ft.py --throughput-size none --heal-sizes 10M --spares both
 
 Always 2 replicas x 2 workers (4 processes), gloo on CPU, scripts/train_fsdp_ft.py
 (MLP blocks, AdamW; state = 12 bytes a parameter).
@@ -19,6 +20,9 @@ Always 2 replicas x 2 workers (4 processes), gloo on CPU, scripts/train_fsdp_ft.
   report it in their logs; the floor is, in the same session, a plain gloo
   broadcast of the same bytes per shard, both shards' pairs at once
   (4 processes), median of 3.
+- with `--spares 1` the heal runs have a third replica of 2 workers waiting as a hot spare
+  (`--nproc 6 --spares 1`, docs/guides/spares.md): it takes replica 0's place, and "back" is
+  from the kill to the spare's first committed step; `--spares both` runs each size both ways.
 """
 
 from __future__ import annotations
@@ -82,12 +86,14 @@ def throughput(size: str, steps: int, warmup: int, home: Path) -> tuple:
     return ours, steps_per_s(d / "hsdp", warmup)
 
 
-def heal(size: str, home: Path) -> dict:
+def heal(size: str, home: Path, spares: int = 0) -> dict:
     _, _, _, _, kill_after, steps = SIZES[size]
     out = Path(tempfile.mkdtemp(prefix=f"bench-fsdp-heal-{size}-"))
     run_id = f"fsdp-heal-{size}-{int(time.time() * 1000)}"
     env = dict(os.environ, FTRUN_HOME=str(home))
-    cmd = [sys.executable, "-m", "ftrun", "--nproc", "4", "--ft", "--replica-size", "2", "--run-id", run_id,
+    back_ranks = (4, 5) if spares else (0, 1)  # the replica that takes replica 0's place
+    cmd = [sys.executable, "-m", "ftrun", "--nproc", str(4 + 2 * spares), "--ft", "--replica-size", "2",
+           "--spares", str(spares), "--run-id", run_id,
            str(TRAIN), *_args(size, steps), "--announce", "--out", str(out / "p")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     deadline = time.time() + 1200
@@ -95,15 +101,15 @@ def heal(size: str, home: Path) -> dict:
     text = proc.communicate(timeout=max(1.0, deadline - time.time()))[0]
     if proc.returncode != 0 or killed_at is None:
         raise SystemExit(f"bench_fsdp_ft: heal run {size} failed (exit {proc.returncode}):\n{text[-3000:]}")
-    back = [float(t) for r, t in re.findall(r"\[announce\] rank ([01]) pid \d+ first step \d+ t ([\d.]+)", text)
-            if float(t) > killed_at]
+    back = [float(t) for r, t in re.findall(r"\[announce\] rank (\d+) pid \d+ first step \d+ t ([\d.]+)", text)
+            if float(t) > killed_at and int(r) in back_ranks]
     transfers = []
-    for r in (0, 1):
+    for r in back_ranks:
         log = (home / run_id / "logs" / f"rank{r}" / "stderr.log").read_text()
         found = re.findall(r"received ([\d.]+) MB of state from rank \d+ in ([\d.]+) s", log)
         transfers.append(tuple(float(x) for x in found[-1]))
     mb = max(m for m, _ in transfers)
-    return {"size": size, "params": params_of(*SIZES[size][:3]), "shard_mb": mb, "back_s": max(back) - killed_at,
+    return {"size": size + (" + spare" if spares else ""), "params": params_of(*SIZES[size][:3]), "shard_mb": mb, "back_s": max(back) - killed_at,
             "transfer_s": max(s for _, s in transfers)}
 
 
@@ -112,35 +118,39 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--throughput-size", default="20M")
     ap.add_argument("--heal-sizes", default="10M,20M,100M")
+    ap.add_argument("--spares", default="0", choices=("0", "1", "both"),
+                    help="heal runs with a spare replica of 2 workers (1), or each size both ways")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-fsdp-home-"))
     size = args.throughput_size
     pairs = []
-    for i in range(args.repeats):
+    for i in range(args.repeats if size != "none" else 0):
         ours, ref = throughput(size, 24, 4, home)
         pairs.append((ours, ref))
         print(f"throughput {size} run {i + 1}: ft {ours:.2f} steps/s, plain HSDP {ref:.2f} steps/s, "
               f"ratio {ours / ref:.3f}", flush=True)
     heals = []
-    for s in args.heal_sizes.split(","):
-        runs = [heal(s, home) for _ in range(args.repeats)]
+    ways = [0, 1] if args.spares == "both" else [int(args.spares)]
+    for s, spares in [(s, n) for s in args.heal_sizes.split(",") for n in ways]:
+        runs = [heal(s, home, spares) for _ in range(args.repeats)]
         for r in runs:
             print(f"heal {s}: {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})}",
                   flush=True)
         med = {k: statistics.median(r[k] for r in runs) for k in ("shard_mb", "back_s", "transfer_s", "params")}
-        med["size"] = s
+        med["size"] = runs[0]["size"]
         med["floor_s"] = floor_seconds(int(med["shard_mb"] * 1e6), pairs=2)
         heals.append(med)
     print()
     print("| measure | ftrun --ft --replica-size 2 | reference | ratio | target |")
     print("|---|---:|---:|---:|---|")
-    ours = statistics.median(p[0] for p in pairs)
-    ref = statistics.median(p[1] for p in pairs)
-    ratio = statistics.median(p[0] / p[1] for p in pairs)
-    print(f"| failure-free steps/s, {params_of(*SIZES[size][:3]) / 1e6:.0f}M params | {ours:.2f} | "
-          f"{ref:.2f} (plain torch HSDP) | {ratio:.2f} | >= 0.90 |")
+    if pairs:
+        ours = statistics.median(p[0] for p in pairs)
+        ref = statistics.median(p[1] for p in pairs)
+        ratio = statistics.median(p[0] / p[1] for p in pairs)
+        print(f"| failure-free steps/s, {params_of(*SIZES[size][:3]) / 1e6:.0f}M params | {ours:.2f} | "
+              f"{ref:.2f} (plain torch HSDP) | {ratio:.2f} | >= 0.90 |")
     for m in heals:
-        p = f"{m['params'] / 1e6:.0f}M params"
+        p = f"{m['params'] / 1e6:.0f}M params" + (", a spare" if "spare" in m["size"] else "")
         print(f"| heal transfer, {p} ({m['shard_mb']:.0f} MB per shard, 2 shards at once) | {m['transfer_s']:.2f} s | "
               f"{m['floor_s']:.2f} s (plain broadcast) | {m['transfer_s'] / m['floor_s']:.2f} | "
               f"{'<= 2 at 100M' if m['size'] == '100M' else '-'} |")
