@@ -4,7 +4,8 @@ One weight per sample and epoch, zero at the start; SGD with lr 1 passed through
 constant schedule, no clipping; the loss is the sum of the batch's weights of the current epoch.
 DDP averages the gradients over the n replicas of a step, so a committed step lowers each of its
 samples' weights by exactly 1/n: every weight ends at -1/n for the n of the step that trained it
-if and only if every sample was trained exactly once in every epoch.
+if and only if every sample was trained exactly once in every epoch. With --accumulate k (the Trainer divides
+the loss by k) a step is k batches, and every weight ends at -1/(k n).
 
 argv: EPOCHS OUT, then options. Appends one line per train() start to OUT.rankN.starts (the
 epoch and global step it started at: a restarted replica's shows where it went on), and writes
@@ -67,6 +68,7 @@ p.add_argument("--sleep-late", type=float, default=0.0, help="the sleep a step a
 p.add_argument("--subclass", action="store_true", help="ftrun.hf's FTTrainer, as a script that says so")
 p.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers (persistent)")
 p.add_argument("--fp16", action="store_true", help="fp16 mixed precision (a GradScaler): a setup ftrun cannot heal")
+p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
 args = p.parse_args()
 OUT, RANK = args.out, os.environ.get("RANK", "0")
 
@@ -77,7 +79,8 @@ targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=a
                           num_train_epochs=args.epochs, max_grad_norm=0, lr_scheduler_type="constant",
                           logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
                           disable_tqdm=True, seed=1, dataloader_drop_last=False, fp16=args.fp16,
-                          dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0)
+                          dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0,
+                          gradient_accumulation_steps=args.accumulate)
 cls = Trainer
 if args.subclass:
     from ftrun.hf import FTTrainer as cls

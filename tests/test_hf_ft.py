@@ -22,28 +22,29 @@ WORKER = ROOT / "tests" / "hf_counter.py"
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing comes from a hub: models from configs, data synthetic
 
 
-def _strengths(report, epochs):
+def _strengths(report, epochs, accumulate=1):
     """Each (epoch, sample) weight is -1/n for the n replicas of the one committed step that
-    trained it: once, at full or reduced strength."""
+    trained it (-1/(k n) with gradient_accumulation_steps=k): once, at full or reduced strength."""
     strengths = {}
     for e in range(epochs):
         for i, w in enumerate(report["weights"][e]):
-            n = next((n for n in (3, 2, 1) if abs(w + 1 / n) < 1e-5), None)
+            n = next((n for n in (3, 2, 1) if abs(w + 1 / (accumulate * n)) < 1e-5), None)
             assert n is not None, (e, i, w)
             strengths.setdefault(e, set()).add(n)
     return strengths
 
 
 def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
-    """Three replicas, 2 epochs of 30 steps (epoch 1 slower, for the restarted replicas to come back
-    in it), a loader with 2 workers (prefetching batches planned for a membership that changes);
-    replica 1 killed early in epoch 1, then replica 2: the
-    run finishes, each restarted replica's train() went on where the run was (not from step 0),
-    every sample was trained once an epoch, and the replicas end identical."""
-    out, size, epochs, steps = tmp_path / "o", 180, 2, 30
+    """Three replicas, 2 epochs of 15 steps of 2 accumulated batches (epoch 1 slower, for the
+    restarted replicas to come back in it), a loader with 2 workers (prefetching batches planned
+    for a membership that changes); replica 1 killed early in epoch 1, then replica 2: the run
+    finishes, each restarted replica's train() went on where the run was (not from step 0), every
+    sample was trained once an epoch (every weight is -1/(2n): a redone step trained both its
+    batches again, not only the last, and never twice), and the replicas end identical."""
+    out, size, epochs, steps = tmp_path / "o", 180, 2, 15
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "hf", WORKER, epochs, out,
                         "--size", size, "--batch", 2, "--sleep", 0.08, "--sleep-late", 0.4,
-                        "--workers", 2])
+                        "--workers", 2, "--accumulate", 2])
     try:
         _kill_at(ftrun_home, "hf", proc, [(1, steps + 1), (2, steps + 4)])
         rc, err = finish(proc, 300)
@@ -55,7 +56,7 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
     assert all(rep["step"] == epochs * steps for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
     assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
-    strengths = _strengths(reports[0], epochs)
+    strengths = _strengths(reports[0], epochs, accumulate=2)
     assert strengths[0] == {3}, strengths  # nothing failed in epoch 0
     # (No step need run with a replica away: forked from a zygote that has imported the Trainer, a
     # restarted replica is often back before its peers commit a step without it.)
@@ -98,43 +99,112 @@ def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
     assert starts[-1]["step"] in (21, 28, 35) and starts[-1]["epoch"] == 1, starts
 
 
-GPT2 = ROOT / "tests" / "hf_gpt2.py"
+RUN_CLM = ROOT / "tests" / "hf_run_clm.py"
+# run_clm's arguments: a 2-layer GPT-2 from a config, accumulation 2, clipping at 1.0 (the
+# default), a cosine schedule, evaluation and saves every 4 steps, the best model loaded at the end.
+CLM = ["--model_type", "gpt2", "--config_overrides", "n_layer=2,n_head=2,n_embd=32,n_positions=16,vocab_size=48,"
+       "resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0,bos_token_id=0,eos_token_id=0", "--do_train", "--do_eval",
+       "--per_device_train_batch_size", 4, "--per_device_eval_batch_size", 16, "--gradient_accumulation_steps", 2,
+       "--learning_rate", 3e-3, "--lr_scheduler_type", "cosine", "--warmup_steps", 2, "--num_train_epochs", 2,
+       "--eval_strategy", "steps", "--eval_steps", 4, "--save_strategy", "steps", "--save_steps", 4,
+       "--save_total_limit", 2, "--load_best_model_at_end", "--metric_for_best_model", "eval_loss",
+       "--logging_steps", 1, "--report_to", "none", "--use_cpu", "--disable_tqdm", "True", "--seed", 1]
+
+
+def _clm(out, *extra):
+    return [RUN_CLM, *CLM, "--output_dir", f"{out}.out", "--report", out, *extra]
 
 
 def _evals(report):
     return {h["step"]: h["eval_loss"] for h in report["history"] if "eval_loss" in h}
 
 
-def test_gpt2_with_accumulation_clipping_schedule_eval_and_saves_under_a_kill(ftrun_home, tmp_path):
-    """A 2-layer GPT-2 from a config, gradient_accumulation_steps=2, max_grad_norm=1.0, a cosine
-    schedule, evaluation every 4 steps and checkpoints every 6: a failure-free run, then the same
-    run with replica 1 killed mid-epoch. The killed run finishes with every replica at the same
-    parameters and learning rate, its evaluation losses are the failure-free run's within float
-    noise (each step's gradient is the same global batch's), and the checkpoints are written."""
+def _clm_reports(out):
+    """The replicas' reports, which end identical; exactly one Trainer took itself for process 0."""
+    reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)]
+    same = [(rep["params"], rep["step"], rep["best"], rep["eval"]["eval_loss"]) for rep in reports]
+    assert len(set(same)) == 1, same
+    assert sum(rep["process_zero"] for rep in reports) == 1, [rep["process_zero"] for rep in reports]
+    return reports[0]
+
+
+def _while_away(out, rank, proc, deadline_s=180):
+    """The run's steps are slower while `out`.slow exists: until the killed replica's train() began again."""
+    import time
+
+    slow, starts = Path(f"{out}.slow"), Path(f"{out}.rank{rank}.starts")
+    slow.touch()
+    try:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline and proc.poll() is None and len(starts.read_text().splitlines()) < 2:
+            time.sleep(0.05)
+    finally:
+        slow.unlink()
+
+
+def test_run_clm_shaped_script_under_a_kill_and_resumed_from_its_own_checkpoint(ftrun_home, tmp_path):
+    """A script in the shape of transformers' run_clm.py (HfArgumentParser, TrainingArguments, a
+    GPT-2 built from a config, train(resume_from_checkpoint=...), save_model, save_metrics,
+    save_state, evaluate), unmodified, with 3 replicas, three ways at once: failure-free; with
+    replica 0 killed mid-epoch (the writer of checkpoints, again once back with the state it
+    healed); and killed whole (ftrun and every worker) once the Trainer's own checkpoint-8 is
+    written, then run again with --resume_from_checkpoint. The killed replica goes on mid-run and
+    writes the later checkpoints; every run ends with identical replicas, one of which took itself for process zero
+    (one writer of the metrics files), the best checkpoint loaded; the killed run's and the resumed
+    run's evaluation losses are the failure-free run's within float noise (each step's gradient is
+    the same global batch's, whoever is away)."""
+    import signal
+    import threading
+    import time
+
     from conftest import run_ftrun
 
     common = ["--nproc", 3, "--ft", "--max-restarts", 2]
-    clean = run_ftrun(common + [GPT2, tmp_path / "c", "--size", 288], timeout=300)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    ref = json.loads(Path(f"{tmp_path / 'c'}.rank0.json").read_text())
-    out = tmp_path / "k"
-    proc = start_ftrun(common + ["--run-id", "gpt", GPT2, out, "--size", 288, "--sleep", 0.4])
+    ref, out, whole = tmp_path / "ref", tmp_path / "k", tmp_path / "w"
+    clean = start_ftrun([*common, "--run-id", "clean", *_clm(ref)])
+    proc = start_ftrun([*common, "--run-id", "clm", *_clm(out, "--sleep", 0.15)])
+    first = start_ftrun([*common, "--run-id", "first", *_clm(whole, "--sleep", 0.5)])
+    def kill_whole_run() -> None:  # once its checkpoint-8 is written (checkpoint-16 would rotate it out)
+        saved, deadline = Path(f"{whole}.out") / "checkpoint-8" / "trainer_state.json", time.monotonic() + 180
+        while not saved.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        first.send_signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_whole_run, daemon=True)
+    killer.start()
     try:
-        _kill_at(ftrun_home, "gpt", proc, [(1, 4)])
+        _kill_at(ftrun_home, "clm", proc, [(0, 5)])
+        _while_away(out, 0, proc)
+        killer.join(200)
+        first.wait(30)
         rc, err = finish(proc, 300)
+        rc_clean, err_clean = finish(clean, 300)
     finally:
-        proc.kill()
+        for p in (proc, clean, first):
+            p.kill()
     assert rc == 0, err[-3000:]
+    assert rc_clean == 0, err_clean[-3000:]
     assert err.count("restarting it alone") == 1 and "cannot heal" not in err, err[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
-    assert all(rep["step"] == ref["step"] == 24 for rep in reports.values()), [rep["step"] for rep in reports.values()]
-    assert len({(rep["params"], rep["lr"]) for rep in reports.values()}) == 1, reports
-    evals, ref_evals = _evals(reports[0]), _evals(ref)
-    assert sorted(evals) == sorted(ref_evals) == [4, 8, 12, 16, 20, 24], (evals, ref_evals)
-    assert all(abs(evals[s] - ref_evals[s]) < 5e-3 for s in evals), (evals, ref_evals)
-    assert ref_evals[24] < ref_evals[4] - 0.2, ref_evals  # it learns
-    assert (Path(f"{out}.out") / "checkpoint-24" / "trainer_state.json").exists()
-    assert (Path(f"{out}.final") / "config.json").exists()
+    starts = [json.loads(line) for line in Path(f"{out}.rank0.starts").read_text().splitlines()]
+    assert len(starts) == 2 and starts[1]["step"] >= 5, starts  # went on mid-run
+    resumed = run_ftrun([*common, "--run-id", "second",
+                         *_clm(whole, "--resume_from_checkpoint", f"{whole}.out/checkpoint-8")], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    starts = [json.loads(line) for line in Path(f"{whole}.rank0.starts").read_text().splitlines()]
+    assert starts[-1]["step"] == 8, starts  # the Trainer's own resume, at its checkpoint's step
+
+    clean_run, killed, again = _clm_reports(ref), _clm_reports(out), _clm_reports(whole)
+    ref_evals = _evals(clean_run)
+    assert sorted(ref_evals) == [4, 8, 12, 16, 20, 22] and ref_evals[22] < ref_evals[4] - 0.2, ref_evals  # it learns
+    for run in (killed, again):
+        assert run["step"] == clean_run["step"] == 22, (run["step"], clean_run["step"])
+        evals = _evals(run)
+        assert all(abs(evals[s] - ref_evals[s]) < 5e-3 for s in evals) and 22 in evals, (evals, ref_evals)
+        assert abs(run["eval"]["eval_loss"] - clean_run["eval"]["eval_loss"]) < 5e-3, (run["eval"], clean_run["eval"])
+    for out_dir in (out, whole):
+        best = Path(killed["best"] if out_dir == out else again["best"])
+        assert best.parent == Path(f"{out_dir}.out") and (best / "trainer_state.json").exists(), best
+        json.loads((Path(f"{out_dir}.out") / "all_results.json").read_text())  # whole: one writer
 
 
 def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_path):

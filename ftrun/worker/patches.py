@@ -114,7 +114,8 @@ PATCHES: Dict[str, Patch] = {
     "hf.trainer": Patch(
         ("transformers.trainer.skip_first_batches",) + tuple(f"transformers.trainer.Trainer.{m}" for m in (
             "get_train_dataloader", "create_optimizer", "_wrap_model", "_init_training_state",
-            "_prepare_for_training", "_run_epoch", "get_batch_samples", "_finalize_training")),
+            "_prepare_for_training", "_run_epoch", "get_batch_samples", "_finalize_training",
+            "is_world_process_zero", "save_model")),
         "ftrun.worker.frameworks.hf",
         "--ft: the Trainer's model, optimizer, loader and loop over ftrun.ft (a failed replica heals from a peer)",
         "undo('hf.trainer'); a Trainer whose arguments ftrun did not set up calls transformers' own methods"),

@@ -180,12 +180,15 @@ def _patch_arguments(module: ModuleType) -> None:
 
     def _first_live(original: Any) -> property:
         def get(self: Any) -> bool:
+            if not getattr(self, "_ftrun", False):
+                return original.fget(self)
             ft = _active_ft()
-            if getattr(self, "_ftrun", False) and ft is not None and ft.joined:
+            if ft is not None and ft.joined:
                 # The first replica of the newest quorum (after train(), the last one's: a
                 # save_model() after it has one writer too).
                 return ft.loop.replica_index == 0
-            return original.fget(self)
+            # Before any train() (an evaluate() alone): replica 0, as without --ft.
+            return settings.current().rank_text == "0"
         return property(get)
 
     # One writer of checkpoints and logs: the first live replica (each Trainer is a run of one).
@@ -259,7 +262,7 @@ class _TrainerFT:
         from transformers.trainer_callback import TrainerState
 
         t = self.trainer
-        t.state = TrainerState(**json.loads(sd["trainer_state"]))
+        fields = json.loads(sd["trainer_state"])
         if sd.get("lr_scheduler") is not None and t.lr_scheduler is not None:
             t.lr_scheduler.load_state_dict(sd["lr_scheduler"])
         states = json.loads(sd["callbacks"])
@@ -270,6 +273,13 @@ class _TrainerFT:
                 for attribute, value in states[name][seen.get(name, 0)].get("attributes", {}).items():
                     setattr(cb, attribute, value)
                 seen[name] = seen.get(name, 0) + 1
+        # The TrainerState names its stateful callbacks (and the TrainerControl) as the Trainer's
+        # own made it: a checkpoint's save looks each one up by name.
+        from transformers.trainer_callback import ExportableState
+
+        fields["stateful_callbacks"] = [cb for cb in t.callback_handler.callbacks + [t.control]
+                                        if isinstance(cb, ExportableState)]
+        t.state = TrainerState(**fields)
 
     # ------------------------------------------------------------ the data
     def loader(self, dataloader: Any) -> Any:
@@ -463,7 +473,32 @@ def _patch_trainer(module: ModuleType) -> None:
             ft.loop.finish()
         return out
 
+    def is_world_process_zero(self: Any) -> bool:
+        # save_metrics(), save_state(), log_metrics() write (or print) on one process: the one
+        # writer of checkpoints (each Trainer is a run of one, which takes itself for process 0).
+        if getattr(self.args, "_ftrun", False):
+            return self.args.should_save
+        return original["is_world_process_zero"](self)
+
+    def save_model(self: Any, output_dir: Optional[str] = None, _internal_call: bool = False) -> Any:
+        out = original["save_model"](self, output_dir, _internal_call)
+        ft = _ft(self)
+        if ft is not None and ft.loop.running:
+            # The replicas wait for the writer's files, as DDP's processes do after a checkpoint's
+            # model is saved: the Trainer then looks for the best checkpoint's folder on disk (a
+            # replica that looked before the writer made it would keep an older best), and
+            # load_best_model_at_end reads it.
+            import torch
+            import torch.distributed as dist
+
+            ft.loop.across(lambda group: dist.all_reduce(torch.zeros(1, device=self.args.device), group=group),
+                           lambda: None)
+        return out
+
+    original["is_world_process_zero"] = cls.is_world_process_zero
+    original["save_model"] = cls.save_model
     for name, fn in (("get_train_dataloader", get_train_dataloader), ("create_optimizer", create_optimizer),
+                     ("is_world_process_zero", is_world_process_zero), ("save_model", save_model),
                      ("_wrap_model", _wrap_model), ("_init_training_state", _init_training_state),
                      ("_prepare_for_training", _prepare_for_training), ("_run_epoch", _run_epoch),
                      ("get_batch_samples", get_batch_samples), ("_finalize_training", _finalize_training)):
