@@ -15,6 +15,7 @@ invariants checked after every scheduled turn.
     scripts/simulate.py --stops --schedules 500           # a stop signal mid-run: stop quorums
     scripts/simulate.py --moves --schedules 500           # the store's host lost: the store moves (3 nodes)
     scripts/simulate.py --checkpoints --schedules 500     # checkpoints saved, resumed after every replica died
+    scripts/simulate.py --spares --schedules 500          # hot spares held back, promoted when a replica dies
 
 A violation prints the shortest schedule that still fails (faults removed one at a time while
 it does), as a line to replay, and the run exits 1. The last line is always
@@ -46,7 +47,7 @@ KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + [
 
 def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
                   max_restarts: Optional[int] = None, joiners: bool = False, stops: bool = False,
-                  moves: bool = False, checkpoints: bool = False) -> Schedule:
+                  moves: bool = False, checkpoints: bool = False, spares: bool = False) -> Schedule:
     """A random schedule: 2-5 replicas (2-3 of K workers with K > 1; 1-2 per node on several
     nodes), 8-20 rounds, 0-6 faults within the run's first 1.5 s, or 3-8 within 0.6 s; a fault's
     rank is any worker. On several nodes a quarter of the schedules lose a node besides. With a
@@ -59,7 +60,11 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
     hosting the run's store is lost at 0.1-2.5 s, and half the schedules kill a worker of another
     node, or in its next heal, around then. With `checkpoints`, the writer saves every 1-5 steps,
     and half the schedules kill every worker at once at 0.2-2.5 s (a whole-run restart: the next
-    quorum's source resumes the newest complete checkpoint)."""
+    quorum's source resumes the newest complete checkpoint). With `spares`, the keeper holds 1 to
+    replicas-2 replicas back as hot spares (1 of 2; the highest at the start), and the
+    faults aim at them: a held spare killed, a training replica killed and the spare taking its
+    place killed as it receives the state (mid-promotion), two training replicas killed at one
+    instant, and more failures than spares."""
     rng = random.Random(seed)
     if moves:
         nodes = max(nodes, 3)
@@ -115,6 +120,21 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
         s.checkpoint_every = rng.choice([1, 2, 3, 5])
         if rng.random() < 0.5:
             faults.append(Fault(round(rng.uniform(0.2, 2.5), 3), "kill-all"))
+    if spares:
+        s.spares = rng.randint(1, max(1, replicas - 2))
+        spare, trains = (replicas - 1) * k + rng.randrange(k), rng.randrange((replicas - s.spares) * k)
+        at = round(rng.uniform(0.1, 1.5), 3)
+        shape = rng.randrange(4)
+        if shape == 0:  # a held spare dies (it only restarts)
+            faults.append(Fault(at, "kill", spare))
+        elif shape == 1:  # a training replica dies; the spare taking its place dies as it receives the state
+            faults += [Fault(at, "kill", trains), Fault(at, "heal-kill", (replicas - s.spares) * k + rng.randrange(k))]
+        elif shape == 2:  # two failures in one round
+            other = (trains + k) % ((replicas - s.spares) * k)
+            faults += [Fault(at, "kill", trains), Fault(at, "kill", other)]
+        else:  # more failures than spares: none is left for the last
+            faults += [Fault(round(at + 0.2 * i, 3), "kill", rng.randrange((replicas - s.spares) * k))
+                       for i in range(s.spares + 1)]
     if stops:
         s.stop_at = round(rng.uniform(0.05, 2.5), 3)
         if rng.random() < 0.5:  # a worker dies during the stop (the writer, the lowest holder, most often)
@@ -130,7 +150,8 @@ def schedule_line(s: Schedule) -> str:
                 else {}),
              **({"joiners": s.joiners, "join_at": s.join_at} if s.joiners else {}),
              **({"stop_at": s.stop_at} if s.stop_at >= 0 else {}),
-             **({"checkpoint_every": s.checkpoint_every} if s.checkpoint_every else {})}
+             **({"checkpoint_every": s.checkpoint_every} if s.checkpoint_every else {}),
+             **({"spares": s.spares} if s.spares else {})}
     return json.dumps({"seed": s.seed, "replicas": s.replicas, **shape, "total": s.total,
                        "faults": [asdict(f) for f in s.faults]}, separators=(",", ":"))
 
@@ -141,7 +162,7 @@ def parse_schedule(text: str) -> Schedule:
                     int(d.get("k", 1)), int(d.get("nodes", 1)), int(d.get("round_steps", 1)),
                     int(d.get("max_restarts", UNLIMITED)), int(d.get("min_replicas", 1)),
                     int(d.get("joiners", 0)), float(d.get("join_at", 0.0)), float(d.get("stop_at", -1.0)),
-                    int(d.get("checkpoint_every", 0)))
+                    int(d.get("checkpoint_every", 0)), int(d.get("spares", 0)))
 
 
 def shrink(s: Schedule, bug, correct=None, budget_s: float = 60.0) -> Schedule:
@@ -197,6 +218,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--checkpoints", action="store_true",
                     help="the writer replica saves every 1-5 steps (--checkpoint-dir); half the schedules kill every "
                          "worker at once, and the run resumes from the newest complete checkpoint")
+    ap.add_argument("--spares", action="store_true",
+                    help="the keeper holds 1 or more replicas back as hot spares (--spares of ftrun); the faults "
+                         "aim at them: a spare killed while held or mid-promotion, two failures at once, more "
+                         "failures than spares")
     ap.add_argument("--bug", default="none", choices=sorted(BUGS),
                     help="put a historic bug back (tests of the simulator itself)")
     ap.add_argument("--stop-at-first", action="store_true", help="stop at the first violation")
@@ -212,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         n = a.schedules if a.schedules is not None else (SOAK_SCHEDULES if a.soak else CI_SCHEDULES)
         schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes, a.round_steps, a.max_restarts, a.joiners, a.stops, a.moves,
-                                   a.checkpoints)
+                                   a.checkpoints, a.spares)
                      for i in range(n))
     t0 = time.monotonic()
     runs = violations = 0

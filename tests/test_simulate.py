@@ -207,6 +207,10 @@ UNSYNCED_STEP = {"seed": 100066, "replicas": 2, "total": 19, "faults": [
 UNDECIDED_REDO = {"seed": 100062, "replicas": 3, "total": 7, "faults": [
     {"at": 0.489, "kind": "kill", "rank": 1, "dur": 0.0, "x": 0.0}]}
 
+# Planted in the keeper's view of --spares (--spares, seed 1, its first schedule): one replica too
+# many trains, with no fault at all.
+SPARE_SHORT = {"seed": 100000, "replicas": 2, "spares": 1, "total": 2, "faults": []}
+
 
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
     p = subprocess.run([sys.executable, str(SIMULATE), *args], capture_output=True, text=True, timeout=timeout,
@@ -707,3 +711,22 @@ def test_a_step_handed_out_before_its_rounds_decision_is_a_redo_when_voted_down(
     bad = _replay(UNDECIDED_REDO, "undecided-redo")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "side effects on" in bad[0] and "a state the run discarded" in bad[0], bad
+
+
+def test_hot_spares_budget_finds_no_violation():
+    """--spares (issue 43): the keeper holds the highest replicas back as hot spares and lists one in
+    the place of a training replica that dies. Faults aimed at them (a spare killed while held or as
+    it receives the state, two failures at one instant, more failures than spares) leave no held
+    spare in a quorum, no quorum training more than the replicas less the spares, and every other
+    invariant holding."""
+    lines = _simulate("--spares", "--schedules", "200", "--seed", "1", timeout=600)
+    assert lines[-1] == "200 schedules, 0 violations", "\n".join(lines[-20:])
+
+
+@pytest.mark.quick
+def test_spare_short_bug_fails_a_schedule_the_product_passes():
+    """(w) planted: the keeper decides from one spare fewer than --spares says."""
+    assert _replay(SPARE_SHORT)[-1] == "1 schedules, 0 violations"
+    bad = _replay(SPARE_SHORT, "spare-short")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "quorum 1 trains 2 replicas" in bad[0], bad

@@ -8,6 +8,7 @@ Must never be imported by the product.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -469,6 +470,20 @@ class UndecidedRedo(Wiring):
     driver = _UndecidedRedoDriver
 
 
+# ---------------------------------------------------------------- (w) planted: hot spares
+class _SpareShortKeeper(QuorumKeeper):
+    """Planted (no commit): the keeper decides from one spare fewer than --spares, so one replica
+    too many trains (with --spares 1, none is held back)."""
+
+    def _snapshot(self, top: int = -1, **read: Any) -> KeeperSnapshot:
+        snap = super()._snapshot(top, **read)
+        return dataclasses.replace(snap, spares=max(0, snap.spares - 1))
+
+
+class SpareShort(Wiring):
+    keeper = _SpareShortKeeper
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering a quorum at different rounds
@@ -493,6 +508,7 @@ BUGS: Dict[str, type] = {
     "finished-writer": FinishedWriter,  # (t) a stop's writer that had left the loop, never replaced (found by it)
     "unsynced-step": UnsyncedStep,    # (u) a step handed to the script on a state out of sync (found by it)
     "undecided-redo": UndecidedRedo,  # (v) ft.redo() False on a step handed before its round's decision (found by it)
+    "spare-short": SpareShort,        # (w) planted: one hot spare fewer held back than --spares says
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-quorum": "collect-joiner"}

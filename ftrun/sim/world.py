@@ -93,6 +93,7 @@ class Schedule:
     join_at: float = 0.0  # when node 0 admits them (QuorumKeeper.add_ranks), and they start
     stop_at: float = -1.0  # a stop signal (SIGTERM with --checkpoint-dir) reaches ftrun then: a stop quorum
     checkpoint_every: int = 0  # --checkpoint-dir with --checkpoint-every N: the writer saves every N steps
+    spares: int = 0  # --spares N: the keeper holds N replicas back as hot spares (keeper/spares.py)
 
 
 class Group:
@@ -258,7 +259,7 @@ class World:
             shape = {"local_ranks": self.node_ranks(0), "routes": self.routes}
         self.keeper = bugs.keeper(_RunStore(self.store.client(600.0)), first, replica_size=self.k,
                                   settings=KeeperSettings(schedule.round_steps, True), clock=lambda: sched.now,
-                                  **shape)
+                                  spares=schedule.spares, **shape)
         # Every other node's ftrun: a follower keeper (it reports its workers to node 0's) and the relay.
         self.followers: Dict[int, QuorumKeeper] = {
             n: bugs.follower(_RunStore(self.store.client(600.0)), self.ranks, local_ranks=self.node_ranks(n),
@@ -322,8 +323,22 @@ class World:
                 self.violation(f"quorum {k.quorum_id} lists rank(s) {listed} of a replica dropped from the run")
         for r, inc in k.take_rejoined():  # the supervisor books a worker's next incarnation, its process the same
             self.inc[r] = inc
+        if self.sch.spares:
+            self._check_spares(k)
         if k.quorum_id > self._published_upto.get(node, 0):
             self._note_quorums(node, k)
+
+    def _check_spares(self, k: QuorumKeeper) -> None:
+        """Hot spares (--spares): a replica the keeper holds back is in none of its quorums, and a
+        quorum trains at most the run's replicas less the spares."""
+        both = sorted(r for r in k.held if r in k.members)
+        if both:
+            self.violation(f"rank(s) {both} held back as spares are members of quorum {k.quorum_id}")
+        most = len(k.ranks) // self.k - self.sch.spares
+        training = {r // self.k for r in k.members}
+        if len(training) > most:
+            self.violation(f"quorum {k.quorum_id} trains {len(training)} replicas ({sorted(training)}), more than the "
+                           f"{most} the run's replicas less its {self.sch.spares} spare(s) leave")
 
     def _note_quorums(self, node: int, k: QuorumKeeper) -> None:
         """The quorums node's keeper published since the last tick: none published twice otherwise
@@ -416,7 +431,8 @@ class World:
         keeper = (self.bugs.keeper if n == h else self.bugs.follower)(
             _RunStore(self.store.client(600.0)), [r for e in self.elected for r in self.node_ranks(e)],
             local_ranks=self.node_ranks(n), leader=n == h, replica_size=self.k, routes=self.routes,
-            settings=KeeperSettings(self.sch.round_steps, True), clock=lambda: self.sched.now)
+            settings=KeeperSettings(self.sch.round_steps, True), clock=lambda: self.sched.now,
+            spares=self.sch.spares)
         keeper.store_moved(old, alive)
         keeper.on_store_ready()
         self.node_keeper[n] = keeper
