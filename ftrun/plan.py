@@ -91,9 +91,10 @@ def _summary(cfg: RunConfig, shown: RunConfig, hosts: Optional[bool]) -> List[st
             policy += f"; a replica is {cfg.replica_size} workers sharding the model"
         if cfg.spares:
             total = cfg.world_size // cfg.replica_size
+            s = "s" if cfg.spares != 1 else ""
             policy += (f"; {total - cfg.spares} training replica{'s' if total - cfg.spares != 1 else ''} and "
-                       f"{cfg.spares} hot spare{'s' if cfg.spares != 1 else ''} (replica{'s' if cfg.spares != 1 else ''} "
-                       f"{_span(total - cfg.spares, total - 1)} at the start), a spare takes a failed replica's place")
+                       f"{cfg.spares} hot spare{s} (replica{s} {_span(total - cfg.spares, total - 1)} at the start), "
+                       f"a spare takes a failed replica's place")
         if cfg.checkpoint_dir:
             policy += f"; checkpoints in {cfg.checkpoint_dir} every {cfg.checkpoint_every} steps"
     else:

@@ -109,7 +109,8 @@ def heal(size: str, home: Path, spares: int = 0) -> dict:
         found = re.findall(r"received ([\d.]+) MB of state from rank \d+ in ([\d.]+) s", log)
         transfers.append(tuple(float(x) for x in found[-1]))
     mb = max(m for m, _ in transfers)
-    return {"size": size + (" + spare" if spares else ""), "params": params_of(*SIZES[size][:3]), "shard_mb": mb, "back_s": max(back) - killed_at,
+    return {"size": size + (" + spare" if spares else ""), "params": params_of(*SIZES[size][:3]), "shard_mb": mb,
+            "back_s": max(back) - killed_at,
             "transfer_s": max(s for _, s in transfers)}
 
 

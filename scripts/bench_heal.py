@@ -191,7 +191,8 @@ def one_run(size: str, home: Path, spares: int = 0, restart_delay: float = 0.0, 
     phases = phases_of(seen, killed_at, back_at, back_rank, spares, secs)
     return {
         **phases,
-        "size": size, "spares": spares, "params": params_of(dim, hidden, depth), "state_mb": mb, "back_s": back_at - killed_at,
+        "size": size, "spares": spares, "params": params_of(dim, hidden, depth), "state_mb": mb,
+        "back_s": back_at - killed_at,
         "transfer_s": secs, "gbps": gbps, "survivor_max_step_s": max(gaps) if gaps else 0.0,
         "survivor_median_step_s": statistics.median(all_gaps), "sup_rss_mb": watch.peak / 1e6,
         "sup_rss_before_mb": watch.before(killed_at) / 1e6,
@@ -212,8 +213,8 @@ def phases_of(seen, killed_at: float, back_at: float, back_rank: int, spares: in
         return next((t for t, line in seen if t >= after and re.search(pattern, line)), float("nan"))
 
     detected = first(r"ftrun: rank 1 \(pid \d+\) killed by SIGKILL", killed_at)
-    decided = first(r"ftrun: quorum \d+: .*(spare replica \d+ takes its place|rank 1 joined|ranks [\d, ]*1[\d, ]* joined)",
-                    killed_at)
+    decided = first(r"ftrun: quorum \d+: .*(spare replica \d+ takes its place|rank 1 joined"
+                    r"|ranks [\d, ]*1[\d, ]* joined)", killed_at)
     healed = first(rf"\[rank {back_rank}\] ftrun\.ft: detail: rank {back_rank}: received", killed_at)
     # A spare is ready when the quorum is decided (it waited all along); a restarted replica when it
     # asked to join, which the keeper answers at its next poll: the decision is then a poll away.

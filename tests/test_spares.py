@@ -233,7 +233,8 @@ def test_the_keeper_holds_back_spares(s, joins, pending, held, publish):
 
 
 EXITS = [
-    pytest.param(_snap(members={0: 0, 1: 0, 2: 0}, held={3: 0}), 1, {3: 0}, "rank 1 left; spare replica 3 takes its place",
+    pytest.param(_snap(members={0: 0, 1: 0, 2: 0}, held={3: 0}), 1, {3: 0},
+                 "rank 1 left; spare replica 3 takes its place",
                  id="the spare takes the dead replica's place"),
     pytest.param(_snap(members={0: 0, 1: 0, 2: 0}, held={3: 0}, alive={0: 0, 1: 0, 2: 0, 3: None}), 1, {},
                  "rank 1 left", id="a spare that died meanwhile is not promoted"),

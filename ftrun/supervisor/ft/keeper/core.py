@@ -140,7 +140,7 @@ class KeeperAdmission:
     reason: str
     quiet: bool = False              # a re-paced quorum of the same members, said nowhere
     repace_after: Optional[float] = None  # set when re-paced: no other before this
-    held: Mapping[int, int] = field(default_factory=dict)  # ranks held back as hot spares (ftrun/supervisor/ft/keeper/spares.py)
+    held: Mapping[int, int] = field(default_factory=dict)  # ranks held back as hot spares (keeper/spares.py)
 
 
 @dataclass(frozen=True)
