@@ -128,6 +128,18 @@ def test_spares_take_failed_replicas_places_and_the_failed_ones_become_spares(ft
     assert set().union(*(_replicas_seen(log_dir, r) for r in range(4))) <= {2, 3}
 
 
+def test_a_spare_never_needed_exits_0_without_the_code_after_its_loop(ftrun_home, tmp_path):
+    """No failure: the spare waits the whole run, then exits 0 with one line saying it was a spare,
+    without running the script's code after its loop (it saves nothing); the others finish."""
+    out = tmp_path / "p"
+    proc = run_ftrun(["--nproc", 3, "--ft", "--spares", 1, TRAIN, *TINY, "--steps", 20, "--out", out], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("rank 2: the run finished at step 20 while this replica was waiting to join as a hot spare; no peer is "
+            "left to heal it") in proc.stderr, proc.stderr[-3000:]
+    assert not Path(f"{out}.rank2.pt").exists()
+    assert _identical(out, [0, 1]) == 20
+
+
 def test_a_sharded_spare_replica_takes_a_failed_replicas_place(ftrun_home, tmp_path):
     """--replica-size 2 --spares 1 on 6 workers: replicas 0 and 1 train (FSDP2 over their 2 workers),
     replica 2 (ranks 4 and 5) waits whole as the spare. A worker of replica 0 is killed: replica 0

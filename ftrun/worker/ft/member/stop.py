@@ -64,7 +64,9 @@ class StopPaths:
         takes the final checkpoint when there is one; otherwise it exits at once, with status 0,
         so that the script's code after the loop never runs on its untrained state."""
         d = self.d
-        lead = f"rank {d.rank}: the run finished at step {d.step} while this replica was restarting"
+        # A first incarnation that never entered a quorum waited the whole run: a hot spare (--spares).
+        was = "waiting to join as a hot spare" if d.inc == 0 and d.quorum is None else "restarting"
+        lead = f"rank {d.rank}: the run finished at step {d.step} while this replica was {was}"
         if d.checkpoints is not None and d.k == 1:
             try:
                 found = d.checkpoints.resume(d.state, d.total)
