@@ -88,7 +88,7 @@ def test_spares_take_failed_replicas_places_and_the_failed_ones_become_spares(ft
     out = tmp_path / "p"
     run_id = "spares"
     proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--run-id", run_id, TRAIN, *TINY,
-                         "--steps", 240, "--step-sleep", 0.03, "--out", out])
+                         "--steps", 300, "--step-sleep", 0.03, "--out", out])
     try:
         st = _wait(ftrun_home, run_id, proc, "replica 3 waiting as the spare with the others training",
                    lambda st: _replica(st, 3).get("spare") and _replica(st, 0)["step"] >= 5)
@@ -122,8 +122,8 @@ def test_spares_take_failed_replicas_places_and_the_failed_ones_become_spares(ft
     trained = [r for r in range(4) if Path(f"{out}.rank{r}.pt").exists()]
     assert len(trained) == 3 and 1 in trained and 3 in trained, trained
     spare = ({0, 2} - set(trained)).pop()
-    assert f"rank {spare}: the run finished at step 240 while this replica was" in err, err[-3000:]
-    assert _identical(out, trained) == 240
+    assert f"rank {spare}: the run finished at step 300 while this replica was" in err, err[-3000:]
+    assert _identical(out, trained) == 300
     log_dir = Path(read_state(ftrun_home, run_id)["log_dir"])
     assert set().union(*(_replicas_seen(log_dir, r) for r in range(4))) <= {2, 3}
 
@@ -153,7 +153,7 @@ def test_a_sharded_spare_replica_takes_a_failed_replicas_place(ftrun_home, tmp_p
     out = tmp_path / "p"
     run_id = "sharded-spare"
     proc = start_logged(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--run-id", run_id,
-                         SCRIPTS / "train_fsdp_ft.py", "--dim", 32, "--hidden", 64, "--blocks", 1, "--steps", 80,
+                         SCRIPTS / "train_fsdp_ft.py", "--dim", 32, "--hidden", 64, "--blocks", 1, "--steps", 150,
                          "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5"})
     try:
         st = _wait(ftrun_home, run_id, proc, "replica 2 waiting as the spare",
@@ -163,6 +163,8 @@ def test_a_sharded_spare_replica_takes_a_failed_replicas_place(ftrun_home, tmp_p
         st = _wait(ftrun_home, run_id, proc, "the spare healing as it takes replica 0's place",
                    lambda st: _replica(st, 4).get("ft_phase") == "heal")
         _kill(st, 4)
+        _wait(ftrun_home, run_id, proc, "a restarted replica training again",
+              lambda st: any(_replica(st, r)["restarts"] == 1 and _replica(st, r).get("in_quorum") for r in (0, 4)))
         rc, err = finish(proc, 180)
     finally:
         proc.kill()
