@@ -92,9 +92,11 @@ def _summary(cfg: RunConfig, shown: RunConfig, hosts: Optional[bool]) -> List[st
         if cfg.spares:
             total = cfg.world_size // cfg.replica_size
             s = "s" if cfg.spares != 1 else ""
-            policy += (f"; {total - cfg.spares} training replica{'s' if total - cfg.spares != 1 else ''} and "
-                       f"{cfg.spares} hot spare{s} (replica{s} {_span(total - cfg.spares, total - 1)} at the start), "
-                       f"a spare takes a failed replica's place")
+            where = (f"replica{s} {_span(total - cfg.spares, total - 1)} at the start" if cfg.min_nodes == cfg.max_nodes
+                     else f"the highest replica{s} of the nodes there are")
+            policy += (f"; {'up to ' if cfg.min_nodes != cfg.max_nodes else ''}{total - cfg.spares} training "
+                       f"replica{'s' if total - cfg.spares != 1 else ''} and "
+                       f"{cfg.spares} hot spare{s} ({where}), a spare takes a failed replica's place")
         if cfg.checkpoint_dir:
             policy += f"; checkpoints in {cfg.checkpoint_dir} every {cfg.checkpoint_every} steps"
     else:
@@ -149,6 +151,11 @@ def _nodes(cfg: RunConfig, shown: RunConfig, hosts: Optional[bool]) -> List[str]
             note.append("hosts the run's store")
         if cfg.rdzv == "c10d" and node >= cfg.min_nodes:
             note.append(f"if it joins (the run starts with {cfg.min_nodes} or more)")
+        if cfg.ft and cfg.spares and cfg.min_nodes == cfg.max_nodes:  # the highest replicas wait as spares
+            spares = [r for r in range(first // k, last // k + 1) if r >= shown.nnodes * cfg.nproc // k - cfg.spares]
+            if spares:
+                note.append(f"replica{'s' if len(spares) > 1 else ''} {_span(spares[0], spares[-1])} "
+                            f"start{'s' if len(spares) == 1 else ''} as {'spares' if len(spares) > 1 else 'a spare'}")
         replicas = f"{first // k}-{last // k}" if cfg.ft and last // k != first // k else (
             str(first // k) if cfg.ft else "")
         rows.append((str(node), str(cfg.nproc), f"{first}-{last}" if last != first else str(first), replicas,

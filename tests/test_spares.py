@@ -203,6 +203,7 @@ def test_spares_from_a_recipe_and_pet_show_in_the_dry_run(tmp_path):
     proc = run_ftrun(["--recipe", recipe, "--dry-run", TRAIN], timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert "2 training replicas and 1 hot spare (replica 2 at the start)" in proc.stdout, proc.stdout
+    assert re.search(r"(?m)^\s+0\s+6\s+0-5\s+0-2\s+.*replica 2 starts as a spare$", proc.stdout), proc.stdout
     proc = run_ftrun(["--nproc", 4, "--ft", "--dry-run", TRAIN], timeout=30, env={"PET_SPARES": "2"})
     assert proc.returncode == 0, proc.stderr
     assert "2 training replicas and 2 hot spares (replicas 2-3 at the start)" in proc.stdout, proc.stdout
