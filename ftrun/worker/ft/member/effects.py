@@ -73,6 +73,10 @@ class MemberEffects:
     def sleep(self, seconds: float) -> None:
         raise NotImplementedError
 
+    def join_sleep(self) -> Callable[[float], None]:
+        """The sleep between the polls of one join's wait (membership.wait_to_enter)."""
+        return self.sleep
+
     def spawn(self, fn: Callable[[], None], name: str, low_priority: bool = False) -> None:
         """Run `fn` on a thread of this process (a daemon: it ends with the process)."""
         raise NotImplementedError

@@ -26,7 +26,7 @@ class QuorumEntry:
         d = self.d
         d.set_phase("join")
         t0 = d.fx.wall()
-        entry = d.wait_to_enter(d.store, (d.rank, d.inc), d.fx.sleep, d.fx.poll_s)
+        entry = d.wait_to_enter(d.store, (d.rank, d.inc), d.fx.join_sleep(), d.fx.poll_s)
         if entry.finished is None:
             d.watch.seen(entry.latest)  # the newest quorum: a round we close names it, so members move on
             d.watch.start()
