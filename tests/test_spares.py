@@ -234,6 +234,12 @@ ADMIT = [
     pytest.param(_snap(n=8, k=2, spares=1, members={0: 0, 1: 0, 2: 0, 3: 0}, quorum_id=2,
                        alive={r: 0 for r in range(8)}), {4: 0, 5: 0, 6: 0, 7: 0}, {4: 0, 5: 0}, {6: 0, 7: 0},
                  "ranks 4, 5 joined; 1 spare held back", id="a spare of --replica-size 2 is a whole replica"),
+    pytest.param(_snap(ranks=[2, 3], alive={2: 0, 3: 0}, spares=2, moved=True, awaited={2}, quorum_id=5),
+                 {2: 0, 3: 0}, {2: 0}, {3: 0}, "rank 2 joined; 1 spare held back",
+                 id="a moved store's keeper with fewer replicas than the spares plus one still trains one"),
+    pytest.param(_snap(ranks=[1, 2, 3], alive={1: 0, 2: 0, 3: 0}, moved=True, awaited={2, 3}, quorum_id=5),
+                 {1: 0, 2: 0, 3: 0}, {2: 0, 3: 0}, {1: 0}, "ranks 2, 3 joined; 1 spare held back",
+                 id="on a moved store the last quorum's members train, a former spare waits"),
     pytest.param(_snap(spares=0, members={0: 0, 2: 0, 3: 0}, quorum_id=4, alive={0: 0, 1: 1, 2: 0, 3: 0}),
                  {1: 1}, {1: 1}, {}, "rank 1 joined", id="without spares every joiner is admitted"),
 ]

@@ -334,7 +334,7 @@ class World:
         both = sorted(r for r in k.held if r in k.members)
         if both:
             self.violation(f"rank(s) {both} held back as spares are members of quorum {k.quorum_id}")
-        most = len(k.ranks) // self.k - self.sch.spares
+        most = max(1, len(k.ranks) // self.k - self.sch.spares)  # one trains at least (keeper/spares.py target)
         training = {r // self.k for r in k.members}
         if len(training) > most:
             self.violation(f"quorum {k.quorum_id} trains {len(training)} replicas ({sorted(training)}), more than the "

@@ -17,7 +17,7 @@ Must never import torch.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Protocol, Sequence, Tuple
+from typing import AbstractSet, Dict, Mapping, Optional, Protocol, Sequence, Tuple
 
 
 class SpareView(Protocol):
@@ -30,13 +30,17 @@ class SpareView(Protocol):
     pending: Mapping[int, int]
     held: Mapping[int, int]
     alive: Mapping[int, Optional[int]]
+    moved: bool
+    awaited: Optional[AbstractSet[int]]
 
     def mates(self, rank: int) -> Tuple[int, ...]: ...
 
 
 def target(s: SpareView) -> int:
-    """How many replicas train: every replica of the run but the spares."""
-    return len(s.ranks) // s.k - s.spares
+    """How many replicas train: every replica of the run but the spares, and one at least (a
+    keeper on a moved store may know fewer replicas than the spares plus one: it held every replica
+    back and nothing trained again; found by the simulator)."""
+    return max(1, len(s.ranks) // s.k - s.spares)
 
 
 def room(s: SpareView, members: Mapping[int, int]) -> int:
@@ -51,7 +55,10 @@ def split(s: SpareView, candidates: Mapping[int, int]) -> Tuple[Dict[int, int], 
     the order they asked in."""
     if not s.spares:
         return dict(candidates), {}
-    reps = sorted({r // s.k for r in candidates})
+    # On a moved store the last quorum's members come first: they hold the trained state (the spares
+    # held none), and a quorum of spares would heal from a replica holding less than the newest step.
+    trained = {r // s.k for r in s.awaited} if s.moved and s.awaited else set()
+    reps = sorted({r // s.k for r in candidates}, key=lambda rep: (rep not in trained, rep))
     taken = set(reps[:max(0, room(s, s.members))])
     admitted = {r: inc for r, inc in candidates.items() if r // s.k in taken}
     held = {r: inc for r, inc in candidates.items() if r // s.k not in taken}
