@@ -8,6 +8,8 @@ Shared:
   the framework's counters count committed steps), finish(); the framework's whole state as
   registered state (one torch.save blob, in heals and --checkpoint-dir checkpoints alike); a heal
   in place mid-loop restarts the process instead (a framework's loop cannot go back a step).
+  across() makes a framework's own collective (a metric's reduce, a barrier) over the live
+  replicas where they are in step, and this replica's own value elsewhere.
 - sampler.py, StepBatchSampler: the training loader's batches, a fixed number of steps an epoch
   whoever is away, each step split over the live workers; fix() says when a prefetched batch must
   be loaded again for the membership of its step.
