@@ -77,6 +77,10 @@ class MemberEffects:
         """The sleep between the polls of one join's wait (membership.wait_to_enter)."""
         return self.sleep
 
+    def park(self) -> None:
+        """The member is parked by a stop (its step saved or not, it only waits for the stop's
+        signal): from now on that signal ends the process as it would a plain script's."""
+
     def spawn(self, fn: Callable[[], None], name: str, low_priority: bool = False) -> None:
         """Run `fn` on a thread of this process (a daemon: it ends with the process)."""
         raise NotImplementedError

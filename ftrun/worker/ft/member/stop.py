@@ -91,6 +91,7 @@ class StopPaths:
         d = self.d
         d.entry.drop_group()
         d.set_phase("stop")
+        d.fx.park()
         saved = False
         while True:
             d.core.handle(Entered(quorum, d.round))  # reported as the member's quorum

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import threading
 import time
@@ -141,6 +142,18 @@ class TorchEffects(MemberEffects):
         def sleep(seconds: float) -> None:
             time.sleep(seconds if time.monotonic() - start < JOIN_FAST_S else max(seconds, SPARE_POLL_S))
         return sleep
+
+    def park(self) -> None:
+        # The script's own handlers have nothing left to do: a SIGTERM handler that only sets a
+        # flag (Lightning's) would keep the process alive to its SIGKILL, and torch's SIGCHLD
+        # handler raises in the park when the DataLoader's workers, in this process group, die of
+        # the same signal first: a traceback per rank on a clean stop. SIGINT ends it with
+        # KeyboardInterrupt, which the bootstrap reports in one line.
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal dispositions can only be changed from the main thread
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def spawn(self, fn: Callable[[], None], name: str, low_priority: bool = False) -> None:
         def run() -> None:
