@@ -203,7 +203,7 @@ def test_group_restart_loses_the_steps_since_the_scripts_checkpoint():
     assert b.failures[idx].lost_s == pytest.approx(b.lost_s["failures"], rel=1e-6)
 
 
-def test_a_replica_given_up_is_a_spare_lane_charged_to_failures():
+def test_a_replica_given_up_is_a_gone_lane_charged_to_failures():
     acc = Accountant(2, started=0.0, ft=True)
     for r in (0, 1):
         acc.spawned(r, 0.0)
@@ -215,8 +215,39 @@ def test_a_replica_given_up_is_a_spare_lane_charged_to_failures():
     s0.run(3.1, 6.0)
     b = acc.snapshot(6.0)
     _balanced(b)
-    assert b.lanes == {0: "training", 1: "spare"}
+    assert b.lanes == {0: "training", 1: "gone"}
     assert b.lost_s["failures"] == pytest.approx(6.0 - 3.0, abs=0.02)
+    assert b.spare_s == 0
+
+
+def test_a_hot_spare_waits_apart_from_the_replica_time_and_brings_a_failure_back():
+    """--spares: replica 2 is held back after its start-up, replica 1 dies, the spare takes its place
+    (it heals for rank 1's failure, and its first step brings that failure back), and replica 1,
+    restarted, is held back as the spare. The spares' time is booked apart, not in the replica-time."""
+    acc = Accountant(3, started=0.0, ft=True)
+    for r in (0, 1, 2):
+        acc.spawned(r, 0.0)
+    acc.spare(2, 1.0, waiting=True)
+    s0, s1 = Steps(acc, 0, 0.1), Steps(acc, 1, 0.1)
+    s0.run(1.0, 5.0)
+    s1.run(1.0, 5.0)
+    idx = acc.failed(1, 5.05, rank=1, cause="killed by SIGKILL", kind="signal")
+    acc.spare(2, 5.1, waiting=False)
+    acc.spawned(1, 5.2)
+    acc.spare(1, 6.0, waiting=True)
+    s0.run(5.1, 8.0)
+    Steps(acc, 2, 0.1).run(6.0, 8.0, start_step=s0.step - 20)
+    b = acc.snapshot(8.0)
+    _balanced(b)
+    assert b.lanes == {0: "training", 1: "spare", 2: "training"}
+    assert b.spare_s == pytest.approx(1.0 + 4.1 + 0.8 + 2.0, abs=0.02)  # 2's start-up and wait, 1's restart and wait
+    assert b.replica_s == pytest.approx(3 * b.now - b.spare_s)
+    assert b.lost_s["startup"] == pytest.approx(2 * 1.0)     # the training replicas' only
+    assert b.failures[idx].back_s == pytest.approx(6.0 - 5.05)
+    assert b.failures[idx].lost_s == pytest.approx((5.05 - 5.0) + (6.0 - 5.1))  # the step in flight, the spare's heal
+    segs = acc.segments(8.0)
+    assert [s[2] for s in segs[2]] == ["spare", "spare", "healing", "training"]  # its start-up was a spare's
+    assert [s[2] for s in segs[1]][-2:] == ["spare", "spare"]  # its restart was a spare's, then its wait
 
 
 def test_the_snapshot_changes_nothing_and_stops_at_the_end():

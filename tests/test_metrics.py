@@ -162,3 +162,26 @@ def test_bad_metrics_port_is_one_line(tmp_path, args, env, problem):
     proc = run_ftrun(args + [str(SCRIPTS / "train_ft.py")], env={"FTRUN_HOME": str(tmp_path / "h"), **env})
     assert proc.returncode == 2, proc.stderr
     assert problem in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.quick
+def test_hot_spares_show_apart_in_the_metrics():
+    """--spares: a waiting spare is its own replica state (a replica given up is `gone`), and the
+    spares' waiting replica-seconds are a gauge of their own, apart from the lost seconds; a run
+    without spares has no such gauge."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from ftrun.supervisor.accounting.metrics import MetricsView, RunCollector
+
+    def text(view: MetricsView) -> str:
+        c, reg = RunCollector("r", 0), CollectorRegistry()
+        c.update(view)
+        reg.register(c)
+        return generate_latest(reg).decode()
+
+    got = text(MetricsView(replicas={"training": 3, "spare": 1, "gone": 0}, goodput=0.9, lost_s={"startup": 2.0},
+                           spare_s=5.5))
+    assert 'ftrun_replicas{node="0",run_id="r",state="spare"} 1.0' in got, got
+    assert 'ftrun_replicas{node="0",run_id="r",state="gone"} 0.0' in got, got
+    assert 'ftrun_spare_seconds{node="0",run_id="r"} 5.5' in got, got
+    assert "ftrun_spare_seconds" not in text(MetricsView(replicas={"training": 3}))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -130,14 +132,44 @@ def test_spares_take_failed_replicas_places_and_the_failed_ones_become_spares(ft
 
 def test_a_spare_never_needed_exits_0_without_the_code_after_its_loop(ftrun_home, tmp_path):
     """No failure: the spare waits the whole run, then exits 0 with one line saying it was a spare,
-    without running the script's code after its loop (it saves nothing); the others finish."""
+    without running the script's code after its loop (it saves nothing); the others finish. The
+    goodput books the spare's start-up and wait apart (spare_s, its lane drawn as spare, the
+    summary's "less ... waiting as hot spares"), not in the replica-time of the 2 that trained."""
+    import json
+
     out = tmp_path / "p"
-    proc = run_ftrun(["--nproc", 3, "--ft", "--spares", 1, TRAIN, *TINY, "--steps", 20, "--out", out], timeout=120)
+    proc = run_ftrun(["--nproc", 3, "--ft", "--spares", 1, "--run-id", "idle-spare", TRAIN, *TINY, "--steps", 20,
+                      "--out", out], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ("rank 2: the run finished at step 20 while this replica was waiting to join as a hot spare; no peer is "
             "left to heal it") in proc.stderr, proc.stderr[-3000:]
     assert not Path(f"{out}.rank2.pt").exists()
     assert _identical(out, [0, 1]) == 20
+    st = read_state(ftrun_home, "idle-spare")
+    timeline = json.loads((ftrun_home / "idle-spare" / "timeline.json").read_text())
+    wall = st["ended"] - st["started"]
+    # The spare's lane from its start to its exit: all of it a spare's (its tail to the run's end is the end's).
+    assert 0.5 * wall < st["spare_s"] <= wall + 0.01, (st["spare_s"], wall)
+    assert st["replica_s"] == pytest.approx(3 * wall - st["spare_s"], abs=0.2), (st["replica_s"], wall)
+    spare_lane = next(lane for lane in timeline["lanes"] if lane["replica"] == 2)
+    assert {seg[2] for seg in spare_lane["segments"]} <= {"spare", "done"}, spare_lane
+    assert timeline["spare_s"] == pytest.approx(st["spare_s"], abs=0.01)
+    table = run_ftrun(["status", "idle-spare"], timeout=30, env={"COLUMNS": "200"}).stdout
+    assert re.search(r"goodput [\d.]+%; lost: .*; hot spares waited [\d.]+s", table), table
+    head = next(line for line in proc.stderr.splitlines() if "goodput " in line)
+    assert re.search(r"\(3 replicas x [\d.]+ s, less [\d.]+ s waiting as hot spares\)", head), head
+    browser = shutil.which("chromium")
+    if browser:  # the report draws the spare's lane as a spare, and its wait in a row apart from the replica-time
+        page = tmp_path / "page.html"
+        assert run_ftrun(["report", "idle-spare", "-o", page], timeout=60).returncode == 0
+        dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                              f"--user-data-dir={tmp_path / 'chrome'}", "--dump-dom", f"file://{page}"],
+                             capture_output=True, text=True, timeout=90)
+        html = dom.stdout
+        assert 'data-drawn="1"' in html, dom.stderr[-2000:]
+        lane = re.search(r'<g class="lane" data-replica="2".*?</g>', html, re.S).group(0)
+        assert 'data-state="spare"' in lane and 'data-state="starting"' not in lane, lane
+        assert re.findall(r'class="cause" data-cause="(\w+)"', html)[-1] == "spare"
 
 
 def test_a_sharded_spare_replica_takes_a_failed_replicas_place(ftrun_home, tmp_path):
@@ -279,3 +311,29 @@ def test_a_spares_death_changes_no_quorum():
 
     d = core.exit_plan(_snap(members={0: 0, 1: 0, 2: 0}, held={3: 0}), 3, 0, False)
     assert (d.publish, dict(d.leaving), dict(d.promote)) == (None, {}, {})
+
+
+FOLLOWED = [
+    pytest.param(_snap(members={0: 0, 1: 0, 2: 0}, quorum_id=1, info={3: {"inc": 0, "phase": "join"}}), {3: 0},
+                 id="a replica waiting to join beside a whole quorum is the spare"),
+    pytest.param(_snap(members={0: 0, 2: 0, 3: 0}, quorum_id=3,
+                       info={1: {"inc": 1, "phase": "join"}, 3: {"inc": 0, "phase": "compute"}}), {1: 1},
+                 id="a restarted replica waiting beside a whole quorum is the spare"),
+    pytest.param(_snap(members={0: 0, 2: 0}, quorum_id=3, info={1: {"inc": 1, "phase": "join"}}), {},
+                 id="a joiner beside a quorum short of a replica is no spare"),
+    pytest.param(_snap(spares=0, members={0: 0, 1: 0, 2: 0}, info={3: {"inc": 0, "phase": "join"}}), {},
+                 id="without spares nobody is one"),
+]
+
+
+@pytest.mark.parametrize("s, held", FOLLOWED)
+def test_a_follower_node_sees_the_leaders_spares(s, held):
+    """Another node's keeper is not told whom the leader holds back: it reads the spares from the
+    replicas' reports, so that node's `ftrun status` says spare (not out) and its goodput books them apart."""
+    from ftrun.supervisor.ft.keeper import core, spares
+
+    assert spares.followed(s) == held
+    alive = {r: (s.info.get(r) or {}).get("inc", 0) for r in range(4)}
+    s = _snap(**{f: getattr(s, f) for f in ("members", "quorum_id", "info", "spares")}, held=held, alive=alive)
+    assert [core.replica_status(s, r).get("spare") for r in range(4)] == [r in held if s.spares else None
+                                                                          for r in range(4)]

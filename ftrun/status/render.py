@@ -202,7 +202,8 @@ CAUSE_WORDS = {"startup": "start-up", "failures": "failures", "hangs": "hangs", 
 
 
 def _goodput_line(run: Dict[str, Any]) -> Optional[Any]:
-    """'goodput 97.1%; lost: start-up 4.2s, failures 1.3s; 2 failures, back in 0.84s, 0.91s' (None before any figure)."""
+    """'goodput 97.1%; lost: start-up 4.2s, failures 1.3s; 2 failures, back in 0.84s, 0.91s' (None before any figure;
+    with --spares the spares' wait is said apart, after what was lost)."""
     from rich.text import Text
 
     gp = run.get("goodput")
@@ -212,6 +213,9 @@ def _goodput_line(run: Dict[str, Any]) -> Optional[Any]:
     parts = [f"{CAUSE_WORDS.get(c, c)} {_age(s)}" for c, s in sorted(lost.items(), key=lambda cs: -(cs[1] or 0))
              if isinstance(s, (int, float)) and s >= 0.05]
     text = f"  goodput {100 * gp:.1f}%" + ("; lost: " + ", ".join(parts) if parts else "")
+    spare = run.get("spare_s")
+    if isinstance(spare, (int, float)) and spare >= 0.05:  # not replica-time: said apart from what was lost
+        text += f"; hot spares waited {_age(spare)}"
     fails = [f for f in run.get("failures") or [] if isinstance(f, dict)]
     if fails:
         text += "; " + failures_words(fails, run.get("phase") == RunPhase.ENDED.value)

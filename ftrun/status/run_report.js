@@ -6,7 +6,7 @@
   var root = document.getElementById("report");
   var NS = "http://www.w3.org/2000/svg";
   var STATE_COLOURS = {starting: "#9ecae1", training: "#31a354", healing: "#c994c7", away: "#fd8d3c",
-                       hung: "#de2d26", spare: "#bdbdbd", done: "#3182bd"};
+                       hung: "#de2d26", spare: "#e5f5e0", gone: "#bdbdbd", done: "#3182bd"};
   var CAUSES = [["productive", "committed steps", "#31a354"], ["startup", "start-up", "#9ecae1"],
                 ["failures", "failures", "#fd8d3c"], ["hangs", "hangs", "#de2d26"],
                 ["checkpoints", "checkpoints", "#6a51a3"], ["waiting", "waiting", "#fdd835"],
@@ -44,9 +44,10 @@
   function when(t) { return new Date(t * 1000).toLocaleString(); }
 
   // ------------------------------------------------------------ header and breakdown
-  var books = {replica_s: 0, productive_s: 0, lost_s: {}, steps_taken: 0, steps_lost: 0};
+  var books = {replica_s: 0, spare_s: 0, productive_s: 0, lost_s: {}, steps_taken: 0, steps_lost: 0};
   nodes.forEach(function (n) {
     books.replica_s += n.replica_s || 0;
+    books.spare_s += n.spare_s || 0;  // --spares: hot spares' wait, apart from the replica-time
     books.productive_s += n.productive_s || 0;
     books.steps_taken = Math.max(books.steps_taken, n.steps_taken || 0);
     books.steps_lost += n.steps_lost || 0;
@@ -96,9 +97,19 @@
     el("td", {"class": "num"}, tr, books.replica_s > 0 ? (100 * r[3] / books.replica_s).toFixed(1) + "%" : "-");
   });
   var tot = el("tr", {}, tbl);
-  el("td", {}, tot, "the run's replica-time (" + lanes.length + " \u00d7 " + secs(books.replica_s / Math.max(1, lanes.length)) + ")");
+  var wall = (books.replica_s + books.spare_s) / Math.max(1, lanes.length);
+  el("td", {}, tot, "the run's replica-time (" + lanes.length + " \u00d7 " + secs(wall) +
+     (books.spare_s > 0 ? ", less the hot spares' wait" : "") + ")");
   el("td", {"class": "num"}, tot, books.replica_s.toFixed(1));
   el("td", {"class": "num"}, tot, "100%");
+  if (books.spare_s > 0) {  // not replica-time: a spare trains nothing and is not counted in the goodput
+    var sp = el("tr", {"class": "cause", "data-cause": "spare"}, tbl);
+    var std = el("td", {}, sp);
+    el("span", {"class": "swatch", style: "background:" + STATE_COLOURS.spare}, std);
+    std.appendChild(document.createTextNode("apart: hot spares waiting"));
+    el("td", {"class": "num"}, sp, books.spare_s.toFixed(1));
+    el("td", {"class": "num"}, sp, "-");
+  }
   el("div", {"class": "sub", style: "margin-top:6px"}, card, books.steps_taken + " steps taken" +
      (books.steps_lost ? ", " + books.steps_lost + " discarded or redone" : "") + "; " +
      failures.length + " failure" + (failures.length === 1 ? "" : "s"));

@@ -4,7 +4,7 @@ Reads what the run's supervisors wrote on this machine (each node's state.json a
 timeline.json: ftrun.supervisor.accounting.ledger) and writes a single HTML file with the data,
 the script that draws it and its styles inlined, so it opens with no network from a
 cluster's shared disk: a lane per replica (starting, training, healing, away, hung,
-spare, done), the failures marked with their cause, committed steps per second over
+done, spare: a hot spare waiting, gone: given up), the failures marked with their cause, committed steps per second over
 time, the checkpoints, and the goodput breakdown.
 Must never import torch, and never write anything but the one output file.
 """

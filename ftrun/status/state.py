@@ -85,6 +85,7 @@ class RunStatus:
     goodput: Optional[float] = None
     lost_s: Optional[Dict[str, float]] = None
     replica_s: Optional[float] = None
+    spare_s: Optional[float] = None     # --spares: replica-seconds spent waiting as hot spares (not in replica_s)
     steps_lost: Optional[int] = None
     failures: List[Dict[str, Any]] = field(default_factory=list)
     metrics_url: Optional[str] = None    # --metrics-port: where the Prometheus text is served
@@ -148,7 +149,10 @@ RUN_FIELDS: Dict[str, str] = {
                "report and metrics).",
     "lost_s": "Replica-seconds not spent on committed steps, by cause: startup, failures, hangs, checkpoints, "
               "waiting, end.",
-    "replica_s": "This node's replica-time so far: its replicas times the seconds since ftrun started.",
+    "replica_s": "This node's replica-time so far: its replicas times the seconds since ftrun started, less "
+                 "spare_s.",
+    "spare_s": "--ft --spares: replica-seconds this node's replicas spent as hot spares (their start-up or "
+               "restart until held back, and the wait), apart from replica_s and goodput.",
     "steps_lost": "Steps discarded or redone (--ft: discarded rounds; without --ft: the steps since the script's "
                   "own last save, at each group restart).",
     "failures": "Each failure (the newest 100): time, rank, replica, node_rank, cause, kind (exit, signal, hang, "

@@ -12,6 +12,11 @@ unless the gap is a stall (well beyond the run's usual step time): then the exce
 the cause whose window it overlaps (a hang until its detection, a failure until its replica
 is back, a checkpoint's pause, a worker's full output pipe), or to waiting when none does.
 
+A hot spare (--spares) is no training replica: its lane's time while it waits (and its own
+start-up or restart before the keeper held it back) is booked apart, as spare time, and is not
+in the replica-time goodput is the share of. Promoted, it takes over the open failure of the
+replica whose place it takes: its heal is that failure's cost, and its first step brings it back.
+
 Must never read the clock, the store or files, nor touch processes: time is an argument
 of every call, and the supervisor (ftrun.supervisor.accounting.ledger) does the IO.
 """
@@ -25,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
 PRODUCTIVE = "productive"
+SPARE_S = "spare"  # the books' bucket of hot spares' waiting time: apart from the replica-time
 # A gap between steps is a stall once it exceeds the steps it holds by this many usual step times,
 # and by STALL_MIN_S at least: below that it is the jitter of a busy machine, not lost time.
 STALL_FACTOR = 1.0
@@ -58,7 +64,8 @@ class LaneState(str, enum.Enum):
     HEALING = "healing"      # --ft: restarted, taking the state from a peer, not yet stepping
     AWAY = "away"            # failed or stopped, not yet started again
     HUNG = "hung"            # made no progress until the hang was detected and it was killed
-    SPARE = "spare"          # no replica here any more: its restart budget was spent
+    SPARE = "spare"          # --spares: a hot spare waiting out of the quorum (booked apart, not replica-time)
+    GONE = "gone"            # no replica here any more: its restart budget was spent
     DONE = "done"            # finished; waits for the run's end
 
 
@@ -115,13 +122,14 @@ class Breakdown:
     """What the accountant answers: the run's goodput and lost time, as of `now`."""
 
     now: float
-    replica_s: float                    # the run's replica-time so far
+    replica_s: float                    # the run's replica-time so far (the training replicas': no spare's wait)
     productive_s: float
     lost_s: Dict[str, float]            # by Cause value, every cause present
     failures: List[FailureRecord]
     lanes: Dict[int, str]               # replica -> LaneState value now
     steps_taken: int                    # the run's steps (once per step, not per replica)
     steps_lost: int                     # discarded or redone
+    spare_s: float = 0.0                # --spares: replica-seconds lanes spent as hot spares (not in replica_s)
 
     @property
     def goodput(self) -> Optional[float]:
@@ -138,7 +146,7 @@ class Accountant:
         self.started = started
         self.ft = ft
         self.lanes: Dict[int, Lane] = {r: Lane(r, started) for r in range(replicas)}
-        self.acc: Dict[str, float] = {PRODUCTIVE: 0.0, **{c.value: 0.0 for c in Cause}}
+        self.acc: Dict[str, float] = {PRODUCTIVE: 0.0, SPARE_S: 0.0, **{c.value: 0.0 for c in Cause}}
         self.failures: List[FailureRecord] = []
         self.windows: List[Window] = []
         self.step_times: Dict[int, Deque[float]] = {r: deque(maxlen=STEP_SAMPLES) for r in range(replicas)}
@@ -155,7 +163,7 @@ class Accountant:
         """A replica's (new) process was started."""
         t = self._at(t)
         lane = self.lanes[replica]
-        if lane.state in (LaneState.AWAY, LaneState.DONE, LaneState.SPARE):
+        if lane.state in (LaneState.AWAY, LaneState.DONE, LaneState.GONE):
             self._move(lane, t, LaneState.HEALING if self.ft and lane.started_once else LaneState.STARTING)
 
     def progress(self, replica: int, t: float, steps: int, last_step: float, first_step: Optional[float]) -> None:
@@ -165,7 +173,8 @@ class Accountant:
         lane = self.lanes[replica]
         if steps > 0 and lane.state in (LaneState.DONE, LaneState.AWAY):
             self._count_steps(steps)  # a last report, written as it exited: where it stopped
-        if steps <= 0 or lane.state not in (LaneState.STARTING, LaneState.HEALING, LaneState.TRAINING):
+        if steps <= 0 or lane.state not in (LaneState.STARTING, LaneState.HEALING, LaneState.TRAINING,
+                                            LaneState.SPARE):  # a spare promoted before the books were told
             return
         if lane.state is not LaneState.TRAINING and self.ft and not first_step:
             return  # --ft: healed to the run's step, but no step taken yet: not back
@@ -220,7 +229,7 @@ class Accountant:
         or for the run's end (a signal, the budget spent)."""
         t = self._at(t)
         lane = self.lanes[replica]
-        if lane.state in (LaneState.AWAY, LaneState.SPARE, LaneState.DONE):
+        if lane.state in (LaneState.AWAY, LaneState.GONE, LaneState.DONE):
             return
         if failure is None:
             self._finish_lane(lane, t)
@@ -231,8 +240,10 @@ class Accountant:
         """A replica was found hung at `t`, having made no progress since `since`."""
         t = self._at(t)
         lane = self.lanes[replica]
-        if lane.state in (LaneState.AWAY, LaneState.SPARE, LaneState.DONE, LaneState.HUNG):
+        if lane.state in (LaneState.AWAY, LaneState.GONE, LaneState.DONE, LaneState.HUNG):
             return
+        if lane.state is LaneState.SPARE:
+            self._move(lane, t, LaneState.STARTING)  # its wait up to now was a spare's
         # Hung from its last progress; a training lane's time since its last step is the hang's too.
         mark = lane.last_step if lane.state is LaneState.TRAINING else lane.since
         start = min(t, max(since, mark))
@@ -245,8 +256,28 @@ class Accountant:
         """Its restart budget is spent: the lane holds no replica from now on."""
         t = self._at(t)
         lane = self.lanes[replica]
-        if lane.state is not LaneState.SPARE:
-            self._move(lane, t, LaneState.SPARE)
+        if lane.state is not LaneState.GONE:
+            self._move(lane, t, LaneState.GONE)
+
+    def spare(self, replica: int, t: float, waiting: bool) -> None:
+        """--spares: the keeper holds the replica back as a hot spare (`waiting`), or no longer (it was
+        promoted into a quorum in a failed replica's place, or it left). A replica held back after its
+        start-up or restart: that stretch was a spare's too. A promoted spare heals for the failure
+        whose place it takes (the oldest still open), and its first step brings that failure back."""
+        t = self._at(t)
+        lane = self.lanes[replica]
+        if waiting and lane.state in (LaneState.STARTING, LaneState.HEALING):
+            if lane.failure is not None:  # a spare's own failure (or one no spare here took over): back as a spare
+                self._back(lane.failure, t)
+            self._move(lane, t, LaneState.SPARE, spare=True)
+            lane.failure = None
+        elif not waiting and lane.state is LaneState.SPARE:
+            self._move(lane, t, LaneState.HEALING)
+            open_ = [o for o in self.lanes.values() if o.failure is not None and o.state is not LaneState.TRAINING
+                     and o.failure < len(self.failures) and self.failures[o.failure].back_s is None]
+            if open_:
+                first = min(open_, key=lambda o: o.failure or 0)
+                lane.failure, first.failure = first.failure, None
 
     def done(self, replica: int, t: float) -> None:
         """The replica finished (exit 0)."""
@@ -304,16 +335,19 @@ class Accountant:
                     acc[cause.value] += pending - limit
                     if idx is not None:
                         failures[idx].lost_s += pending - limit
+            elif lane.state is LaneState.SPARE:
+                acc[SPARE_S] += max(0.0, now - lane.since)
             else:
                 spent = max(0.0, now - lane.since)
                 acc[self._cause_of_state(lane).value] += spent
                 if lane.failure is not None and self._cause_of_state(lane) is Cause.FAILURES:
                     failures[lane.failure].lost_s += spent
-        replica_s = max(0.0, now - self.started) * len(self.lanes)
+        replica_s = max(0.0, max(0.0, now - self.started) * len(self.lanes) - acc[SPARE_S])
         lost = {c.value: acc[c.value] for c in Cause}
         return Breakdown(now=now, replica_s=replica_s, productive_s=acc[PRODUCTIVE], lost_s=lost, failures=failures,
                          lanes={r: lane.state.value for r, lane in self.lanes.items()},
-                         steps_taken=self.steps_taken, steps_lost=self.steps_lost + self.discarded_rounds)
+                         steps_taken=self.steps_taken, steps_lost=self.steps_lost + self.discarded_rounds,
+                         spare_s=acc[SPARE_S])
 
     @property
     def steps_taken(self) -> int:
@@ -386,7 +420,7 @@ class Accountant:
             return Cause.END
         if lane.state is LaneState.TRAINING:
             return Cause.WAITING
-        return Cause.FAILURES  # healing, away, spare
+        return Cause.FAILURES  # healing, away, gone (a spare's wait is booked apart: _move, snapshot)
 
     def _accrue(self, cause: Cause, seconds: float, failure: Optional[int] = None) -> None:
         if seconds <= 0:
@@ -395,17 +429,20 @@ class Accountant:
         if failure is not None and cause in (Cause.FAILURES, Cause.HANGS) and failure < len(self.failures):
             self.failures[failure].lost_s += seconds
 
-    def _segment(self, lane: Lane, t: float) -> None:
+    def _segment(self, lane: Lane, t: float, state: Optional[LaneState] = None) -> None:
         if t > lane.since:
             if len(lane.segments) >= MAX_SEGMENTS:  # merge the two oldest: the report keeps its shape
                 (a, _, s), (_, b, _) = lane.segments[0], lane.segments[1]
                 lane.segments[:2] = [(a, b, s)]
-            lane.segments.append((lane.since, t, lane.state.value))
+            lane.segments.append((lane.since, t, (state or lane.state).value))
 
-    def _move(self, lane: Lane, t: float, state: LaneState) -> None:
-        """Close the lane's current state at `t` (its time to its cause) and enter `state`."""
+    def _move(self, lane: Lane, t: float, state: LaneState, spare: bool = False) -> None:
+        """Close the lane's current state at `t` (its time to its cause, or a spare's time when `spare`
+        or it waited as one) and enter `state`."""
         t = max(t, lane.since)
-        if lane.state is LaneState.TRAINING:
+        if spare or lane.state is LaneState.SPARE:
+            self.acc[SPARE_S] += t - lane.since
+        elif lane.state is LaneState.TRAINING:
             self._close_training(lane, t, Cause.WAITING)
         elif lane.state is LaneState.HUNG:
             detected = min(max(lane.hung_detected or t, lane.since), t)
@@ -414,7 +451,7 @@ class Accountant:
         else:
             self._accrue(self._cause_of_state(lane), t - lane.since,
                          lane.failure if self._cause_of_state(lane) is Cause.FAILURES else None)
-        self._segment(lane, t)
+        self._segment(lane, t, LaneState.SPARE if spare else None)
         lane.state, lane.since = state, t
         if state is not LaneState.HUNG:
             lane.hung_detected = None

@@ -106,6 +106,11 @@ class Ledger:
     def given_up(self, w: Worker, now: float) -> None:
         self.books.given_up(self.lane(w), now)
 
+    def spare(self, w: Worker, waiting: Optional[bool], now: float) -> None:
+        """--spares: whether the keeper holds `w`'s replica back as a hot spare now (None: no spares)."""
+        if waiting is not None and self._leads(w):
+            self.books.spare(self.lane(w), now, waiting)
+
     def done(self, w: Worker, now: float) -> None:
         if self._leads(w):
             self.books.done(self.lane(w), now)
@@ -148,6 +153,7 @@ class Ledger:
         status.goodput = round(b.goodput, 4) if b.goodput is not None else None
         status.lost_s = b.lost_by_cause()
         status.replica_s = round(b.replica_s, 3)
+        status.spare_s = round(b.spare_s, 3) if self.cfg.spares else None
         status.steps_lost = b.steps_lost
         status.failures = [self._record(f) for f in b.failures[-STATE_FAILURES:]]
         self.series.sample(now, b.steps_taken)
@@ -179,7 +185,7 @@ class Ledger:
             replicas=states, steps_committed=max(b.steps_taken, status.steps_committed or 0),
             steps_discarded=b.steps_lost, failures=kinds,
             restarts=self.restarts, heal_s=tuple(f.back_s for f in b.failures if f.back_s is not None),
-            goodput=b.goodput, lost_s=dict(b.lost_s),
+            goodput=b.goodput, lost_s=dict(b.lost_s), spare_s=b.spare_s if self.cfg.spares else None,
             checkpoint_s={k[:-2]: float(ck[k]) for k in ("write_s", "pause_s") if isinstance(ck.get(k), (int, float))})
 
     def write_timeline(self, status: RunStatus, now: float, b: Optional[Breakdown] = None) -> None:
@@ -198,7 +204,7 @@ class Ledger:
             "steps": [[round(t, 3), n] for t, n in self.series.points] + [[round(b.now, 3), b.steps_taken]],
             "checkpoints": list(self.checkpoints.items),
             "goodput": b.goodput, "replica_s": b.replica_s, "productive_s": b.productive_s,
-            "lost_s": dict(b.lost_s), "steps_taken": b.steps_taken, "steps_lost": b.steps_lost,
+            "lost_s": dict(b.lost_s), "spare_s": b.spare_s, "steps_taken": b.steps_taken, "steps_lost": b.steps_lost,
             "step_s": self.books.step_time(),
         }
         try:
@@ -246,10 +252,11 @@ def _s(seconds: float) -> str:
 
 def summary_lines(b: Breakdown, lanes: int) -> List[str]:
     """Two or three lines: the goodput, the time lost by cause, and the failures with how fast
-    each came back."""
-    wall = b.replica_s / max(1, lanes)
+    each came back. Hot spares' waiting time is said apart: it is not replica-time."""
+    wall = (b.replica_s + b.spare_s) / max(1, lanes)
+    apart = f", less {_s(b.spare_s)} waiting as hot spares" if b.spare_s >= 0.05 else ""
     head = (f"goodput {100 * (b.goodput or 0):.1f}%: {_s(b.productive_s)} of {_s(b.replica_s)} "
-            f"replica-time ({lanes} replica{'s' if lanes != 1 else ''} x {_s(wall)}) went to committed steps")
+            f"replica-time ({lanes} replica{'s' if lanes != 1 else ''} x {_s(wall)}{apart}) went to committed steps")
     lost = [(c, s) for c, s in b.lost_s.items() if s >= 0.05]
     lines = [head, "lost: " + (", ".join(f"{CAUSE_WORDS.get(c, c)} {_s(s)}" for c, s in
                                         sorted(lost, key=lambda cs: -cs[1])) if lost else "nothing")]

@@ -31,6 +31,7 @@ class MetricsView:
     heal_s: Tuple[float, ...] = ()                               # each failure's time until back
     goodput: Optional[float] = None
     lost_s: Dict[str, float] = field(default_factory=dict)      # cause -> replica-seconds
+    spare_s: Optional[float] = None                              # --spares: hot spares' waiting replica-seconds
     checkpoint_s: Dict[str, float] = field(default_factory=dict)  # write / pause -> seconds, newest checkpoint
 
 
@@ -47,7 +48,8 @@ class RunCollector:
     def collect(self) -> Iterator[Metric]:
         v, base = self.view, ["run_id", "node"]
         g = GaugeMetricFamily("ftrun_replicas", "Replicas of this node by state (starting, training, healing, "
-                              "away, hung, spare, done).", labels=base + ["state"])
+                              "away, hung, done; spare: a hot spare waiting; gone: given up after its restarts).",
+                              labels=base + ["state"])
         for state, n in sorted(v.replicas.items()):
             g.add_metric(self.labels + [state], n)
         yield g
@@ -80,6 +82,12 @@ class RunCollector:
         for cause, s in sorted(v.lost_s.items()):
             g.add_metric(self.labels + [cause], s)
         yield g
+        if v.spare_s is not None:
+            g = GaugeMetricFamily("ftrun_spare_seconds", "--spares: replica-seconds spent as hot spares (their "
+                                  "start-up until held back, and the wait), apart from the replica-time goodput "
+                                  "is the share of.", labels=base)
+            g.add_metric(self.labels, v.spare_s)
+            yield g
         g = GaugeMetricFamily("ftrun_checkpoint_seconds", "The newest checkpoint: seconds to write it and seconds "
                               "the training loop paused for it.", labels=base + ["phase"])
         for phase, s in sorted(v.checkpoint_s.items()):

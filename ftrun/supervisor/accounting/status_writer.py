@@ -49,6 +49,12 @@ class StatusWriter:
             for k, v in quorum.run_fields().items():
                 setattr(self.status, k, v)
         self.status.replicas = [self.replica_status(w, quorum) for w in workers]
+        try:
+            now = time.time()
+            for w, row in zip(workers, self.status.replicas):  # --spares: a hot spare's wait is booked apart
+                self.ledger.spare(w, row.spare, now)
+        except Exception as e:  # noqa: BLE001
+            self._failed(e)
         if nodes is not None:
             self.status.replicas = nodes.all_replicas(self.status.replicas)
         self.fill_goodput()
@@ -68,7 +74,10 @@ class StatusWriter:
             else:
                 self.ledger.fill(self.status, time.time())
         except Exception as e:  # noqa: BLE001
-            if not self._ledger_failed:
-                self._ledger_failed = True
-                self.console.note(f"internal error in the goodput accounting ({type(e).__name__}: {e}); "
-                                  f"the run goes on without it", style="yellow")
+            self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        if not self._ledger_failed:
+            self._ledger_failed = True
+            self.console.note(f"internal error in the goodput accounting ({type(e).__name__}: {e}); "
+                              f"the run goes on without it", style="yellow")

@@ -41,6 +41,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 from ftrun import protocol as keys
 from ftrun.protocol import EVENTS, Quorum
 from ftrun.supervisor.ft.keeper import core, dead
+from ftrun.supervisor.ft.keeper import spares as spare_rules
 from ftrun.supervisor.ft.keeper.core import FRESH_START, KeeperDecision, KeeperSnapshot, Pace
 from ftrun.supervisor.ft.keeper.dead import KeeperRules
 from ftrun.supervisor.ft.quorum_status import ReplicaReports
@@ -348,6 +349,7 @@ class QuorumKeeper:
         healed, infos = self.reports.read(s, [keys.healed_key(r) for r in self.ranks], self.ranks, self.routes)
         now = self.clock()
         self._absorb(healed, infos, now)
+        self.held = spare_rules.followed(self._snapshot())  # the leader's spares, for this node's status and goodput
         self._track_waits(self._snapshot(), now)
 
     def _absorb(self, healed: List[bytes], infos: List[object], now: float) -> None:

@@ -35,6 +35,8 @@ class SpareView(Protocol):
 
     def mates(self, rank: int) -> Tuple[int, ...]: ...
 
+    def report(self, rank: int) -> Mapping: ...
+
 
 def target(s: SpareView) -> int:
     """How many replicas train: every replica of the run but the spares, and one at least (a
@@ -82,6 +84,22 @@ def promote(s: SpareView, leaving: Mapping[int, int]) -> Dict[int, int]:
         if all(m in s.held and s.alive.get(m) == s.held[m] for m in mates):
             out.update({m: s.held[m] for m in mates})
             free -= 1
+    return out
+
+
+def followed(s: SpareView) -> Dict[int, int]:
+    """The spares as a follower node's keeper sees them (the leader holds them back in its own books,
+    not in the store, so a follower's `held` stayed empty and `ftrun status` said `out`): the ranks
+    whose incarnation waits to join (phase "join", as it reports) outside the quorum while the
+    quorum's replicas fill every training place. Their ranks -> incarnations, as `held` has them."""
+    if not s.spares or room(s, s.members) > 0:
+        return {}
+    out: Dict[int, int] = {}
+    for r in s.ranks:
+        info = s.report(r)
+        inc = info.get("inc")
+        if info.get("phase") == "join" and isinstance(inc, int) and s.members.get(r) != inc:
+            out[r] = inc
     return out
 
 
