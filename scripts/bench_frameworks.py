@@ -31,11 +31,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import signal
 import threading
 from pathlib import Path
 
 from bench_frameworks_lightning import mlp_dims
+from bench_heal import kill_when_running  # the same kill: by the state file, once running at a step
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = {"lightning": ROOT / "scripts" / "bench_frameworks_lightning.py",
@@ -63,23 +63,6 @@ def failure_free(worker: str, ft: bool, args: argparse.Namespace, tmp: Path, i: 
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     return steps_per_s(out)
-
-
-def kill_when_running(state: Path, rank: int, min_step: int, proc: subprocess.Popen, deadline: float):
-    """SIGKILL `rank` once ftrun's state file shows it running at `min_step` or later; the time of
-    the kill, or None if the run ended or the deadline passed first."""
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            st = json.loads(state.read_text())
-        except (OSError, ValueError):
-            time.sleep(0.02)
-            continue
-        r = next(r for r in st["replicas"] if r["rank"] == rank)
-        if r["step"] >= min_step and r["state"] == "running" and r.get("pid"):
-            os.kill(r["pid"], signal.SIGKILL)
-            return time.time()
-        time.sleep(0.02)
-    return None
 
 
 def kill_to_first_step(worker: str, args: argparse.Namespace, tmp: Path, i: int) -> float:
