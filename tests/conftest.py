@@ -49,7 +49,7 @@ def _temporary_files_in_pytests_folder(tmp_path_factory):
         yield
 
 
-# scripts/test.sh runs the suite on two pytest-xdist workers: most tests wait (heartbeats, sleeps,
+# scripts/test.sh runs the suite on three pytest-xdist workers (two cores): most tests wait (heartbeats, sleeps,
 # restarts) more than they compute. A test marked `alone` holds wall time to a bound or a ratio that
 # another test's load could push it past: it runs while no other test runs. Every test holds a lock
 # shared, an `alone` one holds it exclusively; a turnstile taken first keeps a waiting `alone` test from
