@@ -9,7 +9,8 @@ the loss by k) a step is k batches, and every weight ends at -1/(k n).
 
 argv: EPOCHS OUT, then options. Appends one line per train() start to OUT.rankN.starts (the
 epoch and global step it started at: a restarted replica's shows where it went on), and writes
-OUT.rankN.json at the end: the weights and the global step.
+OUT.rankN.json at the end: the weights, the global step and the autocast dtypes its training
+forwards ran under (["off"] without mixed precision; --bf16: ["torch.bfloat16"] once each forward ran in it).
 """
 
 import argparse
@@ -40,6 +41,8 @@ class Counter(torch.nn.Module):
         self.sleep, self.sleep_late, self.epoch = sleep, sleep_late, 0
 
     def forward(self, idx: torch.Tensor) -> dict:
+        if self.training:
+            AUTOCAST.add(str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "off")
         pause = self.sleep_late if self.epoch and self.sleep_late else self.sleep
         if pause:
             time.sleep(pause)
@@ -68,9 +71,11 @@ p.add_argument("--sleep-late", type=float, default=0.0, help="the sleep a step a
 p.add_argument("--subclass", action="store_true", help="ftrun.hf's FTTrainer, as a script that says so")
 p.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers (persistent)")
 p.add_argument("--fp16", action="store_true", help="fp16 mixed precision (a GradScaler): a setup ftrun cannot heal")
+p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast on CPU)")
 p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
 args = p.parse_args()
 OUT, RANK = args.out, os.environ.get("RANK", "0")
+AUTOCAST = set()  # how this process's training forwards ran
 
 torch.manual_seed(0)
 COUNTER = Counter(args.size, args.epochs, args.sleep, args.sleep_late)
@@ -78,7 +83,7 @@ opt = torch.optim.SGD(COUNTER.parameters(), lr=1.0)
 targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=args.batch,
                           num_train_epochs=args.epochs, max_grad_norm=0, lr_scheduler_type="constant",
                           logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
-                          disable_tqdm=True, seed=1, dataloader_drop_last=False, fp16=args.fp16,
+                          disable_tqdm=True, seed=1, dataloader_drop_last=False, fp16=args.fp16, bf16=args.bf16,
                           dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0,
                           gradient_accumulation_steps=args.accumulate)
 cls = Trainer
@@ -88,5 +93,6 @@ trainer = cls(model=COUNTER, args=targs, train_dataset=Indices(args.size), optim
               callbacks=[Epochs()])
 trainer.train()
 with open(f"{OUT}.rank{RANK}.json", "w") as f:
-    json.dump({"weights": COUNTER.w.detach().tolist(), "step": trainer.state.global_step}, f)
+    json.dump({"weights": COUNTER.w.detach().tolist(), "step": trainer.state.global_step,
+               "autocast": sorted(AUTOCAST)}, f)
 print(f"done rank {RANK} step {trainer.state.global_step}", flush=True)

@@ -40,11 +40,13 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     for a membership that changes); replica 1 killed early in epoch 1, then replica 2: the run
     finishes, each restarted replica's train() went on where the run was (not from step 0), every
     sample was trained once an epoch (every weight is -1/(2n): a redone step trained both its
-    batches again, not only the last, and never twice), and the replicas end identical."""
+    batches again, not only the last, and never twice), and the replicas end identical. With
+    bf16=True: every training forward ran under bf16 autocast, the restarted replicas' (healed,
+    redone steps) too."""
     out, size, epochs, steps = tmp_path / "o", 180, 2, 15
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "hf", WORKER, epochs, out,
                         "--size", size, "--batch", 2, "--sleep", 0.08, "--sleep-late", 0.4,
-                        "--workers", 2, "--accumulate", 2])
+                        "--workers", 2, "--accumulate", 2, "--bf16"])
     try:
         _kill_at(ftrun_home, "hf", proc, [(1, steps + 1), (2, steps + 4)])
         rc, err = finish(proc, 300)
@@ -56,6 +58,8 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
     assert all(rep["step"] == epochs * steps for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
     assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
+    autocast = {r: rep["autocast"] for r, rep in reports.items()}
+    assert all(a == ["torch.bfloat16"] for a in autocast.values()), autocast
     strengths = _strengths(reports[0], epochs, accumulate=2)
     assert strengths[0] == {3}, strengths  # nothing failed in epoch 0
     # (No step need run with a replica away: forked from a zygote that has imported the Trainer, a

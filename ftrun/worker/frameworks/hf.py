@@ -411,7 +411,10 @@ def _patch_trainer(module: ModuleType) -> None:
         from ftrun.worker.ft.api.ddp import DistributedDataParallel as FTDistributedDataParallel
 
         model.to(self.args.device)
-        return FTDistributedDataParallel(model)
+        # The Trainer prepares only the optimizer once _wrap_model has wrapped the model, so the
+        # model gets here what accelerator.prepare() would give it in a run of one, but its DDP:
+        # bf16's autocast around its forward (without it bf16=True trained in float32).
+        return FTDistributedDataParallel(self.accelerator.prepare_model(model, evaluation_mode=True))
 
     def _init_training_state(self: Any, max_steps: int, per_epoch: int, epochs: int, resume: Any,
                              trial: Any) -> Tuple[int, int]:
