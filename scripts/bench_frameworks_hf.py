@@ -1,11 +1,11 @@
 """scripts/bench_frameworks.py's Hugging Face worker: an unmodified Trainer script (no ftrun in it),
 a 4-layer GPT-2 built from a config of about --params parameters (a vocabulary of 8192, tied
 embeddings), AdamW (the Trainer's default) on random tokens. Writes OUT.rankN.json (each optimizer
-step's end on the worker's clock) and prints its first step's wall time."""
+step's end on the worker's wall and CPU clocks) and prints its first step's wall time."""
 
 import time
 
-from bench_frameworks_common import announce, arguments, report
+from bench_frameworks_common import announce, arguments, clocks, report
 
 
 def main() -> None:
@@ -19,9 +19,9 @@ def main() -> None:
 
     class Times(TrainerCallback):
         def on_step_end(self, a, state, control, **kwargs):
+            announce(state.global_step)  # before the sleep, as train_ft.py's --announce
             time.sleep(STEP_SLEEP)
-            times.append(time.perf_counter())
-            announce(state.global_step)
+            times.append(clocks())
 
     # 4 layers of width W hold about 48 W^2 parameters, the embeddings 8192 W.
     width = 64

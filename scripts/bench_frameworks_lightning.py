@@ -1,12 +1,12 @@
 """scripts/bench_frameworks.py's Lightning worker: an unmodified Lightning script (no ftrun in it),
 `Trainer(strategy="ddp")`, an MLP of --params parameters (train_ft.py's shape) with AdamW on random
-data. Writes OUT.rankN.json (each step's end on the worker's clock) and prints its first step's
-wall time."""
+data. Writes OUT.rankN.json (each step's end on the worker's wall and CPU clocks) and prints its
+first step's wall time."""
 
 import os
 import time
 
-from bench_frameworks_common import announce, arguments, report
+from bench_frameworks_common import announce, arguments, clocks, report
 
 
 def mlp_dims(params: int) -> tuple:
@@ -41,9 +41,9 @@ def main() -> None:
             return torch.nn.functional.mse_loss(self.net(x), y)
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            announce(self.trainer.global_step)  # before the sleep, as train_ft.py's --announce
             time.sleep(STEP_SLEEP)
-            times.append(time.perf_counter())
-            announce(self.trainer.global_step)
+            times.append(clocks())
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
