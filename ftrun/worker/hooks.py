@@ -242,6 +242,11 @@ class Registration:
         elif spec.wrap == "bf16":
             inner = default_hooks.bf16_compress_wrapper(count)
 
+        # Weakly: the hook must not hold its registration in a cycle. A registration dropped with
+        # its group (--ft, at a failed round) then frees the group at once, and gloo closes its
+        # connections only then: a peer blocked on this one fails without a garbage collection.
+        step_sent = weakref.WeakMethod(self._step_sent)
+
         def ftrun_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
             buf = bucket.buffer()
             stats.bytes_dense += buf.numel() * buf.element_size()
@@ -255,8 +260,9 @@ class Registration:
                 # so ranks may issue collectives in different orders and mismatch.
                 # Finishing the chain here gives gloo NCCL's ordering.
                 fut.wait()
-            if bucket.is_last():
-                self._step_sent()
+            sent = step_sent() if bucket.is_last() else None
+            if sent is not None:
+                sent()
             return fut
 
         ftrun_hook.__qualname__ = ftrun_hook.__name__ = self.name

@@ -83,5 +83,6 @@ class QuorumEntry:
         d = self.d
         old, self.pg = self.pg, None
         d.fx.drop_group(old)
+        del old  # the listeners below hold the last references: it is freed as they let it go
         if not quiet:
             d.fx.group_changed(None)
