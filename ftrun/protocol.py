@@ -453,6 +453,20 @@ def replica_prefix(replica: int, incarnation: int) -> str:
     return f"{PREFIX}replica/{replica}/{incarnation}/"  # a sharded replica's own default group
 
 
+def feed_ask_key(rank: int) -> str:
+    # "<feeder rank> <incarnation> <serial>": a waiting hot spare asks that training replica to
+    # feed it each step (ft/heal/feed.py); the state itself goes over their group, never the store
+    return f"{PREFIX}feed/{rank}"
+
+
+def feed_sent_key(spare: int, incarnation: int, serial: int) -> str:
+    return f"{PREFIX}feedsent/{spare}/{incarnation}/{serial}"  # the newest step its feeder has sent it
+
+
+def feed_prefix(spare: int, incarnation: int, serial: int) -> str:
+    return f"{PREFIX}feedpg/{spare}/{incarnation}/{serial}/"  # the group of a spare and its feeder
+
+
 @dataclass(frozen=True)
 class Quorum:
     """Who takes part from a round on: (rank, incarnation) pairs, and which of them must heal."""

@@ -53,6 +53,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--die-at", default="",
                    help="RANK:STEP[,RANK:STEP...]: that rank's first process SIGKILLs itself at that step, as a "
                         "kill from outside would (several at one step: replicas lost together)")
+    p.add_argument("--nudge", action="store_true",
+                   help="after each step taken, change a parameter outside the optimizer (as an EMA or a weight "
+                        "constraint does): a hot spare fed the gradients misses it and must be healed whole")
     p.add_argument("--init-process-group", action="store_true",
                    help="call dist.init_process_group() first, as plain DDP scripts do (ftrun.ft needs none)")
     p.add_argument("--ddp", default="",
@@ -174,6 +177,9 @@ def main() -> None:
         loss.backward()
         if opt.step():
             sched.step()
+            if args.nudge:
+                with torch.no_grad():
+                    next(model.parameters()).add_(1e-6)
             commits.append((step, time.time()))
             if not announced:
                 announced = True

@@ -218,7 +218,13 @@ class Manager:
         self.member.close_round()
 
     def before_collective(self) -> None:
+        self.fx.feeder.settle(self.member.quorum)  # the last step's feed leaves before gradients change
         self.member.before_collective()
+
+    def fed(self) -> None:
+        """After this replica stepped its optimizers: the hot spares it feeds get the step (ft/heal/feed.py)."""
+        m = self.member
+        self.fx.feeder.after_step(m.quorum, m.in_sync and m.heals.holds_state(), m.round, m.step, m.yielded)
 
     def vote(self) -> bool:
         return self.member.vote()

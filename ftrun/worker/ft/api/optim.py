@@ -135,6 +135,7 @@ class Optimizer(torch.optim.Optimizer):
                     opt.step(_Once(self._mgr, opt, loss))
             for hook in list(self._optimizer_step_post_hooks.values()):
                 hook(self, (), {})
+            self._mgr.fed()
         else:
             self._drop_gradients()
         return self._stepped if closure is None else loss
@@ -150,6 +151,8 @@ class Optimizer(torch.optim.Optimizer):
             opt.zero_grad(set_to_none=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            self._mgr.fx.feeder.settle()  # the gradients a hot spare is being fed are zeroed in place
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 

@@ -44,14 +44,19 @@ class ReplicaState:
             raise TypeError(f"ftrun.ft.register_state({name!r}, ...): the object needs state_dict() and load_state_dict()")
         self.extras[name] = obj
 
-    def capture(self, round_: int, step: int, yielded: int = -1) -> Dict[str, Any]:
-        """`yielded`: the newest step the loop has handed the script (ft.redo() on the healer)."""
-        return {
-            "round": round_, "step": step, "yielded": yielded,
-            "models": [dict(m.state_dict()) for m in self.models],
-            "optimizers": [o.state_dict() for o in self.optimizers],
-            "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
-        }
+    def capture(self, round_: int, step: int, yielded: int = -1, kept: bool = False) -> Dict[str, Any]:
+        """`yielded`: the newest step the loop has handed the script (ft.redo() on the healer).
+        `kept`: the healers hold the models and optimizers already (a fed hot spare, ft/heal/feed.py):
+        only the optimizers' settings and the registered state."""
+        out: Dict[str, Any] = {"round": round_, "step": step, "yielded": yielded,
+                               "extras": {name: obj.state_dict() for name, obj in self.extras.items()}}
+        if kept:
+            out["settings"] = [[{k: v for k, v in g.items() if k != "params"} for g in o.state_dict()["param_groups"]]
+                               for o in self.optimizers]
+        else:
+            out["models"] = [dict(m.state_dict()) for m in self.models]
+            out["optimizers"] = [o.state_dict() for o in self.optimizers]
+        return out
 
     def targets(self) -> Dict[str, Any]:
         """This replica's own tensors, for the transfer to land in where they fit."""
@@ -63,6 +68,8 @@ class ReplicaState:
 
     def restore(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int, int]:
         """Load what arrived; returns the (round, step, newest step yielded) it was captured at."""
+        if "settings" in payload:
+            return self._restore_kept(payload)
         if len(payload["models"]) != len(self.models) or len(payload["optimizers"]) != len(self.optimizers):
             raise StateMismatch(f"its peer has {len(payload['models'])} model(s) and {len(payload['optimizers'])} "
                                 f"optimizer(s), this replica {len(self.models)} and {len(self.optimizers)}")
@@ -84,6 +91,27 @@ class ReplicaState:
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
             raise StateMismatch(" ".join(lines[:2])[:300]) from None
+        return int(payload["round"]), int(payload["step"]), int(payload.get("yielded", -1))
+
+    def _restore_kept(self, payload: Dict[str, Any]) -> Tuple[int, int, int]:
+        """The models and optimizers were found bit for bit the source's: their settings and the
+        registered state are what is left."""
+        try:
+            for o, groups in zip(self.optimizers, payload["settings"]):
+                if len(groups) != len(o.param_groups):
+                    raise StateMismatch(f"its peer's optimizer has {len(groups)} param group(s), this one "
+                                        f"{len(o.param_groups)}")
+                for mine, theirs in zip(o.param_groups, groups):
+                    for key, value in theirs.items():
+                        if isinstance(mine.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                            mine[key].copy_(value)
+                        else:
+                            mine[key] = value
+            for name, sd in payload["extras"].items():
+                if name in self.extras:
+                    self.extras[name].load_state_dict(sd)
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise StateMismatch(str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__) from None
         return int(payload["round"]), int(payload["step"]), int(payload.get("yielded", -1))
 
     def _refuse_if_sharded(self, root: Path, sd: Any, in_place: Set[Path]) -> None:

@@ -23,6 +23,7 @@ from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device, settle
 from ftrun.worker.ft.member.effects import HealRefused, MemberEffects, Snapshot
 from ftrun.worker.ft.member.member_io import POLL_S, _env_number, _log, _log_detail, leave, restart_replica
+from ftrun.worker.ft.heal.feed import Feeder, Follower, agree_to_keep
 from ftrun.worker.ft.heal.state import ReplicaState
 from ftrun.worker.ft.heal.transport import StateMismatch, receive_state, send_state
 from ftrun.worker.settings import run_store, store_moved
@@ -82,6 +83,12 @@ class TorchEffects(MemberEffects):
         from ftrun.worker import progress
 
         self.progress = progress.start_from_env()
+        self._inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        # Hot spares that hold the live state (ft/heal/feed.py): this worker feeds the spares while
+        # it trains, and follows a feeder while it waits as a spare.
+        self.feeder = Feeder(state, rank, self.connect, _log_detail, self._chunk, self._settle_s)
+        self.follower = Follower(state, rank, lambda: self._inc, self.connect, _log_detail, self._chunk,
+                                 self._settle_s)
 
     # ------------------------------------------------------------ the store
     def client(self, addr: str, timeout_s: Optional[float] = None) -> dist.TCPStore:
@@ -138,11 +145,15 @@ class TorchEffects(MemberEffects):
         """A join polls every poll_s for its first JOIN_FAST_S (a restarted replica's usual wait),
         then every SPARE_POLL_S: a hot spare (--spares) waits there the whole run, and at 5 ms its
         polls took 3-4% of a core, and 2.5% of one in the supervisor answering them, beside the
-        training replicas; SPARE_POLL_S adds at most itself to its promotion."""
+        training replicas; SPARE_POLL_S adds at most itself to its promotion. A spare spends those
+        sleeps following its feeder (ft/heal/feed.py)."""
         start = time.monotonic()
 
         def sleep(seconds: float) -> None:
-            time.sleep(seconds if time.monotonic() - start < JOIN_FAST_S else max(seconds, SPARE_POLL_S))
+            if time.monotonic() - start < JOIN_FAST_S:
+                time.sleep(seconds)
+            else:
+                self.follower.wait(max(seconds, SPARE_POLL_S))
         return sleep
 
     def park(self) -> None:
@@ -203,12 +214,15 @@ class TorchEffects(MemberEffects):
 
     # ------------------------------------------------------------ the state a heal moves
     def send_state(self, group: Any, snapshot: Snapshot) -> Any:
-        return send_state(group, self.state.capture(*snapshot), group_device(), chunk=self._chunk,
+        kept = agree_to_keep(group, self.state, True, None, snapshot[1])
+        return send_state(group, self.state.capture(*snapshot, kept=kept), group_device(), chunk=self._chunk,
                           after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
 
     def receive_state(self, group: Any, on_write: Callable[[], None]) -> Tuple[Snapshot, Any]:
         try:
-            payload, stats, in_place = receive_state(group, self.state.targets(), group_device(), chunk=self._chunk,
+            kept = agree_to_keep(group, self.state, False, self.follower, -1)
+            local = {"models": [], "optimizers": []} if kept else self.state.targets()
+            payload, stats, in_place = receive_state(group, local, group_device(), chunk=self._chunk,
                                                      on_write=on_write, timeout_s=self._settle_s)
             return self.state.restore(payload, in_place), stats
         except StateMismatch as e:
@@ -245,5 +259,6 @@ class TorchEffects(MemberEffects):
                 gc.collect()
 
     def incarnation(self, inc: int) -> None:
+        self._inc = inc
         if self.progress is not None:
             self.progress.incarnation = inc

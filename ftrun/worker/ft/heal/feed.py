@@ -1,0 +1,482 @@
+"""A hot spare's feed: the committed state kept on a waiting spare without a forward or backward.
+
+A training replica (the feeder: the lowest member of its quorum that holds the state) sends
+each spare that asks, once, its whole state, then after every step it takes the gradients its
+optimizers stepped on (after the script's clipping and unscaling) and their settings (learning
+rate, ...), and its model's buffers. The spare (Follower, run in its wait to join) steps its own
+optimizers on them. At a promotion the heal asks both ends for a fingerprint of their models and
+optimizers: when they match, only what is not the model and optimizers moves (registered state,
+the optimizers' settings); otherwise (a spare that missed a step, a script that changes its
+parameters outside the optimizer) the whole state moves, as for any healer.
+
+Nothing here decides who trains (keeper/spares.py) or whether a round commits (member/): a
+spare's state is only trusted after the fingerprints agree. Must never fail a training
+replica's round (a feed that breaks or falls behind is dropped, and the spare is healed whole
+if promoted), never block a feeder for longer than FEED_WAIT_S, and never import the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ftrun import protocol as keys
+from ftrun.worker.ft.heal.state import ReplicaState
+from ftrun.worker.ft.heal.transport import receive_state, send_state
+from ftrun.worker.ft.member import membership
+from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device
+from ftrun.worker.ft.member.member_io import PEER_LOST, _plain
+from ftrun.worker.settings import run_store
+
+MAGIC = 0x66656564  # "feed": the first word of every step's header
+HEAD = 6  # MAGIC, step, settings bytes, parameters, buffers, tensor bytes
+LOOK_S = 0.5  # how often a feeder looks for spares asking to be fed
+FEED_WAIT_S = 1.0  # how long a feeder waits for a step's feed to leave before it drops the feed
+ASK_S = 30.0  # how long a spare waits for its feeder to answer before it asks again
+CATCH_UP_S = 5.0  # at a promotion, how long a spare takes in the steps already sent to it
+POLL_S = 0.005
+DROPPED = "dropped"  # the feeder's word, in the spare's sent key, that it no longer feeds it
+FOLLOW_POLL_S = 0.05  # how often a waiting spare looks for a step sent to it (a store read; 5 ms at a promotion)
+FOLLOW_POLL_S = 0.05  # how often a waiting spare looks for a step sent to it (a store read; 5 ms at a promotion)
+
+
+class FeedBroken(RuntimeError):
+    pass
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip()
+    if PEER_LOST.search(text):
+        return "the other end went away"
+    return _plain(text) if text else type(e).__name__
+
+
+def enabled(state: ReplicaState) -> bool:
+    """Only whole replicas of one worker are fed: a sharded replica's spare is healed whole."""
+    return (int(os.environ.get("FTRUN_SPARES", "0") or 0) > 0 and os.environ.get("FTRUN_REPLICA_SIZE", "1") == "1"
+            and not state.sharded and bool(state.optimizers))
+
+
+def _params(state: ReplicaState) -> List[torch.Tensor]:
+    return [p for o in state.optimizers for g in o.param_groups for p in g["params"]]
+
+
+def _buffers(state: ReplicaState) -> List[torch.Tensor]:
+    return [b for m in state.models for b in m.buffers()]
+
+
+def _as_ints(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    flat = t.contiguous().reshape(-1)
+    if flat.is_floating_point() or flat.is_complex():
+        flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()])
+    return flat
+
+
+def fingerprint(state: ReplicaState) -> torch.Tensor:
+    """Three int64 words over every tensor of the models and the optimizers' state, bit for bit
+    (each tensor's bits summed as integers, then the sums counted and weighted by position)."""
+    sums = []
+    for m in state.models:
+        sums += [_as_ints(t).sum(dtype=torch.int64).cpu() for t in m.state_dict().values()
+                 if isinstance(t, torch.Tensor)]
+    for o in state.optimizers:
+        for _, st in sorted(o.state_dict()["state"].items()):
+            sums += [_as_ints(v).sum(dtype=torch.int64).cpu() for _, v in sorted(st.items())
+                     if isinstance(v, torch.Tensor)]
+    if not sums:
+        return torch.zeros(3, dtype=torch.int64)
+    s = torch.stack(sums)
+    return torch.stack([torch.tensor(len(sums)), s.sum(), (s * torch.arange(1, len(sums) + 1)).sum()])
+
+
+def settings_of(state: ReplicaState) -> List[Dict[str, Any]]:
+    """The optimizers' param groups' settings, as JSON (a scheduler changes them between steps)."""
+    out = []
+    for o in state.optimizers:
+        for g in o.param_groups:
+            d: Dict[str, Any] = {}
+            for k, v in g.items():
+                if k == "params":
+                    continue
+                if isinstance(v, torch.Tensor) and v.numel() == 1:
+                    d[k] = {"tensor": v.item()}
+                elif v is None or isinstance(v, (bool, int, float, str)):
+                    d[k] = v
+                elif isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float)) for x in v):
+                    d[k] = list(v)
+            out.append(d)
+    return out
+
+
+def apply_settings(state: ReplicaState, settings: List[Dict[str, Any]]) -> None:
+    groups = [g for o in state.optimizers for g in o.param_groups]
+    if len(groups) != len(settings):
+        raise FeedBroken(f"the feeder's optimizers have {len(settings)} param group(s), this replica's {len(groups)}")
+    for g, d in zip(groups, settings):
+        for k, v in d.items():
+            mine = g.get(k)
+            if isinstance(v, dict) and isinstance(mine, torch.Tensor):
+                mine.fill_(v["tensor"])
+            elif isinstance(mine, tuple) and isinstance(v, list):
+                g[k] = tuple(v)
+            else:
+                g[k] = v
+
+
+def _allreduce(pg: dist.ProcessGroup, t: torch.Tensor, op: Any) -> int:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    pg.allreduce([t], opts).wait()
+    return int(t.item())
+
+
+def agree_to_keep(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follower: Optional["Follower"],
+                  step: int) -> bool:
+    """At a heal, before the transfer, on the source (`step`: the step its state is at) and on
+    every healer: True when every healer is a spare fed up to that step whose models and
+    optimizers are bit for bit the source's, so only the rest need move. One small collective
+    when no healer was fed."""
+    dev = group_device()
+    follows = source or (follower is not None and follower.synced)
+    if not _allreduce(pg, torch.tensor([int(follows)], dtype=torch.int64, device=dev), dist.ReduceOp.MIN):
+        if follower is not None:
+            follower.stop()
+        return False
+    word = torch.zeros(4, dtype=torch.int64, device=dev)
+    if source:
+        word.copy_(torch.cat([fingerprint(state), torch.tensor([step])]))
+    pg.broadcast(word, 0).wait()
+    bad = 0
+    if not source:
+        assert follower is not None
+        follower.catch_up(int(word[3].item()))
+        bad = int(not follower.synced or follower.step != int(word[3].item())
+                  or not torch.equal(fingerprint(state), word[:3].cpu()))
+        follower.synced = False  # its following is over: from here on the member's heals decide
+    return not _allreduce(pg, torch.tensor([bad], dtype=torch.int64, device=dev), dist.ReduceOp.MAX)
+
+
+def feeder_of(members: List[int], healers: Tuple[int, ...]) -> Optional[int]:
+    holders = [r for r in members if r not in healers]
+    return min(holders) if holders else None
+
+
+class _Feed:
+    """One spare's feed on the feeder: the group, and the step whose tensors are still leaving."""
+
+    def __init__(self, spare: int, pg: dist.ProcessGroup, store: Any, sent_key: str) -> None:
+        self.spare, self.pg, self.store, self.sent_key = spare, pg, store, sent_key
+        self.pending: List[Any] = []  # the works of the last step sent
+        self.keep: List[torch.Tensor] = []  # its tensors, alive until they have left
+
+    def send_step(self, state: ReplicaState, step: int) -> None:
+        params = _params(state)
+        grads = [p.grad for p in params]
+        mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8)
+        tensors = [g.detach().contiguous() for g in grads if g is not None]
+        tensors += [b.detach().clone() for b in _buffers(state)]  # the next forward changes them in place
+        blob = json.dumps(settings_of(state)).encode()
+        hp = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        head = torch.tensor([MAGIC, step, len(blob), len(params), len(_buffers(state)), total], dtype=torch.int64)
+        dev = group_device()
+        out = [head.to(dev), mask.to(dev), hp.to(dev)] + [t for t in tensors if t.numel()]
+        self.keep = out
+        self.pending = [self.pg.broadcast(t, 0) for t in out]
+        # The spare receives only what it is told has been sent: a receive posted ahead and left
+        # unmatched would hold its group's teardown for the whole timeout.
+        self.store.set(self.sent_key, str(step))
+
+    def free(self) -> None:
+        """Let the group go on a thread of its own: gloo frees a group whose send was never
+        received (a spare stopped, not dead) only after its whole timeout, which must not stall
+        the feeder's training."""
+        box = [self.pg, self.pending, self.keep]
+        self.pg, self.pending, self.keep = None, [], []
+        threading.Thread(target=box.clear, name="ftrun-feed-free", daemon=True).start()
+
+    def left(self, timeout_s: float) -> bool:
+        """Whether the last step's feed has left within `timeout_s` (raises if it failed)."""
+        deadline = time.monotonic() + timeout_s
+        for w in self.pending:
+            while not w.is_completed():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(POLL_S / 5)
+            w.wait()
+        self.pending, self.keep = [], []
+        return True
+
+
+class Feeder:
+    """On a training replica: the spares it feeds. Called after each step it takes and before
+    each round's first collective."""
+
+    def __init__(self, state: ReplicaState, rank: int, connect: Callable[[], Any],
+                 log_detail: Callable[[str], None], chunk: int, timeout_s: float) -> None:
+        self.state, self.rank, self.connect, self.log_detail = state, rank, connect, log_detail
+        self.chunk, self.timeout_s = chunk, timeout_s
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.feeds: Dict[int, _Feed] = {}
+        self.served: Dict[int, str] = {}  # spare rank -> the ask this feeder answered last
+        self.next_look = 0.0
+        self.store: Any = None
+
+    def after_step(self, quorum: Any, holds_state: bool, round_: int, step: int, yielded: int) -> None:
+        if not enabled(self.state):
+            return
+        me = feeder_of(quorum.ranks, quorum.healers) if quorum is not None else None
+        if me != self.rank or not holds_state:
+            self.drop_all("this replica no longer feeds the spares")
+            return
+        self._drop_members(quorum)
+        fed = list(self.feeds.items())  # a feed opened below starts from the state after this step
+        now = time.monotonic()
+        if now >= self.next_look:
+            self.next_look = now + LOOK_S
+            try:
+                self._look(quorum, (round_, step, yielded))
+            except Exception as e:  # the run's store moved or went away: the member's own loop deals with that
+                self.store = None
+                self.log_detail(f"rank {self.rank}: could not look for hot spares to feed: {_why(e)}")
+        for spare, feed in fed:
+            try:
+                if not feed.left(FEED_WAIT_S):
+                    self._drop(spare, f"its feed of step {step - 1} had not left after {FEED_WAIT_S:g} s")
+                    continue
+                feed.send_step(self.state, step)
+            except Exception as e:  # the spare died or was promoted: its feed ends, training goes on
+                self._drop(spare, _why(e))
+
+    def settle(self, quorum: Any = None) -> None:
+        """Before gradients are written again: the last step's feed has left, or is dropped."""
+        if not self.feeds:
+            return
+        if quorum is not None:
+            self._drop_members(quorum)
+        for spare, feed in list(self.feeds.items()):
+            try:
+                if not feed.left(FEED_WAIT_S):
+                    self._drop(spare, f"its feed had not left after {FEED_WAIT_S:g} s")
+            except Exception as e:
+                self._drop(spare, _why(e))
+
+    def drop_all(self, why: str) -> None:
+        for spare in list(self.feeds):
+            self._drop(spare, why)
+
+    def _drop_members(self, quorum: Any) -> None:
+        for spare in [s for s in self.feeds if s in quorum.ranks]:
+            self._drop(spare, "it trains now")
+
+    def _drop(self, spare: int, why: str) -> None:
+        feed = self.feeds.pop(spare, None)
+        if feed is not None:
+            abort_group(feed.pg)
+            try:
+                feed.store.set(feed.sent_key, DROPPED)  # a spare that was stopped learns it when it goes on
+            except Exception:  # noqa: BLE001 - the store moved: the spare's feed breaks on its own
+                pass
+            feed.free()
+            self.log_detail(f"rank {self.rank}: stopped feeding hot spare rank {spare}: {why}")
+
+    def _look(self, quorum: Any, snapshot: Tuple[int, int, int]) -> None:
+        if self.store is None:
+            self.store = self.connect()
+        for r in range(self.world):
+            if r in quorum.ranks or r in self.feeds or not self.store.check([keys.feed_ask_key(r)]):
+                continue
+            ask = self.store.get(keys.feed_ask_key(r)).decode()
+            if self.served.get(r) == ask:
+                continue
+            self.served[r] = ask
+            feeder, inc, serial = (int(x) for x in ask.split())
+            if feeder == self.rank:
+                self._open(r, inc, serial, snapshot)
+
+    def _open(self, spare: int, inc: int, serial: int, snapshot: Tuple[int, int, int]) -> None:
+        t0 = time.monotonic()
+        store = self.store
+
+        def gone() -> Optional[str]:
+            if store.get(keys.inc_key(spare)).decode() != str(inc):
+                return f"rank {spare} left"
+            return "no answer" if time.monotonic() - t0 > ASK_S else None
+
+        pg = None
+        try:
+            pg = build_group_watched(run_store(), keys.feed_prefix(spare, inc, serial), 0, 2, gone, POLL_S)
+            stats = send_state(pg, self.state.capture(*snapshot), group_device(), chunk=self.chunk,
+                               timeout_s=self.timeout_s)
+        except Exception as e:  # the spare went away: it asks again if it is back
+            abort_group(pg)
+            self.log_detail(f"rank {self.rank}: could not start feeding hot spare rank {spare}: "
+                            f"{_why(e)}")
+            return
+        self.feeds[spare] = _Feed(spare, pg, self.store, keys.feed_sent_key(spare, inc, serial))
+        self.log_detail(f"rank {self.rank}: feeds hot spare rank {spare} from step {snapshot[1]} ("
+                        f"{stats.bytes / 1e6:.1f} MB of state in {time.monotonic() - t0:.2f} s, then each step's "
+                        f"gradients)")
+
+
+class Follower:
+    """On a waiting spare: asks the quorum's feeder for its state, then takes each step it sends,
+    in the time the spare's wait to join would otherwise sleep."""
+
+    def __init__(self, state: ReplicaState, rank: int, incarnation: Callable[[], int], connect: Callable[[], Any],
+                 log_detail: Callable[[str], None], chunk: int, timeout_s: float) -> None:
+        self.state, self.rank, self.incarnation = state, rank, incarnation
+        self.connect, self.log_detail = connect, log_detail
+        self.chunk, self.timeout_s = chunk, timeout_s
+        self.pg: Any = None
+        self.sent_key = ""
+        self.synced = False  # the state is the feeder's as of `step`
+        self.step = -1
+        self.serial = 0
+        self.fails = 0
+        self.retry_at = 0.0
+        self.store: Any = None
+        self.grads: List[torch.Tensor] = []
+        self.refused = False  # the feed does not fit this replica (another layout): never asked for again
+
+    def wait(self, seconds: float) -> None:
+        """The spare's sleep between two looks at the quorums: spent following."""
+        deadline = time.monotonic() + seconds
+        if enabled(self.state) and not self.refused:
+            try:
+                if self.pg is None:
+                    if time.monotonic() >= self.retry_at:
+                        self._start()
+                else:
+                    self._follow(deadline)
+            except Exception as e:  # the feeder went away, or its state does not fit: ask again later
+                self._broken(_why(e))
+        rest = deadline - time.monotonic()
+        if rest > 0:
+            time.sleep(rest)
+
+    def catch_up(self, step: int) -> None:
+        """At a promotion: take in the steps up to `step` already sent, then stop following."""
+        deadline = time.monotonic() + CATCH_UP_S
+        try:
+            while self.pg is not None and self.synced and self.step < step and time.monotonic() < deadline:
+                self._follow(min(deadline, time.monotonic() + 0.05), until=step, poll_s=POLL_S)
+        except Exception as e:
+            self._broken(_why(e), quiet=True)
+        self.stop()
+
+    def stop(self) -> None:
+        if self.pg is not None:
+            abort_group(self.pg)
+        self.pg = None
+
+    # ------------------------------------------------------------------ inside
+    def _start(self) -> None:
+        if self.store is None:
+            self.store = self.connect()
+        store, inc = self.store, self.incarnation()
+        if not store.check([keys.LATEST]):
+            return
+        latest = int(store.get(keys.LATEST))
+        quorum = membership.read_quorum(store, latest)
+        feeder = feeder_of(quorum.ranks, quorum.healers)
+        if feeder is None or self.rank in quorum.ranks:
+            return
+        self.serial += 1
+        store.set(keys.feed_ask_key(self.rank), f"{feeder} {inc} {self.serial}")
+        t0 = time.monotonic()
+
+        def gone() -> Optional[str]:
+            if int(store.get(keys.LATEST)) != latest:
+                return "a newer quorum is out"
+            return membership.gone(store, quorum, [feeder]) or (
+                f"rank {feeder} did not answer within {ASK_S:g} s" if time.monotonic() - t0 > ASK_S else None)
+
+        self.synced = False
+        self.sent_key = keys.feed_sent_key(self.rank, inc, self.serial)
+        self.pg = build_group_watched(run_store(), keys.feed_prefix(self.rank, inc, self.serial), 1, 2, gone, 0.05)
+        payload, _stats, in_place = receive_state(self.pg, self.state.targets(), group_device(), chunk=self.chunk,
+                                                  timeout_s=self.timeout_s)
+        _, step, _ = self.state.restore(payload, in_place)
+        self.step, self.synced, self.fails = step, True, 0
+        self.log_detail(f"rank {self.rank}: a hot spare fed by rank {feeder} from step {step} (took its state in "
+                        f"{time.monotonic() - t0:.2f} s)")
+
+    def _follow(self, deadline: float, until: Optional[int] = None, poll_s: float = FOLLOW_POLL_S) -> None:
+        """Take the steps sent until `deadline` (or step `until`), looking for them every `poll_s`."""
+        while True:
+            word = self.store.get(self.sent_key).decode() if self.store.check([self.sent_key]) else "-1"
+            if word == DROPPED:
+                raise FeedBroken("its feeder stopped feeding it")
+            sent = int(word)
+            while self.step < sent:
+                self._take()
+                if until is not None and self.step >= until:
+                    return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+    def _take(self) -> None:
+        head = torch.zeros(HEAD, dtype=torch.int64, device=group_device())
+        self.pg.broadcast(head, 0).wait()
+        magic, step, blob_len, n_params, n_buffers, total = (int(x) for x in head.tolist())
+        params, buffers = _params(self.state), _buffers(self.state)
+        if magic != MAGIC or n_params != len(params) or n_buffers != len(buffers):
+            self.refused = True
+            raise FeedBroken(f"the feed does not fit this replica ({n_params} parameters and {n_buffers} buffers "
+                             f"sent, {len(params)} and {len(buffers)} here)")
+        dev = group_device()
+        self.synced = False  # from here until the step is taken, the state is neither old nor new
+        mask = torch.zeros(n_params, dtype=torch.uint8, device=dev)
+        self.pg.broadcast(mask, 0).wait()
+        blob = torch.zeros(blob_len, dtype=torch.uint8, device=dev)
+        self.pg.broadcast(blob, 0).wait()
+        if not self.grads:
+            self.grads = [torch.zeros_like(p) for p in params]
+        sent = [g for g, m in zip(self.grads, mask.tolist()) if m]
+        if sum(t.numel() * t.element_size() for t in sent + buffers) != total:
+            self.refused = True
+            raise FeedBroken("the feed's gradients do not fit this replica's parameters")
+        for t in sent:
+            if t.numel():
+                self.pg.broadcast(t, 0).wait()
+        for b in buffers:
+            if b.numel():
+                landing = b if b.is_contiguous() else torch.empty_like(b)
+                self.pg.broadcast(landing.data, 0).wait()
+                if landing is not b:
+                    with torch.no_grad():
+                        b.copy_(landing)
+        apply_settings(self.state, json.loads(bytes(blob.cpu().numpy()).decode()))
+        for p, g, m in zip(params, self.grads, mask.tolist()):
+            p.grad = g if m else None
+        for o in self.state.optimizers:
+            o.step()
+        for p in params:
+            p.grad = None
+        self.step, self.synced = step, True
+
+    def _broken(self, why: str, quiet: bool = False) -> None:
+        self.stop()
+        self.store = None  # it may be the store that broke (a move): connect again
+        was = self.synced
+        self.synced = False
+        self.fails += 1
+        self.retry_at = time.monotonic() + min(30.0, 2.0 ** (self.fails - 1))
+        if self.refused:
+            self.log_detail(f"rank {self.rank}: its feed as a hot spare does not fit ({why}); it waits unfed and "
+                            f"takes the whole state if promoted")
+        elif not quiet:
+            self.log_detail(f"rank {self.rank}: its feed as a hot spare broke ({why}); "
+                            f"{'it held step ' + str(self.step) + ', ' if was else ''}asking again in "
+                            f"{self.retry_at - time.monotonic():.0f} s")

@@ -1,0 +1,89 @@
+"""What a hot spare costs the training replicas' failure-free step (docs/guides/spares.md).
+
+    .venv/bin/python scripts/bench_spares.py                   # 25M parameters, 3 runs each way
+    .venv/bin/python scripts/bench_spares.py --sizes 1M,25M --runs 5
+
+For each size, in turn (so that the machine's load hits both ways alike): `ftrun --nproc 3 --ft`
+(3 training replicas) and `ftrun --nproc 4 --ft --spares 1` (the same 3 and a spare, fed each step
+by rank 0: ft/heal/feed.py), `scripts/train_ft.py --optim adamw` on an MLP of that size. Per run,
+the training replicas' median step (from their committed steps' times, the first 5 steps left
+out) and the feeder's (rank 0) alone. The ratio with/without, per pair and its median, is the
+cost. On this machine the spare shares the training replicas' 2 cores (its optimizer step takes
+CPU they would use); on GPUs it has its own device, and what remains is the feeder's sending.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import scratch
+from bench_heal import SIZES, params_of
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "scripts" / "train_ft.py"
+SKIP = 5  # warm-up steps left out of the medians
+
+
+def one_run(size: str, spares: int, steps: int, home: Path) -> dict:
+    dim, hidden, depth, batch, _kill_after, _steps = SIZES[size]
+    out = Path(tempfile.mkdtemp(prefix=f"spares-{size}-"))
+    cmd = [sys.executable, "-m", "ftrun", "--nproc", str(3 + spares), "--ft", "--spares", str(spares),
+           "--verbose", str(TRAIN), "--dim", str(dim), "--hidden", str(hidden), "--depth", str(depth),
+           "--batch", str(batch), "--optim", "adamw", "--lr", "0.0005", "--data", "step", "--steps", str(steps),
+           "--print-every", "100000", "--out", str(out / "p")]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, FTRUN_HOME=str(home)), cwd=ROOT,
+                          timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_spares: {size} spares={spares} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    gaps = {}
+    for r in range(3):
+        commits = json.loads((out / f"p.rank{r}.json").read_text())["commits"]
+        times = [t for _, t in commits][SKIP:]
+        gaps[r] = [b - a for a, b in zip(times, times[1:])]
+    fed = "feeds hot spare" in proc.stderr
+    return {"size": size, "spares": spares, "wall_s": time.time() - t0, "fed": fed,
+            "step_s": statistics.median(g for r in gaps for g in gaps[r]),
+            "feeder_step_s": statistics.median(gaps[0])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="25M")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60)
+    args = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="bench-spares-home-"))
+    print("| model | without a spare: step | with a fed spare: step | ratio (pairs) | feeder's step ratio | load |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for size in args.sizes.split(","):
+        pairs = []
+        for i in range(args.runs):
+            a = one_run(size, 0, args.steps, home)
+            b = one_run(size, 1, args.steps, home)
+            if not b["fed"]:
+                raise SystemExit(f"bench_spares: the spare was never fed in run {i + 1} at {size}")
+            pairs.append((a, b))
+            print(f"{size} run {i + 1}: without {a['step_s']:.4f} s, with {b['step_s']:.4f} s "
+                  f"({b['step_s'] / a['step_s']:.3f}x; feeder {b['feeder_step_s'] / a['feeder_step_s']:.3f}x)",
+                  file=sys.stderr, flush=True)
+        ratios = [b["step_s"] / a["step_s"] for a, b in pairs]
+        feeder = [b["feeder_step_s"] / a["feeder_step_s"] for a, b in pairs]
+        print(f"| {size} ({params_of(*SIZES[size][:3]) / 1e6:.1f}M) | "
+              f"{statistics.median(a['step_s'] for a, _ in pairs):.3f} s | "
+              f"{statistics.median(b['step_s'] for _, b in pairs):.3f} s | {statistics.median(ratios):.3f}x "
+              f"({', '.join(f'{r:.2f}' for r in ratios)}) | {statistics.median(feeder):.3f}x | "
+              f"{os.getloadavg()[0]:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    scratch.run(main)

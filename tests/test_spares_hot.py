@@ -1,0 +1,129 @@
+"""Hot spares that hold the live state (ft/heal/feed.py), through the real CLI with real SIGKILLs.
+
+A waiting spare asks the quorum's feeder (its lowest training replica) for its state once, then
+takes each step's gradients and steps its own optimizer, without a forward or backward. At its
+promotion the heal compares the fingerprints of both ends' models and optimizers: equal, only
+the registered state and the optimizers' settings move; different (a script that changes its
+parameters outside the optimizer), the whole state moves. Either way every replica that trained
+to the end is bitwise identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from conftest import SCRIPTS
+from helpers import finish, read_state, start_logged
+from test_spares import _identical, _kill, _replica, _wait
+
+TRAIN = SCRIPTS / "train_ft.py"
+# 37k parameters with AdamW: 0.45 MB of state, so a transfer of the whole is plainly not 0.0 MB.
+MODEL = ["--dim", 32, "--hidden", 128, "--depth", 3, "--optim", "adamw", "--lr", 0.001, "--data", "step",
+         "--print-every", 50]
+RECEIVED = re.compile(r"\[rank (\d+)\] ftrun\.ft: detail: rank \d+: received ([\d.]+) MB of state from rank (\d+) in "
+                      r"[\d.]+ s \([\d.]+ GB/s, (\d+) tensors in place\)")
+
+
+def _console(proc) -> str:
+    return Path(proc.err_path).read_text()
+
+
+def _until_line(proc, pattern: str, count: int = 1, timeout: float = 90.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if len(re.findall(pattern, _console(proc))) >= count:
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"never saw {pattern!r} {count} time(s):\n{_console(proc)[-4000:]}")
+
+
+def _heals_of(err: str, rank: int) -> list:
+    """(MB received, tensors in place) of each heal of `rank`, in order."""
+    return [(float(mb), int(n)) for r, mb, _src, n in RECEIVED.findall(err) if int(r) == rank]
+
+
+def test_a_fed_spare_takes_over_without_moving_its_model_and_the_feeds_own_failures_cost_training_nothing(
+        ftrun_home, tmp_path):
+    """3 training replicas and 1 spare, one run:
+    - replica 3 waits as the spare and is fed by rank 0;
+    - rank 1 is killed: spare 3 takes its place and receives no model or optimizer tensor (0.0 MB
+      of state, the scheduler's state only), and rank 1, restarted, is fed as the new spare;
+    - the fed spare (rank 1) is killed: its feed is dropped, no quorum changes, and it is fed again
+      once back;
+    - the feeder (rank 0) is killed: spare 1 takes its place, whatever it must receive.
+    The three replicas that trained to the end are bitwise identical, scheduler included."""
+    out = tmp_path / "p"
+    run_id = "hot"
+    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
+                         "--steps", 400, "--step-sleep", 0.02, "--out", out])
+    try:
+        _until_line(proc, r"rank 0: feeds hot spare rank 3 from step \d+")
+        st = _wait(ftrun_home, run_id, proc, "rank 3 fed as the spare", lambda st: _replica(st, 3).get("spare"))
+        _kill(st, 1)
+        _until_line(proc, r"rank 0: feeds hot spare rank 1 from step \d+")
+        err = _console(proc)
+        assert _heals_of(err, 3) == [(0.0, 0)], err[-4000:]  # nothing but the scheduler moved
+        quorums_before = len(re.findall(r"ftrun: quorum \d+:", err))
+        st = _wait(ftrun_home, run_id, proc, "rank 1 the spare", lambda st: _replica(st, 1).get("spare"))
+        _kill(st, 1)
+        _until_line(proc, r"rank 0: feeds hot spare rank 1 from step \d+", count=2)
+        err = _console(proc)
+        assert "rank 0: stopped feeding hot spare rank 1: the other end went away" in err, err[-4000:]
+        assert len(re.findall(r"ftrun: quorum \d+:", err)) == quorums_before, err[-4000:]
+        st = _wait(ftrun_home, run_id, proc, "rank 1 back as the spare",
+                   lambda st: _replica(st, 1)["restarts"] == 2 and _replica(st, 1).get("spare"))
+        _kill(st, 0)
+        rc, err = finish(proc, 180)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    assert re.search(r"rank 0 left; spare replica 1 takes its place", err), err[-4000:]
+    trained = [1, 2, 3]
+    assert _identical(out, trained) == 400
+    scheds = {json.dumps(json.loads(Path(f"{out}.rank{r}.json").read_text())["sched"], sort_keys=True)
+              for r in trained}
+    assert len(scheds) == 1, scheds
+
+
+def test_a_stopped_spare_never_holds_training_up_and_a_changed_model_is_sent_whole(ftrun_home, tmp_path):
+    """- The fed spare is stopped (SIGSTOP): within FEED_WAIT_S its feeder drops its feed and
+      training goes on (no step of the feeder waits the group's 10 s teardown); continued, it
+      is fed again.
+    - The script changes a parameter after each step outside the optimizer (--nudge, as an EMA or
+      a weight constraint would): the fed spare misses it, the fingerprints differ at its
+      promotion, and it receives the whole state (every tensor in place); all end identical."""
+    out = tmp_path / "p"
+    run_id = "hotnudge"
+    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
+                         "--nudge", "--steps", 300, "--step-sleep", 0.02, "--out", out])
+    try:
+        _until_line(proc, r"rank 0: feeds hot spare rank 3 from step \d+")
+        st = _wait(ftrun_home, run_id, proc, "rank 3 fed as the spare", lambda st: _replica(st, 3).get("spare"))
+        spare = _replica(st, 3)["pid"]
+        os.kill(spare, signal.SIGSTOP)
+        stopped_at = time.time()
+        try:
+            _until_line(proc, r"rank 0: stopped feeding hot spare rank 3: its feed")
+            step = _replica(read_state(ftrun_home, run_id), 0)["step"]
+            _wait(ftrun_home, run_id, proc, "rank 0 training on", lambda st: _replica(st, 0)["step"] >= step + 10)
+        finally:
+            os.kill(spare, signal.SIGCONT)
+        assert time.time() - stopped_at < 8, "the feeder stalled on the stopped spare"
+        _until_line(proc, r"rank 0: feeds hot spare rank 3 from step \d+", count=2)
+        st = read_state(ftrun_home, run_id)
+        _kill(st, 1)
+        rc, err = finish(proc, 180)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-4000:]
+    heals = _heals_of(err, 3)
+    assert len(heals) == 1 and heals[0][0] >= 0.4 and heals[0][1] > 0, (heals, err[-4000:])  # 0.45 MB: all of it
+    assert _identical(out, [0, 2, 3]) == 300
