@@ -9,8 +9,10 @@ the loss by k) a step is k batches, and every weight ends at -1/(k n).
 
 argv: EPOCHS OUT, then options. Appends one line per train() start to OUT.rankN.starts (the
 epoch and global step it started at: a restarted replica's shows where it went on), and writes
-OUT.rankN.json at the end: the weights, the global step and the autocast dtypes its training
-forwards ran under (["off"] without mixed precision; --bf16: ["torch.bfloat16"] once each forward ran in it).
+OUT.rankN.json at the end: the weights, the global step, the autocast dtypes its training
+forwards ran under (["off"] without mixed precision; --bf16: ["torch.bfloat16"] once each forward
+ran in it) and a stateful callback's count of steps (ExportableState: the Trainer's checkpoints
+save it, and a restarted replica must receive it from a peer to end at the global step).
 """
 
 import argparse
@@ -20,7 +22,9 @@ import os
 import time
 
 import torch
+import transformers
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ExportableState
 
 
 class Indices(torch.utils.data.Dataset):
@@ -61,6 +65,19 @@ class Epochs(TrainerCallback):
         COUNTER.epoch = math.floor(state.epoch or 0)
 
 
+class Steps(TrainerCallback, ExportableState):
+    """Counts the steps this run took (whichever process took them): a callback with state."""
+
+    def __init__(self, count: int = 0) -> None:
+        self.count = count
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.count += 1
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"count": self.count}}
+
+
 p = argparse.ArgumentParser()
 p.add_argument("epochs", type=int)
 p.add_argument("out")
@@ -72,10 +89,14 @@ p.add_argument("--subclass", action="store_true", help="ftrun.hf's FTTrainer, as
 p.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers (persistent)")
 p.add_argument("--fp16", action="store_true", help="fp16 mixed precision (a GradScaler): a setup ftrun cannot heal")
 p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast on CPU)")
+p.add_argument("--pretend-transformers", default=None,
+               help="transformers.__version__ as this script sees it (a version ftrun does not support)")
 p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
 args = p.parse_args()
 OUT, RANK = args.out, os.environ.get("RANK", "0")
 AUTOCAST = set()  # how this process's training forwards ran
+if args.pretend_transformers:
+    transformers.__version__ = args.pretend_transformers
 
 torch.manual_seed(0)
 COUNTER = Counter(args.size, args.epochs, args.sleep, args.sleep_late)
@@ -86,13 +107,14 @@ targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=a
                           disable_tqdm=True, seed=1, dataloader_drop_last=False, fp16=args.fp16, bf16=args.bf16,
                           dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0,
                           gradient_accumulation_steps=args.accumulate)
+STEPS = Steps()
 cls = Trainer
 if args.subclass:
     from ftrun.hf import FTTrainer as cls
 trainer = cls(model=COUNTER, args=targs, train_dataset=Indices(args.size), optimizers=(opt, None),
-              callbacks=[Epochs()])
+              callbacks=[Epochs(), STEPS])
 trainer.train()
 with open(f"{OUT}.rank{RANK}.json", "w") as f:
     json.dump({"weights": COUNTER.w.detach().tolist(), "step": trainer.state.global_step,
-               "autocast": sorted(AUTOCAST)}, f)
+               "autocast": sorted(AUTOCAST), "callback_steps": STEPS.count}, f)
 print(f"done rank {RANK} step {trainer.state.global_step}", flush=True)

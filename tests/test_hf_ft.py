@@ -42,7 +42,8 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     sample was trained once an epoch (every weight is -1/(2n): a redone step trained both its
     batches again, not only the last, and never twice), and the replicas end identical. With
     bf16=True: every training forward ran under bf16 autocast, the restarted replicas' (healed,
-    redone steps) too."""
+    redone steps) too. A stateful callback's count of steps (ExportableState) ends at the global
+    step on every replica: the restarted ones received it from a peer."""
     out, size, epochs, steps = tmp_path / "o", 180, 2, 15
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "hf", WORKER, epochs, out,
                         "--size", size, "--batch", 2, "--sleep", 0.08, "--sleep-late", 0.4,
@@ -60,6 +61,8 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
     autocast = {r: rep["autocast"] for r, rep in reports.items()}
     assert all(a == ["torch.bfloat16"] for a in autocast.values()), autocast
+    counts = {r: rep["callback_steps"] for r, rep in reports.items()}
+    assert set(counts.values()) == {epochs * steps}, counts
     strengths = _strengths(reports[0], epochs, accumulate=2)
     assert strengths[0] == {3}, strengths  # nothing failed in epoch 0
     # (No step need run with a replica away: forked from a zygote that has imported the Trainer, a
@@ -212,18 +215,43 @@ def test_run_clm_shaped_script_under_a_kill_and_resumed_from_its_own_checkpoint(
 
 
 def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_path):
-    """fp16 steps through a GradScaler, which the Trainer's part does not support: one line at the
+    """fp16 steps through a GradScaler, which the Trainer's part does not support, and a
+    transformers of another major version (the script sees 4.57.0): each gets one line at the
     start, Accelerate's own DDP (all workers in one group), and the run trains as without --ft."""
-    from conftest import run_ftrun
+    runs = {"fp16": (["--fp16"], "TrainingArguments(fp16=True) steps through a GradScaler"),
+            "version": (["--pretend-transformers", "4.57.0"],
+                        "this transformers is 4.57.0; ftrun heals Trainer replicas with transformers 5.x only")}
+    procs = {name: start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / name, "--size", 24, *extra])
+             for name, (extra, _) in runs.items()}
+    try:
+        done = {name: finish(proc, 300) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for name, (_, line) in runs.items():
+        rc, err = done[name]
+        assert rc == 0, err[-3000:]
+        assert err.count(line) == 1, err[-3000:]
+        assert "quorum 1" not in err, err[-3000:]  # no replica joined one: plain DDP
+        reports = {r: json.loads(Path(f"{tmp_path / name}.rank{r}.json").read_text()) for r in range(2)}
+        assert reports[0]["weights"] == reports[1]["weights"]
+        assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
 
-    out = tmp_path / "o"
-    proc = run_ftrun(["--nproc", 2, "--ft", WORKER, 1, out, "--size", 24, "--fp16"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("TrainingArguments(fp16=True) steps through a GradScaler") == 1, proc.stderr[-3000:]
-    assert "quorum 1" not in proc.stderr, proc.stderr[-3000:]  # no replica joined one: plain DDP
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
-    assert reports[0]["weights"] == reports[1]["weights"]
-    assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
+
+def test_deepspeed_and_fsdp_are_said_in_one_line(monkeypatch):
+    """DeepSpeed and FSDP through Accelerate shard the state over a group of all workers: the
+    line a TrainingArguments that asks for either gets at its set-up (and then the plain run)."""
+    from types import SimpleNamespace
+
+    from ftrun.worker.frameworks.hf import _cannot_heal
+
+    plain = SimpleNamespace(deepspeed=None, fsdp="", fp16=False)
+    assert _cannot_heal(plain) is None
+    assert "a Trainer with DeepSpeed shards" in _cannot_heal(SimpleNamespace(**{**vars(plain), "deepspeed": "ds.json"}))
+    assert "a Trainer with FSDP (through Accelerate)" in _cannot_heal(SimpleNamespace(**{**vars(plain),
+                                                                                        "fsdp": "full_shard"}))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch --use_fsdp's way
+    assert "a Trainer with FSDP (through Accelerate)" in _cannot_heal(plain)
 
 
 def test_a_script_that_says_so_with_ftrun_hf(ftrun_home, tmp_path):
