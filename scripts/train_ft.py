@@ -149,9 +149,14 @@ def main() -> None:
     announced = not args.announce
     commits = []  # (global step, wall time) of this process's committed steps
     first_process = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    began = not args.announce
     for step in ft.steps(args.steps):                                                    # FT
         if first_process and args.die_at.get(int(os.environ["RANK"])) == step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if not began:  # this process trains from here: its replica is back at full strength
+            began = True
+            print(f"[announce] rank {ft.replica_id()} pid {os.getpid()} begins step {step} t {time.time():.6f}",
+                  flush=True)
         n = ft.num_replicas()
         if args.data == "step":
             i = ft.replica_index()
