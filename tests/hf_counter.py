@@ -11,8 +11,9 @@ argv: EPOCHS OUT, then options. Appends one line per train() start to OUT.rankN.
 epoch and global step it started at: a restarted replica's shows where it went on), and writes
 OUT.rankN.json at the end: the weights, the global step, the autocast dtypes its training
 forwards ran under (["off"] without mixed precision; --bf16: ["torch.bfloat16"] once each forward
-ran in it) and a stateful callback's count of steps (ExportableState: the Trainer's checkpoints
-save it, and a restarted replica must receive it from a peer to end at the global step).
+ran in it), the samples of each training forward in order, and a stateful callback's count of
+steps (ExportableState: the Trainer's checkpoints save it, and a restarted replica must receive
+it from a peer to end at the global step).
 """
 
 import argparse
@@ -47,6 +48,7 @@ class Counter(torch.nn.Module):
     def forward(self, idx: torch.Tensor) -> dict:
         if self.training:
             AUTOCAST.add(str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "off")
+            TRAINED.append(idx.tolist())
         pause = self.sleep_late if self.epoch and self.sleep_late else self.sleep
         if pause:
             time.sleep(pause)
@@ -89,12 +91,14 @@ p.add_argument("--subclass", action="store_true", help="ftrun.hf's FTTrainer, as
 p.add_argument("--workers", type=int, default=0, help="the Trainer's dataloader_num_workers (persistent)")
 p.add_argument("--fp16", action="store_true", help="fp16 mixed precision (a GradScaler): a setup ftrun cannot heal")
 p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (autocast on CPU)")
+p.add_argument("--data-seed", type=int, default=None, help="the Trainer's data_seed (its seed is 1)")
 p.add_argument("--pretend-transformers", default=None,
                help="transformers.__version__ as this script sees it (a version ftrun does not support)")
 p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
 args = p.parse_args()
 OUT, RANK = args.out, os.environ.get("RANK", "0")
 AUTOCAST = set()  # how this process's training forwards ran
+TRAINED = []  # the samples of each of this process's training forwards, in order
 if args.pretend_transformers:
     transformers.__version__ = args.pretend_transformers
 
@@ -106,7 +110,7 @@ targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=a
                           logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
                           disable_tqdm=True, seed=1, dataloader_drop_last=False, fp16=args.fp16, bf16=args.bf16,
                           dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0,
-                          gradient_accumulation_steps=args.accumulate)
+                          gradient_accumulation_steps=args.accumulate, data_seed=args.data_seed)
 STEPS = Steps()
 cls = Trainer
 if args.subclass:
@@ -116,5 +120,5 @@ trainer = cls(model=COUNTER, args=targs, train_dataset=Indices(args.size), optim
 trainer.train()
 with open(f"{OUT}.rank{RANK}.json", "w") as f:
     json.dump({"weights": COUNTER.w.detach().tolist(), "step": trainer.state.global_step,
-               "autocast": sorted(AUTOCAST), "callback_steps": STEPS.count}, f)
+               "autocast": sorted(AUTOCAST), "callback_steps": STEPS.count, "trained": TRAINED}, f)
 print(f"done rank {RANK} step {trainer.state.global_step}", flush=True)

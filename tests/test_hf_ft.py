@@ -255,13 +255,21 @@ def test_deepspeed_and_fsdp_are_said_in_one_line(monkeypatch):
 
 
 def test_a_script_that_says_so_with_ftrun_hf(ftrun_home, tmp_path):
-    """`from ftrun.hf import FTTrainer`: the replicas form a quorum (no line) and train each sample once."""
+    """`from ftrun.hf import FTTrainer`: the replicas form a quorum (no line) and train each sample
+    once, in the order of the Trainer's data_seed (not its seed): the epoch's permutation seeded
+    with data_seed + epoch, each step's 2 x 4 samples split over the 2 replicas."""
+    import torch
+
     from conftest import run_ftrun
 
     out = tmp_path / "o"
-    proc = run_ftrun(["--nproc", 2, "--ft", WORKER, 1, out, "--size", 24, "--subclass"], timeout=300)
+    proc = run_ftrun(["--nproc", 2, "--ft", WORKER, 1, out, "--size", 24, "--subclass", "--data-seed", 7],
+                     timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "quorum 1: 2 replicas" in proc.stderr and "ftrun: --ft:" not in proc.stderr, proc.stderr[-3000:]
     reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
     assert reports[0]["weights"] == reports[1]["weights"]
     assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(7)).tolist()
+    for r in range(2):
+        assert reports[r]["trained"] == [order[s * 8 + r:s * 8 + 8:2] for s in range(3)], reports[r]["trained"]

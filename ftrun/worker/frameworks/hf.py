@@ -294,8 +294,13 @@ class _TrainerFT:
             self.loop.misused("the Trainer's train_dataset is an IterableDataset: under --ft ftrun splits each step "
                               "over the live replicas by sample index; give the Trainer a dataset with __len__ and "
                               "__getitem__ (or run without --ft)")
-        inner = getattr(getattr(dataloader, "base_dataloader", dataloader), "sampler", None)
-        shuffle = not isinstance(inner, SequentialSampler)
+        # The sampler that orders the Trainer's batches: Accelerate's prepare() moves the Trainer's
+        # (a RandomSampler) into the batch sampler, and the loader's own .sampler is then a
+        # SequentialSampler that orders nothing (read alone, the data went unshuffled).
+        batches = getattr(getattr(dataloader, "base_dataloader", dataloader), "batch_sampler", None)
+        while hasattr(batches, "batch_sampler"):  # Accelerate's BatchSamplerShard around it
+            batches = batches.batch_sampler
+        shuffle = not isinstance(getattr(batches, "sampler", None), SequentialSampler)
         seed = args.data_seed if args.data_seed is not None else args.seed
         self.sampler = StepBatchSampler(len(dataset), t._train_batch_size, settings.current().world_size or 1,
                                         shuffle, seed, args.dataloader_drop_last, lambda: (self.epoch, self.batch),
