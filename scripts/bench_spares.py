@@ -7,7 +7,8 @@ For each size, in turn (so that the machine's load hits both ways alike): `ftrun
 (3 training replicas) and `ftrun --nproc 4 --ft --spares 1` (the same 3 and a spare, fed each step
 by rank 0: ft/heal/feed.py), `scripts/train_ft.py --optim adamw` on an MLP of that size. Per run,
 the training replicas' median step (from their committed steps' times, the first 5 steps left
-out) and the feeder's (rank 0) alone. The ratio with/without, per pair and its median, is the
+out) and the feeder's (rank 0) alone, and the time feeding took in the feeder's training thread
+(its `feeding ... took X ms a step` lines). The ratio with/without, per pair and its median, is the
 cost. On this machine the spare shares the training replicas' 2 cores (its optimizer step takes
 CPU they would use); on GPUs it has its own device, and what remains is the feeder's sending.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -50,7 +52,9 @@ def one_run(size: str, spares: int, steps: int, home: Path) -> dict:
         times = [t for _, t in commits][SKIP:]
         gaps[r] = [b - a for a, b in zip(times, times[1:])]
     fed = "feeds hot spare" in proc.stderr
+    costs = [float(x) for x in re.findall(r"feeding \d+ hot spare\(s\) took ([\d.]+) ms a step", proc.stderr)]
     return {"size": size, "spares": spares, "wall_s": time.time() - t0, "fed": fed,
+            "feed_ms": statistics.median(costs) if costs else float("nan"),
             "step_s": statistics.median(g for r in gaps for g in gaps[r]),
             "feeder_step_s": statistics.median(gaps[0])}
 
@@ -62,8 +66,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-spares-home-"))
-    print("| model | without a spare: step | with a fed spare: step | ratio (pairs) | feeder's step ratio | load |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| model | without a spare: step | with a fed spare: step | ratio (pairs) | feeder's step ratio | "
+          "feeding, in the feeder's training thread | load |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for size in args.sizes.split(","):
         pairs = []
         for i in range(args.runs):
@@ -81,7 +86,8 @@ def main() -> None:
               f"{statistics.median(a['step_s'] for a, _ in pairs):.3f} s | "
               f"{statistics.median(b['step_s'] for _, b in pairs):.3f} s | {statistics.median(ratios):.3f}x "
               f"({', '.join(f'{r:.2f}' for r in ratios)}) | {statistics.median(feeder):.3f}x | "
-              f"{os.getloadavg()[0]:.1f} |", flush=True)
+              f"{statistics.median(b['feed_ms'] for _, b in pairs):.1f} ms a step | {os.getloadavg()[0]:.1f} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from ftrun.worker.settings import run_store
 
 MAGIC = 0x66656564  # "feed": the first word of every step's header
 HEAD = 6  # MAGIC, step, settings bytes, parameters, buffers, tensor bytes
+REPORT_EVERY = 20  # steps between the feeder's lines on what feeding costs it
 LOOK_S = 0.5  # how often a feeder looks for spares asking to be fed
 FEED_WAIT_S = 1.0  # how long a feeder waits for a step's feed to leave before it drops the feed
 ASK_S = 30.0  # how long a spare waits for its feeder to answer before it asks again
@@ -243,6 +244,7 @@ class Feeder:
         self.served: Dict[int, str] = {}  # spare rank -> the ask this feeder answered last
         self.next_look = 0.0
         self.store: Any = None
+        self.spent, self.fed = 0.0, 0  # seconds this replica's training thread spent feeding, over `fed` steps
 
     def after_step(self, quorum: Any, holds_state: bool, round_: int, step: int, yielded: int) -> None:
         if not enabled(self.state):
@@ -261,6 +263,7 @@ class Feeder:
             except Exception as e:  # the run's store moved or went away: the member's own loop deals with that
                 self.store = None
                 self.log_detail(f"rank {self.rank}: could not look for hot spares to feed: {_why(e)}")
+        t0 = time.perf_counter()
         for spare, feed in fed:
             try:
                 if not feed.left(FEED_WAIT_S):
@@ -269,6 +272,8 @@ class Feeder:
                 feed.send_step(self.state, step)
             except Exception as e:  # the spare died or was promoted: its feed ends, training goes on
                 self._drop(spare, _why(e))
+        if fed:
+            self._spent(time.perf_counter() - t0, step)
 
     def settle(self, quorum: Any = None) -> None:
         """Before gradients are written again: the last step's feed has left, or is dropped."""
@@ -276,12 +281,24 @@ class Feeder:
             return
         if quorum is not None:
             self._drop_members(quorum)
+        t0 = time.perf_counter()
         for spare, feed in list(self.feeds.items()):
             try:
                 if not feed.left(FEED_WAIT_S):
                     self._drop(spare, f"its feed had not left after {FEED_WAIT_S:g} s")
             except Exception as e:
                 self._drop(spare, _why(e))
+        self.spent += time.perf_counter() - t0
+
+    def _spent(self, seconds: float, step: int) -> None:
+        """What feeding costs this replica's training thread, said every REPORT_EVERY steps."""
+        self.spent += seconds
+        self.fed += 1
+        if self.fed >= REPORT_EVERY:
+            self.log_detail(f"rank {self.rank}: feeding {len(self.feeds)} hot spare(s) took "
+                            f"{1000 * self.spent / self.fed:.1f} ms a step of this replica's training thread "
+                            f"over steps {step - self.fed + 1}-{step}")
+            self.spent, self.fed = 0.0, 0
 
     def drop_all(self, why: str) -> None:
         for spare in list(self.feeds):
