@@ -111,7 +111,7 @@ def test_a_stopped_spare_never_holds_training_up_and_a_changed_model_is_sent_who
         os.kill(spare, signal.SIGSTOP)
         stopped_at = time.time()
         try:
-            _until_line(proc, r"rank 0: stopped feeding hot spare rank 3: its feed")
+            _until_line(proc, r"rank 0: stopped feeding hot spare rank 3: it had not taken step \d+ after 1 s")
             step = _replica(read_state(ftrun_home, run_id), 0)["step"]
             _wait(ftrun_home, run_id, proc, "rank 0 training on", lambda st: _replica(st, 0)["step"] >= step + 10)
         finally:

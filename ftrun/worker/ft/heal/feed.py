@@ -39,6 +39,7 @@ HEAD = 6  # MAGIC, step, settings bytes, parameters, buffers, tensor bytes
 REPORT_EVERY = 20  # steps between the feeder's lines on what feeding costs it
 LOOK_S = 0.5  # how often a feeder looks for spares asking to be fed
 FEED_WAIT_S = 1.0  # how long a feeder waits for a step's feed to leave before it drops the feed
+IN_FLIGHT = 2  # steps a feed may have still leaving
 ASK_S = 30.0  # how long a spare waits for its feeder to answer before it asks again
 CATCH_UP_S = 5.0  # at a promotion, how long a spare takes in the steps already sent to it
 POLL_S = 0.005
@@ -185,12 +186,12 @@ def feeder_of(members: List[int], healers: Tuple[int, ...]) -> Optional[int]:
 
 
 class _Feed:
-    """One spare's feed on the feeder: the group, and the step whose tensors are still leaving."""
+    """One spare's feed on the feeder: the group, and the steps whose tensors are still leaving
+    (at most IN_FLIGHT: a spare slower than the training replicas holds its feeder back there)."""
 
     def __init__(self, spare: int, pg: dist.ProcessGroup, store: Any, sent_key: str) -> None:
         self.spare, self.pg, self.store, self.sent_key = spare, pg, store, sent_key
-        self.pending: List[Any] = []  # the works of the last step sent
-        self.keep: List[torch.Tensor] = []  # its tensors, alive until they have left
+        self.inflight: List[Tuple[List[Any], List[torch.Tensor]]] = []  # (works, their tensors) a step
 
     def send_step(self, state: ReplicaState, step: int) -> None:
         params = _params(state)
@@ -204,8 +205,7 @@ class _Feed:
         head = torch.tensor([MAGIC, step, len(blob), len(params), len(_buffers(state)), total], dtype=torch.int64)
         dev = group_device()
         out = [head.to(dev), mask.to(dev), hp.to(dev)] + [t for t in tensors if t.numel()]
-        self.keep = out
-        self.pending = [self.pg.broadcast(t, 0) for t in out]
+        self.inflight.append(([self.pg.broadcast(t, 0) for t in out], out))
         # The spare receives only what it is told has been sent: a receive posted ahead and left
         # unmatched would hold its group's teardown for the whole timeout.
         self.store.set(self.sent_key, str(step))
@@ -214,21 +214,28 @@ class _Feed:
         """Let the group go on a thread of its own: gloo frees a group whose send was never
         received (a spare stopped, not dead) only after its whole timeout, which must not stall
         the feeder's training."""
-        box = [self.pg, self.pending, self.keep]
-        self.pg, self.pending, self.keep = None, [], []
+        box = [self.pg, self.inflight]
+        self.pg, self.inflight = None, []
         threading.Thread(target=box.clear, name="ftrun-feed-free", daemon=True).start()
 
-    def left(self, timeout_s: float) -> bool:
-        """Whether the last step's feed has left within `timeout_s` (raises if it failed)."""
+    def left(self, timeout_s: float, most: int = 0) -> bool:
+        """Whether the steps in flight are down to `most` within `timeout_s` (raises if one failed)."""
         deadline = time.monotonic() + timeout_s
-        for w in self.pending:
-            while not w.is_completed():
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(POLL_S / 5)
-            w.wait()
-        self.pending, self.keep = [], []
+        while len(self.inflight) > most:
+            for w in self.inflight[0][0]:
+                while not w.is_completed():
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(POLL_S / 5)
+                w.wait()
+            self.inflight.pop(0)
         return True
+
+    def writes_ahead(self, state: ReplicaState) -> bool:
+        """Whether a tensor still leaving is a parameter's live gradient, which the next backward
+        writes in place (gradients zeroed, not set to None; DDP's gradient_as_bucket_view)."""
+        live = {id(p.grad) for p in _params(state) if p.grad is not None}
+        return any(id(t) in live for _, tensors in self.inflight for t in tensors)
 
 
 class Feeder:
@@ -266,8 +273,8 @@ class Feeder:
         t0 = time.perf_counter()
         for spare, feed in fed:
             try:
-                if not feed.left(FEED_WAIT_S):
-                    self._drop(spare, f"its feed of step {step - 1} had not left after {FEED_WAIT_S:g} s")
+                if not feed.left(FEED_WAIT_S, most=IN_FLIGHT - 1):
+                    self._drop(spare, f"it had not taken step {step - IN_FLIGHT} after {FEED_WAIT_S:g} s")
                     continue
                 feed.send_step(self.state, step)
             except Exception as e:  # the spare died or was promoted: its feed ends, training goes on
@@ -284,7 +291,7 @@ class Feeder:
         t0 = time.perf_counter()
         for spare, feed in list(self.feeds.items()):
             try:
-                if not feed.left(FEED_WAIT_S):
+                if feed.writes_ahead(self.state) and not feed.left(FEED_WAIT_S):
                     self._drop(spare, f"its feed had not left after {FEED_WAIT_S:g} s")
             except Exception as e:
                 self._drop(spare, _why(e))
@@ -377,6 +384,7 @@ class Follower:
         self.store: Any = None
         self.grads: List[torch.Tensor] = []
         self.refused = False  # the feed does not fit this replica (another layout): never asked for again
+        self.took_s, self.stepped_s, self.taken = 0.0, 0.0, 0  # receiving, stepping, over `taken` steps
 
     def wait(self, seconds: float) -> None:
         """The spare's sleep between two looks at the quorums: spent following."""
@@ -457,6 +465,7 @@ class Follower:
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
     def _take(self) -> None:
+        t0 = time.perf_counter()
         head = torch.zeros(HEAD, dtype=torch.int64, device=group_device())
         self.pg.broadcast(head, 0).wait()
         magic, step, blob_len, n_params, n_buffers, total = (int(x) for x in head.tolist())
@@ -488,6 +497,7 @@ class Follower:
                     with torch.no_grad():
                         b.copy_(landing)
         apply_settings(self.state, json.loads(bytes(blob.cpu().numpy()).decode()))
+        t1 = time.perf_counter()
         for p, g, m in zip(params, self.grads, mask.tolist()):
             p.grad = g if m else None
         for o in self.state.optimizers:
@@ -495,6 +505,14 @@ class Follower:
         for p in params:
             p.grad = None
         self.step, self.synced = step, True
+        self.took_s += t1 - t0
+        self.stepped_s += time.perf_counter() - t1
+        self.taken += 1
+        if self.taken >= REPORT_EVERY:
+            self.log_detail(f"rank {self.rank}: as a fed hot spare, steps {step - self.taken + 1}-{step} took "
+                            f"{1000 * self.took_s / self.taken:.1f} ms a step to receive and "
+                            f"{1000 * self.stepped_s / self.taken:.1f} ms to step its optimizers")
+            self.took_s, self.stepped_s, self.taken = 0.0, 0.0, 0
 
     def _broken(self, why: str, quiet: bool = False) -> None:
         self.stop()
