@@ -180,6 +180,10 @@ def one_run(size: str, home: Path, spares: int = 0, restart_delay: float = 0.0, 
                                    r"([\d.]+) s \(([\d.]+) GB/s", text)]
     mb, secs, gbps = (float(x) for x in heal[-1].groups())
     back_at = back_t[0]
+    # Full strength: the replacement begins its first step (train_ft.py --announce), the quorum whole again.
+    begins = [float(m.group(1)) for m in re.finditer(rf"\[announce\] rank {back_rank} pid \d+ begins step \d+ t "
+                                                     r"([\d.]+)", text)]
+    full_at = next((t for t in begins if t > killed_at), float("nan"))
     gaps, all_gaps = [], []
     for r in (0, 2):
         commits = json.loads((out / f"p.rank{r}.json").read_text())["commits"]
@@ -192,7 +196,7 @@ def one_run(size: str, home: Path, spares: int = 0, restart_delay: float = 0.0, 
     return {
         **phases,
         "size": size, "spares": spares, "params": params_of(dim, hidden, depth), "state_mb": mb,
-        "back_s": back_at - killed_at,
+        "back_s": back_at - killed_at, "full_s": full_at - killed_at,
         "transfer_s": secs, "gbps": gbps, "survivor_max_step_s": max(gaps) if gaps else 0.0,
         "survivor_median_step_s": statistics.median(all_gaps), "sup_rss_mb": watch.peak / 1e6,
         "sup_rss_before_mb": watch.before(killed_at) / 1e6,
@@ -256,10 +260,11 @@ def main() -> None:
     load = os.getloadavg()[0]
     print()
     print("| model | kill -> detected | restart to join | quorum decided | groups formed | state transfer | "
-          "first batch (layout round) | kill -> training again |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "first batch (layout round) | kill -> training again | kill -> full strength (its first step begins) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m in rows:
-        print(f"| {m['size']} | " + " | ".join(f"{m[k]:.2f} s" for k in PHASES) + f" | {m['back_s']:.2f} s |")
+        print(f"| {m['size']} | " + " | ".join(f"{m[k]:.2f} s" for k in PHASES) + f" | {m['back_s']:.2f} s | "
+              f"{m['full_s']:.2f} s |")
     print()
     print("| model | params | state sent | kill -> training again | transfer | bandwidth | floor (plain broadcast) "
           "| transfer / floor | survivors' longest step during heal (median step) | supervisor RSS peak (before kill) |")
