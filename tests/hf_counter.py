@@ -67,7 +67,7 @@ class Epochs(TrainerCallback):
         COUNTER.epoch = math.floor(state.epoch or 0)
 
 
-class Steps(TrainerCallback, ExportableState):
+class StepCount(TrainerCallback, ExportableState):
     """Counts the steps this run took (whichever process took them): a callback with state."""
 
     def __init__(self, count: int = 0) -> None:
@@ -111,7 +111,7 @@ targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=a
                           disable_tqdm=True, seed=1, dataloader_drop_last=False, fp16=args.fp16, bf16=args.bf16,
                           dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0,
                           gradient_accumulation_steps=args.accumulate, data_seed=args.data_seed)
-STEPS = Steps()
+STEPS = StepCount()
 cls = Trainer
 if args.subclass:
     from ftrun.hf import FTTrainer as cls
