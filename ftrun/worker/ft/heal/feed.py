@@ -1,4 +1,4 @@
-"""A hot spare's feed: the committed state kept on a waiting spare without a forward or backward.
+"""A hot spare's feed: the training replicas' state kept on a waiting spare without a forward or backward.
 
 A training replica (the feeder: the lowest member of its quorum that holds the state) sends
 each spare that asks, once, its whole state, then after every step it takes the gradients its
@@ -12,7 +12,8 @@ parameters outside the optimizer) the whole state moves, as for any healer.
 Nothing here decides who trains (keeper/spares.py) or whether a round commits (member/): a
 spare's state is only trusted after the fingerprints agree. Must never fail a training
 replica's round (a feed that breaks or falls behind is dropped, and the spare is healed whole
-if promoted), never block a feeder for longer than FEED_WAIT_S, and never import the supervisor.
+if promoted), never hold a feeder's step for longer than FEED_WAIT_S (but for the one transfer of
+its whole state when a spare begins to follow), and never import the supervisor.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ ASK_S = 30.0  # how long a spare waits for its feeder to answer before it asks a
 CATCH_UP_S = 5.0  # at a promotion, how long a spare takes in the steps already sent to it
 POLL_S = 0.005
 DROPPED = "dropped"  # the feeder's word, in the spare's sent key, that it no longer feeds it
-FOLLOW_POLL_S = 0.05  # how often a waiting spare looks for a step sent to it (a store read; 5 ms at a promotion)
 FOLLOW_POLL_S = 0.05  # how often a waiting spare looks for a step sent to it (a store read; 5 ms at a promotion)
 
 
@@ -458,8 +458,8 @@ class Follower:
             sent = int(word)
             while self.step < sent:
                 self._take()
-                if until is not None and self.step >= until:
-                    return
+                if (until is not None and self.step >= until) or time.monotonic() >= deadline:
+                    return  # the wait to join looks at the quorums between two steps taken
             if time.monotonic() >= deadline:
                 return
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
