@@ -581,26 +581,3 @@ def test_a_malformed_node_environment_means_not_relayed():
     for bad in ({**env, keys.NODE_RANKS_ENV: "1 2"}, {**env, keys.NODE_RANKS_ENV: "1 x 2"},
                 {**env, keys.NODE_STORE_ENV: ""}, {keys.NODE_RANKS_ENV: "1 2 2"}):
         assert keys.relayed_node(bad) is None
-
-
-def test_a_dead_member_is_voted_for_in_the_quorum_the_survivors_are_entering(keeper):
-    """A quorum (2) was published just before rank 0 died, and the survivors have not reported
-    entering it yet: they enter it at the next round's top, cannot form its group (rank 0 is
-    gone), and vote that round down. The keeper's quorum without rank 0 (3) must not hide that
-    quorum 2 is where they go: it abstains for rank 0 in quorum 2's next rounds at the death, as
-    for the newest quorum, not only once a survivor's report says it is there (a report waits up
-    to a heartbeat while a member votes: both survivors waited 0.22 s in a benchmark run)."""
-    for r in range(3):
-        _join(keeper, r, 0)
-    keeper.poll(0.0)
-    keeper._s.set(keys.TOP, "4")
-    for r in range(3):
-        keeper._s.set(keys.entered_key(r), "0")     # they are in quorum 1: quorum 2 continues it
-    _in_round(keeper, [0, 1, 2], quorum=1, rnd=5)
-    keeper._publish("a new pace")                   # quorum 2: the same members, not entered yet
-    assert keeper.quorum_id == 2
-    keeper.on_exit(0, 0)                            # quorum 3: ranks 1 and 2
-    assert keeper.quorum_id == 3
-    for rnd in (5, 6):  # the rounds after the newest decided one, where the survivors enter quorum 2
-        assert keeper._s.check([keys.count_key(2, rnd)]), f"no abstention for rank 0 in round {rnd} of quorum 2"
-        assert keys.tally(int(keeper._s.get(keys.count_key(2, rnd)))).votes == 1

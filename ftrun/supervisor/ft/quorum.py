@@ -271,12 +271,6 @@ class QuorumKeeper:
                 self._publish(plan.publish)
             return
         if plan.leaving:
-            # The rounds due for the leavers are judged on the books as they were before the quorum
-            # that drops them: once published it is the newest, and the quorum before it, which
-            # the survivors may be entering unreported (published just before the death), would
-            # get its votes only when a survivor's report says so (dead.KeeperRules.rounds_of).
-            # The votes and decisions themselves name the quorum just published.
-            before = self._snapshot(self._top())
             for m in plan.leaving:
                 del self.members[m]
             if plan.publish is not None:
@@ -286,7 +280,7 @@ class QuorumKeeper:
             for m, k in plan.leaving.items():
                 if m != rank:
                     self._s.set(keys.inc_key(m), "dead")  # peers forming a group with it give up now
-                self._fill_votes(s, m, k, now, before)
+                self._fill_votes(s, m, k, now)
         if self.alive.get(rank) is None:
             self._s.set(keys.inc_key(rank), "dead")
 
@@ -454,12 +448,11 @@ class QuorumKeeper:
         return decision
 
     # ------------------------------------------------------------ votes for the dead, collection
-    def _fill_votes(self, s: KeeperSnapshot, rank: int, inc: int, now: float,
-                    due_in: Optional[KeeperSnapshot] = None) -> None:
-        """Cast the votes due for dead member (rank, inc) (dead.dead_votes, judged on `due_in` when
-        given, else on `s`), then decide the rounds they completed whose closer died."""
+    def _fill_votes(self, s: KeeperSnapshot, rank: int, inc: int, now: float) -> None:
+        """Cast the votes due for dead member (rank, inc) (dead.dead_votes), then decide the rounds
+        they completed whose closer died."""
         filled = self.dead.setdefault((rank, inc), {})
-        for due in dead.dead_votes(self.rules, due_in or s, (rank, inc)):
+        for due in dead.dead_votes(self.rules, s, (rank, inc)):
             done = filled.setdefault(due.quorum, set())
             for rnd in due.rounds:
                 if rnd not in done and self.votes.cast(s, due.quorum, rnd, due.vote, rank, self.routes):
