@@ -132,28 +132,32 @@ REJOIN_STALE_LATEST = {"seed": 708652, "replicas": 5, "total": 4, "faults": [
     {"at": 0.342, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
 
-# Found by a search of stops with checkpoints (--checkpoints --stops, seed 3, shrunk): the stop
-# signal comes as the run reaches its last step; rank 0, the stop quorum's writer, dies sending its
-# state to rank 2, and the next stop quorum names replica 1, which had just left the loop (its exit 0
-# not yet seen). Before the fix its finish published nothing: no writer was left to say how a save
-# went, and rank 2, parked at the stop, waited with the supervisor for the grace period.
-STOP_WRITER_FINISHED = {"seed": 300320, "replicas": 4, "stop_at": 1.245, "checkpoint_every": 1, "total": 15,
-                        "faults": [{"at": 1.268, "kind": "heal-kill", "rank": 0, "dur": 0.0, "x": 0.0},
-                                   {"at": 1.143, "kind": "heal-kill", "rank": 2, "dur": 0.0, "x": 0.0},
-                                   {"at": 0.225, "kind": "kill", "rank": 2, "dur": 0.0, "x": 0.0}]}
+# Found by a search of stops with checkpoints (--checkpoints --stops, seed 3, shrunk; found again
+# from seed 1 once survivors voted a round down at its top when a peer was known gone, which moved
+# the interleavings): a stop quorum names as its writer a replica that had just left the loop (its
+# exit 0 not yet seen). Before the fix its finish published nothing: no writer was left to say how a
+# save went, and the replicas parked at the stop waited with the supervisor for the grace period.
+STOP_WRITER_FINISHED = {"seed": 100014, "replicas": 3, "stop_at": 2.476, "checkpoint_every": 5, "total": 19,
+                        "faults": [{"at": 1.425, "kind": "kill", "rank": 2, "dur": 0.0, "x": 0.0},
+                                   {"at": 1.134, "kind": "kill-call", "rank": 1, "dur": 0.0, "x": 6.0},
+                                   {"at": 1.353, "kind": "pause-call", "rank": 0, "dur": 1.464, "x": 4.0},
+                                   {"at": 2.62, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
 
 # The store's moves (--moves: three nodes, the node hosting the run's store lost), found by the
-# first searches of that mode (seed 1, and seed 2 for the undecided step).
+# first searches of that mode (seed 1, and seed 2 for the undecided step; the source's death found
+# again from seed 1 once survivors voted a round down at its top when a peer was known gone).
 # The first quorum on the moved store heals from the survivor holding step 2; its source dies in the
 # transfer. Before the fix the next quorum was fresh, and its lowest replica (restarted since the
 # move) sent its initial state over the step two live members held.
-MOVED_SOURCE_DIED = {"seed": 100058, "replicas": 6, "nodes": 3, "total": 5, "faults": [
-    {"at": 0.114, "kind": "heal-kill", "rank": 2, "dur": 0.0, "x": 0.0},
-    {"at": 1.029, "kind": "pause", "rank": 1, "dur": 2.528, "x": 0.0},
-    {"at": 0.232, "kind": "kill", "rank": 4, "dur": 0.0, "x": 0.0},
-    {"at": 2.439, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0},
-    {"at": 3.624, "kind": "heal-kill", "rank": 3, "dur": 0.0, "x": 0.0}]}
+MOVED_SOURCE_DIED = {"seed": 100035, "replicas": 6, "nodes": 3, "total": 2, "faults": [
+    {"at": 0.313, "kind": "kill", "rank": 2, "dur": 0.0, "x": 0.0},
+    {"at": 0.517, "kind": "store-down", "rank": -1, "dur": 0.444, "x": 0.0},
+    {"at": 0.394, "kind": "kill", "rank": 1, "dur": 0.0, "x": 0.0},
+    {"at": 0.249, "kind": "heal-kill", "rank": 2, "dur": 0.0, "x": 0.0},
+    {"at": 0.135, "kind": "kill", "rank": 4, "dur": 0.0, "x": 0.0},
+    {"at": 1.185, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0},
+    {"at": 2.147, "kind": "heal-kill", "rank": 3, "dur": 0.0, "x": 0.0}]}
 
 # Node 2's keeper on the moved store counted below the new leader's LATEST, which names no quorum
 # yet: before the fix its blocking read of that quorum stopped node 2's supervision, its relay
@@ -194,12 +198,13 @@ EARLY_SAVE = {"seed": 100080, "replicas": 3, "checkpoint_every": 1, "total": 8, 
     {"at": 0.95, "kind": "store-down", "rank": -1, "dur": 0.896, "x": 0.0},
     {"at": 1.404, "kind": "kill-all", "rank": -1, "dur": 0.0, "x": 0.0}]}
 
-# Found by the simulator (issue 41's flaky nanoGPT port; the old code from seed 1, schedule 66).
-# Rank 1 dies and restarts; rank 0, the source of its heal, dies mid-transfer: before the fix the
-# restarted replica, never healed, was handed step 0 and its script ran on its initial state.
-UNSYNCED_STEP = {"seed": 100066, "replicas": 2, "total": 19, "faults": [
-    {"at": 0.378, "kind": "heal-kill", "rank": 0, "dur": 0.0, "x": 0.0},
-    {"at": 0.229, "kind": "kill-call", "rank": 1, "dur": 0.0, "x": 1.0}]}
+# Found by the simulator (issue 41's flaky nanoGPT port; the old code from seed 1, schedule 66; found
+# again from seed 3 once survivors voted a round down at its top when a peer was known gone). Rank 1
+# dies and restarts, and its heal does not land: before the fix the restarted replica, never healed,
+# was handed step 0 and its script ran on its initial state.
+UNSYNCED_STEP = {"seed": 300022, "replicas": 4, "total": 11, "faults": [
+    {"at": 0.983, "kind": "kill-call", "rank": 2, "dur": 0.0, "x": 9.0},
+    {"at": 0.466, "kind": "kill", "rank": 1, "dur": 0.0, "x": 0.0}]}
 
 # Rank 1 dies after its part of round 5's allreduce: rank 0 steps and is handed step 6 (an
 # evaluation step) before round 5's decision, which votes it down. Before the fix ft.redo() was

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import weakref
 
 import pytest
@@ -87,3 +88,47 @@ def test_a_dropped_group_is_collected_only_when_something_still_holds_it():
         del pg
         fx.group_changed(None)
         assert gone() is None and full_collections() == before + 1
+
+
+SCRIPT = r'''
+import json, os, signal, sys, time
+import torch
+import ftrun.ft as ft
+
+out, total, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rank = int(os.environ["RANK"])
+first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+torch.manual_seed(0)
+model = ft.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+handed = []
+for step in ft.steps(total):
+    handed.append(step)
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    if step == k:
+        if rank == 1 and first:
+            os.kill(os.getpid(), signal.SIGKILL)  # between steps: its part of step k went through
+        time.sleep(1.5)  # the survivors learn of the new quorum before their next step's top
+with open(f"{out}.rank{rank}.{os.getpid()}.json", "w") as f:
+    json.dump(handed, f)
+'''
+
+
+def test_survivors_hand_out_no_step_on_a_quorum_whose_member_is_known_dead(ftrun_home, tmp_path):
+    """Rank 1 dies between steps. By the survivors' next step top the keeper has published a quorum
+    without it, and rank 1 is marked gone: that step cannot commit on the old quorum, so the
+    survivors vote its round down at the top and switch, instead of handing the step to the script
+    (a whole forward and backward, up to the first collective, which fails) and handing it out again
+    on the next quorum. Each survivor is handed step k + 1 once."""
+    from conftest import run_ftrun
+
+    script, out, k = tmp_path / "train.py", tmp_path / "h", 5
+    script.write_text(SCRIPT)
+    proc = run_ftrun(["--nproc", 3, "--ft", script, out, k + 4, k], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    for r in (0, 2):
+        (handed,) = [json.loads(p.read_text()) for p in tmp_path.glob(f"h.rank{r}.*.json")]
+        assert handed.count(k + 1) == 1, f"rank {r} was handed steps {handed}"
