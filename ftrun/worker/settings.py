@@ -60,6 +60,7 @@ class Settings:
     ft: bool                            # FTRUN_FT == "1"
     hook: str                           # FTRUN_HOOK: the --hook spec as JSON, "" without --hook
     replica_size: str                   # FTRUN_REPLICA_SIZE, as given ("1" when unset)
+    spares: int                         # FTRUN_SPARES: replicas held back as hot spares (--spares), 0 when unset
     step_timeout: bool                  # FTRUN_STEP_TIMEOUT is set: count progress that is not a step
     stacks_file: str                    # FTRUN_STACKS_FILE
     relayed: Optional[Tuple[int, int, int, str]]  # FTRUN_NODE_RANKS and FTRUN_NODE_STORE (protocol.relayed_node)
@@ -90,6 +91,7 @@ class Settings:
             ft=env.get("FTRUN_FT") == "1",
             hook=env.get("FTRUN_HOOK", ""),
             replica_size=env.get("FTRUN_REPLICA_SIZE", "1"),
+            spares=_int_or_none(env.get("FTRUN_SPARES")) or 0,
             step_timeout=bool(env.get("FTRUN_STEP_TIMEOUT")),
             stacks_file=env.get("FTRUN_STACKS_FILE", ""),
             relayed=relayed_node(env),

@@ -19,7 +19,6 @@ its whole state when a spare begins to follow), and never import the supervisor.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -33,6 +32,7 @@ from ftrun.worker.ft.heal.transport import receive_state, send_state
 from ftrun.worker.ft.member import membership
 from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device
 from ftrun.worker.ft.member.member_io import PEER_LOST, _plain
+from ftrun.worker import settings
 from ftrun.worker.settings import run_store
 
 MAGIC = 0x66656564  # "feed": the first word of every step's header
@@ -60,12 +60,12 @@ def _why(e: BaseException) -> str:
 
 
 def _spares() -> int:
-    return int(os.environ.get("FTRUN_SPARES", "0") or 0)
+    return settings.current().spares
 
 
 def enabled(state: ReplicaState) -> bool:
     """Only whole replicas of one worker are fed: a sharded replica's spare is healed whole."""
-    return (_spares() > 0 and os.environ.get("FTRUN_REPLICA_SIZE", "1") == "1" and not state.sharded
+    return (_spares() > 0 and settings.current().replica_size == "1" and not state.sharded
             and bool(state.optimizers))
 
 
@@ -246,7 +246,7 @@ class Feeder:
                  log_detail: Callable[[str], None], chunk: int, timeout_s: float) -> None:
         self.state, self.rank, self.connect, self.log_detail = state, rank, connect, log_detail
         self.chunk, self.timeout_s = chunk, timeout_s
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.world = settings.current().world_size or 1
         self.feeds: Dict[int, _Feed] = {}
         self.served: Dict[int, str] = {}  # spare rank -> the ask this feeder answered last
         self.next_look = 0.0

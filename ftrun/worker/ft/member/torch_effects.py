@@ -26,6 +26,7 @@ from ftrun.worker.ft.member.member_io import POLL_S, _env_number, _log, _log_det
 from ftrun.worker.ft.heal.feed import Feeder, Follower, agree_to_keep
 from ftrun.worker.ft.heal.state import ReplicaState
 from ftrun.worker.ft.heal.transport import StateMismatch, receive_state, send_state
+from ftrun.worker import settings
 from ftrun.worker.settings import run_store, store_moved
 
 STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's store to count as up
@@ -83,7 +84,7 @@ class TorchEffects(MemberEffects):
         from ftrun.worker import progress
 
         self.progress = progress.start_from_env()
-        self._inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self._inc = settings.current().restart_count
         # Hot spares that hold the live state (ft/heal/feed.py): this worker feeds the spares while
         # it trains, and follows a feeder while it waits as a spare.
         self.feeder = Feeder(state, rank, self.connect, _log_detail, self._chunk, self._settle_s)
