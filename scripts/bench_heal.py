@@ -138,6 +138,10 @@ def kill_when_running(state: Path, rank: int, min_step: int, proc: subprocess.Po
     return None
 
 
+class EndedFirst(Exception):
+    """The run committed its last step before the replacement took one: nothing to measure."""
+
+
 def one_run(size: str, home: Path, spares: int = 0, restart_delay: float = 0.0, steps: int = 0) -> dict:
     dim, hidden, depth, batch, kill_after, default_steps = SIZES[size]
     steps = steps or default_steps
@@ -175,6 +179,8 @@ def one_run(size: str, home: Path, spares: int = 0, restart_delay: float = 0.0, 
     back = [float(m.group(1)) for m in re.finditer(rf"\[announce\] rank {back_rank} pid \d+ first step \d+ t ([\d.]+)",
                                                    text)]
     back_t = [t for t in back if t > killed_at]
+    if not back_t:  # a quiet machine's steps outran the restart (--restart-delay): longer, below
+        raise EndedFirst(f"run {size} ended after {steps} steps before rank {back_rank} took a step")
     heal = [m for m in re.finditer(rf"\[rank {back_rank}\] ftrun\.ft: detail: rank {back_rank}: received ([\d.]+) MB "
                                    r"of state from rank \d+ in "
                                    r"([\d.]+) s \(([\d.]+) GB/s", text)]
@@ -228,6 +234,22 @@ def phases_of(seen, killed_at: float, back_at: float, back_rank: int, spares: in
     return {k: round(v, 4) for k, v in out.items()}
 
 
+def one_run_long_enough(size: str, home: Path, spares: int, restart_delay: float, steps: int) -> dict:
+    """one_run, again with twice the steps while the run ends before the replacement is back (the
+    steps it needs depend on the machine's speed and --restart-delay); a clear error after 4 tries."""
+    steps = steps or SIZES[size][5]
+    tries = 4
+    while True:
+        try:
+            return one_run(size, home, spares, restart_delay, steps)
+        except EndedFirst as e:
+            tries -= 1
+            if not tries:
+                raise SystemExit(f"bench_heal: {e}: give more with --steps") from None
+            print(f"bench_heal: {e}; again with {2 * steps} steps", flush=True)
+            steps *= 2
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1M,10M,100M")
@@ -246,7 +268,7 @@ def main() -> None:
     for size, spares in [(size, n) for size in args.sizes.split(",") for n in ways]:
         runs = []
         for i in range(args.runs):
-            r = one_run(size, home, spares, args.restart_delay, args.steps)
+            r = one_run_long_enough(size, home, spares, args.restart_delay, args.steps)
             print(f"{size} run {i + 1}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})}",
                   flush=True)
             runs.append(r)
