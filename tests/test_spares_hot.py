@@ -127,3 +127,29 @@ def test_a_stopped_spare_never_holds_training_up_and_a_changed_model_is_sent_who
     heals = _heals_of(err, 3)
     assert len(heals) == 1 and heals[0][0] >= 0.4 and heals[0][1] > 0, (heals, err[-4000:])  # 0.45 MB: all of it
     assert _identical(out, [0, 2, 3]) == 300
+
+
+def test_a_fed_spare_is_never_a_fresh_quorums_source(ftrun_home, tmp_path):
+    """Every training replica lost at once while the fed spare is the lowest rank: the spare's state
+    is the feed's, not a committed one, so named the fresh quorum's source it restarts clean, and
+    the run begins again from the first step (no --checkpoint-dir) on every replica alike."""
+    out = tmp_path / "p"
+    run_id = "hotfresh"
+    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
+                         "--steps", 200, "--step-sleep", 0.02, "--out", out])
+    try:
+        st = _wait(ftrun_home, run_id, proc, "replica 3 the spare", lambda st: _replica(st, 3).get("spare"))
+        _kill(st, 0)
+        _until_line(proc, r"rank 1: feeds hot spare rank 0 from step \d+")  # rank 0 back, the fed spare
+        st = read_state(ftrun_home, run_id)
+        for r in (1, 2, 3):
+            _kill(st, r)
+        rc, err = finish(proc, 180)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-4000:]
+    assert "rank 0: named the source of a fresh quorum while holding a state that is not the committed one" \
+        in err, err[-4000:]
+    ranks = [r for r in range(4) if Path(f"{out}.rank{r}.pt").exists()]
+    assert len(ranks) == 3, ranks
+    assert _identical(out, ranks) == 200

@@ -377,6 +377,7 @@ class Follower:
         self.pg: Any = None
         self.sent_key = ""
         self.synced = False  # the state is the feeder's as of `step`
+        self.touched = False  # the feed has written into this replica's state since its last heal
         self.step = -1
         self.serial = 0
         self.fails = 0
@@ -440,6 +441,7 @@ class Follower:
                 f"rank {feeder} did not answer within {ASK_S:g} s" if time.monotonic() - t0 > ASK_S else None)
 
         self.synced = False
+        self.touched = True  # from the first byte received, the state is the feed's, not the committed one
         self.sent_key = keys.feed_sent_key(self.rank, inc, self.serial)
         self.pg = build_group_watched(run_store(), keys.feed_prefix(self.rank, inc, self.serial), 1, 2, gone, 0.05)
         payload, _stats, in_place = receive_state(self.pg, self.state.targets(), group_device(), chunk=self.chunk,

@@ -121,6 +121,11 @@ class MemberEffects:
         return None
 
     # ------------------------------------------------------------ the state a heal moves
+    def fed(self) -> bool:
+        """Whether a hot spare's feed (ft/heal/feed.py) has written into this replica's state since
+        its last heal: a state that is not the committed one until a heal says so."""
+        return False
+
     def send_state(self, group: Any, snapshot: Snapshot) -> Any:
         """Send this replica's state (and `snapshot`) over the heal's group; returns its stats."""
         raise NotImplementedError

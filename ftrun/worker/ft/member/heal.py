@@ -66,7 +66,8 @@ class HealTransfers:
             if sending:
                 self._done(done_key, "fail")
             return
-        refused = d.source_refuses(sending, self.tainted, quorum.fresh, self.holds_state(), d.k)
+        # A spare's fed state is not the committed one: named a fresh quorum's source, it restarts clean.
+        refused = d.source_refuses(sending, self.tainted or fx.fed(), quorum.fresh, self.holds_state(), d.k)
         if refused is not None:
             fx.restart(f"rank {d.rank}: {refused.why}; exiting so that ftrun restarts it clean")
         if core.resumes_checkpoint(sending, bool(quorum.fresh), d.in_sync, d.checkpoints is not None, self.resumed):

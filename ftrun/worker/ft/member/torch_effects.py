@@ -214,6 +214,9 @@ class TorchEffects(MemberEffects):
         return None
 
     # ------------------------------------------------------------ the state a heal moves
+    def fed(self) -> bool:
+        return self.follower.touched
+
     def send_state(self, group: Any, snapshot: Snapshot) -> Any:
         kept = agree_to_keep(group, self.state, True, None, snapshot[1])
         return send_state(group, self.state.capture(*snapshot, kept=kept), group_device(), chunk=self._chunk,
@@ -225,7 +228,9 @@ class TorchEffects(MemberEffects):
             local = {"models": [], "optimizers": []} if kept else self.state.targets()
             payload, stats, in_place = receive_state(group, local, group_device(), chunk=self._chunk,
                                                      on_write=on_write, timeout_s=self._settle_s)
-            return self.state.restore(payload, in_place), stats
+            snapshot = self.state.restore(payload, in_place)
+            self.follower.touched = False  # the state is the source's now, kept or landed whole
+            return snapshot, stats
         except StateMismatch as e:
             raise HealRefused(str(e)) from None
 
