@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,25 +35,47 @@ TRAIN = ROOT / "scripts" / "train_ft.py"
 SKIP = 5  # warm-up steps left out of the medians
 
 
-def one_run(size: str, spares: int, steps: int, home: Path) -> dict:
+def _nice_spares(home: Path, run_id: str, proc: subprocess.Popen, nice: int) -> None:
+    """Every thread of every waiting spare's process at `nice` (threads start later too: again
+    every 0.2 s), until the run ends."""
+    state = home / run_id / "state.json"
+    while proc.poll() is None:
+        try:
+            spares = [r["pid"] for r in json.loads(state.read_text())["replicas"] if r.get("spare") and r.get("pid")]
+        except (OSError, ValueError, KeyError):
+            spares = []
+        for pid in spares:
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+                except OSError:
+                    pass
+        time.sleep(0.2)
+
+
+def one_run(size: str, spares: int, steps: int, home: Path, nice: int = 0) -> dict:
     dim, hidden, depth, batch, _kill_after, _steps = SIZES[size]
     out = Path(tempfile.mkdtemp(prefix=f"spares-{size}-"))
+    run_id = f"spares-{size}-{spares}-{int(time.time() * 1000)}"
     cmd = [sys.executable, "-m", "ftrun", "--nproc", str(3 + spares), "--ft", "--spares", str(spares),
-           "--verbose", str(TRAIN), "--dim", str(dim), "--hidden", str(hidden), "--depth", str(depth),
-           "--batch", str(batch), "--optim", "adamw", "--lr", "0.0005", "--data", "step", "--steps", str(steps),
-           "--print-every", "100000", "--out", str(out / "p")]
+           "--verbose", "--run-id", run_id, str(TRAIN), "--dim", str(dim), "--hidden", str(hidden), "--depth",
+           str(depth), "--batch", str(batch), "--optim", "adamw", "--lr", "0.0005", "--data", "step", "--steps",
+           str(steps), "--print-every", "100000", "--out", str(out / "p")]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, FTRUN_HOME=str(home)), cwd=ROOT,
-                          timeout=1800)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, FTRUN_HOME=str(home)), cwd=ROOT)
+    if nice and spares:
+        threading.Thread(target=_nice_spares, args=(home, run_id, proc, nice), daemon=True).start()
+    _, err = proc.communicate(timeout=1800)
     if proc.returncode != 0:
-        raise SystemExit(f"bench_spares: {size} spares={spares} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"bench_spares: {size} spares={spares} failed ({proc.returncode}):\n{err[-3000:]}")
     gaps = {}
     for r in range(3):
         commits = json.loads((out / f"p.rank{r}.json").read_text())["commits"]
         times = [t for _, t in commits][SKIP:]
         gaps[r] = [b - a for a, b in zip(times, times[1:])]
-    fed = "feeds hot spare" in proc.stderr
-    costs = [float(x) for x in re.findall(r"feeding \d+ hot spare\(s\) took ([\d.]+) ms a step", proc.stderr)]
+    fed = "feeds hot spare" in err
+    costs = [float(x) for x in re.findall(r"feeding \d+ hot spare\(s\) took ([\d.]+) ms a step", err)]
     return {"size": size, "spares": spares, "wall_s": time.time() - t0, "fed": fed,
             "feed_ms": statistics.median(costs) if costs else float("nan"),
             "step_s": statistics.median(g for r in gaps for g in gaps[r]),
@@ -64,6 +87,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="25M")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--nice-spare", type=int, default=0,
+                    help="run the waiting spare's threads at this nice value (19: only what the training "
+                         "replicas leave idle), as a shared CPU host might")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-spares-home-"))
     print("| model | without a spare: step | with a fed spare: step | ratio (pairs) | feeder's step ratio | "
@@ -73,7 +99,7 @@ def main() -> None:
         pairs = []
         for i in range(args.runs):
             a = one_run(size, 0, args.steps, home)
-            b = one_run(size, 1, args.steps, home)
+            b = one_run(size, 1, args.steps, home, args.nice_spare)
             if not b["fed"]:
                 raise SystemExit(f"bench_spares: the spare was never fed in run {i + 1} at {size}")
             pairs.append((a, b))
