@@ -413,6 +413,10 @@ class Follower:
             self._broken(_why(e), quiet=True)
         self.stop()
 
+    def healed(self) -> None:
+        """A heal landed (kept or whole): the state is the source's, no longer the feed's."""
+        self.touched = False
+
     def stop(self) -> None:
         if self.pg is not None:
             abort_group(self.pg)

@@ -229,7 +229,7 @@ class TorchEffects(MemberEffects):
             payload, stats, in_place = receive_state(group, local, group_device(), chunk=self._chunk,
                                                      on_write=on_write, timeout_s=self._settle_s)
             snapshot = self.state.restore(payload, in_place)
-            self.follower.touched = False  # the state is the source's now, kept or landed whole
+            self.follower.healed()
             return snapshot, stats
         except StateMismatch as e:
             raise HealRefused(str(e)) from None
