@@ -132,3 +132,93 @@ def test_survivors_hand_out_no_step_on_a_quorum_whose_member_is_known_dead(ftrun
     for r in (0, 2):
         (handed,) = [json.loads(p.read_text()) for p in tmp_path.glob(f"h.rank{r}.*.json")]
         assert handed.count(k + 1) == 1, f"rank {r} was handed steps {handed}"
+
+
+LOST_BACKWARD = r'''
+import json, os, signal, sys, time
+import torch
+import ftrun.ft as ft
+from torch.utils.checkpoint import checkpoint
+
+out, total, k, layers, slow_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+rank = int(os.environ["RANK"])
+first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+slow = [False]
+
+
+class Slow(torch.autograd.Function):
+    """A layer whose backward is slow in the first backward of step k (the workload: a big model's
+    backward); rank 1 dies as that backward starts."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if slow[0]:
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(slow_s)
+        return g
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(layers))
+
+    def forward(self, x):
+        half = len(self.layers) // 2
+        for layer in self.layers[:half]:
+            x = Slow.apply(layer(x))
+        # A reentrant checkpoint's backward is a backward inside the backward: the lost round is
+        # found there, the backward's first half.
+        return checkpoint(lambda y: self._rest(y, half), x, use_reentrant=True)
+
+    def _rest(self, x, half):
+        for layer in self.layers[half:]:
+            x = Slow.apply(layer(x))
+        return x
+
+
+torch.manual_seed(0)
+model = ft.DistributedDataParallel(Net())
+opt = ft.Optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+took, seen_k = None, False
+for step in ft.steps(total):
+    opt.zero_grad()
+    loss = model(torch.full((4, 8), 0.1 * (step + 1))).square().sum()
+    slow[0] = step == k and first and not seen_k
+    seen_k = seen_k or step == k
+    t0 = time.monotonic()
+    loss.backward()
+    if slow[0]:
+        took = time.monotonic() - t0
+    slow[0] = False
+    opt.step()
+digest = float(sum(p.double().sum() for p in model.parameters()))
+with open(f"{out}.rank{rank}.{os.getpid()}.json", "w") as f:
+    json.dump({"took": took, "digest": digest}, f)
+'''
+
+
+def test_survivors_stop_a_backward_whose_round_is_lost(ftrun_home, tmp_path):
+    """Rank 1 dies as step k's backward starts, and the survivors' backward is slow (20 layers of
+    0.2 s, the last half inside a reentrant checkpoint). Once the keeper has published a quorum
+    without rank 1, a survivor's next gradient stops its backward: it left it well before the 4 s
+    the rest would take, and the run ends with the replicas alike."""
+    from conftest import run_ftrun
+
+    script, out, k, layers, slow_s = tmp_path / "train.py", tmp_path / "h", 3, 20, 0.2
+    script.write_text(LOST_BACKWARD)
+    proc = run_ftrun(["--nproc", 3, "--ft", "--verbose", script, out, k + 4, k, layers, slow_s], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    ends = {r: [json.loads(p.read_text()) for p in tmp_path.glob(f"h.rank{r}.*.json")] for r in (0, 1, 2)}
+    for r in (0, 2):
+        (end,) = ends[r]
+        print(f"rank {r}: step {k}'s backward took {end['took']:.2f} s")
+        assert end["took"] is not None and end["took"] < layers * slow_s / 2, (r, end, proc.stderr[-3000:])
+    digests = {e["digest"] for r in (0, 1, 2) for e in ends[r]}
+    assert len(digests) == 1, ends

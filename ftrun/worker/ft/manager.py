@@ -232,6 +232,10 @@ class Manager:
     def fail_round(self, why: str = "") -> None:
         self.member.fail_round(why)
 
+    def abandoned(self) -> Optional[str]:
+        """Why the open step's round can no longer commit (a peer is gone), or None: asked inside a backward."""
+        return self.member.abandoned()
+
     def _misused(self, why: str) -> None:
         self.member.misused(why)
 

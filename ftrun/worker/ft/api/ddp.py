@@ -8,7 +8,10 @@ points the reducer at the quorum's group before each backward (at a group of
 one when the round must not send) and turns a collective that fails inside
 the backward into a failed round (`torch.autograd.backward` is wrapped for
 that, listed in ftrun/worker/patches.py, and only re-raises what is not a
-collective failure). Any other hook
+collective failure). Once the round is known lost (a member of its quorum
+is gone and a newer quorum is out: member/driver.py `abandoned`), a check on
+each parameter's gradient stops that backward where it is, so the survivors
+of a failure compute no gradients nobody will apply. Any other hook
 (--hook, --wrap) is a Python comm hook that sends through the run's chosen
 hook (ftrun.worker.hooks) on the quorum's group. Either way the hook state is
 rebuilt on every member whenever the group changes, so it never silently
@@ -152,6 +155,17 @@ class ReducerPath(_Replicated):
         super().__init__(mgr, spec, module, ddp)
         ddp.register_forward_pre_hook(self._before_forward)
         ddp.register_forward_hook(self._after_forward)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._check)
+
+    def _check(self, _param: torch.Tensor) -> None:
+        """After each gradient of a backward that sends to the quorum: stop it if the round is lost.
+        Only inside ftrun's guarded backward, which catches what this raises (never the script)."""
+        if _depth and self.armed:
+            why = self.mgr.abandoned()
+            if why:
+                raise RoundLost(why)
 
     def rebind(self, pg: Optional[dist.ProcessGroup]) -> None:
         super().rebind(pg)
@@ -201,6 +215,14 @@ class ReducerPath(_Replicated):
 # backward, which the guard calls.
 _paths: List["weakref.ref[_Replicated]"] = []
 _torch_backward: Any = None
+# How many guarded backwards are running (a reentrant checkpoint's backward runs inside another):
+# not a thread-local, as on CUDA the gradient hooks run on autograd's device threads.
+_depth = 0
+
+
+class RoundLost(Exception):
+    """Raised by a gradient hook to stop a backward whose round can no longer commit; caught by
+    the outermost guarded backward, never seen by the script."""
 
 
 def _collective_failure(e: BaseException) -> bool:
@@ -217,16 +239,26 @@ def _guarded_backward(*args: Any, **kwargs: Any) -> Any:
     """torch.autograd.backward, but a collective failure of a reducer on a quorum's group fails
     the round instead of raising (the optimizer then leaves the state as it was), and in a
     layout round the gradients are averaged before it returns."""
+    global _depth
     paths = [p for p in (r() for r in _paths) if p is not None]
     armed = [p for p in paths if isinstance(p, ReducerPath) and p.armed]
+    _depth += 1
     try:
         result = _torch_backward(*args, **kwargs)
+    except RoundLost as e:
+        if _depth > 1:  # a backward inside a backward (reentrant checkpoint): the outermost one stops
+            raise
+        for p in armed:
+            p.failed(e)
+        return None
     except RuntimeError as e:
         if not armed or not _collective_failure(e):
             raise
         for p in armed:
             p.failed(e)
         return None
+    finally:
+        _depth -= 1
     for p in paths:
         p.after_backward()
     return result

@@ -39,6 +39,7 @@ from ftrun.worker.ft.member.stop import StopPaths
 from ftrun.worker.ft.member.watch import QuorumWatch
 
 SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
+GONE_LOOK_S = 0.05  # how often a member asks the store whether a peer is gone, while a newer quorum is out
 
 
 class MemberDriver:
@@ -98,6 +99,9 @@ class MemberDriver:
         self.phase_since = fx.wall()
         self._index_of: Tuple[int, int] = (-1, 0)  # (quorum id, replica index in it)
         self._node_count: Tuple[int, int] = (-1, 0)  # (quorum id, its members voting through this node)
+        # The last look at whether a member of the quorum is gone (`_member_gone`): (quorum id, newest
+        # quorum seen), when, and why (None: all there).
+        self._gone: Tuple[Tuple[int, int], float, Optional[str]] = ((-1, -1), 0.0, None)
 
     def _new_ballot(self) -> vote.Ballot:
         fx = self.fx
@@ -374,15 +378,39 @@ class MemberDriver:
         saw it): no round of this one can commit, so this one is voted down at its top, the
         decision before it read first, instead of the script computing a step whose first
         collective fails (the rest of a forward and backward: 0.4 s of a 25M model's 0.9 s step
-        in a benchmark run). One read of the store per step top, and only while a newer quorum
-        is out. Whole replicas only (k == 1): a sharded replica's were not measured."""
-        q = self.quorum
-        if self.k != 1 or q is None or self.pg is None or self.latest_seen <= q.id or self.rejoin_why is not None:
-            return False
-        if membership.gone(self.store, q, self.shard_ranks(q)) is None:
+        in a benchmark run). Whole replicas only (k == 1): a sharded replica's were not measured."""
+        if self.rejoin_why is not None or self._member_gone() is None:
             return False
         self._settle()  # the round before first, as before any vote (it may say: take the state again)
         return True
+
+    def abandoned(self) -> Optional[str]:
+        """Asked inside the script's backward (ft/api/ddp.py): why this open step's round can no
+        longer commit (a member of its quorum is gone and a newer quorum is out), or None. The
+        backward then stops where it is instead of computing gradients nobody will apply: the
+        survivors of a failure reach the next round, and a spare waiting to replace the lost
+        replica, the rest of a backward sooner (at 100M on this CPU, seconds). One comparison
+        while no newer quorum is out; then a store read every GONE_LOOK_S at most."""
+        if not self.step_open or self.rejoin_why is not None:
+            return None
+        try:
+            return self._member_gone()
+        except self.fx.store_errors:  # the store is moving: the round's own collectives will tell
+            return None
+
+    def _member_gone(self) -> Optional[str]:
+        """Why a member of this quorum is gone, once the watcher has seen a newer quorum; else None.
+        A member found gone stays gone; one found there is looked at again after GONE_LOOK_S (the
+        keeper publishes the quorum that drops a dead member before it marks the member dead)."""
+        q = self.quorum
+        if self.k != 1 or q is None or self.pg is None or self.latest_seen <= q.id:
+            return None
+        seen, now = (q.id, self.latest_seen), self.fx.now()
+        last, at, why = self._gone
+        if last != seen or (why is None and now - at >= GONE_LOOK_S):
+            why = membership.gone(self.store, q, self.shard_ranks(q))
+            self._gone = (seen, now, why)
+        return why
 
     def _sit_out(self) -> None:
         """The round's top left this member out of sync (core.sits_out): it votes the round down at
