@@ -114,7 +114,8 @@ VARIABLES: Tuple[EnvVar, ...] = (
     EnvVar("FTRUN_FT_VOTE_TIMEOUT", SETTING, "--ft: seconds a worker waits in a call on the run's store for a "
            "round's decision (torch's client timeout).", "600"),
     EnvVar("FTRUN_FT_ROUND_STEPS", SETTING, "--ft: steps per round (one vote each), 1 to 1024; unset, rounds "
-           "last about 0.2 s once the run's pace is known (re-sized then), 8 steps at most.", "unset"),
+           "are one step until the run's pace is known, then last about 0.2 s (re-sized then), 8 steps at "
+           "most.", "unset"),
     EnvVar("FTRUN_FT_CHUNK_MB", SETTING, "--ft: largest slice, in MiB, in which a heal sends a tensor (1 to "
            "4096).", "64"),
     EnvVar("FTRUN_HOOK_LOG_EVERY", SETTING, "Steps between a hook's traffic lines in each rank's log (0: only "

@@ -134,12 +134,12 @@ def _reports(q, steps_at, n: int, step_s: float, first: int = 0, epoch: int = 1)
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("step_s,rounds", [(0.5, 1), (0.1, 2), (0.005, None)])
+@pytest.mark.parametrize("step_s,rounds", [(0.5, None), (0.1, 2), (0.005, 8)])
 def test_keeper_sizes_rounds_to_the_pace_once_it_knows_it(step_s, rounds):
-    """A run without failures: its first epoch has rounds of 8 (no pace known yet); once the
-    pace is known, rounds far from 0.2 s get an epoch of the same members with rounds re-sized,
-    said nowhere, once per pace window (it came only with a failure's new quorum: 8 steps of
-    0.6 s kept a SIGTERM's save past the 5 s grace). A fast run keeps its 8, no new epoch."""
+    """A run without failures: its first epoch has rounds of 1 (no pace known yet); once the
+    pace is known, they get an epoch of the same members with rounds re-sized, said nowhere,
+    and so do rounds far from 0.2 s, once per pace window (it came only with a failure's new
+    quorum: 8 steps of 0.6 s kept a SIGTERM's save past the 5 s grace). A slow run keeps its 1."""
     from test_quorum_keeper import _RunStore, _join, _quorum
 
     q = QuorumKeeper(_RunStore(), [0, 1], settings=KeeperSettings())
@@ -147,7 +147,7 @@ def test_keeper_sizes_rounds_to_the_pace_once_it_knows_it(step_s, rounds):
     for r in range(2):
         _join(q, r, 0)
     q.poll(0.0)
-    assert _quorum(q, 1)["round_steps"] == keys.ROUND_STEPS
+    assert _quorum(q, 1)["round_steps"] == 1
     for r in range(2):
         q._s.set(keys.healed_key(r), "0")  # both hold the state (the source, and its healed peer)
     n = max(8, int(2.0 / step_s))

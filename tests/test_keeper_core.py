@@ -120,6 +120,22 @@ REPACE = [
     row("a member's report is stale", _steady(step_s=0.3, info_seen={0: 10.0, 1: 8.0}), 10.0, False, None),
     row("no members", _steady(step_s=0.3, members={}), 10.0, False, None),
     row("slow rounds of 2 steps get 1", _steady(step_s=0.3, quorum_steps=2), 10.0, True, "re-sized to 1"),
+    row("sharded replicas step one a round whatever the quorum says: no group rebuilt for it",
+        _steady(step_s=0.3, k=2, n=4, members={0: 0, 1: 0, 2: 0, 3: 0},
+                healed={(r, 0) for r in range(4)}, info={r: rep(2) for r in range(4)}, info_seen=seen(0, 1, 2, 3)),
+        10.0, False, None),
+    # Rounds of one step, sized before the pace was known (quorum_paced False).
+    row("one-step rounds until the pace was known grow to it, though they last within the bounds",
+        _steady(step_s=0.06, quorum_steps=1, quorum_paced=False), 10.0, True, "until the pace was known"),
+    row("... however short they last", _steady(step_s=0.005, quorum_steps=1, quorum_paced=False), 10.0, True,
+        "re-sized to 8"),
+    row("... without waiting for the pace window: they follow no earlier pace",
+        _steady(step_s=0.06, quorum_steps=1, quorum_paced=False, repace_after=20.0), 10.0, True, "re-sized to 3"),
+    row("... not when the pace wants one step", _steady(step_s=0.3, quorum_steps=1, quorum_paced=False), 10.0, False,
+        None),
+    row("... nor while a member heals", _steady(step_s=0.06, quorum_steps=1, quorum_paced=False, healed={(0, 0)}),
+        10.0, False, None),
+    row("paced one-step rounds within the bounds stay", _steady(step_s=0.06, quorum_steps=1), 10.0, False, None),
 ]
 
 
@@ -135,8 +151,23 @@ def test_repace(s, now, due, reason):
         assert d.publish is None and d.repace_after is None
 
 
+def test_rounds_sized_before_the_pace_is_known_are_one_step_said_nowhere_and_provisional():
+    """A quorum published before the keeper has seen the pace has rounds of one step (a restarted
+    replica joins at the survivors' next step's top, not up to ROUND_STEPS slow steps later), not
+    said in its history line (every run's first quorum has them), and marked provisional, so that
+    repace_due re-sizes them once the pace is known; a paced one is said."""
+    s = snap(quorum_id=2, top=9, members={0: 0, 1: 0}, healed={(0, 0), (1, 0)}, entered={0: 0}, round_steps=8)
+    d = core.next_quorum(s, "rank 2 left", {})
+    assert (d.quorum.round_steps, d.paced, d.history) == (1, False, "quorum 3: 2 replicas (rank 2 left)")
+    d = core.next_quorum(KeeperSnapshot(**{**s.__dict__, "step_s": 0.05}), "rank 2 left", {})
+    assert (d.quorum.round_steps, d.paced, d.history) == (4, True, "quorum 3: 2 replicas (rank 2 left), rounds of 4 steps")
+    d = core.next_quorum(KeeperSnapshot(**{**s.__dict__, "round_steps": 5, "round_steps_chosen": True}), "x", {})
+    assert (d.quorum.round_steps, d.paced) == (5, True)
+
+
 PACED = [
-    row("unknown pace: the most", snap(step_s=None, round_steps=8), 8),
+    row("unknown pace: one step (a joiner and a stop wait for a round's top)", snap(step_s=None, round_steps=8), 1),
+    row("unknown pace, the user's choice stands", snap(step_s=None, round_steps=6, round_steps_chosen=True), 6),
     row("50 ms steps: 4 a round", snap(step_s=0.05, round_steps=8), 4),
     row("slow steps: one a round", snap(step_s=1.0, round_steps=8), 1),
     row("very fast steps: the most", snap(step_s=0.001, round_steps=8), 8),

@@ -128,6 +128,7 @@ class QuorumKeeper:
         self.stopping = False
         self.writer = -1  # the newest stop quorum's writer replica (-1: none)
         self.quorum_steps, self.repace_after = self.round_steps, float("-inf")  # the newest quorum's (core.repace_due)
+        self.quorum_paced = True  # its rounds were sized at a known pace (core.repace_due)
 
     @property
     def info(self) -> Dict[int, dict]:
@@ -146,8 +147,8 @@ class QuorumKeeper:
             collected_below=self.collected_below, finished=self.finished_members, awaited=self.awaited,
             stopping=self.stopping, writer=self.writer, moved=self.moved, fresh_start=self.fresh_start,
             round_steps=self.round_steps, round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(),
-            quorum_steps=self.quorum_steps, repace_after=self.repace_after, spares=self.spares, held=self.held,
-            **read)
+            quorum_steps=self.quorum_steps, quorum_paced=self.quorum_paced, repace_after=self.repace_after,
+            spares=self.spares, held=self.held, **read)
 
     def store_moved(self, old: "QuorumKeeper", alive: Mapping[int, Optional[int]]) -> None:
         """This keeper starts on the store the run moved to (ftrun.supervisor.nodes.failover) after `old`'s
@@ -430,7 +431,7 @@ class QuorumKeeper:
         self.healed |= decision.healed
         if not quorum.stop:
             self.pending, self.pending_since, self.moved = {}, None, decision.moving
-            self.quorum_steps = quorum.round_steps
+            self.quorum_steps, self.quorum_paced = quorum.round_steps, decision.paced
         else:
             self.writer = quorum.writer
         self.members = dict(quorum.members)

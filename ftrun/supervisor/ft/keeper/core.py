@@ -62,6 +62,7 @@ class KeeperSnapshot:
     round_steps_chosen: bool = False                    # the user chose them: kept, not paced
     step_s: Optional[float] = None                      # the run's pace (Pace.step_s)
     quorum_steps: int = keys.ROUND_STEPS                 # the newest quorum's round length
+    quorum_paced: bool = True                           # ... sized at a known pace (or the user's): not provisional
     repace_after: float = float("-inf")                 # no re-paced quorum before this
     # Read for a quorum being published: each member's entered incarnation (keys.entered_key) and,
     # on a moved store, what each rejoined replica said it holds (keys.survivor_key's raw text).
@@ -128,6 +129,7 @@ class KeeperDecision:
     # (protocol.STOP_SAVE; "nothing": no save was due), or the supervisor, told a replica saves,
     # waits out its grace for a word.
     stop_word: Optional[Mapping] = None
+    paced: bool = True               # its rounds were sized at a known pace (or are the user's): repace_due
 
 
 @dataclass(frozen=True)
@@ -287,10 +289,15 @@ def survivors_latest(s: KeeperSnapshot) -> int:
 
 def paced_steps(s: KeeperSnapshot) -> int:
     """Steps per round of a quorum published now: the user's choice, else about ROUND_TARGET_S
-    at the run's pace (the most while it is not known: rounds of one step would be paced by
-    their own votes, slow where the store is, and never grow)."""
+    at the run's pace, and one while the pace is not known (the run's first steps, or a fresh
+    start's): a joiner, and a stop signal, wait for the survivors' round's top, and rounds of
+    ROUND_STEPS slow steps then kept a replica restarted in a 100M-parameter run's first round
+    waiting 14.4 s on CPU. Rounds sized before the pace was known are re-sized as soon as it is
+    (repace_due): one-step rounds are paced by their own votes and would not always grow."""
     if s.round_steps_chosen:
         return s.round_steps
+    if s.step_s is None:
+        return 1
     return keys.round_steps_for(s.step_s, s.round_steps)
 
 
@@ -298,19 +305,29 @@ def repace_due(s: KeeperSnapshot, now: float) -> Optional[str]:
     """As soon as the pace is known, rounds far from ROUND_TARGET_S (over twice as long: a stop
     signal, taken at a round's top, would wait seconds of 8 slow steps; under a quarter and
     shorter than allowed: the votes cost) get a quorum of the same members with rounds
-    re-sized, said nowhere: not only after a failure. Only with every member in the quorum and
+    re-sized, said nowhere: not only after a failure. So do rounds sized before the pace was
+    known (one step, s.quorum_paced false) that the pace wants longer, however long they last,
+    and without waiting for the pace window (they follow no earlier pace): a step timed in
+    rounds of one holds a whole vote, so rounds of one 60 ms step (50 ms of compute, 10 of
+    vote) would stay within the bounds and never grow. Only with every member in the quorum and
     holding the state (nobody heals again), once per pace window (a swinging pace rebuilds no
-    groups). The reason, or None."""
-    if s.step_s is None or s.round_steps_chosen or not s.members or now < s.repace_after:
+    groups); never for sharded replicas, which vote every step whatever the quorum says
+    (member/core.py round_length): a re-sized quorum would only rebuild their groups. The
+    reason, or None."""
+    if (s.step_s is None or s.round_steps_chosen or s.k > 1 or not s.members
+            or (s.quorum_paced and now < s.repace_after)):
         return None
     want, round_s = paced_steps(s), s.quorum_steps * s.step_s
-    if want == s.quorum_steps or keys.ROUND_TARGET_S / 4 <= round_s <= 2 * keys.ROUND_TARGET_S:
+    if want == s.quorum_steps or (s.quorum_paced and keys.ROUND_TARGET_S / 4 <= round_s <= 2 * keys.ROUND_TARGET_S):
         return None
     for r, inc in s.members.items():
         info = s.report(r)
         if ((r, inc) not in s.healed or info.get("inc") != inc or info.get("epoch") != s.quorum_id
                 or not s.fresh(r, now)):
             return None
+    if not s.quorum_paced:
+        return f"rounds of {s.quorum_steps} step{'s' if s.quorum_steps != 1 else ''} until the pace was known " \
+               f"({s.step_s:.3f} s a step): re-sized to {want}"
     return f"rounds of {s.quorum_steps} steps last {round_s:.2f} s: re-sized to {want}"
 
 
@@ -360,6 +377,7 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
     fresh = s.quorum_id == 0 or not holders
     start = -1 if continuing else s.top + 1  # rounds are numbered across quorums
     steps = paced_steps(s)
+    paced = s.round_steps_chosen or s.step_s is not None
     ranked = tuple(sorted(members.items()))
     if fresh:
         src = min(members) // s.k
@@ -371,10 +389,11 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
         quorum = Quorum(eid, ranked, tuple(sorted(r for r in members if r not in holders)), False, start, steps)
     n = len(ranked) // s.k
     shape = f" of {s.k} workers" if s.k > 1 else ""
-    rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if steps != s.round_steps else ""
+    # Said when the pace chose them; until it is known they are one step, in every run.
+    rounds = f", rounds of {steps} step{'s' if steps != 1 else ''}" if paced and steps != s.round_steps else ""
     line = None if quiet else f"quorum {eid}: {n} replica{'s' if n != 1 else ''}{shape} ({why}){rounds}"
     return KeeperDecision(quorum, f"{why or 're-paced'}: {reason}; starts at round {start}", line,
-                          _healed_now(s, healed), fresh and eid > 1, forget, moving)
+                          _healed_now(s, healed), fresh and eid > 1, forget, moving, paced=paced)
 
 
 def left_loop(s: KeeperSnapshot, rep: int) -> bool:
