@@ -88,6 +88,12 @@ def test_a_fed_spare_takes_over_without_moving_its_model_and_the_feeds_own_failu
     assert re.search(r"rank 0 left; spare replica 1 takes its place", err), err[-4000:]
     trained = [1, 2, 3]
     assert _identical(out, trained) == 400
+    # Rank 0, back as the spare, waits out the run: fed at the end, it says so as it leaves.
+    feeding = re.findall(r"rank \d+: (feeds|stopped feeding) hot spare rank 0\b", err)
+    if feeding and feeding[-1] == "feeds":
+        assert ("rank 0: the run finished at step 400 while this replica was waiting to join as a hot spare; "
+                "no peer is left to heal it") in err, err[-4000:]
+        assert "a fed copy of the model that no vote confirmed" in err, err[-4000:]
     scheds = {json.dumps(json.loads(Path(f"{out}.rank{r}.json").read_text())["sched"], sort_keys=True)
               for r in trained}
     assert len(scheds) == 1, scheds

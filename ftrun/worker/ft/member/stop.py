@@ -64,8 +64,10 @@ class StopPaths:
         takes the final checkpoint when there is one; otherwise it exits at once, with status 0,
         so that the script's code after the loop never runs on its untrained state."""
         d = self.d
-        # A first incarnation that never entered a quorum waited the whole run: a hot spare (--spares).
-        was = "waiting to join as a hot spare" if d.inc == 0 and d.quorum is None else "restarting"
+        # A first incarnation that never entered a quorum waited the whole run: a hot spare (--spares);
+        # so did one that a feeder fed (a restarted replica waits as the spare after a promotion).
+        fed = d.fx.fed()
+        was = "waiting to join as a hot spare" if fed or (d.inc == 0 and d.quorum is None) else "restarting"
         lead = f"rank {d.rank}: the run finished at step {d.step} while this replica was {was}"
         if d.checkpoints is not None and d.k == 1:
             try:
@@ -78,9 +80,11 @@ class StopPaths:
                 d.fx.log(f"{lead}; no peer is left to heal it: it resumed from checkpoint step {found.step}, "
                          f"the final one")
                 return
+        # A fed spare holds a copy no vote confirmed (ft/heal/feed.py): not the committed state either.
+        model = "a fed copy of the model that no vote confirmed" if fed else "an untrained model"
         d.fx.exit(keys.EXIT_OK, f"{lead}; no peer is left to heal it and no checkpoint holds the final step: "
-                                f"exiting now (status 0) instead of running the script's code after the loop on an "
-                                f"untrained model")
+                                f"exiting now (status 0) instead of running the script's code after the loop on "
+                                f"{model}")
 
     def stop_here(self, quorum: Quorum) -> None:
         """A stop signal reached the run (ftrun published a stop quorum): every member stops at
