@@ -121,9 +121,13 @@ class RssWatch(threading.Thread):
         return max((r for when, r in self.samples if when < t), default=0)
 
 
-def kill_when_running(state: Path, rank: int, min_step: int, proc: subprocess.Popen, deadline: float):
-    """SIGKILL `rank` once `ftrun status`'s state file shows it running at `min_step` or later;
-    the time of the kill, or None if the run ended or the deadline passed first."""
+def kill_when_running(state: Path, rank: int, min_step: int, proc: subprocess.Popen, deadline: float,
+                      into: float = 0.0):
+    """SIGKILL `rank` once `ftrun status`'s state file shows it running at `min_step` or later (as it
+    takes that step: its optimizer step is then in flight), or `into` of a step later (the step's
+    length from the state file's last step change: 0.6 lands in a forward or backward); the time of
+    the kill, or None if the run ended or the deadline passed first."""
+    changes = []  # (time, step) each time the rank's step changed
     while time.time() < deadline and proc.poll() is None:
         try:
             st = json.loads(state.read_text())
@@ -131,7 +135,12 @@ def kill_when_running(state: Path, rank: int, min_step: int, proc: subprocess.Po
             time.sleep(0.02)
             continue
         r = next(r for r in st["replicas"] if r["rank"] == rank)
+        if not changes or changes[-1][1] != r["step"]:
+            changes.append((time.time(), r["step"]))
         if r["step"] >= min_step and r["state"] == "running" and r.get("pid"):
+            if into and len(changes) >= 3:  # two whole steps seen: wait into the next one
+                step_s = changes[-1][0] - changes[-2][0]
+                time.sleep(into * step_s)
             os.kill(r["pid"], signal.SIGKILL)
             return time.time()
         time.sleep(0.02)
@@ -142,7 +151,8 @@ class EndedFirst(Exception):
     """The run committed its last step before the replacement took one: nothing to measure."""
 
 
-def one_run(size: str, home: Path, spares: int = 0, restart_delay: float = 0.0, steps: int = 0) -> dict:
+def one_run(size: str, home: Path, spares: int = 0, restart_delay: float = 0.0, steps: int = 0,
+            into: float = 0.0) -> dict:
     dim, hidden, depth, batch, kill_after, default_steps = SIZES[size]
     steps = steps or default_steps
     # The replica that replaces rank 1: the spare (replica 3) when there is one, else rank 1 restarted.
@@ -169,7 +179,7 @@ def one_run(size: str, home: Path, spares: int = 0, restart_delay: float = 0.0, 
     watch = RssWatch(proc.pid)
     watch.start()
     deadline = time.time() + 900
-    killed_at = kill_when_running(home / run_id / "state.json", 1, kill_after, proc, deadline)
+    killed_at = kill_when_running(home / run_id / "state.json", 1, kill_after, proc, deadline, into)
     proc.wait(timeout=max(1.0, deadline - time.time()))
     reader.join(5)
     watch.stop.set()
@@ -234,14 +244,15 @@ def phases_of(seen, killed_at: float, back_at: float, back_rank: int, spares: in
     return {k: round(v, 4) for k, v in out.items()}
 
 
-def one_run_long_enough(size: str, home: Path, spares: int, restart_delay: float, steps: int) -> dict:
+def one_run_long_enough(size: str, home: Path, spares: int, restart_delay: float, steps: int,
+                        into: float = 0.0) -> dict:
     """one_run, again with twice the steps while the run ends before the replacement is back (the
     steps it needs depend on the machine's speed and --restart-delay); a clear error after 4 tries."""
     steps = steps or SIZES[size][5]
     tries = 4
     while True:
         try:
-            return one_run(size, home, spares, restart_delay, steps)
+            return one_run(size, home, spares, restart_delay, steps, into)
         except EndedFirst as e:
             tries -= 1
             if not tries:
@@ -260,6 +271,9 @@ def main() -> None:
                     help="a restarted process sleeps this long before its script starts: what a restart costs "
                          "beyond ftrun's fork (CUDA init, imports, opening a data set) on a real job")
     ap.add_argument("--steps", type=int, default=0, help="steps in all (default: the size's own)")
+    ap.add_argument("--kill-into", type=float, default=0.0,
+                    help="kill this fraction of a step after rank 1 takes a step (0: as it takes it, its "
+                         "optimizer step in flight; 0.6: in the next step's forward or backward)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-heal-home-"))
@@ -268,7 +282,7 @@ def main() -> None:
     for size, spares in [(size, n) for size in args.sizes.split(",") for n in ways]:
         runs = []
         for i in range(args.runs):
-            r = one_run_long_enough(size, home, spares, args.restart_delay, args.steps)
+            r = one_run_long_enough(size, home, spares, args.restart_delay, args.steps, args.kill_into)
             print(f"{size} run {i + 1}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})}",
                   flush=True)
             runs.append(r)
@@ -297,6 +311,7 @@ def main() -> None:
               f"{m['transfer_s'] / m['floor_s']:.2f} | {m['survivor_max_step_s']:.2f} s ({m['survivor_median_step_s']:.2f} s) | "
               f"{m['rss_max_mb']:.0f} MB ({m['sup_rss_before_mb']:.0f} MB) |")
     delay = f"; a restart sleeps {args.restart_delay:g} s first" if args.restart_delay else ""
+    delay += f"; killed {args.kill_into:g} of a step after a step" if args.kill_into else ""
     print(f"\nmedians of {args.runs} run(s) per size; AdamW, 3 training replicas{delay}, gloo on CPU; "
           f"load average {load:.1f}; "
           f"torch {__import__('torch').__version__}")
