@@ -9,6 +9,13 @@ optimizers: when they match, only what is not the model and optimizers moves (re
 the optimizers' settings); otherwise (a spare that missed a step, a script that changes its
 parameters outside the optimizer) the whole state moves, as for any healer.
 
+A sharded replica (--replica-size K, FSDP2 over ft.device_mesh()) is fed shard by shard: worker j
+of the spare follows worker j of the feeder replica (the same mesh: each pair holds the same local
+shards of every DTensor), and at its promotion the spare keeps its state only if every shard pair
+matches. The source replica's K workers fix that one decision through the store and each sends it
+to its shard's healers, so all K workers of a healer take the same branch: one shard whose feed
+broke sends the whole state to every shard, never a mix.
+
 Nothing here decides who trains (keeper/spares.py) or whether a round commits (member/): a
 spare's state is only trusted after the fingerprints agree. Must never fail a training
 replica's round (a feed that breaks or falls behind is dropped, and the spare is healed whole
@@ -28,7 +35,7 @@ import torch.distributed as dist
 
 from ftrun import protocol as keys
 from ftrun.worker.ft.heal.state import ReplicaState
-from ftrun.worker.ft.heal.transport import receive_state, send_state
+from ftrun.worker.ft.heal.transport import _local, receive_state, send_state
 from ftrun.worker.ft.member import membership
 from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device
 from ftrun.worker.ft.member.member_io import PEER_LOST, _plain
@@ -63,10 +70,18 @@ def _spares() -> int:
     return settings.current().spares
 
 
+def _k() -> int:
+    """The workers of a replica (--replica-size): worker j of a spare follows worker j of its feeder."""
+    try:
+        return max(1, int(settings.current().replica_size))
+    except ValueError:
+        return 1
+
+
 def enabled(state: ReplicaState) -> bool:
-    """Only whole replicas of one worker are fed: a sharded replica's spare is healed whole."""
-    return (_spares() > 0 and settings.current().replica_size == "1" and not state.sharded
-            and bool(state.optimizers))
+    """Every replica that steps an optimizer feeds or follows when the run has spares: a sharded
+    one (--replica-size K) shard by shard."""
+    return _spares() > 0 and bool(state.optimizers)
 
 
 def _params(state: ReplicaState) -> List[torch.Tensor]:
@@ -91,13 +106,14 @@ def _bits_sum(t: torch.Tensor) -> torch.Tensor:
 
 def fingerprint(state: ReplicaState) -> torch.Tensor:
     """Three int64 words over every tensor of the models and the optimizers' state, bit for bit
-    (each tensor's bits summed as integers, then the sums counted and weighted by position)."""
+    (each tensor's bits summed as integers, then the sums counted and weighted by position). A
+    DTensor counts by its local shard: no collective, and each shard pair compares its own."""
     sums = []
     for m in state.models:
-        sums += [_bits_sum(t) for t in m.state_dict().values() if isinstance(t, torch.Tensor)]
+        sums += [_bits_sum(_local(t)) for t in m.state_dict().values() if isinstance(t, torch.Tensor)]
     for o in state.optimizers:
         for _, st in sorted(o.state_dict()["state"].items()):
-            sums += [_bits_sum(v) for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
+            sums += [_bits_sum(_local(v)) for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]
     if not sums:
         return torch.zeros(3, dtype=torch.int64)
     s = torch.stack(sums)
@@ -146,18 +162,38 @@ def _allreduce(pg: dist.ProcessGroup, t: torch.Tensor, op: Any) -> int:
 
 
 def agree_to_keep(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follower: Optional["Follower"],
-                  step: int) -> bool:
+                  step: int, together: Optional[Callable[[bool], bool]] = None) -> bool:
     """At a heal, before the transfer, on the source (`step`: the step its state is at) and on
     every healer: True when every healer is a spare fed up to that step whose models and
     optimizers are bit for bit the source's, so only the rest need move. One small collective
-    when no healer was fed."""
+    when no healer was fed. Sharded replicas (`pg`: one shard's group): True only if every shard
+    agrees; on the source `together(keep)` gives the replica's one decision (replica_decides),
+    which it sends to this shard's healers."""
     if not _spares():  # the same on every worker of a run: no spare, nothing to agree on
         return False
+    keep = _shard_keeps(pg, state, source, follower, step)
+    if _k() == 1:
+        return keep
+    word = torch.zeros(1, dtype=torch.int64, device=group_device())
+    if source:
+        assert together is not None
+        try:
+            word.fill_(int(together(keep)))
+        except Exception:  # noqa: BLE001 - the store moved or broke: the whole state is always right
+            word.fill_(0)
+    pg.broadcast(word, 0).wait()
+    return bool(word.item())
+
+
+def _shard_keeps(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follower: Optional["Follower"],
+                 step: int) -> bool:
+    """agree_to_keep over one group: the source and its healers of the same shard."""
     dev = group_device()
     follows = source or (follower is not None and follower.synced)
     if not _allreduce(pg, torch.tensor([int(follows)], dtype=torch.int64, device=dev), dist.ReduceOp.MIN):
         if follower is not None:
             follower.stop()
+            follower.synced = False
         return False
     word = torch.zeros(4, dtype=torch.int64, device=dev)
     if source:
@@ -180,9 +216,33 @@ def agree_to_keep(pg: dist.ProcessGroup, state: ReplicaState, source: bool, foll
     return not _allreduce(pg, torch.tensor([bad], dtype=torch.int64, device=dev), dist.ReduceOp.MAX)
 
 
-def feeder_of(members: List[int], healers: Tuple[int, ...]) -> Optional[int]:
+def replica_decides(store: Any, heal_prefix: str, rank: int, keep: bool, timeout_s: float) -> bool:
+    """On each of the source replica's K workers, at a heal of a sharded replica: whether the
+    healers keep their state, the same answer on all K. Each writes its shard's word; the first
+    that has read all K (or that has a "no", or gave up waiting) fixes the replica's decision
+    with a compare-and-set, which every other then reads. A shard that never writes (its
+    transfer failed before it began: the round fails anyway) makes it "no" after `timeout_s`."""
+    k = _k()
+    base = heal_prefix.rstrip("/").rsplit("/", 2)[0] + "/keep/"  # pg/Q/R/ of the round, not of the shard
+    first = (rank // k) * k
+    words = [f"{base}{first + j}" for j in range(k)]
+    store.set(f"{base}{rank}", "1" if keep else "0")
+    decided = "0"
+    deadline = time.monotonic() + timeout_s
+    while keep:
+        if store.check(words):
+            decided = "1" if all(store.get(w) == b"1" for w in words) else "0"
+            break
+        if store.check([base + "replica"]) or time.monotonic() > deadline:
+            break  # decided by another shard already (its word is read below), or given up
+        time.sleep(POLL_S)
+    return store.compare_set(base + "replica", "", decided) == b"1"
+
+
+def feeder_of(members: List[int], healers: Tuple[int, ...], shard: int = 0, k: int = 1) -> Optional[int]:
+    """Worker `shard` of the lowest replica that holds the state (the heal's source replica)."""
     holders = [r for r in members if r not in healers]
-    return min(holders) if holders else None
+    return (min(holders) // k) * k + shard if holders else None
 
 
 class _Feed:
@@ -197,8 +257,8 @@ class _Feed:
         params = _params(state)
         grads = [p.grad for p in params]
         mask = torch.tensor([g is not None for g in grads], dtype=torch.uint8)
-        tensors = [g.detach().contiguous() for g in grads if g is not None]
-        tensors += [b.detach().clone() for b in _buffers(state)]  # the next forward changes them in place
+        tensors = [_local(g).detach().contiguous() for g in grads if g is not None]  # a DTensor: its shard
+        tensors += [_local(b).detach().clone() for b in _buffers(state)]  # the next forward changes them in place
         blob = json.dumps(settings_of(state)).encode()
         hp = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         total = sum(t.numel() * t.element_size() for t in tensors)
@@ -234,8 +294,8 @@ class _Feed:
     def writes_ahead(self, state: ReplicaState) -> bool:
         """Whether a tensor still leaving is a parameter's live gradient, which the next backward
         writes in place (gradients zeroed, not set to None; DDP's gradient_as_bucket_view)."""
-        live = {id(p.grad) for p in _params(state) if p.grad is not None}
-        return any(id(t) in live for _, tensors in self.inflight for t in tensors)
+        live = {_local(p.grad).data_ptr() for p in _params(state) if p.grad is not None and p.grad.numel()}
+        return any(t.numel() and t.data_ptr() in live for _, tensors in self.inflight for t in tensors)
 
 
 class Feeder:
@@ -256,7 +316,8 @@ class Feeder:
     def after_step(self, quorum: Any, holds_state: bool, round_: int, step: int, yielded: int) -> None:
         if not enabled(self.state):
             return
-        me = feeder_of(quorum.ranks, quorum.healers) if quorum is not None else None
+        k = _k()
+        me = feeder_of(quorum.ranks, quorum.healers, self.rank % k, k) if quorum is not None else None
         if me != self.rank or not holds_state:
             self.drop_all("this replica no longer feeds the spares")
             return
@@ -431,7 +492,7 @@ class Follower:
             return
         latest = int(store.get(keys.LATEST))
         quorum = membership.read_quorum(store, latest)
-        feeder = feeder_of(quorum.ranks, quorum.healers)
+        feeder = feeder_of(quorum.ranks, quorum.healers, self.rank % _k(), _k())
         if feeder is None or self.rank in quorum.ranks:
             return
         self.serial += 1
@@ -487,8 +548,9 @@ class Follower:
         blob = torch.zeros(blob_len, dtype=torch.uint8, device=dev)
         self.pg.broadcast(blob, 0).wait()
         if not self.grads:
-            self.grads = [torch.zeros_like(p) for p in params]
-        sent = [g for g, m in zip(self.grads, mask.tolist()) if m]
+            self.grads = [torch.zeros_like(p) for p in params]  # a DTensor parameter's: a DTensor, same placements
+        sent = [_local(g) for g, m in zip(self.grads, mask.tolist()) if m]  # each lands in its own shard
+        buffers = [_local(b) for b in buffers]
         if sum(t.numel() * t.element_size() for t in sent + buffers) != total:
             self.refused = True
             raise FeedBroken("the feed's gradients do not fit this replica's parameters")

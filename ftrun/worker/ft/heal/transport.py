@@ -212,6 +212,8 @@ def send_state(pg: dist.ProcessGroup, state: Any, device: torch.device, chunk: i
                 flush()
             ch.staging[used:used + piece.numel()].copy_(piece)
             used += piece.numel()
+    if used and hook is not None:
+        tick()  # the whole state in one chunk: `after_first_chunk` holds the transfer open before it, not after its end
     flush()
     _settled(timeout_s)
     return TransferStats(bytes=ch.sent, seconds=time.perf_counter() - t0)

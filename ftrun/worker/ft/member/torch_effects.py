@@ -23,7 +23,7 @@ from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device, settle
 from ftrun.worker.ft.member.effects import HealRefused, MemberEffects, Snapshot
 from ftrun.worker.ft.member.member_io import POLL_S, _env_number, _log, _log_detail, leave, restart_replica
-from ftrun.worker.ft.heal.feed import Feeder, Follower, agree_to_keep
+from ftrun.worker.ft.heal.feed import Feeder, Follower, agree_to_keep, replica_decides
 from ftrun.worker.ft.heal.state import ReplicaState
 from ftrun.worker.ft.heal.transport import StateMismatch, receive_state, send_state
 from ftrun.worker import settings
@@ -81,6 +81,7 @@ class TorchEffects(MemberEffects):
         self.step_listeners: List[Callable[[], None]] = []  # called as this member takes a step
         self.group_listeners: List[Callable[[Any], None]] = []
         self._dropped: Optional[Callable[[], Any]] = None  # a weak reference to the group dropped last
+        self._formed: Tuple[Callable[[], Any], str] = (lambda: None, "")  # the group formed last (weakly), its prefix
         from ftrun.worker import progress
 
         self.progress = progress.start_from_env()
@@ -195,7 +196,9 @@ class TorchEffects(MemberEffects):
 
     # ------------------------------------------------------------ groups and collectives
     def form_group(self, prefix: str, quorum: Quorum, ranks: list, give_up: Callable[[], Optional[str]]) -> Any:
-        return build_group_watched(run_store(), prefix, ranks.index(self.rank), len(ranks), give_up, POLL_S)
+        pg = build_group_watched(run_store(), prefix, ranks.index(self.rank), len(ranks), give_up, POLL_S)
+        self._formed = (weakref.ref(pg), prefix)  # a heal's: its keys name a sharded source's one decision
+        return pg
 
     def drop_group(self, group: Any) -> None:
         if group is not None:
@@ -218,7 +221,9 @@ class TorchEffects(MemberEffects):
         return self.follower.touched
 
     def send_state(self, group: Any, snapshot: Snapshot) -> Any:
-        kept = agree_to_keep(group, self.state, True, None, snapshot[1])
+        kept = agree_to_keep(group, self.state, True, None, snapshot[1], self._replica_decides(group))
+        if kept:
+            self._inject_send_delay()  # a kept state may send no chunk: hold the heal open before its header
         return send_state(group, self.state.capture(*snapshot, kept=kept), group_device(), chunk=self._chunk,
                           after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
 
@@ -233,6 +238,17 @@ class TorchEffects(MemberEffects):
             return snapshot, stats
         except StateMismatch as e:
             raise HealRefused(str(e)) from None
+
+    def _replica_decides(self, group: Any) -> Callable[[bool], bool]:
+        """For a sharded source: its K workers' one decision on whether the healers keep their
+        state, fixed in the run's store under the heal group's prefix (feed.replica_decides)."""
+        ref, prefix = self._formed
+
+        def decide(keep: bool) -> bool:
+            if ref() is not group:  # not the group this worker formed last: no prefix to agree under
+                return False
+            return replica_decides(self.connect(), prefix, self.rank, keep, self._settle_s)
+        return decide
 
     def _inject_send_delay(self) -> None:
         delay = float(os.environ.get("FTRUN_FT_INJECT_SEND_DELAY", "0"))
