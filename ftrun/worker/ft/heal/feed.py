@@ -105,12 +105,14 @@ def _bits_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(state: ReplicaState) -> torch.Tensor:
-    """Three int64 words over every tensor of the models and the optimizers' state, bit for bit
+    """Three int64 words over every parameter of the models and the optimizers' state, bit for bit
     (each tensor's bits summed as integers, then the sums counted and weighted by position). A
     DTensor counts by its local shard: no collective, and each shard pair compares its own."""
     sums = []
     for m in state.models:
-        sums += [_bits_sum(_local(t)) for t in m.state_dict().values() if isinstance(t, torch.Tensor)]
+        buffers = {n for n, _ in m.named_buffers()}  # not compared: a kept heal sends them (ReplicaState.capture)
+        sums += [_bits_sum(_local(t)) for k, t in m.state_dict().items() if isinstance(t, torch.Tensor)
+                 and k not in buffers]
     for o in state.optimizers:
         for _, st in sorted(o.state_dict()["state"].items()):
             sums += [_bits_sum(_local(v)) for _, v in sorted(st.items()) if isinstance(v, torch.Tensor)]

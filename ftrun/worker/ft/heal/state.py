@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Set, Tuple
 
 import torch
 
-from ftrun.worker.ft.heal.transport import StateMismatch, tensor_leaves
+from ftrun.worker.ft.heal.transport import StateMismatch, _local, tensor_leaves
 
 Path = Tuple[Any, ...]
 
@@ -46,17 +46,22 @@ class ReplicaState:
 
     def capture(self, round_: int, step: int, yielded: int = -1, kept: bool = False) -> Dict[str, Any]:
         """`yielded`: the newest step the loop has handed the script (ft.redo() on the healer).
-        `kept`: the healers hold the models and optimizers already (a fed hot spare, ft/heal/feed.py):
-        only the optimizers' settings and the registered state."""
+        `kept`: the healers hold the models' parameters and the optimizers already (a fed hot spare,
+        ft/heal/feed.py): only the optimizers' settings, the models' buffers and the registered state."""
         out: Dict[str, Any] = {"round": round_, "step": step, "yielded": yielded,
                                "extras": {name: obj.state_dict() for name, obj in self.extras.items()}}
         if kept:
             out["settings"] = [[{k: v for k, v in g.items() if k != "params"} for g in o.state_dict()["param_groups"]]
                                for o in self.optimizers]
+            out["buffers"] = [buffers_of(m) for m in self.models]
         else:
             out["models"] = [dict(m.state_dict()) for m in self.models]
             out["optimizers"] = [o.state_dict() for o in self.optimizers]
         return out
+
+    def kept_targets(self) -> Dict[str, Any]:
+        """What a healer that keeps its parameters and optimizers receives into: its buffers."""
+        return {"models": [], "optimizers": [], "buffers": [buffers_of(m) for m in self.models]}
 
     def targets(self) -> Dict[str, Any]:
         """This replica's own tensors, for the transfer to land in where they fit."""
@@ -69,7 +74,7 @@ class ReplicaState:
     def restore(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int, int]:
         """Load what arrived; returns the (round, step, newest step yielded) it was captured at."""
         if "settings" in payload:
-            return self._restore_kept(payload)
+            return self._restore_kept(payload, in_place)
         if len(payload["models"]) != len(self.models) or len(payload["optimizers"]) != len(self.optimizers):
             raise StateMismatch(f"its peer has {len(payload['models'])} model(s) and {len(payload['optimizers'])} "
                                 f"optimizer(s), this replica {len(self.models)} and {len(self.optimizers)}")
@@ -93,10 +98,20 @@ class ReplicaState:
             raise StateMismatch(" ".join(lines[:2])[:300]) from None
         return int(payload["round"]), int(payload["step"]), int(payload.get("yielded", -1))
 
-    def _restore_kept(self, payload: Dict[str, Any]) -> Tuple[int, int, int]:
-        """The models and optimizers were found bit for bit the source's: their settings and the
-        registered state are what is left."""
+    def _restore_kept(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int, int]:
+        """The parameters and optimizers were found bit for bit the source's: the optimizers'
+        settings, the buffers (a failed round's forward may have changed the source's BatchNorm
+        statistics after the step the spare was fed) and the registered state are what is left."""
         try:
+            if len(payload.get("buffers", ())) != len(self.models):
+                raise StateMismatch(f"its peer has {len(payload.get('buffers', ()))} model(s), this replica "
+                                    f"{len(self.models)}")
+            with torch.no_grad():
+                for i, (m, theirs) in enumerate(zip(self.models, payload["buffers"])):
+                    mine = buffers_of(m)
+                    for name, t in theirs.items():
+                        if ("buffers", i, name) not in in_place:
+                            _local(mine[name]).copy_(t)
             for o, groups in zip(self.optimizers, payload["settings"]):
                 if len(groups) != len(o.param_groups):
                     raise StateMismatch(f"its peer's optimizer has {len(groups)} param group(s), this one "
@@ -124,6 +139,12 @@ class ReplicaState:
             where = "/".join(str(x) for x in missing[0])
             raise StateMismatch(f"{len(missing)} tensor(s) of its shard do not fit this worker's shard (first: "
                                 f"{where}); the model, optimizer, mesh or --replica-size differ")
+
+
+def buffers_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The buffers a model's state dict holds (its persistent ones: what a whole heal moves)."""
+    names = {n for n, _ in model.named_buffers()}
+    return {k: v for k, v in model.state_dict().items() if k in names and isinstance(v, torch.Tensor)}
 
 
 def _load_hyperparameters(opt: torch.optim.Optimizer, sd: Dict[str, Any]) -> None:

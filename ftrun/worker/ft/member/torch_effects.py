@@ -230,7 +230,7 @@ class TorchEffects(MemberEffects):
     def receive_state(self, group: Any, on_write: Callable[[], None]) -> Tuple[Snapshot, Any]:
         try:
             kept = agree_to_keep(group, self.state, False, self.follower, -1)
-            local = {"models": [], "optimizers": []} if kept else self.state.targets()
+            local = self.state.kept_targets() if kept else self.state.targets()
             payload, stats, in_place = receive_state(group, local, group_device(), chunk=self._chunk,
                                                      on_write=on_write, timeout_s=self._settle_s)
             snapshot = self.state.restore(payload, in_place)
