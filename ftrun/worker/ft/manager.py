@@ -221,8 +221,13 @@ class Manager:
         self.fx.feeder.settle(self.member.quorum)  # the last step's feed leaves before gradients change
         self.member.before_collective()
 
+    def feeding(self) -> None:
+        """Before this replica steps its optimizers: the hot spares it feeds get the step (ft/heal/feed.py)."""
+        m = self.member
+        self.fx.feeder.before_step(m.quorum, m.in_sync and m.heals.holds_state(), m.step)
+
     def fed(self) -> None:
-        """After this replica stepped its optimizers: the hot spares it feeds get the step (ft/heal/feed.py)."""
+        """After this replica stepped its optimizers: a spare that asks now is fed from here."""
         m = self.member
         self.fx.feeder.after_step(m.quorum, m.in_sync and m.heals.holds_state(), m.round, m.step, m.yielded)
 

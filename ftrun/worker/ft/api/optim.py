@@ -128,6 +128,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._stepped:
             for hook in list(self._optimizer_step_pre_hooks.values()):
                 hook(self, (), {})
+            self._mgr.feeding()  # the gradients the optimizers step on, as they are now
             for opt in self.optimizers:
                 if closure is None:
                     opt.step()

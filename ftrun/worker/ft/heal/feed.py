@@ -315,16 +315,42 @@ class Feeder:
         self.store: Any = None
         self.spent, self.fed = 0.0, 0  # seconds this replica's training thread spent feeding, over `fed` steps
 
-    def after_step(self, quorum: Any, holds_state: bool, round_: int, step: int, yielded: int) -> None:
+    def _feeds(self, quorum: Any, holds_state: bool) -> bool:
+        """Whether this replica feeds the spares now (the quorum's feeder, holding the state); if
+        not, every feed it had is dropped."""
         if not enabled(self.state):
-            return
+            return False
         k = _k()
         me = feeder_of(quorum.ranks, quorum.healers, self.rank % k, k) if quorum is not None else None
         if me != self.rank or not holds_state:
             self.drop_all("this replica no longer feeds the spares")
-            return
+            return False
         self._drop_members(quorum)
-        fed = list(self.feeds.items())  # a feed opened below starts from the state after this step
+        return True
+
+    def before_step(self, quorum: Any, holds_state: bool, step: int) -> None:
+        """This replica is about to step its optimizers on step `step`'s gradients: each spare it
+        feeds gets them now, with the settings and buffers, so that it steps its own optimizer
+        beside this one instead of after it (promoted, a spare is then no optimizer step behind:
+        seconds with a 100M model's Adam on a CPU, or an optimizer offloaded to the host)."""
+        if not self.feeds or not self._feeds(quorum, holds_state):
+            return
+        t0 = time.perf_counter()
+        for spare, feed in list(self.feeds.items()):
+            try:
+                if not feed.left(FEED_WAIT_S, most=IN_FLIGHT - 1):
+                    self._drop(spare, f"it had not taken step {step - IN_FLIGHT} after {FEED_WAIT_S:g} s")
+                    continue
+                feed.send_step(self.state, step)
+            except Exception as e:  # the spare died or was promoted: its feed ends, training goes on
+                self._drop(spare, _why(e))
+        if self.feeds:
+            self._spent(time.perf_counter() - t0, step)
+
+    def after_step(self, quorum: Any, holds_state: bool, round_: int, step: int, yielded: int) -> None:
+        """This replica stepped its optimizers: a spare that asks to be fed starts from the state now."""
+        if not self._feeds(quorum, holds_state):
+            return
         now = time.monotonic()
         if now >= self.next_look:
             self.next_look = now + LOOK_S
@@ -333,17 +359,6 @@ class Feeder:
             except Exception as e:  # the run's store moved or went away: the member's own loop deals with that
                 self.store = None
                 self.log_detail(f"rank {self.rank}: could not look for hot spares to feed: {_why(e)}")
-        t0 = time.perf_counter()
-        for spare, feed in fed:
-            try:
-                if not feed.left(FEED_WAIT_S, most=IN_FLIGHT - 1):
-                    self._drop(spare, f"it had not taken step {step - IN_FLIGHT} after {FEED_WAIT_S:g} s")
-                    continue
-                feed.send_step(self.state, step)
-            except Exception as e:  # the spare died or was promoted: its feed ends, training goes on
-                self._drop(spare, _why(e))
-        if fed:
-            self._spent(time.perf_counter() - t0, step)
 
     def settle(self, quorum: Any = None) -> None:
         """Before gradients are written again: the last step's feed has left, or is dropped."""
@@ -544,7 +559,6 @@ class Follower:
             raise FeedBroken(f"the feed does not fit this replica ({n_params} parameters and {n_buffers} buffers "
                              f"sent, {len(params)} and {len(buffers)} here)")
         dev = group_device()
-        self.synced = False  # from here until the step is taken, the state is neither old nor new
         mask = torch.zeros(n_params, dtype=torch.uint8, device=dev)
         self.pg.broadcast(mask, 0).wait()
         blob = torch.zeros(blob_len, dtype=torch.uint8, device=dev)
@@ -566,6 +580,10 @@ class Follower:
                 if landing is not b:
                     with torch.no_grad():
                         b.copy_(landing)
+        # Until here only the buffers changed, which a kept heal sends anyway: a feeder that died
+        # mid-send leaves this spare synced at its last step. From here until the step is taken,
+        # the parameters and optimizers are neither old nor new.
+        self.synced = False
         apply_settings(self.state, json.loads(bytes(blob.cpu().numpy()).decode()))
         t1 = time.perf_counter()
         for p, g, m in zip(params, self.grads, mask.tolist()):
@@ -587,8 +605,7 @@ class Follower:
     def _broken(self, why: str, quiet: bool = False) -> None:
         self.stop()
         self.store = None  # it may be the store that broke (a move): connect again
-        was = self.synced
-        self.synced = False
+        was = self.synced  # kept: a state untouched since its last step taken may still match the source's
         self.fails += 1
         self.retry_at = time.monotonic() + min(30.0, 2.0 ** (self.fails - 1))
         if self.refused:
