@@ -1,10 +1,10 @@
 """A hot spare's feed: the training replicas' state kept on a waiting spare without a forward or backward.
 
 A training replica (the feeder: the lowest member of its quorum that holds the state) sends
-each spare that asks, once, its whole state, then after every step it takes the gradients its
-optimizers stepped on (after the script's clipping and unscaling) and their settings (learning
-rate, ...), and its model's buffers. The spare (Follower, run in its wait to join) steps its own
-optimizers on them. At a promotion the heal asks both ends for a fingerprint of their models and
+each spare that asks, once, its whole state (after a step), then at every step it takes, as its
+optimizers are about to step, the gradients they step on (after the script's clipping and
+unscaling), their settings (learning rate, ...) and its model's buffers. The spare (Follower, run
+in its wait to join) steps its own optimizers on them, beside its feeder's. At a promotion the heal asks both ends for a fingerprint of their models and
 optimizers: when they match, only what is not the model and optimizers moves (registered state,
 the optimizers' settings); otherwise (a spare that missed a step, a script that changes its
 parameters outside the optimizer) the whole state moves, as for any healer.
