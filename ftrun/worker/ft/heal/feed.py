@@ -53,6 +53,7 @@ CATCH_UP_S = 5.0  # at a promotion, how long a spare takes in the steps already 
 POLL_S = 0.005
 DROPPED = "dropped"  # the feeder's word, in the spare's sent key, that it no longer feeds it
 FOLLOW_POLL_S = 0.05  # how often a waiting spare looks for a step sent to it (a store read; 5 ms at a promotion)
+RECV_POLL_S = 0.0005  # how often a spare receiving a step looks whether it has arrived
 
 
 class FeedBroken(RuntimeError):
@@ -453,6 +454,8 @@ class Follower:
         self.connect, self.log_detail = connect, log_detail
         self.chunk, self.timeout_s = chunk, timeout_s
         self.pg: Any = None
+        self._posted: List[Any] = []  # receives given up on a dead feeder, freed with the group
+        self._feeder = ("", "")  # the feeder's incarnation key in the store, and the incarnation it fed from
         self.sent_key = ""
         self.synced = False  # the state is the feeder's as of `step`
         self.touched = False  # the feed has written into this replica's state since its last heal
@@ -498,7 +501,11 @@ class Follower:
     def stop(self) -> None:
         if self.pg is not None:
             abort_group(self.pg)
-        self.pg = None
+            # Let it go on a thread of its own: gloo frees a group with a receive still posted (its
+            # feeder died mid-step) only after its whole timeout, which must not hold a promotion.
+            box = [self.pg, self._posted]
+            threading.Thread(target=box.clear, name="ftrun-feed-free", daemon=True).start()
+        self.pg, self._posted = None, []
 
     # ------------------------------------------------------------------ inside
     def _start(self) -> None:
@@ -526,6 +533,7 @@ class Follower:
         self.touched = True  # from the first byte received, the state is the feed's, not the committed one
         self.sent_key = keys.feed_sent_key(self.rank, inc, self.serial)
         self.pg = build_group_watched(run_store(), keys.feed_prefix(self.rank, inc, self.serial), 1, 2, gone, 0.05)
+        self._feeder = (keys.inc_key(feeder), str(quorum.incarnation(feeder)))
         payload, _stats, in_place = receive_state(self.pg, self.state.targets(), group_device(), chunk=self.chunk,
                                                   timeout_s=self.timeout_s)
         _, step, _ = self.state.restore(payload, in_place)
@@ -548,10 +556,25 @@ class Follower:
                 return
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
+    def _recv(self, t: torch.Tensor) -> None:
+        """Receive `t` from the feeder. A feeder that died (the store says so) breaks the feed at
+        once: gloo may fail a receive posted after its peer's connection closed only at the group's
+        whole timeout (10 s), which held a promotion that long (a feeder killed as it stepped)."""
+        work = self.pg.broadcast(t, 0)
+        look = time.monotonic() + FOLLOW_POLL_S
+        while not work.is_completed():
+            if time.monotonic() >= look:
+                look = time.monotonic() + FOLLOW_POLL_S
+                if self.store.get(self._feeder[0]).decode() != self._feeder[1]:
+                    self._posted.append(work)  # freed with the group, on its own thread (stop)
+                    raise FeedBroken("its feeder is gone")
+            time.sleep(RECV_POLL_S)
+        work.wait()
+
     def _take(self) -> None:
         t0 = time.perf_counter()
         head = torch.zeros(HEAD, dtype=torch.int64, device=group_device())
-        self.pg.broadcast(head, 0).wait()
+        self._recv(head)
         magic, step, blob_len, n_params, n_buffers, total = (int(x) for x in head.tolist())
         params, buffers = _params(self.state), _buffers(self.state)
         if magic != MAGIC or n_params != len(params) or n_buffers != len(buffers):
@@ -560,9 +583,9 @@ class Follower:
                              f"sent, {len(params)} and {len(buffers)} here)")
         dev = group_device()
         mask = torch.zeros(n_params, dtype=torch.uint8, device=dev)
-        self.pg.broadcast(mask, 0).wait()
+        self._recv(mask)
         blob = torch.zeros(blob_len, dtype=torch.uint8, device=dev)
-        self.pg.broadcast(blob, 0).wait()
+        self._recv(blob)
         if not self.grads:
             self.grads = [torch.zeros_like(p) for p in params]  # a DTensor parameter's: a DTensor, same placements
         sent = [_local(g) for g, m in zip(self.grads, mask.tolist()) if m]  # each lands in its own shard
@@ -572,11 +595,11 @@ class Follower:
             raise FeedBroken("the feed's gradients do not fit this replica's parameters")
         for t in sent:
             if t.numel():
-                self.pg.broadcast(t, 0).wait()
+                self._recv(t)
         for b in buffers:
             if b.numel():
                 landing = b if b.is_contiguous() else torch.empty_like(b)
-                self.pg.broadcast(landing.data, 0).wait()
+                self._recv(landing.data)
                 if landing is not b:
                     with torch.no_grad():
                         b.copy_(landing)
