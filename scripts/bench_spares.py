@@ -87,8 +87,10 @@ def one_run(size: str, spares: int, steps: int, home: Path, nice: int = 0, train
            str(depth), "--batch", str(batch), "--optim", "adamw", "--lr", "0.0005", "--data", "step", "--steps",
            str(steps), "--print-every", "100000", "--out", str(out / "p")]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, FTRUN_HOME=str(home)), cwd=ROOT)
+    env = dict(os.environ, FTRUN_HOME=str(home))
+    if pin:  # one thread per worker on its core, with or without a spare (alone, a worker gets torch's default)
+        env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     if nice and spares:
         threading.Thread(target=_nice_spares, args=(home, run_id, proc, nice), daemon=True).start()
     if pin:
