@@ -50,7 +50,9 @@ def test_tutorial_port_trains_what_the_original_trains(ftrun_home, tmp_path):
 def test_tutorial_port_survives_kills(ftrun_home, tmp_path):
     """The port under two SIGKILLs of different replicas: each restarts alone, heals, and the run
     ends with every replica's weights equal."""
-    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "tut", PORTED, 4, 1, "--batch_size", 16])
+    # 12 epochs of about 43 steps of a few milliseconds: the second kill leaves the restarted
+    # replica time to heal before the end (with 4, the run ended 0.5 s after it, never back).
+    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "tut", PORTED, 12, 1, "--batch_size", 16])
     try:
         for rank, step in ((1, 20), (2, 70)):
             for _ in range(20):  # the state file may still name a process that has just exited: read again
