@@ -56,13 +56,12 @@ REVOTE = {"seed": 100179, "replicas": 2, "total": 12, "faults": [
     {"at": 0.884, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0},
     {"at": 1.426, "kind": "kill", "rank": 1, "dur": 0.0, "x": 0.0}]}
 
-FINISHED_VOTER = {"seed": 100113, "replicas": 4, "total": 8, "faults": [
-    {"at": 0.241, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 5.0},
-    {"at": 0.623, "kind": "kill-call", "rank": 1, "dur": 0.0, "x": 3.0},
-    {"at": 0.511, "kind": "kill-call", "rank": 2, "dur": 0.0, "x": 5.0},
-    {"at": 0.54, "kind": "store-slow", "rank": -1, "dur": 0.316, "x": 0.0109},
-    {"at": 0.62, "kind": "kill", "rank": 3, "dur": 0.0, "x": 0.0},
-    {"at": 0.279, "kind": "kill", "rank": 3, "dur": 0.0, "x": 0.0}]}
+# Found again from seed 1 (--bug finished-voter --only-bug) once a member voted down at its top a
+# quorum whose group it gave up for a newer one.
+FINISHED_VOTER = {"seed": 100657, "replicas": 4, "total": 19, "faults": [
+    {"at": 0.907, "kind": "kill-call", "rank": 3, "dur": 0.0, "x": 0.0},
+    {"at": 1.342, "kind": "slow", "rank": 1, "dur": 1.509, "x": 20.0},
+    {"at": 0.778, "kind": "kill-call", "rank": 0, "dur": 0.0, "x": 0.0}]}
 
 # Found by a search of sharded replicas (--replica-size 2, seed 1).
 MIXED_SHARDS = {"seed": 100066, "replicas": 2, "k": 2, "total": 3, "faults": [
@@ -199,12 +198,16 @@ EARLY_SAVE = {"seed": 100080, "replicas": 3, "checkpoint_every": 1, "total": 8, 
     {"at": 1.404, "kind": "kill-all", "rank": -1, "dur": 0.0, "x": 0.0}]}
 
 # Found by the simulator (issue 41's flaky nanoGPT port; the old code from seed 1, schedule 66; found
-# again from seed 3 once survivors voted a round down at its top when a peer was known gone). Rank 1
-# dies and restarts, and its heal does not land: before the fix the restarted replica, never healed,
-# was handed step 0 and its script ran on its initial state.
-UNSYNCED_STEP = {"seed": 300022, "replicas": 4, "total": 11, "faults": [
-    {"at": 0.983, "kind": "kill-call", "rank": 2, "dur": 0.0, "x": 9.0},
-    {"at": 0.466, "kind": "kill", "rank": 1, "dur": 0.0, "x": 0.0}]}
+# again from seed 3 once survivors voted a round down at its top when a peer was known gone, and from
+# seed 1 once a member voted down at its top a quorum whose group it gave up for a newer one). A
+# restarted replica's heal does not land: before the fix it was handed a step while out of sync and
+# its script ran on a state that is not the committed one.
+UNSYNCED_STEP = {"seed": 100010, "replicas": 5, "total": 7, "faults": [
+    {"at": 1.707, "kind": "heal-kill", "rank": 1, "dur": 0.0, "x": 0.0},
+    {"at": 1.689, "kind": "kill-call", "rank": 2, "dur": 0.0, "x": 9.0},
+    {"at": 1.715, "kind": "pause-call", "rank": 0, "dur": 1.593, "x": 7.0},
+    {"at": 0.0, "kind": "late", "rank": 3, "dur": 1.342, "x": 0.0},
+    {"at": 1.337, "kind": "kill-call", "rank": 1, "dur": 0.0, "x": 6.0}]}
 
 # Rank 1 dies after its part of round 5's allreduce: rank 0 steps and is handed step 6 (an
 # evaluation step) before round 5's decision, which votes it down. Before the fix ft.redo() was
@@ -705,7 +708,7 @@ def test_a_member_out_of_sync_is_handed_no_step():
     assert _replay(UNSYNCED_STEP)[-1] == "1 schedules, 0 violations"
     bad = _replay(UNSYNCED_STEP, "unsynced-step")
     assert bad[-1] == "1 schedules, 1 violations"
-    assert "rank 1 (incarnation 1) is handed step 0 while out of sync" in bad[0], bad
+    assert re.search(r"rank \d \(incarnation 1\) is handed step \d+ while out of sync", bad[0]), bad
 
 
 @pytest.mark.quick

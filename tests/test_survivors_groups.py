@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import gc
 import json
+import re
 import weakref
 
 import pytest
@@ -222,3 +223,48 @@ def test_survivors_stop_a_backward_whose_round_is_lost(ftrun_home, tmp_path):
         assert end["took"] is not None and end["took"] < layers * slow_s / 2, (r, end, proc.stderr[-3000:])
     digests = {e["digest"] for r in (0, 1, 2) for e in ends[r]}
     assert len(digests) == 1, ends
+
+
+GIVEN_UP = r'''
+import json, os, signal, sys, time
+import torch
+import ftrun.ft as ft
+
+out, total, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rank = int(os.environ["RANK"])
+first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+torch.manual_seed(0)
+model = ft.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+handed, slept = [], False
+for step in ft.steps(total):
+    handed.append(step)
+    if step == k and rank == 1 and first:
+        os.kill(os.getpid(), signal.SIGKILL)  # at the step's top: its peers' collective fails
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    took = opt.step()
+    if step == k and not took and not slept and rank == 2:
+        slept = True
+        time.sleep(3.0)  # one survivor is slow to reach its next step's top
+with open(f"{out}.rank{rank}.{os.getpid()}.json", "w") as f:
+    json.dump(handed, f)
+'''
+
+
+def test_a_survivor_hands_out_no_step_on_a_quorum_whose_group_it_gave_up(ftrun_home, tmp_path):
+    """Rank 1 dies in step k. Rank 0 enters the quorum without it at once and waits for rank 2 to
+    form its group; rank 2 is slow, and meanwhile rank 1, restarted, is admitted in a newer quorum,
+    so rank 0 gives the group up. It then votes that quorum's round down at its top and switches,
+    instead of handing the script a step nobody can commit: it is handed step k twice (the failed
+    round, then the round with rank 1 back), not three times."""
+    from conftest import run_ftrun
+
+    script, out, k = tmp_path / "train.py", tmp_path / "h", 4
+    script.write_text(GIVEN_UP)
+    proc = run_ftrun(["--nproc", 3, "--ft", "--verbose", script, out, k + 4, k], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"rank 0: round \d+: could not form the group of quorum \d+: quorum \d+ is out",
+                     proc.stderr), proc.stderr[-3000:]
+    (handed,) = [json.loads(p.read_text()) for p in tmp_path.glob("h.rank0.*.json")]
+    assert handed.count(k) == 2, f"rank 0 was handed steps {handed}\n{proc.stderr[-3000:]}"

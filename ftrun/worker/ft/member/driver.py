@@ -252,7 +252,7 @@ class MemberDriver:
         while True:
             try:
                 self._start_round()
-                if not self.finished and self._peer_lost():
+                if not self.finished and (self._peer_lost() or self._group_given_up()):
                     if self.rejoin_why is None:  # else the decision it read first: it rejoins at the top
                         self._sit_out()
                     continue
@@ -383,6 +383,16 @@ class MemberDriver:
             return False
         self._settle()  # the round before first, as before any vote (it may say: take the state again)
         return True
+
+    def _group_given_up(self) -> bool:
+        """This top switched to a quorum whose group it gave up forming, since a newer quorum is
+        out (a restarted replica was admitted before every survivor had entered the quorum without
+        it): no round of it can commit, so it is voted down here, as in `_peer_lost`, instead of
+        handing the script a step whose gradients go nowhere (a whole step per early restart).
+        Whole replicas only, as `_peer_lost`."""
+        q = self.quorum
+        return (self.k == 1 and q is not None and self.pg is None and not self.round_ok
+                and self.latest_seen > q.id and self.rejoin_why is None)
 
     def abandoned(self) -> Optional[str]:
         """Asked inside the script's backward (ft/api/ddp.py): why this open step's round can no
