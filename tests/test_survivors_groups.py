@@ -91,7 +91,9 @@ def test_a_dropped_group_is_collected_only_when_something_still_holds_it():
         assert gone() is None and full_collections() == before + 1
 
 
-SCRIPT = r'''
+# A linear model's training script's start, shared by the scripts below: rank 1's first process is
+# the one that dies.
+START = r'''
 import json, os, signal, sys, time
 import torch
 import ftrun.ft as ft
@@ -102,6 +104,9 @@ first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 torch.manual_seed(0)
 model = ft.DistributedDataParallel(torch.nn.Linear(4, 1))
 opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+'''
+
+SCRIPT = START + r'''
 handed = []
 for step in ft.steps(total):
     handed.append(step)
@@ -225,17 +230,7 @@ def test_survivors_stop_a_backward_whose_round_is_lost(ftrun_home, tmp_path):
     assert len(digests) == 1, ends
 
 
-GIVEN_UP = r'''
-import json, os, signal, sys, time
-import torch
-import ftrun.ft as ft
-
-out, total, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-rank = int(os.environ["RANK"])
-first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-torch.manual_seed(0)
-model = ft.DistributedDataParallel(torch.nn.Linear(4, 1))
-opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+GIVEN_UP = START + r'''
 handed, slept = [], False
 for step in ft.steps(total):
     handed.append(step)
