@@ -401,6 +401,9 @@ class MemberDriver:
         survivors of a failure reach the next round, and a spare waiting to replace the lost
         replica, the rest of a backward sooner (at 100M on this CPU, seconds). One comparison
         while no newer quorum is out; then a store read every GONE_LOOK_S at most."""
+        q = self.quorum
+        if q is None or self.latest_seen <= q.id:  # the common case, at every gradient: two reads
+            return None
         if not self.step_open or self.rejoin_why is not None:
             return None
         try:
