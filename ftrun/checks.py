@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Tuple
 
 from ftrun.errors import CLI, ConfigError, blame, from_source
 from ftrun.preflight import preflight
-from ftrun.protocol import round_steps_from_env
+from ftrun.protocol import check_s_from_env, check_steps_from_env, round_steps_from_env
 
 if TYPE_CHECKING:
     from ftrun.run_config import RunConfig
@@ -72,6 +72,10 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
     _, bad_round = round_steps_from_env(os.environ)
     if bad_round and cfg.ft:
         raise ConfigError(f"environment: {bad_round}")
+    for reader in (check_s_from_env, check_steps_from_env):
+        _, bad_check = reader(os.environ)
+        if bad_check and cfg.ft:
+            raise ConfigError(f"environment: {bad_check}")
     moves = os.environ.get("FTRUN_STORE_MOVES")
     if moves is not None and moves not in ("0", "1"):
         raise ConfigError(f"environment: FTRUN_STORE_MOVES={moves!r} must be 0 or 1 (1, the default: the run's "
@@ -102,6 +106,12 @@ def validate(cfg: RunConfig, check_paths: bool = True, check_script: bool = True
         if bad:
             raise blame("local_ranks_filter", f"--local-ranks-filter {','.join(map(str, bad))}: no such local "
                                               f"rank; this node has local ranks 0..{cfg.nproc - 1}")
+    if cfg.ft and cfg.hook is not None and cfg.hook.name in ("diloco", "localsgd"):
+        # Both sync parameters outside the round's collectives (after the script's optimizer step),
+        # where a peer's death is no failed round: under --ft a sync is to be the quorum's round.
+        raise blame("hook", f"--hook {cfg.hook.name} runs without --ft in this version (under --ft its sync is to "
+                            f"be the quorum's round: not built yet); drop --ft, or use --hook powersgd, fp16 or "
+                            f"bf16 under --ft")
     if cfg.ft and cfg.replica_size > 1:
         _check_replica_size(cfg)
     replicas = cfg.world_size // cfg.replica_size

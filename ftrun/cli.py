@@ -186,7 +186,7 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
         start_zygote_early(import_env(cfg))  # before any thread: one torch import for the store and the zygote
     quiet_torch_warnings()  # workers keep the user's environment
     if cfg.rdzv == "c10d":
-        from ftrun.supervisor.nodes.rendezvous import run_c10d
+        from ftrun.supervisor.loop.c10d import run_c10d
 
         code = run_c10d(cfg)
     else:

@@ -116,6 +116,11 @@ VARIABLES: Tuple[EnvVar, ...] = (
     EnvVar("FTRUN_FT_ROUND_STEPS", SETTING, "--ft: steps per round (one vote each), 1 to 1024; unset, rounds "
            "are one step until the run's pace is known, then last about 0.2 s (re-sized then), 8 steps at "
            "most.", "unset"),
+    EnvVar("FTRUN_FT_CHECK_S", SETTING, "--ft: seconds of training between the guard's checks that every replica "
+           "holds the same state (a fingerprint of its parameters, buffers, optimizers and registered state, "
+           "compared across the quorum; also once after every heal); 0 turns the guard off.", "300"),
+    EnvVar("FTRUN_FT_CHECK_STEPS", SETTING, "--ft: steps between the guard's checks, instead of about "
+           "FTRUN_FT_CHECK_S seconds of them.", "unset"),
     EnvVar("FTRUN_FT_CHUNK_MB", SETTING, "--ft: largest slice, in MiB, in which a heal sends a tensor (1 to "
            "4096).", "64"),
     EnvVar("FTRUN_HOOK_LOG_EVERY", SETTING, "Steps between a hook's traffic lines in each rank's log (0: only "
@@ -127,12 +132,14 @@ VARIABLES: Tuple[EnvVar, ...] = (
     # ---- between ftrun's processes
     EnvVar("FTRUN_ZYGOTE_FD", INTERNAL, "The zygote's end of its socket pair with the supervisor."),
     EnvVar("FTRUN_SUPERVISOR_PID", INTERNAL, "The supervisor's pid, for the zygote's parent-death check."),
-    EnvVar("FTRUN_ZYGOTE_PREIMPORT", INTERNAL, "--ft: the training frameworks the script imports (Lightning, the Trainer), "
+    EnvVar("FTRUN_ZYGOTE_PREIMPORT", INTERNAL, "--ft: the training frameworks the script imports (Lightning, the Trainer, Accelerate, Fabric), "
            "which the zygote imports before its first fork, so a restarted replica does not import them again."),
     # ---- tests
     EnvVar("FTRUN_RUN_ID_DEFAULT", TEST, "The run id to use when none is given (instead of a fresh one)."),
     EnvVar("FTRUN_FT_INJECT_FAIL", TEST, "'RANK:STEP': that rank's first incarnation votes that step down after "
            "its collectives went through (a mixed outcome)."),
+    EnvVar("FTRUN_FT_INJECT_STORE", TEST, "'RANK:INCARNATION=HOST:PORT': that worker takes the store there for the "
+           "run's until it follows a move (another store answering at the run's address)."),
     EnvVar("FTRUN_FT_INJECT_SEND_DELAY", TEST, "Seconds a heal's source waits before sending (widens the window "
            "in which it can be killed mid-transfer)."),
     EnvVar("FTRUN_CHECKPOINT_INJECT_DELAY", TEST, "'STEP:SECONDS': hold the write of that step before it is "
@@ -150,6 +157,8 @@ VARIABLES: Tuple[EnvVar, ...] = (
     EnvVar("FTRUN_SKIP_LIGHTNING", DEVELOPMENT, "scripts/test.sh: 1 skips installing Lightning for its test.", "0"),
     EnvVar("FTRUN_SKIP_HF", DEVELOPMENT, "scripts/test.sh: 1 skips installing transformers and accelerate for the "
            "Hugging Face Trainer's test.", "0"),
+    EnvVar("FTRUN_SKIP_DATASETS", DEVELOPMENT, "scripts/test.sh: 1 skips installing datasets for the test of a "
+           "Hugging Face stream through ft.DataLoader.", "0"),
     EnvVar("FTRUN_DOCS_MERMAID", DEVELOPMENT, "scripts/docs.sh: the mermaid script the site draws its diagrams "
            "with (fetched from the npm registry when npm is there).", "unset: the theme loads it when viewed"),
 )

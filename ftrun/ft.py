@@ -35,6 +35,7 @@ No init_process_group() is needed.
 """
 # Worker-side only: the launcher never imports this module (it imports torch).
 
+import sys
 import warnings
 from typing import Any, Iterator, Optional, Tuple
 
@@ -72,14 +73,19 @@ def device_mesh(mesh_shape: Optional[Tuple[int, ...]] = None,
     return manager().device_mesh(mesh_shape, mesh_dim_names)
 
 
-def register_state(name: str, obj: Any) -> None:
-    """Send `obj.state_dict()` to restarted replicas too (an LR scheduler, a data sampler...)."""
-    manager().register_state(name, obj)
+def register_state(name: str, obj: Any, compare: bool = True) -> None:
+    """Send `obj.state_dict()` to restarted replicas too (an LR scheduler, a data sampler, an EMA
+    of the model...). The guard checks that every replica holds the same; `compare=False` for
+    state each replica keeps of its own (a running metric of its own batches), which a heal still
+    moves."""
+    manager().register_state(name, obj, compare)
 
 
 def steps(total: int) -> Iterator[int]:
     """The global step, from where the run is (a restarted replica resumes there) to `total`."""
-    return manager().steps(total)
+    mgr = manager()
+    mgr.look_for_state(sys._getframe(1))
+    return mgr.steps(total)
 
 
 def replica_id() -> int:
@@ -125,6 +131,7 @@ def epochs(total: int) -> Iterator[int]:
     from ftrun.worker.ft.api.data import TrainingEpochs
 
     mgr = manager()
+    mgr.look_for_state(sys._getframe(1))
     if mgr.epochs_state is None:
         mgr.epochs_state = TrainingEpochs(mgr)
     return mgr.epochs_state.run(total)

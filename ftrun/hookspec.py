@@ -16,12 +16,12 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ftrun.errors import ConfigError
 
-HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd", "batched-powersgd", "localsgd", "noop")
+HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd", "batched-powersgd", "localsgd", "diloco", "noop")
 WRAP_NAMES = ("fp16", "bf16")
 
 # Hooks whose payload a --wrap may cast to half precision. fp16/bf16 already
 # send half precision and noop sends nothing, so wrapping them means nothing.
-WRAPPABLE = ("allreduce", "powersgd", "batched-powersgd", "localsgd")
+WRAPPABLE = ("allreduce", "powersgd", "batched-powersgd", "localsgd", "diloco")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,12 @@ PARAMS: Dict[str, Param] = {
                                        "added in orthogonalization to avoid dividing by zero"),
     "seed": Param("--seed", int, 0, 0, "seed of the random initial Q matrices (same on every rank)"),
     "batch_same_shape": Param("--batch-same-shape", bool, False, None, "compress same-shape tensors as one batch"),
-    "period": Param("--period", int, None, 1, "average parameters every N steps"),
+    "period": Param("--period", int, None, 1,
+                    "steps between two syncs (localsgd: the parameters averaged; diloco: the outer step)"),
+    "outer_lr": Param("--outer-lr", float, 0.7, 0, "diloco: the outer optimizer's learning rate (SGD on the "
+                      "pseudo-gradients, the replicas' average change since the last sync)"),
+    "outer_momentum": Param("--outer-momentum", float, 0.9, 0, "diloco: the outer optimizer's Nesterov momentum "
+                            "(0: plain SGD; below 1)"),
 }
 
 # Which parameters each hook takes. Every PowerSGDState knob is reachable for
@@ -60,8 +65,9 @@ HOOK_PARAMS: Dict[str, Tuple[str, ...]] = {
                  "orthogonalization_epsilon", "seed", "batch_same_shape"),
     "batched-powersgd": ("rank", "start_iter", "error_feedback", "warm_start", "orthogonalization_epsilon", "seed"),
     "localsgd": ("start_iter", "period"),
+    "diloco": ("period", "outer_lr", "outer_momentum"),
 }
-REQUIRED: Dict[str, Tuple[str, ...]] = {"localsgd": ("period",)}
+REQUIRED: Dict[str, Tuple[str, ...]] = {"localsgd": ("period",), "diloco": ("period",)}
 # localsgd: global allreduce only for warm-up; 0 means local SGD from the first step.
 DEFAULT_OVERRIDES: Dict[str, Dict[str, Any]] = {"localsgd": {"start_iter": 0}}
 
@@ -172,6 +178,9 @@ def parse_hook(raw: Mapping[str, Any], where: str = "command line") -> HookSpec:
             raise _err(where, "name", f"hook {name!r} needs {flag(key)} N ({PARAMS[key].help}), "
                               f"e.g. --hook {name} {flag(key)} 4")
     spec = HookSpec(name=name, params=params, wrap=wrap)
+    if name == "diloco" and spec.effective_params()["outer_momentum"] >= 1:
+        raise _err(where, "outer_momentum", f"--outer-momentum {spec.effective_params()['outer_momentum']:g} is out of "
+                                            f"range; use a value from 0 to below 1 (DiLoCo's is 0.9)")
     if name in ("powersgd", "batched-powersgd"):
         eff = spec.effective_params()
         # torch's PowerSGDState refuses this too, but only inside every worker after

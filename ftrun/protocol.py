@@ -213,6 +213,56 @@ def round_steps_from_env(env: Mapping[str, str]) -> Tuple[int, Optional[str]]:
                          f"unset {ROUND_STEPS_ENV} (default {ROUND_STEPS})")
 
 
+# The guard (worker/ft/heal/agreement.py): the quorum's members compare a fingerprint of their whole
+# state at a round's top after a heal's first round, and every CHECK_S seconds of training at the
+# run's pace (Quorum.check_steps, sized by the keeper). FTRUN_FT_CHECK_S=0 turns it off.
+CHECK_S = 300.0
+CHECK_S_ENV = "FTRUN_FT_CHECK_S"
+# Steps between checks while the run's pace is not known (a sharded replica's quorums are not re-paced).
+CHECK_STEPS_UNPACED = 1000
+
+
+def check_s_from_env(env: Mapping[str, str]) -> Tuple[float, Optional[str]]:
+    """(seconds between the guard's checks, 0 for none; a line saying why the environment's value
+    was not taken, or None). Read alike by the keeper and every member."""
+    raw = env.get(CHECK_S_ENV)
+    if raw is None:
+        return CHECK_S, None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value >= 0 and value == value and value != float("inf"):
+        return value, None
+    return CHECK_S, (f"{CHECK_S_ENV}={raw!r} is not a number of seconds (0 or more); fix it or unset {CHECK_S_ENV} "
+                     f"(default {CHECK_S:g})")
+
+
+CHECK_STEPS_ENV = "FTRUN_FT_CHECK_STEPS"
+
+
+def check_steps_from_env(env: Mapping[str, str]) -> Tuple[Optional[int], Optional[str]]:
+    """(steps between the guard's checks the user chose, or None; a line saying why the
+    environment's value was not taken, or None)."""
+    raw = env.get(CHECK_STEPS_ENV)
+    if raw is None:
+        return None, None
+    if raw.strip().isdigit() and int(raw) >= 1:
+        return int(raw), None
+    return None, (f"{CHECK_STEPS_ENV}={raw!r} is not a whole number of steps (1 or more); fix it or unset "
+                  f"{CHECK_STEPS_ENV} (unset: about every {CHECK_S_ENV} seconds)")
+
+
+def check_steps_for(step_s: Optional[float], check_s: float) -> int:
+    """Steps between the guard's checks for a run whose steps take `step_s` (None: not known yet):
+    about `check_s` seconds of them, one at least; 0 (none) when the guard is off."""
+    if check_s <= 0:
+        return 0
+    if step_s is None or not step_s > 0:
+        return CHECK_STEPS_UNPACED
+    return max(1, int(check_s / step_s + 0.5))
+
+
 # A round is up to FTRUN_FT_ROUND_STEPS steps (one vote for them all); a member whose collective
 # fails in the round's step P (counted from 0) has taken P of its steps and votes fail, after
 # lowering kept_key to P. The round's decision keeps the lowest P: its first P steps succeeded for
@@ -338,6 +388,13 @@ def heal_key(quorum: int, round_: int, shard: Optional[int] = None) -> str:
     return f"{PREFIX}heal/{quorum}/{round_}" + (f"/{shard}" if shard is not None else "")
 
 
+def dataset_key(loader: int) -> str:
+    # "<rank> <size> <fingerprint or ->": the dataset of ft.DataLoader #loader as the first worker
+    # to build it holds it (compare_set); every other worker compares its own with it
+    # (ftrun/worker/ft/api/data_checks.py)
+    return f"{PREFIX}data/{loader}"
+
+
 EVENTS = PREFIX + "events"  # queue: "<rank> <inc> spawn|died|finished" (other nodes), "<rank> <inc> rejoin <next>"
 
 
@@ -421,7 +478,8 @@ EXIT_STATUSES: Tuple[ExitStatus, ...] = (
     ExitStatus(str(EXIT_CANNOT_GO_ON), "EXIT_CANNOT_GO_ON", "worker", "The run cannot go on as started, "
                "whatever is restarted: the checkpoint a worker must resume from holds another model or optimizer, "
                "or the script misuses ftrun.ft (opt.step() outside ft.steps()/ft.epochs(), an ft.DataLoader it "
-               "cannot serve). The worker says why in one line; its ftrun ends the run at once with exit 2."),
+               "cannot serve), or the guard found replicas whose states differ with no majority to heal from. The "
+               "worker says why in one line; its ftrun ends the run at once with exit 2."),
 )
 
 
@@ -491,6 +549,9 @@ class Quorum:
     # holds the trained state, nothing is saved), and all wait to be stopped.
     stop: bool = False
     writer: int = -1
+    # Steps between the guard's periodic checks (a round begins at each multiple), the same for
+    # every member; 0: none (after a heal the members check once all the same).
+    check_steps: int = 0
 
     @property
     def ranks(self) -> List[int]:
@@ -504,6 +565,8 @@ class Quorum:
              "fresh": self.fresh, "start_round": self.start_round, "round_steps": self.round_steps}
         if self.stop:
             d.update(stop=True, writer=self.writer)
+        if self.check_steps:
+            d["check_steps"] = self.check_steps
         return json.dumps(d)
 
     @classmethod
@@ -511,4 +574,4 @@ class Quorum:
         d = json.loads(text)
         return cls(d["id"], tuple(sorted((int(r), int(k)) for r, k in d["members"])), tuple(d.get("healers", ())),
                    bool(d.get("fresh", False)), int(d.get("start_round", -1)), int(d.get("round_steps", 1)),
-                   bool(d.get("stop", False)), int(d.get("writer", -1)))
+                   bool(d.get("stop", False)), int(d.get("writer", -1)), int(d.get("check_steps", 0)))

@@ -33,6 +33,11 @@ def first_line(text: str, limit: int = LINE_LIMIT) -> str:
     return line[:cut if cut > limit // 2 else limit] + f" ... ({len(line)} characters in all)"
 
 
+def one_line(e: BaseException) -> str:
+    """An error in one line: torch's store errors carry C++ frames after the first line; people need only the first."""
+    return first_line(str(e)) or type(e).__name__
+
+
 def _text(raw: Raw) -> str:
     if raw is None:
         return ""

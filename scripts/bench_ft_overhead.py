@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_ft_overhead.py              # tiny and 2.1M-parameter AdamW models, 3 runs each
     .venv/bin/python scripts/bench_ft_overhead.py --runs 1
     .venv/bin/python scripts/bench_ft_overhead.py --metrics --runs 5   # what --metrics-port costs the step
+    .venv/bin/python scripts/bench_ft_overhead.py --guard --runs 5     # what the guard costs the step (23M AdamW)
 
 Each run is `ftrun --nproc 3 --ft scripts/train_ft_vs_ddp.py`: every worker
 builds the model three times: under torch's DDP on a gloo group of its own,
@@ -13,6 +14,12 @@ random order, so all see the same machine at the same moments. A run's figure is
 time over the three workers; the ratio is plain DDP's time over ftrun.ft's
 (1.0 = --ft costs nothing), and the Python-hook DDP's over ftrun.ft's. Medians over
 --runs runs are printed as a markdown table.
+
+--guard: what the guard (replicas comparing their states' fingerprints) costs the failure-free
+step of a 23M-parameter AdamW model: in random order, runs with the guard off (FTRUN_FT_CHECK_S=0),
+as it runs by default (a check after the first quorum's first step, then about every 300 s: none
+more in a run this short), and checking every 20 steps (FTRUN_FT_CHECK_STEPS=20), whose cost per
+check, spread over the default period at the run's pace, is the guard's cost in a long run.
 
 --metrics: what goodput accounting and --metrics-port cost the failure-free step.
 Each run is a pair of the same runs, one without and one with --metrics-port while
@@ -59,8 +66,13 @@ def _scrape(port: int, stop: threading.Event, seen: list) -> None:
             pass
 
 
-def one(args: list, metrics: bool = False) -> dict:
-    env = dict(os.environ, FTRUN_HOME=tempfile.mkdtemp(prefix="bench-ftov-"))
+GUARD_MODEL = ["--dim", "1024", "--hidden", "2048", "--depth", "6", "--optim", "adamw", "--steps", "40",
+               "--warmup", "5"]
+GUARD_VARIANTS = {"off": {"FTRUN_FT_CHECK_S": "0"}, "default": {}, "every 20 steps": {"FTRUN_FT_CHECK_STEPS": "20"}}
+
+
+def one(args: list, metrics: bool = False, env_extra: dict = None) -> dict:
+    env = dict(os.environ, FTRUN_HOME=tempfile.mkdtemp(prefix="bench-ftov-"), **(env_extra or {}))
     extra, stop, seen = [], threading.Event(), []
     if metrics:
         with socket.socket() as s:
@@ -103,7 +115,18 @@ def one(args: list, metrics: bool = False) -> dict:
     py = statistics.mean(r["pyhook_mean_ms"] for r in rows)
     ft = statistics.mean(r["ft_mean_ms"] for r in rows)
     sup_cpu = (cpu[1] - cpu[0]) / cpu[2] if cpu[2] > 0 else 0.0
-    return {"ddp_ms": ddp, "pyhook_ms": py, "ft_ms": ft, "ratio": ddp / ft, "py_ratio": py / ft, "sup_cpu": sup_cpu}
+    return {"ddp_ms": ddp, "pyhook_ms": py, "ft_ms": ft, "ratio": ddp / ft, "py_ratio": py / ft, "sup_cpu": sup_cpu,
+            "checks_s": _checks(Path(env["FTRUN_HOME"]))}
+
+
+def _checks(home: Path) -> list:
+    """Seconds each of the guard's checks took, from every rank's log (the driver's detail line)."""
+    import re
+
+    found = []
+    for log in home.glob("*/logs/rank*/stderr.log"):
+        found += [float(m) for m in re.findall(r"the guard compared \d+ states at step \d+ in ([\d.]+) s", log.read_text())]
+    return found
 
 
 def accounting_cost(seconds: float = 20.0) -> float:
@@ -154,11 +177,46 @@ def metrics_main(runs: int) -> None:
           f"(on in both): {1e6 * cost:.0f} us of the supervisor's CPU per second of run ({100 * cost:.3f}% of a core)")
 
 
+def guard_main(runs: int) -> None:
+    from ftrun import protocol as keys
+
+    got: dict = {v: [] for v in GUARD_VARIANTS}
+    checks: list = []
+    for _ in range(runs):
+        order = list(GUARD_VARIANTS)
+        random.shuffle(order)
+        for v in order:
+            r = one(GUARD_MODEL, env_extra=GUARD_VARIANTS[v])
+            got[v].append(r["ft_ms"])
+            if v == "every 20 steps":
+                checks += r["checks_s"]
+            print(f"guard {v}: --ft step {got[v][-1]:.2f} ms; checks {len(r['checks_s'])}", flush=True)
+    off = statistics.median(got["off"])
+    print("\n| the guard | --ft step (median) | min - max | / off |")
+    print("|---|---:|---:|---:|")
+    for v, times in got.items():
+        print(f"| {v} | {statistics.median(times):.1f} ms | {min(times):.1f} - {max(times):.1f} ms "
+              f"| {statistics.median(times) / off:.4f} |")
+    per_check = 1000 * statistics.median(checks) if checks else float("nan")  # as each rank's log says
+    # What a check costs the loop, the settling of the round before it included: the every-20 arm's
+    # extra time over its checks (each rank logs each of its checks: 3 ranks).
+    steps = int(GUARD_MODEL[GUARD_MODEL.index("--steps") + 1])
+    per_check_loop = (statistics.median(got["every 20 steps"]) - off) * steps / max(1, len(checks) / (3 * runs))
+    print(f"\none check: {per_check:.0f} ms in the check itself (median of {len(checks)}, every rank's), "
+          f"{per_check_loop:.0f} ms of the loop's time; at the default period ({keys.CHECK_S:g} s) that is "
+          f"{100 * per_check_loop / (keys.CHECK_S * 1000):.3f}% of the run. {runs} runs each, 3 workers, gloo on CPU; "
+          f"load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--metrics", action="store_true", help="with and without --metrics-port, in pairs")
+    ap.add_argument("--guard", action="store_true", help="the guard off, as by default, and every 20 steps")
     args = ap.parse_args()
+    if args.guard:
+        guard_main(args.runs)
+        return
     if args.metrics:
         metrics_main(args.runs)
         return

@@ -11,7 +11,7 @@ over --procs processes of threads, each with its own store connection, vote
 round after round with ftrun.worker.ft.member.vote.cast (the code a replica runs
 in opt.step()) and write their status report every 0.25 s as a replica's
 heartbeat does. With --per-node P they vote and report through their
-node's store, and each node's relay (ftrun.supervisor.nodes.relay.NodeRelay)
+node's store, and each node's relay (ftrun.supervisor.relay.NodeRelay)
 copies its members' reports into the node's one key of the run's store.
 Measured per N:
 
@@ -155,10 +155,10 @@ def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue", go
 
 def relayed_replicas(port: int, nodes: list, per_node: int, size: int, rounds: int, out: "mp.Queue", go) -> None:
     """Whole nodes in one process: each node's store (as its ftrun hosts it), its relay's upkeep
-    (ftrun.supervisor.nodes.relay.NodeRelay, every 50 ms as in a run), and its `per_node` members, who
+    (ftrun.supervisor.relay.NodeRelay, every 50 ms as in a run), and its `per_node` members, who
     vote and report through it (vote.cast with their vote.Node): the run's store sees the
     forwarders and the relays only."""
-    from ftrun.supervisor.nodes.relay import NodeRelay
+    from ftrun.supervisor.relay import NodeRelay
 
     sys.setswitchinterval(0.0002)
     servers = {k: dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False) for k in nodes}
@@ -204,7 +204,7 @@ def _keeper(n: int, per_node: int = 0):
     """A store server, a counting client and the supervisor's keeper with N members in quorum 1
     (per_node P: as N/P relaying nodes of P, whose reports it reads in one key per node)."""
     from ftrun.supervisor.ft.quorum import QuorumKeeper
-    from ftrun.supervisor.nodes.relay import Routes
+    from ftrun.supervisor.relay import Routes
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, TIMEOUT, wait_for_workers=False)
     client = Counting(dist.TCPStore("127.0.0.1", server.port, None, False, TIMEOUT))

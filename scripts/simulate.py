@@ -4,7 +4,7 @@ deterministic simulator (ftrun/sim) that drives the real keeper and the real mem
 an in-memory store, simulated process groups and a virtual clock, with the protocol's
 invariants checked after every scheduled turn.
 
-    scripts/simulate.py --schedules 2000 --seed 1       # the CI budget (about 20 s)
+    scripts/simulate.py --schedules 800 --seed 1        # the CI budget (about 8 s)
     scripts/simulate.py --soak --seed 7                 # longer: 20,000 schedules (about 3 minutes)
     scripts/simulate.py --replay '{"seed": ..., "faults": [...]}'   # one schedule, as printed
     scripts/simulate.py --replica-size 2 --schedules 500  # sharded replicas: K workers each
@@ -16,6 +16,8 @@ invariants checked after every scheduled turn.
     scripts/simulate.py --moves --schedules 500           # the store's host lost: the store moves (3 nodes)
     scripts/simulate.py --checkpoints --schedules 500     # checkpoints saved, resumed after every replica died
     scripts/simulate.py --spares --schedules 500          # hot spares held back, promoted when a replica dies
+    scripts/simulate.py --guard --schedules 500           # the guard: members compare their states every few steps
+    scripts/simulate.py --sub-steps --schedules 500       # optimizers stepped one after another each step (a GAN)
 
 A violation prints the shortest schedule that still fails (faults removed one at a time while
 it does), as a line to replay, and the run exits 1. The last line is always
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ftrun.sim.bugs import BASELINE, BUGS  # noqa: E402
 from ftrun.sim.world import PROGRESS_BOUND_S, UNLIMITED, Fault, Schedule, run_schedule  # noqa: E402
 
-CI_SCHEDULES = 2000
+CI_SCHEDULES = 800
 SOAK_SCHEDULES = 20000
 KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + ["pause-call"] * 3 + ["slow"] * 2 + ["late"] * 2 + ["store-down"] * 2 + \
         ["store-slow"]
@@ -47,7 +49,8 @@ KINDS = ["kill"] * 5 + ["kill-call"] * 5 + ["heal-kill"] * 3 + ["pause"] * 3 + [
 
 def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
                   max_restarts: Optional[int] = None, joiners: bool = False, stops: bool = False,
-                  moves: bool = False, checkpoints: bool = False, spares: bool = False) -> Schedule:
+                  moves: bool = False, checkpoints: bool = False, spares: bool = False, guard: bool = False,
+                  sub_steps: bool = False) -> Schedule:
     """A random schedule: 2-5 replicas (2-3 of K workers with K > 1; 1-2 per node on several
     nodes), 8-20 rounds, 0-6 faults within the run's first 1.5 s, or 3-8 within 0.6 s; a fault's
     rank is any worker. On several nodes a quarter of the schedules lose a node besides. With a
@@ -140,6 +143,10 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
         if rng.random() < 0.5:  # a worker dies during the stop (the writer, the lowest holder, most often)
             faults.append(Fault(round(s.stop_at + rng.uniform(0.03, 0.15), 3), "kill",
                                 0 if rng.random() < 0.5 else rng.randrange(replicas * k)))
+    if guard:  # its own draw: the schedule's faults are those the seed gives without the guard
+        s.check_every = random.Random(seed * 7 + 3).randint(2, 6)
+    if sub_steps:  # likewise
+        s.sub_steps = random.Random(seed * 11 + 5).randint(2, 3)
     return s
 
 
@@ -151,7 +158,9 @@ def schedule_line(s: Schedule) -> str:
              **({"joiners": s.joiners, "join_at": s.join_at} if s.joiners else {}),
              **({"stop_at": s.stop_at} if s.stop_at >= 0 else {}),
              **({"checkpoint_every": s.checkpoint_every} if s.checkpoint_every else {}),
-             **({"spares": s.spares} if s.spares else {})}
+             **({"spares": s.spares} if s.spares else {}),
+             **({"check_every": s.check_every} if s.check_every else {}),
+             **({"sub_steps": s.sub_steps} if s.sub_steps else {})}
     return json.dumps({"seed": s.seed, "replicas": s.replicas, **shape, "total": s.total,
                        "faults": [asdict(f) for f in s.faults]}, separators=(",", ":"))
 
@@ -162,7 +171,8 @@ def parse_schedule(text: str) -> Schedule:
                     int(d.get("k", 1)), int(d.get("nodes", 1)), int(d.get("round_steps", 1)),
                     int(d.get("max_restarts", UNLIMITED)), int(d.get("min_replicas", 1)),
                     int(d.get("joiners", 0)), float(d.get("join_at", 0.0)), float(d.get("stop_at", -1.0)),
-                    int(d.get("checkpoint_every", 0)), int(d.get("spares", 0)))
+                    int(d.get("checkpoint_every", 0)), int(d.get("spares", 0)), int(d.get("check_every", 0)),
+                    int(d.get("sub_steps", 0)))
 
 
 def shrink(s: Schedule, bug, correct=None, budget_s: float = 60.0) -> Schedule:
@@ -218,6 +228,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--checkpoints", action="store_true",
                     help="the writer replica saves every 1-5 steps (--checkpoint-dir); half the schedules kill every "
                          "worker at once, and the run resumes from the newest complete checkpoint")
+    ap.add_argument("--guard", action="store_true",
+                    help="the guard on (FTRUN_FT_CHECK_STEPS 2 to 6): members compare their states every few steps "
+                         "and after every heal, in one more collective at a round's top")
+    ap.add_argument("--sub-steps", action="store_true",
+                    help="2 or 3 optimizers stepped one after another each step (several ft.Optimizers: a GAN's D "
+                         "then G), each with its own collective and vote")
     ap.add_argument("--spares", action="store_true",
                     help="the keeper holds 1 or more replicas back as hot spares (--spares of ftrun); the faults "
                          "aim at them: a spare killed while held or mid-promotion, two failures at once, more "
@@ -237,7 +253,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         n = a.schedules if a.schedules is not None else (SOAK_SCHEDULES if a.soak else CI_SCHEDULES)
         schedules = (make_schedule(a.seed * 100000 + i, a.replica_size, a.nodes, a.round_steps, a.max_restarts, a.joiners, a.stops, a.moves,
-                                   a.checkpoints, a.spares)
+                                   a.checkpoints, a.spares, a.guard, a.sub_steps)
                      for i in range(n))
     t0 = time.monotonic()
     runs = violations = 0

@@ -44,6 +44,9 @@ def parse() -> argparse.Namespace:
                    help="sgd (momentum 0.9), or Adam/AdamW (two state tensors per parameter)")
     p.add_argument("--out", default=None, help="write final parameters to OUT.rankN.pt and stats to OUT.rankN.json")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pretend each step does more work")
+    p.add_argument("--slow-while-away", type=float, default=0.0,
+                   help="each step sleeps this long more while the quorum has fewer replicas than it had (a "
+                        "test's restarted replica then comes back before the run ends, however slow the machine)")
     p.add_argument("--print-every", type=int, default=50)
     p.add_argument("--announce", action="store_true",
                    help="print one line with rank, pid, step and wall time when this process completes its "
@@ -150,6 +153,7 @@ def main() -> None:
     commits = []  # (global step, wall time) of this process's committed steps
     first_process = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     began = not args.announce
+    most = 0  # the most replicas a quorum of this process had
     for step in ft.steps(args.steps):                                                    # FT
         if first_process and args.die_at.get(int(os.environ["RANK"])) == step:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -158,6 +162,9 @@ def main() -> None:
             print(f"[announce] rank {ft.replica_id()} pid {os.getpid()} begins step {step} t {time.time():.6f}",
                   flush=True)
         n = ft.num_replicas()
+        most = max(most, n)
+        if n < most:
+            time.sleep(args.slow_while_away)
         if args.data == "step":
             i = ft.replica_index()
             g = torch.Generator().manual_seed(step)

@@ -65,6 +65,11 @@ def main() -> None:
     pyhook_opt = optimizer(pyhook.parameters())
     ftm = ft.DistributedDataParallel(build(args.dim, args.hidden, args.depth))
     ft_opt = ft.Optimizer(optimizer(ftm.parameters()))
+    # The comparison arms are torch's own, trained beside ftrun.ft's: registered as this replica's
+    # own state, so the guard compares (and a check costs) ftrun.ft's model and optimizer only, as
+    # in a script that trains one model.
+    for name, obj in (("ddp", plain), ("ddp_opt", plain_opt), ("pyhook", pyhook), ("pyhook_opt", pyhook_opt)):
+        ft.register_state(name, obj, compare=False)
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1)) / args.dim ** 0.5
 
     def batch(step: int, i: int, n: int):

@@ -47,6 +47,8 @@ class Net(nn.Module):
 def _same(a, b) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
         # NaN == NaN here: PowerSGD without orthogonalization_epsilon turns an all-zero
         # gradient (the unused layer) into NaNs, and they round-trip as NaNs.

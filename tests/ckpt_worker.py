@@ -8,7 +8,13 @@ at once, or a resumed run would differ from one never interrupted. (A
 discarded round undoes its own changes to both, so that runs with and without
 failures take the same committed steps.)
 
-    ckpt_worker.py STEPS OUT [--width W] [--optim adam|sgd] [--step-sleep S]
+    ckpt_worker.py STEPS OUT [--width W] [--depth D] [--optim adam|adamw|sgd] [--bucket-cap-mb MB]
+                   [--step-sleep S] [--die-once FILE:STEP]
+
+--depth adds D hidden layers of W x W, and a small --bucket-cap-mb splits the model into several
+DDP buckets (the layout round must reduce them as DDP does). --die-once: the replica at index 1
+at step STEP SIGKILLs itself there, as a kill from outside would, if its process began past step
+0 (it resumed from a checkpoint), once in the run (FILE marks it done).
 
 Writes OUT.rankN.pt: parameters and buffers, optimizer state, the sampler's
 position and the global step.
@@ -16,7 +22,9 @@ position and the global step.
 
 import argparse
 import os
+import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -49,18 +57,29 @@ def main() -> None:
     p.add_argument("steps", type=int)
     p.add_argument("out")
     p.add_argument("--width", type=int, default=16)
+    p.add_argument("--depth", type=int, default=0)
     p.add_argument("--optim", default="adam")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--die-once", default="")
     args = p.parse_args()
+    marker, _, die_at = args.die_once.rpartition(":")
+    began = None
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, args.width), nn.BatchNorm1d(args.width), nn.ReLU(), nn.Linear(args.width, 1))
-    ddp = ft.DistributedDataParallel(model)
-    inner = (torch.optim.Adam(ddp.parameters(), lr=0.01) if args.optim == "adam"
-             else torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9))
+    hidden = [m for _ in range(args.depth) for m in (nn.Linear(args.width, args.width), nn.ReLU())]
+    model = nn.Sequential(nn.Linear(8, args.width), nn.BatchNorm1d(args.width), nn.ReLU(), *hidden,
+                          nn.Linear(args.width, 1))
+    ddp = ft.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    inner = {"adam": lambda ps: torch.optim.Adam(ps, lr=0.01), "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+             "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)}[args.optim](ddp.parameters())
     opt = ft.Optimizer(inner)
     sampler = Sampler()
     ft.register_state("sampler", sampler)
     for step in ft.steps(args.steps):
+        began = step if began is None else began
+        if marker and began > 0 and step == int(die_at) and ft.replica_index() == 1 and not Path(marker).exists():
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
         seed = sampler.next_seed()  # moves on before the forward, committed or not
         before = [b.clone() for b in model.buffers()]
         x = torch.randn(24, 8, generator=torch.Generator().manual_seed(seed))

@@ -66,6 +66,39 @@ def _cpu() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def _weights() -> dict:
+    weights = {}
+    for line in (ROOT / "tests" / "durations.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            seconds, nodeid = line.split(" ", 1)
+            weights[nodeid] = float(seconds)
+    return weights
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, deal the tests out longest first (tests/durations.txt): xdist's worksteal
+    gives each worker one contiguous block of the collection, and steals from the blocks' ends.
+    Each block gets its share of the long tests at its start (the least loaded block takes the
+    next longest), so no long test starts near the end while the other workers stand idle."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or len(items) < 2 * workers:
+        return
+    weights = _weights()
+    weight = {item.nodeid: weights.get(item.nodeid, 2.0) for item in items}
+    ranked = sorted(items, key=lambda item: (-weight[item.nodeid], item.nodeid))
+    sizes, left = [], len(items)
+    for i in range(workers):  # the block sizes worksteal's first distribution makes
+        sizes.append(left // (workers - i))
+        left -= sizes[-1]
+    blocks = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for item in ranked:
+        j = min((j for j in range(workers) if len(blocks[j]) < sizes[j]), key=lambda j: (loads[j], j))
+        blocks[j].append(item)
+        loads[j] += weight[item.nodeid]
+    items[:] = [item for block in blocks for item in block]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     with contextlib.ExitStack() as stack:

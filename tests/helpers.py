@@ -123,3 +123,14 @@ def restarts_of_kills(err: str, kills: int) -> list:
     assert len(killed) == kills and all("committed state again after" in line for line in restarts
                                         if line not in killed), err[-3000:]
     return restarts
+
+
+def own_steps(trained, batch, window=1):
+    """A process's training steps of `batch` samples, in order: less a redone step's again (a
+    step is a window of `window` batches, all trained again) and what stood in for a batch of no
+    samples (a filler, one sample at zero weight: this replica's share was done)."""
+    out = []
+    for b in trained:
+        if len(b) == batch and b not in out[-window:]:
+            out.append(b)
+    return out

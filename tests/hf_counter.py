@@ -17,6 +17,7 @@ it from a peer to end at the global step).
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -39,6 +40,20 @@ class Indices(torch.utils.data.Dataset):
         return {"idx": i}
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """The stream (--iterable): sample i of pass e is e * n + i (Accelerate's DDP calls the dataset's
+    set_epoch(e) as each pass over it begins; the counter keeps one weight per sample and pass)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return ({"idx": self.epoch * self.n + i} for i in range(self.n))
+
+
 class Counter(torch.nn.Module):
     def __init__(self, size: int, epochs: int, sleep: float, sleep_late: float) -> None:
         super().__init__()
@@ -50,8 +65,12 @@ class Counter(torch.nn.Module):
             AUTOCAST.add(str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else "off")
             TRAINED.append(idx.tolist())
         pause = self.sleep_late if self.epoch and self.sleep_late else self.sleep
+        if self.training and os.path.exists(f"{OUT}.slow"):  # the test slows the run while a replica is away
+            pause = max(pause, 0.3)
         if pause:
             time.sleep(pause)
+        if args.iterable:  # a stream: its passes are its own (the weight of pass e, sample i: e * size + i)
+            return {"loss": self.w.view(-1)[idx].sum()}
         return {"loss": self.w[self.epoch, idx].sum()}
 
 
@@ -95,6 +114,10 @@ p.add_argument("--data-seed", type=int, default=None, help="the Trainer's data_s
 p.add_argument("--pretend-transformers", default=None,
                help="transformers.__version__ as this script sees it (a version ftrun does not support)")
 p.add_argument("--accumulate", type=int, default=1, help="gradient_accumulation_steps")
+p.add_argument("--ddp-backend", default=None, help="the Trainer's ddp_backend (gloo: what the HF docs give for CPU)")
+p.add_argument("--iterable", action="store_true", help="the train set as an IterableDataset, with max_steps")
+p.add_argument("--max-steps", type=int, default=0, help="with --iterable: max_steps (default: one pass)")
+p.add_argument("--split-batches", action="store_true", help="Accelerate's split_batches (accelerator_config)")
 args = p.parse_args()
 OUT, RANK = args.out, os.environ.get("RANK", "0")
 AUTOCAST = set()  # how this process's training forwards ran
@@ -110,15 +133,26 @@ targs = TrainingArguments(output_dir=f"{OUT}.out", per_device_train_batch_size=a
                           logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
                           disable_tqdm=True, seed=1, dataloader_drop_last=False, fp16=args.fp16, bf16=args.bf16,
                           dataloader_num_workers=args.workers, dataloader_persistent_workers=args.workers > 0,
-                          gradient_accumulation_steps=args.accumulate, data_seed=args.data_seed)
+                          gradient_accumulation_steps=args.accumulate, data_seed=args.data_seed,
+                          ddp_backend=args.ddp_backend,
+                          accelerator_config={"split_batches": True} if args.split_batches else None,
+                          max_steps=(args.max_steps or args.size // args.batch) if args.iterable else -1)
 STEPS = StepCount()
 cls = Trainer
 if args.subclass:
     from ftrun.hf import FTTrainer as cls
-trainer = cls(model=COUNTER, args=targs, train_dataset=Indices(args.size), optimizers=(opt, None),
+trainer = cls(model=COUNTER, args=targs, train_dataset=Stream(args.size) if args.iterable else Indices(args.size), optimizers=(opt, None),
               callbacks=[Epochs(), STEPS])
 trainer.train()
 with open(f"{OUT}.rank{RANK}.json", "w") as f:
+    # The rest of the replica's state, which ends the same on every replica: the optimizer's, the
+    # schedule's and the TrainerState (less what is this process's own: its timings, whether it
+    # takes itself for process zero).
+    state = dataclasses.asdict(trainer.state)
+    state.pop("is_world_process_zero"), state.pop("is_local_process_zero")
+    state["log_history"] = [{k: v for k, v in h.items() if not k.endswith(("_runtime", "_per_second"))}
+                            for h in state["log_history"]]
     json.dump({"weights": COUNTER.w.detach().tolist(), "step": trainer.state.global_step,
+               "state": repr((trainer.optimizer.state_dict(), trainer.lr_scheduler.state_dict(), state)),
                "autocast": sorted(AUTOCAST), "callback_steps": STEPS.count, "trained": TRAINED}, f)
 print(f"done rank {RANK} step {trainer.state.global_step}", flush=True)

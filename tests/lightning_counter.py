@@ -19,7 +19,7 @@ import sys
 import time
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 if "--package=pytorch_lightning" in sys.argv:  # the older package name
     import pytorch_lightning as pl
@@ -38,6 +38,18 @@ class Indices(Dataset):
         return torch.tensor(i)
 
 
+class Stream(IterableDataset):
+    """The stream (--iterable), split by rank as a torchrun script splits it (Lightning gives every
+    rank the same loader of a stream): rank r of R reads samples r, r + R, ..."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+    def __iter__(self):
+        return (torch.tensor(i) for i in range(self.rank, self.n, self.world))
+
+
 class Counter(pl.LightningModule):
     def __init__(self, size: int, epochs: int, sleep: float) -> None:
         super().__init__()
@@ -50,6 +62,7 @@ class Counter(pl.LightningModule):
                                 "step": self.trainer.global_step}) + "\n")
 
     def training_step(self, idx: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        TRAINED.append(idx.tolist())
         if self.sleep:
             # Slower while a replica is away (the replicas of the step, counted by Lightning's own
             # reduce), so that a restarted one is back before the run's end however loaded the
@@ -79,9 +92,12 @@ p.add_argument("--package", default="lightning", help="pytorch_lightning: import
 p.add_argument("--manual", action="store_true", help="manual optimization (automatic_optimization = False)")
 p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=)")
 p.add_argument("--strategy", default="ddp",
-               help="'default': no strategy= (several devices choose DDP); 'FTStrategy': ftrun.lightning's object")
+               help="'default': no strategy= (several devices choose DDP); 'FTStrategy': ftrun.lightning's object; "
+                    "'DDPStrategy': Lightning's DDPStrategy object, built by the script")
+p.add_argument("--iterable", action="store_true", help="the training DataLoader over an IterableDataset")
 args = p.parse_args()
 OUT = args.out
+TRAINED = []  # the samples of each of this process's training steps, in order (a redone one's again)
 
 torch.manual_seed(0)
 model = Counter(args.size, args.epochs, args.sleep)
@@ -93,12 +109,23 @@ if args.strategy == "FTStrategy":  # a script that says so itself
     from ftrun.lightning import FTStrategy
 
     kwargs["strategy"] = FTStrategy()
+if args.strategy == "DDPStrategy":  # an object ftrun does not make: the plain strategy
+    kwargs["strategy"] = pl.strategies.DDPStrategy(process_group_backend="gloo")
 trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), max_epochs=args.epochs,
                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0,
                      accumulate_grad_batches=args.accumulate, **kwargs)
-trainer.fit(model, DataLoader(Indices(args.size), batch_size=args.batch, shuffle=True, num_workers=args.workers,
-                             persistent_workers=args.workers > 0))
+if args.iterable:
+    train = DataLoader(Stream(args.size), batch_size=args.batch)
+else:
+    train = DataLoader(Indices(args.size), batch_size=args.batch, shuffle=True, num_workers=args.workers,
+                       persistent_workers=args.workers > 0)
+trainer.fit(model, train)
 with open(f"{OUT}.rank{trainer.global_rank}.json", "w") as f:
-    json.dump({"weights": model.w.detach().tolist(), "step": trainer.global_step}, f)
+    # The rest of the replica's state, which ends the same on every replica: the optimizer's and
+    # the loop's progress.
+    state = repr((trainer.optimizers[0].state_dict(), trainer.global_step, trainer.current_epoch,
+                  trainer.fit_loop.epoch_loop.batch_progress.state_dict()))
+    json.dump({"weights": model.w.detach().tolist(), "step": trainer.global_step, "state": state,
+               "trained": TRAINED}, f)
 print(f"done rank {trainer.global_rank} step {trainer.global_step}", flush=True)

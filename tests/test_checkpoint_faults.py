@@ -203,6 +203,7 @@ def test_pruning_keeps_the_new_run_and_never_counts_damaged_ones(ftrun_home, tmp
 
 # ---------------------------------------------------------------------------- two runs, one folder
 
+@pytest.mark.extended
 def test_two_runs_on_one_folder(ftrun_home, tmp_path):
     """A second live run on a folder in use is refused in one line (exit 2) naming the run that
     holds it, and starts nothing; a run SIGKILLed whole never blocks the next one; a lock of
@@ -259,6 +260,7 @@ def test_two_runs_on_one_folder(ftrun_home, tmp_path):
 
 # ---------------------------------------------------------------------------- pre-emption
 
+@pytest.mark.extended
 def test_sigterm_saves_the_last_step_and_the_next_run_resumes_exactly(ftrun_home, tmp_path):
     """21M parameters with Adam, two replicas, no periodic checkpoint before the signal: SIGTERM
     (how Slurm and Kubernetes pre-empt) writes a checkpoint of the last committed step before

@@ -71,6 +71,7 @@ def _restarts(home: Path, folder: str) -> dict:
     return {r["rank"]: r["restarts"] for r in read_state(home, folder)["replicas"]}
 
 
+@pytest.mark.extended
 def test_2x2_big_two_kills_only_their_replica_restarts(ftrun_home, tmp_path):
     """2 replicas x 2 workers, 101 MB of state: rank 1 SIGKILLed mid-step, then rank 2 right after
     replica 0 is back (replica 0 is then the source): each time exactly the killed worker's replica
@@ -122,6 +123,7 @@ def test_3x2_source_killed_mid_transfer(ftrun_home, tmp_path):
     _assert_shards_identical(out, 3, 2)
 
 
+@pytest.mark.extended
 @pytest.mark.quick
 def test_failure_free_equals_plain_hsdp(ftrun_home, tmp_path):
     """The exact average: --ft --replica-size 2 and plain torch HSDP (a 2-D replicate x shard mesh,

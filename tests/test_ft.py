@@ -147,15 +147,19 @@ def test_chaos_kills_keep_replicas_identical(ftrun_home, tmp_path, failure_free)
     out = tmp_path / "p"
     run_id = "chaos"
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 10, "--run-id", run_id, TRAIN,
-                        "--steps", 240, "--data", "step", "--step-sleep", 0.02, "--out", out])
+                        "--steps", 240, "--data", "step", "--step-sleep", 0.02, "--slow-while-away", 0.1,
+                        "--out", out])
     killed = []  # pids, in order
     try:
         _wait_replica(ftrun_home, run_id, 0, lambda r, st: r["step"] >= 10)
         for i in range(6):
             victim = rng.randrange(3)
             time.sleep(rng.uniform(0.05, 0.4))
-            # (a pid killed already may still show in the state file until ftrun has seen it die)
-            r = _wait_replica(ftrun_home, run_id, victim, lambda r, st: r["state"] == "running" and r["pid"] not in killed)
+            # Every replica back first (a pid killed already may still show in the state file until
+            # ftrun has seen it die): kills of the replicas still healing would leave none holding the
+            # trained state, and the run would start again from its first step.
+            r = _wait_replica(ftrun_home, run_id, victim, lambda r, st: all(
+                x["state"] == "running" and x["pid"] not in killed for x in st["replicas"]))
             os.kill(r["pid"], signal.SIGKILL)
             killed.append(r["pid"])
             if i == 2:
@@ -174,7 +178,7 @@ def test_chaos_kills_keep_replicas_identical(ftrun_home, tmp_path, failure_free)
     assert len(set(killed)) == 7, killed
     assert [pid for pid in killed if f"(pid {pid}) killed by SIGKILL" not in err] == [], err[-3000:]
     assert err.count("restarting it alone") >= 6, err[-3000:]
-    assert "healed from a peer" in err
+    assert "healed from a peer" in err, err[-4000:]
     ref_params, ref_stats = failure_free
     params, stats = _assert_identical(out, 3)
     assert stats["step"] == 240
@@ -412,6 +416,7 @@ def _wait_text(proc, text, timeout=60.0):
     raise AssertionError(f"never said {text!r}:\n{Path(proc.err_path).read_text()[-3000:]}")
 
 
+@pytest.mark.extended
 def test_a_lost_nodes_place_goes_to_a_waiting_node(ftrun_home, tmp_path):
     """--ft, --nnodes 1:2, c10d: two nodes train; a third waits for a place; node 1 is SIGKILLed
     (workers and all); node 0 carries on, then takes the waiting node in, whose replica heals and
@@ -533,7 +538,8 @@ def test_ddp_options_under_a_kill(ftrun_home, tmp_path, variant):
     assert rc == 0, err[-3000:]
     assert _received_mb(_rank_log(ftrun_home, run_id, 1)), err[-3000:]  # it healed from a peer
     for rank in (0, 2):
-        assert "Traceback" not in _rank_log(ftrun_home, run_id, rank)
+        log = _rank_log(ftrun_home, run_id, rank)
+        assert "Traceback" not in log, log[max(0, log.find("Traceback") - 1500):][:4000]
     _, stats = _assert_identical(out, 3)
     assert stats["step"] == 120
 
@@ -553,16 +559,7 @@ def test_ddp_options_ftrun_cannot_honour_are_refused_with_the_fix(ftrun_home, tm
     proc = run_ftrun(["--nproc", 2, "--ft", script], timeout=60)
     assert proc.returncode != 0
     assert "under --ft ftrun chooses the group (the replicas alive at each step): drop process_group=" in proc.stderr
-    # A GAN's loop: two ft.Optimizers stepped between backward passes.
-    script = tmp_path / "two_optimizers.py"
-    script.write_text("import torch\nimport ftrun.ft as ft\n"
-                      "g = ft.DistributedDataParallel(torch.nn.Linear(2, 2))\n"
-                      "d = ft.DistributedDataParallel(torch.nn.Linear(2, 1))\n"
-                      "ft.Optimizer(torch.optim.SGD(g.parameters(), lr=0.1))\n"
-                      "ft.Optimizer(torch.optim.SGD(d.parameters(), lr=0.1))\n")
-    proc = run_ftrun(["--nproc", 2, "--ft", script], timeout=60)
-    assert proc.returncode != 0
-    assert "give every optimizer to one: ft.Optimizer(opt_a, opt_b)" in proc.stderr, proc.stderr[-2000:]
+    # A GAN's loop (two ft.Optimizers, or one stepped twice a step): tests/test_ft_guard.py.
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])

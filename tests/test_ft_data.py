@@ -32,12 +32,19 @@ def _assert_each_sample_once(reports, epochs: int, size: int):
                                                                 if w != -epochs][:20])
 
 
-def _kill_at(home, run_id, proc, plan):
-    """SIGKILL replica r once it has reached step s, for each (r, s) of `plan` in turn."""
+def _others_hold_the_state(rank, st) -> bool:
+    """Every replica but `rank` is in the quorum holding the trained state (none is healing)."""
+    return all(o["in_quorum"] and not o["healing"] for o in st["replicas"] if o["rank"] != rank)
+
+
+def _kill_at(home, run_id, proc, plan, after_heals=False):
+    """SIGKILL replica r once it has reached step s, for each (r, s) of `plan` in turn; with
+    `after_heals`, only once every other replica holds the trained state, so that a kill never
+    leaves the run with no holder of it (it would start again from the first step)."""
     killed = []
     for rank, step in plan:
         r = _wait_replica(home, run_id, rank, lambda r, st: r["step"] >= step and r["state"] == "running"
-                          and r["pid"] not in killed, 180)
+                          and r["pid"] not in killed and (not after_heals or _others_hold_the_state(rank, st)), 180)
         os.kill(r["pid"], signal.SIGKILL)
         killed.append(r["pid"])
     return killed
@@ -67,13 +74,13 @@ def test_failure_free_batches_are_distributed_samplers(ftrun_home, tmp_path):
         assert not ours
 
 
-def _kill_run(home, tmp_path, run_id, args, plan, extra=()):
+def _kill_run(home, tmp_path, run_id, args, plan, extra=(), after_heals=False):
     """Run the counter model (args: EPOCHS, then its options) with 3 replicas, killing by `plan`."""
     out = tmp_path / "o"
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 5, "--run-id", run_id, *extra, WORKER, args[0], out,
                         *args[1:]])
     try:
-        _kill_at(home, run_id, proc, plan)
+        _kill_at(home, run_id, proc, plan, after_heals)
         rc, err = finish(proc, 300)
     finally:
         proc.kill()
@@ -82,12 +89,16 @@ def _kill_run(home, tmp_path, run_id, args, plan, extra=()):
 
 def test_kills_at_several_moments_train_each_sample_once(ftrun_home, tmp_path):
     """Three replicas, 3 epochs, kills of different replicas early, mid-epoch and at an epoch's
-    end (one right after a heal): every weight ends at exactly -3, replicas identical."""
+    end (one right after a heal): every weight ends at exactly -3, replicas identical. Each kill
+    waits until the others hold the trained state: on a loaded machine rank 1 was once killed
+    while ranks 0 and 2 both healed from it, which leaves no holder of the trained state, and the
+    run began again from the first step, as it must without --checkpoint-dir."""
     size = 240
     rc, err, out = _kill_run(ftrun_home, tmp_path, "kills", [3, "--size", size, "--batch", 4, "--step-sleep", 0.03],
-                             [(1, 3), (2, 19), (1, 21), (0, 40)])
+                             [(1, 3), (2, 19), (1, 21), (0, 40)], after_heals=True)
     assert rc == 0, err[-3000:]
-    assert err.count("restarting it alone") == 4, err[-3000:]
+    assert err.count("sent from outside ftrun); restarting it alone") == 4, err[-3000:]
+    assert "starting again from the first step" not in err, err[-3000:]
     _assert_each_sample_once(_reports(out, range(3)), 3, size)
 
 
@@ -203,13 +214,13 @@ def test_store_host_node_lost_each_sample_trained_once(ftrun_home, tmp_path):
 
 
 @pytest.mark.parametrize("bad, says", [
-    ("iterable", "needs a map-style dataset"),
+    ("loader", "a loader given in place of the dataset must say where it is"),
     ("sampler", "ft.DataLoader(sampler=SequentialSampler(...)): ft.DataLoader orders an epoch as"),
     ("batch", "ft.DataLoader(batch_size=0)"),
     ("outside", "an ft.DataLoader was iterated outside an ftrun.ft loop"),
 ])
 def test_what_ft_dataloader_cannot_serve_is_one_line(ftrun_home, tmp_path, bad, says):
-    """An iterable dataset, a sampler of the script's own, a bad batch size, a loader iterated
+    """A plain DataLoader given in place of the dataset, a sampler of the script's own, a bad batch size, a loader iterated
     outside ft.epochs()/ft.steps(): one line naming the fix, the run stopped (exit 2), no traceback."""
     script = tmp_path / "bad.py"
     script.write_text(f"""
@@ -220,8 +231,8 @@ class Stream(IterableDataset):
     def __iter__(self):
         return iter(range(10))
 bad = {bad!r}
-if bad == "iterable":
-    ft.DataLoader(Stream(), batch_size=2)
+if bad == "loader":
+    ft.DataLoader(torch.utils.data.DataLoader(Stream(), batch_size=2))
 elif bad == "sampler":
     ft.DataLoader(data, batch_size=2, sampler=SequentialSampler(data))
 elif bad == "batch":

@@ -78,7 +78,7 @@ def test_init_and_destroy_process_group_work_on_a_restarted_replica(ftrun_home, 
     destroy is then a no-op, so it trains to the end and exits 0 like its peers."""
     out = tmp_path / "t"
     rc, err = _run_killing(ftrun_home, ["--nproc", 3, "--ft", "--run-id", "pair", TUTORIAL, 4, 1, "--mode", "steps",
-                                        "--step-sleep", 0.01, "--out", out], "pair", 1, 20)
+                                        "--step-sleep", 0.04, "--out", out], "pair", 1, 20)
     assert rc == 0, err[-3000:]
     assert "restarting it alone" in err and "healed from a peer" in err, err[-3000:]
     assert "Process group cannot be None" not in err and "AssertionError" not in err, err[-3000:]

@@ -56,6 +56,7 @@ def _stalls(times, median, a, b):
     return lost
 
 
+@pytest.mark.extended
 @pytest.mark.alone
 def test_ft_two_kills_cost_what_the_replicas_measured(tmp_path):
     """3 replicas at size; two SIGKILLs (replica 2, then replica 0 once 2 is back). The failures'
@@ -98,7 +99,10 @@ def test_ft_two_kills_cost_what_the_replicas_measured(tmp_path):
     survivors = 2 * stall_1 + _stalls(times[1], median, *second) + _stalls(times[2], median, *second)
     measured = sum(away) + survivors
     reported = st["lost_s"]["failures"]
-    assert reported == pytest.approx(measured, rel=0.3), (reported, measured, away, survivors, st["lost_s"])
+    # Within 30%, or 1.5 s: on a loaded machine the survivors' slower steps around a heal (the
+    # source sending 23M parameters' state) are stalls to the books and only in part to _stalls.
+    assert reported == pytest.approx(measured, rel=0.3, abs=1.5), (reported, measured, away, survivors,
+                                                                  st["lost_s"])
     # Goodput: the replicas' committed steps at the run's pace over the replica-time of the run.
     first_commit = min(times[1])
     steps_1 = len(times[1])
@@ -134,13 +138,18 @@ def test_failure_free_goodput_is_at_least_95_percent_after_startup(tmp_path):
 
 def test_group_restart_counts_the_steps_lost_since_the_scripts_checkpoint(tmp_path):
     """Without --ft: a SIGKILL of rank 1 restarts the group; the steps since the script's own
-    checkpoint (torch.save every 10 steps) are lost and counted, as many as it redid."""
+    checkpoint (torch.save every 10 steps) are lost and counted, as many as it redid. Rank 1
+    sleeps after its step 36 until it is killed, and rank 0 waits for it in step 37's all-reduce,
+    so the kill lands 7 steps after the checkpoint of step 30 however late the test sees them."""
     home, run_id = tmp_path / "home", "gp-group"
     ckpt = tmp_path / "ck.pt"
-    proc = _start(["--nproc", 2, "--max-restarts", 1, "--run-id", run_id, TRAIN_DDP, "--steps", 70,
-                   "--step-sleep", 0.1, "--print-every", 1, "--ckpt", ckpt, "--ckpt-every", 10], home)
+    proc = _start(["--nproc", 2, "--max-restarts", 1, "--run-id", run_id, TRAIN_DDP, "--steps", 50,
+                   "--step-sleep", 0.1, "--print-every", 1, "--ckpt", ckpt, "--ckpt-every", 10,
+                   "--hang-rank", 1, "--hang-step", 36], home)
     try:
-        pid = _wait(home, run_id, lambda st: _replica(st, 1)["step"] >= 35 and _replica(st, 1)["pid"])
+        # Both ranks' reports at the 37 steps they took: the count below is then exact.
+        pid = _wait(home, run_id, lambda st: all(_replica(st, r)["step"] >= 37 for r in (0, 1))
+                    and _replica(st, 1)["pid"])
         os.kill(pid, signal.SIGKILL)
         finish(proc, 240, expect=0)
     finally:
@@ -150,11 +159,8 @@ def test_group_restart_counts_the_steps_lost_since_the_scripts_checkpoint(tmp_pa
     first, second = log.split("incarnation 1", 1)
     done = max(int(s) for s in re.findall(r"^step (\d+) ", first, re.M)) + 1
     resumed = int(re.search(r"resumed from step (\d+)", second).group(1))
-    assert 4 < done - resumed < 10
-    # Counted from the workers' reports, which may be one report (0.25 s, under 3 steps here)
-    # behind the steps taken when the group was stopped (a save is reported at once); and the
-    # script prints a step after its sleep, so the step it took as it was stopped is not in its log.
-    assert done - resumed - 3 <= st["steps_lost"] <= done - resumed + 1, (st["steps_lost"], done, resumed)
+    assert (done, resumed) == (37, 30), (done, resumed)
+    assert st["steps_lost"] == done - resumed, (st["steps_lost"], done, resumed)
     (f,) = st["failures"]
     assert f["rank"] == 1 and f["kind"] == "signal" and f["lost_steps"] == st["steps_lost"]
     assert f["back_s"] is not None and f["back_s"] > 0

@@ -8,6 +8,8 @@ rule's limit passes, as it does at the real sizes (10 s against 60 s).
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import re
@@ -112,6 +114,7 @@ def test_ft_busy_rank_is_never_hung_a_deadlocked_one_is(ftrun_home, tmp_path):
     assert dead.stdout.count("[done]") == 3, dead.stdout[-2000:]
 
 
+@pytest.mark.extended
 def test_stopped_worker_is_hung_without_flag_and_not_with_step_timeout_0(ftrun_home, tmp_path):
     """No --ft, no flag: a worker SIGSTOPped for the limit is hung, killed, and the group
     restarts. With --step-timeout 0 the same stop is left alone: SIGCONT and the run ends."""

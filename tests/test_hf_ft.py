@@ -14,7 +14,7 @@ pytest.importorskip("transformers", reason="transformers is a test-only dependen
 pytest.importorskip("accelerate", reason="accelerate is a test-only dependency (scripts/test.sh installs it)")
 
 from conftest import ROOT  # noqa: E402
-from helpers import finish  # noqa: E402
+from helpers import finish, own_steps  # noqa: E402
 from test_ft import start_ftrun  # noqa: E402
 from test_ft_data import _kill_at  # noqa: E402
 
@@ -43,11 +43,14 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     batches again, not only the last, and never twice), and the replicas end identical. With
     bf16=True: every training forward ran under bf16 autocast, the restarted replicas' (healed,
     redone steps) too. A stateful callback's count of steps (ExportableState) ends at the global
-    step on every replica: the restarted ones received it from a peer."""
+    step on every replica: the restarted ones received it from a peer. With ddp_backend="gloo"
+    (what the HF docs give for CPU: the backend of a group of all workers, which --ft does not
+    form), as with none; the replicas' whole state (model, optimizer, schedule, TrainerState)
+    ends the same."""
     out, size, epochs, steps = tmp_path / "o", 180, 2, 15
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "hf", WORKER, epochs, out,
                         "--size", size, "--batch", 2, "--sleep", 0.08, "--sleep-late", 0.4,
-                        "--workers", 2, "--accumulate", 2, "--bf16"])
+                        "--workers", 2, "--accumulate", 2, "--bf16", "--ddp-backend", "gloo"])
     try:
         _kill_at(ftrun_home, "hf", proc, [(1, steps + 1), (2, steps + 4)])
         rc, err = finish(proc, 300)
@@ -59,6 +62,7 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
     assert all(rep["step"] == epochs * steps for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
     assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
+    assert reports[0]["state"] == reports[1]["state"] == reports[2]["state"], [rep["state"] for rep in reports.values()]
     autocast = {r: rep["autocast"] for r, rep in reports.items()}
     assert all(a == ["torch.bfloat16"] for a in autocast.values()), autocast
     counts = {r: rep["callback_steps"] for r, rep in reports.items()}
@@ -72,6 +76,64 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
         assert len(starts) == 2 and starts[0] == {**starts[0], "epoch": 0, "step": 0}, starts
         # Went on where the run was, in epoch 1, not from step 0:
         assert steps + 1 <= starts[1]["step"] < epochs * steps and starts[1]["epoch"] == 1, starts
+
+
+def _shares(size, batch, replicas, passes):
+    """Each replica's share of the stream, as Accelerate's DDP dispatches it under torchrun: the
+    loader's batches r, r + R, ... of each pass (pass e's sample i is e * size + i), in order."""
+    batches = [list(range(e * size + j, e * size + min(j + batch, size))) for e in range(passes)
+               for j in range(0, size, batch)]
+    per_pass = len(batches) // passes
+    return {r: [b for k, b in enumerate(batches) if (k % per_pass) % replicas == r] for r in range(replicas)}
+
+
+def test_trainer_on_a_stream_heals_and_reads_each_share_once(ftrun_home, tmp_path):
+    """An unmodified Trainer whose train_dataset is an IterableDataset, with max_steps (several
+    passes over the stream), 3 replicas, replica 1 SIGKILLed mid-pass: it restarts, heals, and goes
+    on reading its own share (Accelerate's: batches 1, 4, 7, ... of the stream) exactly at its last
+    committed step. Every replica's share, over the passes, is trained as a prefix, each batch once
+    among committed steps (weights -1/n, n the replicas of its step, or 0 past max_steps: nothing
+    read twice, nothing skipped); the replicas that were never killed trained exactly their
+    torchrun shares in order; and the replicas' whole state ends identical."""
+    out, size, batch, passes, max_steps = tmp_path / "o", 120, 2, 3, 36
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 2, "--run-id", "hfs", WORKER, passes, out,
+                        "--size", size, "--batch", batch, "--sleep", 0.05, "--iterable", "--max-steps", max_steps])
+    try:
+        _kill_at(ftrun_home, "hfs", proc, [(1, 4)])
+        _while_away(out, 1, proc)
+        rc, err = finish(proc, 300)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert err.count("restarting it alone") == 1 and "cannot heal" not in err, err[-3000:]
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    assert all(rep["step"] == max_steps for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
+    assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
+    assert reports[0]["state"] == reports[1]["state"] == reports[2]["state"], [rep["state"] for rep in reports.values()]
+    flat = [w for row in reports[0]["weights"] for w in row]
+    shares = _shares(size, batch, 3, passes)
+    done = {}
+    for r, share in shares.items():
+        trained = []
+        for b in share:
+            ws = {round(flat[i], 5) for i in b}
+            assert len(ws) == 1 and ws <= {0.0, -0.5, -0.33333, -1.0}, (r, b, ws)  # once, or not at all
+            trained.append(ws != {0.0})
+        k = trained.count(True)
+        assert trained == [True] * k + [False] * (len(trained) - k), (r, trained)  # a prefix: nothing skipped
+        done[r] = share[:k]
+    # While replica 1's share lagged, the others' were done: each such step trained the stream's
+    # first sample at zero weight in place of a batch of none (the weights above are unchanged by it).
+    assert any(len(b) == 1 for r in (0, 2) for b in reports[r]["trained"]), [reports[r]["trained"] for r in (0, 2)]
+    for r in (0, 2):  # never killed: exactly their torchrun shares, in order
+        mine = own_steps(reports[r]["trained"], batch)
+        assert mine == done[r], (r, mine[:8], done[r][:8])
+    starts = [json.loads(line) for line in Path(f"{out}.rank1.starts").read_text().splitlines()]
+    assert len(starts) == 2 and starts[1]["step"] >= 4, starts
+    # The restarted process read its own share on from where its last committed step left it.
+    again = own_steps(reports[1]["trained"], batch)
+    k = done[1].index(again[0])
+    assert k > 0 and again == done[1][k:k + len(again)] and k + len(again) == len(done[1]), (k, again[:4], done[1])
 
 
 def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
@@ -149,6 +211,7 @@ def _while_away(out, rank, proc, deadline_s=180):
         slow.unlink()
 
 
+@pytest.mark.extended
 def test_run_clm_shaped_script_under_a_kill_and_resumed_from_its_own_checkpoint(ftrun_home, tmp_path):
     """A script in the shape of transformers' run_clm.py (HfArgumentParser, TrainingArguments, a
     GPT-2 built from a config, train(resume_from_checkpoint=...), save_model, save_metrics,
@@ -217,21 +280,41 @@ def test_run_clm_shaped_script_under_a_kill_and_resumed_from_its_own_checkpoint(
 def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_path):
     """fp16 steps through a GradScaler, which the Trainer's part does not support, and a
     transformers of another major version (the script sees 4.57.0): each gets one line at the
-    start, Accelerate's own DDP (all workers in one group), and the run trains as without --ft."""
+    start (and no advice to wrap the loop with ftrun.ft, which does not fit a Trainer script),
+    Accelerate's own DDP (all workers in one group), and the run trains as without --ft.
+    ddp_backend="nccl" with use_cpu=True cannot train at all (nor without --ft, where Accelerate
+    refuses it), nor can a stream under --ft with Accelerate's split_batches: one line naming the
+    fix, exit 2, nothing restarted."""
     runs = {"fp16": (["--fp16"], "TrainingArguments(fp16=True) steps through a GradScaler"),
             "version": (["--pretend-transformers", "4.57.0"],
                         "this transformers is 4.57.0; ftrun heals Trainer replicas with transformers 5.x only")}
     procs = {name: start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / name, "--size", 24, *extra])
              for name, (extra, _) in runs.items()}
+    procs["nccl"] = start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / "nccl", "--size", 24,
+                                 "--ddp-backend", "nccl"])
+    procs["iterable"] = start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / "iterable", "--size", 24,
+                                     "--iterable", "--split-batches"])
     try:
         done = {name: finish(proc, 300) for name, proc in procs.items()}
     finally:
         for proc in procs.values():
             proc.kill()
+    rc, err = done["nccl"]
+    assert rc == 2, err[-3000:]
+    refused = [line for line in err.splitlines() if 'ddp_backend="nccl"' in line]
+    assert len(refused) == 1 and refused[0].endswith('set ddp_backend="gloo" or leave it out; stopping the run '
+                                                     '(exit 2)'), err[-3000:]
+    assert "Traceback" not in err and "restarting" not in err, err[-3000:]
+    rc, err = done["iterable"]
+    refused = [line for line in err.splitlines() if "accelerator_config={'split_batches': True}) over a stream" in line]
+    assert rc == 2 and len(refused) == 1 and refused[0].endswith(
+        "drop split_batches; stopping the run (exit 2)"), err[-3000:]
+    assert "Traceback" not in err and "restarting" not in err, err[-3000:]
     for name, (_, line) in runs.items():
         rc, err = done[name]
         assert rc == 0, err[-3000:]
         assert err.count(line) == 1, err[-3000:]
+        assert "trains without ftrun.ft" not in err and "train_ft.py" not in err, err[-3000:]  # a Trainer's advice only
         assert "quorum 1" not in err, err[-3000:]  # no replica joined one: plain DDP
         reports = {r: json.loads(Path(f"{tmp_path / name}.rank{r}.json").read_text()) for r in range(2)}
         assert reports[0]["weights"] == reports[1]["weights"]

@@ -17,7 +17,7 @@ TRAIN = SCRIPTS / "train_hooks_check.py"
 @pytest.mark.quick
 def test_every_hook_round_trips_through_json():
     for name in HOOK_NAMES:
-        raw = {"name": name, "period": 4} if name == "localsgd" else {"name": name}
+        raw = {"name": name, "period": 4} if name in ("localsgd", "diloco") else {"name": name}
         spec = parse_hook(raw)
         assert HookSpec.from_json(spec.to_json()) == spec
     spec = parse_hook({"name": "powersgd", "rank": 2, "start_iter": 10, "error_feedback": False, "warm_start": False,
@@ -44,6 +44,10 @@ def test_every_hook_round_trips_through_json():
     ({"name": "powersgd", "wrap": "int8"}, ["--wrap 'int8'", "fp16, bf16"]),
     ({"name": "localsgd"}, ["--period", "localsgd"]),
     ({"name": "localsgd", "period": 0}, ["--period 0", ">= 1"]),
+    ({"name": "diloco"}, ["--period", "diloco"]),
+    ({"name": "diloco", "period": 4, "outer_momentum": 1.0}, ["--outer-momentum 1", "below 1"]),
+    ({"name": "diloco", "period": 4, "outer_lr": -0.1}, ["--outer-lr -0.1", ">= 0"]),
+    ({"name": "localsgd", "period": 4, "outer_lr": 0.5}, ["--outer-lr", "'localsgd'"]),
     ({"name": "powersgd", "rank": 1.5}, ["--rank", "whole number"]),
     ({"name": "powersgd", "frobs": 1}, ["unknown hook parameter 'frobs'"]),
 ])

@@ -40,7 +40,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...], Set[str]]] = [
     ("shared",     ("ftrun", "ftrun.protocol", "ftrun.wire", "ftrun.poll", "ftrun.errors",
                     "ftrun.hookspec", "ftrun.envvars", "ftrun.prctl"),               {"shared"}),
     # in the training processes: the ft API, the bootstrap, the member
-    ("worker",     ("ftrun.worker.*", "ftrun.ft", "ftrun.lightning", "ftrun.hf"),              {"shared", "worker"}),
+    ("worker",     ("ftrun.worker.*", "ftrun.ft", "ftrun.lightning", "ftrun.hf", "ftrun.accelerate",
+                    "ftrun.fabric"),                                                 {"shared", "worker"}),
     # the launcher's process: it reads the run's config and writes its status
     ("supervisor", ("ftrun.supervisor.*",),                                          {"shared", "cli", "supervisor"}),
     # the simulator runs the product's own parts in one process; the product never imports it

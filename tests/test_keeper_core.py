@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+import dataclasses
+
 import pytest
 
 from ftrun import protocol as keys
@@ -179,6 +181,22 @@ PACED = [
 @pytest.mark.parametrize("s,steps", PACED)
 def test_paced_steps(s, steps):
     assert core.paced_steps(s) == steps
+
+
+CHECKS = [
+    row("about 300 s of 1 s steps", snap(step_s=1.0), 300),
+    row("about 300 s of 7 ms steps", snap(step_s=0.007), 42857),
+    row("unknown pace: a fixed count", snap(step_s=None), 1000),
+    row("the user's count stands", snap(step_s=1.0, check_steps=25), 25),
+    row("the guard off: none, whatever the count", snap(step_s=1.0, check_s=0.0, check_steps=25), 0),
+]
+
+
+@pytest.mark.parametrize("s,steps", CHECKS)
+def test_check_steps(s, steps):
+    assert core.check_steps(s) == steps
+    s = dataclasses.replace(s, members={0: 0, 1: 0, 2: 0})
+    assert core.next_quorum(s, "test", {}).quorum.check_steps == steps
 
 
 # ------------------------------------------------------------------ the next quorum: members, healers, source, start

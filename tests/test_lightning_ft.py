@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
 
 from conftest import ROOT  # noqa: E402
-from helpers import finish  # noqa: E402
+from helpers import finish, own_steps  # noqa: E402
 from test_ft import start_ftrun  # noqa: E402
 from test_ft_data import _kill_at  # noqa: E402
 
@@ -62,6 +62,46 @@ def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
         assert len(starts) == 2 and starts[0] == {**starts[0], "epoch": 0, "step": 0}, starts
         # Went on where the run was, mid-epoch or at an epoch's start, not from epoch 0:
         assert starts[1]["step"] >= 11 and starts[1]["epoch"] == starts[1]["step"] // 10, starts
+
+
+def test_lightning_on_a_stream_heals_and_reads_each_share_once(ftrun_home, tmp_path):
+    """An unmodified Lightning script whose training DataLoader reads an IterableDataset split by
+    rank (rank r of 3 reads r, r + 3, ..., as a torchrun script splits a stream), 3 replicas, 2
+    epochs (passes), accumulate_grad_batches=2; replica 1 SIGKILLed mid-epoch: it restarts, heals,
+    and its fit() goes on reading its own shard exactly at its last committed step; the pass ends
+    once every shard is read (the others train empty batches meanwhile). Every sample is trained
+    once an epoch among committed steps (-1/(2n)), the replicas never killed trained exactly their
+    shards' batches in order, and the replicas' whole state ends identical."""
+    out, size, batch, epochs = tmp_path / "o", 120, 2, 2
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 2, "--run-id", "lstream", WORKER, epochs, out,
+                        "--size", size, "--batch", batch, "--sleep", 0.08, "--iterable", "--accumulate", 2])
+    try:
+        _kill_at(ftrun_home, "lstream", proc, [(1, 3)])
+        rc, err = finish(proc, 300)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert err.count("restarting it alone") == 1 and "cannot heal" not in err, err[-3000:]
+    assert "ends without the rest" not in err, err[-3000:]
+    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
+    assert reports[0]["state"] == reports[1]["state"] == reports[2]["state"], [rep["state"] for rep in reports.values()]
+    strengths = _weights_once_an_epoch(reports[0], epochs, size, accumulate=2)
+    assert any(2 in s for s in strengths.values()), strengths  # steps ran with replica 1 away
+    shards = {r: [list(range(r, size, 3))[i:i + batch] for i in range(0, size // 3, batch)] for r in range(3)}
+    # While replica 1's shard lagged, the others' were done: each such batch was their stream's first
+    # sample at zero weight in place of a batch of none (the weights above are unchanged by it).
+    assert any(len(b) == 1 for r in (0, 2) for b in reports[r]["trained"]), [reports[r]["trained"] for r in (0, 2)]
+    for r in (0, 2):  # never killed: exactly their shards, each epoch, in order
+        mine = own_steps(reports[r]["trained"], batch, 2)
+        assert mine == shards[r] * epochs, (r, mine)
+    starts = [json.loads(line) for line in Path(f"{out}.rank1.starts").read_text().splitlines()]
+    assert len(starts) == 2 and starts[1]["step"] >= 1, starts
+    # The restarted process read its own shard on from where its last committed step left it, to the end.
+    again = own_steps(reports[1]["trained"], batch, 2)
+    whole = shards[1] * epochs
+    k = len(whole) - len(again)
+    assert 0 < k < len(shards[1]) and again == whole[k:], (k, again[:4])
 
 
 FEATURES = ROOT / "tests" / "lightning_features.py"
@@ -169,20 +209,85 @@ def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
     assert starts[-1]["step"] >= 28 and starts[-1]["step"] % 7 == 0, starts  # the checkpoint's step, mid-run
 
 
-def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_path):
-    """Manual optimization cannot be redone step by step: one line at the start, Lightning's own
-    DDP (all workers in one group), and the run trains as without --ft (group restarts)."""
-    from conftest import run_ftrun
+GAN = ROOT / "tests" / "lightning_gan.py"
 
-    out = tmp_path / "o"
-    proc = run_ftrun(["--nproc", 2, "--ft", WORKER, 1, out, "--size", 24, "--manual"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("optimizes manually (automatic_optimization = False)") == 1, proc.stderr[-3000:]
-    assert "Initializing distributed: GLOBAL_RANK" in proc.stderr, proc.stderr[-3000:]  # Lightning's own DDP
-    assert "init_process_group" not in proc.stderr, proc.stderr[-3000:]  # not taken for an ftrun.ft script
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
-    assert reports[0]["weights"] == reports[1]["weights"]
-    assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
+
+def test_manual_optimization_heals_a_gans_two_optimizers_and_one_clipped(ftrun_home, tmp_path):
+    """Lightning's manual optimization, unmodified: a GAN (two optimizers, the discriminator's
+    manual_backward and step, then the generator's, each inside toggle_optimizer) on three replicas, rank 1 killed inside the
+    discriminator's backward, rank 2 between the two steps (the discriminator's committed, the
+    generator's not: the batch is trained again with the first step skipped), rank 0 inside the
+    generator's backward; and one optimizer whose gradients the script clips, on two replicas, one
+    killed. Each run finishes with every kill healed from a peer, each counter (one weight per
+    sample for each optimizer) at exactly -epochs, global_step counting committed optimizer steps
+    only, the LR schedulers the script steps after each step stepped once a batch, and every
+    replica's whole state (both models, both optimizers, the step) the same. A training_step that
+    steps no optimizer in a batch is refused."""
+    import torch
+
+    runs = {"gan": (3, 6, 3, ["--die-at", "1:2:d,2:7:between,0:12:g"]),
+            "one": (2, 4, 1, ["--optimizers", "one", "--die-at", "1:5:d"]),
+            "nostep": (2, 1, 0, ["--no-step-at", 1])}
+    procs = {name: start_ftrun(["--nproc", n, "--ft", GAN, epochs, tmp_path / name, "--sleep", 0.05, *extra])
+             for name, (n, epochs, _, extra) in runs.items()}
+    try:
+        done = {name: finish(proc, 300) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    # A batch that steps no optimizer (gradients kept for a later batch's step) is refused in one line.
+    rc, err = done.pop("nostep")
+    assert rc == 2 and "training_step (manual optimization) stepped no optimizer in batch 1 of epoch 0" in err, err[-3000:]
+    assert "Traceback" not in err and "restarting" not in err, err[-3000:]
+    for name, (n, epochs, kills, _) in runs.items():
+        if name not in done:
+            continue
+        rc, err = done[name]
+        assert rc == 0, err[-3000:]
+        assert err.count("healed from a peer") == kills and "cannot heal" not in err, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        states = [torch.load(f"{tmp_path / name}.rank{r}.pt", weights_only=False) for r in range(n)]
+        two = name == "gan"
+        batches = epochs * 96 // (8 * n)
+        for r, s in enumerate(states):
+            for counter in ("count_d", "count_g") if two else ("count_d",):
+                assert torch.unique(s[counter]).tolist() == [-float(epochs)], (name, r, counter, torch.unique(s[counter]))
+            assert s["step"] == batches * (2 if two else 1), (name, r, s["step"])
+            if two:  # each scheduler stepped once a batch, however often the batch was trained
+                assert s["lr"] == [[0.05 * 0.99 ** batches, 1.0]] * 2, (name, r, s["lr"])
+        for s in states[1:]:
+            for part in ("G", "D"):
+                assert all(torch.equal(v, states[0][part][k]) for k, v in s[part].items()), (name, part)
+            assert len(s["optimizers"]) == (2 if two else 1)
+            for mine, theirs in zip(s["optimizers"], states[0]["optimizers"]):
+                assert mine["param_groups"] == theirs["param_groups"] and mine["state"].keys() == theirs["state"].keys()
+                assert all(torch.equal(a, theirs["state"][i][k]) for i, st in mine["state"].items()
+                           for k, a in st.items()), name
+
+
+def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_path):
+    """A DDPStrategy object the script builds is not ftrun's: one line at the start (and no advice
+    to wrap the loop with ftrun.ft, which does not fit a Lightning script), Lightning's own DDP
+    (all workers in one group), and the run trains as without --ft (group restarts)."""
+    runs = {"object": (["--strategy", "DDPStrategy"], "this Lightning Trainer's strategy is DDPStrategy, which ftrun "
+                                                      "cannot heal: a failure restarts all workers")}
+    procs = {name: start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / name, "--size", 24, *extra])
+             for name, (extra, _) in runs.items()}
+    try:
+        done = {name: finish(proc, 300) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for name, (_, line) in runs.items():
+        rc, err = done[name]
+        assert rc == 0, err[-3000:]
+        assert err.count(line) == 1, err[-3000:]
+        assert "trains without ftrun.ft" not in err and "train_ft.py" not in err, err[-3000:]
+        assert "Initializing distributed: GLOBAL_RANK" in err, err[-3000:]  # Lightning's own DDP
+        assert "init_process_group" not in err, err[-3000:]  # not taken for an ftrun.ft script
+        reports = {r: json.loads(Path(f"{tmp_path / name}.rank{r}.json").read_text()) for r in range(2)}
+        assert reports[0]["weights"] == reports[1]["weights"]
+        assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
 
 
 def test_the_older_package_and_a_strategy_object_the_script_builds(ftrun_home, tmp_path):

@@ -28,6 +28,7 @@ def _reports(out):
     return reports[0]
 
 
+@pytest.mark.extended
 def test_lightnings_transformer_example_heals_and_ends_as_a_failure_free_run(ftrun_home, tmp_path):
     """The example (a Transformer language model, SGD, gradient clipping, validation, then
     test()) with 3 replicas for 2 epochs, next to the same run with replica 1 killed in epoch 0: the killed replica goes on mid-run from a peer, every replica of each run ends identical,

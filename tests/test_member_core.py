@@ -253,6 +253,8 @@ def test_the_rules_the_driver_asks():
     assert core.round_length(4, 1, False, 3, None, 5) == 2  # a checkpoint at step 5 needs it decided
     assert core.round_length(4, 2, False, 0, None, None) == 1  # sharded replicas: one step
     assert core.round_length(4, 1, True, 0, None, None) == 1  # a layout round
+    assert core.round_length(8, 1, False, 7, None, None, 10) == 3  # the guard checks at step 10's top
+    assert core.round_length(8, 1, False, 10, None, None, 10) == 8
     assert core.settles_first(True, False, True, 0, None) and not core.settles_first(False, True, True, 9, 9)
     assert core.settles_first(True, False, False, 9, 9) and not core.settles_first(True, False, False, 3, 9)
     assert core.holds_state(True, 2, 2) and not core.holds_state(True, 1, 2) and not core.holds_state(False, 2, 2)
@@ -293,3 +295,44 @@ def test_a_member_out_of_sync_gets_no_step_and_a_step_past_a_round_voted_down_is
     assert core.redo(handed_before=True, retaking=False)   # the round that took it was discarded
     assert core.redo(handed_before=False, retaking=True)   # the round under it was voted down
     assert not core.redo(handed_before=False, retaking=False)
+
+
+def test_the_guards_rules():
+    """When the guard checks (the same top on every member) and what its fingerprints say."""
+    from ftrun.worker.ft.member import core
+
+    assert core.check_due(120, 20, 10, False, 7, 3)  # a multiple of the quorum's check_steps
+    assert not core.check_due(120, 21, 10, False, 7, 3)
+    assert core.check_due(120, 21, 0, True, 4, 3)  # the round after a quorum with healers began
+    assert not core.check_due(120, 21, 0, True, 5, 3) and not core.check_due(120, 21, 0, False, 4, 3)
+    assert not core.check_due(0, 20, 10, True, 4, 3)  # the guard off
+    assert not core.check_due(120, 0, 10, True, 1, 0)  # nothing trained yet
+    a, b = (3, 1, 2), (3, 1, 5)
+    assert core.verdict([(0, a), (1, a), (2, a)]) == ("agree", ())
+    assert core.verdict([(0, a), (1, b), (2, a)]) == ("heal", (1,))
+    assert core.verdict([(0, b), (1, a), (2, a), (3, b), (4, a)]) == ("heal", (0, 3))
+    assert core.verdict([(0, a), (1, b)]) == ("split", ())
+    assert core.verdict([(0, a), (1, b), (2, (9, 9, 9))]) == ("split", ())
+    assert core.verdict([(0, a), (1, a), (2, b), (3, b)]) == ("split", ())
+
+
+def test_the_guards_verdict_as_the_member_takes_it():
+    """The minority sits the round out and takes the state again; the majority sits it out; with no
+    majority the run ends; a member found different again before any agreeing check ends it too."""
+    from ftrun.worker.ft.member.core import Compared, EndRun, MemberCore, Rejoin, Restart, SitOut
+
+    a, b = (3, 1, 2), (3, 1, 5)
+    odd = MemberCore(can_rejoin=True)
+    out = odd.handle(Compared(1, ((0, a), (1, b), (2, a)), 20, ((1, "1 of 9 entries differ: w"),)))
+    assert [type(c) for c in out] == [SitOut, Rejoin] and "(1 of 9 entries differ: w)" in out[1].why
+    assert [type(c) for c in MemberCore().handle(Compared(1, ((0, a), (1, b), (2, a)), 20))] == [SitOut, Restart]
+    peer = MemberCore()
+    assert [type(c) for c in peer.handle(Compared(0, ((0, a), (1, b), (2, a)), 20))] == [SitOut]
+    again = peer.handle(Compared(0, ((0, a), (1, b), (2, a)), 30))
+    assert [type(c) for c in again] == [EndRun] and "again after a heal" in again[0].why
+    healed = MemberCore()
+    healed.handle(Compared(0, ((0, a), (1, b), (2, a)), 20))
+    assert healed.handle(Compared(0, ((0, a), (1, a), (2, a)), 30)) == []  # cured: forgiven
+    assert [type(c) for c in healed.handle(Compared(0, ((0, a), (1, b), (2, a)), 90))] == [SitOut]
+    split = MemberCore().handle(Compared(0, ((0, a), (1, b)), 20, ((1, "w"),)))
+    assert [type(c) for c in split] == [EndRun] and "no majority" in split[0].why and "rank 1: w" in split[0].why

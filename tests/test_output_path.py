@@ -244,7 +244,7 @@ for step in ft.steps(40):
         os.kill(os.getpid(), signal.SIGKILL)
     loss.backward()
     opt.step()
-    time.sleep(0.01)
+    time.sleep(0.01 if ft.num_replicas() == 2 else 0.1)  # slower while rank 1 is away: it is back before the end
 print(f"done at step {ft.global_step()}", flush=True)
 """
 TORCH_INTERNALS = ("is not initialized in the world group map", "waitForInput", "ProcessGroup object at 0x",

@@ -7,6 +7,8 @@ restarted ones. Real CLI, real SIGKILL."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import re
 import shutil
@@ -26,6 +28,7 @@ def _reports(text: str) -> dict:
     return {int(r): (float(lo), float(hi), w) for r, lo, hi, w in REPORT.findall(text)}
 
 
+@pytest.mark.extended
 def test_mingpt_port_trains_what_the_original_trains(ftrun_home, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PET_")}
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"

@@ -4,6 +4,8 @@ trains exactly what the original trains when nothing fails, and survives kills."
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import re
 import shutil
@@ -23,6 +25,7 @@ def _weights(text: str) -> dict:
     return {int(r): float(w) for r, w in re.findall(r"rank (\d+) weight (\S+)", text)}
 
 
+@pytest.mark.extended
 def test_tutorial_port_trains_what_the_original_trains(ftrun_home, tmp_path):
     """No failure: torchrun running the original, ftrun running it unchanged, and ftrun --ft
     running the port all end with the same weights, to the bit (ft.DataLoader gives each rank

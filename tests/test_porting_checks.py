@@ -56,8 +56,9 @@ def _one_line(proc, needle: str) -> str:
 
 def test_an_unseeded_random_split_stops_the_run_in_one_line(ftrun_home, tmp_path):
     """random_split without a generator gives every worker another split of the same length: the
-    replicas would train different samples and "every sample once an epoch" would be false. The
-    first heal compares the Subset's indices and stops the run in one line naming the split."""
+    replicas would train different samples and "every sample once an epoch" would be false. Each
+    worker compares the Subset's indices with the first worker's as it builds the loader, and the
+    run stops in one line naming the split."""
     script = _script(tmp_path, """
         train_set, _ = random_split(full, [48, 16])
         train(ft.DataLoader(train_set, batch_size=4, shuffle=True))
@@ -66,6 +67,47 @@ def test_an_unseeded_random_split_stops_the_run_in_one_line(ftrun_home, tmp_path
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = _one_line(proc, "dataset")
     assert "random_split" in line and "generator=" in line, line
+
+
+def test_the_workers_of_one_replica_compare_a_split_wrapped_in_a_transform(ftrun_home, tmp_path):
+    """One replica of two sharded workers (data parallel inside the replica), over an unseeded
+    random_split that a transform dataset wraps, as scripts wrap a split: no heal ever compares
+    two workers of one replica, and the Subset is one level down. The run stops in one line before
+    its first step; before, both workers trained to the end on their own splits."""
+    out = tmp_path / "w"
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch
+        import ftrun.ft as ft
+        from torch.distributed.fsdp import fully_shard
+        from torch.utils.data import Dataset, TensorDataset, random_split
+
+        class Shifted(Dataset):
+            def __init__(self, split):
+                self.split = split
+            def __len__(self):
+                return len(self.split)
+            def __getitem__(self, i):
+                return (self.split[i][0] + 0.5,)
+
+        train_set, _ = random_split(TensorDataset(torch.arange(64, dtype=torch.float32).unsqueeze(1)), [48, 16])
+        model = torch.nn.Linear(1, 1, bias=False)
+        fully_shard(model, mesh=ft.device_mesh())
+        model = ft.replicate(model)
+        opt = ft.Optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+        loader = ft.DataLoader(Shifted(train_set), batch_size=4, shuffle=True)
+        for epoch in ft.epochs(1):
+            for (x,) in loader:
+                opt.zero_grad()
+                model(x).sum().backward()
+                if opt.step():
+                    open({str(out)!r}, "a").write("stepped\\n")
+    """))
+    proc = run_ftrun(["--nproc", 2, "--ft", "--replica-size", 2, script], timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = _one_line(proc, "dataset")
+    assert "rank " in line and "Subset" in line and "random_split" in line, line
+    assert not out.exists(), proc.stderr[-3000:]
 
 
 def test_replicas_whose_datasets_differ_in_length_stop_in_one_line(ftrun_home, tmp_path):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ftrun import protocol as keys
 from ftrun.supervisor.ft.keeper import core, dead
 from ftrun.supervisor.ft.quorum import QuorumKeeper
-from ftrun.supervisor.nodes.relay import NodeRelay, Routes
+from ftrun.supervisor.relay import NodeRelay, Routes
 from ftrun.worker.ft.member import vote
 
 pytestmark = pytest.mark.quick

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMULATE = ROOT / "scripts" / "simulate.py"
-CI_SCHEDULES = 2000  # scripts/simulate.py's default: about 20 s
+CI_SCHEDULES = 800  # scripts/simulate.py's default: about 8 s
 
 # Shrunk schedules printed by `simulate.py --bug NAME --only-bug --seed 1 --stop-at-first` (the shape
 # and seed in each comment). They are exact interleavings of the member driver and the keeper: a
@@ -218,6 +218,7 @@ UNDECIDED_REDO = {"seed": 100062, "replicas": 3, "total": 7, "faults": [
 # Planted in the keeper's view of --spares (--spares, seed 1, its first schedule): one replica too
 # many trains, with no fault at all.
 SPARE_SHORT = {"seed": 100000, "replicas": 2, "spares": 1, "total": 2, "faults": []}
+LONE_CHECK = {"seed": 100000, "replicas": 2, "check_every": 2, "total": 2, "faults": []}
 
 
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
@@ -308,8 +309,8 @@ def test_store_growth_bug_fails_a_schedule_the_product_passes():
 def test_sharded_replicas_budget_finds_no_violation():
     """Replicas of 2 workers (--replica-size 2): a worker's death restarts its replica whole,
     every worker votes and waits for the decision, each shard heals from its own source."""
-    lines = _simulate("--replica-size", "2", "--schedules", "800", "--seed", "1", timeout=600)
-    assert lines[-1] == "800 schedules, 0 violations", "\n".join(lines[-20:])
+    lines = _simulate("--replica-size", "2", "--schedules", "300", "--seed", "1", timeout=600)
+    assert lines[-1] == "300 schedules, 0 violations", "\n".join(lines[-20:])
 
 
 def test_mixed_shards_bug_fails_a_schedule_the_product_passes():
@@ -335,8 +336,8 @@ def test_rounds_of_several_steps_budget_finds_no_violation():
 def test_two_nodes_budget_finds_no_violation():
     """Two machines: node 1's workers vote and report through its own store, kept by the real
     node relay and a follower keeper; a quarter of the schedules lose node 1 for good."""
-    lines = _simulate("--nodes", "2", "--schedules", "800", "--seed", "1", timeout=600)
-    assert lines[-1] == "800 schedules, 0 violations", "\n".join(lines[-20:])
+    lines = _simulate("--nodes", "2", "--schedules", "300", "--seed", "1", timeout=600)
+    assert lines[-1] == "300 schedules, 0 violations", "\n".join(lines[-20:])
 
 
 def test_lost_forward_bug_fails_a_schedule_the_product_passes():
@@ -738,3 +739,33 @@ def test_spare_short_bug_fails_a_schedule_the_product_passes():
     bad = _replay(SPARE_SHORT, "spare-short")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "quorum 1 trains 2 replicas" in bad[0], bad
+
+
+def test_guard_budget_finds_no_violation():
+    """The guard (issue 54): members compare their states every few steps and at the round after
+    each heal, in one collective at a round's top. Under kills, pauses, lost stores and heals cut
+    short, every member of a group reaches each collective as the same kind (a check, a step, a
+    heal), and no check ever finds members in sync holding different states."""
+    lines = _simulate("--guard", "--schedules", "200", "--seed", "1", timeout=600)
+    assert lines[-1] == "200 schedules, 0 violations", "\n".join(lines[-20:])
+
+
+def test_lone_check_bug_fails_a_schedule_the_product_passes():
+    """(x) planted: the guard's check due on some members only; their peers' next collective is a
+    step's, and the two would mix."""
+    assert _replay(LONE_CHECK)[-1] == "1 schedules, 0 violations"
+    bad = _replay(LONE_CHECK, "lone-check")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "is a step where rank 0's is a check" in bad[0], bad
+
+
+def test_sub_steps_budget_finds_no_violation():
+    """Several ft.Optimizers (issue 55): each step of the loop is 2 or 3 optimizer steps, each with its
+    own collective; a round voted down inside a step keeps its first sub-steps, and the step is handed
+    out again with them skipped. Under every fault, committed states agree sub-step by sub-step, no
+    member goes on from more sub-steps than its round kept, and the runs finish; with the store
+    moving between nodes too, whose survivors rejoin holding part of a step."""
+    for mode in (["--sub-steps"], ["--sub-steps", "--moves", "--schedules", "100"]):
+        lines = _simulate(*mode, *(["--schedules", "200"] if "--schedules" not in mode else []), "--seed", "1",
+                          timeout=600)
+        assert lines[-1].endswith(" 0 violations"), "\n".join(lines[-20:])

@@ -28,15 +28,20 @@ MODEL = ["--dim", 32, "--hidden", 128, "--depth", 3, "--optim", "adamw", "--lr",
 RECEIVED = re.compile(r"\[rank (\d+)\] ftrun\.ft: detail: rank \d+: received ([\d.]+) MB of state from rank (\d+) in "
                       r"[\d.]+ s \([\d.]+ GB/s, (\d+) tensors in place\)")
 
+# A survivor whose step finished where its peers' failed (the kill landed between the two).
+CAUGHT = re.compile(r"rank \d+: round \d+ keeps its first \d+ steps while this member had taken \d+; taking the "
+                    r"committed state from a peer")
+
 
 def _console(proc) -> str:
     return Path(proc.err_path).read_text()
 
 
-def _until_line(proc, pattern: str, count: int = 1, timeout: float = 90.0) -> None:
+def _until_line(proc, pattern: str, count: int = 1, timeout: float = 90.0, start: int = 0) -> None:
+    """Wait until `pattern` is on the console `count` times, from character `start` on."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if len(re.findall(pattern, _console(proc))) >= count:
+        if len(re.findall(pattern, _console(proc)[start:])) >= count:
             return
         if proc.poll() is not None:
             break
@@ -54,7 +59,9 @@ def test_a_fed_spare_takes_over_without_moving_its_model_and_the_feeds_own_failu
     """3 training replicas and 1 spare, one run:
     - replica 3 waits as the spare and is fed by rank 0;
     - rank 1 is killed: spare 3 takes its place and receives no model or optimizer tensor (0.0 MB
-      of state, the scheduler's state only), and rank 1, restarted, is fed as the new spare;
+      of state, the scheduler's state only), and rank 1, restarted, is fed as the new spare (a kill
+      that also caught a survivor past its peers' step heals both whole: then another replica is
+      killed, up to three takeovers, one of which must keep the spare's model);
     - the fed spare (rank 1) is killed: its feed is dropped, no quorum changes, and it is fed again
       once back;
     - the feeder (rank 0) is killed: spare 1 takes its place, whatever it must receive.
@@ -66,26 +73,40 @@ def test_a_fed_spare_takes_over_without_moving_its_model_and_the_feeds_own_failu
     try:
         _until_line(proc, r"rank 0: feeds hot spare rank 3 from step \d+")
         st = _wait(ftrun_home, run_id, proc, "rank 3 fed as the spare", lambda st: _replica(st, 3).get("spare"))
-        _kill(st, 1)
-        _until_line(proc, r"rank 0: feeds hot spare rank 1 from step \d+")
+        spare, victim = 3, 1
+        for _ in range(3):
+            seen = len(_console(proc))
+            _kill(st, victim)
+            _until_line(proc, rf"rank 0: feeds hot spare rank {victim} from step \d+", start=seen)
+            err = _console(proc)[seen:]
+            if _heals_of(err, spare) == [(0.0, 0)]:  # nothing but the scheduler moved
+                break
+            # The kill can land as a survivor's step finished but its peers' did not: the round is
+            # voted down, that survivor takes the committed state, and the one broadcast of that heal
+            # carries the whole state to every healer, the spare included. Another takeover, then.
+            assert CAUGHT.search(err), err[-4000:]
+            spare, victim = victim, min({1, 2, 3} - {victim})
+            st = _wait(ftrun_home, run_id, proc, f"rank {spare} the spare", lambda st: _replica(st, spare).get("spare"))
+        else:
+            raise AssertionError(f"no takeover of three kept the fed spare's model:\n{_console(proc)[-4000:]}")
+        quorums_before = len(re.findall(r"ftrun: quorum \d+:", _console(proc)))
+        st = _wait(ftrun_home, run_id, proc, f"rank {victim} the spare", lambda st: _replica(st, victim).get("spare"))
+        restarts = _replica(st, victim)["restarts"]
+        seen = len(_console(proc))
+        _kill(st, victim)
+        _until_line(proc, rf"rank 0: feeds hot spare rank {victim} from step \d+", start=seen)
         err = _console(proc)
-        assert _heals_of(err, 3) == [(0.0, 0)], err[-4000:]  # nothing but the scheduler moved
-        quorums_before = len(re.findall(r"ftrun: quorum \d+:", err))
-        st = _wait(ftrun_home, run_id, proc, "rank 1 the spare", lambda st: _replica(st, 1).get("spare"))
-        _kill(st, 1)
-        _until_line(proc, r"rank 0: feeds hot spare rank 1 from step \d+", count=2)
-        err = _console(proc)
-        assert "rank 0: stopped feeding hot spare rank 1: the other end went away" in err, err[-4000:]
+        assert f"rank 0: stopped feeding hot spare rank {victim}: the other end went away" in err, err[-4000:]
         assert len(re.findall(r"ftrun: quorum \d+:", err)) == quorums_before, err[-4000:]
-        st = _wait(ftrun_home, run_id, proc, "rank 1 back as the spare",
-                   lambda st: _replica(st, 1)["restarts"] == 2 and _replica(st, 1).get("spare"))
+        st = _wait(ftrun_home, run_id, proc, f"rank {victim} back as the spare",
+                   lambda st: _replica(st, victim)["restarts"] == restarts + 1 and _replica(st, victim).get("spare"))
         _kill(st, 0)
         rc, err = finish(proc, 180)
     finally:
         proc.kill()
     assert rc == 0, err[-4000:]
     assert "Traceback" not in err, err[-4000:]
-    assert re.search(r"rank 0 left; spare replica 1 takes its place", err), err[-4000:]
+    assert re.search(rf"rank 0 left; spare replica {victim} takes its place", err), err[-4000:]
     trained = [1, 2, 3]
     assert _identical(out, trained) == 400
     # Rank 0, back as the spare, waits out the run: fed at the end, it says so as it leaves.

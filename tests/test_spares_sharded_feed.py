@@ -10,6 +10,8 @@ mix of kept and sent shards.
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import re
@@ -71,6 +73,7 @@ def _heals(err: str, rank: int) -> list:
     return [(float(mb), int(n)) for r, mb, _src, n in RECEIVED.findall(err) if int(r) == rank]
 
 
+@pytest.mark.extended
 def test_a_fed_sharded_spare_keeps_its_shards_and_one_broken_shard_feed_sends_the_whole_state(ftrun_home, tmp_path):
     """2 training replicas of 2 workers (ranks 0-1, 2-3) and a spare replica (ranks 4-5), one run:
     - the spare's workers are fed shard by shard: rank 4 by rank 0, rank 5 by rank 1;

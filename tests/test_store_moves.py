@@ -64,6 +64,7 @@ def _start_in(ns, args, env):
     return proc
 
 
+@pytest.mark.extended
 def test_node_cut_off_never_forms_a_second_run(ftrun_home, tmp_path):
     """Nodes 0 and 1 in one network namespace, node 2 in another; node 2's link goes down. Node 2
     cannot reach a majority (it tries node 1, then hosts alone): it stops with exit 200 and never
@@ -139,6 +140,39 @@ def test_store_host_lost_while_a_replica_heals(ftrun_home, tmp_path):
     assert "the run's store moved to" in log1, log1[-2000:]
     log2 = _rank_log(ftrun_home, "mvh.node2", 2)
     assert "received" in log2.split("the run's store moved to")[-1], log2[-2000:]  # healed on the new store
+    _, stats = _assert_identical(out, [1, 2])
+    assert stats["step"] == 250
+
+
+def test_a_restarted_replica_waiting_on_another_store_at_the_runs_address_follows_the_move(ftrun_home, tmp_path):
+    """--ft on three static nodes. Rank 2 is killed, and its next incarnation finds another store
+    at the run's address (FTRUN_FT_INJECT_STORE; in a loaded run a worker that connected as node 0
+    was lost reached the store of the node restarted at its endpoint): it asks to join there,
+    where no keeper reads. Node 0 is SIGKILLed; once its node announces where the run's store is
+    now, rank 2 follows it, joins, heals and finishes identical with rank 1. Before, no call on
+    that store ever failed: rank 2 waited there while the others finished (here for ever; in the
+    loaded run until that node exited, and then it exited 0 with nothing trained)."""
+    from torch.distributed import TCPStore
+
+    from ftrun import protocol as keys
+
+    out, other = tmp_path / "p", TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    procs = _three_nodes(free_port(), "imp", out, 250, env={"FTRUN_FT_INJECT_STORE": f"2:1=127.0.0.1:{other.port}"},
+                         model=[])
+    try:
+        r = _wait_replica(ftrun_home, "imp.node2", 2, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120)
+        os.kill(r["pid"], signal.SIGKILL)
+        _wait_replica(ftrun_home, "imp.node2", 2, lambda r, st: r.get("ft_phase") == "join" and r["restarts"] >= 1, 60)
+        assert other.get(keys.join_key(2)) == b"1"  # it asked to join on the other store
+        _kill_tree(procs[0])
+    except BaseException:
+        for p in procs.values():
+            p.kill()
+        raise
+    _survivors_finish(procs)
+    log2 = _rank_log(ftrun_home, "imp.node2", 2)
+    assert "announced that the run's store moved while this member waited to join" in log2, log2[-2000:]
+    assert _received_mb(log2.split("the run's store moved to")[-1]), log2[-2000:]  # healed on the moved store
     _, stats = _assert_identical(out, [1, 2])
     assert stats["step"] == 250
 
@@ -246,6 +280,7 @@ def test_c10d_store_host_lost_the_others_reform_from_their_checkpoint(tmp_path, 
           f"after the kill")
 
 
+@pytest.mark.extended
 def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
     """--ft, --nnodes 3:4 over c10d, the same line on every node: three nodes train; a fourth is taken
     into the running run, and as soon as the others know of it (before its replica has healed) the
@@ -294,6 +329,7 @@ def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
     print(f"c10d: committing again {resumed_s:.1f} s after the store host was killed as node 3 joined")
 
 
+@pytest.mark.extended
 def test_late_node_that_loses_the_store_mid_join_is_not_counted(ftrun_home, tmp_path):
     """--ft, --nnodes 3:4 over c10d: node 0 takes a fourth node in, and is SIGKILLed, store and all,
     while that node is still joining (held there by fault injection: taken in, no beat yet). It

@@ -263,3 +263,46 @@ def test_a_survivor_hands_out_no_step_on_a_quorum_whose_group_it_gave_up(ftrun_h
                      proc.stderr), proc.stderr[-3000:]
     (handed,) = [json.loads(p.read_text()) for p in tmp_path.glob("h.rank0.*.json")]
     assert handed.count(k) == 2, f"rank 0 was handed steps {handed}\n{proc.stderr[-3000:]}"
+
+
+RING = START + r'''
+busy = float(sys.argv[4])
+took = None
+for step in ft.steps(total):
+    opt.zero_grad()
+    loss = model(torch.ones(2, 4)).sum()
+    if step == k and first and rank == 3:
+        time.sleep(1.0)  # its peers wait in the all-reduce for its gradients
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    loss.backward()
+    if step == k and first and took is None:  # step k is handed out again after the heal
+        took = time.monotonic() - t0
+        time.sleep(busy)  # the script's own work after its backward (a metric, a log line)
+    opt.step()
+if first:
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(took, f)
+'''
+
+
+def test_a_survivor_waiting_on_live_peers_ends_its_collective_when_one_of_them_fails(ftrun_home, tmp_path):
+    """Four replicas; rank 3 dies while the others wait in step k's all-reduce for its gradients.
+    Its ring neighbours fail at once (their connections to it closed), but rank 1 waits on them
+    only, and they drop the group only when they vote, after the script's work that follows the
+    backward (3 s here). A member whose collective failed shuts the group's connections down at
+    once: rank 1's backward ends then too, not when its neighbours vote or at gloo's timeout."""
+    from conftest import run_ftrun
+
+    script, out, k, busy = tmp_path / "train.py", tmp_path / "h", 3, 3.0
+    script.write_text(RING)
+    # Rounds of one step: no re-sized quorum, whose new group would make step k a layout round
+    # (nothing sent in the backward).
+    proc = run_ftrun(["--nproc", 4, "--ft", script, out, k + 2, k, busy], timeout=180,
+                     env={"FTRUN_FT_ROUND_STEPS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 3 (pid" in proc.stderr and "killed by SIGKILL" in proc.stderr, proc.stderr[-3000:]
+    took = {r: json.loads((tmp_path / f"h.rank{r}.json").read_text()) for r in (0, 1, 2)}
+    print(f"step {k}'s backward took {took} s (rank 3 died 1 s into it)")
+    assert min(took.values()) > 0.9, (took, proc.stderr[-3000:])  # they did wait for rank 3's gradients
+    assert max(took.values()) < 1.0 + 1.5, (took, proc.stderr[-3000:])  # not 1.0 + busy

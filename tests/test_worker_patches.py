@@ -20,8 +20,9 @@ DIRECT_PATCH = re.compile(r"^\s*(torch|dist|dcp|DDP|TorchDDP)(\.\w+)+\s*=[^=]|se
 # the worker's environment), and the --ft member's modules (the store's moves still rewrite
 # FTRUN_STORE when the store moves, and the others read it and the member's tuning knobs at use),
 # and the Trainer's part (the environment Accelerate sees while it sets up a run of one, less the
-# distributed run's variables).
-READS_ENV = {"frameworks/hf.py", "settings.py", "zygote.py", "ft/manager.py", "ft/member/vote.py", "ft/member/torch_effects.py", "ft/member/member_io.py"}
+# distributed run's variables), and Accelerate's (the environment variables that choose
+# DeepSpeed, FSDP or a precision Accelerate itself reads).
+READS_ENV = {"frameworks/hf.py", "frameworks/accelerate.py", "settings.py", "zygote.py", "ft/manager.py", "ft/member/vote.py", "ft/member/torch_effects.py", "ft/member/member_io.py"}
 
 
 def _sources():

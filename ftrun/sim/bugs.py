@@ -68,7 +68,8 @@ def _scan_blocking(store: Any, me: Member, latest: int) -> Optional[Tuple[int, i
     return None
 
 
-def _wait_to_enter_blocking(store: Any, me: Member, sleep: Callable[[float], None], poll_s: float) -> Entry:
+def _wait_to_enter_blocking(store: Any, me: Member, sleep: Callable[[float], None], poll_s: float,
+                            moved: Callable[[], bool] = lambda: False) -> Entry:
     store.set(keys.join_key(me[0]), str(me[1]))
     while True:
         if store.check([keys.FINISHED]):
@@ -484,6 +485,20 @@ class SpareShort(Wiring):
     keeper = _SpareShortKeeper
 
 
+class _LoneCheckDriver(MemberDriver):
+    """The guard's due rule read from what one member knows alone (its own count of rounds since it
+    joined, here: odd ranks skip the check after a heal): members reach one collective with
+    different ones (torch would mix a check's fingerprints into a step's gradients)."""
+
+    def check_due(self, check_s, step, check_steps, healed_quorum, round_, group_round):  # type: ignore[override]
+        return member_core.check_due(check_s, step, check_steps, healed_quorum and self.rank % 2 == 0, round_,
+                                     group_round)
+
+
+class LoneCheck(Wiring):
+    driver = _LoneCheckDriver
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering a quorum at different rounds
@@ -509,6 +524,7 @@ BUGS: Dict[str, type] = {
     "unsynced-step": UnsyncedStep,    # (u) a step handed to the script on a state out of sync (found by it)
     "undecided-redo": UndecidedRedo,  # (v) ft.redo() False on a step handed before its round's decision (found by it)
     "spare-short": SpareShort,        # (w) planted: one hot spare fewer held back than --spares says
+    "lone-check": LoneCheck,          # (x) planted: the guard's check due on some members only
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-quorum": "collect-joiner"}

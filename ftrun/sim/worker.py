@@ -96,6 +96,7 @@ class SimWorker(MemberEffects):
         every = world.sch.checkpoint_every
         ck = SimCheckpointer(self, world.checkpoints, every) if every else None
         self.driver: MemberDriver = world.bugs.driver(self, rank, inc, world.k, world.nodes, checkpoints=ck,
+                                                      check_s=keys.CHECK_S if world.sch.check_every else 0.0,
                                                       store_gen=gen)
 
     # ------------------------------------------------------------ what the world reads
@@ -121,20 +122,27 @@ class SimWorker(MemberEffects):
         raise SimKilled()
 
     def _script(self) -> None:
-        """The training script: ft.steps(), a compute, the collective (DDP's hook), opt.step()."""
+        """The training script: ft.steps(), a compute, the collective (DDP's hook), opt.step();
+        with several optimizers (Schedule.sub_steps) that many of them each step, one after another."""
         d, w = self.driver, self.w
         rng = self.sched.rng
+        subs = max(1, w.sch.sub_steps)
+        if subs > 1:
+            d.several_optimizers()
         for _ in d.steps(w.total):
             w.check_handout(self)
-            self.sched.sleep(w.step_s * (0.5 + rng.random()))  # the forward and backward passes
-            d.before_collective()
-            if d.pg is not None and d.round_ok:  # what it sends is checked (a failed round sends nothing)
-                if d.rejoin_why is None:
-                    w.check_state(self)
-                err = w.groups.allreduce(self, d.pg)
-                if err:
-                    d.fail_round(err)
-            d.vote()
+            for _ in range(subs):
+                self.sched.sleep(w.step_s * (0.5 + rng.random()) / subs)  # the forward and backward passes
+                d.before_collective()
+                if d.pg is not None and d.round_ok:  # what it sends is checked (a failed round sends nothing)
+                    if d.rejoin_why is None:
+                        w.check_state(self)
+                    err = w.groups.allreduce(self, d.pg, "step")
+                    if err:
+                        d.fail_round(err)
+                elif subs > 1 and d.quorum is not None:  # DDP's forward: with no group it sends nothing, and fails
+                    d.fail_round()
+                d.vote()
 
     def _report(self) -> None:
         """The status report the keeper reads (ftrun/worker/progress.py's, through the node's store)."""
@@ -223,24 +231,37 @@ class SimWorker(MemberEffects):
         lineage = quorum.id if quorum.fresh else self.lineage  # a fresh quorum's source starts a new one
         group.payload = (snapshot, self.digest, lineage, frozenset(self.effects))
         for _ in range(2):
-            if self.w.groups.allreduce(self, group):
+            if self.w.groups.allreduce(self, group, "heal"):
                 raise TransferBroken("a peer left mid-transfer")
         self.lineage = lineage
         return None
 
     def receive_state(self, group: Any, on_write: Callable[[], None]) -> Tuple[Snapshot, Any]:
         self._heal_kill()
-        if self.w.groups.allreduce(self, group):
+        if self.w.groups.allreduce(self, group, "heal"):
             raise TransferBroken("a peer left mid-transfer")
         on_write()
         self.sched.sleep(0.001)  # the bulk of the transfer
-        if self.w.groups.allreduce(self, group):
+        if self.w.groups.allreduce(self, group, "heal"):
             raise TransferBroken("a peer left mid-transfer")
         snapshot, self.digest, self.lineage, effects = group.payload
         self.effects = set(effects)
         self.stepped = {}
         self._after.clear()
         return snapshot, None
+
+    def compare_states(self, group: Any) -> Tuple[Tuple[Tuple[int, Tuple[int, ...]], ...], Tuple[Tuple[int, str], ...]]:
+        """The guard's check: each member's digest, gathered. Members in sync always agree: a
+        check that finds them differing is the protocol's fault (a violation)."""
+        i = group.seq.get(self.rank, 0)
+        group.prints.setdefault(i, {})[self.rank] = int(self.digest, 16)
+        if self.w.groups.allreduce(self, group, "check"):
+            raise TransferBroken("a peer left mid-check")
+        prints = tuple(sorted((r, (d,)) for r, d in group.prints[i].items()))
+        if len({fp for _, fp in prints}) > 1:
+            self.w.violation(f"the guard found states that differ in {group.key} at rank {self.rank}'s step "
+                             f"{self.driver.step}: {prints}")
+        return prints, ()
 
     def loaded(self, marker: Marker) -> None:
         """A resume read checkpoint `marker` into this worker's objects (sim/checkpoint.py)."""
@@ -250,9 +271,14 @@ class SimWorker(MemberEffects):
         self._after.clear()
 
     # ------------------------------------------------------------ effects: what the script sees
+    def took_sub_step(self, quorum: int, rnd: int) -> None:
+        self.digest = hashlib.blake2b(f"{self.digest}/{quorum}/{rnd}/s".encode(), digest_size=6).hexdigest()
+        self.stepped[(quorum, rnd)] = self.stepped.get((quorum, rnd), 0) + 1  # a round keeps sub-steps
+
     def took_step(self, quorum: int, rnd: int, step: int) -> None:
-        self.digest = hashlib.blake2b(f"{self.digest}/{quorum}/{rnd}".encode(), digest_size=6).hexdigest()
-        self.stepped[(quorum, rnd)] = self.stepped.get((quorum, rnd), 0) + 1
+        if self.w.sch.sub_steps < 2:  # with sub-steps, each changed the state (and counts) as it was taken
+            self.digest = hashlib.blake2b(f"{self.digest}/{quorum}/{rnd}".encode(), digest_size=6).hexdigest()
+            self.stepped[(quorum, rnd)] = self.stepped.get((quorum, rnd), 0) + 1
         self._after[(quorum, rnd)] = (self.lineage, step, self.digest)
 
     def decided(self, quorum: int, rnd: int, commit: bool) -> None:

@@ -5,7 +5,7 @@ simulated process groups (a collective succeeds only if every member of the grou
 and none has died or left it), a schedule of faults, and the protocol's invariants, checked
 after every scheduled turn. `run(schedule)` returns the first violation, or None.
 On several nodes every node but node 0 has its own store, through which its workers vote and
-report, kept by the real node relay (ftrun.supervisor.nodes.relay.NodeRelay) and a follower keeper
+report, kept by the real node relay (ftrun.supervisor.relay.NodeRelay) and a follower keeper
 that tells node 0's leader of its workers' starts and deaths; a lost node's workers die with
 it and its store is gone, and node 0 declares it lost NODE_LOST_S later, as its node watch does.
 On three nodes or more the node hosting the run's store may be lost (host-lost): the others agree
@@ -32,7 +32,7 @@ from ftrun.sim.store import SimStore
 from ftrun.supervisor.policy.failure_policy import ReplicaFailed, RestartVerdict
 from ftrun.supervisor.ft.quorum import KeeperSettings, QuorumKeeper
 from ftrun.supervisor.nodes import failover
-from ftrun.supervisor.nodes.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
+from ftrun.supervisor.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
 
 STEP_S = 0.05  # a training step's compute, on average (virtual)
 TICK_S = 0.05  # the supervisor's loop under --ft (supervisor/loop/run.py)
@@ -94,6 +94,16 @@ class Schedule:
     stop_at: float = -1.0  # a stop signal (SIGTERM with --checkpoint-dir) reaches ftrun then: a stop quorum
     checkpoint_every: int = 0  # --checkpoint-dir with --checkpoint-every N: the writer saves every N steps
     spares: int = 0  # --spares N: the keeper holds N replicas back as hot spares (keeper/spares.py)
+    # The guard (FTRUN_FT_CHECK_STEPS N): members compare their states every N steps and after every
+    # heal; 0: off (the schedules before it replay as they did).
+    check_every: int = 0
+    # Optimizers stepped one after another in each step (several ft.Optimizers, a GAN's D then G):
+    # each step of the loop is this many sub-steps, each with its own collective and vote; 0: one.
+    sub_steps: int = 0
+
+    def keeper_settings(self) -> KeeperSettings:
+        return KeeperSettings(self.round_steps, True, None, keys.CHECK_S if self.check_every else 0.0,
+                              self.check_every or None)
 
 
 class Group:
@@ -105,6 +115,8 @@ class Group:
         self.ops: Dict[int, Set[int]] = {}
         self.payload: Optional[tuple] = None  # what a heal sends: (snapshot, digest, lineage, side effects run)
         self.waiters: list = []  # threads parked in one of its collectives
+        self.kinds: Dict[int, Tuple[str, int]] = {}  # collective index -> (what it is, the first rank in it)
+        self.prints: Dict[int, Dict[int, int]] = {}  # a check's collective index -> each rank's digest
 
 
 class Groups:
@@ -155,9 +167,15 @@ class Groups:
             if g.waiters:
                 self._wake(g)
 
-    def allreduce(self, m: SimWorker, g: Group) -> Optional[str]:
+    def allreduce(self, m: SimWorker, g: Group, what: str = "step") -> Optional[str]:
+        """One collective of `what` (a step's gradients, a heal, the guard's check): members that
+        reach the same collective with different ones would mix them (torch would, silently)."""
         i = g.seq.get(m.rank, 0)
         g.seq[m.rank] = i + 1
+        first = g.kinds.setdefault(i, (what, m.rank))
+        if first[0] != what:
+            self.w.violation(f"rank {m.rank}'s collective {i} on {g.key} is a {what} where rank {first[1]}'s is a "
+                             f"{first[0]}")
         arrived = g.ops.setdefault(i, set())
         arrived.add(m.rank)
         whole = len(g.ranks)
@@ -258,13 +276,13 @@ class World:
             self.routes = _SimRoutes(self, {n: (f"node{n}", self.node_ranks(n)) for n in range(1, self.nodes)})
             shape = {"local_ranks": self.node_ranks(0), "routes": self.routes}
         self.keeper = bugs.keeper(_RunStore(self.store.client(600.0)), first, replica_size=self.k,
-                                  settings=KeeperSettings(schedule.round_steps, True), clock=lambda: sched.now,
+                                  settings=schedule.keeper_settings(), clock=lambda: sched.now,
                                   spares=schedule.spares, **shape)
         # Every other node's ftrun: a follower keeper (it reports its workers to node 0's) and the relay.
         self.followers: Dict[int, QuorumKeeper] = {
             n: bugs.follower(_RunStore(self.store.client(600.0)), self.ranks, local_ranks=self.node_ranks(n),
                             leader=False, replica_size=self.k, routes=self.routes,
-                            settings=KeeperSettings(schedule.round_steps, True),
+                            settings=schedule.keeper_settings(),
                             clock=lambda: sched.now)
             for n in range(1, self.nodes)}
         self.node_keeper: Dict[int, QuorumKeeper] = {0: self.keeper, **self.followers}
@@ -386,7 +404,7 @@ class World:
         if word is not None:  # what it saves is the state committed at the step it names
             said = json.loads(word)
             m = self.members.get(said["rank"])
-            if m is not None and m.in_sync:
+            if m is not None and m.in_sync and said.get("ok", True):
                 seen = self.committed.get((m.lineage, m.step))
                 if m.step != said["step"] or (seen is not None and seen != m.digest):
                     self.violation(f"rank {m.rank} saves step {said['step']} at the stop holding step {m.step} "
@@ -431,7 +449,7 @@ class World:
         keeper = (self.bugs.keeper if n == h else self.bugs.follower)(
             _RunStore(self.store.client(600.0)), [r for e in self.elected for r in self.node_ranks(e)],
             local_ranks=self.node_ranks(n), leader=n == h, replica_size=self.k, routes=self.routes,
-            settings=KeeperSettings(self.sch.round_steps, True), clock=lambda: self.sched.now,
+            settings=self.sch.keeper_settings(), clock=lambda: self.sched.now,
             spares=self.sch.spares)
         keeper.store_moved(old, alive)
         keeper.on_store_ready()
@@ -739,6 +757,9 @@ class World:
                 self.violation(f"rank {m.rank} (incarnation {m.inc}) goes on from round {rnd} of quorum {e}, "
                                f"which was voted down (it keeps {kept or 0} of its steps, this member took {taken})")
         seen = self.committed.get((m.lineage, m.step))
+        it = d.iteration
+        if it.several and (it.taken or it.done):  # inside a loop step: its sub-steps so far are on top of it
+            return
         if seen is not None and seen != m.digest:
             self.violation(f"rank {m.rank} (incarnation {m.inc}) goes on at step {m.step} holding {m.digest}, "
                            f"while the committed state is {seen}")

@@ -1,9 +1,11 @@
 """`python -m ftrun.worker.bootstrap [-m] SCRIPT ARGS...`: run a user's script as a worker.
 
 Reads the environment once (ftrun.worker.settings), installs what ftrun adds to a worker
-(progress reports, stack dumps on request, the DDP comm hook), then runs the
-script exactly as `python SCRIPT ARGS` (or `python -m MODULE`) would: same
-sys.argv, sys.path[0], __main__ and exit status.
+(progress reports, stack dumps on request, the DDP comm hook, its children's death with it), then
+runs the script exactly as `python SCRIPT ARGS` (or `python -m MODULE`) would: same
+sys.argv, sys.path[0], __main__ and exit status. A failure is printed as python prints it, but
+for a collective that failed because a peer went away (an expected event): its traceback goes
+to the rank's log only.
 Must never change what the script computes, and never import the supervisor.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import re
 import runpy
 import sys
 import threading
@@ -19,7 +22,8 @@ import time
 import traceback
 from typing import List, Optional
 
-from ftrun.protocol import EXIT_SIGINT, EXIT_USAGE
+from ftrun.prctl import set_parent_death_signal
+from ftrun.protocol import EXIT_FAILED, EXIT_SIGINT, EXIT_USAGE
 from ftrun.worker import settings
 from ftrun.worker.proc import DUMP_STACKS_SIGNAL, set_title, worker_title
 
@@ -49,21 +53,46 @@ def _stacks_file():
     return _stacks if _stacks is not None else sys.stderr
 
 
+def _children_die_with_it() -> None:
+    """A process this worker forks from its main thread (a DataLoader's workers) gets the
+    parent-death signal: it dies with the worker at once, instead of noticing a moment later
+    that the worker is gone (a loader worker's resource sharer then printed a traceback of the
+    connection its dead parent reset). Only the worker's own children, forked by its main
+    thread: the signal follows the thread that forked, and a loader iterated in another thread
+    must not lose its workers when that thread ends."""
+    me = os.getpid()
+    forking = [False]
+
+    def before() -> None:
+        forking[0] = os.getpid() == me and threading.current_thread() is threading.main_thread()
+
+    def child() -> None:
+        if forking[0]:
+            set_parent_death_signal()
+            if os.getppid() != me:  # the worker died before the signal was set
+                os._exit(EXIT_FAILED)
+
+    os.register_at_fork(before=before, after_in_child=child)
+
+
 def install() -> None:
     """Everything ftrun adds inside a worker, before the user's code runs."""
     s = settings.current()
     _prepare_stdio()
+    _children_die_with_it()
     faulthandler.register(DUMP_STACKS_SIGNAL, file=_stacks_file(), all_threads=True)
     from ftrun.worker import progress
 
     progress.start_from_env()
     if s.ft and s.replica_size == "1":
         from ftrun.worker.ft.api import world
-        from ftrun.worker.frameworks import hf, lightning
+        from ftrun.worker.frameworks import accelerate, fabric, hf, lightning
 
         world.install()
         lightning.install()  # FTStrategy for an unmodified Lightning script, as it imports Lightning
         hf.install()  # the Hugging Face Trainer's part, as the script imports transformers
+        accelerate.install()  # a line for a plain Accelerator (ftrun.accelerate.Accelerator heals)
+        fabric.install()  # a line for a plain Fabric (ftrun.fabric.Fabric heals)
     if s.ft:
         from ftrun.worker.ft.api import data_checks
 
@@ -83,6 +112,52 @@ def _user_traceback(exc: BaseException) -> None:
                               or tb.tb_frame.f_code.co_filename.endswith(("runpy.py", "<frozen runpy>"))):
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb)
+
+
+# The lines around the traceback of a collective that failed because a peer went away (a peer's
+# death is expected: ftrun says it in its own words). ftrun.supervisor.workers.logs keeps what is
+# between them in the rank's log, off the console.
+PEER_LOST_BEGIN = "ftrun: rank {rank}: a peer went away mid-collective ({error}); its traceback follows, for the log"
+PEER_LOST_END = "ftrun: rank {rank}: end of the traceback of the collective a peer left"
+# What torch's collectives and store say when the process at the other end is gone (gloo's
+# transport, the c10d store, NCCL); a timeout is not one of them (a hung peer is not a dead one).
+_PEER_GONE = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused|"
+                        r"failed to recv, got 0 bytes|remote process exited|NCCL communicator was aborted")
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    """Whether the script failed only because a peer process went away: every exception of its
+    chain is one of torch's collectives (or its store) failing so. A real error of the script's
+    own, even one raised while handling such a failure, is not."""
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", ()) if dist is not None else ()
+    seen = 0
+    e: Optional[BaseException] = exc
+    while e is not None and seen < 16:
+        text = str(e)
+        if not (isinstance(e, RuntimeError) and (isinstance(e, dist_error) or "gloo/transport/" in text)
+                and _PEER_GONE.search(text)):
+            return False
+        e = e.__cause__ if e.__cause__ is not None else None if e.__suppress_context__ else e.__context__
+        seen += 1
+    return True
+
+
+def _failed(exc: BaseException) -> None:
+    """The script's failure on stderr as python prints it; the traceback of a collective a peer
+    left goes to the rank's log only, between PEER_LOST_BEGIN and PEER_LOST_END."""
+    if not _peer_lost(exc):
+        _user_traceback(exc)
+        return
+    rank = settings.current().rank_text
+    # The error's first sentence, without the library's source path: "Read error [addr]:port:
+    # Connection reset by peer".
+    text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())
+    error = (text.splitlines() or [type(exc).__name__])[0].split(". ")[0][:200]
+    sys.stderr.write(PEER_LOST_BEGIN.format(rank=rank, error=error) + "\n")
+    _user_traceback(exc)
+    sys.stderr.write(PEER_LOST_END.format(rank=rank) + "\n")
+    sys.stderr.flush()
 
 
 def _record_error(exc: BaseException) -> None:
@@ -173,7 +248,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         _interrupted(sys.exc_info()[1])
         code = EXIT_SIGINT
     except BaseException as exc:  # noqa: BLE001 - the script's own failure, reported as python would
-        _user_traceback(exc)
+        _failed(exc)
         _record_error(exc)
         code = 1
     fast_exit(code)

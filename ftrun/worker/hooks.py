@@ -32,6 +32,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from ftrun.hookspec import HookSpec
 from ftrun.worker import progress, settings
+from ftrun.worker.diloco import Outer
 
 HookFn = Callable[[Any, dist.GradBucket], torch.futures.Future]
 
@@ -41,6 +42,7 @@ _TORCH_HOOK_NAMES = {
     "fp16": "fp16_compress_hook",
     "bf16": "bf16_compress_hook",
     "noop": "noop_hook",
+    "diloco": "noop_hook",
     "powersgd": "powerSGD_hook",
     "batched-powersgd": "batched_powerSGD_hook",
     "localsgd": "post_localSGD_hook",
@@ -143,7 +145,7 @@ def build(spec: HookSpec, pg: Optional[dist.ProcessGroup]) -> Tuple[Any, HookFn,
         return group, default_hooks.fp16_compress_hook, extras
     if spec.name == "bf16":
         return group, _bf16_hook, extras
-    if spec.name == "noop":
+    if spec.name in ("noop", "diloco"):  # diloco: nothing crosses replicas between syncs (ftrun.worker.diloco)
         return None, debugging_hooks.noop_hook, extras
     if spec.name in ("powersgd", "batched-powersgd"):
         kwargs = dict(
@@ -207,6 +209,9 @@ class Registration:
             _atexit_installed = True
         self.model_ref = weakref.ref(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if spec.name == "diloco":
+            p = spec.effective_params()
+            self.extras["diloco"] = Outer(self.params, p["period"], p["outer_lr"], p["outer_momentum"], pg, spec.wrap)
         self.hook = self._compose()
 
     def _compose(self) -> HookFn:
@@ -217,7 +222,7 @@ class Registration:
             buf = bucket.buffer()
             # fp16/bf16 hooks cast inside torch's hook, after this point.
             elsize = 2 if spec.name in ("fp16", "bf16") else buf.element_size()
-            if spec.name == "noop":
+            if spec.name in ("noop", "diloco"):
                 sent = 0
             elif spec.name in ("powersgd", "batched-powersgd"):
                 before = state.total_numel_after_compression
@@ -237,7 +242,9 @@ class Registration:
             stats.step_bytes += numel * elsize
 
         inner: HookFn = count
-        if spec.wrap == "fp16":
+        if spec.name == "diloco":
+            pass  # its --wrap casts what a sync sends, never the local gradients
+        elif spec.wrap == "fp16":
             inner = default_hooks.fp16_compress_wrapper(count)
         elif spec.wrap == "bf16":
             inner = default_hooks.bf16_compress_wrapper(count)
@@ -288,8 +295,12 @@ class Registration:
         self.stats.step_bytes += nbytes
         self._step_sent()
 
-    # localsgd: parameters averaged after the user's optimizer steps
+    # localsgd: parameters averaged after the user's optimizer steps; diloco: the outer step
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        outer = self.extras.get("diloco")
+        if outer is not None:
+            outer.after_optimizer_step(optimizer)
+            return
         averager = self.extras.get("averager")
         if averager is None:
             return
@@ -310,8 +321,8 @@ class Registration:
             "spec": self.spec.describe(),
             "comm_hook": self.name,
             "steps": st.steps,
-            "bytes_sent": st.bytes_sent + st.averaging_bytes,
-            "bytes_per_step": (st.bytes_sent + st.averaging_bytes) / steps,
+            "bytes_sent": st.bytes_sent + st.averaging_bytes + self._sync_bytes(),
+            "bytes_per_step": (st.bytes_sent + st.averaging_bytes + self._sync_bytes()) / steps,
             "last_step_bytes": st.last_step_bytes,
             "dense_bytes_per_step": st.bytes_dense / steps,
         }
@@ -319,10 +330,16 @@ class Registration:
             rate, before, after = self.state.compression_stats()
             out["powersgd"] = {"iter": self.state.iter, "start_iter": self.state.start_powerSGD_iter,
                                "compression_rate": rate, "numel_before": before, "numel_after": after}
+        if self.spec.name == "diloco":
+            out["diloco"] = self.extras["diloco"].figures()
         if self.spec.name == "localsgd":
             out["localsgd"] = {"iter": self.state.iter, "averaging_bytes": st.averaging_bytes,
                                "averager_step": self.extras["averager"].step}
         return out
+
+    def _sync_bytes(self) -> int:
+        outer = self.extras.get("diloco")
+        return outer.sync_bytes if outer is not None else 0
 
     def figures_line(self, at_exit: bool = False) -> str:
         f = self.figures()
@@ -332,6 +349,10 @@ class Registration:
         if dense > f["bytes_per_step"] > 0:
             line += f", {dense / f['bytes_per_step']:.1f}x less"
         line += ")"
+        if "diloco" in f:
+            d = f["diloco"]
+            line += (f"; DiLoCo: {d['syncs']} sync{'s' if d['syncs'] != 1 else ''} of {_mb(d['sync_bytes'] / max(1, d['syncs']))} "
+                     f"every {d['period']} steps, the next at step {d['next_sync']}")
         if "powersgd" in f:
             ps = f["powersgd"]
             line += (f"; PowerSGD iter {ps['iter']} (compresses from {ps['start_iter']}), "
@@ -366,7 +387,7 @@ _atexit_installed = False
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     for reg in _registrations:
-        if reg.spec.name == "localsgd":
+        if reg.spec.name in ("localsgd", "diloco"):
             reg.after_optimizer_step(optimizer)
 
 
@@ -380,8 +401,8 @@ def register(spec: HookSpec, model: Any, register_fn: Optional[Callable[[Any, Ho
     reg = Registration(spec, model, getattr(model, "process_group", None))
     (register_fn or model.register_comm_hook)(reg.state, reg.hook)
     _registrations.append(reg)
-    if spec.name == "localsgd" and not _step_hook_installed:
-        # Local SGD without touching the user's optimizer: average after each step.
+    if spec.name in ("localsgd", "diloco") and not _step_hook_installed:
+        # Local SGD and DiLoCo without touching the user's optimizer: average (or the outer step) after a step.
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         register_optimizer_step_post_hook(_on_optimizer_step)
@@ -460,6 +481,8 @@ def hook_state_dict(model: Any) -> Dict[str, Any]:
         }
     if reg.spec.name == "localsgd":
         return {"kind": "localsgd", "iter": int(st.iter), "averager_step": int(reg.extras["averager"].step)}
+    if reg.spec.name == "diloco":
+        return reg.extras["diloco"].state_dict()
     return {"kind": reg.spec.name}
 
 
@@ -485,6 +508,8 @@ def load_hook_state_dict(model: Any, state: Dict[str, Any]) -> None:
     elif state.get("kind") == "localsgd":
         st.iter = int(state["iter"])
         reg.extras["averager"].step = int(state["averager_step"])
+    elif state.get("kind") == "diloco":
+        reg.extras["diloco"].load_state_dict(state)
 
 
 def reset_hook_state(model: Any, iteration: Optional[int] = None) -> None:
@@ -504,3 +529,5 @@ def reset_hook_state(model: Any, iteration: Optional[int] = None) -> None:
     elif reg.spec.name == "localsgd" and iteration is not None:
         st.iter = int(iteration)
         reg.extras["averager"].step = int(iteration)
+    elif reg.spec.name == "diloco" and iteration is not None:
+        reg.extras["diloco"].steps = int(iteration)

@@ -38,6 +38,13 @@ them by name. Each is listed in PATCHES, and each is applied through
 - `_AcceleratorConnector.__init__` of Lightning (frameworks/lightning.py, --ft, once the script
   imports Lightning): one line when a Trainer's strategy is one ftrun cannot heal (a strategy
   object, FSDP, one device per run...), so a group restart is not a surprise.
+- `Accelerator.__init__` of Accelerate and `Fabric.__init__` of Lightning Fabric
+  (frameworks/accelerate.py, frameworks/fabric.py, --ft): one line for a plain one, whose loop
+  ftrun cannot heal. With the drop-ins (ftrun.accelerate.Accelerator, ftrun.fabric.Fabric):
+  Accelerate's state modules see a run of one while the Accelerator is built
+  (`accelerate.run_of_one`), its main process is the first live replica (`accelerate.main`),
+  and torch's LR schedulers note themselves as they are built (`lr_scheduler`,
+  frameworks/script_loop.py).
 
 Not patches, but global too: under --ft a finder on sys.meta_path (frameworks/imports.py) runs
 ftrun's code right after Lightning's strategies package is imported, which registers FTStrategy
@@ -115,10 +122,36 @@ PATCHES: Dict[str, Patch] = {
         ("transformers.trainer.skip_first_batches",) + tuple(f"transformers.trainer.Trainer.{m}" for m in (
             "get_train_dataloader", "create_optimizer", "_wrap_model", "_init_training_state",
             "_prepare_for_training", "_run_epoch", "get_batch_samples", "_finalize_training",
-            "is_world_process_zero", "save_model")),
+            "is_world_process_zero", "save_model", "training_step")),
         "ftrun.worker.frameworks.hf",
-        "--ft: the Trainer's model, optimizer, loader and loop over ftrun.ft (a failed replica heals from a peer)",
+        "--ft: the Trainer's model, optimizer, loader and loop over ftrun.ft (a failed replica heals from a peer); "
+        "over a stream, a batch of no samples is trained as the stream's first sample at zero weight (for that "
+        "training_step, the Trainer's accelerator.backward is given the loss times 0)",
         "undo('hf.trainer'); a Trainer whose arguments ftrun did not set up calls transformers' own methods"),
+    "accelerate.plain": Patch(
+        ("accelerate.accelerator.Accelerator.__init__",), "ftrun.worker.frameworks.accelerate",
+        "--ft: one line when the script trains with a plain accelerate.Accelerator, whose loop ftrun cannot heal "
+        "(the run then gets group restarts)", "undo('accelerate.plain'); the wrapper calls Accelerate's own __init__ first"),
+    "accelerate.run_of_one": Patch(
+        ("accelerate.state.os", "accelerate.utils.environment.os"), "ftrun.worker.frameworks.accelerate",
+        "--ft: while ftrun.accelerate.Accelerator is built, Accelerate reads an environment without the distributed "
+        "run's variables (a run of one); the worker's own environment is not changed",
+        "undone as soon as the Accelerator is built"),
+    "accelerate.main": Patch(
+        tuple(f"accelerate.state.{c}.{p}" for c in ("PartialState", "AcceleratorState")
+              for p in ("is_main_process", "is_local_main_process")), "ftrun.worker.frameworks.accelerate",
+        "--ft with ftrun.accelerate.Accelerator: the main process is the first live replica (one writer and printer "
+        "whoever is away)", "undo('accelerate.main'); the properties ask Accelerate's own while no drop-in runs"),
+    "fabric.plain": Patch(
+        ("lightning.fabric.fabric.Fabric.__init__",), "ftrun.worker.frameworks.fabric",
+        "--ft: one line when the script trains with a plain lightning.fabric.Fabric, whose loop ftrun cannot heal "
+        "(the run then gets group restarts)", "undo('fabric.plain'); the wrapper calls Fabric's own __init__ first"),
+    "lr_scheduler": Patch(
+        ("torch.optim.lr_scheduler.LRScheduler.__init__", "torch.optim.lr_scheduler.ReduceLROnPlateau.__init__"),
+        "ftrun.worker.frameworks.script_loop",
+        "--ft with ftrun.accelerate.Accelerator or ftrun.fabric.Fabric: the LR schedulers the script builds are "
+        "noted (weakly), so that a heal carries them and a discarded step puts them back",
+        "undo('lr_scheduler'); the wrapper calls torch's own __init__ first and only notes the scheduler"),
     "ddp.hook": Patch(
         ("torch.nn.parallel.DistributedDataParallel.__init__",
          "torch.nn.parallel.DistributedDataParallel.register_comm_hook",

@@ -67,6 +67,7 @@ class Settings:
     checkpoint: Optional[CheckpointSettings]
     ft_timeout_s: float                 # FTRUN_FT_TIMEOUT, within 0.5..3600 s (else 10)
     hook_log_every: int                 # FTRUN_HOOK_LOG_EVERY (0: only at exit)
+    gloo_interfaces: Tuple[str, ...]    # GLOO_SOCKET_IFNAME, split at commas (torch's gloo reads it too)
     # fault injection and knobs for the tests
     checkpoint_inject_delay: str        # FTRUN_CHECKPOINT_INJECT_DELAY, "STEP:SECONDS"
     # a fresh DCP stager for every save, as on a torch whose stager stages only once
@@ -76,6 +77,7 @@ class Settings:
     # out of every other save (where step // every is even), to measure in one run what they cost
     checkpoint_verify: str              # FTRUN_CHECKPOINT_VERIFY: "1", "0" or "alternate"
     inject_progress_fail: str           # FTRUN_INJECT_PROGRESS_FAIL, "START:COUNT"
+    inject_store: str                   # FTRUN_FT_INJECT_STORE, "RANK:INCARNATION=HOST:PORT"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -98,10 +100,12 @@ class Settings:
             checkpoint=CheckpointSettings.from_env(env),
             ft_timeout_s=_ft_timeout(env.get("FTRUN_FT_TIMEOUT", "10")),
             hook_log_every=_log_every(env.get("FTRUN_HOOK_LOG_EVERY", "100")),
+            gloo_interfaces=tuple(n for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n),
             checkpoint_inject_delay=env.get("FTRUN_CHECKPOINT_INJECT_DELAY", ""),
             checkpoint_fresh_stager=bool(env.get("FTRUN_CHECKPOINT_FRESH_STAGER")),
             checkpoint_verify=env.get("FTRUN_CHECKPOINT_VERIFY", "1"),
             inject_progress_fail=env.get("FTRUN_INJECT_PROGRESS_FAIL", ""),
+            inject_store=env.get("FTRUN_FT_INJECT_STORE", ""),
         )
 
     @property
@@ -152,7 +156,15 @@ _moved_to: Optional[str] = None  # where the run's store moved to, once it has
 
 def run_store() -> str:
     """host:port of the run's store now (it may have moved since the start; see the docstring)."""
-    return _moved_to or current().store
+    s = current()
+    return _moved_to or _injected_store(s) or s.store
+
+
+def _injected_store(s: Settings) -> Optional[str]:
+    """FTRUN_FT_INJECT_STORE for this worker's incarnation: until it follows a move, it takes that
+    store for the run's, as a worker whose connection reached another store at the run's address."""
+    who, _, addr = s.inject_store.partition("=")
+    return addr if addr and who == f"{s.rank}:{s.restart_count}" else None
 
 
 def store_moved(addr: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ftrun.config import RunConfig
 from ftrun.status.state import RunPhase, RunStatus, run_dir, run_folder_name
@@ -90,19 +90,22 @@ class Accounting:
             return False
         return True
 
-    def read_progress(self, store: Any, workers: Sequence[Worker], ft: bool, now: float) -> None:
-        """The workers' new progress reports (a few times a second), once store_found() said so."""
+    def read_progress(self, store: Any, workers: Sequence[Worker], ft: bool, now: float) -> List[int]:
+        """The workers' new progress reports (a few times a second), once store_found() said so;
+        the ranks whose first report says they run (without --ft: with it, joining a quorum does)."""
+        started: List[int] = []
         if not self._store_seen or store is None or store.store is None:
-            return
+            return started
         for w, report in self.progress.read_new(workers):
             w.last_heartbeat = now
             w.note_activity(report.activity, now)
             self.ledger.progress(w, report, now)
             if w.state == WorkerState.STARTING and not ft:
-                w.state = WorkerState.RUNNING
+                started.append(w.rank)
                 self._dirty = True
             if note_steps(w, report.steps, now):
                 self._dirty = True
+        return started
 
     def read_last_reports(self, workers: Sequence[Worker], quorum: Any) -> None:
         """Take in the report each worker writes as it exits (ftrun.worker.progress), so the

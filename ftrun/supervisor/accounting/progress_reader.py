@@ -23,7 +23,7 @@ Reports = List[Tuple[Worker, ProgressReport]]
 
 class ProgressReader:
     """The progress reports of this node's workers. `where` gives the store they report to: the
-    node's own when its node relays (ftrun.supervisor.nodes.relay), else the run's."""
+    node's own when its node relays (ftrun.supervisor.relay), else the run's."""
 
     def __init__(self, where: Callable[[], Optional[RunStore]]) -> None:
         self._where = where

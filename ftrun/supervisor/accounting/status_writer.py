@@ -12,16 +12,28 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Dict, List, Optional, Protocol, Sequence
 
 from ftrun.status.state import ReplicaStatus, RunStatus, write_state
 from ftrun.supervisor.accounting.ledger import Ledger
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Worker
 
-if TYPE_CHECKING:
-    from ftrun.supervisor.nodes.coordinator import NodeCoordinator
-    from ftrun.supervisor.ft.quorum import QuorumKeeper
+
+
+class QuorumFields(Protocol):
+    """What the state file takes from the --ft keeper (ftrun.supervisor.ft.quorum.QuorumKeeper):
+    accounting sits below the keeper and names only what it reads."""
+
+    def replica_fields(self, rank: int) -> Dict[str, Any]: ...
+
+    def run_fields(self) -> Dict[str, Any]: ...
+
+
+class NodeReplicas(Protocol):
+    """What the state file takes from the node coordinator (ftrun.supervisor.nodes.coordinator)."""
+
+    def all_replicas(self, local: List[ReplicaStatus]) -> List[ReplicaStatus]: ...
 
 
 class StatusWriter:
@@ -33,7 +45,7 @@ class StatusWriter:
         self.node_rank = node_rank
         self._ledger_failed = False
 
-    def replica_status(self, w: Worker, quorum: Optional["QuorumKeeper"]) -> ReplicaStatus:
+    def replica_status(self, w: Worker, quorum: Optional[QuorumFields]) -> ReplicaStatus:
         return ReplicaStatus(
             rank=w.rank, local_rank=w.spec.local_rank, pid=w.pid, state=w.state.value, restarts=w.restarts,
             step=w.steps, steps_per_s=round(w.steps_per_s, 3), last_heartbeat=w.last_heartbeat,
@@ -42,8 +54,8 @@ class StatusWriter:
             **(quorum.replica_fields(w.rank) if quorum is not None else {}),
         )
 
-    def write(self, workers: Sequence[Worker], quorum: Optional["QuorumKeeper"],
-              nodes: Optional["NodeCoordinator"]) -> None:
+    def write(self, workers: Sequence[Worker], quorum: Optional[QuorumFields],
+              nodes: Optional[NodeReplicas]) -> None:
         if quorum is not None:
             # Every write, not only when the quorum changes: the figures move with every step.
             for k, v in quorum.run_fields().items():

@@ -20,7 +20,7 @@ restarted replica asks to join, and when a member dies. For a member that
 died it abstains in the rounds its peers may be waiting on, so those rounds
 close on the survivors' own votes; a round its vote closes, it decides. On
 several nodes that vote goes through the member's node's store (relayed per
-node, ftrun.supervisor.nodes.relay) while the node answers. It deletes the keys of
+node, ftrun.supervisor.relay) while the node answers. It deletes the keys of
 finished rounds and old quorums, so the store does not grow with the run.
 
 This module is the shell: it reads the store into a snapshot, asks the keeper core
@@ -46,7 +46,7 @@ from ftrun.supervisor.ft.keeper.core import FRESH_START, KeeperDecision, KeeperS
 from ftrun.supervisor.ft.keeper.dead import KeeperRules
 from ftrun.supervisor.ft.quorum_status import ReplicaReports
 from ftrun.supervisor.ft.quorum_votes import VoteCaster
-from ftrun.supervisor.nodes.relay import Routes
+from ftrun.supervisor.relay import Routes
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,16 @@ class KeeperSettings:
     round_steps: int = keys.ROUND_STEPS
     round_steps_chosen: bool = False  # the user set the round length: it is kept, not paced
     note: Optional[str] = None  # a line saying why the environment's value was not taken
+    check_s: float = keys.CHECK_S  # seconds between the guard's checks (0: off)
+    check_steps: Optional[int] = None  # steps between them, if the user chose (FTRUN_FT_CHECK_STEPS)
 
     @staticmethod
     def from_env(env: Mapping[str, str]) -> "KeeperSettings":
         steps, why = keys.round_steps_from_env(env)
-        return KeeperSettings(steps, why is None and keys.ROUND_STEPS_ENV in env, why)
+        # Bad values are refused before the run starts (checks.py).
+        check_s, _ = keys.check_s_from_env(env)
+        check_steps, _ = keys.check_steps_from_env(env)
+        return KeeperSettings(steps, why is None and keys.ROUND_STEPS_ENV in env, why, check_s, check_steps)
 
 
 class QuorumKeeper:
@@ -75,7 +80,7 @@ class QuorumKeeper:
         # the same clock the supervisor passes to poll (the simulator passes its virtual one).
         self.clock = clock
         self.store = store  # RunStore; its .store is the TCPStore once ready
-        # Several nodes: the nodes whose members vote through their node's store (ftrun.supervisor.nodes.relay).
+        # Several nodes: the nodes whose members vote through their node's store (ftrun.supervisor.relay).
         self.routes = routes
         self.k = replica_size
         self.ranks = sorted(ranks)              # every replica of the run (all nodes)
@@ -99,6 +104,7 @@ class QuorumKeeper:
             self.history.append(settings.note)
         # A round length the user chose is kept; the default follows the run's pace (Pace).
         self.round_steps_chosen = settings.round_steps_chosen
+        self.check_s, self.check_steps = settings.check_s, settings.check_steps
         self.pace = Pace()
         self._dead_pending: List[Tuple[int, int]] = []
         # Members that died while listed in a quorum, and the rounds voted for them, per quorum,
@@ -148,7 +154,7 @@ class QuorumKeeper:
             stopping=self.stopping, writer=self.writer, moved=self.moved, fresh_start=self.fresh_start,
             round_steps=self.round_steps, round_steps_chosen=self.round_steps_chosen, step_s=self.pace.step_s(),
             quorum_steps=self.quorum_steps, quorum_paced=self.quorum_paced, repace_after=self.repace_after,
-            spares=self.spares, held=self.held, **read)
+            spares=self.spares, held=self.held, check_s=self.check_s, check_steps=self.check_steps, **read)
 
     def store_moved(self, old: "QuorumKeeper", alive: Mapping[int, Optional[int]]) -> None:
         """This keeper starts on the store the run moved to (ftrun.supervisor.nodes.failover) after `old`'s

@@ -1,6 +1,6 @@
 """The replicas' status reports as the quorum keeper last read them: each replica's own key, or
 on several nodes the one key per relaying node where the node's ftrun copies its replicas'
-reports (ftrun.supervisor.nodes.relay). A component of quorum.QuorumKeeper that owns what it read;
+reports (ftrun.supervisor.relay). A component of quorum.QuorumKeeper that owns what it read;
 the figures made of it are the keeper core's (ftrun.supervisor.ft.keeper.core). Must never write
 to the store, and never import torch.
 """
@@ -11,7 +11,7 @@ import json
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ftrun import protocol as keys
-from ftrun.supervisor.nodes.relay import Routes
+from ftrun.supervisor.relay import Routes
 from ftrun.wire import InfoReport
 
 

@@ -11,12 +11,12 @@ Must never start, stop or signal a worker, and never be called from outside the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from ftrun.supervisor.accounting.progress_reader import ProgressReader, note_steps
-from ftrun.supervisor.nodes.node_common import one_line
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Worker, WorkerState
+from ftrun.wire import one_line
 
 if TYPE_CHECKING:  # the loop's keeper; imported for the annotation only
     from ftrun.supervisor.ft.quorum import QuorumKeeper
@@ -25,10 +25,12 @@ if TYPE_CHECKING:  # the loop's keeper; imported for the annotation only
 @dataclass(frozen=True)
 class QuorumNews:
     """What a poll of the quorum asks of the loop: the state file is out of date (`changed`), the run
-    goes on with group restarts (`to_group`: its script never joins a quorum)."""
+    goes on with group restarts (`to_group`: its script never joins a quorum), the workers now
+    training in a quorum (`training`: their state becomes running)."""
 
     changed: bool = False
     to_group: bool = False
+    training: Tuple[int, ...] = ()
 
 
 class QuorumView:
@@ -57,6 +59,7 @@ class QuorumView:
             return QuorumNews()
         self._failing = False
         changed = False
+        training: List[int] = []
         for rank, inc in q.take_rejoined():  # a worker became its next incarnation in place: its process lives on
             for w in workers:
                 if w.rank == rank and w.alive:
@@ -88,25 +91,34 @@ class QuorumView:
                         else:
                             self.console.note(f"{who} is training again, healed from a peer "
                                               f"{took:.2f} s after it failed", style="green")
-                    w.state = WorkerState.RUNNING
+                    training.append(w.rank)
                     changed = True
         if self.plain_script(q, workers, several_nodes):
-            return QuorumNews(True, to_group=True)
-        return QuorumNews(changed or quorum_id != q.quorum_id)  # the run's figures are taken at every write
+            return QuorumNews(True, to_group=True, training=tuple(training))
+        return QuorumNews(changed or quorum_id != q.quorum_id, training=tuple(training))  # the run's figures are taken at every write
 
     def plain_script(self, q: Any, workers: Sequence[Worker], several_nodes: bool) -> bool:
         """A worker that steps without ever asking to join a quorum runs a script without ftrun.ft:
         none of its replicas can heal from a peer, and one restarted alone could not join the
         script's own process group. Such a run gets what it gets without --ft, group restarts
         (every worker with its own default group again), said once. Several nodes keep replica
-        restarts (their group restarts are agreed at the start), with the line. True when the
-        quorum is to be given up."""
+        restarts (their group restarts are agreed at the start), with the line. A script whose
+        framework (a Trainer, a Lightning strategy) already said why it cannot heal gets no line
+        of ftrun.ft's advice. True when the quorum is to be given up."""
         if self._told_plain or q is None:
             return False
         plain = [w.rank for w in workers if w.first_step_seen and not q.info.get(w.rank)]
         if not plain:
             return False
         self._told_plain = True
+        if self.console.framework_said:
+            # Its framework's line said why, with the advice that fits a Trainer or a Lightning
+            # script (ftrun.ft's does not); several nodes keep replica restarts, which it cannot use.
+            if several_nodes:
+                self.console.note(f"--ft: rank {plain[0]} trains in its framework's own group (said above), which a "
+                                  f"replica restarted alone cannot join: drop --ft for group restarts",
+                                  style="bold yellow")
+            return not several_nodes
         how = ("a failure restarts all workers, as without --ft" if not several_nodes else
                "drop --ft for group restarts")
         self.console.note(f"--ft: rank {plain[0]} trains without ftrun.ft (it never asked to join a quorum), so a "

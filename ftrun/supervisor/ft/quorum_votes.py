@@ -1,5 +1,5 @@
 """The quorum keeper's votes as cast in the store: in the run's store, or on several nodes
-through the member's node store while that node relays and answers (ftrun.supervisor.nodes.relay),
+through the member's node store while that node relays and answers (ftrun.supervisor.relay),
 forwarding a node's count it completes as the node's last voter would; a round's decision
 written where a vote closes it, or where its closer died. Which votes are due, and what a count
 means, is the keeper core's (ftrun.supervisor.ft.keeper.dead); this component only carries them
@@ -15,7 +15,7 @@ from ftrun import protocol as keys
 from ftrun.supervisor.ft.keeper import dead
 from ftrun.supervisor.ft.keeper.core import KeeperSnapshot
 from ftrun.supervisor.ft.keeper.dead import KeeperRules
-from ftrun.supervisor.nodes.relay import Routes
+from ftrun.supervisor.relay import Routes
 
 
 class VoteCaster:
@@ -111,7 +111,7 @@ class VoteCaster:
 
     def _forward(self, s: KeeperSnapshot, node: int, local, e: int, rnd: int, total: int) -> None:
         """A node's completed count, to the run's store in place of its last voter; the decision
-        reaches the node's members through its relay (ftrun.supervisor.nodes.relay.NodeRelay)."""
+        reaches the node's members through its relay (ftrun.supervisor.relay.NodeRelay)."""
         self._run_vote(s, e, rnd, total)
         local.set(keys.node_forwarded_key(node, e, rnd), "1")
 

@@ -36,12 +36,12 @@ from ftrun.supervisor.loop.table import WorkerTable
 from ftrun.supervisor.nodes.coordinator import NodeCoordinator
 from ftrun.supervisor.nodes.node_common import NodeEvent
 from ftrun.supervisor.nodes.node_decisions import NodeNews, RemoteFailure, StoreMoved, can_reform
-from ftrun.supervisor.nodes.relay import NodeRelay
+from ftrun.supervisor.relay import NodeRelay
 from ftrun.supervisor.policy.failure_policy import FailurePolicy
 from ftrun.supervisor.policy.failures import ReplicaOutcome, WorkerFailures, training_over
 from ftrun.supervisor.policy.hangs import find_hung
 from ftrun.supervisor.policy.restart import Repeats
-from ftrun.supervisor.policy.stopping import AfterStop, Stopper, StopRun, forwarded_signals
+from ftrun.supervisor.policy.stopping import AfterStop, AskSave, EndGrace, Stopper, StopRun, forwarded_signals
 from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.store import RunStore, open_run_store
 from ftrun.supervisor.workers.env import error_file, log_dir, stacks_file, worker_env
@@ -52,7 +52,7 @@ from ftrun.supervisor.workers.worker import Failure, Worker, WorkerState
 TICK_S = 0.25
 STORE_READY_TIMEOUT_S = 30.0
 
-Action = Union[StopRun, ReplicaOutcome, RemoteFailure, StoreMoved, NodeEvent, None]
+Action = Union[StopRun, EndGrace, AskSave, ReplicaOutcome, RemoteFailure, StoreMoved, NodeEvent, None]
 
 
 class Supervisor:
@@ -150,7 +150,7 @@ class Supervisor:
         self.common["FTRUN_FT"] = "0"  # the workers' --ft switch (ftrun.supervisor.workers.env, ftrun.worker.settings)
         for w in self.workers:
             if w.state == WorkerState.STARTING and w.first_step_seen:
-                w.state = WorkerState.RUNNING
+                self.table.mark(w, WorkerState.RUNNING)
 
     def _spawn(self, w: Worker) -> None:
         env = worker_env(self.common, self.cfg, w.spec.local_rank, w.incarnation)
@@ -165,11 +165,8 @@ class Supervisor:
                    Pump(err_r, log.stderr_path, w.rank, self.console, True, banner)]
         # A new attempt counts its own steps; with --ft the step is global.
         ft = self.quorum is not None  # --ft, and the script uses ftrun.ft (QuorumView.plain_script)
-        w.begin_incarnation(f"{w.rank}.{w.incarnation}.{time.monotonic_ns()}",
-                            WorkerState.RECOVERING if ft and w.incarnation else WorkerState.STARTING,
-                            keep_steps=ft)
+        self.table.started(w, WorkerState.RECOVERING if ft and w.incarnation else WorkerState.STARTING, keep_steps=ft)
         self.books.ledger.spawned(w, time.time())
-        self.table.started(w)
         self.books.progress.forget(w.rank)
         if self.quorum is not None:
             self.quorum.on_spawn(w.rank, w.incarnation)
@@ -217,8 +214,9 @@ class Supervisor:
 
     def _handle(self, ev) -> None:
         if isinstance(ev, tuple) and ev[0] == "signal":
-            self._apply(self.stopper.on_stop_signal(ev[1], self.quorum,
-                                                    any(w.state == WorkerState.DONE for w in self.workers)))
+            can_save = (self.quorum is not None and self.quorum.leader
+                        and not any(w.state == WorkerState.DONE for w in self.workers))
+            self._apply(self.stopper.on_stop_signal(ev[1], can_save))
             self.books.changed()
         elif isinstance(ev, Spawned):
             st = self.stopper.current
@@ -255,6 +253,7 @@ class Supervisor:
                                              self.nodes is not None, self.books.status.quorum_id)
                 if self.cfg.checkpoint_dir and now == self._last_progress:
                     self.books.poll_checkpoint(self.store)  # a few times a second, with the progress poll
+                self.table.mark_ranks(news.training, WorkerState.RUNNING)
                 if news.to_group:
                     self._to_group_restarts()
                 if news.changed:
@@ -266,11 +265,12 @@ class Supervisor:
     def _poll_progress(self, now: float) -> None:
         if self.books.store_found(self.store):
             self._on_store_ready()
-        self.books.read_progress(self.store, self.workers, self.quorum is not None, now)
+        self.table.mark_ranks(self.books.read_progress(self.store, self.workers, self.quorum is not None, now),
+                              WorkerState.RUNNING)
 
     def _reports_store(self) -> RunStore:
         """Where this node's workers report progress: the node's own store when it relays their
-        reports (ftrun.supervisor.nodes.relay), else the run's."""
+        reports (ftrun.supervisor.relay), else the run's."""
         return self.nodes.node_store if self.relay is not None else self.store
 
     def _on_store_ready(self) -> None:
@@ -313,19 +313,21 @@ class Supervisor:
             p.done.wait(0.5)
         self.books.changed()
         if ev.exit_code == 0 and not w.hang_reason:
-            w.state = WorkerState.DONE
+            self.table.mark(w, WorkerState.DONE)
             w.finished_at = time.time()
             self.books.ledger.done(w, w.finished_at)
             return
         tail = list(w.pumps[1].tail) if len(w.pumps) > 1 else []
         stop = self.failures.cannot_go_on(w, ev, tail)
         if stop is not None:
+            self.table.mark(w, WorkerState.FAILED)
             self._apply(stop)
             return
         failure = self.failures.describe(w, ev, tail, self.k, self.quorum is not None, self.workers,
                                          str(self.table.logs[w.rank].stderr_path))
         self.books.ledger.failed(w, failure, time.time(), ev.seen)
         if over:
+            self.table.mark(w, WorkerState.FAILED)
             self.failures.after_training(w, failure)
             return
         self._on_failure(w, failure)
@@ -335,10 +337,21 @@ class Supervisor:
         if self.quorum_view.plain_script(self.quorum, self.workers, self.nodes is not None):
             self._to_group_restarts()
         if self.policy.group:
-            self._apply(self.failures.group_failed(w, failure, None, self.nodes, self.workers, can_reform(self.cfg)))
+            self.table.mark(w, WorkerState.FAILED)
+            self._apply(self._group_restarting(
+                self.failures.group_failed(w, failure, None, self.nodes, self.workers, can_reform(self.cfg)), w))
         else:
-            self._apply(self.failures.replica_failed(w, failure, self.workers, self.k,
-                                                     self.stopper.saving is not None))
+            out = self.failures.replica_failed(w, failure, self.workers, self.k, self.stopper.saving is not None)
+            self.table.mark(w, out.state)
+            self._apply(out)
+
+    def _group_restarting(self, action: Action, failed: Optional[Worker] = None) -> Action:
+        """A group restart's stop: the failed worker and every live one show as restarting while they stop."""
+        if isinstance(action, StopRun) and action.then is AfterStop.RESTART_GROUP:
+            for o in self.workers:
+                if o is failed or o.alive:
+                    self.table.mark(o, WorkerState.RESTARTING)
+        return action
 
     def _apply(self, action: Action) -> None:
         """Carry out what a component decided."""
@@ -349,14 +362,22 @@ class Supervisor:
             self.store_lost = self.store_lost or action.store_lost
             if action.then is AfterStop.RESTART_GROUP:
                 self._write_state()  # `ftrun status` shows the restart while the group stops
-            self.stopper.begin(self.table.running(), action)
+            self.table.stop(self.stopper.begin(self.table.running(), action), action.sig, action.grace, time.time())
             self.books.changed()
+        elif isinstance(action, EndGrace):
+            self.table.kill(self.stopper.waiting_for())
+        elif isinstance(action, AskSave):
+            try:
+                writer = self.quorum.stop() if self.quorum is not None else None
+            except Exception:  # noqa: BLE001 - the store is gone: nothing can coordinate a save
+                writer = None
+            self._apply(self.stopper.save_or_stop(action.signum, writer))
         elif isinstance(action, ReplicaOutcome):
             self._replica_outcome(action)
         elif isinstance(action, RemoteFailure):
             self.books.ledger.remote_failure(action.failure, time.time())
-            self._apply(self.failures.group_failed(None, None, action.failure, self.nodes, self.workers,
-                                                   can_reform(self.cfg)))
+            self._apply(self._group_restarting(self.failures.group_failed(None, None, action.failure, self.nodes,
+                                                                          self.workers, can_reform(self.cfg))))
         elif isinstance(action, StoreMoved):
             self.quorum = action.quorum
             self.common.update(action.env)
@@ -395,7 +416,7 @@ class Supervisor:
         w.kill_at = None
         self.books.ledger.stopped(w, time.time())
         if w.state not in (WorkerState.RESTARTING, WorkerState.FAILED):
-            w.state = WorkerState.STOPPED
+            self.table.mark(w, WorkerState.STOPPED)
         if self.quorum is not None:
             self.quorum.on_exit(w.rank, w.incarnation)
         for p in w.pumps:
@@ -464,7 +485,7 @@ class Supervisor:
         self.waits.close()
         if self.stopper.current is not None:
             self.stopper.exit_instead(code)
-            self.stopper.kill_now()
+            self.table.kill(self.stopper.waiting_for())
         elif self.table.running():
             self._apply(StopRun(signal.SIGKILL, 0.0, AfterStop.EXIT, code))
         while self.stopper.current is not None:

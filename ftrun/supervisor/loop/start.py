@@ -17,7 +17,7 @@ from ftrun.protocol import NODE_RANKS_ENV, NODE_STORE_ENV
 from ftrun.supervisor.ft.keeper.core import FRESH_START
 from ftrun.supervisor.loop import folder_lock
 from ftrun.supervisor.nodes.node_decisions import node_ranks, routes
-from ftrun.supervisor.nodes.relay import NodeRelay
+from ftrun.supervisor.relay import NodeRelay
 from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.store import RunStore
 from ftrun.supervisor.workers.env import base_env, common_env, zygote_env
@@ -40,7 +40,7 @@ def lock_folder(cfg: RunConfig, console: ConsoleOut) -> Optional[folder_lock.Fol
 
 def workers_common(cfg: RunConfig, store: RunStore, nodes: Any) -> Tuple[Dict[str, str], Optional[NodeRelay]]:
     """The environment every worker of this node gets, and the relay of its votes and reports
-    through the node's own store (ftrun.supervisor.nodes.relay), where it has one (--ft)."""
+    through the node's own store (ftrun.supervisor.relay), where it has one (--ft)."""
     common = common_env(cfg, cfg.master_addr, store.port, base_env())
     common.pop(NODE_STORE_ENV, None)  # ours alone: one the user's shell had means nothing here
     common.pop(NODE_RANKS_ENV, None)

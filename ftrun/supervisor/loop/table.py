@@ -1,18 +1,20 @@
 """The worker table of a node's supervisor: every worker's record, which process each one has now
 (by spawner tag), and the replicas whose restart waits for their last old process.
 
-The loop (ftrun.supervisor.loop.run) owns the table and is its only user; the table signals the
-processes it is told to (a replica's kill, a hung worker's stacks and SIGKILL) and answers
-which workers run. Must never decide a restart or a stop, and never start a process (the
-loop spawns what respawns() hands back).
+The loop (ftrun.supervisor.loop.run) owns the table and is its only user. The table is the one
+place that sets a worker's state (mark) and the one that signals workers (a stop and its grace, a
+replica's kill, a hung worker's stacks and SIGKILL): the components decide, the loop tells the
+table. Must never decide a restart or a stop, and never start a process (the loop spawns what
+respawns() hands back).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 from ftrun.protocol import DUMP_STACKS_SIGNAL
 from ftrun.supervisor.policy.hangs import HANG_DUMP_GRACE_S
@@ -28,6 +30,31 @@ class WorkerTable:
         self._by_tag: Dict[str, Worker] = {}
         self._respawning: Dict[int, bool] = {}  # replica -> restart pending until its last worker is gone
 
+    def mark(self, w: Worker, state: WorkerState) -> None:
+        """The one write of a worker's state."""
+        w.state = state
+
+    def mark_ranks(self, ranks: Iterable[int], state: WorkerState) -> None:
+        wanted = set(ranks)
+        for w in self.workers:
+            if w.rank in wanted:
+                w.state = state
+
+    def stop(self, workers: Iterable[Worker], sig: int, grace: float, now: float) -> None:
+        """A stop: `sig` to each of `workers` (one not started yet gets it once it is), SIGKILL
+        after `grace` (the tick enforces each worker's deadline: kill_overdue)."""
+        for w in workers:
+            w.stop_requested = True
+            signal_group(w.pid, sig)
+            if sig != signal.SIGKILL:
+                w.kill_at = now + grace if w.kill_at is None else min(w.kill_at, now + grace)
+
+    def kill(self, workers: Iterable[Worker]) -> None:
+        """SIGKILL now (a stop's grace cut short)."""
+        for w in workers:
+            signal_group(w.pid, signal.SIGKILL)
+            w.kill_at = None
+
     def running(self) -> List[Worker]:
         """The workers whose current process has not been seen to exit."""
         return [w for w in self.workers if self._by_tag.get(w.tag) is w]
@@ -35,7 +62,9 @@ class WorkerTable:
     def runs(self, w: Worker) -> bool:
         return self._by_tag.get(w.tag) is w
 
-    def started(self, w: Worker) -> None:
+    def started(self, w: Worker, state: WorkerState, keep_steps: bool) -> None:
+        """A new process of `w` is being started: its record begins a new incarnation, in `state`."""
+        w.begin_incarnation(f"{w.rank}.{w.incarnation}.{time.monotonic_ns()}", state, keep_steps)
         self._by_tag[w.tag] = w
 
     def gone(self, w: Worker) -> None:
@@ -79,7 +108,7 @@ class WorkerTable:
     def kill_replica(self, rep: int, k: int, state: WorkerState) -> None:
         """A failed replica's other workers: SIGKILL at once (nothing of theirs is worth a grace, and
         a collective with their dead peer would hold them, NCCL included)."""
-        for o in self.replica(rep, k):  # the one that failed is gone already, and has the state
+        for o in self.replica(rep, k):  # the one that failed is gone already
             if self.runs(o):
                 o.state = state
                 o.stop_requested = True  # its exit is a stop, not a failure of its own

@@ -44,8 +44,8 @@ from ftrun.supervisor.nodes import node_common as nc
 from ftrun.supervisor.workers.logs import ConsoleOut
 # The names other modules use from here (ftrun.supervisor.nodes.rendezvous, run).
 from ftrun.supervisor.nodes.node_common import (BEAT_S, JOIN_FAILED, NODE_LOST, NODE_TIMEOUT_S, POLL_S,  # noqa: F401
-                                          REQUEUE, NodeEvent, NodeState, StoreState, one_line, route_ip, use_round)
-from ftrun.supervisor.nodes.node_common import one_line as _one_line  # noqa: F401
+                                          REQUEUE, NodeEvent, NodeState, StoreState, route_ip, use_round)
+from ftrun.wire import one_line  # noqa: F401 - the name rendezvous.py and run.py use from here
 from ftrun.supervisor.nodes.node_restart import NextAttempt
 from ftrun.supervisor.nodes.node_watch import NodeWatch, WatchPlan, WatchView
 from ftrun.supervisor.store import RunStore, bind_listener
@@ -105,7 +105,7 @@ class NodeCoordinator:
         # rendezvous); without --ft it moves the store between two rounds, this round publishes it.
         self.node_store: Optional[RunStore] = standby
         # --ft: every node but node 0 (which hosts the run's store) has a store of its own, through
-        # which its workers vote (ftrun.supervisor.nodes.relay); on three nodes or more it is also the
+        # which its workers vote (ftrun.supervisor.relay); on three nodes or more it is also the
         # node's standby store. A static layout's is made here, an elastic one's by the rendezvous.
         if cfg.ft and standby is None and cfg.rdzv == "static" and cfg.nnodes >= 2 and self.me != 0:
             ip = route_ip(self.host)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ftrun.protocol import EXIT_FAILED, EXIT_REQUEUE, EXIT_USAGE, NodeKeys
-from ftrun.wire import FirstFailure, first_line
+from ftrun.wire import FirstFailure
 
 BEAT_S = 0.25
 def _node_timeout() -> float:
@@ -91,9 +91,4 @@ def node_list(raw: bytes) -> List[int]:
         return [int(k) for k in json.loads(raw or b"[]")]
     except (ValueError, TypeError):
         return []
-
-
-def one_line(e: BaseException) -> str:
-    """torch's store errors carry C++ frames after the first line; people need only the first."""
-    return first_line(str(e)) or type(e).__name__
 

@@ -21,7 +21,7 @@ from ftrun.protocol import RUN_STORE
 from ftrun.supervisor.nodes.failover import NoMajority
 from ftrun.supervisor.nodes.node_common import NODE_LOST, REQUEUE, NodeEvent
 from ftrun.supervisor.nodes.redirect import Redirect
-from ftrun.supervisor.nodes.relay import Routes
+from ftrun.supervisor.relay import Routes
 from ftrun.supervisor.policy.stopping import AfterStop, StopRun
 from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.workers.logs import ConsoleOut

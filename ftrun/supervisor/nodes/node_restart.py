@@ -20,7 +20,8 @@ from typing import Any, Optional, Union
 
 from ftrun.protocol import progress_key
 from ftrun.supervisor.nodes import node_common as nc
-from ftrun.supervisor.nodes.node_common import NODE_LOST, NODE_TIMEOUT_S, POLL_S, NodeEvent, one_line
+from ftrun.supervisor.nodes.node_common import NODE_LOST, NODE_TIMEOUT_S, POLL_S, NodeEvent
+from ftrun.wire import one_line
 from ftrun.supervisor.workers.worker import Failure
 from ftrun.wire import UNKNOWN_FAILURE, FirstFailure, ProgressReport
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from ftrun.supervisor.nodes import node_common as nc
-from ftrun.supervisor.nodes.node_common import BEAT_S, NODE_TIMEOUT_S, NodeState, StoreState, node_list, one_line
+from ftrun.supervisor.nodes.node_common import BEAT_S, NODE_TIMEOUT_S, NodeState, StoreState, node_list
+from ftrun.wire import one_line
 from ftrun.supervisor.store import BoundedStore
 
 

@@ -8,8 +8,9 @@ and take node ranks 1, 2, ... in the order they arrive.
 
 The run goes in rounds, as torchrun's agent does; the round's agent (its
 Supervisor) alone decides whether a round that ends is followed by another
-(`Supervisor.reform`); this module only forms them, one after another (each
-one is formed by ftrun.supervisor.nodes.rendezvous_rounds). The host closes round n when
+(`Supervisor.reform`), and the loop over rounds is the loop's
+(ftrun.supervisor.loop.c10d); this module gives it the parts that form them
+(each round is formed by ftrun.supervisor.nodes.rendezvous_rounds). The host closes round n when
 MAX nodes are in, or when MIN are in and last_call_timeout has passed without
 the round filling up; a node that arrives after that waits for the next round.
 Each round is one ftrun Supervisor per node with the round's ranks and world
@@ -49,7 +50,7 @@ Store keys (under ftrun/rdzv/): ``round`` (the round being formed),
 ``master_addr`` (the host's name for the workers' MASTER_ADDR), ``done`` (the run's
 exit status, for nodes still waiting when it ends), ``run`` (the run id) and
 ``moved`` (where the store went), ``host`` (a moved store's host and generation).
-Must never start a worker itself (each round's Supervisor does) and never
+Must never start a worker itself (each round's Supervisor does), never import the loop, and never
 decide anything a node could not decide alike from the store's keys.
 """
 
@@ -59,134 +60,23 @@ import dataclasses
 import errno
 import os
 import queue
-import signal
 import time
 from typing import Any, Optional, Tuple
 
 from ftrun.config import RunConfig
 from ftrun.machine import store_bind_addr, store_listen_addr, this_node_name
-from ftrun.protocol import EXIT_SIGNAL_BASE, RDZV_RUN
+from ftrun.protocol import RDZV_RUN
 from ftrun.supervisor.nodes import failover, coordinator as nodes
 from ftrun.supervisor.nodes import redirect
-from ftrun.supervisor.nodes.rendezvous_rounds import (JOIN_FAILED, POLL_S, Moved, RendezvousStoreLost, Stop, fail,
-                                                host_round, join_round, key)
+from ftrun.supervisor.nodes.rendezvous_rounds import POLL_S, fail, key
 from ftrun.supervisor.store import RunStore, bind_listener
 from ftrun.supervisor.workers.env import base_env, zygote_env
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.spawn import ZygoteSpawner
+from ftrun.wire import one_line
 
 
-def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
-    """Round after round until the run ends; ftrun's exit status."""
-    from ftrun.supervisor.policy.restart import Repeats
-    from ftrun.supervisor.loop.run import Supervisor
-
-    console = console or ConsoleOut(cfg.quiet)
-    repeats = Repeats()  # a script's error that repeats round after round ends the run (policy/restart.py)
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-
-    def stop(signum, _frame):
-        raise Stop(signum)
-
-    cfg = dataclasses.replace(cfg, endpoint=f"{cfg.master_addr}:{cfg.master_port}")
-    store, host, zygote, standby = None, False, None, None
-    beacon = None  # the store this node hosts at the original endpoint, telling where the run went
-    code = JOIN_FAILED
-    try:
-        for s in previous:
-            signal.signal(s, stop)
-        zygote = _prewarm(cfg)  # its torch import overlaps the supervisor's own (for the store)
-        store, host = _open(cfg, console)
-        if store is None:
-            return JOIN_FAILED
-        if not host and (moves_enabled(cfg) or cfg.ft):
-            standby = _standby(cfg)
-        n, need, expect = 0, 0, None
-        last, moving = None, False  # a follower's coordinator of the round that ended: where the store may move
-        while True:
-            for s in previous:
-                signal.signal(s, stop)
-            if last is not None and (moving or not last.store_reachable(probes=1)):
-                # The store went away with its node, at the end of the round or while the nodes
-                # re-formed: agree on its next host with the nodes that remain, then form there.
-                moved = _move(cfg, last, store, standby, console)
-                if isinstance(moved, int):
-                    code = moved
-                    return code
-                cfg, host, expect = moved
-                if host:
-                    store, standby = standby, None
-                last = None
-            zygote = zygote or _prewarm(cfg)
-            try:
-                formed = (host_round(cfg, store, n, console, need, expect) if host
-                          else join_round(cfg, store, n, console, standby))
-            except Moved as e:
-                # A node at the original endpoint after the store moved: the run goes on elsewhere.
-                # A hosting node keeps its store (and the word in it) up for the nodes after it.
-                beacon = store if host else beacon
-                host = False
-                where, _, port = e.addr.rpartition(":")
-                cfg = dataclasses.replace(cfg, master_addr=where, master_port=int(port))
-                console.note(f"the run's store moved to {e.addr}; joining the run there", style="bold cyan")
-                store, _ = _open(cfg, console, join_only=True)
-                if store is None:
-                    return JOIN_FAILED
-                if standby is None and (moves_enabled(cfg) or cfg.ft):
-                    standby = _standby(cfg)
-                continue
-            except RendezvousStoreLost as e:
-                if last is not None and not last.store_reachable():
-                    moving = True
-                    continue
-                fail(console, f"lost the run's store at {cfg.master_addr}:{cfg.master_port}: {e}")
-                code = nodes.NODE_LOST
-                return code
-            if isinstance(formed, int):
-                code = formed
-                return code
-            n, rank, size, master, live = formed
-            round_cfg = dataclasses.replace(
-                cfg, node_rank=rank, nnodes=size, round=n, workers_master_addr=master, nodes_live=live,
-                total_restarts=cfg.max_restarts,
-                # Without --ft a failure ends the round and every node re-forms (torchrun's restart);
-                # with --ft replicas restart inside the round.
-                max_restarts=cfg.max_restarts if cfg.ft else 0)
-            nodes.use_round(n)
-            sup = Supervisor(round_cfg, store=store, zygote=zygote, standby=standby, repeats=repeats)
-            zygote = None  # the round's now
-            code = sup.run()
-            if sup.nodes is not None and sup.nodes.me == sup.nodes.host_node:
-                host = True  # the store moved here during the round: nodes still waiting read `done` here
-            if not sup.reform:  # the round's agent decided: the run is over
-                return code
-            # No second run may form beside this one: the next round needs at least half of this
-            # round's nodes when the store could have moved to the others (they need more than half).
-            need = -(-size // 2) if size >= 3 and moves_enabled(cfg) else 0
-            expect = None
-            last = sup.nodes if sup.nodes is not None and sup.nodes.may_move_between_rounds() else None
-            moving = sup.store_lost
-            n += 1
-    except Stop as e:
-        console.note(f"received {signal.Signals(e.signum).name}: stopping", style="bold yellow")
-        code = EXIT_SIGNAL_BASE + e.signum
-        return code
-    finally:
-        for s in previous:  # the stop is under way: a second signal must not cut the clean-up short
-            signal.signal(s, signal.SIG_IGN)
-        if zygote is not None:
-            zygote.close()
-        for s, h in previous.items():
-            signal.signal(s, h)
-        for hosted in ([store] if host else []) + ([beacon] if beacon is not None else []):
-            if hosted is not None and hosted.store is not None:
-                try:
-                    hosted.set(key("done"), str(code))
-                except Exception:
-                    pass
-
-
-def _prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
+def prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
     """A zygote importing torch while the nodes gather (it forks the round's workers; each gets its full
     environment with the spawn request, so the layout need not be known yet)."""
     if cfg.no_python or os.environ.get("FTRUN_ZYGOTE", "1") == "0":
@@ -197,7 +87,7 @@ def _prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
     return ZygoteSpawner(queue.SimpleQueue(), zygote_env(cfg, env), os.getcwd())
 
 
-def _open(cfg: RunConfig, console: ConsoleOut, join_only: bool = False) -> Tuple[Optional[RunStore], bool]:
+def open_store(cfg: RunConfig, console: ConsoleOut, join_only: bool = False) -> Tuple[Optional[RunStore], bool]:
     """Host the store at the endpoint's port if this node should, else connect to it."""
     where = f"{cfg.master_addr}:{cfg.master_port}"
     wants = cfg.rdzv_host if cfg.rdzv_host is not None else store_bind_addr(cfg.master_addr) != "0.0.0.0"
@@ -214,7 +104,7 @@ def _open(cfg: RunConfig, console: ConsoleOut, join_only: bool = False) -> Tuple
         else:
             store = RunStore(cfg.master_addr, listener.getsockname()[1], listener)
             if not store.wait(60):
-                fail(console, f"could not start the run's store on {where}: {nodes._one_line(store.error)}")
+                fail(console, f"could not start the run's store on {where}: {one_line(store.error)}")
                 return None, False
             store.set(key("master_addr"), this_node_name(cfg.local_addr))
             store.set(RDZV_RUN, cfg.run_id)  # a store that moved away from here leaves its word (redirect)
@@ -225,7 +115,7 @@ def _open(cfg: RunConfig, console: ConsoleOut, join_only: bool = False) -> Tuple
     while not store.ready.wait(POLL_S):
         pass
     if store.store is None:
-        fail(console, f"could not reach the run's store at {where}: {nodes._one_line(store.error)}; start ftrun "
+        fail(console, f"could not reach the run's store at {where}: {one_line(store.error)}; start ftrun "
                        f"with the same line on the node at {cfg.master_addr}")
         return None, False
     if "read_timeout" in cfg.rdzv_conf:
@@ -241,7 +131,7 @@ def moves_enabled(cfg: RunConfig) -> bool:
     return not cfg.ft and cfg.max_nodes >= 3 and os.environ.get("FTRUN_STORE_MOVES", "1") != "0"
 
 
-def _standby(cfg: RunConfig) -> RunStore:
+def standby_store(cfg: RunConfig) -> RunStore:
     """This node's standby store: where the run's store goes should its host be lost. It listens
     on the address the host reaches this machine by, so the other nodes reach it too."""
     ip = nodes.route_ip(cfg.master_addr)
@@ -249,7 +139,7 @@ def _standby(cfg: RunConfig) -> RunStore:
     return RunStore(ip, listener.getsockname()[1], listener)
 
 
-def _move(cfg: RunConfig, coord: Any, store: RunStore, standby: Optional[RunStore], console: ConsoleOut) -> Any:
+def move_store(cfg: RunConfig, coord: Any, store: RunStore, standby: Optional[RunStore], console: ConsoleOut) -> Any:
     """The run's store went away with its node at the end of `coord`'s round: agree with the nodes that
     remain on its next host (ftrun.supervisor.nodes.failover, the rule of the --ft move) and follow it.
     (cfg with the new endpoint, whether this node hosts it now, the nodes that chose it), or

@@ -29,6 +29,7 @@ from ftrun.supervisor.nodes import coordinator as nodes
 from ftrun.supervisor.nodes import redirect
 from ftrun.supervisor.store import RunStore
 from ftrun.supervisor.workers.logs import ConsoleOut
+from ftrun.wire import one_line
 
 POLL_S = 0.05
 JOIN_FAILED = nodes.JOIN_FAILED
@@ -175,7 +176,7 @@ def join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, sta
     except (Stop, Moved):
         raise
     except Exception as e:
-        raise RendezvousStoreLost(nodes._one_line(e)) from None
+        raise RendezvousStoreLost(one_line(e)) from None
 
 
 def _current_round(s: Any, console: ConsoleOut) -> Tuple[Optional[int], Any]:

@@ -4,10 +4,11 @@ loop carries out: restart its replica (--ft), drop it, leave it failed, restart 
 across nodes), end the round, or give up with the failure report.
 
 WorkerFailures owns the run's first failure, the failures after the training loop and why the run
-gives up; it sets the failed workers' states and says why on the console. The loop
-(ftrun.supervisor.loop.run) stops and starts the processes. A group restart on several nodes agrees
+gives up, and says why on the console. The loop (ftrun.supervisor.loop.run) sets the workers'
+states its actions name, and stops and starts the processes. A group restart on several nodes agrees
 on the attempt's first failure (NodeCoordinator.first_failure) before the policy decides.
-Must never signal, start or stop a worker, and never be called from outside the loop's thread.
+Must never set a worker's state, never signal, start or stop a worker, and never be called from
+outside the loop's thread.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from ftrun import protocol as keys
 from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ftrun.supervisor.accounting.report import early_signature, error_reason, exit_reason, failure_report, worker_error
-from ftrun.supervisor.nodes.node_common import NodeEvent, one_line
 from ftrun.supervisor.policy.failure_policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
 from ftrun.supervisor.policy.peer_restarts import forced_by_peers, peer_reason
 from ftrun.supervisor.policy.stopping import AfterStop, StopRun
@@ -29,13 +29,13 @@ from ftrun.supervisor.workers.spawn import WorkerExited
 from ftrun.supervisor.workers.env import error_file
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Failure, Worker, WorkerState
-from ftrun.wire import UNKNOWN_FAILURE, FirstFailure
+from ftrun.wire import UNKNOWN_FAILURE, FirstFailure, one_line
 
 
 @dataclass(frozen=True)
 class ReplicaOutcome:
-    """An action for the loop: the failed replica's other workers take `state` (SIGKILLed if they
-    run); `restart`: start the replica again, as restart `restarts`, once its last process is gone;
+    """An action for the loop: the failed worker and its replica's other workers take `state` (the
+    others SIGKILLed if they run); `restart`: start the replica again, as restart `restarts`, once its last process is gone;
     `given_up`: it is dropped from the run; `then`: a stop of the whole node that follows."""
 
     replica: int
@@ -97,7 +97,6 @@ class WorkerFailures:
             why = line.split("ftrun.ft: ", 1)[-1].removeprefix("detail: ")
         if not why:
             return None
-        w.state = WorkerState.FAILED
         self.console.note(f"{why}; stopping the run (exit 2)", style="bold red")
         return StopRun(signal.SIGTERM, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_USAGE, summary=why)
 
@@ -123,7 +122,6 @@ class WorkerFailures:
         """A worker failed in the script's code after the training loop (an evaluation, a final
         save): the run failed, as under torchrun. No restart (it would train nothing and run that
         code again); the others end what they are doing, then the report (run_ended)."""
-        w.state = WorkerState.FAILED
         self.after_loop.append(failure)
         self.console.note(f"rank {w.rank} (pid {failure.pid}) {failure.reason} after the training loop had ended; "
                           f"not restarted (nothing is left to train): the run fails once the others end",
@@ -140,7 +138,6 @@ class WorkerFailures:
         act = self.policy.on_replica_failure(ReplicaFailed(rep, live_after, failure.signature, failure.by_peers,
                                                            others_done, saving))
         if act.verdict is RestartVerdict.NOT_RESTARTED:
-            w.state = WorkerState.FAILED
             named = f"rank {w.rank}" if act.why == WHILE_SAVING else who
             self.console.note(f"{named} {failure.reason} {act.why}; not restarted", style="yellow")
             return ReplicaOutcome(rep, w.rank, WorkerState.FAILED)
@@ -150,9 +147,7 @@ class WorkerFailures:
             alone = "it alone" if k == 1 else f"its replica ({k} workers, ranks {rep * k}-{rep * k + k - 1}) alone"
             self.console.note(f"{who} (pid {failure.pid}) {failure.reason}; restarting {alone} "
                               f"({budget}); the others keep training", style="bold yellow")
-            w.state = WorkerState.RESTARTING
             return ReplicaOutcome(rep, w.rank, WorkerState.RESTARTING, restart=True, restarts=act.restarts)
-        w.state = WorkerState.FAILED
         why = act.why or f"its restart budget ({self.policy.max_restarts}) is spent"
         if act.verdict is RestartVerdict.DROP_REPLICA:
             self.console.note(f"{who} {failure.reason}; {why}: carrying on with {live_after} "
@@ -165,13 +160,11 @@ class WorkerFailures:
 
     # ------------------------------------------------------------ the group
     def group_failed(self, w: Optional[Worker], failure: Optional[Failure], remote: Optional[FirstFailure],
-                     nodes: Any, workers: Sequence[Worker], can_reform: bool) -> Union[StopRun, NodeEvent]:
+                     nodes: Any, workers: Sequence[Worker], can_reform: bool) -> Union[StopRun, Any]:
         """Without --ft: a failure here (w, failure) or on another node (remote) stops every
         worker; the group restarts while the budget lasts. With several nodes the first
-        failure of the attempt is agreed in the store, so every node decides alike. A NodeEvent
-        when the store went away meanwhile (the loop decides on it)."""
-        if w is not None:
-            w.state = WorkerState.FAILED
+        failure of the attempt is agreed in the store, so every node decides alike. The node
+        coordinator's event (a NodeEvent) when the store went away meanwhile (the loop decides on it)."""
         info = (FirstFailure(self.cfg.node_rank, failure.rank, failure.reason, failure.status_code, failure.signature)
                 if failure is not None else remote or UNKNOWN_FAILURE)
         if nodes is not None:
@@ -205,8 +198,6 @@ class WorkerFailures:
         where = "" if nodes is None else f" on {self.cfg.nnodes} nodes"
         self.console.note(f"{origin} {info.reason}; restarting all {self.cfg.world_size} workers{where} "
                           f"(restart {act.restarts} of {self.policy.max_restarts})", style="bold yellow")
-        for o in workers:
-            o.state = WorkerState.RESTARTING if o is w or o.alive else o.state
         return StopRun(signal.SIGTERM, grace, AfterStop.RESTART_GROUP, code)
 
     # ------------------------------------------------------------ the end

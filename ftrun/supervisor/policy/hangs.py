@@ -12,12 +12,16 @@ clock: it only reports.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import List, Optional, Protocol, Sequence
 
 from ftrun.supervisor.workers.worker import Worker, WorkerState
 
-if TYPE_CHECKING:
-    from ftrun.supervisor.ft.quorum import QuorumKeeper
+
+class Waited(Protocol):
+    """What the hang rules take from the --ft keeper (ftrun.supervisor.ft.quorum.QuorumKeeper,
+    a layer above this one)."""
+
+    def waited_for_s(self, rank: int) -> float: ...
 
 # After the stacks-dump signal, how long a hung worker has to write them before SIGKILL.
 HANG_DUMP_GRACE_S = 1.0
@@ -32,7 +36,7 @@ class Hung:
 
 
 def find_hung(workers: Sequence[Worker], now: float, limit: float, explicit: bool, k: int,
-              quorum: Optional["QuorumKeeper"] = None) -> List[Hung]:
+              quorum: Optional[Waited] = None) -> List[Hung]:
     """The hung workers at `now`: by --step-timeout's rule when `explicit`, else by the default
     rule, which can only take a worker that does nothing (stopped, or idle while waited for).
     `k`: workers per replica; `quorum`: the --ft keeper (waited_for_s, replica_fields), or None.
@@ -58,7 +62,7 @@ def find_hung(workers: Sequence[Worker], now: float, limit: float, explicit: boo
 
 
 def _hung_by_step_timeout(w: Worker, now: float, limit: float,
-                          quorum: Optional["QuorumKeeper"]) -> Optional[str]:
+                          quorum: Optional[Waited]) -> Optional[str]:
     """--step-timeout S: no heartbeat, or no step (with --ft: its peers waited for its step) for S."""
     if w.last_heartbeat and now - w.last_heartbeat > limit:
         return f"hung (no heartbeat for {limit:g} s)"
@@ -74,7 +78,7 @@ def _hung_by_step_timeout(w: Worker, now: float, limit: float,
 
 
 def _hung_restarting(w: Worker, mates: Sequence[Worker], now: float, limit: float,
-                     quorum: Optional["QuorumKeeper"]) -> Optional[str]:
+                     quorum: Optional[Waited]) -> Optional[str]:
     """--ft, either rule: a restarted replica that has not asked to join the run yet and whose
     every worker has done nothing (no CPU, no I/O, no child at work) for the limit is hung as
     any other, e.g. one blocked in a group its peers formed long ago. Its peers do not wait
@@ -89,7 +93,7 @@ def _hung_restarting(w: Worker, mates: Sequence[Worker], now: float, limit: floa
 
 
 def _hung_by_default(w: Worker, mates: Sequence[Worker], now: float, limit: float,
-                     quorum: Optional["QuorumKeeper"]) -> Optional[str]:
+                     quorum: Optional[Waited]) -> Optional[str]:
     """No --step-timeout: a worker whose process has been stopped (SIGSTOP, SIGTSTP) for the
     limit; with --ft also one its peers have waited for that long while it did nothing (no CPU,
     no I/O, no child process at work: ftrun.supervisor.accounting.activity). A worker that computes (an

@@ -7,10 +7,11 @@ has exited it carries out what the stop was for (end the run, report the
 failure, restart the group). A stopping signal with --ft and --checkpoint-dir
 first has the replicas save the last committed step (SaveBeforeStop).
 The Stopper owns the stop under way (a WorkerStop), the save before it, and the
-signal that asked for it; it signals the workers it is told to stop and says
-what the loop does next (StopSteps); the loop (ftrun.supervisor.loop.run) keeps the
-worker table and carries out the rest. Must never wait on the queue nor block
-(a stop is advanced one turn of the loop at a time), and never be called from
+signal that asked for it, and says what the loop does next (StopRun, EndGrace,
+AskSave); the loop (ftrun.supervisor.loop.run) carries it out: its worker table
+signals the workers, and it asks the quorum keeper for the save. Must never
+signal a worker, never call the keeper, never wait on the queue nor block (a
+stop is advanced one turn of the loop at a time), and never be called from
 outside the loop's thread but for on_signal (a signal handler).
 """
 
@@ -21,12 +22,12 @@ import queue
 import signal
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from ftrun.config import RunConfig
 from ftrun.protocol import EXIT_FAILED, EXIT_SIGNAL_BASE
 from ftrun.supervisor.accounting import checkpoints
-from ftrun.supervisor.workers.spawn import SpawnerDied, signal_group
+from ftrun.supervisor.workers.spawn import SpawnerDied
 from ftrun.supervisor.workers.logs import ConsoleOut
 from ftrun.supervisor.workers.worker import Failure, Worker
 
@@ -74,6 +75,20 @@ class StopRun:
     store_lost: bool = False
 
 
+@dataclass(frozen=True)
+class EndGrace:
+    """An action for the loop: the grace of the stop under way ends; SIGKILL every worker it waits for."""
+
+
+@dataclass(frozen=True)
+class AskSave:
+    """An action for the loop: a stopping signal (`signum`) with --ft and --checkpoint-dir; ask the
+    quorum keeper to have the replicas save the last committed step, and tell the Stopper who writes
+    it (Stopper.save_or_stop)."""
+
+    signum: int
+
+
 def forwarded_signals(cfg: RunConfig) -> List[int]:
     """torchrun's --signals-to-handle: the signals that stop the workers (sent on to them)."""
     return [getattr(signal, name) for name in cfg.signals_to_handle]
@@ -105,9 +120,10 @@ class Stopper:
         return self.signalled
 
     # ------------------------------------------------------------ signals
-    def on_stop_signal(self, signum: int, quorum, any_done: bool) -> Optional[StopRun]:
-        """A stopping signal, taken from the loop's queue: the stop it asks for (None when a stop
-        is under way, which the signal cuts short, or the replicas save first)."""
+    def on_stop_signal(self, signum: int, can_save: bool) -> Union[StopRun, EndGrace, AskSave, None]:
+        """A stopping signal, taken from the loop's queue: the stop it asks for, the end of the grace
+        of the stop under way, or a save first (`can_save`: --ft with --checkpoint-dir on the node
+        keeping the quorum, and no replica has ended its loop)."""
         self.signalled = signum
         name = signal.Signals(signum).name
         st = self.current
@@ -115,12 +131,10 @@ class Stopper:
             self.console.note(f"received {name} again: stopping without waiting for the checkpoint", style="bold yellow")
             self.saving = None
             return StopRun(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
-        if st is None and self._save_before_stop(signum, quorum, any_done):
-            return None
+        if st is None and can_save and self.cfg.checkpoint_dir:
+            return AskSave(signum)
         if st is None:
-            self.console.note(f"received {name}: stopping all workers "
-                              f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
-            return StopRun(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
+            return self._stop_all(signum)
         # Already stopping: the signal ends the grace, and asks for no new attempt.
         instead = ""
         if st.then is AfterStop.RESTART_GROUP:
@@ -129,28 +143,26 @@ class Stopper:
         if in_grace or instead:
             self.console.note(f"received {name}: {instead}{'no more grace, killing the workers now' if in_grace else ''}"
                               .rstrip("; "), style="bold yellow")
-        self.kill_now()
-        return None
+        return EndGrace()
 
-    def _save_before_stop(self, signum: int, q, any_done: bool) -> bool:
-        """--ft with --checkpoint-dir, on the node keeping the quorum: have the replicas stop at one
-        round boundary and save the last committed step before they are signalled. False when
-        there is nothing to save (no quorum yet, nobody holds the trained state, the loop ended)."""
-        if not (self.cfg.checkpoint_dir and q is not None and q.leader) or any_done:
-            return False
-        try:
-            writer = q.stop()
-        except Exception:  # noqa: BLE001 - the store is gone: nothing can coordinate a save
-            return False
+    def _stop_all(self, signum: int) -> StopRun:
+        self.console.note(f"received {signal.Signals(signum).name}: stopping all workers "
+                          f"(grace {self.cfg.shutdown_timeout:g} s)", style="bold yellow")
+        return StopRun(signum, self.cfg.shutdown_timeout, AfterStop.EXIT, EXIT_SIGNAL_BASE + signum)
+
+    def save_or_stop(self, signum: int, writer: Optional[int]) -> Optional[StopRun]:
+        """After AskSave, the keeper's answer: the replica that writes the last committed step (the
+        replicas save, then stop), or None when there is nothing to save (no quorum yet, nobody
+        holds the trained state, the store is gone): the stop at once."""
         if writer is None:
-            return False
+            return self._stop_all(signum)
         now = time.time()
         grace = self.cfg.shutdown_timeout
         self.saving = checkpoints.SaveBeforeStop(signum, now, now + grace)
         self.console.note(f"received {signal.Signals(signum).name}: saving a checkpoint of the last committed step "
                           f"(replica {writer}), then stopping all workers (at most {grace:g} s in all: "
                           f"--shutdown-timeout)", style="bold yellow")
-        return True
+        return None
 
     def check_saving(self, store, any_alive: bool) -> Optional[StopRun]:
         """While the replicas save before stopping: the stop, once that is over."""
@@ -185,27 +197,21 @@ class Stopper:
         return None, list(st.pending.values())
 
     # ------------------------------------------------------------ the stop
-    def begin(self, running: Iterable[Worker], how: StopRun) -> None:
-        """Enter the stopping state: `how.sig` to every worker of `running` (those with a process:
-        a stop is always the whole node's), SIGKILL after the grace."""
+    def begin(self, running: Iterable[Worker], how: StopRun) -> List[Worker]:
+        """Enter the stopping state for every worker of `running` (those with a process: a stop is
+        always the whole node's): the workers the loop's table signals (`how.sig`, SIGKILL after the grace)."""
         now = time.time()
         pending = {w.tag: w for w in running}
-        for w in pending.values():
-            w.stop_requested = True
-            signal_group(w.pid, how.sig)
-            if how.sig != signal.SIGKILL:
-                w.kill_at = now + how.grace if w.kill_at is None else min(w.kill_at, now + how.grace)
         self.current = WorkerStop(pending, how.sig, how.then, how.code, now + how.grace + KILL_WAIT_S, how.failure)
+        return list(pending.values())
 
     def exit_instead(self, code: int) -> None:
         """The stop under way ends the run with `code`, whatever it was for."""
         self.current.then, self.current.code = AfterStop.EXIT, code
 
-    def kill_now(self) -> None:
-        """End the grace: SIGKILL every worker being stopped (one not started yet gets it once it is)."""
-        for w in self.current.pending.values():
-            signal_group(w.pid, signal.SIGKILL)
-            w.kill_at = None
+    def waiting_for(self) -> List[Worker]:
+        """The workers the stop under way waits for (none when no stop is under way)."""
+        return list(self.current.pending.values()) if self.current is not None else []
 
     def gone(self, w: Worker) -> None:
         """A worker being stopped is gone (its exit seen, or counted as gone)."""

@@ -69,6 +69,9 @@ def _threads(cfg: RunConfig, base: Mapping[str, str]) -> Dict[str, str]:
 # script imported (ftrun.worker.frameworks.lightning), and a file naming both may run either.
 LIGHTNING = ("lightning", "pytorch_lightning")
 TRAINER = "transformers.trainer"  # the Trainer, which `import transformers` alone leaves unloaded
+# The drop-ins' frameworks (ftrun.accelerate, ftrun.fabric) and Accelerate itself: what each needs imported.
+DROP_INS = {"accelerate": "accelerate.accelerator", "ftrun.accelerate": "accelerate.accelerator",
+            "ftrun.fabric": "lightning.fabric"}
 
 
 def zygote_env(cfg: RunConfig, common: Mapping[str, str]) -> Dict[str, str]:
@@ -81,13 +84,17 @@ def zygote_env(cfg: RunConfig, common: Mapping[str, str]) -> Dict[str, str]:
         names = [p for p in LIGHTNING if p in found] if len(found & set(LIGHTNING)) == 1 else []
         if "transformers" in found:
             names.append(TRAINER)
+        for module, name in DROP_INS.items():
+            if module in found and name not in names and not (name.startswith("lightning") and "lightning" in names):
+                names.append(name)
         if names:
             env["FTRUN_ZYGOTE_PREIMPORT"] = ",".join(names)
     return env
 
 
 def _imported(script: str) -> set:
-    """The top-level packages a script's file imports (empty when it cannot be read or parsed)."""
+    """The top-level packages a script's file imports, and the modules it names (empty when it
+    cannot be read or parsed)."""
     import ast
 
     try:
@@ -98,8 +105,9 @@ def _imported(script: str) -> set:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(a.name.split(".")[0] for a in node.names)
+            names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module.split(".")[0])
+            names.update((node.module.split(".")[0], node.module))
     return names
 
 

@@ -64,6 +64,16 @@ INTERRUPTED_LINE = re.compile(r"ftrun: rank \d+: stopped by SIGINT \(KeyboardInt
 # member died ends that way a few seconds later, on its own thread. ftrun says what happened in
 # its own words (the failure line); the exception that follows such a timeout still shows.
 STORE_TIMEOUT_LINE = re.compile(r"\[W\d{4} [^\]]*socket\.cpp:\d+\] \[c10d\] waitForInput: ")
+# A worker whose collective failed because a peer went away writes its traceback between these two
+# lines (ftrun.worker.bootstrap, PEER_LOST_BEGIN and PEER_LOST_END): kept in the rank's log, off the
+# console (the peer's failure is ftrun's line), and out of the failure report's tail but for the
+# traceback itself.
+PEER_LOST_BEGIN = re.compile(r"ftrun: rank \d+: a peer went away mid-collective \(")
+PEER_LOST_END = re.compile(r"ftrun: rank \d+: end of the traceback of the collective a peer left$")
+# A framework's part of --ft (ftrun.worker.frameworks: a Trainer's fp16, a Lightning strategy it
+# cannot drive...) said why this script cannot heal, and what to do: ftrun's own advice for a script
+# without ftrun.ft would not fit it (ftrun.supervisor.ft.quorum_view, ConsoleOut.framework_said).
+FRAMEWORK_LINE = re.compile(r"ftrun: --ft: ")
 
 
 def chatter(line: str, speaker: bool) -> bool:
@@ -116,6 +126,7 @@ class ConsoleOut:
         # A progress line is drawn on the terminal (ftrun.supervisor.accounting.waits): every line goes through
         # self.err, which prints above it; stdout's console would write through the drawing.
         self.live = False
+        self.framework_said = False  # a worker's framework said why it cannot heal (FRAMEWORK_LINE)
 
     @classmethod
     def for_config(cls, cfg: Any) -> "ConsoleOut":
@@ -369,6 +380,7 @@ class Pump:
         self.done = threading.Event()
         self._progress_at = 0.0
         self._progress_shown: Optional[bytes] = None
+        self._held = False  # inside a traceback for the log only (PEER_LOST_BEGIN to PEER_LOST_END)
         self.thread = threading.Thread(target=self._run, name=f"ftrun-log-{rank}", daemon=True)
         self.thread.start()
 
@@ -420,13 +432,22 @@ class Pump:
 
     def _lines(self, raws: Sequence[bytes]) -> None:
         lines = [raw.decode("utf-8", errors="replace").rstrip("\r") for raw in raws]
+        held: List[bool] = []  # per line: part of a traceback for the log only
         if self.stderr:
-            self.tail.extend(lines)
+            for line in lines:
+                if PEER_LOST_BEGIN.match(line) or PEER_LOST_END.match(line):
+                    self._held = bool(PEER_LOST_BEGIN.match(line))
+                    held.append(True)
+                    continue
+                held.append(self._held)
+                self.tail.append(line)
+                if FRAMEWORK_LINE.match(line):
+                    self.console.framework_said = True
         if not self.console.shows(self.rank, self.stderr):
             return
         if self.stderr and not self.console.verbose:
             speaker = self.rank % self.console.nproc == 0
-            lines = [line for line in lines if not chatter(line, speaker)]
+            lines = [line for line, hold in zip(lines, held) if not hold and not chatter(line, speaker)]
         if lines:
             self.console.worker_lines(self.rank, lines, self.stderr)
 

@@ -1,5 +1,8 @@
 """A framework's own training loop under --ft, with no change to the script: the parts every
-framework shares, and each framework's part beside them (lightning.py).
+framework shares, and each framework's part beside them (lightning.py, hf.py); and a script's
+own loop over a framework's objects, with a drop-in (accelerate.py, fabric.py, sharing
+script_loop.py: the loop's position through epochs() and the prepared loaders, a discarded
+step's batches given again).
 
 Shared:
 - loop.py, FrameworkLoop: the loop as a member of the run: start() (join; a restarted replica

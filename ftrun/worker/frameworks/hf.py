@@ -7,7 +7,8 @@ no process group of all workers is formed (a restarted replica could never join 
 then does what Accelerate's DDP did, over the replicas alive at each step:
 - the model is wrapped by ft.DistributedDataParallel, the optimizer by ft.Optimizer (under
   Accelerate's own wrapper), the training loader's sampler replaced by ft's step sampler
-  (sampler.py), and the training loop driven as a framework loop (loop.py);
+  (sampler.py), or a stream's loader by one over ft's Stream, each replica Accelerate's
+  dispatched share (streams.py), and the training loop driven as a framework loop (loop.py);
 - the member joins once the model, optimizer and scheduler exist, before the loop picks its
   starting epoch: a restarted replica receives the model and optimizer (as ft's DDP and
   ft.Optimizer registered them), the LR scheduler, the TrainerState (global step, epoch, log
@@ -119,13 +120,62 @@ def _cannot_heal(args: Any) -> Optional[str]:
     if getattr(args, "fsdp", None) or _RunOfOne().environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         return ("--ft: a Trainer with FSDP (through Accelerate) shards its state over a group of all workers, which "
                 "a restarted replica cannot join: a failure restarts all workers")
+    backend = getattr(args, "ddp_backend", None)
+    if backend not in (None, "gloo", "nccl"):
+        return (f"--ft: TrainingArguments(ddp_backend=\"{backend}\"): ftrun's replicas average over gloo or NCCL "
+                f"only, so this run keeps its own group and a failure restarts all workers (leave ddp_backend out "
+                f"for replica restarts)")
     if getattr(args, "fp16", False):
         return ("--ft: TrainingArguments(fp16=True) steps through a GradScaler, which ftrun's Trainer part does not "
                 "support yet: a failure restarts all workers (bf16 works)")
     return None
 
 
+def _refuse_backend(args: Any) -> None:
+    """A TrainingArguments(ddp_backend=...) that cannot train with or without --ft: a backend this
+    torch was built without, NCCL with no CUDA device to reduce on (no CUDA, or use_cpu=True), or
+    use_cpu=True with a backend Accelerate refuses on the CPU (all but gloo and mpi). One line
+    naming the fix, and the run stops (exit 2, nothing restarted). gloo and nccl train over
+    ftrun's groups (gloo on CPU, NCCL on CUDA); another backend (mpi, a vendor's) gets the plain
+    distributed run (_cannot_heal), as without --ft."""
+    backend = getattr(args, "ddp_backend", None)
+    if not backend:
+        return
+    import torch
+    import torch.distributed as dist
+
+    built = getattr(dist, f"is_{backend}_available", None)  # torch's own backends have one
+    cpu = getattr(args, "use_cpu", False) or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "y", "yes", "t",
+                                                                                          "true", "on")
+    if built is not None and not built():
+        why = f"this torch is built without {backend}"
+    elif backend == "nccl" and (cpu or not torch.cuda.is_available()):
+        why = ("NCCL reduces CUDA tensors only, and use_cpu=True trains on the CPU" if cpu
+               else "NCCL reduces CUDA tensors only, and this machine has no CUDA device")
+    elif cpu and backend not in ("gloo", "mpi"):
+        why = "with use_cpu=True Accelerate trains over gloo (or mpi) only"
+    else:
+        return
+    from ftrun.protocol import EXIT_CANNOT_GO_ON
+    from ftrun.worker.ft.member.member_io import leave
+
+    leave(EXIT_CANNOT_GO_ON, f"rank {settings.current().rank_text}: TrainingArguments(ddp_backend=\"{backend}\"): "
+                             f"{why}; set ddp_backend=\"gloo\" or leave it out")
+
+
 # ------------------------------------------------------------------ TrainingArguments
+
+def _loader_kwargs(args: Any, dataloader: Any) -> Dict[str, Any]:
+    """The DataLoader arguments the Trainer builds its training loader with (TrainingArguments')."""
+    kwargs: Dict[str, Any] = {"collate_fn": dataloader.collate_fn, "num_workers": args.dataloader_num_workers,
+                              "pin_memory": args.dataloader_pin_memory}
+    if args.dataloader_num_workers > 0:
+        kwargs.update(persistent_workers=args.dataloader_persistent_workers,
+                      prefetch_factor=args.dataloader_prefetch_factor,
+                      multiprocessing_context=args.dataloader_multiprocessing_context)
+    return kwargs
+
+
 class _RunOfOne:
     """`os` as Accelerate's state modules see it while a TrainingArguments sets up its device: the
     worker's environment without the distributed run's variables, so Accelerate sets up a run of
@@ -148,6 +198,7 @@ def _patch_arguments(module: ModuleType) -> None:
     setup = found.func
 
     def _setup_devices(self: Any) -> Any:
+        _refuse_backend(self)
         why = _cannot_heal(self)
         if why is not None:
             if not getattr(cls, "_ftrun_said", False):
@@ -160,9 +211,14 @@ def _patch_arguments(module: ModuleType) -> None:
         view = _RunOfOne()
         for module in (accelerate.state, accelerate.utils.environment):
             patches.install("hf.accelerate_env", module, "os", view)
+        # ddp_backend names the backend of the group of all workers, which a run of one does not
+        # form (Accelerate, given one, asks the group that is not there for its size): the
+        # replicas average over ftrun's own groups instead.
+        backend, self.ddp_backend = self.ddp_backend, None
         try:
             device = setup(self)
         finally:
+            self.ddp_backend = backend
             patches.undo("hf.accelerate_env")
         self._ftrun = True
         if device.type == "cuda":
@@ -235,6 +291,7 @@ class _TrainerFT:
         self.prepared: Any = None  # _prepare_for_training's result, made early (before the heal)
         self.top: Dict[str, Any] = {}  # the stateful callbacks' states at the current step's top
         self.joined = False  # the member joined (train() began): the first live replica is known
+        self.stream: Any = None  # the training set's stream (an IterableDataset), read through ft's Stream
         _current = self
 
     # ------------------------------------------------------------ the whole Trainer state
@@ -251,7 +308,9 @@ class _TrainerFT:
         import dataclasses
 
         t = self.trainer
-        state = dataclasses.asdict(dataclasses.replace(t.state, stateful_callbacks={}))
+        # The TrainerState whole, its stateful_callbacks too (the callbacks' states as the Trainer
+        # last wrote them there, at its start or its latest checkpoint: a JSON dict by then).
+        state = dataclasses.asdict(t.state)
         sched = t.lr_scheduler.state_dict() if t.lr_scheduler is not None else None
         # The callbacks as they were at this step's top: a peer that heals inside the step (a
         # redone one) runs the step's callbacks itself.
@@ -273,12 +332,6 @@ class _TrainerFT:
                 for attribute, value in states[name][seen.get(name, 0)].get("attributes", {}).items():
                     setattr(cb, attribute, value)
                 seen[name] = seen.get(name, 0) + 1
-        # The TrainerState names its stateful callbacks (and the TrainerControl) as the Trainer's
-        # own made it: a checkpoint's save looks each one up by name.
-        from transformers.trainer_callback import ExportableState
-
-        fields["stateful_callbacks"] = [cb for cb in t.callback_handler.callbacks + [t.control]
-                                        if isinstance(cb, ExportableState)]
         t.state = TrainerState(**fields)
 
     # ------------------------------------------------------------ the data
@@ -291,9 +344,7 @@ class _TrainerFT:
         t, args = self.trainer, self.trainer.args
         dataset = dataloader.dataset
         if isinstance(dataset, IterableDataset):
-            self.loop.misused("the Trainer's train_dataset is an IterableDataset: under --ft ftrun splits each step "
-                              "over the live replicas by sample index; give the Trainer a dataset with __len__ and "
-                              "__getitem__ (or run without --ft)")
+            return self.stream_loader(dataloader)
         # The sampler that orders the Trainer's batches: Accelerate's prepare() moves the Trainer's
         # (a RandomSampler) into the batch sampler, and the loader's own .sampler is then a
         # SequentialSampler that orders nothing (read alone, the data went unshuffled).
@@ -306,20 +357,45 @@ class _TrainerFT:
                                         shuffle, seed, args.dataloader_drop_last, lambda: (self.epoch, self.batch),
                                         lambda: (self.loop.num_replicas, self.loop.replica_index))
         self.dataset, self.collate = dataset, dataloader.collate_fn
-        kwargs: Dict[str, Any] = {"collate_fn": dataloader.collate_fn, "num_workers": args.dataloader_num_workers,
-                                  "pin_memory": args.dataloader_pin_memory}
-        if args.dataloader_num_workers > 0:
-            kwargs.update(persistent_workers=args.dataloader_persistent_workers,
-                          prefetch_factor=args.dataloader_prefetch_factor,
-                          multiprocessing_context=args.dataloader_multiprocessing_context)
+        kwargs = _loader_kwargs(args, dataloader)
         loader = DataLoader(dataset, batch_sampler=self.sampler, **kwargs)
         loader._ftrun_steps = True  # type: ignore[attr-defined]  # its position is the sampler's: no skip
         return loader
+
+    def stream_loader(self, dataloader: Any) -> Any:
+        """The Trainer's training loader over a stream: each replica reads its share as Accelerate's
+        DDP would give it that rank (frameworks/streams.py), from the run's position."""
+        from ftrun.worker.frameworks.streams import StreamLoader
+        from ftrun.worker.ft.api import stream_sources
+        from ftrun.worker.ft.api.stream import Stream
+
+        t, args = self.trainer, self.trainer.args
+        config = getattr(t.accelerator, "dataloader_config", None)
+        if getattr(config, "split_batches", False):
+            self.loop.misused("TrainingArguments(accelerator_config={'split_batches': True}) over a stream: under --ft "
+                              "ftrun splits the Trainer's stream as Accelerate's default does (each replica its own "
+                              "batches of per_device_train_batch_size); drop split_batches")
+        s = settings.current()
+        ids = s.world_size or 1
+        kwargs = _loader_kwargs(args, dataloader)
+        source = stream_sources.dispatched(dataloader.dataset, t._train_batch_size, kwargs, max(1, ids - s.spares),
+                                           getattr(config, "dispatch_batches", None) is not False)
+        # Each exchange reads a window ahead: every replica knows the pass's end by the draw that meets it.
+        self.stream = Stream(self.loop.mgr, source, ahead=args.gradient_accumulation_steps,
+                             name="the Trainer's train_dataset")
+        self.collate = dataloader.collate_fn
+        return StreamLoader(self.stream, dataloader.dataset, {"batch_size": t._train_batch_size,
+                                                              "collate_fn": dataloader.collate_fn})
 
     def batches(self, fetched: List[Any]) -> Tuple[List[Any], bool]:
         """The window's batches at the current membership (the loader's, or loaded again)."""
         from ftrun.worker.frameworks.sampler import empty_like
 
+        if self.stream is not None:
+            # This replica's share's, whoever else is there; a batch of no samples (its share is
+            # done before the pass ends) is trained as the stream's first sample at zero weight.
+            out = [self.stream.filler() if self.stream.is_empty(b) else b for b in fetched]
+            return out, any(a is not b for a, b in zip(out, fetched))
         out, changed = [], False
         first, _ = self.window
         for k, batch in enumerate(fetched):
@@ -330,17 +406,25 @@ class _TrainerFT:
             out.append(batch)
         return out, changed
 
+    def count_items(self, window: List[Any], device: Any) -> Any:
+        """The window's num_items_in_batch, as the Trainer counts it (a filler's left out)."""
+        real = [b for b in window if self.stream is None or not self.stream.is_filler(b)]
+        return _ORIGINAL["get_batch_samples"](self.trainer, iter(real), len(real), device)[1]
+
     # ------------------------------------------------------------ a redone step
     def redo(self) -> None:
         """Forward and backward over the step's whole window again, for the live replicas of the
         round the step is redone in; clipped again as the Trainer clips."""
         t, model = self.trainer, self.model
         first, count = self.window
-        fetched = [self.collate([self.dataset[i] for i in self.sampler.share(self.epoch, first + k, 1, 0)[:1]])
-                   for k in range(count)]
-        self.sampler.plans.clear()  # every batch of the window is loaded for this membership
-        window, _ = self.batches(fetched)
-        items = _ORIGINAL["get_batch_samples"](t, iter(window), len(window), t.args.device)[1]
+        if self.stream is not None:
+            window, _ = self.batches([self.stream.next_batch() for _ in range(count)])  # the same, given again
+        else:
+            fetched = [self.collate([self.dataset[i] for i in self.sampler.share(self.epoch, first + k, 1, 0)[:1]])
+                       for k in range(count)]
+            self.sampler.plans.clear()  # every batch of the window is loaded for this membership
+            window, _ = self.batches(fetched)
+        items = self.count_items(window, t.args.device)
         model.zero_grad()
         for i, inputs in enumerate(window):
             sync = contextlib.nullcontext() if i == len(window) - 1 else model.no_sync()
@@ -436,6 +520,9 @@ def _patch_trainer(module: ModuleType) -> None:
                                                        else contextlib.nullcontext())
         ft.loop.start()  # joins; a restarted replica heals here (restore)
         ft.joined = True
+        if ft.stream is not None:
+            # A stream's epoch is its pass, and its batches so far the pass's committed draws.
+            return ft.stream.table.pass_no, ft.stream.table.drawn
         step = self.state.global_step
         return step // per_epoch, (step % per_epoch) * self.args.gradient_accumulation_steps
 
@@ -471,8 +558,23 @@ def _patch_trainer(module: ModuleType) -> None:
         ft.batch += len(fetched)
         window, changed = ft.batches(fetched)
         if changed:
-            items = original["get_batch_samples"](self, iter(window), len(window), device)[1]
+            items = ft.count_items(window, device)
         return window, items
+
+    def training_step(self: Any, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        ft = _ft(self)
+        if ft is None or ft.stream is None or not ft.stream.is_filler(inputs):
+            return original["training_step"](self, model, inputs, *args, **kwargs)
+        # A batch of no samples: the stream's first sample, its loss at zero weight (every
+        # replica's step runs its forward, backward and gradient average alike; a compute_loss
+        # of the script's own is left as it is).
+        accelerator = self.accelerator
+        backward = accelerator.backward
+        accelerator.backward = lambda loss, **kw: backward(loss * 0, **kw)
+        try:
+            return original["training_step"](self, model, inputs, *args, **kwargs) * 0
+        finally:
+            del accelerator.backward
 
     def _finalize_training(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original["_finalize_training"](self, *args, **kwargs)
@@ -509,7 +611,8 @@ def _patch_trainer(module: ModuleType) -> None:
                      ("is_world_process_zero", is_world_process_zero), ("save_model", save_model),
                      ("_wrap_model", _wrap_model), ("_init_training_state", _init_training_state),
                      ("_prepare_for_training", _prepare_for_training), ("_run_epoch", _run_epoch),
-                     ("get_batch_samples", get_batch_samples), ("_finalize_training", _finalize_training)):
+                     ("get_batch_samples", get_batch_samples), ("_finalize_training", _finalize_training),
+                     ("training_step", training_step)):
         functools.update_wrapper(fn, original[name])
         patches.install("hf.trainer", cls, name, fn)
 

@@ -3,7 +3,9 @@ unmodified script.
 
 FTStrategy is Lightning's DDPStrategy with the model wrapped by ft.DistributedDataParallel, the
 optimizer by ft.Optimizer, and the training loader's DistributedSampler replaced by ft's step
-sampler (sampler.py); the fit loop is driven as a framework loop (loop.py):
+sampler (sampler.py), or a stream's loader (an IterableDataset) by one over ft's Stream, each
+replica reading its own loader's batches as under torchrun (streams.py); the fit loop is driven
+as a framework loop (loop.py):
 - no process group of all workers is formed (a restarted replica could never join it again);
 - the member joins at the end of setup(), before the fit loop builds its data iterator: a
   restarted replica receives the model and optimizer (as ft's DDP and ft.Optimizer registered
@@ -15,6 +17,11 @@ sampler (sampler.py); the fit loop is driven as a framework loop (loop.py):
   loads it again when the live replicas changed), so global_step and batch_idx count committed
   steps only; with accumulate_grad_batches=k a step is its window of k batches, and a redone one
   computes them all again;
+- manual optimization: each optimizer gets its own ft.Optimizer (each opt.step() a sub-step of
+  the batch's step), each manual_backward reduces over the step's replicas (ready_backward: it
+  runs inside the wrapper's forward), and a batch that lost an optimizer step is trained again,
+  from its LR schedulers' states at its top, its committed sub-steps skipped and not counted in
+  global_step;
 - validation (and testing) runs on every live replica over the whole set, so its metrics are the
   same on each, and the run's whoever is away (the cost: each replica evaluates all of it);
 - barrier(), broadcast(), reduce() (sync_dist), all_gather() and reduce_boolean_decision() go
@@ -28,21 +35,22 @@ sampler (sampler.py); the fit loop is driven as a framework loop (loop.py):
 `install()` (the worker bootstrap, --ft) registers FTStrategy under Lightning's DDP names as
 Lightning's strategies package is imported (both `lightning` and `pytorch_lightning`), so that
 `Trainer(strategy="ddp")` and the default strategy on several devices get it; what it cannot run
-(another Lightning version, manual optimization, a GradScaler, another strategy) gets one line at the start and the plain strategy: ftrun then restarts the whole group
-on a failure, as for any script that does not use ftrun.ft.
+(another Lightning version, a GradScaler, another strategy) gets one line at the start and the
+plain strategy: ftrun then restarts the whole group on a failure, as for any script that does
+not use ftrun.ft.
 Must never import the supervisor, and never import Lightning before the script does.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ftrun.worker import patches, settings
 from ftrun.worker.frameworks import imports
 from ftrun.worker.frameworks.loop import say
 
-SUPPORTED = ((2, 6),)  # the Lightning versions (major, minor) FTStrategy is tested with
+SUPPORTED = ((2, 5), (2, 6))  # the Lightning versions (major, minor) FTStrategy is tested with (scripts/framework_versions.sh)
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 DDP_NAMES = ("ddp", "ddp_find_unused_parameters_false", "ddp_find_unused_parameters_true")
 _classes: Dict[str, type] = {}
@@ -160,11 +168,12 @@ def _build(pl: ModuleType) -> type:
     """The FTStrategy class over `pl`'s DDPStrategy (see the module's docstring)."""
     import torch
     import torch.distributed as dist
-    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
     # ftrun.ft's classes by their own modules: importing ftrun.ft itself marks a script as one that
     # uses it (ft/api/world.py), which one whose strategy fell back to Lightning's DDP is not.
     from ftrun.worker.ft.api.ddp import DistributedDataParallel as FTDistributedDataParallel
+    from ftrun.worker.ft.api.ddp import ready_backward
     from ftrun.worker.ft.api.optim import Optimizer as FTOptimizer
     from ftrun.worker.frameworks.loop import FrameworkLoop, framework_loop
     from ftrun.worker.frameworks.sampler import StepBatchSampler, empty_like
@@ -225,6 +234,8 @@ def _build(pl: ModuleType) -> type:
             self._ft = True
             self._loop: Optional[FrameworkLoop] = None
             self._sampler: Optional[StepBatchSampler] = None
+            self._stream: Any = None  # the training loader's stream (an IterableDataset): ft's Stream
+            self._fillers: List[Any] = []  # the window's batches that stand in for ones of no samples
             self._collate: Any = None
             self._dataset: Any = None
             self._reloading = False  # training_step loads its step's batch again (not a new step)
@@ -232,6 +243,8 @@ def _build(pl: ModuleType) -> type:
             # step's top (inside the batch) receives, since it runs the batch's hooks itself.
             self._callbacks_at_top: Tuple[Any, Dict[str, Any]] = (None, {})
             self._window: Tuple[int, int, int] = (-1, -1, -1)  # (round serial, epoch, batch) of a window's top
+            # Manual optimization: each opt.step() of the batch's current attempt, taken or not.
+            self._manual_steps: Optional[List[bool]] = None
 
         # ------------------------------------------------------------ what it cannot heal
         def _cannot_heal(self) -> Optional[str]:
@@ -243,9 +256,6 @@ def _build(pl: ModuleType) -> type:
                 return "--ft: FTStrategy replicates a whole model per worker: use --replica-size 1"
             module = self.lightning_module
             trainer = module.trainer if module is not None else None
-            if module is not None and not module.automatic_optimization:
-                return ("--ft: this LightningModule optimizes manually (automatic_optimization = False), which "
-                        "ftrun cannot redo step by step: a failure restarts all workers")
             if module is not None and "dataloader_iter" in inspect.signature(module.training_step).parameters:
                 return ("--ft: a training_step(dataloader_iter) fetches its own batches, which ftrun cannot give "
                         "again for a redone step: a failure restarts all workers")
@@ -284,10 +294,16 @@ def _build(pl: ModuleType) -> type:
         def setup_optimizers(self, trainer: Any) -> None:
             super().setup_optimizers(trainer)
             if self._ft and self.optimizers:
-                if len(self.optimizers) != 1:  # automatic optimization takes one (Lightning says so itself)
+                if len(self.optimizers) != 1 and self._automatic():  # (Lightning says so itself)
                     self._loop.misused(f"FTStrategy: {len(self.optimizers)} optimizers; automatic optimization "
                                        f"steps one")
-                self.optimizers = [FTOptimizer(self.optimizers[0])]
+                # Manual optimization: each optimizer's step() is a sub-step of the batch's step
+                # (ftrun.ft's several optimizers: a GAN's discriminator, then its generator).
+                self.optimizers = [FTOptimizer(opt) for opt in self.optimizers]
+
+        def _automatic(self) -> bool:
+            module = self.lightning_module
+            return module is None or module.automatic_optimization
 
         def setup(self, trainer: Any) -> None:
             if not self._ft or trainer.state.fn == TrainerFn.FITTING:
@@ -331,6 +347,13 @@ def _build(pl: ModuleType) -> type:
             if progress.ready != progress.completed and key == self._batch_key(trainer) and "callbacks" in ckpt:
                 # Inside a batch (a redone step's top): the healer runs this batch's hooks itself.
                 ckpt["callbacks"] = states
+            fit = ckpt.get("loops", {}).get("fit_loop", {}).get("state_dict")
+            pending = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
+            if isinstance(fit, dict) and "combined_loader" not in fit and pending:
+                # Taken before the fit loop set up its loader (this replica restored the state
+                # itself a moment ago, from a checkpoint or a peer): the loader's state it holds
+                # for it (a stream's position) goes on with the rest.
+                fit["combined_loader"] = pending
             # The model and optimizer travel as tensors already (ft's DDP and ft.Optimizer
             # registered them); hyperparameters are the script's, the same on every replica.
             for key in ("state_dict", "optimizer_states", "hyper_parameters", "hparams_name", "hparams_type",
@@ -372,6 +395,8 @@ def _build(pl: ModuleType) -> type:
                                                seed=sampler.seed, drop_last=sampler.drop_last)
                     return update_dataloader(dataloader, whole)
                 return dataloader
+            if isinstance(dataloader.dataset, IterableDataset):
+                return self._stream_loader(dataloader)
             batches = getattr(dataloader, "batch_sampler", None)
             if type(sampler) is not DistributedSampler or (batches is not None and type(batches) is not BatchSampler):
                 self._loop.misused(
@@ -397,6 +422,45 @@ def _build(pl: ModuleType) -> type:
                 kwargs["prefetch_factor"] = dataloader.prefetch_factor
             return StepLoader(dataset, batch_sampler=self._sampler, **kwargs)
 
+        def _stream_loader(self, dataloader: Any) -> Any:
+            """The training loader over a stream: each replica reads its own loader's batches, as
+            under torchrun (frameworks/streams.py), from the run's position. Lightning's fetcher
+            draws one ahead; each batch's top says which draw the step trains."""
+            from ftrun.worker.frameworks.streams import StreamLoader, loader_args
+            from ftrun.worker.ft.api import stream_sources
+            from ftrun.worker.ft.api.stream import Stream
+
+            if not self._automatic() and len(self.optimizers) > 1:
+                self._loop.misused(f"FTStrategy: manual optimization of {len(self.optimizers)} optimizers over a "
+                                   f"stream (the training DataLoader reads {type(dataloader.dataset).__name__}) is "
+                                   f"not supported yet under --ft: give the DataLoader a Dataset with __len__ and "
+                                   f"__getitem__, or step one optimizer")
+            trainer = self.lightning_module.trainer
+            ids = self.world_size
+            training = max(1, ids - settings.current().spares)
+            args = loader_args(dataloader)
+            if stream_sources.stateful_loader(dataloader):  # a loader that says where it is: read as built
+                source = stream_sources.source_for(dataloader, None, {}, ids, training)
+            else:
+                data = dataloader.dataset
+                # A Hugging Face stream the script split by node is split by ftrun (any replica can
+                # read any shard); one it did not split is read whole by every rank, as under torchrun.
+                split = stream_sources.hf_stream(data) and getattr(data, "_distributed", None) is not None
+                kwargs = {k: v for k, v in args.items() if k != "batch_size"}
+                source = stream_sources.source_for(data, dataloader.batch_size, kwargs, ids, training, split=split)
+            stream = self._stream = Stream(self._loop.mgr, source, register=False,
+                                           ahead=trainer.accumulate_grad_batches, framework=True,
+                                           name="the training DataLoader")
+
+            def begin() -> None:
+                # Lightning's epoch is the stream's pass; a replica that healed inside an
+                # accumulation window goes on at its batch, the window's earlier ones drawn for it.
+                stream.on_epoch(trainer.current_epoch)
+                stream.start()
+                stream.align(trainer.fit_loop.epoch_loop.batch_progress.current.completed)
+
+            return StreamLoader(stream, dataloader.dataset, args, begin)
+
         def _step_batch(self, batch: Any, batch_idx: int) -> Any:
             """The batch of this step at the current membership (the loader's, or loaded again)."""
             if self._sampler is None:
@@ -414,7 +478,10 @@ def _build(pl: ModuleType) -> type:
                 if like is None:
                     like = self._load([0])
                 return empty_like(like)
-            fresh = self._collate([self._dataset[i] for i in indices])
+            return self._prepare(self._collate([self._dataset[i] for i in indices]))
+
+        def _prepare(self, fresh: Any) -> Any:
+            """A batch as the loader gave it, as Lightning's loop gives it to training_step."""
             fresh = self.precision_plugin.convert_input(fresh)
             fresh = self.lightning_module._on_before_batch_transfer(fresh, dataloader_idx=0)
             self._reloading = True
@@ -442,22 +509,118 @@ def _build(pl: ModuleType) -> type:
                     if b % trainer.accumulate_grad_batches == 0:
                         # The first batch of an accumulation window, in this round.
                         self._window = (self._loop.mgr.step_serial, epoch, b)
+                        self._fillers = []
+                    if self._stream is not None:
+                        stream = self._stream
+                        stream.consume()  # this step trains the batch drawn first of those left
+                        if self._automatic() and stream.empty_at(stream.used - 1):
+                            return self._filler()
             return super().batch_to_device(batch, device, dataloader_idx)
 
+        def _filler(self) -> Any:
+            """In place of a stream's batch of no samples (this replica's stream is done before the
+            pass ends): the stream's first sample, which training_step trains at zero weight (a
+            loss over no samples is often NaN, which the gradients' average would spread)."""
+            from torch.utils._pytree import tree_map
+
+            batch = self._prepare(tree_map(lambda leaf: leaf, self._stream.filler()))
+            self._fillers.append(batch)
+            return batch
+
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
-            if self._ft and len(args) >= 2 and self.lightning_module.trainer.training:
+            if not (self._ft and len(args) >= 2 and self.lightning_module.trainer.training):
+                return super().training_step(*args, **kwargs)
+            if self._automatic():
                 args = (self._step_batch(args[0], args[1]),) + tuple(args[1:])
-            return super().training_step(*args, **kwargs)
+                out = super().training_step(*args, **kwargs)
+                if any(args[0] is filler for filler in self._fillers):
+                    if isinstance(out, torch.Tensor):
+                        return out * 0
+                    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+                        return {**out, "loss": out["loss"] * 0}
+                return out
+
+            top = self._schedules()
+
+            def attempt() -> Any:
+                if self._manual_steps is not None:  # the batch again: its schedules as at its top
+                    self._schedules(top)
+                self._manual_steps = []
+                out = super(FTStrategy, self).training_step(self._step_batch(args[0], args[1]), *args[1:], **kwargs)
+                if not self._manual_steps:
+                    trainer = self.lightning_module.trainer
+                    self._loop.misused(
+                        f"FTStrategy: training_step (manual optimization) stepped no optimizer in batch {args[1]} of "
+                        f"epoch {trainer.current_epoch}; under --ft each batch is one step of the run, trained again "
+                        f"whole when a peer dies in it, so gradients kept for a later batch's step would be lost: "
+                        f"step each optimizer in the batch of its backward (to accumulate: automatic optimization "
+                        f"and Trainer(accumulate_grad_batches=k))")
+                return out
+
+            self._manual_steps = None
+
+            return self._loop.until_complete(attempt, self._manual_discarded)
+
+        def _schedules(self, back: Any = None) -> Any:
+            """The LR schedulers' states and the optimizers' hyperparameters (what a scheduler sets
+            in their param groups), or put back as `back` holds them: a manual training_step that
+            steps its schedulers itself steps them once per batch, however often it is trained."""
+            import copy
+
+            trainer = self.lightning_module.trainer
+            if back is None:
+                return copy.deepcopy(([config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+                                      [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                                       for opt in self.optimizers]))
+            schedulers, groups = copy.deepcopy(back)
+            for config, sd in zip(trainer.lr_scheduler_configs, schedulers):
+                config.scheduler.load_state_dict(sd)
+            for opt, saved in zip(self.optimizers, groups):
+                for g, hyper in zip(opt.param_groups, saved):
+                    g.update(hyper)
+            return None
+
+        def _manual_discarded(self) -> bool:
+            """Manual optimization: whether an optimizer step of the batch was discarded (the batch
+            is then trained again: with several optimizers, its committed sub-steps are skipped)."""
+            if len(self.optimizers) > 1:
+                return self._loop.mgr.step_voted_down
+            return not self._manual_steps[-1]
+
+        def pre_backward(self, closure_loss: Any) -> None:
+            if self._ft and isinstance(self.model, FTDistributedDataParallel) and not self._automatic():
+                # manual_backward inside training_step, inside the wrapper's forward: each one
+                # reduces over the replicas of the step, as a forward's end would set it.
+                ready_backward(self.model, closure_loss)
+                return
+            super().pre_backward(closure_loss)
 
         def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
             if not self._ft or not isinstance(optimizer, FTOptimizer):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
+            if not self._automatic():
+                return self._manual_step(optimizer, closure, model, **kwargs)
 
             def attempt() -> Any:
                 self._accumulate_again(optimizer)
                 return super(FTStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)
 
             return self._loop.until_committed(attempt, lambda: optimizer.stepped)
+
+        def _manual_step(self, optimizer: Any, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
+            """One opt.step() of manual optimization: voted (a sub-step with several optimizers), and
+            when it is not taken (discarded, or committed before the batch was handed out again),
+            not counted in Lightning's optimizer steps, so global_step counts committed ones."""
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self._manual_steps is not None:
+                self._manual_steps.append(optimizer.stepped)
+            if not optimizer.stepped:
+                # LightningOptimizer.step counts ready before this and completed after it.
+                progress = self.lightning_module.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+                for tracker in (progress.total, progress.current):
+                    tracker.ready -= 1
+                    tracker.completed -= 1
+            return out
 
         def _accumulate_again(self, optimizer: Any) -> None:
             """With accumulate_grad_batches=k, a step is its window's k batches and its round opens
@@ -473,9 +636,13 @@ def _build(pl: ModuleType) -> type:
             if k == 1 or start == b or self._window == (self._loop.mgr.step_serial, epoch, start):
                 return
             automatic = trainer.fit_loop.epoch_loop.automatic_optimization
+            window = self._stream.window() if self._stream is not None else None
             for j in range(start, b):
-                indices = self._sampler.share(epoch, j, self._loop.num_replicas, self._loop.replica_index)
-                again = automatic._make_closure(OrderedDict(batch=self._load(indices), batch_idx=j), optimizer, j)
+                if window is not None:  # the stream's: the batches this step consumed, in order
+                    batch = self._filler() if self._stream.empty_at(j - start) else self._prepare(window[j - start])
+                else:
+                    batch = self._load(self._sampler.share(epoch, j, self._loop.num_replicas, self._loop.replica_index))
+                again = automatic._make_closure(OrderedDict(batch=batch, batch_idx=j), optimizer, j)
                 with self.block_backward_sync():
                     again()
                 again.consume_result()

@@ -9,6 +9,8 @@ and ft.Optimizer do for a hand-written one:
 - `until_committed(attempt)` around the framework's optimizer step: an attempt whose round is
   discarded (a peer died mid-step) changed nothing, and is made again from its round's top, so
   the framework's counters (its global step, its batch index) count committed steps only;
+- `until_complete(attempt)` around a step in which the script steps its optimizers itself
+  (Lightning's manual optimization): the same, a step at a time, its committed sub-steps kept;
 - `finish()` when the loop is over.
 The framework's whole state (its loop's progress, schedulers, callbacks...) travels in heals and
 checkpoints as registered state, beside the model and optimizer ft's DDP and ft.Optimizer
@@ -33,10 +35,12 @@ T = TypeVar("T")
 
 
 def say(line: str) -> None:
-    """One line in ftrun's words from replica 0's first worker (the others would say the same)."""
+    """One line in ftrun's words ("--ft: ..."), from each node's first worker (the others would say
+    the same): every node's console has it, and its supervisor then knows that this script's
+    framework said why it cannot heal (ftrun.supervisor.workers.logs, FRAMEWORK_LINE)."""
     from ftrun.worker import settings
 
-    if settings.current().rank_text == "0":
+    if settings.current().local_rank == 0:
         sys.stderr.write(f"ftrun: {line}\n")
         sys.stderr.flush()
 
@@ -108,6 +112,19 @@ class FrameworkLoop:
         while True:
             out = attempt()
             if stepped():
+                self.in_step, self.stepped = False, True
+                return out
+            self.mgr.begin_step()
+
+    def until_complete(self, attempt: Callable[[], T], discarded: Callable[[], bool]) -> T:
+        """Run `attempt` (one of the loop's steps in which the script steps its optimizers itself,
+        each step of each a sub-step) until none of its optimizer steps is discarded: an attempt
+        that lost one is made again from the next round's top, on the same step, and its
+        committed sub-steps return False without stepping (ft.Optimizer), so each optimizer
+        steps once per step among committed ones."""
+        while True:
+            out = attempt()
+            if not discarded():
                 self.in_step, self.stepped = False, True
                 return out
             self.mgr.begin_step()

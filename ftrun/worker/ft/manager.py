@@ -88,6 +88,11 @@ class Manager:
         self.optimizer_wrapped = False  # ft.Optimizer was made (one per run: ft/api/optim.py)
         self.loaders: List[Any] = []  # every ft.DataLoader (ft/api/data.py), in the order made
         self.epochs_state: Any = None  # ft.epochs()' registered quorum (ft/api/data.py), once asked for
+        # Called before this member votes on a step, where a small collective of the step may be
+        # made (its failure votes the round down): an ft.DataLoader over a stream exchanges its
+        # shards' positions there (ft/api/stream.py).
+        self.vote_listeners: List[Callable[[], None]] = []
+        self.looked = False  # the script's frames were searched for unregistered state (look_for_state)
         if self.fx.progress is not None:
             self.fx.progress.info_provider = self.member.info
 
@@ -99,7 +104,7 @@ class Manager:
         while True:
             try:
                 return MemberDriver(self.fx, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), k,
-                                    nodes, checkpoints, self.state, store_gen)
+                                    nodes, checkpoints, self.state, store_gen, keys.check_s_from_env(os.environ)[0])
             except TorchEffects.store_errors:
                 if self.fx.node() is None or not self.fx.store_gone():
                     raise
@@ -120,8 +125,35 @@ class Manager:
     def register_optimizer(self, opt: torch.optim.Optimizer) -> None:
         self.state.add_optimizer(opt)
 
-    def register_state(self, name: str, obj: Any) -> None:
-        self.state.add_extra(name, obj)
+    def register_state(self, name: str, obj: Any, compare: bool = True) -> None:
+        self.state.add_extra(name, obj, compare)
+
+    def look_for_state(self, frame: Any) -> None:
+        """At the loop's first start in this process: register the state the script keeps in its
+        frames that no registration covers (ft/heal/found.py), and say once what was found."""
+        if self.looked:
+            return
+        self.looked = True
+        from ftrun.worker.ft.heal import found as finder
+
+        objects, loose = finder.find(self.state, frame)
+        names = finder.register(self.state, objects)
+        say = _log if self.rank % max(1, self.k) == 0 and self.replica == 0 else _log_detail
+        if names:
+            what = ", ".join(f"{n} ({type(o).__name__})" for n, o in objects)
+            say(f"heals and checks state the script keeps but did not register: {what} (found by name; "
+                f"ft.register_state(name, obj) names it yourself)")
+        if loose:
+            say(f"modules that hold state no heal carries (found in memory, not by a name in the script): "
+                f"{', '.join(loose)}: a restarted replica keeps them as its script made them; register each with "
+                f"ft.register_state(name, obj)")
+
+    def several_optimizers(self) -> None:
+        """A second ft.Optimizer: each step of one is a sub-step of the loop's step
+        (member/iteration.py). Hot spares then take the whole state at a promotion instead of being
+        fed each step (a feed steps every optimizer at once)."""
+        self.member.several_optimizers()
+        self.state.steps_apart = True
 
     def on_group_change(self, fn: Callable[[Optional[dist.ProcessGroup]], None]) -> None:
         self.fx.group_listeners.append(fn)
@@ -155,6 +187,17 @@ class Manager:
     discarded = property(lambda self: self.member.discarded)
     checkpoints = property(lambda self: self.member.checkpoints)
     store = property(lambda self: self.member.store)
+
+    @property
+    def sub_steps(self) -> int:
+        """With several ft.Optimizers: the sub-steps of the current loop step the script asked for."""
+        return self.member.iteration.index
+
+    @property
+    def step_voted_down(self) -> bool:
+        """With several ft.Optimizers: a sub-step of the current loop step was voted down, so the
+        step is handed out again at the next begin_step(), its committed sub-steps skipped."""
+        return self.member.iteration.failed
 
     @property
     def looping(self) -> bool:
@@ -232,6 +275,8 @@ class Manager:
         self.fx.feeder.after_step(m.quorum, m.in_sync and m.heals.holds_state(), m.round, m.step, m.yielded)
 
     def vote(self) -> bool:
+        for fn in self.vote_listeners:
+            fn()
         return self.member.vote()
 
     def fail_round(self, why: str = "") -> None:

@@ -70,6 +70,8 @@ class KeeperSnapshot:
     survivors: Mapping[int, object] = field(default_factory=dict)
     spares: int = 0                                     # --spares: replicas held back while the others train
     held: Mapping[int, int] = field(default_factory=dict)  # the spares' ranks now (asked to join, held back)
+    check_s: float = keys.CHECK_S                       # seconds between the guard's checks (0: off)
+    check_steps: Optional[int] = None                   # steps between them, the user's choice (None: paced)
 
     @classmethod
     def of(cls, **fields) -> "KeeperSnapshot":
@@ -262,14 +264,17 @@ def survivors_source(s: KeeperSnapshot, members: Mapping[int, int]) -> Tuple[Opt
             said[r] = d
     whole = {}
     for rep in sorted({r // s.k for r in said}):
-        steps = {int(said[m]["step"]) if m in said else None for m in s.mates(rep * s.k)}
+        # (step, sub-steps of the next one: several ft.Optimizers, member/iteration.py)
+        steps = {(int(said[m]["step"]), int(said[m].get("sub_steps", 0))) if m in said else None
+                 for m in s.mates(rep * s.k)}
         if len(steps) == 1 and None not in steps:
             whole[rep] = (all(said[m].get("decided") is True for m in s.mates(rep * s.k)), steps.pop())
     if not whole:
         return None, "no replica says it holds a whole step"
     best = max(whole, key=lambda rep: (whole[rep], -rep))
-    decided, step = whole[best]
-    return best, f"replica {best} holds step {step}, the newest {'decided' if decided else 'whole'} one"
+    decided, (step, sub) = whole[best]
+    held = f"step {step}" + (f" and {sub} optimizer step{'s' if sub > 1 else ''} of the next" if sub else "")
+    return best, f"replica {best} holds {held}, the newest {'decided' if decided else 'whole'} one"
 
 
 def survivors_latest(s: KeeperSnapshot) -> int:
@@ -299,6 +304,14 @@ def paced_steps(s: KeeperSnapshot) -> int:
     if s.step_s is None:
         return 1
     return keys.round_steps_for(s.step_s, s.round_steps)
+
+
+def check_steps(s: KeeperSnapshot) -> int:
+    """Steps between the guard's checks in a quorum published now: the user's count, else about
+    s.check_s seconds at the run's pace (a fixed count until it is known); none when the guard is off."""
+    if s.check_s <= 0:
+        return 0
+    return s.check_steps or keys.check_steps_for(s.step_s, s.check_s)
 
 
 def repace_due(s: KeeperSnapshot, now: float) -> Optional[str]:
@@ -381,12 +394,14 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
     ranked = tuple(sorted(members.items()))
     if fresh:
         src = min(members) // s.k
-        quorum = Quorum(eid, ranked, tuple(sorted(r for r in members if r // s.k != src)), True, start, steps)
+        quorum = Quorum(eid, ranked, tuple(sorted(r for r in members if r // s.k != src)), True, start, steps,
+                        check_steps=check_steps(s))
         reason = f"fresh: nobody holds the trained state; replica {src} sends its own"
         if eid > 1:
             why += f"; no replica holding the trained state is left: {s.fresh_start}"
     else:
-        quorum = Quorum(eid, ranked, tuple(sorted(r for r in members if r not in holders)), False, start, steps)
+        quorum = Quorum(eid, ranked, tuple(sorted(r for r in members if r not in holders)), False, start, steps,
+                        check_steps=check_steps(s))
     n = len(ranked) // s.k
     shape = f" of {s.k} workers" if s.k > 1 else ""
     # Said when the pace chose them; until it is known they are one step, in every run.

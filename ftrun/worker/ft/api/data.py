@@ -27,9 +27,11 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
 
-from ftrun.worker.ft.api import data_checks
+from ftrun.worker import settings
+from ftrun.worker.ft.api import data_checks, stream_sources
+from ftrun.worker.ft.api.stream import Stream
 from ftrun.worker.ft.manager import Manager, manager
 
 Plan = Tuple[int, int, int, int]  # (epoch, position, workers, this worker's index)
@@ -99,9 +101,19 @@ class DataLoader(TorchDataLoader):
     script that called set_epoch(1..N) passes seed=1 (the sampler's seed plus one) to train the
     same order. Every other DataLoader argument (num_workers, pin_memory, collate_fn,
     prefetch_factor, persistent_workers, ...) works. Said in one line: an empty dataset (the run
-    stops), replicas whose datasets differ in length or in a Subset's indices (the run stops: an
-    unseeded random_split), a shuffle or seed unlike the one of a DistributedSampler the script
-    built over the dataset (said once, the run goes on)."""
+    stops), workers whose datasets differ in length or in a Subset's indices (the run stops before
+    its first step: an unseeded random_split), a shuffle or seed unlike the one of a DistributedSampler the script
+    built over the dataset (said once, the run goes on).
+
+    Over a stream (an IterableDataset, a list of a stream's shards, a Hugging Face streaming
+    dataset, or a loader with state_dict() and load_state_dict(), as torchdata's
+    StatefulDataLoader, given in place of the dataset) it is a StreamDataLoader: each replica reads
+    its own shard, and every replica holds every shard's position (ft/api/stream.py)."""
+
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> "DataLoader":
+        if cls is DataLoader and stream_sources.is_stream(dataset):
+            return super().__new__(StreamDataLoader)
+        return super().__new__(cls)
 
     def __init__(self, dataset: Any, batch_size: int = 1, shuffle: Optional[bool] = None,
                  seed: Optional[int] = None, drop_last: Optional[bool] = None, sampler: Any = None,
@@ -129,12 +141,21 @@ class DataLoader(TorchDataLoader):
             mgr._misused(f"ft.DataLoader: the dataset ({type(dataset).__name__}) is empty, 0 samples: the loop would "
                          f"train nothing; check what loads it (a path, a filter, a split)")
         self.fingerprint = data_checks.fingerprint(dataset)
+        why = data_checks.first_workers(mgr.store, mgr.fx.store_errors, len(mgr.loaders), mgr.rank, self.size,
+                                        self.fingerprint)
+        if why:
+            mgr._misused(why)
         # The run's position: the epoch, and the samples of it consumed by the steps this
         # replica took (`pos`); `cursor` is where the open step's draws have got to.
         self.epoch = 0
         self.pos = 0
         self.cursor: Tuple[int, int] = (0, 0)
         self._serial = -1     # the step whose draws `cursor` counts (mgr.step_serial)
+        # (epoch, pos, samples) of the open step's first draw, and of a step some of whose
+        # optimizer steps were committed (several ft.Optimizers): it is handed out again with the
+        # same samples, split over the replicas there are now (a heal carries it).
+        self._drawn: Optional[Tuple[int, int, int]] = None
+        self.held: Optional[Tuple[int, int, int]] = None
         self._orders: Dict[int, Any] = {}
         # torch's DataLoader does the loading (workers, prefetch, pinned memory, collate) over the
         # plan ahead; one for the whole run, so persistent workers persist.
@@ -153,12 +174,13 @@ class DataLoader(TorchDataLoader):
     @staticmethod
     def _refuse(mgr: Manager, dataset: Any, batch_size: Any, seed: Any, sampler: Any,
                 kwargs: Dict[str, Any]) -> None:
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or \
-                not hasattr(dataset, "__len__"):
-            mgr._misused(f"ft.DataLoader needs a map-style dataset (with __len__ and __getitem__), not "
-                         f"{type(dataset).__name__}: an iterable stream has no position to split over the live "
-                         f"replicas or to hand to a healed one. Index your data (a Dataset over its records or "
-                         f"files), or read it by the step in an ft.steps() loop")
+        if isinstance(dataset, TorchDataLoader):
+            mgr._misused(f"ft.DataLoader({type(dataset).__name__}(...)): a loader given in place of the dataset must "
+                         f"say where it is (state_dict() and load_state_dict(), as torchdata's StatefulDataLoader): "
+                         f"give ft.DataLoader the dataset and the loader's arguments, or a StatefulDataLoader")
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            mgr._misused(f"ft.DataLoader needs a dataset with __len__ and __getitem__ (map-style) or a stream (an "
+                         f"IterableDataset), not {type(dataset).__name__}: wrap it in one")
         if sampler is not None and not isinstance(sampler, data_checks.DistributedSampler):
             mgr._misused(f"ft.DataLoader(sampler={type(sampler).__name__}(...)): ft.DataLoader orders an epoch as "
                          f"DistributedSampler does (shuffle=, seed=, or a DistributedSampler's), split over the live "
@@ -222,8 +244,18 @@ class DataLoader(TorchDataLoader):
 
     # ------------------------------------------------------------ state (heals, checkpoints)
     def state_dict(self) -> Dict[str, Any]:
-        return {"epoch": self.epoch, "pos": self.pos, "size": self.size, "seed": self.seed,
-                "shuffle": self.shuffle, "batch_size": self.batch_size, "fingerprint": self.fingerprint}
+        sd = {"epoch": self.epoch, "pos": self.pos, "size": self.size, "seed": self.seed,
+              "shuffle": self.shuffle, "batch_size": self.batch_size, "fingerprint": self.fingerprint}
+        held = self._partial()
+        if held is not None:  # only inside a step (a heal's), never at a checkpoint's round boundary
+            sd["held"] = list(held)
+        return sd
+
+    def _partial(self) -> Optional[Tuple[int, int, int]]:
+        """The draw of the open step when some of its optimizer steps are committed, else None."""
+        if self.mgr.member.iteration.done <= 0:
+            return None
+        return self.held or self._drawn
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         why = data_checks.differs(self.index, (int(sd.get("size", self.size)), sd.get("fingerprint")),
@@ -232,6 +264,8 @@ class DataLoader(TorchDataLoader):
             self.mgr._misused(why)
         self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
         self.cursor = (self.epoch, self.pos)
+        self.held = tuple(sd["held"]) if sd.get("held") else None  # type: ignore[assignment]
+        self._drawn = None
         self._serial = -1
         self._drop_inner()
 
@@ -239,6 +273,7 @@ class DataLoader(TorchDataLoader):
         """This member took a step: what it drew for it is consumed."""
         if self._serial == self.mgr.step_serial:
             self.epoch, self.pos = self.cursor
+            self.held = None
 
     # ------------------------------------------------------------ iteration
     def __iter__(self) -> "DataLoader":
@@ -269,6 +304,18 @@ class DataLoader(TorchDataLoader):
             self.cursor = (self.epoch, self.pos)
         epoch, pos = self.cursor
         workers, index = self._workers()
+        held = self._partial()
+        if held is not None and held[:2] == (epoch, pos):
+            # Some of this step's optimizer steps are committed: its other ones train on the same
+            # samples, however many replicas share them now.
+            self.held = held
+            first, count = share(held[2], workers, index)
+            self.cursor = (epoch, pos + held[2])
+            self._yielded += 1
+            if count == 0:
+                return self._empty()
+            indices = self.order(epoch)[pos + first:pos + held[2]:workers].tolist()
+            return self.collate_fn([self.dataset[i] for i in indices])
         take = self.take(pos, workers)
         if take == 0:  # the end of the epoch the cursor is in
             epochs = mgr.epochs_state
@@ -285,6 +332,8 @@ class DataLoader(TorchDataLoader):
             if take == 0:
                 raise StopIteration  # an epoch too short for one step (drop_last)
         plan = (epoch, pos, workers, index)
+        if pos == self.pos and epoch == self.epoch:
+            self._drawn = (epoch, pos, take)
         self.cursor = (epoch, pos + take)
         self._yielded += 1
         if share(take, workers, index)[1] == 0:
@@ -333,6 +382,75 @@ class DataLoader(TorchDataLoader):
             batch = self.collate_fn([self.dataset[0]])
             self._template = tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, batch)
         return self._template
+
+
+class StreamDataLoader(DataLoader):
+    """ft.DataLoader over a stream (what ft.DataLoader(stream, ...) makes): a torch DataLoader whose
+    batches are this replica's shard's, from the position every replica holds (ft/api/stream.py,
+    stream_sources.py for which shard of which stream). Takes the DataLoader's arguments but
+    shuffle, sampler, batch_sampler and seed (a stream orders itself: its own shuffle); a
+    StatefulDataLoader takes none (it has its own). Has no len()."""
+
+    def __init__(self, dataset: Any, batch_size: Optional[int] = 1, shuffle: Optional[bool] = None,
+                 seed: Optional[int] = None, drop_last: Optional[bool] = None, sampler: Any = None,
+                 **kwargs: Any) -> None:
+        mgr = manager()
+        given = [name for name, v in (("shuffle", shuffle), ("seed", seed), ("sampler", sampler),
+                                      ("batch_sampler", kwargs.get("batch_sampler"))) if v]
+        if given:
+            mgr._misused(f"ft.DataLoader over a stream ({type(dataset).__name__}) takes no {given[0]}=: a stream is "
+                         f"read in its own order, each replica its own shard; shuffle the stream itself "
+                         f"(a Hugging Face stream's .shuffle(seed=..., buffer_size=...)) and drop {given[0]}=")
+        if stream_sources.shard_list(dataset) and not stream_sources.given_loaders(dataset) and \
+                any(stream_sources.stateful_loader(x) for x in dataset):
+            mgr._misused("ft.DataLoader([...]): a list of shards is of IterableDatasets or of stateful loaders, not "
+                         "both: give every shard as one kind")
+        loader = stream_sources.given_loaders(dataset)
+        if loader and (kwargs or drop_last is not None or batch_size != 1):
+            mgr._misused(f"ft.DataLoader({type(dataset).__name__}(...), ...): a loader given in place of the dataset "
+                         f"reads as it was built: drop the other arguments (give them to the loader)")
+        if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool) or
+                                       batch_size < 1):
+            mgr._misused(f"ft.DataLoader(batch_size={batch_size!r}): the samples per worker and step, a whole number "
+                         f"from 1 (or None: the stream gives whole batches)")
+        if mgr.k > 1:
+            mgr._misused(f"ft.DataLoader over a stream is not supported with --replica-size {mgr.k} yet: use "
+                         f"--replica-size 1, or a map-style dataset")
+        if drop_last is not None:
+            kwargs["drop_last"] = drop_last
+        s = settings.current()
+        ids = max(1, (s.world_size or 1) // mgr.k)
+        source = stream_sources.source_for(dataset, batch_size, dict(kwargs), ids, max(1, ids - s.spares))
+        self.mgr = mgr
+        first = dataset[0] if stream_sources.shard_list(dataset) else dataset
+        self.dataset = dataset.dataset if stream_sources.stateful_loader(dataset) else dataset
+        self.batch_size = getattr(first, "batch_size", batch_size) if loader else batch_size
+        self.drop_last = bool(kwargs.get("drop_last", False))
+        self.sampler = None
+        self.collate_fn = kwargs.get("collate_fn") or torch.utils.data.default_collate
+        self.stream = Stream(mgr, source)
+
+    def __iter__(self) -> "StreamDataLoader":
+        self.stream.start()
+        return self
+
+    def __next__(self) -> Any:
+        return self.stream.next_batch()
+
+    def __len__(self) -> int:
+        raise TypeError("ft.DataLoader over a stream has no len(): a stream's length is known when it ends")
+
+    def on_epoch(self, epoch: int) -> None:
+        pass  # the stream itself is in the manager's loaders (Stream.on_epoch)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        self.stream.load_state_dict(sd)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(name)
 
 
 class TrainingEpochs:

@@ -2,10 +2,13 @@
 DistributedSampler under --ft.
 
 - The dataset's fingerprint: its length, and a hash of the indices of every Subset in it (what
-  random_split makes). It travels with the loader's position (registered state): a replica that
-  receives the position in a heal, or a run resumed from a checkpoint, compares it with its own,
-  so replicas that hold different samples (an unseeded random_split: every worker draws its own
-  split) stop the run in one line instead of training different data under one position.
+  random_split makes), found through the datasets that wrap it (a transform over a split). Every
+  worker compares it, as it builds the loader, with the first worker's, through one small key of
+  the run's store (replicas that hold different samples, an unseeded random_split where every
+  worker draws its own split, stop the run in one line before any step, even where no heal would
+  compare them: the workers of one sharded replica, a replica that never heals). It also travels
+  with the loader's position (registered state): a replica that receives the position in a heal,
+  or a run resumed from a checkpoint, compares it with its own.
 - The script's `sampler=DistributedSampler(...)`: ft.DataLoader takes its shuffle, seed and
   drop_last, so the port of `DataLoader(ds, sampler=DistributedSampler(ds))` is one word (a
   seed= given beside it wins: a script whose set_epoch counted from 1 passes its seed plus one).
@@ -28,12 +31,13 @@ from __future__ import annotations
 import hashlib
 import sys
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
-from torch.utils.data import ConcatDataset, Subset
+from torch.utils.data import ConcatDataset, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
+from ftrun import protocol as keys
 from ftrun.worker import patches, settings
 
 SPLIT_FIX = ("the likely cause is an unseeded split: random_split(..., generator=torch.Generator().manual_seed(0)), "
@@ -42,27 +46,51 @@ SPLIT_FIX = ("the likely cause is an unseeded split: random_split(..., generator
 _built: "weakref.WeakSet[DistributedSampler]" = weakref.WeakSet()  # the script's DistributedSamplers
 
 
+_WRAPPED = 64  # a list or tuple attribute longer than this is data, not datasets to look into
+
+
+def _inner(d: Any) -> List[Any]:
+    """The datasets `d` holds: a Subset's, a ConcatDataset's, or those among the attributes of
+    any other dataset (a wrapper that transforms a split's samples holds the split)."""
+    if isinstance(d, Subset):
+        return [d.dataset]
+    if isinstance(d, ConcatDataset):
+        return list(d.datasets)
+    found = []
+    for value in getattr(d, "__dict__", {}).values():
+        if isinstance(value, Dataset):
+            found.append(value)
+        elif isinstance(value, (list, tuple)) and 0 < len(value) <= _WRAPPED and \
+                all(isinstance(v, Dataset) for v in value):
+            found.extend(value)
+    return found
+
+
 def fingerprint(dataset: Any) -> Optional[str]:
     """A cheap hash of which samples `dataset` holds: the indices of every Subset in it (nested,
-    or in a ConcatDataset); None for a dataset without one (its length says what it can)."""
+    in a ConcatDataset, or held by a dataset that wraps it); None for a dataset without one (its
+    length says what it can)."""
     h = hashlib.blake2b(digest_size=8)
     found = False
-    todo = [dataset]
+    todo, seen = [dataset], set()
     while todo:
         d = todo.pop()
+        if id(d) in seen:
+            continue
+        seen.add(id(d))
         if isinstance(d, Subset):
             found = True
             h.update(torch.as_tensor(list(d.indices) if not torch.is_tensor(d.indices) else d.indices,
                                      dtype=torch.int64).numpy().tobytes())
             h.update(b"|")
-            todo.append(d.dataset)
-        elif isinstance(d, ConcatDataset):
-            todo.extend(reversed(d.datasets))
+        todo.extend(reversed(_inner(d)))
     return h.hexdigest() if found else None
 
 
-def differs(index: int, theirs: Tuple[int, Optional[str]], mine: Tuple[int, Optional[str]]) -> Optional[str]:
-    """Why this replica's dataset is not the one the run's position belongs to, or None."""
+def differs(index: int, theirs: Tuple[int, Optional[str]], mine: Tuple[int, Optional[str]],
+            whose: str = "the run's position (from a peer, or the checkpoint) is in a dataset") -> Optional[str]:
+    """Why this replica's dataset is not `whose` (by default the one the run's position belongs
+    to), or None."""
     (size, fp), (my_size, my_fp) = theirs, mine
     if size != my_size:
         what = f"of {size} samples, this replica's has {my_size}"
@@ -70,8 +98,26 @@ def differs(index: int, theirs: Tuple[int, Optional[str]], mine: Tuple[int, Opti
         what = f"of {size} samples, and so is this replica's, but a Subset in it holds other samples"
     else:
         return None
-    return (f"ft.DataLoader #{index}: the run's position (from a peer, or the checkpoint) is in a dataset {what}: "
-            f"every replica, and a run resumed from a checkpoint, must load the same samples; {SPLIT_FIX}")
+    return (f"ft.DataLoader #{index}: {whose} {what}: every replica, and a run resumed from a checkpoint, "
+            f"must load the same samples; {SPLIT_FIX}")
+
+
+def first_workers(store: Any, store_errors: Tuple[type, ...], index: int, rank: int, size: int,
+                  fp: Optional[str]) -> Optional[str]:
+    """Why this worker's dataset for ft.DataLoader #`index` is not the one the run's first worker
+    to build it holds, or None: one compare-and-set of a small key (the first writer's rank, size
+    and fingerprint), so every worker of every replica is compared before its first step, heal or
+    no heal. A store that is moving answers nothing: the heal's comparison still stands."""
+    mine = f"{rank} {size} {fp or '-'}"
+    try:
+        first = store.compare_set(keys.dataset_key(index), "", mine).decode()
+    except store_errors:
+        return None
+    if first == mine:
+        return None
+    r, their_size, their_fp = first.split()
+    whose = f"rank {r}'s dataset is one" if int(r) != rank else "this rank's dataset before its restart was one"
+    return differs(index, (int(their_size), None if their_fp == "-" else their_fp), (size, fp), whose)
 
 
 def from_sampler(sampler: Any, shuffle: Optional[bool], seed: Optional[int],

@@ -20,7 +20,7 @@ Must never import the supervisor.
 """
 
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,46 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ftrun.hookspec import HookSpec
 from ftrun.worker import patches, settings
 from ftrun.worker.ft.member.group import local_group
+from ftrun.worker.ft.member.layout import LayoutLost
 from ftrun.worker.ft.manager import Manager, manager
+
+
+class GradMarks:
+    """Each of a model's gradients as a moment left it (`take`): the tensor itself, held weakly
+    (a script may drop it), and its version counter. `untouched()`: since then no gradient was
+    created, dropped, replaced or changed in place, so no backward went through the model.
+
+    By the tensor's identity, never its address: Lightning's closure sets the gradients to None
+    between the forward (where a layout round marks them) and the backward, and the Python
+    object of the gradient that backward creates is often allocated at the freed one's address,
+    with the same version count (the same operations made both). Taken by address for the old
+    one, the new gradient read as untouched on some members only: those skipped the layout
+    round's average and stepped on their own gradients, while a peer waited in the average's
+    collective until gloo's timeout (a failure-free run stalled 10 s at the keeper's re-pacing,
+    the first new group after training began), or every member skipped it and the replicas
+    went on apart."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.marks: List[Optional[Tuple["weakref.ref[torch.Tensor]", int]]] = []
+
+    def _now(self) -> List[Optional[torch.Tensor]]:
+        return [p.grad for p in self.module.parameters()]
+
+    def take(self) -> None:
+        self.marks = [None if g is None else (weakref.ref(g), g._version) for g in self._now()]
+
+    def untouched(self) -> bool:
+        now = self._now()
+        if len(now) != len(self.marks):
+            return False
+        for g, mark in zip(now, self.marks):
+            if mark is None:
+                if g is not None:
+                    return False
+            elif g is None or mark[0]() is not g or g._version != mark[1]:
+                return False
+        return True
 
 
 def _done(t: torch.Tensor) -> torch.futures.Future:
@@ -40,7 +79,7 @@ def _done(t: torch.Tensor) -> torch.futures.Future:
 
 class _Replicated:
     """What both ways of sending share: the run's hook registered on the current group (its
-    state and traffic figures) and the layout round's average, which runs as the backward of
+    state and traffic figures) and the layout round's reduction, which runs as the backward of
     a forward that reduces returns (the script reads averaged gradients, as under DDP: a
     clip_grad_norm_ or GradScaler's inf check sees the same on every replica)."""
 
@@ -52,6 +91,8 @@ class _Replicated:
         self.reg: Any = None
         self.pending = False  # a reducing forward ran in a layout round: its backward averages
         self.averaged = -1    # the layout round (mgr.layout_serial) whose average this model ran
+        self.in_bucket: Set[int] = set()  # ids of the parameters whose gradient the backward adds into its bucket
+        self.marks = GradMarks(module)  # each gradient as the layout forward left it (untouched)
         mgr.on_group_change(self.rebind)
 
     def reduces(self) -> bool:
@@ -60,15 +101,27 @@ class _Replicated:
 
     def layout_forward(self) -> None:
         """A reducing forward in a layout round: its backward averages. Again at each attempt:
-        a script that skips opt.step() (GradScaler on inf) runs the same round once more."""
+        a script that skips opt.step() (GradScaler on inf) runs the same round once more. With
+        gradient_as_bucket_view a gradient kept from the last step is its bucket's view, which
+        DDP divides in place: which ones is known only before the backward."""
         self.pending = True
         self.averaged = -1
+        self.in_bucket = ({id(p) for p in self.module.parameters() if p.grad is not None}
+                          if self.ddp.gradient_as_bucket_view else set())
+        self.marks.take()
+
+    def untouched(self) -> bool:
+        """No backward since this model's layout forward gave it a gradient: nothing to reduce, as
+        DDP reduces nothing for a model no backward went through (a GAN's generator, forwarded in
+        the discriminator's step, has its backward in its own: with several ft.Optimizers its
+        reduction waits for it, member/iteration.py)."""
+        return self.marks.untouched()
 
     def after_backward(self) -> None:
         """A backward returned: in a layout round, average this model's gradients now, also in
         one that is discarded (the script's clipping or inf check must agree on every replica)."""
         mgr = self.mgr
-        if self.pending and mgr.layout_round and mgr.layout_can_average():
+        if self.pending and mgr.layout_round and mgr.layout_can_average() and not self.untouched():
             self.pending = False
             mgr.layout_average([self.layout_average])
 
@@ -85,18 +138,27 @@ class _Replicated:
             state.iter = self.mgr.step
 
     def layout_average(self) -> None:
-        """The layout round's one average (see _attach), counted in the hook's figures; once
+        """The layout round's one reduction (see _attach), counted in the hook's figures; once
         a round (after the backward, or in the vote when no backward reduced)."""
-        if self.averaged == self.mgr.layout_serial:
+        if self.averaged == self.mgr.layout_serial or self.untouched():
             return
         self.averaged = self.mgr.layout_serial  # a failure is not retried: the round is voted down
-        sent = average_gradients(self.mgr.pg, self.module)
-        if self.reg is not None:
-            stats = self.reg.stats
-            stats.steps += 1
-            stats.bytes_sent += sent
-            stats.bytes_dense += sent
-            stats.last_step_bytes = sent
+        if self.reg is None or self.mgr.pg is None:
+            raise LayoutLost("no group to average the layout round's gradients over")
+        try:
+            self.reduce_layout(self.mgr.pg)
+        except Exception as e:
+            # A collective's failure (a peer left), a gradient no collective can send, or anything
+            # in a round that failed already votes the round down; DDP's own error in a sound round
+            # (a parameter that got no gradient) is the script's, as under DDP: voted down, it
+            # would be retried for ever.
+            if isinstance(e, ValueError) or _collective_failure(e) or not self.mgr.round_ok:
+                raise LayoutLost(str(e)) from None  # (a backward a failure cut short leaves DDP half-way)
+            raise
+
+    def reduce_layout(self, pg: dist.ProcessGroup) -> None:
+        """Reduce the gradients over `pg` as the next round's buckets will (ReducerPath, ReplicaHook)."""
+        raise NotImplementedError
 
 
 class ReplicaHook(_Replicated):
@@ -133,19 +195,24 @@ class ReplicaHook(_Replicated):
 
         return fut.then(guard)
 
+    def reduce_layout(self, pg: dist.ProcessGroup) -> None:
+        """Through the run's hook, bucket by bucket, as DDP hands the buckets to it (the hook counts them)."""
+        reg = self.reg
+        reduce_as_ddp(self.ddp, pg, lambda bucket: reg.hook(reg.state, bucket), None, set())
+
 
 class ReducerPath(_Replicated):
     """The default hook: DDP's reducer all-reduces on the quorum's group itself.
 
-    DDP was built on a group of one. A forward that may rebuild the buckets starts there
-    (it syncs their layout over the reducer's group, which must never be a collective with
-    peers), and a forward that a reducing backward follows ends on the group this round's
-    buckets go to: the quorum's, or the group of one when the round must not send (a layout
-    round, a round known to have failed). Every new group (rebind) resets the
-    reducer, and its first round is a layout round: each member records the order in which
-    its gradients become ready and rebuilds its buckets from it at the next forward, so all
-    members, newcomers included, send the same buckets. A reset also clears a backward that
-    failed half-way."""
+    DDP was built on a group of one. A forward that may rebuild the buckets, and the layout
+    round's rebuild, start there (a rebuild syncs the layout over the reducer's group, which
+    must never be a collective with peers), and a forward that a reducing backward follows
+    ends on the group this round's buckets go to: the quorum's, or the group of one when the
+    round must not send (a layout round, a round known to have failed). Every new group
+    (rebind) resets the reducer, and its first round is a layout round: each member records
+    the order in which its gradients become ready and rebuilds its buckets from it right after
+    that backward (reduce_as_ddp), so all members, newcomers included, send the same buckets.
+    A reset also clears a backward that failed half-way."""
 
     def __init__(self, mgr: Manager, spec: HookSpec, module: torch.nn.Module, ddp: TorchDDP) -> None:
         self.local = ddp.process_group
@@ -210,6 +277,16 @@ class ReducerPath(_Replicated):
         self.ddp.reducer._reset_state()  # the next forward must not wait for this backward's reduction
         self.ddp._has_rebuilt_buckets = False
 
+    def reduce_layout(self, pg: dist.ProcessGroup) -> None:
+        """As the reducer would: each bucket divided by the group's size as DDP divides it, then summed."""
+        self._use(self.local)  # the rebuild below syncs the layout over the reducer's group: never peers
+        # The group's own call, not dist.all_reduce: with a default group in the script, torch's
+        # error logger replaces a failed collective's error by "not initialized in the world
+        # group map" (ftrun's groups are not in torch's registry), and that reached the console.
+        reduce_as_ddp(self.ddp, pg, lambda bucket: pg.allreduce([bucket.buffer()]).get_future(), pg.size(),
+                      self.in_bucket)
+        self.reg.count_step(self.nbytes)
+
 
 # Every wrapped model's path (weakly: a model the script drops is gone), and torch's own
 # backward, which the guard calls.
@@ -259,8 +336,9 @@ def _guarded_backward(*args: Any, **kwargs: Any) -> Any:
         return None
     finally:
         _depth -= 1
-    for p in paths:
-        p.after_backward()
+    if _depth == 0:  # a reentrant checkpoint's backward runs inside the outer one: DDP's is not done yet
+        for p in paths:
+            p.after_backward()
     return result
 
 
@@ -311,10 +389,11 @@ def _attach(mgr: Manager, module: torch.nn.Module, ddp: TorchDDP) -> None:
     peers use the rebuilt one, and the sums would mix mismatched slices. So the
     first round after a heal (with the default hook: on every new group) is a
     layout round (manager.layout_round): nothing is sent during the backward,
-    so every member records the same order and rebuilds the same buckets at
-    its next forward; the gradients are averaged once after the backward, in
-    parameter order (average_gradients), and the round is voted like any
-    other, so the user's loop never sees a step twice. (Forcing parameter
+    so every member records the same order; right after it each member
+    rebuilds the same buckets from that order and reduces them as the next
+    round will (reduce_as_ddp), and the round is voted like any other, so the
+    user's loop never sees a step twice and the step ends bitwise as it would
+    in a run that never changed groups. (Forcing parameter
     order on every replica instead cost 20% of a small model's step: no overlap.)"""
     raw = settings.current().hook
     spec = HookSpec.from_json(raw) if raw else HookSpec("allreduce")
@@ -332,50 +411,124 @@ def _attach(mgr: Manager, module: torch.nn.Module, ddp: TorchDDP) -> None:
     # One entry per wrapped model: a layout round averages every model's gradients, or is
     # discarded when one of them cannot be averaged.
     mgr.layout_averages.append(path.layout_average if spec.name in GRADIENT_AVERAGING and not sparse else None)
+    ddp._ftrun_path = path  # (ready_backward)
+    _reducer_params(ddp)  # as the reducer has them now
     _guard_backward(path)
     if mgr.pg is not None:
         path.rebind(mgr.pg)
 
 
+def ready_backward(ddp: TorchDDP, output: Any) -> None:
+    """Ready ft's DDP `ddp` for one backward of `output` run inside its forward, as Lightning's
+    manual optimization runs them (training_step, and each manual_backward in it, inside the
+    wrapper's forward, DDP's own preparation at the forward's end held back): the reduction is
+    set as at a reducing forward's end (the group this backward's buckets go to, a layout round's
+    average after it), then DDP's reducer as Lightning's prepare_for_backward sets it. Several
+    backward passes of one forward (a GAN's discriminator, then its generator) each reduce."""
+    from torch.nn.parallel.distributed import _find_tensors
+
+    path: _Replicated = ddp._ftrun_path
+    if not path.reduces():
+        ddp.require_forward_param_sync = False
+        return
+    if isinstance(path, ReducerPath):
+        path._use(path.local)  # a rebuild syncs the layout over the reducer's group: never peers
+    if ddp.reducer._rebuild_buckets():
+        ddp._has_rebuilt_buckets = True
+    path._after_forward(ddp, (), output)
+    ddp.require_forward_param_sync = True
+    ddp.reducer.prepare_for_backward(list(_find_tensors(output)) if ddp.find_unused_parameters else [])
+
+
 # Hooks whose round is an average of gradients: their layout round can be one too. Local SGD
 # averages parameters on a schedule and noop averages nothing: theirs is still discarded.
 GRADIENT_AVERAGING = ("allreduce", "fp16", "bf16", "powersgd", "batched-powersgd")
-CHUNK_BYTES = 64 << 20  # one flat buffer of at most this much per collective: memory stays bounded
 
 
-def average_gradients(pg: dist.ProcessGroup, module: torch.nn.Module) -> int:
-    """The layout round's average: every parameter's gradient averaged over the group, in the
-    parameters' order (the same on every replica), in flat chunks of one dtype. A parameter
-    without a gradient here sends zeros and keeps none, as DDP on its group of one leaves it.
-    No host synchronisation (NCCL: the vote's settle bounds the wait). A failed collective, or
-    a gradient that is not dense, raises: the round is voted down. Returns the bytes sent."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    if any(p.grad is not None and p.grad.layout != torch.strided for p in params):
-        raise ValueError("a gradient that is not dense cannot be averaged in the layout round")
-    n, sent = pg.size(), 0
-    by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    for group in by_dtype.values():
-        start = 0
-        while start < len(group):
-            end, size = start, 0
-            while end < len(group) and (end == start or size + group[end].nbytes <= CHUNK_BYTES):
-                size += group[end].nbytes
-                end += 1
-            chunk = group[start:end]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(p.dtype)
-                              for p in chunk])
-            # The group's own call, not dist.all_reduce: with a default group in the script, torch's
-            # error logger replaces a failed collective's error by "not initialized in the world
-            # group map" (ftrun's groups are not in torch's registry), and that reached the console.
-            pg.allreduce([flat]).wait()
-            sent += flat.numel() * flat.element_size()
-            flat.div_(n)
-            offset = 0
-            for p in chunk:
-                if p.grad is not None:
-                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-            start = end
-    return sent
+def reduce_as_ddp(ddp: TorchDDP, pg: dist.ProcessGroup, send: Callable[[dist.GradBucket], torch.futures.Future],
+                  divide: Optional[int], in_bucket: Set[int]) -> None:
+    """The layout round's reduction over `pg`: bitwise what DDP's next round computes from the same
+    gradients, so a step that runs as a layout round (after a heal, a resume, any new group)
+    ends as it would in a run that never changed groups.
+
+    Both the grouping and the division show in the result: a collective's sum depends on how its
+    elements lie in the buffer (gloo's ring splits a buffer among the ranks and adds each part in
+    another order), and g/n differs from g*(1/n). So the buckets are the ones the next round
+    sends, built now from the order in which this backward's gradients became ready (DDP would
+    build the same ones at the next forward), each filled as DDP fills it (without a hook, that
+    is `divide` given, divided by the group's size: in place for a gradient already in its
+    bucket, else as it is copied in; a parameter without a gradient sends zeros), handed to
+    `send` (a future of the summed buffer), and copied back into the gradients; with
+    find_unused_parameters, a parameter no replica used keeps its gradient, as DDP leaves it.
+    Holds one more copy of the gradients while it runs. A failed collective, or a gradient that
+    is not dense, raises: the round is voted down."""
+    reducer = ddp.reducer
+    if reducer._rebuild_buckets():
+        ddp._has_rebuilt_buckets = True  # DDP's own mirror of the reducer's flag: its next forward rebuilds nothing
+    buckets = reducer._get_zeros_like_grad_buckets()
+    used: Optional[torch.Tensor] = None
+    if ddp.find_unused_parameters:
+        used = reducer._get_local_used_map().clone()  # this backward's, on the group of one
+        pg.allreduce([used]).wait()
+        used = used.cpu()  # read once per parameter below: one copy, not one device read each
+        index = {id(p): i for i, p in enumerate(_reducer_params(ddp))}
+    batched = getattr(ddp, "batched_grad_copy", False)  # DDP then copies a bucket whole and divides it once
+    sending = []
+    for bucket in buckets:
+        buf, params = bucket.buffer(), bucket.parameters()
+        offsets = [g.storage_offset() - buf.storage_offset() for g in bucket.gradients()]
+        for p, view in zip(params, _views(buf, offsets, params)):
+            g = p.grad
+            if g is None:
+                continue
+            if g.layout != torch.strided:
+                raise ValueError("a gradient that is not dense cannot be averaged in the layout round")
+            if divide is None:  # a comm hook divides, if at all
+                view.copy_(g)
+            elif batched or id(p) in in_bucket:
+                view.copy_(g).div_(divide)
+            else:
+                torch.mul(g, 1.0 / divide, out=view)
+        sending.append((params, offsets, send(bucket)))
+    for params, offsets, fut in sending:
+        out = fut.wait()
+        for p, view in zip(params, _views(out[0] if isinstance(out, list) else out, offsets, params)):
+            if used is not None and not used[index[id(p)]]:
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p).copy_(view)  # laid out as the parameter, as DDP creates it
+            else:
+                p.grad.copy_(view)
+
+
+def _views(flat: torch.Tensor, offsets: List[int], params: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Each parameter's place in a bucket's buffer, laid out as DDP lays it: with the parameter's
+    strides where its memory is dense (a channels_last weight's gradient lies in that order)."""
+    return [flat.as_strided(p.size(), p.stride(), flat.storage_offset() + o) if _dense(p)
+            else flat[o:o + p.numel()].view(p.size())
+            for p, o in zip(params, offsets)]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its memory without gaps or overlaps in some order of its
+    dimensions (what torch calls non-overlapping and dense)."""
+    if t.is_contiguous():
+        return True
+    need = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1]):
+        if stride != need:
+            return False
+        need *= size
+    return True
+
+
+def _reducer_params(ddp: TorchDDP) -> List[torch.nn.Parameter]:
+    """The parameters in the reducer's order, which indexes its map of used parameters: those that
+    took gradients when DDP was built (_attach asks first), as the reducer keeps them, also while
+    the script turns requires_grad off for some (Lightning's toggle_optimizer)."""
+    found = getattr(ddp, "_ftrun_reducer_params", None)
+    if found is None:
+        ignore = getattr(ddp, "parameters_to_ignore", ())
+        found = ddp._ftrun_reducer_params = [p for name, p in ddp.module.named_parameters()
+                                             if p.requires_grad and name not in ignore]
+    return found

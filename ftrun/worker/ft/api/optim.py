@@ -75,10 +75,8 @@ class Optimizer(torch.optim.Optimizer):
             raise TypeError("ftrun.ft.Optimizer(ft.Optimizer(...)): wrap the torch optimizers themselves, once")
         if len({id(o) for o in optimizers}) != len(optimizers):
             raise TypeError("ftrun.ft.Optimizer(): the same optimizer twice would step twice a step: pass each once")
-        if mgr.optimizer_wrapped:
-            raise TypeError("ftrun.ft.Optimizer: a second one: under --ft a global step is one optimizer step of the "
-                            "whole model; give every optimizer to one: ft.Optimizer(opt_a, opt_b) (a loop that steps "
-                            "optimizers between backward passes, such as a GAN's, needs group restarts: drop --ft)")
+        if mgr.optimizer_wrapped:  # optimizers stepped one after another in a step (a GAN's D then G)
+            mgr.several_optimizers()
         mgr.optimizer_wrapped = True
         self._mgr = mgr
         self.optimizers: List[torch.optim.Optimizer] = list(optimizers)
@@ -144,10 +142,13 @@ class Optimizer(torch.optim.Optimizer):
     def _drop_gradients(self) -> None:
         """A discarded step's gradients are a failed round's (half averaged, or this replica's
         alone): none may add to the step handed out again, also on a parameter that no wrapped
-        optimizer steps, which the script's zero_grad() leaves alone."""
-        for model in self._mgr.state.models:
-            for p in model.parameters():
-                p.grad = None
+        optimizer steps, which the script's zero_grad() leaves alone. With several ft.Optimizers
+        (each a sub-step of the loop's step) only this one's: another's, from the same backward,
+        are its own sub-step's to step or drop."""
+        if not self._mgr.state.steps_apart:
+            for model in self._mgr.state.models:
+                for p in model.parameters():
+                    p.grad = None
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
 

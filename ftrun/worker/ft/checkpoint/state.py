@@ -12,7 +12,7 @@ Must never touch the disk, never communicate, and never import the supervisor.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -75,16 +75,34 @@ class StateDicts:
     def apply(self, state: Any, loaded: Dict[str, Any]) -> None:
         """Tensors were read in place; what remains are the values that are not tensors (learning
         rates, a scheduler's counters...)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
         container = self.models(state)
-        if state.optimizers:
-            set_state_dict(container, tuple(state.optimizers), model_state_dict=loaded["model"],
-                           optim_state_dict=loaded["optim"])
-        else:
+        if not state.optimizers:
             container.load_state_dict(loaded["model"])
+        else:
+            set_model_state_dict(container, loaded["model"])
+            for opt, part in zip(state.optimizers, split_optimizers(state.optimizers, loaded["optim"])):
+                # Not strict: a parameter an optimizer keeps no state for (SGD without momentum, a
+                # group with momentum 0) has none in the checkpoint either.
+                set_optimizer_state_dict(container, opt, part, options=StateDictOptions(strict=False))
         for name, sd in loaded["extras"].items():
             state.extras[name].load_state_dict(sd)
+
+
+def split_optimizers(optimizers: Any, osd: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Each optimizer's part of the one state dict get_state_dict made of several: their param
+    groups one after another, in the optimizers' order, and the state of the parameters (by name)
+    in each one's groups. torch's own set_state_dict splits it by the state, and cannot place an
+    optimizer's groups when some of its parameters have none."""
+    groups, at, parts = osd.get("param_groups", []), 0, []
+    for opt in optimizers:
+        mine = groups[at:at + len(opt.param_groups)]
+        at += len(opt.param_groups)
+        names = {name for g in mine for name in g["params"]}
+        parts.append({"state": {k: v for k, v in osd.get("state", {}).items() if k in names}, "param_groups": mine})
+    return parts
 
 
 def copy_small(obj: Any) -> Any:

@@ -82,7 +82,7 @@ def _k() -> int:
 def enabled(state: ReplicaState) -> bool:
     """Every replica that steps an optimizer feeds or follows when the run has spares: a sharded
     one (--replica-size K) shard by shard."""
-    return _spares() > 0 and bool(state.optimizers)
+    return _spares() > 0 and bool(state.optimizers) and not state.steps_apart
 
 
 def _params(state: ReplicaState) -> List[torch.Tensor]:
@@ -536,7 +536,7 @@ class Follower:
         self._feeder = (keys.inc_key(feeder), str(quorum.incarnation(feeder)))
         payload, _stats, in_place = receive_state(self.pg, self.state.targets(), group_device(), chunk=self.chunk,
                                                   timeout_s=self.timeout_s)
-        _, step, _ = self.state.restore(payload, in_place)
+        _, step, _, _ = self.state.restore(payload, in_place)
         self.step, self.synced, self.fails = step, True, 0
         self.log_detail(f"rank {self.rank}: a hot spare fed by rank {feeder} from step {step} (took its state in "
                         f"{time.monotonic() - t0:.2f} s)")

@@ -28,7 +28,9 @@ class ReplicaState:
         self.models: List[torch.nn.Module] = []
         self.optimizers: List[torch.optim.Optimizer] = []
         self.extras: Dict[str, Any] = {}
+        self.uncompared: Set[str] = set()  # registered state the guard leaves out (ft/heal/agreement.py)
         self.sharded = False  # some model holds DTensor shards (FSDP2)
+        self.steps_apart = False  # several ft.Optimizers step one after another (no hot spare is fed)
 
     def add_model(self, model: torch.nn.Module) -> None:
         from torch.distributed.tensor import DTensor
@@ -39,16 +41,22 @@ class ReplicaState:
     def add_optimizer(self, opt: torch.optim.Optimizer) -> None:
         self.optimizers.append(opt)
 
-    def add_extra(self, name: str, obj: Any) -> None:
+    def add_extra(self, name: str, obj: Any, compare: bool = True) -> None:
+        """`compare`: the guard checks that every replica holds the same (False: this replica's own)."""
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise TypeError(f"ftrun.ft.register_state({name!r}, ...): the object needs state_dict() and load_state_dict()")
         self.extras[name] = obj
+        if compare:
+            self.uncompared.discard(name)
+        else:
+            self.uncompared.add(name)
 
-    def capture(self, round_: int, step: int, yielded: int = -1, kept: bool = False) -> Dict[str, Any]:
+    def capture(self, round_: int, step: int, yielded: int = -1, sub_steps: int = 0, kept: bool = False) -> Dict[str, Any]:
         """`yielded`: the newest step the loop has handed the script (ft.redo() on the healer).
+        `sub_steps`: the sub-steps of the current loop step committed (several ft.Optimizers).
         `kept`: the healers hold the models' parameters and the optimizers already (a fed hot spare,
         ft/heal/feed.py): only the optimizers' settings, the models' buffers and the registered state."""
-        out: Dict[str, Any] = {"round": round_, "step": step, "yielded": yielded,
+        out: Dict[str, Any] = {"round": round_, "step": step, "yielded": yielded, "sub_steps": sub_steps,
                                "extras": {name: obj.state_dict() for name, obj in self.extras.items()}}
         if kept:
             out["settings"] = [[{k: v for k, v in g.items() if k != "params"} for g in o.state_dict()["param_groups"]]
@@ -71,8 +79,9 @@ class ReplicaState:
         return {"models": [dict(m.state_dict()) for m in self.models],
                 "optimizers": [o.state_dict() for o in self.optimizers]}
 
-    def restore(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int, int]:
-        """Load what arrived; returns the (round, step, newest step yielded) it was captured at."""
+    def restore(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int, int, int]:
+        """Load what arrived; returns the (round, step, newest step yielded, sub-steps of the current
+        loop step committed) it was captured at."""
         if "settings" in payload:
             return self._restore_kept(payload, in_place)
         if len(payload["models"]) != len(self.models) or len(payload["optimizers"]) != len(self.optimizers):
@@ -96,9 +105,9 @@ class ReplicaState:
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
             raise StateMismatch(" ".join(lines[:2])[:300]) from None
-        return int(payload["round"]), int(payload["step"]), int(payload.get("yielded", -1))
+        return _snapshot(payload)
 
-    def _restore_kept(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int, int]:
+    def _restore_kept(self, payload: Dict[str, Any], in_place: Set[Path]) -> Tuple[int, int, int, int]:
         """The parameters and optimizers were found bit for bit the source's: the optimizers'
         settings, the buffers (a failed round's forward may have changed the source's BatchNorm
         statistics after the step the spare was fed) and the registered state are what is left."""
@@ -127,7 +136,7 @@ class ReplicaState:
                     self.extras[name].load_state_dict(sd)
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
             raise StateMismatch(str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__) from None
-        return int(payload["round"]), int(payload["step"]), int(payload.get("yielded", -1))
+        return _snapshot(payload)
 
     def _refuse_if_sharded(self, root: Path, sd: Any, in_place: Set[Path]) -> None:
         """A shard must land in this worker's own shard tensors: one that does not fit means a
@@ -139,6 +148,11 @@ class ReplicaState:
             where = "/".join(str(x) for x in missing[0])
             raise StateMismatch(f"{len(missing)} tensor(s) of its shard do not fit this worker's shard (first: "
                                 f"{where}); the model, optimizer, mesh or --replica-size differ")
+
+
+def _snapshot(payload: Dict[str, Any]) -> Tuple[int, int, int, int]:
+    return (int(payload["round"]), int(payload["step"]), int(payload.get("yielded", -1)),
+            int(payload.get("sub_steps", 0)))
 
 
 def buffers_of(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ returns commands, and the driver acts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from ftrun.protocol import Quorum
 
@@ -130,8 +130,26 @@ class StoreLost:
     """The run's store went away: the member rejoins on the next one."""
 
 
+@dataclass(frozen=True)
+class Compared:
+    """The guard's check at this round's top: every member of this worker's group and the
+    fingerprint of its state, and what differs between this member's state and the others'
+    (the names of the first few entries that differ, or nothing when it agrees with all)."""
+
+    me: int
+    prints: Tuple[Tuple[int, Tuple[int, ...]], ...]  # (rank, fingerprint), one per member of the group
+    step: int
+    differs: Tuple[Tuple[int, str], ...] = ()  # (rank, what of its state differs from the majority's)
+
+
+@dataclass(frozen=True)
+class StepAgain:
+    """A loop step whose round was voted down in one of its sub-steps is handed out again
+    (member/iteration.py): what its later sub-steps' collectives said was that round's."""
+
+
 Event = Union[RoundTop, Joined, Entering, Entered, Computing, Skipped, CollectiveFailed, InSync, Voted, ClosedOk,
-              Decided, FinishedRead, Received, StoreLost]
+              Decided, FinishedRead, Received, StoreLost, Compared, StepAgain]
 
 
 # ------------------------------------------------------------------ commands (what to do)
@@ -195,7 +213,24 @@ class Rejoin:
     why: str
 
 
-Command = Union[Join, Switch, AskEntryRound, TakeStep, Backoff, ReadFinished, Finish, Restart, Rejoin]
+@dataclass(frozen=True)
+class SitOut:
+    """Vote this round down at its top without handing the script the step (the guard found
+    replicas that differ: none of them trains on until the one that differs has healed)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class EndRun:
+    """The run cannot go on whatever is restarted (replicas differ and no majority holds one
+    state): every member leaves with EXIT_CANNOT_GO_ON, saying `why`."""
+
+    why: str
+
+
+Command = Union[Join, Switch, AskEntryRound, TakeStep, Backoff, ReadFinished, Finish, Restart, Rejoin, SitOut,
+                EndRun]
 
 
 # ------------------------------------------------------------------ the machine
@@ -216,6 +251,9 @@ class MemberCore:
     # The driver can rejoin in place (a whole replica of one worker whose supervisor keeps the
     # quorum: one node); set by the driver, kept across a rejoin.
     can_rejoin: bool = False
+    # Ranks the guard last found differing from the majority, until a check finds the group
+    # agreeing (kept across a rejoin: a member found different twice running cannot be healed).
+    suspects: Tuple[int, ...] = ()
 
     def handle(self, event: Event) -> List[Command]:
         return _HANDLERS[type(event)](self, event)
@@ -306,6 +344,10 @@ class MemberCore:
         self.finished = True
         return [Finish(e.step, alone=not self.in_sync)]
 
+    def _on_StepAgain(self, e: StepAgain) -> List[Command]:
+        self.round_ok = True
+        return []
+
     def _on_Received(self, e: Received) -> List[Command]:
         self.round = e.round
         return []
@@ -316,6 +358,36 @@ class MemberCore:
         self.rebuild = False
         self.round_ok = True
         return []
+
+    def _on_Compared(self, e: Compared) -> List[Command]:
+        """The guard's verdict: members whose state differs from the majority's take it again
+        from a peer (the round is voted down by all, so nobody trains on until then); with no
+        majority (two replicas, or every one different) nobody can tell which state is right, and
+        the run ends, naming what differs. A member found different again before any check
+        found the group agreeing (its heal did not cure it: the script keeps or computes state no
+        heal carries) would differ forever: the run ends."""
+        kind, odd = verdict(e.prints)
+        if kind == "agree":
+            self.suspects = ()
+            return []
+        what = "; ".join(f"rank {r}: {w}" for r, w in e.differs) or "their fingerprints differ"
+        ranks = ", ".join(str(r) for r, _ in e.prints)
+        if kind == "split":
+            return [EndRun(f"the replicas' states differ at step {e.step} and no majority holds one of them (ranks "
+                           f"{ranks}; {what}): ftrun cannot tell which is right, so the run stops")]
+        again = sorted(set(odd) & set(self.suspects))
+        self.suspects = odd
+        if again:
+            return [EndRun(f"rank{'s' if len(again) > 1 else ''} {', '.join(map(str, again))} differ from their peers "
+                           f"at step {e.step} again after a heal ({what}): the script keeps or computes state that "
+                           f"no heal carries, so the run stops")]
+        odd_text = ", ".join(str(r) for r in odd)
+        if e.me not in odd:
+            return [SitOut(f"rank{'s' if len(odd) > 1 else ''} {odd_text} hold{'' if len(odd) > 1 else 's'} a state "
+                           f"that differs from the others' at step {e.step}")]
+        mine = dict(e.differs).get(e.me, "its fingerprint differs")
+        return [SitOut(f"its state differs from its peers' at step {e.step}"),
+                self._retake(f"its state differs from its peers' at step {e.step} ({mine})")]
 
     def _retake(self, why: str) -> Union[Rejoin, Restart]:
         """This member's steps go past what its peers decided, its process is sound: it takes the
@@ -422,20 +494,47 @@ def save_is_due(step: int, total: Optional[int], every: int) -> bool:
 
 
 def round_length(round_steps: int, k: int, layout_round: bool, step: int, total: Optional[int],
-                 every: Optional[int]) -> int:
+                 every: Optional[int], check_steps: int = 0) -> int:
     """Steps in the round starting at `step`: the quorum's round_steps, ending early where a
-    checkpoint (every `every` steps; None: none) or the end of the loop needs the step decided.
-    One step for sharded replicas and layout rounds. The same on every member."""
+    checkpoint (every `every` steps; None: none) or the end of the loop needs the step decided,
+    and where the guard checks (every `check_steps`: a round begins there). One step for sharded
+    replicas and layout rounds. The same on every member."""
     if k > 1 or layout_round:
         return 1
     n = max(1, round_steps)
     if total is not None:
         n = max(1, min(n, total - step))
-    if every is not None:
-        for s in range(step + 1, step + n):
-            if save_is_due(s, total, every):
-                return s - step
+    for s in range(step + 1, step + n):
+        if (every is not None and save_is_due(s, total, every)) or (check_steps > 0 and s % check_steps == 0):
+            return s - step
     return n
+
+
+def check_due(check_s: float, step: int, check_steps: int, healed_quorum: bool, round_: int,
+              group_round: int) -> bool:
+    """Whether the guard compares the members' states at the top of round `round_`, at `step`: at
+    every multiple of the quorum's check_steps (rounds begin there: round_length), and at the top
+    of the round after the one its group began with when the quorum had healers (their heal's
+    first round is stepped by then). Never when the guard is off (`check_s` 0). Made of what every
+    member of a quorum knows alike, so they all check at the same top (a collective)."""
+    if check_s <= 0 or step <= 0:
+        return False
+    return (check_steps > 0 and step % check_steps == 0) or (healed_quorum and round_ == group_round + 1)
+
+
+def verdict(prints: Sequence[Tuple[int, Tuple[int, ...]]]) -> Tuple[str, Tuple[int, ...]]:
+    """The guard's rule on the fingerprints of a group's members, (rank, fingerprint) each:
+    ("agree", ()) when all are equal; ("heal", ranks) when a strict majority holds one state and
+    `ranks` differ from it; ("split", ()) when no state is held by more than half of them."""
+    groups: dict = {}
+    for rank, fp in prints:
+        groups.setdefault(tuple(fp), []).append(rank)
+    if len(groups) <= 1:
+        return "agree", ()
+    biggest = max(groups.values(), key=lambda ranks: (len(ranks), -min(ranks)))
+    if 2 * len(biggest) <= len(prints):
+        return "split", ()
+    return "heal", tuple(sorted(r for r, _ in prints if r not in biggest))
 
 
 def settles_first(vote_in_flight: bool, save_due: bool, switch_due: bool, step: int, total: Optional[int]) -> bool:

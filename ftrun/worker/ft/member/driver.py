@@ -26,12 +26,13 @@ from ftrun import protocol as keys
 from ftrun.protocol import Quorum
 from ftrun.worker.ft.member import membership, vote
 from ftrun.worker.ft.member import core
-from ftrun.worker.ft.member.core import (Backoff, ClosedOk, CollectiveFailed, Command, Computing, Decided, Finish,
-                                         FinishedRead, Join, MemberCore, ReadFinished, Rejoin, Restart, RoundTop,
-                                         Skipped, TakeStep, Voted)
+from ftrun.worker.ft.member.core import (Backoff, ClosedOk, CollectiveFailed, Command, Compared, Computing, Decided,
+                                         EndRun, Finish, FinishedRead, Join, MemberCore, ReadFinished, Rejoin,
+                                         Restart, RoundTop, SitOut, Skipped, TakeStep, Voted)
 from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
 from ftrun.worker.ft.member.entry import QuorumEntry
 from ftrun.worker.ft.member.heal import HealTransfers
+from ftrun.worker.ft.member.iteration import VOTE, Iteration
 from ftrun.worker.ft.member.layout import LayoutRounds
 from ftrun.worker.ft.member.member_io import PEER_LOST, _plain
 from ftrun.worker.ft.member.moves import StoreFollower
@@ -53,11 +54,14 @@ class MemberDriver:
     source_refuses = staticmethod(core.source_refuses)
     settles_first = staticmethod(core.settles_first)
     sits_out = staticmethod(core.sits_out)
+    check_due = staticmethod(core.check_due)
     cast_vote = staticmethod(vote.cast)
 
     def __init__(self, fx: MemberEffects, rank: int, inc: int, k: int, nodes: int,
-                 checkpoints: Any = None, state: Any = None, store_gen: int = 0) -> None:
+                 checkpoints: Any = None, state: Any = None, store_gen: int = 0,
+                 check_s: float = keys.CHECK_S) -> None:
         self.fx = fx
+        self.check_s = check_s  # seconds between the guard's checks (0: the guard is off)
         self.rank, self.inc, self.k = rank, inc, k
         self.replica, self.shard = divmod(rank, k)
         self.node = fx.node()
@@ -68,6 +72,7 @@ class MemberDriver:
         self.checkpoints = checkpoints  # a Checkpointer (--checkpoint-dir), or None
         self.state = state  # what a checkpoint saves and resumes (ft/heal/state.py's ReplicaState), or None
         self.layout = LayoutRounds()
+        self.iteration = Iteration()  # the loop step's sub-steps, with several ft.Optimizers
         self.heals = HealTransfers(self)
         self.stops = StopPaths(self)
         self.moves = StoreFollower(self)
@@ -240,6 +245,7 @@ class MemberDriver:
 
     def close_round(self) -> None:
         """Vote the steps this member took in the current round, as its last step would."""
+        self._step_done()
         if self.taken and self.quorum is not None and self.k == 1:
             self.ballot.submit(self.quorum.id, self.round, len(self.quorum.members), self.latest_seen,
                                self.node_size())
@@ -249,9 +255,11 @@ class MemberDriver:
         """The top of a step: join, switch quorum, heal, checkpoint, as due. A step is then open
         until the vote. A member left out of sync (core.sits_out) votes the round down without the
         script and tries again at the next round's top."""
+        self._step_done()
         while True:
             try:
-                self._start_round()
+                if self._start_round():  # the guard voted this round down at its top
+                    continue
                 if not self.finished and (self._peer_lost() or self._group_given_up()):
                     if self.rejoin_why is None:  # else the decision it read first: it rejoins at the top
                         self._sit_out()
@@ -266,14 +274,20 @@ class MemberDriver:
         self.handed_before = self.step <= self.yielded
         self.yielded = max(self.yielded, self.step)
 
-    def _start_round(self) -> None:
+    def _start_round(self) -> bool:
+        """A round's top; True when the guard voted the round down here (start_round goes on to the next)."""
         self._settle(block=False)
-        if self.taken and self.rejoin_why is None:  # inside a round of several steps: nothing happens between them
+        if self.finished:  # the others left the loop (core.Finish): no quorum is entered again, nobody heals it
+            return False
+        if self.taken and self.rejoin_why is None:  # inside a round of several steps (or sub-steps): nothing happens between them
             self.core.handle(Computing())
             self.set_phase("compute")
-            return
-        if self.settles_first(self.ballot.round is not None, self.save_due, self.core.due_switch() is not None,
-                              self.step, self.total):
+            return False
+        q = self.quorum
+        checking = q is not None and not q.stop and self.check_due(self.check_s, self.step, q.check_steps,
+                                                                    bool(q.healers), self.round, self.group_round)
+        if self.settles_first(self.ballot.round is not None, self.save_due or checking,
+                              self.core.due_switch() is not None, self.step, self.total):
             self._settle()
         if self.rejoin_why is not None:
             self.rejoin()  # a fresh member: it joins below and heals from a peer
@@ -282,16 +296,57 @@ class MemberDriver:
             self.set_phase("checkpoint")
             last = self.loop_ending or (self.total is not None and self.step >= self.total)
             self.checkpoints.save(self.state, self.step, "final" if last else "periodic")
-        for c in self.core.handle(RoundTop()):
+        entering = self.core.handle(RoundTop())
+        for c in entering:
             if isinstance(c, Join):
                 self.entry.join()
             else:
                 self.entry.switch(c.quorum)
         every = self.checkpoints.settings.every if self.checkpoints is not None else None
-        self.round_len = (core.round_length(self.quorum.round_steps, self.k, self.layout.round, self.step,
-                                            self.total, every) if self.quorum is not None else 1)
+        q = self.quorum
+        self.round_len = (core.round_length(q.round_steps, self.k, self.layout.round, self.step, self.total, every,
+                                            q.check_steps) if q is not None else 1)
+        # A top that entered a quorum checks at its own due top (its members differ from the old one's).
+        if checking and not entering and not self.finished and self.quorum is q and self._check():
+            return True
         self.core.handle(Computing())
         self.set_phase("compute")
+        return False
+
+    def _check(self) -> bool:
+        """The guard, at a round's top where core.check_due says so: every member of this worker's
+        group fingerprints its whole state and the fingerprints are compared (one small
+        collective; a second names what differs when they do). What follows is the core's: on
+        a disagreement every member votes the round down here, those that differ from the
+        majority take its state again, and with no majority the run ends. True when the round
+        was voted down. A member that cannot take part (no group, not in sync, a round already
+        failed) drops its group, so its peers' check fails at once instead of waiting for it."""
+        if self.pg is None or not self.in_sync or not self.round_ok or self.rejoin_why is not None:
+            self.entry.drop_group()
+            return False
+        self.set_phase("check")
+        t0 = self.fx.now()
+        try:
+            prints, differs = self.fx.compare_states(self.pg)
+        except Exception as e:  # noqa: BLE001 - a peer left mid-check: the round fails, as any collective's
+            self.fail_round(f"the guard's check failed: {str(e).strip()}")
+            return False
+        commands = self.core.handle(Compared(self.rank, prints, self.step, differs))
+        self.fx.log_detail(f"rank {self.rank}: the guard compared {len(prints)} states at step {self.step} in "
+                           f"{self.fx.now() - t0:.3f} s: " + ("the same" if not commands else
+                                                             "; ".join(c.why for c in commands)))
+        sat = False
+        for c in commands:
+            if isinstance(c, EndRun):
+                self.fx.exit(keys.EXIT_CANNOT_GO_ON, f"rank {self.rank}: {c.why}")
+            elif isinstance(c, SitOut):
+                self._sit_out()
+                sat = True
+            elif isinstance(c, Rejoin):
+                self._rejoin_due(c.why)
+            elif isinstance(c, Restart):
+                self.restart(c.why)
+        return sat
 
     # ------------------------------------------------------------ rounds
     def fail_round(self, why: str = "") -> None:
@@ -308,6 +363,10 @@ class MemberDriver:
                     self.fx.log(f"rank {self.rank}: round {self.round} failed: {_plain(first)} (the "
                                 f"full text is in this rank's log)")
             self.last_failure = first
+        # The round is lost: a peer blocked on this member (a ring all-reduce waits on its
+        # neighbours only) fails now, not when this member votes after the script's code that
+        # follows its backward, nor at the group's timeout.
+        self.fx.hang_up(self.pg)
         self.core.handle(CollectiveFailed())
 
     def before_collective(self) -> None:
@@ -326,6 +385,17 @@ class MemberDriver:
         step its ok vote goes to the store from a thread and the decision is read during the next
         round. A member whose collective failed votes at once, saying how many of the round's
         steps it took; the round keeps the fewest any member took (protocol.kept_key)."""
+        if self.iteration.several:
+            return self._vote_sub()
+        if self.looping and not self.step_open and self.quorum is not None:
+            # One step's top, two votes: a loop that steps its optimizer again after another
+            # backward (a GAN's D then G), whose second step would send gradients no round expects.
+            self.misused("opt.step() was called twice in one step of the loop (an optimizer stepped, then another "
+                         "backward and a second step before the loop's next batch or step): with one ft.Optimizer a "
+                         "step of ft.steps() / ft.DataLoader is one optimizer step of the whole model. For a loop "
+                         "that steps its optimizers one after another between backward passes (a GAN's D then G), "
+                         "give each its own: ft.Optimizer(opt_d), ft.Optimizer(opt_g) (in Lightning's manual "
+                         "optimization: step each optimizer configure_optimizers returns once a batch)")
         self.step_open = False
         if self.rejoin_why is not None:  # it leaves this incarnation at the next round's top: no vote, no step
             return False
@@ -341,14 +411,72 @@ class MemberDriver:
             self.moves.relocate(e)
             return False
 
-    def _vote(self) -> bool:
-        voted = self.layout.take()
+    def _vote_sub(self) -> bool:
+        """A sub-step (several ft.Optimizers: member/iteration.py): as vote(), but a member whose
+        collectives went through only counts it (the round is voted at the top after its last
+        loop step), one committed before this loop step was handed out again is skipped, and one
+        after a sub-step whose round was voted down in this loop step is discarded without a vote."""
+        self.step_open = False
+        if self.iteration.next() != VOTE or self.rejoin_why is not None:
+            return False
+        if self.quorum is None:
+            return False  # the run's store moved during this round: nothing to vote on
+        try:
+            return self._vote(sub_step=True)
+        except self.fx.store_errors as e:  # the store moved: the round is nobody's now; rejoin next round
+            self.moves.relocate(e)
+            return False
+
+    def _step_done(self) -> None:
+        """Several ft.Optimizers: the script is back at the top. A loop step whose every sub-step
+        was taken is counted now (the loaders move on, as one step is), and a round whose last loop
+        step it was is voted; else the loop step is handed out again (member/iteration.py)."""
+        it = self.iteration
+        if not it.several:
+            return
+        if self.rejoin_why is not None:  # it takes the committed state again: the heal says where it is
+            it.forget()
+            self.layout.end()
+            return
+        complete = it.top()
+        self.layout.end()
+        if not complete or self.quorum is None:  # (a store moved mid-step left it incomplete: Iteration.store_moved)
+            if it.done or self.core.round_ok is False:
+                self.core.handle(core.StepAgain())
+            return
+        self.step += 1
+        self.committed += 1
+        self.fx.took_step(self.quorum.id, self.round, self.step)
+        it.steps += 1
+        if it.steps >= self.round_len:
+            self.ballot.submit(self.quorum.id, self.round, len(self.quorum.members), self.latest_seen,
+                               self.node_size())
+            self._end_round(True, self.core.handle(ClosedOk()))
+
+    def several_optimizers(self) -> None:
+        """A second ft.Optimizer: from its first step on, the loop's steps are voted as sub-steps.
+        Every replica runs the same script, so every member learns it before its loop begins."""
+        if self.looping:
+            self.misused("a second ftrun.ft.Optimizer was made inside the training loop: make every ft.Optimizer "
+                         "before the loop (ft.steps(), ft.epochs()), as every replica must agree how a step is voted")
+        if self.k > 1:
+            self.misused(f"several ftrun.ft.Optimizers (optimizers stepped one after another in a step) are not "
+                         f"supported with --replica-size {self.k} yet: give every optimizer to one ft.Optimizer, or "
+                         f"use --replica-size 1")
+        self.iteration.several = True
+
+    def _vote(self, sub_step: bool = False) -> bool:
+        voted = self.layout.take(sub_step)
         if voted is False:  # agreed by all (it follows the same switch): nothing was sent, nothing is voted
+            if sub_step:  # one loop step, one discarded round: its other sub-steps are discarded with it
+                self.iteration.voted_down()
             self.core.handle(Skipped())
             self.set_phase("discard")
             return False
         if voted:  # a model whose backward did not average averages here
             self.layout.average(self.layout.averages, self.pg, self.fail_round)
+            if sub_step:
+                self.layout.sub_step_voted()
         self.set_phase("vote")
         if self.checkpoints is not None:
             self.checkpoints.staged()  # a save still copying the state: done before the optimizer steps
@@ -362,6 +490,17 @@ class MemberDriver:
         if self.rejoin_why is not None:
             return False
         ok = core.votes_ok(self.round_ok, self.in_sync, self.pg is not None)
+        if sub_step:
+            if ok:
+                self.taken += 1
+                self.iteration.took()
+                self.fx.took_sub_step(self.quorum.id, self.round)
+                self.set_phase("commit")
+                return True
+            self._cast(False)
+            if self.rejoin_why is None:
+                self.iteration.voted_down()
+            return False
         if ok and self.k == 1:
             self._took_step(self.round)
             if self.taken >= self.round_len:
@@ -478,6 +617,7 @@ class MemberDriver:
             elif isinstance(c, TakeStep):
                 self._took_step(rnd)
         self.taken = 0
+        self.iteration.steps = 0
         if commit:
             self.last_failure = None
             # The same on every worker of a replica (all of them stepped).
@@ -565,14 +705,16 @@ class MemberDriver:
             self.restart(why)
         self.inc = new
         self.fx.incarnation(new)
-        self.core = MemberCore(can_rejoin=True, round=self.round)
+        self.core = MemberCore(can_rejoin=True, round=self.round, suspects=self.core.suspects)
         self._forget_round()
         self.heals.rejoined()
         self._index_of, self._node_count = (-1, 0), (-1, 0)
         self.fx.log(f"rank {self.rank}: {why}; taking the committed state from a peer in place (incarnation {new})")
 
-    def _forget_round(self) -> None:
+    def _forget_round(self, keep_iteration: bool = False) -> None:
         self.layout.forget()
+        if not keep_iteration:
+            self.iteration.forget()
         self.waiting_round = None
         self.save_due = False
         self.taken = 0
@@ -580,7 +722,7 @@ class MemberDriver:
     # ------------------------------------------------------------ what the components report
     def took_state(self, snapshot: Snapshot) -> None:
         """A heal put a peer's state into this member's objects (member/heal.py)."""
-        rnd, self.step, self.yielded = snapshot
+        rnd, self.step, self.yielded, self.iteration.done = snapshot
         self.core.handle(core.Received(rnd))
         self.fx.note_step(self.step)
 
@@ -602,8 +744,10 @@ class MemberDriver:
         self.watch.seen(latest)
         self.store_gen = gen  # the quorum watcher reconnects on this
         self.core.handle(core.StoreLost())
-        self._forget_round()
+        sub_steps = self.iteration.held()
+        self.iteration.store_moved()  # not forgotten: its state holds those sub-steps
+        self._forget_round(keep_iteration=True)
         self.heals.store_moved()
         self.store.set(keys.survivor_key(self.rank), json.dumps(
             {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self.heals.tainted,
-             "decided": decided, "latest": seen}))
+             "decided": decided, "latest": seen, **({"sub_steps": sub_steps} if sub_steps else {})}))

@@ -13,8 +13,9 @@ from typing import Any, Callable, NoReturn, Optional, Tuple
 
 from ftrun.protocol import Quorum
 
-# (round, step, newest step yielded): what a heal's transfer carries besides the model's state.
-Snapshot = Tuple[int, int, int]
+# (round, step, newest step yielded, sub-steps of the current loop step committed): what a heal's
+# transfer carries besides the model's state.
+Snapshot = Tuple[int, int, int, int]
 
 
 class HealRefused(Exception):
@@ -112,6 +113,10 @@ class MemberEffects:
     def drop_group(self, group: Any) -> None:
         """Close a group at once (None: nothing)."""
 
+    def hang_up(self, group: Any) -> None:
+        """A collective of this round failed here: make every operation on `group` fail at once at
+        its other members too (None: nothing). The group is dropped later, at the vote."""
+
     def collectives_unsettled(self) -> Optional[str]:
         """Why the round's collectives did not finish (NCCL does not fail one whose peer died), or None."""
         return None
@@ -136,9 +141,19 @@ class MemberEffects:
         not fit."""
         raise NotImplementedError
 
+    def compare_states(self, group: Any) -> Tuple[Tuple[Tuple[int, Tuple[int, ...]], ...], Tuple[Tuple[int, str], ...]]:
+        """The guard's collective over `group` (every member calls it at the same round's top):
+        ((rank, fingerprint of its state) for every member, (rank, what of its state differs from
+        most members', for those that differ)). Raises when a peer left mid-check."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------ what the script sees
     def took_step(self, quorum: int, rnd: int, step: int) -> None:
         """This member stepped on round `rnd` of `quorum`, to `step` (loaders advance, progress)."""
+
+    def took_sub_step(self, quorum: int, rnd: int) -> None:
+        """This member took a sub-step on round `rnd` (several ft.Optimizers; the loop step is
+        counted by took_step once all of its sub-steps are taken)."""
 
     def decided(self, quorum: int, rnd: int, commit: bool) -> None:
         """The decision of a round this member stepped on came in."""

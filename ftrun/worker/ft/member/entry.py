@@ -12,6 +12,7 @@ from ftrun.protocol import Quorum
 from ftrun.worker.ft.member import membership
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import AskEntryRound, Entered, Entering, Finish, Joined, Restart
+from ftrun.worker.ft.member.vote import StoreMovedMidVote
 
 
 class QuorumEntry:
@@ -26,7 +27,10 @@ class QuorumEntry:
         d = self.d
         d.set_phase("join")
         t0 = d.fx.wall()
-        entry = d.wait_to_enter(d.store, (d.rank, d.inc), d.fx.join_sleep(), d.fx.poll_s)
+        entry = d.wait_to_enter(d.store, (d.rank, d.inc), d.fx.join_sleep(), d.fx.poll_s, moved=d.moves.announced)
+        if entry.moved:  # the start's connection reached another store at the run's old address
+            raise StoreMovedMidVote("this node's ftrun announced that the run's store moved while this member "
+                                    "waited to join on a store at its old address")
         if entry.finished is None:
             d.watch.seen(entry.latest)  # the newest quorum: a round we close names it, so members move on
             d.watch.start()
@@ -68,7 +72,7 @@ class QuorumEntry:
             d._slow(t0, f"the group of quorum {quorum.id} (round {d.group_round})")
         if quorum.healers or quorum.fresh:
             d.heals.heal(quorum)  # also after a gone end: the transfer's ends must say how it went
-        d.layout.plan(quorum, d.checkpoints is not None)
+        d.layout.plan(quorum)
         d.fx.group_changed(self.pg)
 
     def form(self, prefix: str, quorum: Quorum, ranks: List[int]) -> Any:

@@ -79,7 +79,7 @@ class HealTransfers:
         try:
             hpg = d.entry.form(keys.pg_prefix(quorum.id, d.group_round, d.shard_id) + "heal/", quorum, ends)
             if sending:
-                stats = fx.send_state(hpg, (d.round, d.step, d.yielded))
+                stats = fx.send_state(hpg, (d.round, d.step, d.yielded, d.iteration.done))
             else:
                 snapshot, stats = fx.receive_state(hpg, self.taint)
                 d.took_state(snapshot)

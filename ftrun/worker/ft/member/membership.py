@@ -54,16 +54,25 @@ class Entry:
     round: int = 0
     latest: int = 0
     finished: Optional[int] = None
+    moved: bool = False  # the store holds no keeper's word, and the run's store moved elsewhere
 
 
-def wait_to_enter(store: Any, me: Member, sleep: Callable[[float], None], poll_s: float) -> Entry:
+def wait_to_enter(store: Any, me: Member, sleep: Callable[[float], None], poll_s: float,
+                  moved: Callable[[], bool] = lambda: False) -> Entry:
     """Ask the keeper to take this incarnation in, and wait for a started quorum that lists it
-    (or for the run's end). Bounded by the keeper: it publishes a quorum, or the run ends."""
+    (or for the run's end). Bounded by the keeper: it publishes a quorum, or the run ends. On a
+    store where no keeper ever wrote (no LATEST) it also asks `moved()` (the node's word of a newer
+    run's store), and gives up when it says so: it is not the run's store."""
     store.set(keys.join_key(me[0]), str(me[1]))
     while True:
         if store.check([keys.FINISHED]):
             return Entry(finished=int(store.get(keys.FINISHED)))
-        latest = int(store.get(keys.LATEST)) if store.check([keys.LATEST]) else 0
+        if not store.check([keys.LATEST]):
+            if moved():
+                return Entry(moved=True)
+            sleep(poll_s)
+            continue
+        latest = int(store.get(keys.LATEST))
         found = started_quorum_with_me(store, me, latest)
         if found is not None:
             return Entry(found[0], found[1], latest)

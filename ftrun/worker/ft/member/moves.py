@@ -19,12 +19,21 @@ class StoreFollower:
     def __init__(self, driver: Any) -> None:  # the member/driver.py MemberDriver that owns this part
         self.d = driver
 
+    def announced(self) -> bool:
+        """This node's ftrun announced a newer run's store than the one this member uses. A worker
+        that connected while the run's store was lost may have reached another store at its
+        address (a restarted node binds it): no call there ever fails, so a member waiting to join
+        on a store without the keeper's words asks this (membership.wait_to_enter)."""
+        moved = self.d.fx.announced_store() if self.d.node is not None else None
+        return moved is not None and moved[0] > self.d.store_gen
+
     def relocate(self, error: BaseException) -> None:
-        """The run's store went away under a store operation (its node was lost). Wait for this
-        node's ftrun to announce the next one, connect to it, and rejoin holding this replica's
-        state. Re-raises `error` when the store did not move."""
+        """The run's store went away under a store operation (its node was lost), or this node's
+        ftrun announced a newer one (another store may answer at the old address). Wait for the
+        announcement, connect to the store it names, and rejoin holding this replica's state.
+        Re-raises `error` when the store did not move."""
         d, fx = self.d, self.d.fx
-        if d.node is None or not fx.store_gone():
+        if d.node is None or not (fx.store_gone() or self.announced()):
             raise error
         fx.log(f"rank {d.rank}: lost the run's store at {fx.store_address()} ({str(error).splitlines()[0][:120]}); "
                f"waiting for the nodes to agree on the next one")

@@ -117,6 +117,11 @@ class StopPaths:
         word: Dict[str, Any] = {"step": d.step, "ok": False, "rank": d.rank}
         if ck is None or not d.in_sync or d.heals.tainted:
             word["why"] = "the writing replica does not hold the trained state"
+        elif d.iteration.done:
+            # Inside a step of several ft.Optimizers whose first sub-steps a failure left committed:
+            # that state is no step's, and a resume would take those sub-steps twice.
+            word["why"] = (f"the stop came inside step {d.step}, {d.iteration.done} of whose optimizer steps were "
+                           f"committed: that state is no step's to save (the newest checkpoint before it stands)")
         else:
             ck.wait()  # a periodic save of this very step may be in flight
             if ck.result != (d.step, True):

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
 from ftrun.worker.ft.member import vote
-from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device, settle
+from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device, hang_up, settle
 from ftrun.worker.ft.member.effects import HealRefused, MemberEffects, Snapshot
 from ftrun.worker.ft.member.member_io import POLL_S, _env_number, _log, _log_detail, leave, restart_replica
+from ftrun.worker.ft.heal.agreement import compare
 from ftrun.worker.ft.heal.feed import Feeder, Follower, agree_to_keep, replica_decides
 from ftrun.worker.ft.heal.state import ReplicaState
 from ftrun.worker.ft.heal.transport import StateMismatch, receive_state, send_state
@@ -205,6 +206,9 @@ class TorchEffects(MemberEffects):
             abort_group(group)
             self._dropped = weakref.ref(group)  # freed once the listeners let it go (group_changed)
 
+    def hang_up(self, group: Any) -> None:
+        hang_up(group)
+
     def collectives_unsettled(self) -> Optional[str]:
         if settle(self._settle_s):
             return None
@@ -238,6 +242,9 @@ class TorchEffects(MemberEffects):
             return snapshot, stats
         except StateMismatch as e:
             raise HealRefused(str(e)) from None
+
+    def compare_states(self, group: Any) -> Tuple[Tuple[Tuple[int, Tuple[int, ...]], ...], Tuple[Tuple[int, str], ...]]:
+        return compare(group, self.rank, self.state)
 
     def _replica_decides(self, group: Any) -> Callable[[bool], bool]:
         """For a sharded source: its K workers' one decision on whether the healers keep their

@@ -30,7 +30,8 @@ Decision = Tuple[bool, int, bool, Optional[int]]
 
 class StoreMovedMidVote(Exception):
     """The node's ftrun wrote that the run's store moved while this member waited for a decision
-    its node's forwarder could no longer fetch: the member follows the store, as after a failed call."""
+    its node's forwarder could no longer fetch, or waited to join on a store at the old address
+    (member/moves.py): the member follows the store, as after a failed call."""
 
 
 class Node:
