@@ -146,6 +146,7 @@ def test_elastic_nodes_reform_after_a_node_is_killed(tmp_path, launcher):
         assert d["TORCHELASTIC_MAX_RESTARTS"] == "2" and d["TORCHELASTIC_RUN_ID"] == "el"
 
 
+@pytest.mark.extended
 def test_a_late_node_joins_at_the_next_reformation(tmp_path):
     """Round 0 forms with two nodes of 2:3; a third node started later waits, and round 1 has all three."""
     port = free_port()

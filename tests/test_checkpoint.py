@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 from conftest import ROOT, SCRIPTS, free_port, really_alive, run_ftrun
@@ -200,6 +201,7 @@ def test_sharded_replicas_resume_at_another_replica_count(ftrun_home, tmp_path):
         assert json.loads(Path(f"{tmp_path / 'one'}.rank{r}.json").read_text())["step"] == 20
 
 
+@pytest.mark.extended
 def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tmp_path):
     """Both replicas SIGKILLed at once mid-run (the supervisor lives on): the next epoch has no
     holder of the trained state and resumes from the newest checkpoint, and the run ends

@@ -342,6 +342,7 @@ def test_sigint_mid_save_and_sigterm_at_start(ftrun_home, tmp_path):
 
 # ---------------------------------------------------------------------------- another optimizer, a folder past the end
 
+@pytest.mark.extended
 def test_other_optimizer_refused_and_folder_past_the_end(ftrun_home, tmp_path):
     """An AdamW run on an Adam checkpoint (same tensors: the old resume took it silently, and
     with it Adam's settings) ends at once in one line, exit 2. `--steps 20` on a folder at

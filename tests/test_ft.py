@@ -294,6 +294,7 @@ def test_two_of_three_die_at_once(ftrun_home, tmp_path):
     assert "starting again from the first step" not in err  # rank 1 kept the state
 
 
+@pytest.mark.extended
 def test_two_nodes_heal_across_nodes_and_status_shows_every_replicas_steps(ftrun_home, tmp_path):
     """Two ftrun processes as two nodes with --ft: node 1's replicas vote and report in node 1's own
     store, whose ftrun relays them. `ftrun status` shows every replica's steps on both nodes, live
@@ -442,6 +443,7 @@ def test_a_lost_nodes_place_goes_to_a_waiting_node(ftrun_home, tmp_path):
     assert stats["step"] == 400
 
 
+@pytest.mark.extended
 def test_store_does_not_grow_with_steps(ftrun_home):
     """Keys of finished rounds are collected: the store holds as many keys after 2,000 steps
     as after 1,000 (within 20%; before collection it grew by two keys every step). Not after

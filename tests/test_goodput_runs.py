@@ -118,6 +118,7 @@ def test_ft_two_kills_cost_what_the_replicas_measured(tmp_path):
     assert "2 failures: rank 2 killed by SIGKILL" in err, err[-2000:]
 
 
+@pytest.mark.extended
 @pytest.mark.alone
 def test_failure_free_goodput_is_at_least_95_percent_after_startup(tmp_path):
     """Failure-free, at size: once start-up is over, at least 95% of replica-time went to
@@ -167,6 +168,7 @@ def test_group_restart_counts_the_steps_lost_since_the_scripts_checkpoint(tmp_pa
     assert st["lost_s"]["failures"] > 2 * f["back_s"] * 0.7, st["lost_s"]
 
 
+@pytest.mark.extended
 def test_group_restart_on_two_nodes_counts_the_lost_steps_on_both(tmp_path):
     """Two nodes (one rank each): rank 0 saves the script's checkpoint; node 1's rank is killed.
     Node 1 never saw a save of its own, yet counts the steps since rank 0's, as node 0 does."""

@@ -49,7 +49,11 @@ def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
-    assert err.count("restarting it alone") == 2, err[-3000:]
+    # Two restarts for the two kills; a kill as a survivor's step went through may add one more, named
+    # as taking the committed state again (a Lightning loop cannot take it in place).
+    restarts = [line for line in err.splitlines() if "restarting it alone" in line]
+    killed = [line for line in restarts if "killed by SIGKILL" in line]
+    assert len(killed) == 2 and all(line in killed or "committed state again" in line for line in restarts), err[-3000:]
     assert "cannot heal" not in err, err[-3000:]
     reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
     assert all(rep["step"] == epochs * 10 for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
@@ -59,9 +63,10 @@ def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
     assert any(2 in s for s in strengths.values()), strengths  # steps ran with a replica away
     for r in (1, 2):
         starts = [json.loads(line) for line in Path(f"{out}.rank{r}.starts").read_text().splitlines()]
-        assert len(starts) == 2 and starts[0] == {**starts[0], "epoch": 0, "step": 0}, starts
+        assert len(starts) >= 2 and starts[0] == {**starts[0], "epoch": 0, "step": 0}, starts
         # Went on where the run was, mid-epoch or at an epoch's start, not from epoch 0:
-        assert starts[1]["step"] >= 11 and starts[1]["epoch"] == starts[1]["step"] // 10, starts
+        assert all(s["step"] >= 11 and s["epoch"] == s["step"] // 10 for s in starts[1:]), starts
+    assert sum(len(Path(f"{out}.rank{r}.starts").read_text().splitlines()) - 1 for r in range(3)) == len(restarts)
 
 
 def test_lightning_on_a_stream_heals_and_reads_each_share_once(ftrun_home, tmp_path):

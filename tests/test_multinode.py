@@ -90,6 +90,7 @@ def _assert_identical(out, world):
 # ----------------------------------------------------------------------------- training together
 
 
+@pytest.mark.extended
 def test_two_nodes_train_together_with_torchruns_env(ftrun_home, tmp_path):
     wrap = tmp_path / "wrap.py"
     wrap.write_text(WRAP.format(train=str(TRAIN)))

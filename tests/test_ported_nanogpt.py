@@ -72,6 +72,7 @@ def _evals(text: str):
     return [(int(m[1]), float(m[3])) for m in EVAL.findall(text)]
 
 
+@pytest.mark.extended
 def test_torchrun_version_trains_the_same_under_torchrun_and_ftrun(ftrun_home, tmp_path, tokens):
     """The script as written for torchrun (its own init_process_group, DDP, per-rank seeds and
     random batches) gives bitwise the same parameters, last loss and evaluations under ftrun."""

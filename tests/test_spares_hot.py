@@ -17,6 +17,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import SCRIPTS
 from helpers import finish, read_state, start_logged
 from test_spares import _identical, _kill, _replica, _wait
@@ -156,6 +158,7 @@ def test_a_stopped_spare_never_holds_training_up_and_a_changed_model_is_sent_who
     assert _identical(out, [0, 2, 3]) == 300
 
 
+@pytest.mark.extended
 def test_a_fed_spare_is_never_a_fresh_quorums_source(ftrun_home, tmp_path):
     """Every training replica lost at once while the fed spare is the lowest rank: the spare's state
     is the feed's, not a committed one, so named the fresh quorum's source it restarts clean, and

@@ -359,6 +359,7 @@ for step in ft.steps(int(sys.argv[1])):
 """
 
 
+@pytest.mark.extended
 def test_ft_figures_follow_the_scripts_own_count(home, tmp_path):
     """`ftrun status` of a real --ft run, during and after it: steps committed and each replica's
     step are what the script itself counted (its committed steps, with their times), discarded

@@ -217,7 +217,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("when", ["mid-run", "re-forming"])
+@pytest.mark.parametrize("when", [pytest.param("mid-run", marks=pytest.mark.extended), "re-forming"])
 def test_c10d_store_host_lost_the_others_reform_from_their_checkpoint(tmp_path, when):
     """Without --ft, --nnodes 2:3 (2:4) over c10d on three nodes: the node hosting the rendezvous
     endpoint (the run's store) is SIGKILLed with its workers, mid-run or while the nodes re-form

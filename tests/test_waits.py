@@ -60,6 +60,7 @@ def _two_nodes(tmp_path, node0_on_tty: bool) -> str:
     return out.decode(errors="replace")
 
 
+@pytest.mark.extended
 def test_waiting_for_nodes_shows_progress_on_a_terminal_only(tmp_path):
     seen = _two_nodes(tmp_path, node0_on_tty=True)
     assert "ftrun: waiting for the nodes of run waits to join" in seen, seen[-2000:]
