@@ -180,7 +180,7 @@ def launch(typed: Dict[str, Any], recipe: Optional[str]) -> None:
         raise typer.Exit(_print_plan(plan_text(cfg)))
     from ftrun.supervisor.workers.env import import_env, quiet_torch_warnings
 
-    if not cfg.no_python and os.environ.get("FTRUN_ZYGOTE", "1") != "0":
+    if cfg.use_zygote:
         from ftrun.supervisor.workers.spawn import start_zygote_early
 
         start_zygote_early(import_env(cfg))  # before any thread: one torch import for the store and the zygote

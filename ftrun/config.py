@@ -156,6 +156,8 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
         kw["max_restarts"] = DEFAULT_MAX_RESTARTS_FT if kw.get("ft") else DEFAULT_MAX_RESTARTS
     kw["recipe"] = recipe_name
     kw["sources"] = sources
+    # A --no-python command is no Python to fork; FTRUN_ZYGOTE=0 asks for a new process each start.
+    kw["use_zygote"] = not kw["no_python"] and environ.get("FTRUN_ZYGOTE", "1") != "0"
     cfg = RunConfig(**kw)
     validate(cfg, check_paths=check_paths, check_script=check_script)
     return cfg

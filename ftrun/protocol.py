@@ -527,7 +527,9 @@ def feed_prefix(spare: int, incarnation: int, serial: int) -> str:
 
 @dataclass(frozen=True)
 class Quorum:
-    """Who takes part from a round on: (rank, incarnation) pairs, and which of them must heal."""
+    """Who takes part from a round on: (rank, incarnation) pairs, which of them must heal, and
+    from whom. Written by the keeper's core (supervisor/ft/keeper/core.py) alone; a member reads
+    it and never recomputes what it says."""
 
     id: int
     members: Tuple[Tuple[int, int], ...]
@@ -552,10 +554,18 @@ class Quorum:
     # Steps between the guard's periodic checks (a round begins at each multiple), the same for
     # every member; 0: none (after a heal the members check once all the same).
     check_steps: int = 0
+    # The heal's source, one rank per shard (worker i of one replica for shard i, so that every
+    # shard comes from the same step): the keeper's choice, the lowest replica holding the state.
+    # A heal's transfer and a spare's feed both start there. Empty: nobody heals (a stop quorum).
+    sources: Tuple[int, ...] = ()
 
     @property
     def ranks(self) -> List[int]:
         return sorted(r for r, _ in self.members)
+
+    def source(self, shard: int = 0) -> Optional[int]:
+        """The rank that sends shard `shard` (rank % --replica-size) of the committed state, or None."""
+        return self.sources[shard] if shard < len(self.sources) else None
 
     def incarnation(self, rank: int) -> int:
         return dict(self.members)[rank]
@@ -567,6 +577,8 @@ class Quorum:
             d.update(stop=True, writer=self.writer)
         if self.check_steps:
             d["check_steps"] = self.check_steps
+        if self.sources:
+            d["sources"] = list(self.sources)
         return json.dumps(d)
 
     @classmethod
@@ -574,4 +586,5 @@ class Quorum:
         d = json.loads(text)
         return cls(d["id"], tuple(sorted((int(r), int(k)) for r, k in d["members"])), tuple(d.get("healers", ())),
                    bool(d.get("fresh", False)), int(d.get("start_round", -1)), int(d.get("round_steps", 1)),
-                   bool(d.get("stop", False)), int(d.get("writer", -1)), int(d.get("check_steps", 0)))
+                   bool(d.get("stop", False)), int(d.get("writer", -1)), int(d.get("check_steps", 0)),
+                   tuple(int(r) for r in d.get("sources", ())))

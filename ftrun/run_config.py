@@ -74,6 +74,10 @@ class RunConfig:
     env: Dict[str, str] = field(default_factory=dict)
     recipe: Optional[str] = None
     sources: Dict[str, str] = field(default_factory=dict, compare=False, repr=False)  # key -> where it came from
+    # Workers are forked from a zygote that imported torch once (supervisor/workers/spawn.py), not
+    # started as new Pythons: decided by build_config alone (FTRUN_ZYGOTE, --no-python); every
+    # part that starts or pre-warms workers reads this.
+    use_zygote: bool = False
 
     @property
     def world_size(self) -> int:

@@ -5,6 +5,8 @@
   under TYPE_CHECKING): a circle means two modules that cannot be read, tested or moved apart.
 - The layers: which part of ftrun/ may import which (the table LAYERS below), and the parts the
   command line and the supervisor load never import torch when they are imported.
+- One rule, one place (ONE_PLACE below): the heal's source, the zygote decision and the replica
+  size are each decided in one module, and every other part reads what it decided.
 
 The size of a module (about 500 lines at most) is kept by review.
 """
@@ -255,3 +257,86 @@ def test_the_command_line_and_the_supervisor_never_import_torch_at_import():
             loads_torch += [f"{module}: {name} (imported by {by})" for name, by in loaded.items()
                             if name.split(".")[0] == "torch"]
     assert not loads_torch, "torch is loaded at import by:\n" + "\n".join(loads_torch)
+
+
+# ---------------------------------------------------------------------------
+# One rule, one place: each decision by the module that owns it; any other place that decides it
+# again is a second definition, which drifts from the first.
+ONE_PLACE = {
+    # the heal's source: the lowest replica holding the state, one rank per shard (Quorum.sources)
+    "heal source": "ftrun.supervisor.ft.keeper.core",
+    # whether workers fork from the zygote (RunConfig.use_zygote)
+    "zygote": "ftrun.config",
+    # --replica-size in a worker, parsed once (Settings.replica_size: int)
+    "replica size": "ftrun.worker.settings",
+}
+# The registry of environment variables names every one (it reads none); the supervisor's worker
+# environment writes FTRUN_REPLICA_SIZE from cfg.replica_size (it reads none either).
+ENV_NAMED = {"FTRUN_ZYGOTE": {"ftrun.envvars"},
+             "FTRUN_REPLICA_SIZE": {"ftrun.envvars", "ftrun.supervisor.workers.env"}}
+
+
+def _names(node: ast.AST, *names: str) -> bool:
+    """Whether `node` is the name, or an attribute by that name (`x.healers`)."""
+    return (isinstance(node, ast.Name) and node.id in names) or (isinstance(node, ast.Attribute) and node.attr in names)
+
+
+def second_definitions(trees: Dict[str, ast.AST]) -> List[str]:
+    """Each place outside ONE_PLACE's owner that decides one of its rules again."""
+    found = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            line = f"{module}:{getattr(node, 'lineno', '?')}"
+            if module != ONE_PLACE["heal source"]:
+                # The holders, from the healers (the first step of choosing the source), or a source written.
+                if isinstance(node, ast.Compare) and any(isinstance(op, ast.NotIn) for op in node.ops) \
+                        and any(_names(c, "healers") for c in node.comparators):
+                    found.append(f"{line}: the heal source (holders taken from the healers): read quorum.source(shard)")
+                if isinstance(node, ast.keyword) and node.arg == "sources":
+                    found.append(f"{line}: the heal source (a Quorum's sources written)")
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in ("feeder_of", "source_replica"):
+                    found.append(f"{line}: the heal source ({node.name} defined)")
+            if module != ONE_PLACE["zygote"]:
+                if isinstance(node, ast.Constant) and node.value == "FTRUN_ZYGOTE" \
+                        and module not in ENV_NAMED["FTRUN_ZYGOTE"]:
+                    found.append(f"{line}: the zygote decision (FTRUN_ZYGOTE read): read cfg.use_zygote")
+                if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                        and node.slice.value == "use_zygote":
+                    found.append(f"{line}: the zygote decision (use_zygote set)")
+            if module != ONE_PLACE["replica size"]:
+                if isinstance(node, ast.Constant) and node.value == "FTRUN_REPLICA_SIZE" \
+                        and module not in ENV_NAMED["FTRUN_REPLICA_SIZE"]:
+                    found.append(f"{line}: the replica size (FTRUN_REPLICA_SIZE read): read settings.current().replica_size")
+                if isinstance(node, ast.Call) and _names(node.func, "int") \
+                        and any(_names(n, "replica_size") for a in node.args for n in ast.walk(a)):
+                    found.append(f"{line}: the replica size (parsed again; it is an int)")
+                if isinstance(node, ast.Compare) and _names(node.left, "replica_size") \
+                        and any(isinstance(c, ast.Constant) and isinstance(c.value, str) for c in node.comparators):
+                    found.append(f"{line}: the replica size (compared as text; it is an int)")
+    return found
+
+
+@pytest.mark.quick
+def test_each_rule_has_one_definition():
+    """The heal source is the keeper core's (workers read Quorum.source), the zygote decision is
+    build_config's (RunConfig.use_zygote), the replica size is the worker settings'
+    (Settings.replica_size): nothing else in ftrun/ decides them again."""
+    found = second_definitions(TREES)
+    assert not found, "a rule decided a second time (see ONE_PLACE in tests/test_house.py):\n" + "\n".join(found)
+
+
+def test_the_one_place_rule_finds_second_definitions():
+    samples = {
+        "ftrun.worker.ft.heal.feed": "holders = [r for r in members if r not in healers]",
+        "ftrun.worker.ft.member.core": "holders = [r for r in q.ranks if r not in q.healers]",
+        "ftrun.cli": "z = os.environ.get('FTRUN_ZYGOTE', '1') != '0'",
+        "ftrun.worker.ft.manager": "k = int(os.environ.get('FTRUN_REPLICA_SIZE', '1'))",
+        "ftrun.worker.frameworks.fabric": "bad = s.replica_size != '1'",
+        "ftrun.worker.frameworks.script_loop": "k = max(1, int(s.replica_size or '1'))",
+    }
+    found = second_definitions({m: ast.parse(src) for m, src in samples.items()})
+    assert [f.split(":")[0] for f in found] == list(samples), found
+    owners = {ONE_PLACE["heal source"]: "q = Quorum(1, (), sources=(0,)); h = [r for r in m if r not in healers]",
+              ONE_PLACE["zygote"]: "kw['use_zygote'] = environ.get('FTRUN_ZYGOTE', '1') != '0'",
+              ONE_PLACE["replica size"]: "k = int(env.get('FTRUN_REPLICA_SIZE') or 1)"}
+    assert second_definitions({m: ast.parse(src) for m, src in owners.items()}) == []

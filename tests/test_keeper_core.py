@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 
 from ftrun import protocol as keys
+from ftrun.protocol import Quorum
 from ftrun.supervisor.ft.keeper import core, dead
 from ftrun.supervisor.ft.keeper.core import KeeperSnapshot
 from ftrun.supervisor.ft.keeper.dead import KeeperRules
@@ -212,82 +213,85 @@ def said(step: int, inc: int = 1, in_sync: bool = True, decided: bool = False) -
 
 
 NEXT = [
-    # (snapshot, why, healed read now) -> (members, healers, fresh, start, fresh after the first, history part)
+    # (snapshot, why, healed read now) -> (members, healers, fresh, start, fresh after the first, history part,
+    #  the heal's source ranks, one a shard)
     row("the first quorum: the lowest replica sends its state",
         snap(pending={0: 0, 1: 0, 2: 0}, top=-1), "first replicas joined", {},
-        {0: 0, 1: 0, 2: 0}, (1, 2), True, 0, False, "quorum 1: 3 replicas (first replicas joined)"),
+        {0: 0, 1: 0, 2: 0}, (1, 2), True, 0, False, "quorum 1: 3 replicas (first replicas joined)", (0,)),
     row("a joiner heals from the holders; members that entered continue",
         snap(quorum_id=2, top=9, members={0: 0, 1: 0}, pending={2: 1}, healed={(0, 0), (1, 0)},
              entered={0: 0, 1: 0}), "rank 2 joined", {},
-        {0: 0, 1: 0, 2: 1}, (2,), False, -1, False, "quorum 3: 3 replicas (rank 2 joined)"),
+        {0: 0, 1: 0, 2: 1}, (2,), False, -1, False, "quorum 3: 3 replicas (rank 2 joined)", (0,)),
     row("nobody entered yet: the quorum starts after the newest decided round",
         snap(quorum_id=2, top=9, members={0: 0, 1: 0}, pending={2: 1}, healed={(0, 0), (1, 0)},
              entered={0: -1, 1: -1}), "rank 2 joined", {},
-        {0: 0, 1: 0, 2: 1}, (2,), False, 10, False, "quorum 3"),
+        {0: 0, 1: 0, 2: 1}, (2,), False, 10, False, "quorum 3", (0,)),
     row("a member that healed a moment ago holds the state",
         snap(quorum_id=2, top=9, members={0: 0, 1: 0}, healed={(0, 0)}, entered={0: 0}), "rank 2 left", {1: 0},
-        {0: 0, 1: 0}, (), False, -1, False, "(rank 2 left)"),
+        {0: 0, 1: 0}, (), False, -1, False, "(rank 2 left)", (0,)),
     row("an older incarnation's heal is not the member's",
         snap(quorum_id=2, top=9, members={0: 0, 1: 1}, healed={(0, 0), (1, 0)}, entered={0: 0}), "rank 2 left", {},
-        {0: 0, 1: 1}, (1,), False, -1, False, "(rank 2 left)"),
+        {0: 0, 1: 1}, (1,), False, -1, False, "(rank 2 left)", (0,)),
     row("no holder left: a fresh quorum, said so",
         snap(quorum_id=4, top=20, members={1: 1}, pending={0: 2}, healed={(1, 0)}), "rank 0 joined", {},
-        {0: 2, 1: 1}, (1,), True, 21, True, "no replica holding the trained state is left: starting again"),
+        {0: 2, 1: 1}, (1,), True, 21, True, "no replica holding the trained state is left: starting again", (0,)),
     row("no holder left, resumed from a checkpoint: said so",
         snap(quorum_id=4, top=20, members={1: 1}, fresh_start="resuming from the newest checkpoint"), "x", {},
-        {1: 1}, (), True, 21, True, "left: resuming from the newest checkpoint"),
+        {1: 1}, (), True, 21, True, "left: resuming from the newest checkpoint", (1,)),
     row("a sharded replica heals whole when one of its workers does not hold its shard",
         snap(n=4, k=2, quorum_id=2, top=3, members={0: 0, 1: 0, 2: 0, 3: 0}, healed={(0, 0), (1, 0), (2, 0)},
              entered={0: 0, 1: 0, 2: 0, 3: 0}), "rank 3 joined", {},
-        {0: 0, 1: 0, 2: 0, 3: 0}, (2, 3), False, -1, False, "2 replicas of 2 workers"),
+        {0: 0, 1: 0, 2: 0, 3: 0}, (2, 3), False, -1, False, "2 replicas of 2 workers", (0, 1)),
     row("a fresh quorum of sharded replicas: replica 0's workers send",
         snap(n=4, k=2, pending={0: 0, 1: 0, 2: 0, 3: 0}), "first replicas joined", {},
-        {0: 0, 1: 0, 2: 0, 3: 0}, (2, 3), True, 0, False, "2 replicas of 2 workers"),
+        {0: 0, 1: 0, 2: 0, 3: 0}, (2, 3), True, 0, False, "2 replicas of 2 workers", (0, 1)),
     row("the lowest replica left sends a fresh quorum's state",
         snap(quorum_id=0, pending={1: 0, 2: 0}), "first replicas joined", {},
-        {1: 0, 2: 0}, (2,), True, 0, False, "2 replicas"),
+        {1: 0, 2: 0}, (2,), True, 0, False, "2 replicas", (1,)),
     row("rounds paced to the run: said in the history",
         snap(quorum_id=2, top=9, members={0: 0, 1: 0}, healed={(0, 0), (1, 0)}, entered={0: 0}, step_s=0.05,
              round_steps=8), "rank 2 left", {},
-        {0: 0, 1: 0}, (), False, -1, False, "rounds of 4 steps"),
+        {0: 0, 1: 0}, (), False, -1, False, "rounds of 4 steps", (0,)),
     row("moved store: the replica with the newest whole step heals the others",
         _moved(survivors={0: said(10), 1: said(12), 2: said(11), 3: said(12)}), "first replicas joined", {},
-        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 2, 3), False, 41, False, "replica 1 holds the newest step"),
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 2, 3), False, 41, False, "replica 1 holds the newest step", (1,)),
     row("moved store, sharded: a replica whose workers hold different steps is not whole",
         _moved(k=2, survivors={0: said(12), 1: said(11), 2: said(10), 3: said(10)}), "first replicas joined", {},
-        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1), False, 41, False, "replica 1 holds the newest step"),
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1), False, 41, False, "replica 1 holds the newest step", (2, 3)),
     row("moved store: a replica out of sync, of another incarnation, or unreadable says nothing",
         _moved(survivors={0: said(30, in_sync=False), 1: said(30, inc=0), 2: "{not json", 3: said(5)}),
         "first replicas joined", {},
-        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1, 2), False, 41, False, "replica 3 holds the newest step"),
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1, 2), False, 41, False, "replica 3 holds the newest step", (3,)),
     row("moved store: nobody said anything: a fresh quorum from the lowest replica",
         _moved(), "first replicas joined", {},
-        {0: 1, 1: 1, 2: 1, 3: 1}, (1, 2, 3), True, 41, True, "no replica holding the trained state is left"),
+        {0: 1, 1: 1, 2: 1, 3: 1}, (1, 2, 3), True, 41, True, "no replica holding the trained state is left", (0,)),
     row("moved store: a tie goes to the lowest replica",
         _moved(survivors={2: said(9), 3: said(9)}), "first replicas joined", {},
-        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1, 3), False, 41, False, "replica 2 holds the newest step"),
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 1, 3), False, 41, False, "replica 2 holds the newest step", (2,)),
     row("moved store: a decided state beats a newer step past a round whose decision was lost",
         _moved(survivors={0: said(11), 1: said(10, decided=True), 2: said(11), 3: said(9, decided=True)}),
         "first replicas joined", {},
-        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 2, 3), False, 41, False, "replica 1 holds the newest step"),
+        {0: 1, 1: 1, 2: 1, 3: 1}, (0, 2, 3), False, 41, False, "replica 1 holds the newest step", (1,)),
     row("moved store, the first source died in its transfer: the survivors' words stand",
         _moved(quorum_id=8, members={0: 1, 1: 1, 3: 1}, pending={}, survivors={0: said(10), 1: said(12), 3: said(11)}),
         "rank 2 left", {},
-        {0: 1, 1: 1, 3: 1}, (0, 3), False, 41, False, "replica 1 holds the newest step"),
+        {0: 1, 1: 1, 3: 1}, (0, 3), False, 41, False, "replica 1 holds the newest step", (1,)),
     row("moved store, a replica holds the state there: an ordinary quorum, the survivors' words spent",
         _moved(quorum_id=8, members={0: 1, 1: 1, 3: 1}, pending={}, healed={(1, 1)},
                survivors={0: said(10), 1: said(12), 3: said(11)}), "rank 2 left", {},
-        {0: 1, 1: 1, 3: 1}, (0, 3), False, 41, False, "rank 2 left"),
+        {0: 1, 1: 1, 3: 1}, (0, 3), False, 41, False, "rank 2 left", (1,)),
 ]
 
 
-@pytest.mark.parametrize("s,why,healed,members,healers,fresh,start,fresh_after,history", NEXT)
-def test_next_quorum(s, why, healed, members, healers, fresh, start, fresh_after, history):
+@pytest.mark.parametrize("s,why,healed,members,healers,fresh,start,fresh_after,history,sources", NEXT)
+def test_next_quorum(s, why, healed, members, healers, fresh, start, fresh_after, history, sources):
     d = core.next_quorum(s, why, healed)
     e = d.quorum
     assert e.id == s.quorum_id + 1 and not e.stop
     assert dict(e.members) == members
     assert e.healers == healers
+    assert e.sources == sources and [e.source(shard) for shard in range(s.k)] == list(sources)
+    assert Quorum.from_json(e.to_json()) == e
     assert (e.fresh, e.start_round, d.fresh) == (fresh, start, fresh_after)
     assert e.round_steps == core.paced_steps(s)
     assert history in d.history and d.reason

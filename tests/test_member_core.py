@@ -21,8 +21,9 @@ pytestmark = pytest.mark.quick
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _quorum(eid: int, members, healers=(), fresh=False) -> Quorum:
-    return Quorum(id=eid, members=tuple(tuple(m) for m in members), healers=tuple(healers), fresh=fresh)
+def _quorum(eid: int, members, healers=(), fresh=False, sources=()) -> Quorum:
+    return Quorum(id=eid, members=tuple(tuple(m) for m in members), healers=tuple(healers), fresh=fresh,
+                  sources=tuple(sources))
 
 
 def _in_quorum(eid: int = 3, rnd: int = 10) -> MemberCore:
@@ -167,13 +168,17 @@ def test_a_lost_store_leaves_the_member_to_rejoin():
     assert core.handle(RoundTop()) == [Join()]
 
 
-def test_heals_come_from_one_source_replica_for_every_shard():
-    e = _quorum(5, [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0), (5, 0)], healers=[2, 3])
-    assert transfer_ends(e, 2, k=2) == [0, 2]
-    assert transfer_ends(e, 3, k=2) == [1, 3]
-    assert transfer_ends(e, 5, k=2) == [1, 3]  # a bystander of shard 1: these are the ends it waits on
-    fresh = _quorum(6, [(1, 0), (0, 2)], healers=[0, 1], fresh=True)
+def test_a_heal_takes_the_quorums_source_of_its_shard():
+    """The member reads the keeper's source (Quorum.source), never one of its own making: here
+    the keeper named replica 2, not the lowest holder."""
+    e = _quorum(5, [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0), (5, 0)], healers=[2, 3], sources=[4, 5])
+    assert transfer_ends(e, 2, k=2) == [4, 2]
+    assert transfer_ends(e, 3, k=2) == [5, 3]
+    assert transfer_ends(e, 1, k=2) == [5, 3]  # a bystander of shard 1: these are the ends it waits on
+    fresh = _quorum(6, [(1, 0), (0, 2)], healers=[1], fresh=True, sources=[0])
     assert transfer_ends(fresh, 1) == [0, 1]
+    with pytest.raises(ValueError):
+        transfer_ends(_quorum(7, [(0, 0), (1, 0)], healers=[1]), 1)
     assert source_refuses(True, tainted=True) is not None
     assert source_refuses(False, tainted=True) is None
 

@@ -93,7 +93,7 @@ def test_settings_parse_as_the_readers_did():
         (3, "3", 2, True, 10.0, 0, None)
     empty = Settings.from_env({})
     assert (empty.rank_text, empty.local_rank, empty.replica_size, empty.ft_timeout_s, empty.hook_log_every) == \
-        ("?", 0, "1", 10.0, 100)
+        ("?", 0, 1, 10.0, 100)
     ck = Settings.from_env({"FTRUN_CHECKPOINT_DIR": "/x", "FTRUN_CHECKPOINT_EVERY": "0"}).checkpoint
     assert (str(ck.root), ck.every, ck.keep) == ("/x", 1, 2)
 

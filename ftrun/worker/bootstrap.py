@@ -84,7 +84,7 @@ def install() -> None:
     from ftrun.worker import progress
 
     progress.start_from_env()
-    if s.ft and s.replica_size == "1":
+    if s.ft and s.replica_size == 1:
         from ftrun.worker.ft.api import world
         from ftrun.worker.frameworks import accelerate, fabric, hf, lightning
 

@@ -59,7 +59,7 @@ class Settings:
     store: str                          # FTRUN_STORE at the start (it may move later: run_store())
     ft: bool                            # FTRUN_FT == "1"
     hook: str                           # FTRUN_HOOK: the --hook spec as JSON, "" without --hook
-    replica_size: str                   # FTRUN_REPLICA_SIZE, as given ("1" when unset)
+    replica_size: int                   # FTRUN_REPLICA_SIZE: workers per replica, at least 1 (1 when unset)
     spares: int                         # FTRUN_SPARES: replicas held back as hot spares (--spares), 0 when unset
     step_timeout: bool                  # FTRUN_STEP_TIMEOUT is set: count progress that is not a step
     stacks_file: str                    # FTRUN_STACKS_FILE
@@ -92,7 +92,7 @@ class Settings:
             store=env.get("FTRUN_STORE", ""),
             ft=env.get("FTRUN_FT") == "1",
             hook=env.get("FTRUN_HOOK", ""),
-            replica_size=env.get("FTRUN_REPLICA_SIZE", "1"),
+            replica_size=max(1, _int_or_none(env.get("FTRUN_REPLICA_SIZE")) or 1),
             spares=_int_or_none(env.get("FTRUN_SPARES")) or 0,
             step_timeout=bool(env.get("FTRUN_STEP_TIMEOUT")),
             stacks_file=env.get("FTRUN_STACKS_FILE", ""),

@@ -112,7 +112,7 @@ class Supervisor:
                                          self.stopper.wait_signal, self._given_standby, self.waits)
         self.common, self.relay = start.workers_common(cfg, self.store, self.nodes)
         self.cwd = os.getcwd()
-        self.spawner, self.use_zygote = start.spawner(cfg, self.events, self.common, self.cwd, self._given_zygote)
+        self.spawner = start.spawner(cfg, self.events, self.common, self.cwd, self._given_zygote)
         metrics_url = self.books.start_metrics()
         self._write_state()
         self.console.note(
@@ -171,7 +171,7 @@ class Supervisor:
         if self.quorum is not None:
             self.quorum.on_spawn(w.rank, w.incarnation)
         try:
-            self.spawner.spawn(w.tag, start.argv(self.cfg, self.use_zygote), env, self.cwd, out_w, err_w)
+            self.spawner.spawn(w.tag, start.argv(self.cfg), env, self.cwd, out_w, err_w)
         finally:
             os.close(out_w)
             os.close(err_w)

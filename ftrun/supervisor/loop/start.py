@@ -7,7 +7,6 @@ Must never start a worker, and never import torch.
 
 from __future__ import annotations
 
-import os
 import queue
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -56,21 +55,21 @@ def workers_common(cfg: RunConfig, store: RunStore, nodes: Any) -> Tuple[Dict[st
 
 
 def spawner(cfg: RunConfig, events: "queue.SimpleQueue", common: Dict[str, str], cwd: str,
-            given: Optional[ZygoteSpawner]) -> Tuple[Any, bool]:
-    """The spawner, and whether it is a zygote (the workers' argv differ)."""
-    use_zygote = not cfg.no_python and os.environ.get("FTRUN_ZYGOTE", "1") != "0"
-    if use_zygote and given is not None:
+            given: Optional[ZygoteSpawner]) -> Any:
+    """The spawner: a zygote's (the one the rendezvous started, if any) or Popen's, as
+    cfg.use_zygote says."""
+    if cfg.use_zygote and given is not None:
         given.events = events  # nothing is posted before the first spawn but "ready"
-        return given, True
-    if use_zygote:
-        return ZygoteSpawner(events, zygote_env(cfg, common), cwd), True
-    return PopenSpawner(events), False
+        return given
+    if cfg.use_zygote:
+        return ZygoteSpawner(events, zygote_env(cfg, common), cwd)
+    return PopenSpawner(events)
 
 
-def argv(cfg: RunConfig, use_zygote: bool) -> List[str]:
+def argv(cfg: RunConfig) -> List[str]:
     """A worker's command line (a zygote is given the script's alone)."""
     target = (["-m", cfg.script] if cfg.module else [cfg.script]) + list(cfg.script_args)
-    if use_zygote:
+    if cfg.use_zygote:
         return target
     if cfg.no_python:
         return [cfg.script] + list(cfg.script_args)

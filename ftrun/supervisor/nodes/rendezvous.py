@@ -79,7 +79,7 @@ from ftrun.wire import one_line
 def prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
     """A zygote importing torch while the nodes gather (it forks the round's workers; each gets its full
     environment with the spawn request, so the layout need not be known yet)."""
-    if cfg.no_python or os.environ.get("FTRUN_ZYGOTE", "1") == "0":
+    if not cfg.use_zygote:
         return None
     env = base_env()
     env.update(cfg.env)

@@ -74,7 +74,7 @@ def _cannot_heal(kwargs: dict) -> Optional[str]:
     s = settings.current()
     if not s.ft:
         return ""
-    if s.replica_size != "1":
+    if s.replica_size != 1:
         return f"--ft: {PORT} replicates a whole model per worker: use --replica-size 1"
     if _version(accelerate.__version__)[:1] not in SUPPORTED:
         return (f"--ft: this accelerate is {accelerate.__version__}; {PORT} heals Accelerate 1.x only, so a failure "

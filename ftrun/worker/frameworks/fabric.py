@@ -55,7 +55,7 @@ def _cannot_heal(strategy: Any, precision: Any) -> Optional[str]:
     s = settings.current()
     if not s.ft or (s.world_size or 1) == 1:
         return ""
-    if s.replica_size != "1":
+    if s.replica_size != 1:
         return f"--ft: {PORT} replicates a whole model per worker: use --replica-size 1"
     version = tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in lightning.__version__.split(".")[:2])
     if version not in SUPPORTED:

@@ -66,7 +66,7 @@ def trainer_class() -> type:
     """ftrun.hf.FTTrainer: the Trainer, for a script that says it runs under ftrun (under --ft the
     Trainer's part is installed, as for an unmodified script; otherwise it is the Trainer)."""
     s = settings.current()
-    if s.ft and s.replica_size == "1":
+    if s.ft and s.replica_size == 1:
         install()
     import transformers
 

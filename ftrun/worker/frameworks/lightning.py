@@ -252,7 +252,7 @@ def _build(pl: ModuleType) -> type:
                 return version_line
             if not settings.current().ft:
                 return ""  # not under `ftrun --ft` (or after a group restart): Lightning's own DDP
-            if settings.current().replica_size != "1":
+            if settings.current().replica_size != 1:
                 return "--ft: FTStrategy replicates a whole model per worker: use --replica-size 1"
             module = self.lightning_module
             trainer = module.trainer if module is not None else None

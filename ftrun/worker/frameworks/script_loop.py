@@ -409,7 +409,7 @@ def _run_replicas() -> int:
     from ftrun.worker import settings
 
     s = settings.current()
-    return max(1, (s.world_size or 1) // max(1, int(s.replica_size or "1")))
+    return max(1, (s.world_size or 1) // s.replica_size)
 
 
 def loader_order(source: TorchDataLoader, seed: Optional[int]) -> Tuple[bool, int]:

@@ -48,6 +48,7 @@ from ftrun.worker.ft.member.moves import RELOCATE_S
 from ftrun.worker.ft.member.torch_effects import TorchEffects
 from ftrun.worker.ft.member.member_io import _log, _log_detail, leave
 from ftrun.worker.ft.heal.state import ReplicaState
+from ftrun.worker import settings
 from ftrun.worker.settings import store_moved
 
 
@@ -67,7 +68,7 @@ class Manager:
         if not store_addr:
             raise RuntimeError("ftrun.ft needs to run under `ftrun --ft` (FTRUN_STORE and FTRUN_FT=1 are not set)")
         rank = int(os.environ["RANK"])
-        k = max(1, int(os.environ.get("FTRUN_REPLICA_SIZE", "1")))
+        k = settings.current().replica_size
         self.state = ReplicaState()  # what a heal moves (ft/heal/state.py)
         self.fx = TorchEffects(self.state, rank, datetime.timedelta(
             seconds=float(os.environ.get("FTRUN_FT_VOTE_TIMEOUT", "600"))))

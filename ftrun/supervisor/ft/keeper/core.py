@@ -354,6 +354,14 @@ def _healed_now(s: KeeperSnapshot, healed: Mapping[int, int]) -> FrozenSet[Membe
     return frozenset((r, h) for r, h in healed.items() if h >= 0)
 
 
+def source_replica(s: KeeperSnapshot, members: Mapping[int, int], holders: Sequence[int]) -> int:
+    """The heal's source replica, the one definition of it: the lowest replica holding the
+    state (`holders`, whole replicas), or with none the lowest member's, whose own state starts
+    the run again. One replica sends every shard (Quorum.sources: its worker i sends shard i),
+    so that all shards come from the same step; its feed reaches the spares too."""
+    return min(holders or members) // s.k
+
+
 def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: bool = False) -> KeeperDecision:
     """The next quorum: the members and the pending joiners; members that have entered the
     newest quorum (s.entered) switch by their votes, so it starts where they are (-1), else
@@ -392,16 +400,17 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
     steps = paced_steps(s)
     paced = s.round_steps_chosen or s.step_s is not None
     ranked = tuple(sorted(members.items()))
+    src = source_replica(s, members, holders)
     if fresh:
-        src = min(members) // s.k
         quorum = Quorum(eid, ranked, tuple(sorted(r for r in members if r // s.k != src)), True, start, steps,
-                        check_steps=check_steps(s))
+                        check_steps=check_steps(s), sources=s.mates(src * s.k))
         reason = f"fresh: nobody holds the trained state; replica {src} sends its own"
         if eid > 1:
             why += f"; no replica holding the trained state is left: {s.fresh_start}"
     else:
         quorum = Quorum(eid, ranked, tuple(sorted(r for r in members if r not in holders)), False, start, steps,
-                        check_steps=check_steps(s))
+                        check_steps=check_steps(s), sources=s.mates(src * s.k))
+        reason += f"; replica {src} is the source"
     n = len(ranked) // s.k
     shape = f" of {s.k} workers" if s.k > 1 else ""
     # Said when the pace chose them; until it is known they are one step, in every run.

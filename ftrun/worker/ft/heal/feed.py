@@ -1,11 +1,11 @@
 """A hot spare's feed: the training replicas' state kept on a waiting spare without a forward or backward.
 
-A training replica (the feeder: the lowest member of its quorum that holds the state) sends
+A training replica (the feeder: the quorum's heal source, Quorum.source, which the keeper chose) sends
 each spare that asks, once, its whole state (after a step), then at every step it takes, as its
 optimizers are about to step, the gradients they step on (after the script's clipping and
 unscaling), their settings (learning rate, ...) and its model's buffers. The spare (Follower, run
-in its wait to join) steps its own optimizers on them, beside its feeder's. At a promotion the heal asks both ends for a fingerprint of their models and
-optimizers: when they match, only what is not the model and optimizers moves (registered state,
+in its wait to join) steps its own optimizers on them, beside its feeder's. At a promotion the
+heal asks both ends for a fingerprint of their models and optimizers: when they match, only what is not the model and optimizers moves (registered state,
 the optimizers' settings); otherwise (a spare that missed a step, a script that changes its
 parameters outside the optimizer) the whole state moves, as for any healer.
 
@@ -73,10 +73,7 @@ def _spares() -> int:
 
 def _k() -> int:
     """The workers of a replica (--replica-size): worker j of a spare follows worker j of its feeder."""
-    try:
-        return max(1, int(settings.current().replica_size))
-    except ValueError:
-        return 1
+    return settings.current().replica_size
 
 
 def enabled(state: ReplicaState) -> bool:
@@ -242,12 +239,6 @@ def replica_decides(store: Any, heal_prefix: str, rank: int, keep: bool, timeout
     return store.compare_set(base + "replica", "", decided) == b"1"
 
 
-def feeder_of(members: List[int], healers: Tuple[int, ...], shard: int = 0, k: int = 1) -> Optional[int]:
-    """Worker `shard` of the lowest replica that holds the state (the heal's source replica)."""
-    holders = [r for r in members if r not in healers]
-    return (min(holders) // k) * k + shard if holders else None
-
-
 class _Feed:
     """One spare's feed on the feeder: the group, and the steps whose tensors are still leaving
     (at most IN_FLIGHT: a spare slower than the training replicas holds its feeder back there)."""
@@ -321,8 +312,7 @@ class Feeder:
         not, every feed it had is dropped."""
         if not enabled(self.state):
             return False
-        k = _k()
-        me = feeder_of(quorum.ranks, quorum.healers, self.rank % k, k) if quorum is not None else None
+        me = quorum.source(self.rank % _k()) if quorum is not None else None
         if me != self.rank or not holds_state:
             self.drop_all("this replica no longer feeds the spares")
             return False
@@ -516,7 +506,7 @@ class Follower:
             return
         latest = int(store.get(keys.LATEST))
         quorum = membership.read_quorum(store, latest)
-        feeder = feeder_of(quorum.ranks, quorum.healers, self.rank % _k(), _k())
+        feeder = quorum.source(self.rank % _k())
         if feeder is None or self.rank in quorum.ranks:
             return
         self.serial += 1

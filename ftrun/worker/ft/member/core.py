@@ -431,12 +431,12 @@ def rejoins_in_place(replica_size: int, nodes: int) -> bool:
 
 
 def transfer_ends(quorum: Quorum, rank: int, k: int = 1) -> List[int]:
-    """The ends of a heal's transfer for worker `rank` (shard rank % k): first the source, its own
-    shard in the lowest replica holding the state (one source replica for every shard, so all
-    shards come from the same step), then the healers of that shard."""
+    """The ends of a heal's transfer for worker `rank` (shard rank % k): first the quorum's source
+    of that shard (the keeper chose it: Quorum.source), then the healers of that shard."""
     shard = rank % k
-    holders = [r for r in quorum.ranks if r not in quorum.healers]
-    source = (min(holders or quorum.ranks) // k) * k + shard
+    source = quorum.source(shard)
+    if source is None:
+        raise ValueError(f"quorum {quorum.id} names no source of shard {shard}, and it heals")
     return [source] + [r for r in sorted(quorum.healers) if r != source and r % k == shard]
 
 
