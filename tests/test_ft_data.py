@@ -156,7 +156,9 @@ def test_step_loop_with_a_loader_resumes_its_position(ftrun_home, tmp_path):
     epoch's end), two micro-batches a step, under a kill: the steps train each sample of every
     full epoch exactly once."""
     size, out = 120, tmp_path / "o"
-    steps = 60  # 60 steps x 2 micro x 3 workers x 2 = 720 samples: 6 epochs of 120 at full membership
+    # 240 steps x 2 micro x 3 workers x 2 = 2,880 samples: 24 epochs of 120 at full membership (long
+    # enough that a loaded restart is back before the others finish)
+    steps = 240
     proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "steps", WORKER, 0, out, "--size", size, "--batch", 2,
                         "--accumulate", 2, "--style", "steps", "--steps", steps, "--step-sleep", 0.03])
     try:
