@@ -1,8 +1,10 @@
 """Historic --ft bugs, re-introduced for the simulator only: each is the product's code as it
-was before its fix (git commit named), put back as a subclass of a product class (the keeper,
+was before its fix, put back as a subclass of a product class (the keeper,
 or the member's driver, whose store protocol steps are class attributes) that the simulator
 wires in by name (scripts/simulate.py --bug NAME); never by patching a module. The product
 never imports this module; with no bug the simulator runs the product's own classes unchanged.
+Which commit fixed each, and whether the simulator found it first or it was planted, is in
+docs/development.md (the table of `--bug` names), not here.
 Must never be imported by the product.
 """
 
@@ -35,9 +37,9 @@ class Wiring:
     follower = QuorumKeeper  # the other nodes' keepers
 
 
-# ---------------------------------------------------------------- (a) 0a17702
+# ---------------------------------------------------------------- (a) start-round
 def _entry_round_own(store: Any, quorum: Quorum, current: int) -> int:
-    """Before 0a17702: a continuing member wrote its round as the quorum's start and began the
+    """Before the fix: a continuing member wrote its round as the quorum's start and began the
     quorum at its OWN round, whatever the first member to enter had written."""
     if quorum.start_round >= 0:
         return quorum.start_round
@@ -53,9 +55,9 @@ class StartRound(Wiring):
     driver = _OwnRoundDriver
 
 
-# ---------------------------------------------------------------- (b) b1dd880
+# ---------------------------------------------------------------- (b) deleted-quorum
 def _scan_blocking(store: Any, me: Member, latest: int) -> Optional[Tuple[int, int]]:
-    """Before b1dd880: the scan read each quorum with a blocking get, even one the keeper had
+    """Before the fix: the scan read each quorum with a blocking get, even one the keeper had
     deleted (the get then waits for the store's whole timeout, deaf to newer quorums)."""
     for e in range(latest, 0, -1):
         quorum = Quorum.from_json(store.get(keys.quorum_key(e)))
@@ -88,9 +90,9 @@ class _BlockingScanDriver(MemberDriver):
 # ---------------------------------------------------------------- the keeper's abstentions of that time
 class _AbstainingRules(KeeperRules):
     def rounds_of(self, s: KeeperSnapshot, e: int) -> Set[int]:
-        """Before the store-growth fix (found by the simulator's soak): the keeper abstained for
-        the dead in the two rounds after the newest decided one in every quorum that lists them,
-        also old quorums nobody reports being in. Every keeper the historic bugs below ran with
+        """Before the store-growth fix: the keeper abstained for the dead in the two rounds after
+        the newest decided one in every quorum that lists them, also old quorums nobody reports
+        being in. Every keeper the historic bugs below ran with
         did; the bugs that need such an abstention (it decides a round before a joiner reports)
         are shown on it."""
         rounds = {s.top + 1, s.top + 2}
@@ -111,10 +113,10 @@ class StoreGrowth(Wiring):
     keeper = _AbstainingEverywhere
 
 
-# ---------------------------------------------------------------- (c) 3b9d79e
+# ---------------------------------------------------------------- (c) collect-joiner
 class _CollectingRules(_AbstainingRules):
     def oldest_kept_quorum(self, s: KeeperSnapshot) -> int:
-        """Before 3b9d79e: quorums older than every live replica's reported quorum were deleted even
+        """Before the fix: quorums older than every live replica's reported quorum were deleted even
         while a live replica (a joiner) reported none yet and was about to enter one of them."""
         return min(s.live_quorums(), default=s.quorum_id) - 2
 
@@ -128,18 +130,19 @@ class CollectJoiners(Wiring):
 
 
 class DeletedQuorum(Wiring):
-    """b1dd880 came before 3b9d79e: then the keeper still deleted quorums while a joiner scanned
-    them, which the keeper no longer does. The bug is shown on the keeper of its time: a schedule
-    that fails with both and passes with the keeper's bug alone (BASELINE)."""
+    """The joiner's fix came before the keeper's (collect-joiner): then the keeper still deleted
+    quorums while a joiner scanned them, which the keeper no longer does. The bug is shown on the
+    keeper of its time: a schedule that fails with both and passes with the keeper's bug alone
+    (BASELINE)."""
 
     keeper = _CollectingKeeper
     driver = _BlockingScanDriver
 
 
-# ---------------------------------------------------------------- (d) 0a17702's keeper half
+# ---------------------------------------------------------------- (d) voter-waits: the keeper half of start-round's fix
 class _DeafRules(KeeperRules):
     def elsewhere(self, s: KeeperSnapshot, m: int, k: int, e: int, now: float) -> bool:
-        """Before 0a17702: only a member reporting ANOTHER quorum was voted for; a joiner that
+        """Before the fix: only a member reporting ANOTHER quorum was voted for; a joiner that
         reports none yet, and will enter the newest quorum, left the old quorum's voters waiting."""
         if (m, k) in s.finished:
             return True
@@ -155,10 +158,10 @@ class VoterWaits(Wiring):
     keeper = _DeafKeeper
 
 
-# ---------------------------------------------------------------- (e) d5bb6bf, found by the simulator
+# ---------------------------------------------------------------- (e) revote
 class _RevotingRules(KeeperRules):
     def rounds_to_fill(self, s: KeeperSnapshot, e: int) -> Set[int]:
-        """Before d5bb6bf: the keeper kept abstaining for a dead member in every round its peers
+        """Before the fix: the keeper kept abstaining for a dead member in every round its peers
         might wait on, even rounds whose keys it had collected: the vote started a fresh counter
         and closed the round a second time, with another decision."""
         return self.rounds_of(s, e)
@@ -172,10 +175,10 @@ class Revote(Wiring):
     keeper = _RevotingKeeper
 
 
-# ---------------------------------------------------------------- (f) 9b10420's keeper half, found by the simulator
+# ---------------------------------------------------------------- (f) finished-voter: its keeper half
 class _FinishedDeafRules(KeeperRules):
     def elsewhere(self, s: KeeperSnapshot, m: int, k: int, e: int, now: float) -> bool:
-        """Before 9b10420: a member that had left the loop (exit 0) was not voted for; a member
+        """Before the fix: a member that had left the loop (exit 0) was not voted for; a member
         whose heal failed at the last round boundary then waited in a round nobody else votes in."""
         mi = s.report(m)
         return (s.alive.get(m) == k and mi.get("inc") == k and s.fresh(m, now)
@@ -187,7 +190,7 @@ class _FinishedDeafKeeper(QuorumKeeper):
 
 
 def _never_finished(store: Any) -> Optional[int]:
-    """Before 9b10420: a member whose round failed did not look whether the others had left the loop."""
+    """Before the fix: a member whose round failed did not look whether the others had left the loop."""
     return None
 
 
@@ -200,7 +203,7 @@ class FinishedVoter(Wiring):
     driver = _FinishedBlindDriver
 
 
-# ---------------------------------------------------------------- (h) found by the simulator, sharded replicas
+# ---------------------------------------------------------------- (h) mixed-shards: sharded replicas
 def _source_sends_any_shard(sending: bool, tainted: bool, fresh: bool = False, holds_state: bool = False,
                             k: int = 1) -> Optional[member_core.Restart]:
     """Before the fix: in a fresh quorum of sharded replicas a source worker that held its shard
@@ -217,7 +220,7 @@ class MixedShards(Wiring):
     driver = _AnyShardDriver
 
 
-# ---------------------------------------------------------------- (i) found by the simulator, several nodes
+# ---------------------------------------------------------------- (i) lost-forward: several nodes
 class _NodeForgettingKeeper(QuorumKeeper):
     def on_node_lost(self, node: int, ranks: List[int]) -> None:
         """Before the fix: the keeper took a lost node's votes as cast. Those it had cast through
@@ -234,7 +237,7 @@ class LostForward(Wiring):
     keeper = _NodeForgettingKeeper
 
 
-# ---------------------------------------------------------------- (j) found by the simulator, sharded replicas
+# ---------------------------------------------------------------- (j) quorum-revote: sharded replicas
 class _QuorumRevotingRules(KeeperRules):
     def rounds_to_fill(self, s: KeeperSnapshot, e: int) -> Set[int]:
         """Before the fix: a quorum whose keys were all collected kept no horizon, so a vote for a
@@ -253,7 +256,7 @@ class QuorumRevote(Wiring):
     keeper = _QuorumRevotingKeeper
 
 
-# ---------------------------------------------------------------- (k) found by the simulator, three nodes
+# ---------------------------------------------------------------- (k) unstick-overcount: three nodes
 def _closes_at_size(total: int, added: int, size: int) -> bool:  # noqa: ARG001
     """Before the fix: an add completed a count only where it left it at exactly its size. The
     keeper had voted fail for a member it found in no quorum (SIGSTOPped), the member resumed and
@@ -279,7 +282,7 @@ class UnstickOvercount(Wiring):
     keeper = _OvercountKeeper
 
 
-# ---------------------------------------------------------------- (l) planted: the restart budget
+# ---------------------------------------------------------------- (l) budget-overrun: the restart budget
 class _OneMoreRestartPolicy(FailurePolicy):
     """Planted (no commit): the budget's test off by one, so a replica past its budget restarts
     once more (counted) instead of being dropped or giving the run up."""
@@ -300,7 +303,7 @@ class BudgetOverrun(Wiring):
     policy = _OneMoreRestartPolicy
 
 
-# ---------------------------------------------------------------- (m) planted: --min-replicas
+# ---------------------------------------------------------------- (m) drop-below-min: --min-replicas
 class _AlwaysDropPolicy(FailurePolicy):
     """Planted (no commit): past its budget a replica is dropped whatever is left of the run,
     without the --min-replicas test that gives the run up instead."""
@@ -316,7 +319,7 @@ class DropBelowMin(Wiring):
     policy = _AlwaysDropPolicy
 
 
-# ---------------------------------------------------------------- (n) planted: elastic late ranks
+# ---------------------------------------------------------------- (n) keyless-add: elastic late ranks
 class _KeylessAddKeeper(QuorumKeeper):
     """Planted (no commit): a late node's ranks become the keeper's before their keys exist (no
     compare_set of their join, healed, entered, info and incarnation keys): the next poll's read
@@ -334,7 +337,7 @@ class KeylessAdd(Wiring):
     keeper = _KeylessAddKeeper
 
 
-# ---------------------------------------------------------------- (o) planted: stop quorums
+# ---------------------------------------------------------------- (o) forgetful-stop: stop quorums
 class _ForgetfulStopKeeper(QuorumKeeper):
     """Planted (no commit): the keeper publishes one stop quorum and then forgets the stop, so a
     member's death during the stop publishes an ordinary quorum in which the others train on."""
@@ -349,7 +352,7 @@ class ForgetfulStop(Wiring):
     keeper = _ForgetfulStopKeeper
 
 
-# ---------------------------------------------------------------- (p) planted: the store's moves
+# ---------------------------------------------------------------- (p) move-recount: the store's moves
 class _RecountingKeeper(QuorumKeeper):
     """Planted (no commit): the keeper started on a moved store as on a new run: it counts quorums
     from the first again, above no quorum a replica saw, and takes no replica's word for what it
@@ -364,7 +367,7 @@ class MoveRecount(Wiring):
     keeper = _RecountingKeeper
 
 
-# ---------------------------------------------------------------- (r) found by the simulator, store moves
+# ---------------------------------------------------------------- (r) first-source-only: store moves
 class _FirstSourceOnlyKeeper(QuorumKeeper):
     """Before the fix: the keeper of a moved store took the survivors' words for its first quorum
     only. When that quorum's source died in its transfer, the next quorum was fresh, and its lowest
@@ -382,7 +385,7 @@ class FirstSourceOnly(Wiring):
     keeper = _FirstSourceOnlyKeeper
 
 
-# ---------------------------------------------------------------- (s) found by the simulator, store moves
+# ---------------------------------------------------------------- (s) blocking-follower: store moves
 class _BlockingFollower(QuorumKeeper):
     def _follow(self) -> None:
         """Before the fix: a follower read the quorum LATEST names with a blocking get. On a moved
@@ -405,7 +408,7 @@ class BlockingFollower(Wiring):
     follower = _BlockingFollower
 
 
-# ---------------------------------------------------------------- (q) planted: checkpoints
+# ---------------------------------------------------------------- (q) early-save: checkpoints
 def _settles_for_switches(vote_in_flight: bool, save_due: bool, switch_due: bool, step: int,
                           total: Optional[int]) -> bool:
     """Planted (no commit): the round's top waits for the vote in flight before a switch and at the
@@ -421,10 +424,10 @@ class EarlySave(Wiring):
     driver = _EarlySaveDriver
 
 
-# ---------------------------------------------------------------- (t) found by the simulator: the stop's writer
+# ---------------------------------------------------------------- (t) finished-writer: the stop's writer
 class _FinishedWriterKeeper(QuorumKeeper):
-    """Before the fix (found by the simulator, --checkpoints --stops): the keeper forgot which replica
-    its stop quorum named the writer, so a writer that left the loop before that quorum reached it
+    """Before the fix (--checkpoints --stops): the keeper forgot which replica its stop quorum
+    named the writer, so a writer that left the loop before that quorum reached it
     (its exit 0 seen a moment after) published no stop quorum naming another, and a stop quorum that
     named nobody after it said nothing in its place: the supervisor waited out its grace."""
 
@@ -438,7 +441,7 @@ class FinishedWriter(Wiring):
     keeper = _FinishedWriterKeeper
 
 
-# ---------------------------------------------------------------- (u) found by the simulator: a step out of sync
+# ---------------------------------------------------------------- (u) unsynced-step: a step out of sync
 def _never_sits_out(in_sync: bool) -> bool:  # noqa: ARG001
     """Before the fix: the round's top handed the script a step whatever the member held. A
     restarted replica whose group or heal failed (a newer quorum was out) ran the script's code,
@@ -455,7 +458,7 @@ class UnsyncedStep(Wiring):
     driver = _UnsyncedStepDriver
 
 
-# ---------------------------------------------------------------- (v) found by the simulator: ft.redo() undecided
+# ---------------------------------------------------------------- (v) undecided-redo: ft.redo() undecided
 class _UndecidedRedoDriver(MemberDriver):
     @property
     def redo(self) -> bool:
@@ -471,7 +474,7 @@ class UndecidedRedo(Wiring):
     driver = _UndecidedRedoDriver
 
 
-# ---------------------------------------------------------------- (w) planted: hot spares
+# ---------------------------------------------------------------- (w) spare-short: hot spares
 class _SpareShortKeeper(QuorumKeeper):
     """Planted (no commit): the keeper decides from one spare fewer than --spares, so one replica
     too many trains (with --spares 1, none is held back)."""
@@ -505,24 +508,24 @@ BUGS: Dict[str, type] = {
     "deleted-quorum": DeletedQuorum,    # (b) a joiner blocked on a deleted quorum
     "collect-joiner": CollectJoiners,  # (c) the keeper deleting keys a joiner needed
     "voter-waits": VoterWaits,        # (d) a voter waiting for a joiner that never comes
-    "revote": Revote,                 # (e) a decided round decided again (found by the simulator)
-    "finished-voter": FinishedVoter,  # (f) a voter waiting for a member that left the loop (found by it)
-    "store-growth": StoreGrowth,      # (g) abstentions piling up in quorums nobody is in (found by its soak)
-    "mixed-shards": MixedShards,      # (h) a fresh quorum's sharded source of shards from two steps (found by it)
-    "lost-forward": LostForward,      # (i) a lost node's unforwarded votes taken as cast (found by it)
-    "quorum-revote": QuorumRevote,      # (j) a vote in a quorum whose keys were all collected (found by it)
-    "unstick-overcount": UnstickOvercount,  # (k) a count jumping past its size, never closed (found by it)
+    "revote": Revote,                 # (e) a decided round decided again
+    "finished-voter": FinishedVoter,  # (f) a voter waiting for a member that left the loop
+    "store-growth": StoreGrowth,      # (g) abstentions piling up in quorums nobody is in
+    "mixed-shards": MixedShards,      # (h) a fresh quorum's sharded source of shards from two steps
+    "lost-forward": LostForward,      # (i) a lost node's unforwarded votes taken as cast
+    "quorum-revote": QuorumRevote,      # (j) a vote in a quorum whose keys were all collected
+    "unstick-overcount": UnstickOvercount,  # (k) a count jumping past its size, never closed
     "budget-overrun": BudgetOverrun,  # (l) planted: a replica restarted past its budget
     "drop-below-min": DropBelowMin,   # (m) planted: a replica dropped with fewer than --min-replicas left
     "keyless-add": KeylessAdd,        # (n) planted: a late node's ranks polled before their keys exist
     "forgetful-stop": ForgetfulStop,  # (o) planted: an ordinary quorum published after a stop quorum
     "move-recount": MoveRecount,      # (p) planted: a moved store's keeper counting quorums from 1 again
     "early-save": EarlySave,          # (q) planted: a checkpoint of a step whose round was not decided yet
-    "first-source-only": FirstSourceOnly,  # (r) a moved store's survivors forgotten after one quorum (found by it)
-    "blocking-follower": BlockingFollower,  # (s) a follower blocked on a moved store's LATEST (found by it)
-    "finished-writer": FinishedWriter,  # (t) a stop's writer that had left the loop, never replaced (found by it)
-    "unsynced-step": UnsyncedStep,    # (u) a step handed to the script on a state out of sync (found by it)
-    "undecided-redo": UndecidedRedo,  # (v) ft.redo() False on a step handed before its round's decision (found by it)
+    "first-source-only": FirstSourceOnly,  # (r) a moved store's survivors forgotten after one quorum
+    "blocking-follower": BlockingFollower,  # (s) a follower blocked on a moved store's LATEST
+    "finished-writer": FinishedWriter,  # (t) a stop's writer that had left the loop, never replaced
+    "unsynced-step": UnsyncedStep,    # (u) a step handed to the script on a state out of sync
+    "undecided-redo": UndecidedRedo,  # (v) ft.redo() False on a step handed before its round's decision
     "spare-short": SpareShort,        # (w) planted: one hot spare fewer held back than --spares says
     "lone-check": LoneCheck,          # (x) planted: the guard's check due on some members only
 }

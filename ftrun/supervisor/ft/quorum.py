@@ -348,7 +348,7 @@ class QuorumKeeper:
         latest = int(s.get(keys.LATEST)) if s.check([keys.LATEST]) else 0
         # On a moved store LATEST first names no quorum (the new leader's count starts above every
         # quorum seen, and this keeper's may be below it): a blocking read of it would stop this
-        # node's supervision until the leader's first quorum (found by the simulator).
+        # node's supervision until the leader's first quorum.
         if latest != self.quorum_id and latest > 0 and (not self.moved or s.check([keys.quorum_key(latest)])):
             quorum = Quorum.from_json(s.get(keys.quorum_key(latest)))
             self.quorum_id = latest

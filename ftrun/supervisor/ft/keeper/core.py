@@ -76,9 +76,9 @@ class KeeperSnapshot:
     @classmethod
     def of(cls, **fields) -> "KeeperSnapshot":
         """KeeperSnapshot(**fields) with every field but `entered` and `survivors` given, built
-        without a frozen dataclass's setattr per field (ten times faster: the keeper's shell builds
-        one or two a poll, and the simulator polls it thousands of times a second). Frozen all the
-        same, and equal to the one the constructor builds."""
+        without a frozen dataclass's setattr per field (the keeper's shell builds one or two a
+        poll, and the simulator polls it thousands of times a second; docs/development.md).
+        Frozen all the same, and equal to the one the constructor builds."""
         snap = object.__new__(cls)
         snap.__dict__.update(entered=_NOTHING_READ, survivors=_NOTHING_READ)
         snap.__dict__.update(fields)
@@ -209,7 +209,7 @@ def admit(s: KeeperSnapshot, joins: Mapping[int, int], now: float) -> KeeperAdmi
 def exit_plan(s: KeeperSnapshot, rank: int, inc: int, finished: bool) -> KeeperExit:
     """A member that finished leaves the books alone, unless its replica is the stop quorum's
     writer: it left the loop before that quorum reached it (a replica's exit 0 is seen a moment
-    after its last round; found by the simulator), so it never says how a save went, and the
+    after its last round), so it never says how a save went, and the
     others get a stop quorum naming another holder, or nobody. One that died takes its whole
     replica out (its other workers are being killed and its shard groups are broken, so nobody
     may wait for any of them), and the others get a quorum without it. Not a member: nothing."""
@@ -247,7 +247,7 @@ def survivors_source(s: KeeperSnapshot, members: Mapping[int, int]) -> Tuple[Opt
     newest step, and of those first one whose state its last round's decision left ("decided":
     no vote in flight): a replica that stepped past a round whose decision the lost store held
     and never delivered may hold a step its peers voted down (a member whose collective completed
-    while a peer's failed; found by the simulator), while a decided state is committed (a member
+    while a peer's failed), while a decided state is committed (a member
     sends a round's gradients only once the round before is decided). With every replica past
     an undecided round, the newest step is a step whose collectives went through: every gradient
     had every part. The others heal from it. None when no replica is whole (every one was
@@ -280,7 +280,7 @@ def survivors_source(s: KeeperSnapshot, members: Mapping[int, int]) -> Tuple[Opt
 def survivors_latest(s: KeeperSnapshot) -> int:
     """The newest quorum of the lost store any rejoined replica says it saw (0: none said). This
     keeper's own count is its node's last read of the lost store, which may have published more
-    since: a quorum id published again would name two quorums (found by the simulator)."""
+    since: a quorum id published again would name two quorums."""
     newest = 0
     for raw in s.survivors.values():
         try:
@@ -296,9 +296,9 @@ def paced_steps(s: KeeperSnapshot) -> int:
     """Steps per round of a quorum published now: the user's choice, else about ROUND_TARGET_S
     at the run's pace, and one while the pace is not known (the run's first steps, or a fresh
     start's): a joiner, and a stop signal, wait for the survivors' round's top, and rounds of
-    ROUND_STEPS slow steps then kept a replica restarted in a 100M-parameter run's first round
-    waiting 14.4 s on CPU. Rounds sized before the pace was known are re-sized as soon as it is
-    (repace_due): one-step rounds are paced by their own votes and would not always grow."""
+    ROUND_STEPS slow steps would keep a replica restarted in the run's first round waiting for
+    them (docs/concepts/ft-protocol.md). Rounds sized before the pace was known are re-sized as
+    soon as it is (repace_due): one-step rounds are paced by their own votes and would not always grow."""
     if s.round_steps_chosen:
         return s.round_steps
     if s.step_s is None:
@@ -371,8 +371,9 @@ def next_quorum(s: KeeperSnapshot, why: str, healed: Mapping[int, int], quiet: b
     holder it is fresh: the lowest replica sends its state, shard by shard; on a moved store the
     replica that says it holds the newest whole step does (survivors_source), in every quorum
     until a replica holds the state there: a first source that dies in its transfer leaves the
-    survivors holding what they held (found by the simulator: the next quorum was fresh, and a
-    replica restarted since the move sent its initial state over the newest committed step)."""
+    survivors holding what they held, and a fresh quorum then would have a replica restarted
+    since the move send its initial state over the newest committed step. The source itself is
+    source_replica's."""
     if s.stopping:
         return stop_quorum(s, why, healed)
     members = dict(s.members)
@@ -432,7 +433,7 @@ def left_loop(s: KeeperSnapshot, rep: int) -> bool:
 
 def stop_writer_left(s: KeeperSnapshot) -> Optional[str]:
     """While stopping: the stop quorum's writer says it left the loop (it had, or did, before that
-    quorum reached it; found by the simulator): a stop quorum naming another is due, and why."""
+    quorum reached it): a stop quorum naming another is due, and why."""
     if not s.stopping or s.writer < 0 or not left_loop(s, s.writer):
         return None
     return f"replica {s.writer}, the writer, left the loop before the stop"

@@ -79,9 +79,8 @@ class KeeperRules:
         newest while a member it lists lives: it may be entering), the two after the newest
         decided round. Not those two in an older quorum nobody reports being in: a joiner that
         enters such a quorum begins at its start and reports its rounds, while votes in rounds
-        nobody else comes to never close, and their keys stay until the quorum is collected
-        (found by the simulator: a store of 4 replicas grew past 300 keys while a restarted
-        replica was still starting)."""
+        nobody else comes to never close, and their keys stay until the quorum is collected (the
+        store would grow past its bound while a restarted replica is still starting)."""
         rounds: Set[int] = set()
         start = s.starts.get(e, -1)
         if start >= 0:
@@ -102,7 +101,7 @@ class KeeperRules:
     def rounds_to_fill(self, s: KeeperSnapshot, e: int) -> Set[int]:
         """The rounds of quorum `e` to abstain in for a dead member: those its peers may wait on,
         never one below the collected horizon (a vote there would start a fresh count and
-        decide a decided round a second time, d5bb6bf)."""
+        decide a decided round a second time)."""
         below = s.collected_below.get(e, -1)
         return {r for r in self.rounds_of(s, e) if r >= below}
 
@@ -160,7 +159,7 @@ def forget_dead(s: KeeperSnapshot, dead: Iterable[Member]) -> Tuple[Tuple[Member
 def dead_on_node(dead: Iterable[Member], node_of, node: int) -> Tuple[Member, ...]:
     """On a lost node, the dead members whose votes were cast through its store: voted again in
     the run's store, as those votes may never have been forwarded (their node's last voter died
-    before forwarding, found by the simulator), and a round short of them would wait for ever.
+    before forwarding), and a round short of them would wait for ever.
     A vote counted twice is decided by its votes (orphan_commit), as after any double vote."""
     return tuple(m for m in dead if node_of(m[0]) == node)
 
@@ -288,7 +287,7 @@ def collect(rules: KeeperRules, s: KeeperSnapshot, names: Iterable[str]) -> KeyC
     for e in {e for _, _, (e, _) in ours if e < oldest}:
         # Its decisions go too: a vote there later (for a member that dies after, while a
         # restarted replica has not reported yet) would start a fresh count and decide a
-        # decided round again (found by the simulator on sharded replicas).
+        # decided round again.
         below[e] = QUORUM_COLLECTED
     for key, kind, (e, rnd) in ours:
         if e < oldest or kind in ROUND_KEYS and rnd < newest.get(e, -1) - ROUND_KEYS_KEPT:

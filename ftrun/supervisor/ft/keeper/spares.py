@@ -41,7 +41,7 @@ class SpareView(Protocol):
 def target(s: SpareView) -> int:
     """How many replicas train: every replica of the run but the spares, and one at least (a
     keeper on a moved store may know fewer replicas than the spares plus one: it held every replica
-    back and nothing trained again; found by the simulator)."""
+    back, and nothing would train again)."""
     return max(1, len(s.ranks) // s.k - s.spares)
 
 

@@ -1,13 +1,14 @@
 """A hot spare's feed: the training replicas' state kept on a waiting spare without a forward or backward.
 
-A training replica (the feeder: the quorum's heal source, Quorum.source, which the keeper chose) sends
-each spare that asks, once, its whole state (after a step), then at every step it takes, as its
-optimizers are about to step, the gradients they step on (after the script's clipping and
-unscaling), their settings (learning rate, ...) and its model's buffers. The spare (Follower, run
-in its wait to join) steps its own optimizers on them, beside its feeder's. At a promotion the
-heal asks both ends for a fingerprint of their models and optimizers: when they match, only what is not the model and optimizers moves (registered state,
-the optimizers' settings); otherwise (a spare that missed a step, a script that changes its
-parameters outside the optimizer) the whole state moves, as for any healer.
+A training replica (the feeder: the quorum's heal source, Quorum.source, which the keeper
+chose) sends each spare that asks, once, its whole state (after a step), then at every step it
+takes, as its optimizers are about to step, the gradients they step on (after the script's
+clipping and unscaling), their settings (learning rate, ...) and its model's buffers. The spare
+(Follower, run in its wait to join) steps its own optimizers on them, beside its feeder's. At a
+promotion the heal asks both ends for a fingerprint of their models and optimizers: when they
+match, only what is not the model and optimizers moves (registered state, the optimizers'
+settings); otherwise (a spare that missed a step, a script that changes its parameters outside
+the optimizer) the whole state moves, as for any healer.
 
 A sharded replica (--replica-size K, FSDP2 over ft.device_mesh()) is fed shard by shard: worker j
 of the spare follows worker j of the feeder replica (the same mesh: each pair holds the same local

@@ -447,7 +447,7 @@ def source_refuses(sending: bool, tainted: bool, fresh: bool = False, holds_stat
     quorum of sharded replicas (k > 1), never a worker that holds the trained
     state (`holds_state`: in sync on this store). A quorum is fresh when no replica holds the whole
     state, so such a worker's mates do not hold their shards of that step: sent with theirs, the
-    replica would be a model whose shards come from different steps (found by the simulator). The
+    replica would be a model whose shards come from different steps. The
     whole replica restarts and begins again from the first step or the checkpoint, as its
     mates do."""
     if sending and tainted:

@@ -516,8 +516,8 @@ class MemberDriver:
         """A member of this quorum died and the keeper has published a quorum since (the watcher
         saw it): no round of this one can commit, so this one is voted down at its top, the
         decision before it read first, instead of the script computing a step whose first
-        collective fails (the rest of a forward and backward: 0.4 s of a 25M model's 0.9 s step
-        in a benchmark run). Whole replicas only (k == 1): a sharded replica's were not measured."""
+        collective fails (the rest of a forward and backward; docs/benchmarks/heal.md). Whole
+        replicas only (k == 1): a sharded replica's were not measured."""
         if self.rejoin_why is not None or self._member_gone() is None:
             return False
         self._settle()  # the round before first, as before any vote (it may say: take the state again)
@@ -538,7 +538,7 @@ class MemberDriver:
         longer commit (a member of its quorum is gone and a newer quorum is out), or None. The
         backward then stops where it is instead of computing gradients nobody will apply: the
         survivors of a failure reach the next round, and a spare waiting to replace the lost
-        replica, the rest of a backward sooner (at 100M on this CPU, seconds). One comparison
+        replica, the rest of a backward sooner (docs/benchmarks/heal.md). One comparison
         while no newer quorum is out; then a store read every GONE_LOOK_S at most."""
         q = self.quorum
         if q is None or self.latest_seen <= q.id:  # the common case, at every gradient: two reads

@@ -146,9 +146,9 @@ class TorchEffects(MemberEffects):
 
     def join_sleep(self) -> Callable[[float], None]:
         """A join polls every poll_s for its first JOIN_FAST_S (a restarted replica's usual wait),
-        then every SPARE_POLL_S: a hot spare (--spares) waits there the whole run, and at 5 ms its
-        polls took 3-4% of a core, and 2.5% of one in the supervisor answering them, beside the
-        training replicas; SPARE_POLL_S adds at most itself to its promotion. A spare spends those
+        then every SPARE_POLL_S: a hot spare (--spares) waits there the whole run, and fast polls
+        would take a share of a core from the training replicas, and of the supervisor answering
+        them (docs/benchmarks/heal.md); SPARE_POLL_S adds at most itself to its promotion. A spare spends those
         sleeps following its feeder (ft/heal/feed.py)."""
         start = time.monotonic()
 
@@ -280,7 +280,8 @@ class TorchEffects(MemberEffects):
             # Gloo closes a group's connections only when the group is freed (its abort does not),
             # and a peer blocked on this member in the failed collective waits until then. The
             # listeners' references go by reference counting; only a group something still holds
-            # in a cycle needs a full collection (0.2 s with torch loaded, before this vote).
+            # in a cycle needs a full collection (it walks every object torch made: slow, and
+            # before this vote; docs/benchmarks/heal.md).
             dropped, self._dropped = self._dropped, None
             if dropped is not None and dropped() is not None:
                 import gc
