@@ -39,7 +39,9 @@ from typing import List, Optional
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from ftrun.sim.bugs import BASELINE, BUGS  # noqa: E402
-from ftrun.sim.world import PROGRESS_BOUND_S, UNLIMITED, Fault, Schedule, run_schedule  # noqa: E402
+from ftrun.sim.invariants import PROGRESS_BOUND_S  # noqa: E402
+from ftrun.sim.schedule import UNLIMITED, Fault, Schedule  # noqa: E402
+from ftrun.sim.world import run_schedule  # noqa: E402
 
 CI_SCHEDULES = 800
 SOAK_SCHEDULES = 20000

@@ -579,14 +579,16 @@ def test_the_simulator_runs_the_products_member_driver():
 
     from ftrun.sim.bugs import BUGS
     from ftrun.sim.sched import Sched
-    from ftrun.sim.world import Fault, Schedule, World
+    from ftrun.sim.schedule import Fault, Schedule
+    from ftrun.sim.world import World
     from ftrun.supervisor.ft.quorum import QuorumKeeper
     from ftrun.worker.ft.member.driver import MemberDriver
 
     schedule = Schedule(7, 3, 4, [Fault(0.2, "kill", 1)])
     world = World(Sched(random.Random(7)), schedule, BUGS["none"])
     assert world.run() is None
-    assert world.members and all(type(m.driver) is MemberDriver for m in world.members.values())
+    members = world.supervisor.members
+    assert members and all(type(m.driver) is MemberDriver for m in members.values())
     for name, wiring in BUGS.items():
         assert issubclass(wiring.driver, MemberDriver) and issubclass(wiring.keeper, QuorumKeeper), name
 

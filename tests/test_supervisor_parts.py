@@ -525,3 +525,49 @@ def test_every_attribute_read_of_a_supervisor_module_exists():
         if not hasattr(importlib.import_module(mod), attr):
             missing.append(f"{path.relative_to(SUPERVISOR)}:{line} {mod}.{attr}")
     assert missing == []
+
+
+# ------------------------------------------------------------ the reactions the simulator runs too
+def test_a_failed_replicas_running_mates_are_stopped_and_it_restarts_past_every_record():
+    """ftrun.supervisor.workers.replica: the worker table and the simulator's supervisor stop the
+    same mates and give a restart the same incarnation (one past the newest record, a rejoin
+    booked in place included)."""
+    from ftrun.supervisor.workers import replica
+
+    running = {4, 6, 7}
+    assert list(replica.ranks_of(1, 4)) == [4, 5, 6, 7]
+    assert replica.stopped_with(1, 4, 6, running.__contains__) == [4, 7]  # 5 is gone, 6 failed
+    assert replica.stopped_with(2, 1, 2, running.__contains__) == []
+    assert replica.next_incarnation([3, 5, 3]) == 6
+
+
+def test_the_stop_save_outcome_waits_only_while_a_word_may_still_come():
+    from ftrun.supervisor.accounting.checkpoints import stop_outcome
+
+    assert stop_outcome(None, 5.0, 0.0, 10.0, True) is None  # no word yet, in time, a writer lives
+    assert "no worker is left" in stop_outcome(None, 5.0, 0.0, 10.0, False)[0]
+    assert "within --shutdown-timeout (10 s" in stop_outcome(None, 10.0, 0.0, 10.0, True)[0]
+    line, style = stop_outcome({"ok": True, "step": 40, "path": "/ck/step_40"}, 2.5, 0.0, 10.0, True)
+    assert "checkpoint of step 40 written to /ck/step_40 in 2.5 s" in line and style == "bold yellow"
+    assert "failed before stopping: disk full" in stop_outcome({"step": 40, "why": "disk full"}, 1, 0, 10, True)[0]
+    assert "no checkpoint before stopping: the loop had ended" in stop_outcome(
+        {"nothing": True, "why": "the loop had ended"}, 1, 0, 10, True)[0]
+    assert stop_outcome({}, 1.0, 0.0, 10.0, True) is not None  # a damaged word ends the wait too
+
+
+def test_every_node_turns_to_the_same_next_host():
+    """nodes/failover.next_host: the first candidate that is this node or answers; with the same
+    candidates answering, every survivor turns to one host."""
+    from ftrun.supervisor.nodes import failover
+
+    cands = failover.candidates([3, 0, 1, 2], {0, 2}, {0, 1, 2, 3})
+    assert cands == [1, 3]
+    assert failover.candidates([0, 1, 2], {0}, {2}) == [2]  # node 1 has no standby store
+    asked = []
+
+    def answers(c: int) -> bool:
+        asked.append(c)
+        return c != 1
+    assert failover.next_host(cands, 3, answers) == 3 and asked == [1]  # 1 does not answer: itself
+    assert {failover.next_host(cands, me, lambda c: True) for me in cands} == {1}
+    assert failover.next_host([1], 3, lambda c: False) is None

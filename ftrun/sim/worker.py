@@ -92,7 +92,7 @@ class SimWorker(MemberEffects):
         self.effects: Set[Tuple[int, int, str]] = set()
         # Where the run's store is, as this node's ftrun told the process when it started it (the
         # environment's FTRUN_STORE, and the generation of a store that moved before it started).
-        gen, self._addr = world.node_run.get(world.node_of(rank), (0, world.first_addr))
+        gen, self._addr = world.supervisor.node_run.get(world.node_of(rank), (0, world.first_addr))
         every = world.sch.checkpoint_every
         ck = SimCheckpointer(self, world.checkpoints, every) if every else None
         self.driver: MemberDriver = world.bugs.driver(self, rank, inc, world.k, world.nodes, checkpoints=ck,
@@ -114,9 +114,9 @@ class SimWorker(MemberEffects):
         try:
             self.sched.spawn(self._report, "report", self.proc)
             self._script()
-            self.w.on_member_exit(self, 0, "finished")
+            self.w.supervisor.on_member_exit(self, 0, "finished")
         except SimExit as e:
-            self.w.on_member_exit(self, e.code, e.why, e.by_peers)
+            self.w.supervisor.on_member_exit(self, e.code, e.why, e.by_peers)
         self.sched.kill(self.proc)  # its other threads end with the process
         self.w.groups.died()  # its peers' collectives fail (a reset connection)
         raise SimKilled()
@@ -130,13 +130,13 @@ class SimWorker(MemberEffects):
         if subs > 1:
             d.several_optimizers()
         for _ in d.steps(w.total):
-            w.check_handout(self)
+            w.invariants.check_handout(self)
             for _ in range(subs):
                 self.sched.sleep(w.step_s * (0.5 + rng.random()) / subs)  # the forward and backward passes
                 d.before_collective()
                 if d.pg is not None and d.round_ok:  # what it sends is checked (a failed round sends nothing)
                     if d.rejoin_why is None:
-                        w.check_state(self)
+                        w.invariants.check_state(self)
                     err = w.groups.allreduce(self, d.pg, "step")
                     if err:
                         d.fail_round(err)
@@ -217,8 +217,8 @@ class SimWorker(MemberEffects):
         self.w.groups.leave(self, group)
 
     def _heal_kill(self) -> None:
-        if self.w.heal_kill.pop(self.rank, None) is not None:
-            self.w.kill(self.rank)
+        if self.w.faults.heal_kill.pop(self.rank, None) is not None:
+            self.w.supervisor.kill(self.rank)
             self.sched.sleep(0.0)
 
     def send_state(self, group: Any, snapshot: Snapshot) -> Any:
@@ -226,8 +226,8 @@ class SimWorker(MemberEffects):
         self._heal_kill()
         quorum = self.driver.quorum
         if not quorum.fresh and not self.driver.in_sync:
-            self.w.violation(f"rank {self.rank} sends its state in quorum {quorum.id} while not in sync")
-        self.w.check_source(self, quorum)
+            self.w.invariants.violation(f"rank {self.rank} sends its state in quorum {quorum.id} while not in sync")
+        self.w.invariants.check_source(self, quorum)
         lineage = quorum.id if quorum.fresh else self.lineage  # a fresh quorum's source starts a new one
         group.payload = (snapshot, self.digest, lineage, frozenset(self.effects))
         for _ in range(2):
@@ -259,13 +259,13 @@ class SimWorker(MemberEffects):
             raise TransferBroken("a peer left mid-check")
         prints = tuple(sorted((r, (d,)) for r, d in group.prints[i].items()))
         if len({fp for _, fp in prints}) > 1:
-            self.w.violation(f"the guard found states that differ in {group.key} at rank {self.rank}'s step "
+            self.w.invariants.violation(f"the guard found states that differ in {group.key} at rank {self.rank}'s step "
                              f"{self.driver.step}: {prints}")
         return prints, ()
 
     def loaded(self, marker: Marker) -> None:
         """A resume read checkpoint `marker` into this worker's objects (sim/checkpoint.py)."""
-        self.w.check_resume(self, marker)
+        self.w.invariants.check_resume(self, marker)
         self.lineage, _, self.digest, _ = marker
         self.stepped = {}
         self._after.clear()
@@ -285,5 +285,5 @@ class SimWorker(MemberEffects):
         after = self._after.pop((quorum, rnd), None)
         if not commit or after is None:
             return  # voted down after it stepped: it takes the committed state again
-        self.w.note_commit(self, quorum, rnd, after)
+        self.w.invariants.note_commit(self, quorum, rnd, after)
         self.stepped.pop((quorum, rnd), None)

@@ -88,18 +88,27 @@ class SaveBeforeStop:
     def outcome(self, store: Any, now: float, workers_alive: bool) -> Optional[Tuple[str, str]]:
         """None while the save may still come; else the (line, style) to stop the workers with."""
         word = _json_dict(store.multi_get([STOP_SAVE])[0]) if store.store.check([STOP_SAVE]) else None
-        if word is None and now < self.deadline and workers_alive:
-            return None
-        took = now - self.started
-        if word and word.get("nothing"):  # the keeper's word: the loop had ended (ft/keeper/core.py stop_quorum)
-            return f"no checkpoint before stopping: {word.get('why')}; stopping all workers", "bold yellow"
-        if word and word.get("ok"):
-            return (f"checkpoint of step {word.get('step')} written to {word.get('path')} in {took:.1f} s; stopping "
-                    f"all workers", "bold yellow")
-        if word:
-            return (f"the checkpoint of step {word.get('step')} failed before stopping: {word.get('why')}; stopping "
-                    f"all workers", "bold red")
-        if now >= self.deadline:
-            return (f"no checkpoint was written within --shutdown-timeout ({self.deadline - self.started:g} s; give "
-                    f"the save more time with a longer one); stopping all workers", "bold red")
-        return ("no worker is left to write the checkpoint before stopping; stopping", "bold red")
+        return stop_outcome(word, now, self.started, self.deadline, workers_alive)
+
+
+def stop_outcome(word: Optional[Dict[str, Any]], now: float, started: float, deadline: float,
+                 workers_alive: bool) -> Optional[Tuple[str, str]]:
+    """The stop-save's outcome from the writer's word (protocol.STOP_SAVE, None while unsaid): None
+    while the save may still come (no word, before the deadline, a worker left to write it);
+    else the (line, style) to stop the workers with. The supervisor and the simulator both
+    wait on it."""
+    if word is None and now < deadline and workers_alive:
+        return None
+    took = now - started
+    if word and word.get("nothing"):  # the keeper's word: the loop had ended (ft/keeper/core.py stop_quorum)
+        return f"no checkpoint before stopping: {word.get('why')}; stopping all workers", "bold yellow"
+    if word and word.get("ok"):
+        return (f"checkpoint of step {word.get('step')} written to {word.get('path')} in {took:.1f} s; stopping "
+                f"all workers", "bold yellow")
+    if word:
+        return (f"the checkpoint of step {word.get('step')} failed before stopping: {word.get('why')}; stopping "
+                f"all workers", "bold red")
+    if now >= deadline:
+        return (f"no checkpoint was written within --shutdown-timeout ({deadline - started:g} s; give "
+                f"the save more time with a longer one); stopping all workers", "bold red")
+    return ("no worker is left to write the checkpoint before stopping; stopping", "bold red")

@@ -18,6 +18,7 @@ from typing import Dict, Iterable, List, Optional
 
 from ftrun.protocol import DUMP_STACKS_SIGNAL
 from ftrun.supervisor.policy.hangs import HANG_DUMP_GRACE_S
+from ftrun.supervisor.workers import replica as replica_rules
 from ftrun.supervisor.workers.logs import ConsoleOut, RankLog
 from ftrun.supervisor.workers.spawn import WorkerExited, Spawned, signal_group
 from ftrun.supervisor.workers.worker import Worker, WorkerSpec, WorkerState
@@ -108,8 +109,11 @@ class WorkerTable:
     def kill_replica(self, rep: int, k: int, state: WorkerState) -> None:
         """A failed replica's other workers: SIGKILL at once (nothing of theirs is worth a grace, and
         a collective with their dead peer would hold them, NCCL included)."""
-        for o in self.replica(rep, k):  # the one that failed is gone already
-            if self.runs(o):
+        by_rank = {o.rank: o for o in self.replica(rep, k)}
+        # The one that failed is gone already: each other one still running is stopped with it.
+        stop = set(replica_rules.stopped_with(rep, k, -1, lambda r: r in by_rank and self.runs(by_rank[r])))
+        for o in by_rank.values():
+            if o.rank in stop:
                 o.state = state
                 o.stop_requested = True  # its exit is a stop, not a failure of its own
                 signal_group(o.pid, signal.SIGKILL)  # one not started yet gets it once it is
@@ -126,7 +130,7 @@ class WorkerTable:
         for rep in [r for r in self._respawning if not any(self.runs(o) for o in self.replica(r, k))]:
             del self._respawning[rep]
             workers = self.replica(rep, k)
-            inc = max(o.incarnation for o in workers) + 1  # one incarnation for the whole replica
+            inc = replica_rules.next_incarnation(o.incarnation for o in workers)  # one for the whole replica
             for o in workers:
                 o.incarnation = inc
             out += workers

@@ -32,7 +32,7 @@ import datetime
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Container, Dict, Iterable, List, Optional
 
 from ftrun.protocol import failover_formed, failover_node
 
@@ -67,6 +67,23 @@ def keeps_running(alive: int, n: int, strict: bool = False) -> bool:
     return 2 * alive > n if strict else 2 * alive >= n
 
 
+def candidates(live: Iterable[int], lost: Iterable[int], standby: Container[int]) -> List[int]:
+    """The nodes that may host the run's store next, in the order every node tries them (rank
+    order): the live ones that are not lost and have a standby store."""
+    gone = set(lost)
+    return [k for k in sorted(live) if k not in gone and k in standby]
+
+
+def next_host(candidates: List[int], me: int, answers: Callable[[int], bool]) -> Optional[int]:
+    """The candidate this node turns to as the next host (elect's rule): itself if it comes first,
+    else the first whose standby store answers (`answers(c)`); None when none does. Every node
+    that sees the same candidates answer turns to the same one."""
+    for c in candidates:
+        if c == me or answers(c):
+            return c
+    return None
+
+
 def elect(me: int, gen: int, candidates: List[int], standby: Dict[int, str], own: Any, n: int,
           timeout_s: float, prepare: Callable[[Any], None], stopped: Callable[[], bool]) -> Elected:
     """Agree with the other survivors on the run's next store host (generation `gen`).
@@ -75,30 +92,35 @@ def elect(me: int, gen: int, candidates: List[int], standby: Dict[int, str], own
     stores' host:port; `own`: this node's standby TCPStore (its server); `n`: the run's nodes,
     the lost included; `prepare(store)` writes this node's keys into the chosen store before it
     says it is there (the others read them as soon as the layout forms). Raises NoMajority."""
-    for c in candidates:
-        if c == me:
-            return _host(me, gen, candidates, standby, own, n, timeout_s, prepare, stopped)
-        store = _connect(standby[c], timeout_s)
-        if store is None:
-            continue  # gone too, or cut off from us: the next candidate
-        deadline = time.monotonic() + 3 * timeout_s + 5.0
-        try:
-            prepare(store)
-            store.set(failover_node(gen, me), "1")
-            while not store.check([failover_formed(gen)]):
-                if time.monotonic() > deadline or stopped():
-                    raise NoMajority(f"node {c} did not gather a majority of the run's {n} nodes "
-                                     f"within {3 * timeout_s + 5.0:g} s")
-                time.sleep(POLL_S)
-            formed = json.loads(store.get(failover_formed(gen)))
-        except NoMajority:
-            raise
-        except Exception as e:  # this node chose it: it may not choose another in this generation
-            raise NoMajority(f"node {c} went away while it gathered the others ({str(e).splitlines()[0][:120]})")
-        if me not in formed["nodes"]:
-            raise NoMajority(f"node {c} formed the run without this node (it came too late)")
-        return Elected(c, standby[c], store, formed["nodes"])
-    raise NoMajority("no other node's standby store answered")
+    opened: Dict[int, Any] = {}
+
+    def answers(c: int) -> bool:
+        opened[c] = _connect(standby[c], timeout_s)
+        return opened[c] is not None  # else gone too, or cut off from us: the next candidate
+
+    c = next_host(candidates, me, answers)
+    if c is None:
+        raise NoMajority("no other node's standby store answered")
+    if c == me:
+        return _host(me, gen, candidates, standby, own, n, timeout_s, prepare, stopped)
+    store = opened[c]
+    deadline = time.monotonic() + 3 * timeout_s + 5.0
+    try:
+        prepare(store)
+        store.set(failover_node(gen, me), "1")
+        while not store.check([failover_formed(gen)]):
+            if time.monotonic() > deadline or stopped():
+                raise NoMajority(f"node {c} did not gather a majority of the run's {n} nodes "
+                                 f"within {3 * timeout_s + 5.0:g} s")
+            time.sleep(POLL_S)
+        formed = json.loads(store.get(failover_formed(gen)))
+    except NoMajority:
+        raise
+    except Exception as e:  # this node chose it: it may not choose another in this generation
+        raise NoMajority(f"node {c} went away while it gathered the others ({str(e).splitlines()[0][:120]})")
+    if me not in formed["nodes"]:
+        raise NoMajority(f"node {c} formed the run without this node (it came too late)")
+    return Elected(c, standby[c], store, formed["nodes"])
 
 
 def _host(me: int, gen: int, candidates: List[int], standby: Dict[int, str], own: Any, n: int,

@@ -58,9 +58,7 @@ def elect_host(v: MoveView, node_store: Any, stopped: Callable[[], bool]) -> fai
     """The run's store is lost: agree with the surviving nodes on the next host (the coordinator
     follows it). `node_store`: this node's standby store (RunStore); `stopped`: a signal asked the
     run to stop. Raises failover.NoMajority when this node may not go on."""
-    lost = v.host_node
-    gone = set(v.lost)
-    candidates = [k for k in sorted(v.live) if k != lost and k not in gone and k in v.standby]
+    candidates = failover.candidates(v.live, {v.host_node, *v.lost}, v.standby)
     if not node_store.wait(NODE_TIMEOUT_S):
         raise failover.NoMajority(f"this node's standby store is not up ({node_store.error})")
     gen = v.gen + 1

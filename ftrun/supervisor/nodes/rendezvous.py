@@ -150,7 +150,7 @@ def move_store(cfg: RunConfig, coord: Any, store: RunStore, standby: Optional[Ru
         return nodes.NODE_LOST
     # Nodes that ended the round (every node does when it re-forms) are candidates; silent ones are not.
     lost = set(coord.lost_nodes(ended=False)) | {coord.host_node}
-    candidates = [k for k in sorted(coord.live) if k not in lost and k in coord.standby]
+    candidates = failover.candidates(coord.live, lost, coord.standby)
     try:
         elected = failover.elect(coord.me, coord.cfg.round + 1, candidates, coord.standby, standby.store,
                                  coord.layout_size, nodes.NODE_TIMEOUT_S, lambda _store: None, lambda: False)
