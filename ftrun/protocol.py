@@ -154,7 +154,7 @@ FINISHED = PREFIX + "finished"        # set by members that left the loop: the f
 
 
 def quorum_key(quorum: int) -> str:
-    return f"{PREFIX}epoch/{quorum}"   # JSON Quorum, immutable once written (the key keeps its old word: wire format)
+    return f"{PREFIX}quorum/{quorum}"  # JSON Quorum, immutable once written
 
 
 def start_key(quorum: int) -> str:
@@ -372,8 +372,8 @@ def entered_key(rank: int) -> str:
 
 
 def survivor_key(rank: int) -> str:
-    # JSON {"inc", "step", "in_sync"}: what a replica holds when it rejoins after the run's store
-    # moved; the keeper makes the holder of the newest complete step the source of the first quorum.
+    # A wire.SurvivorReport: what a replica holds when it rejoins after the run's store moved; the
+    # keeper makes the holder of the newest complete step the source of the first quorum.
     return f"{PREFIX}survivor/{rank}"
 
 
@@ -399,7 +399,7 @@ EVENTS = PREFIX + "events"  # queue: "<rank> <inc> spawn|died|finished" (other n
 
 
 def info_key(rank: int) -> str:
-    return f"{PREFIX}info/{rank}"     # JSON counters for `ftrun status`
+    return f"{PREFIX}info/{rank}"     # a wire.MemberReport: where the member is (the keeper's, `ftrun status`)
 
 
 # --checkpoint-dir: the newest checkpoint a replica published (or resumed from), as JSON

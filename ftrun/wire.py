@@ -12,7 +12,7 @@ the torch-free supervisor path import it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Mapping, Optional, Union
 
 Raw = Union[bytes, str, None]
@@ -86,35 +86,130 @@ class ProgressReport:
 NO_PROGRESS = ProgressReport(incarnation=-1, steps=0)
 
 
-@dataclass(frozen=True)
-class InfoReport:
-    """Under --ft, a worker's ftrun.ft counters for `ftrun status` (protocol.info_key): a JSON
-    object of the manager's fields plus `beat`, which changes with every report so a reader can
-    tell a live report from a stale one."""
+# The member reports' format (MemberReport, SurvivorReport). Both ends are this package: a
+# report of another version comes from another ftrun on some node, and is refused (never
+# guessed at), with one line saying so.
+WIRE_VERSION = 2
+WIRE_FIX = "run the same ftrun on every node"
 
-    fields: Mapping[str, Any]
-    beat: int = 0
+
+def _int(v: Any, default: Optional[int] = 0) -> Optional[int]:
+    return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+
+def _float(v: Any) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _obj(raw: Raw) -> Any:
+    try:
+        return json.loads(_text(raw) or "null")
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class MemberReport:
+    """Under --ft, a member's report (protocol.info_key), rewritten every HEARTBEAT_S by
+    ftrun.worker.progress from the member's own state (member/driver.py info) and read by the
+    keeper (ftrun.supervisor.ft.quorum_status) for its decisions and `ftrun status`.
+
+    On the wire: a JSON object of these fields by their names. A field missing or of the wrong
+    type reads as its default; a report of another `version` reads as that version alone (its
+    reader refuses it: accepts_version)."""
+
+    inc: Optional[int] = None          # the writer's incarnation (None: not a report of anyone)
+    quorum_id: Optional[int] = None    # the quorum it is in (None: none yet, joining)
+    replicas: int = 0                  # that quorum's replicas (ft.num_replicas())
+    in_quorum: bool = False            # in a quorum and holding its state
+    healing: bool = False              # receiving the state from a peer
+    step: int = 0                      # the global committed step it holds
+    round: Optional[int] = None        # the round it is in or waits for (None: none yet)
+    committed: int = 0                 # rounds it saw committed (this incarnation)
+    discarded: int = 0                 # rounds it saw voted down (this incarnation)
+    last_heal_s: Optional[float] = None  # seconds its last heal took
+    phase: Optional[str] = None        # "join", "heal", "compute", "vote", "done", ... (member/driver.py)
+    phase_since: Optional[float] = None  # wall time it entered the phase
+    heals: int = 0                     # heals it received
+    last_transfer: Optional[Mapping[str, Any]] = None  # its last heal's figures (bytes, s, gbps, ...)
+    beat: int = 0                      # changes with every report: a live report from a stale one
+    version: int = WIRE_VERSION
 
     def encode(self) -> str:
-        return json.dumps({**self.fields, "beat": self.beat})
+        return json.dumps({f: getattr(self, f) for f in _MEMBER_FIELDS})
 
     @classmethod
-    def decode(cls, raw: Raw) -> Optional["InfoReport"]:
+    def decode(cls, raw: Raw) -> Optional["MemberReport"]:
         """The report in `raw`; None when empty or not a JSON object."""
-        try:
-            obj = json.loads(_text(raw) or "null")
-        except ValueError:
-            return None
-        return cls.from_object(obj)
+        return cls.from_object(_obj(raw))
 
     @classmethod
-    def from_object(cls, obj: Any) -> Optional["InfoReport"]:
-        """The report in an already parsed JSON value (a node relays its workers' reports so)."""
+    def from_object(cls, obj: Any) -> Optional["MemberReport"]:
+        """The report in an already parsed JSON value (a node relays its workers' reports so);
+        None when it is not an object, never an error."""
         if not isinstance(obj, dict):
             return None
-        fields: Dict[str, Any] = dict(obj)
-        beat = fields.pop("beat", 0)
-        return cls(fields, beat if isinstance(beat, int) else 0)
+        version = _int(obj.get("version"), 0)
+        if version != WIRE_VERSION:  # another ftrun's format: nothing of it is read but its version
+            return cls(version=version)
+        phase = obj.get("phase")
+        transfer = obj.get("last_transfer")
+        return cls(inc=_int(obj.get("inc"), None), quorum_id=_int(obj.get("quorum_id"), None),
+                   replicas=_int(obj.get("replicas")), in_quorum=obj.get("in_quorum") is True,
+                   healing=obj.get("healing") is True, step=_int(obj.get("step")),
+                   round=_int(obj.get("round"), None), committed=_int(obj.get("committed")),
+                   discarded=_int(obj.get("discarded")), last_heal_s=_float(obj.get("last_heal_s")),
+                   phase=phase if isinstance(phase, str) else None, phase_since=_float(obj.get("phase_since")),
+                   heals=_int(obj.get("heals")), last_transfer=transfer if isinstance(transfer, dict) else None,
+                   beat=_int(obj.get("beat")))
+
+    def of(self, inc: Optional[int]) -> bool:
+        """Whether this is incarnation `inc`'s report (a live worker's own, not its predecessor's)."""
+        return inc is not None and self.inc == inc
+
+
+_MEMBER_FIELDS = tuple(f.name for f in fields(MemberReport))
+# What the keeper reads for a replica that has not reported (or whose report it refused).
+NO_REPORT = MemberReport()
+
+
+def version_refused(rank: int, version: int) -> str:
+    """The one line for a member report of another wire version."""
+    said = f"in wire version {version}" if version else "without a wire version"
+    return (f"rank {rank}'s ftrun.ft reports {said}, and this ftrun reads version {WIRE_VERSION}: "
+            f"they are ignored; {WIRE_FIX}")
+
+
+@dataclass(frozen=True)
+class SurvivorReport:
+    """What a member holds as it rejoins after the run's store moved (protocol.survivor_key),
+    written once by member/driver.py moved_store and read by the keeper on the new store
+    (keeper/core.py survivors_source, survivors_latest). A JSON object of these fields."""
+
+    inc: Optional[int] = None
+    step: int = 0
+    in_sync: bool = False        # it held the committed state (no heal left it tainted)
+    decided: bool = False        # its last round's decision had left it (no vote in flight)
+    latest: int = 0              # the newest quorum of the lost store it saw
+    sub_steps: int = 0           # optimizer steps of the next step it holds (several ft.Optimizers)
+    version: int = WIRE_VERSION
+
+    def encode(self) -> str:
+        return json.dumps({f: getattr(self, f) for f in _SURVIVOR_FIELDS})
+
+    @classmethod
+    def decode(cls, raw: Raw) -> Optional["SurvivorReport"]:
+        """The report in `raw`; None when it is none, damaged, or of another wire version (a
+        survivor of another ftrun says nothing this keeper can trust)."""
+        obj = _obj(raw)
+        if not isinstance(obj, dict) or _int(obj.get("version"), 0) != WIRE_VERSION:
+            return None
+        return cls(inc=_int(obj.get("inc"), None), step=_int(obj.get("step")), in_sync=obj.get("in_sync") is True,
+                   decided=obj.get("decided") is True, latest=_int(obj.get("latest")),
+                   sub_steps=_int(obj.get("sub_steps")))
+
+
+_SURVIVOR_FIELDS = tuple(f.name for f in fields(SurvivorReport))
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ import torch.distributed as dist  # noqa: E402
 from ftrun import protocol as keys  # noqa: E402
 from ftrun.worker.ft.member import vote  # noqa: E402
 from ftrun.protocol import Quorum  # noqa: E402
+from ftrun.wire import MemberReport  # noqa: E402
 import scratch  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=120)
@@ -91,8 +92,9 @@ class _Here:
         pass
 
 
-def _info(rnd: int) -> dict:
-    return {"inc": 0, "epoch": 1, "round": rnd, "phase": "vote", "beat": rnd}
+def _info(rnd: int, phase: str = "vote") -> dict:
+    """A member's report in quorum 1 as the JSON object its codec writes (ftrun.wire.MemberReport)."""
+    return json.loads(MemberReport(inc=0, quorum_id=1, round=rnd, phase=phase, beat=rnd).encode())
 
 
 def _vote_rounds(report: Callable[[int], None], rounds: int, start: threading.Barrier,
@@ -301,7 +303,7 @@ def keeper_cpu_fraction(n: int, seconds: float, per_node: int = 0) -> float:
     spent, t0, beat = 0.0, time.monotonic(), 0
     while time.monotonic() - t0 < seconds:
         beat += 1
-        info = {"inc": 0, "epoch": 1, "round": beat, "phase": "compute", "beat": beat}
+        info = _info(beat, "compute")
         if per_node:
             nodes = range(n // per_node)
             writer.multi_set([keys.node_info_key(k) for k in nodes],

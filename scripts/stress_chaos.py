@@ -66,7 +66,7 @@ def _store_dump(state: dict) -> str:
         for r in range(3):
             lines.append(f"  info {r}: {store.get(f'ftrun/ft/info/{r}').decode()[:200]}")
         for e in range(1, latest + 1):
-            key, start = f"ftrun/ft/epoch/{e}", f"ftrun/ft/start/{e}"
+            key, start = f"ftrun/ft/quorum/{e}", f"ftrun/ft/start/{e}"
             lines.append(f"  quorum {e}: {store.get(key).decode() if store.check([key]) else '(deleted)'}, "
                          f"start round {store.get(start).decode() if store.check([start]) else '-'}")
         break

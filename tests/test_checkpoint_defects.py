@@ -18,6 +18,7 @@ from conftest import SCRIPTS, run_ftrun
 from ftrun import protocol as keys
 from ftrun.supervisor.ft.keeper.core import Pace
 from ftrun.supervisor.ft.quorum import KeeperSettings, QuorumKeeper
+from ftrun.wire import MemberReport
 from helpers import assert_bad, err_text, start_logged
 from test_checkpoint import _complete, _wait_for
 from test_checkpoint_faults import _printed_step
@@ -120,15 +121,15 @@ def test_sigterm_saves_within_the_default_grace_when_steps_are_slow(ftrun_home, 
     assert "Traceback" not in err
 
 
-def _reports(q, steps_at, n: int, step_s: float, first: int = 0, epoch: int = 1) -> float:
+def _reports(q, steps_at, n: int, step_s: float, first: int = 0, quorum: int = 1) -> float:
     """n steps reported by every member at `step_s` each (as the members' info keys say), the
     keeper polling after each; the time reached."""
     t = 0.0
     for i in range(n):
         t = steps_at + (i + 1) * step_s
         for r in q.ranks:
-            q._s.set(keys.info_key(r), json.dumps({"inc": 0, "epoch": epoch, "round": i, "phase": "compute",
-                                                   "step": first + i, "beat": first + i}))
+            q._s.set(keys.info_key(r), MemberReport(inc=0, quorum_id=quorum, round=i, phase="compute",
+                                                    step=first + i, beat=first + i).encode())
         q.poll(t)
     return t
 
@@ -156,7 +157,7 @@ def test_keeper_sizes_rounds_to_the_pace_once_it_knows_it(step_s, rounds):
     if rounds:
         assert _quorum(q, 2)["round_steps"] == rounds and _quorum(q, 2)["members"] == _quorum(q, 1)["members"]
         assert not _quorum(q, 2)["healers"] and not _quorum(q, 2)["fresh"]
-        _reports(q, t, n, step_s / 20, first=n, epoch=2)  # far faster now, within the window: not yet
+        _reports(q, t, n, step_s / 20, first=n, quorum=2)  # far faster now, within the window: not yet
         assert q.quorum_id == 2
     assert q.history == ["quorum 1: 2 replicas (first replicas joined)"], q.history
 

@@ -7,6 +7,8 @@
   command line and the supervisor load never import torch when they are imported.
 - One rule, one place (ONE_PLACE below): the heal's source, the zygote decision and the replica
   size are each decided in one module, and every other part reads what it decided.
+- The supervisor reads a member's reports (ftrun.wire's MemberReport, SurvivorReport) by their
+  typed fields, never by a string key: the codec is the one place their format is written down.
 
 The size of a module (about 500 lines at most) is kept by review.
 """
@@ -340,3 +342,82 @@ def test_the_one_place_rule_finds_second_definitions():
               ONE_PLACE["zygote"]: "kw['use_zygote'] = environ.get('FTRUN_ZYGOTE', '1') != '0'",
               ONE_PLACE["replica size"]: "k = int(env.get('FTRUN_REPLICA_SIZE') or 1)"}
     assert second_definitions({m: ast.parse(src) for m, src in owners.items()}) == []
+
+
+# ---------------------------------------------------------------------------
+# A member's reports are read by attribute (report.quorum_id), never by string key
+# (info.get("quorum_id"), info["round"], "round" in info): a key read past the codec is a second
+# definition of the format, which drifts from the writer's (the quorum id was once read as
+# "epoch" in five places). The codecs' fields are read from ftrun/wire.py itself.
+REPORTS = ("MemberReport", "SurvivorReport")
+REPORT_READERS = "ftrun.supervisor"
+# Words the supervisor's other payloads use too (a checkpoint's record has a "step"): a string-key
+# read of one is flagged only in the keeper and its views, which read no other payload by it.
+SHARED_WORDS = {"step"}
+KEEPER = "ftrun.supervisor.ft"
+
+
+def report_fields(wire: ast.AST) -> Set[str]:
+    """The fields of the report codecs in ftrun/wire.py, and the quorum id's old word."""
+    found = {"epoch"}
+    for node in ast.walk(wire):
+        if isinstance(node, ast.ClassDef) and node.name in REPORTS:
+            found |= {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return found
+
+
+def _key_read(node: ast.AST) -> object:
+    """The constant key `node` reads by (x["k"], x.get("k"), x.pop("k"), "k" in x), else None."""
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Constant):
+        return node.slice.value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop") \
+            and node.args and isinstance(node.args[0], ast.Constant):
+        return node.args[0].value
+    if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) \
+            and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+        return node.left.value
+    return None
+
+
+def report_key_reads(trees: Dict[str, ast.AST], names: Set[str]) -> List[str]:
+    """Each string-key read of a report field in the supervisor."""
+    found = []
+    for module, tree in trees.items():
+        if module != REPORT_READERS and not module.startswith(REPORT_READERS + "."):
+            continue
+        keeper = module == KEEPER or module.startswith(KEEPER + ".")
+        for node in ast.walk(tree):
+            key = _key_read(node)
+            if isinstance(key, str) and key in names and (keeper or key not in SHARED_WORDS):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.quick
+def test_the_supervisor_reads_member_reports_by_their_fields():
+    names = report_fields(TREES["ftrun.wire"])
+    assert {"inc", "quorum_id", "round", "phase", "step", "discarded", "in_sync", "latest", "version"} <= names
+    found = report_key_reads(TREES, names)
+    assert not found, ("a member report read by string key: read its field (ftrun.wire MemberReport, "
+                       "SurvivorReport):\n" + "\n".join(found))
+
+
+def test_the_report_rule_finds_key_reads_and_nothing_else():
+    names = report_fields(TREES["ftrun.wire"])
+    flagged = {
+        "ftrun.supervisor.ft.keeper.core": "live = info.get('epoch')",
+        "ftrun.supervisor.ft.keeper.dead": "r = int(info['round'])",
+        "ftrun.supervisor.ft.keeper.spares": "ok = 'phase' in info",
+        "ftrun.supervisor.ft.quorum_view": "n = d.get('step') or 0",
+        "ftrun.supervisor.accounting.waits": "since = d.get('phase_since')",
+    }
+    found = report_key_reads({m: ast.parse(src) for m, src in flagged.items()}, names)
+    assert [f.split(":")[0] for f in found] == list(flagged), found
+    passed = {
+        "ftrun.supervisor.ft.keeper.core": "word = {'step': 3, 'ok': False}; w = info.quorum_id; p = status['ft_phase']",
+        "ftrun.supervisor.accounting.checkpoints": "s = ck.get('step'); t = ck['time']",
+        "ftrun.supervisor.ft.keeper.dead": "info['round'] = 3",  # a write, not a read
+        "ftrun.status.render": "q = r.get('in_quorum')",  # the state file's fields, outside the supervisor
+        "ftrun.sim.world": "x = info.get('epoch')",
+    }
+    assert report_key_reads({m: ast.parse(src) for m, src in passed.items()}, names) == []

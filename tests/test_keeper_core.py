@@ -6,7 +6,6 @@ store, is tests/test_quorum_keeper.py; the interleavings, tests/test_simulate.py
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import dataclasses
@@ -18,6 +17,7 @@ from ftrun.protocol import Quorum
 from ftrun.supervisor.ft.keeper import core, dead
 from ftrun.supervisor.ft.keeper.core import KeeperSnapshot
 from ftrun.supervisor.ft.keeper.dead import KeeperRules
+from ftrun.wire import MemberReport, SurvivorReport
 
 pytestmark = pytest.mark.quick
 
@@ -33,9 +33,9 @@ def snap(**kw) -> KeeperSnapshot:
     return KeeperSnapshot(**kw)
 
 
-def rep(quorum: Optional[int], rnd: int = 5, inc: int = 0, phase: str = "vote", **more) -> dict:
+def rep(quorum: Optional[int], rnd: int = 5, inc: int = 0, phase: str = "vote", **more) -> MemberReport:
     """A replica's status report: in `quorum` (None: joining), at round `rnd`."""
-    return {"inc": inc, "epoch": quorum, "round": rnd, "phase": phase, **more}
+    return MemberReport(inc=inc, quorum_id=quorum, round=rnd, phase=phase, **more)
 
 
 def seen(*ranks, at: float = 10.0) -> dict:
@@ -209,7 +209,7 @@ def _moved(**kw) -> KeeperSnapshot:
 
 
 def said(step: int, inc: int = 1, in_sync: bool = True, decided: bool = False) -> str:
-    return json.dumps({"inc": inc, "step": step, "in_sync": in_sync, "decided": decided})
+    return SurvivorReport(inc=inc, step=step, in_sync=in_sync, decided=decided).encode()
 
 
 NEXT = [
@@ -340,7 +340,7 @@ def test_stop_quorum(s, healed, writer, start, saver):
 def test_stop_word_when_no_writer_is_left():
     """A stop quorum that names nobody after one that named a writer: the keeper's word stands in
     for the writer's (the supervisor waits for one); the first stop quorum needs none."""
-    later = snap(quorum_id=5, members={2: 1}, stopping=True, writer=1, info={2: {"step": 15}})
+    later = snap(quorum_id=5, members={2: 1}, stopping=True, writer=1, info={2: MemberReport(step=15)})
     d = core.stop_quorum(later, "the writer died", {})
     assert d.quorum.writer == -1 and d.stop_word["ok"] is False and d.stop_word["step"] == 15
     assert "replica 1" in d.stop_word["why"] and not d.stop_word.get("nothing")
@@ -692,8 +692,9 @@ def test_the_core_has_no_io():
     from pathlib import Path
 
     # functools: a memo of a pure function (dead.py's parse of key names), no IO.
-    allowed = {"__future__", "json", "collections", "dataclasses", "functools", "types", "typing", "ftrun",
-               "ftrun.protocol",
+    # ftrun.wire: the members' report codecs (pure, torch-free, no IO).
+    allowed = {"__future__", "collections", "dataclasses", "functools", "types", "typing", "ftrun",
+               "ftrun.protocol", "ftrun.wire",
                "ftrun.supervisor.ft.keeper", "ftrun.supervisor.ft.keeper.core", "ftrun.supervisor.ft.keeper.dead"}
     folder = Path(core.__file__).parent
     for path in sorted(folder.glob("*.py")):
@@ -723,7 +724,7 @@ def test_a_moved_stores_first_quorum_counts_above_every_quorum_a_survivor_saw():
     """This keeper counts from its node's last read of the lost store, which may have published
     more since; a survivor that saw quorum 12 must not be given another quorum 12 (found by the
     simulator's store moves: a quorum id published twice)."""
-    saw = json.dumps({"inc": 1, "step": 5, "in_sync": True, "decided": True, "latest": 12})
+    saw = SurvivorReport(inc=1, step=5, in_sync=True, decided=True, latest=12).encode()
     d = core.next_quorum(_moved(survivors={0: saw, 1: said(5)}), "first replicas joined", {})
     assert d.quorum.id == 13
     assert core.next_quorum(_moved(survivors={1: said(5)}), "first replicas joined", {}).quorum.id == 8

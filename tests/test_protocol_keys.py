@@ -18,7 +18,7 @@ def test_every_numbered_key_parses_back_to_its_numbers():
         keys.heal_key(4, 2, 1): ("heal", (4, 2, 1)),
         keys.pg_prefix(5, 9) + "0": ("pg", (5, 9, 0)),
         keys.pg_prefix(5, 9, 1) + "rank_0": ("pg", (5, 9, 1)),
-        keys.quorum_key(12): ("epoch", (12,)),
+        keys.quorum_key(12): ("quorum", (12,)),
         keys.start_key(12): ("start", (12,)),
         keys.node_count_key(2, 7, 30): ("ln", (2, 7, 30)),
         keys.node_decision_key(2, 7, 30): ("ld", (2, 7, 30)),

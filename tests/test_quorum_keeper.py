@@ -19,6 +19,7 @@ from ftrun import protocol as keys
 from ftrun.supervisor.ft.keeper import core, dead
 from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.relay import NodeRelay, Routes
+from ftrun.wire import WIRE_VERSION, MemberReport
 from ftrun.worker.ft.member import vote
 
 pytestmark = pytest.mark.quick
@@ -43,15 +44,16 @@ def _join(q: QuorumKeeper, rank: int, inc: int) -> None:
 
 
 def _report(q: QuorumKeeper, rank: int, inc: int, quorum, rnd: int, phase: str) -> None:
-    q._s.set(keys.info_key(rank), json.dumps({"inc": inc, "epoch": quorum, "round": rnd, "phase": phase,
-                                              "beat": q._s.add(f"beat{rank}", 1)}))
+    q._s.set(keys.info_key(rank), MemberReport(inc=inc, quorum_id=quorum, round=rnd, phase=phase,
+                                               beat=q._s.add(f"beat{rank}", 1)).encode())
 
 
 def _in_round(q: QuorumKeeper, ranks, quorum: int = 1, rnd: int = 5, now: float = 0.1) -> None:
     """The live members' status reports, as each member writes them every 0.25 s (through its
     node's relay when it has one): they are in `quorum`, voting in round `rnd`. The keeper
     abstains for a dead member only in the newest rounds of a quorum someone is in."""
-    info = {r: {"inc": 0, "epoch": quorum, "round": rnd, "phase": "vote", "beat": 1} for r in ranks}
+    info = {r: json.loads(MemberReport(inc=0, quorum_id=quorum, round=rnd, phase="vote", beat=1).encode())
+            for r in ranks}
     if q.routes is None:
         for r in ranks:
             q._s.set(keys.info_key(r), json.dumps(info[r]))
@@ -167,8 +169,8 @@ def test_rounds_follow_the_runs_pace(keeper, step_s, expected):
     if step_s is not None:
         for i in range(150):  # over 0.5 s from the first step reported (step 0 is no pace)
             for r in range(3):
-                keeper._s.set(keys.info_key(r), json.dumps({"inc": 0, "epoch": 1, "round": i, "phase": "compute",
-                                                            "step": i, "beat": i}))
+                keeper._s.set(keys.info_key(r), MemberReport(inc=0, quorum_id=1, round=i, phase="compute",
+                                                             step=i, beat=i).encode())
             keeper.poll((i + 1) * step_s)
     assert (keeper.pace.step_s() is None) == (step_s is None)  # a fast run's 8 comes from its pace, too
     keeper.on_exit(0, 0)
@@ -203,7 +205,7 @@ def test_a_chosen_round_length_is_kept(monkeypatch):
     q.poll(0.0)
     for i in range(20):
         for r in range(2):
-            q._s.set(keys.info_key(r), json.dumps({"inc": 0, "epoch": 1, "round": i, "phase": "compute", "step": i}))
+            q._s.set(keys.info_key(r), MemberReport(inc=0, quorum_id=1, round=i, phase="compute", step=i).encode())
         q.poll(1.0 + i)
     q.on_exit(1, 0)
     assert _quorum(q, 1)["round_steps"] == 5 and _quorum(q, 2)["round_steps"] == 5
@@ -535,7 +537,7 @@ def test_a_relayed_nodes_reports_reach_the_keeper_through_one_key(relayed):
     for r in range(4):
         node = nodes[1 if r < 2 else 2]
         rep = ProgressReporter("127.0.0.1", node.server.port, r, 0, relayed=True)
-        rep.info_provider = lambda r=r: {"inc": 0, "epoch": 1, "round": 7, "phase": "compute", "step": 10 + r}
+        rep.info_provider = lambda r=r: MemberReport(inc=0, quorum_id=1, round=7, phase="compute", step=10 + r)
         rep.move_to(f"127.0.0.1:{q._s.port}")  # the run's store moved: the node's store did not
         assert rep.port == node.server.port
         reporters[r] = (rep, node.client())
@@ -552,21 +554,21 @@ def test_a_relayed_nodes_reports_reach_the_keeper_through_one_key(relayed):
         q.poll(now)
 
     relay_and_poll(now)
-    assert {r: q.info[r]["step"] for r in range(4)} == {0: 10, 1: 11, 2: 12, 3: 13}
+    assert {r: q.info[r].step for r in range(4)} == {0: 10, 1: 11, 2: 12, 3: 13}
     assert [runs[k].calls for k in nodes] == [1, 1]  # one set per node
     assert not any(q._s.check([keys.info_key(r)]) or q._s.check([keys.progress_key(r)]) for r in range(4))
     assert nodes[1].client().check([keys.progress_key(0), keys.info_key(0)])
     follower = QuorumKeeper(q.store, [0, 1, 2, 3], local_ranks=[0, 1], leader=False, routes=q.routes)
     follower.on_store_ready()
     follower.poll(now)
-    assert {r: follower.info[r]["step"] for r in range(4)} == {0: 10, 1: 11, 2: 12, 3: 13}
+    assert {r: follower.info[r].step for r in range(4)} == {0: 10, 1: 11, 2: 12, 3: 13}
 
     # Rank 0 beats again: only its report is new (the keeper tells a live report by its beat).
     seen = dict(q.info_seen)
     rep, client = reporters[0]
     rep._write(client, 2)
     relay_and_poll(now + 1)
-    assert q.info[0]["beat"] == 2 and q.info_seen[0] > seen[0]
+    assert q.info[0].beat == 2 and q.info_seen[0] > seen[0]
     assert [q.info_seen[r] for r in (1, 2, 3)] == [seen[r] for r in (1, 2, 3)]
     assert [runs[k].calls for k in nodes] == [2, 1]  # node 2's reports did not change: not written
 
@@ -582,3 +584,29 @@ def test_a_malformed_node_environment_means_not_relayed():
     for bad in ({**env, keys.NODE_RANKS_ENV: "1 2"}, {**env, keys.NODE_RANKS_ENV: "1 x 2"},
                 {**env, keys.NODE_STORE_ENV: ""}, {keys.NODE_RANKS_ENV: "1 2 2"}):
         assert keys.relayed_node(bad) is None
+
+
+def test_a_report_of_another_wire_version_is_refused_in_one_line(keeper):
+    """A member of another ftrun (another node's install) writes its report in another format: the
+    keeper ignores it (the replica has no report, and the old one it had goes), and the console
+    gets one line naming the versions and the fix, once however often that member reports."""
+    for r in range(3):
+        _join(keeper, r, 0)
+    keeper.poll(0.0)
+    _report(keeper, 1, 0, 1, 5, "vote")
+    keeper.poll(0.1)
+    assert keeper.info[1].quorum_id == 1
+    keeper.take_history()
+    for beat in range(3):  # an older ftrun's report: no version, the quorum id under its old word
+        keeper._s.set(keys.info_key(1), json.dumps({"inc": 0, "epoch": 1, "round": 6, "phase": "vote", "beat": beat}))
+        keeper.poll(0.2 + beat / 10)
+    lines = [line for line in keeper.take_history() if "wire" in line]
+    assert lines == [f"rank 1's ftrun.ft reports without a wire version, and this ftrun reads version "
+                     f"{WIRE_VERSION}: they are ignored; run the same ftrun on every node"], lines
+    assert 1 not in keeper.info and keeper.replica_fields(1)["ft_phase"] is None
+    keeper._s.set(keys.info_key(1), json.dumps({"version": WIRE_VERSION + 1, "inc": 0}))
+    keeper.poll(0.6)
+    assert [line for line in keeper.take_history() if f"in wire version {WIRE_VERSION + 1}," in line]
+    _report(keeper, 1, 0, 1, 7, "vote")  # the same ftrun again: read as before
+    keeper.poll(0.7)
+    assert keeper.info[1].round == 7 and not keeper.take_history()

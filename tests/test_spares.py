@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import SCRIPTS, run_ftrun
+from ftrun.wire import MemberReport
 from helpers import assert_bad, finish, read_state, start_logged
 
 TRAIN = SCRIPTS / "train_ft.py"
@@ -314,14 +315,14 @@ def test_a_spares_death_changes_no_quorum():
 
 
 FOLLOWED = [
-    pytest.param(_snap(members={0: 0, 1: 0, 2: 0}, quorum_id=1, info={3: {"inc": 0, "phase": "join"}}), {3: 0},
+    pytest.param(_snap(members={0: 0, 1: 0, 2: 0}, quorum_id=1, info={3: MemberReport(inc=0, phase="join")}), {3: 0},
                  id="a replica waiting to join beside a whole quorum is the spare"),
     pytest.param(_snap(members={0: 0, 2: 0, 3: 0}, quorum_id=3,
-                       info={1: {"inc": 1, "phase": "join"}, 3: {"inc": 0, "phase": "compute"}}), {1: 1},
+                       info={1: MemberReport(inc=1, phase="join"), 3: MemberReport(inc=0, phase="compute")}), {1: 1},
                  id="a restarted replica waiting beside a whole quorum is the spare"),
-    pytest.param(_snap(members={0: 0, 2: 0}, quorum_id=3, info={1: {"inc": 1, "phase": "join"}}), {},
+    pytest.param(_snap(members={0: 0, 2: 0}, quorum_id=3, info={1: MemberReport(inc=1, phase="join")}), {},
                  id="a joiner beside a quorum short of a replica is no spare"),
-    pytest.param(_snap(spares=0, members={0: 0, 1: 0, 2: 0}, info={3: {"inc": 0, "phase": "join"}}), {},
+    pytest.param(_snap(spares=0, members={0: 0, 1: 0, 2: 0}, info={3: MemberReport(inc=0, phase="join")}), {},
                  id="without spares nobody is one"),
 ]
 
@@ -333,7 +334,7 @@ def test_a_follower_node_sees_the_leaders_spares(s, held):
     from ftrun.supervisor.ft.keeper import core, spares
 
     assert spares.followed(s) == held
-    alive = {r: (s.info.get(r) or {}).get("inc", 0) for r in range(4)}
+    alive = {r: s.report(r).inc or 0 for r in range(4)}
     s = _snap(**{f: getattr(s, f) for f in ("members", "quorum_id", "info", "spares")}, held=held, alive=alive)
     assert [core.replica_status(s, r).get("spare") for r in range(4)] == [r in held if s.spares else None
                                                                           for r in range(4)]

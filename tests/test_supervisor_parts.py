@@ -388,8 +388,8 @@ class _Keeper:
         taken, self.history = self.history, []
         return taken
 
-    def replica_fields(self, rank: int) -> dict:
-        return {"in_quorum": rank in self.members_in}
+    def in_quorum(self, rank: int) -> bool:
+        return rank in self.members_in
 
 
 @pytest.mark.quick

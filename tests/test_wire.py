@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from ftrun.wire import NO_PROGRESS, UNKNOWN_FAILURE, FirstFailure, InfoReport, ProgressReport, WorkerError
+from ftrun.wire import (NO_PROGRESS, NO_REPORT, UNKNOWN_FAILURE, WIRE_VERSION, FirstFailure, MemberReport,
+                        ProgressReport, SurvivorReport, WorkerError)
 
 pytestmark = pytest.mark.quick
 
@@ -27,12 +30,49 @@ def test_progress_damaged_is_none_never_an_error(raw):
     assert ProgressReport.decode(raw) is None
 
 
-def test_info_round_trip_and_damage():
-    r = InfoReport({"step": 12, "inc": 1, "phase": "train"}, beat=7)
-    back = InfoReport.decode(r.encode().encode())
-    assert back is not None and dict(back.fields) == dict(r.fields) and back.beat == 7
-    assert InfoReport.decode(b"{not json") is None and InfoReport.decode(b"[1, 2]") is None
-    assert InfoReport.decode(b"") is None
+def test_member_report_round_trip_keeps_every_field():
+    r = MemberReport(inc=2, quorum_id=5, replicas=3, in_quorum=True, healing=False, step=120, round=40, committed=38,
+                     discarded=2, last_heal_s=0.125, phase="vote", phase_since=1700000000.5, heals=1,
+                     last_transfer={"bytes": 1024, "s": 0.1}, beat=7)
+    assert MemberReport.decode(r.encode()) == r
+    assert MemberReport.decode(r.encode().encode()) == r  # the store hands back bytes
+    assert MemberReport.from_object(json.loads(r.encode())) == r  # a node relays the parsed object
+    assert json.loads(r.encode())["version"] == WIRE_VERSION
+
+
+@pytest.mark.parametrize("raw", [None, b"", b"{not json", b"[1, 2]", b"3", b'"text"', b"null"])
+def test_member_report_garbage_is_none_never_an_error(raw):
+    assert MemberReport.decode(raw) is None
+
+
+def test_member_report_wrong_types_read_as_defaults():
+    obj = {"version": WIRE_VERSION, "inc": "1", "quorum_id": 2.5, "replicas": None, "in_quorum": 1, "healing": "yes",
+           "step": True, "round": [3], "discarded": {}, "last_heal_s": "0.5", "phase": 7, "phase_since": False,
+           "last_transfer": [1], "beat": 1.5, "unknown": 1}
+    assert MemberReport.from_object(obj) == NO_REPORT
+    assert MemberReport.from_object({"version": WIRE_VERSION, "inc": 3, "step": 9}) == MemberReport(inc=3, step=9)
+    assert MemberReport.decode(json.dumps({"version": WIRE_VERSION, "last_heal_s": 2})).last_heal_s == 2.0
+
+
+@pytest.mark.parametrize("version", [None, 1, WIRE_VERSION + 1, "2"])
+def test_a_member_report_of_another_version_reads_as_that_version_alone(version):
+    obj = {"inc": 1, "quorum_id": 4, "epoch": 4, "round": 9, "phase": "vote", "step": 30}
+    if version is not None:
+        obj["version"] = version
+    r = MemberReport.decode(json.dumps(obj))
+    assert r is not None and r.version != WIRE_VERSION
+    assert r == MemberReport(version=r.version)  # nothing else of it is read
+    assert r.version == (version if isinstance(version, int) else 0)
+
+
+def test_survivor_report_round_trip_and_damage():
+    r = SurvivorReport(inc=1, step=12, in_sync=True, decided=True, latest=7, sub_steps=2)
+    assert SurvivorReport.decode(r.encode()) == r and SurvivorReport.decode(r.encode().encode()) == r
+    for damaged in (None, b"", b"{", b"[]", b"5"):
+        assert SurvivorReport.decode(damaged) is None
+    old = {"inc": 1, "step": 12, "in_sync": True, "decided": True, "latest": 7}  # another ftrun's: no version
+    assert SurvivorReport.decode(json.dumps(old)) is None
+    assert SurvivorReport.decode(json.dumps({"version": WIRE_VERSION, "step": "x", "in_sync": 1})) == SurvivorReport()
 
 
 def test_worker_error_reads_what_torchs_record_writes(tmp_path, monkeypatch):

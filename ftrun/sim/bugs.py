@@ -100,8 +100,8 @@ class _AbstainingRules(KeeperRules):
             rounds |= {s.starts[e], s.starts[e] + 1}
         for r, inc in s.alive.items():
             info = s.report(r)
-            if inc is not None and info.get("inc") == inc and info.get("epoch") == e and "round" in info:
-                rounds |= {int(info["round"]), int(info["round"]) + 1}
+            if info.of(inc) and info.quorum_id == e and info.round is not None:
+                rounds |= {info.round, info.round + 1}
         return rounds
 
 
@@ -147,7 +147,7 @@ class _DeafRules(KeeperRules):
         if (m, k) in s.finished:
             return True
         mi = s.report(m)
-        return s.alive.get(m) == k and mi.get("inc") == k and s.fresh(m, now) and mi.get("epoch") not in (None, e)
+        return s.alive.get(m) == k and mi.inc == k and s.fresh(m, now) and mi.quorum_id not in (None, e)
 
 
 class _DeafKeeper(QuorumKeeper):
@@ -181,8 +181,8 @@ class _FinishedDeafRules(KeeperRules):
         """Before the fix: a member that had left the loop (exit 0) was not voted for; a member
         whose heal failed at the last round boundary then waited in a round nobody else votes in."""
         mi = s.report(m)
-        return (s.alive.get(m) == k and mi.get("inc") == k and s.fresh(m, now)
-                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < s.quorum_id)))
+        return (s.alive.get(m) == k and mi.inc == k and s.fresh(m, now)
+                and (mi.quorum_id not in (None, e) or (mi.quorum_id is None and e < s.quorum_id)))
 
 
 class _FinishedDeafKeeper(QuorumKeeper):

@@ -9,8 +9,8 @@ Must never be imported by the product.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from ftrun import protocol as keys
@@ -18,6 +18,7 @@ from ftrun.protocol import Quorum
 from ftrun.sim.checkpoint import Marker, SimCheckpointer
 from ftrun.sim.sched import SimKilled
 from ftrun.sim.store import DistStoreError
+from ftrun.wire import MemberReport
 from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member.driver import MemberDriver
 from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
@@ -106,7 +107,7 @@ class SimWorker(MemberEffects):
     in_sync = property(lambda self: self.driver.in_sync)
     store = property(lambda self: self.driver.store)
 
-    def info(self) -> dict:
+    def info(self) -> MemberReport:
         return self.driver.info()
 
     # ------------------------------------------------------------ the process
@@ -152,7 +153,7 @@ class SimWorker(MemberEffects):
         while True:
             beat += 1
             try:
-                store.set(keys.info_key(self.rank), json.dumps({**self.driver.info(), "beat": beat}))
+                store.set(keys.info_key(self.rank), dataclasses.replace(self.driver.info(), beat=beat).encode())
             except Exception:  # noqa: BLE001 - the store is down: go on beating
                 pass
             self.sched.sleep(REPORT_S)

@@ -7,8 +7,8 @@ patches are listed in ftrun/worker/patches.py), so a
 long evaluation or save is not taken for a hang. Without --ft, torch.save and
 torch.distributed.checkpoint's saves note the step count they were made at:
 a group restart loses the steps since then (the supervisor's goodput). A daemon thread
-writes a ftrun.wire.ProgressReport (and, under --ft, the counters of ftrun.ft as a
-wire.InfoReport) to the supervisor's store every HEARTBEAT_S (and at once after the first step, and once more as the worker exits), so the
+writes a ftrun.wire.ProgressReport (and, under --ft, the member's report, a
+wire.MemberReport) to the supervisor's store every HEARTBEAT_S (and at once after the first step, and once more as the worker exits), so the
 supervisor can show live health, spot a hung rank, and record where each
 worker stopped. On a node that relays (FTRUN_NODE_STORE, several
 nodes under --ft) that store is the node's own, which never moves: the
@@ -23,6 +23,7 @@ Must never import the supervisor.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import os
 import sys
@@ -32,7 +33,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 from ftrun.protocol import HEARTBEAT_S, info_key, progress_key
-from ftrun.wire import InfoReport, ProgressReport
+from ftrun.wire import MemberReport, ProgressReport
 from ftrun.worker import patches, settings
 
 RECONNECT_MAX_S = 1.0       # back-off cap between reconnects to the store
@@ -62,7 +63,8 @@ class ProgressReporter:
         # a group restart loses the steps after it (ftrun.supervisor.accounting.goodput).
         self.saved_steps = -1
         self._dcp_wrapped = False
-        self.info_provider = None  # ftrun.ft: a callable returning a JSON-able dict for `ftrun status`
+        # ftrun.ft: a callable returning the member's report (the keeper's, and `ftrun status`'s)
+        self.info_provider: Optional[Callable[[], MemberReport]] = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._writes = 0
@@ -195,8 +197,8 @@ class ProgressReporter:
                                 self.activity, self.first_step_time, self.saved_steps)
         store.set(progress_key(self.rank), report.encode())
         if self.info_provider is not None:
-            # "beat" changes every report, so the keeper can tell a live report from a stale one.
-            store.set(info_key(self.rank), InfoReport(self.info_provider(), beat).encode())
+            # The beat changes every report, so the keeper can tell a live report from a stale one.
+            store.set(info_key(self.rank), dataclasses.replace(self.info_provider(), beat=beat).encode())
 
     def _loop(self) -> None:
         parent = os.getppid()

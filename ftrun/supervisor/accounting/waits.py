@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from ftrun.wire import MemberReport
+
 SHOW_AFTER_S = 1.0
 # A replica's phases (ftrun.worker.ft.manager) that are long waits a person may watch.
 PHASES = {"heal": "healing from a peer", "heal-wait": "waiting to heal", "resume": "resuming from a checkpoint"}
@@ -74,16 +76,16 @@ class Waits:
         self._stop()
 
 
-def replica_waits(info: Mapping[int, Mapping[str, Any]], alive: Mapping[int, Optional[int]], k: int,
+def replica_waits(info: Mapping[int, MemberReport], alive: Mapping[int, Optional[int]], k: int,
                   local: Any) -> Dict[str, Tuple[str, float, Optional[int], Optional[int]]]:
     """The long waits of this node's --ft replicas, from the quorum keeper's reports: a replica
     (its first worker's report) healing, waiting to heal, or resuming from a checkpoint."""
     out: Dict[str, Tuple[str, float, Optional[int], Optional[int]]] = {}
     for rank, d in info.items():
-        if rank % k or rank not in local or not isinstance(d, Mapping):
+        if rank % k or rank not in local:
             continue
-        phase, since = d.get("phase"), d.get("phase_since")
-        if phase in PHASES and d.get("inc") == alive.get(rank) and isinstance(since, (int, float)):
+        phase, since = d.phase, d.phase_since
+        if phase in PHASES and d.inc == alive.get(rank) and since is not None:
             who = f"rank {rank}" if k == 1 else f"replica {rank // k}"
             out[f"replica {rank}"] = (f"{who} {PHASES[phase]}", float(since), None, None)
     return out

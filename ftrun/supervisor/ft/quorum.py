@@ -47,6 +47,7 @@ from ftrun.supervisor.ft.keeper.dead import KeeperRules
 from ftrun.supervisor.ft.quorum_status import ReplicaReports
 from ftrun.supervisor.ft.quorum_votes import VoteCaster
 from ftrun.supervisor.relay import Routes
+from ftrun.wire import MemberReport
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class QuorumKeeper:
         self.quorum_paced = True  # its rounds were sized at a known pace (core.repace_due)
 
     @property
-    def info(self) -> Dict[int, dict]:
+    def info(self) -> Dict[int, MemberReport]:
         return self.reports.info
 
     @property
@@ -365,6 +366,7 @@ class QuorumKeeper:
             if int(h) >= 0:
                 self.healed.add((r, int(h)))
         self.reports.absorb(self.ranks, infos, now)
+        self.history += self.reports.take_refusals()  # a member of another ftrun: said once, on the console
 
     def _track_waits(self, s: KeeperSnapshot, now: float) -> None:
         self.waited_since = core.waits(s, self.waited_since, now)
@@ -502,6 +504,9 @@ class QuorumKeeper:
     # ------------------------------------------------------------ status
     def replica_fields(self, rank: int) -> dict:
         return core.replica_status(self._snapshot(), rank)
+
+    def in_quorum(self, rank: int) -> bool:
+        return core.in_quorum(self._snapshot(), rank)
 
     def run_fields(self) -> dict:
         return core.run_status(self._snapshot())

@@ -12,19 +12,23 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ftrun import protocol as keys
 from ftrun.supervisor.relay import Routes
-from ftrun.wire import InfoReport
+from ftrun.wire import WIRE_VERSION, MemberReport, version_refused
 
 
 class ReplicaReports:
-    """Each replica's newest report (`info`) and when it last changed (`seen`, the keeper's clock)."""
+    """Each replica's newest report (`info`) and when it last changed (`seen`, the keeper's clock).
+    A report of another wire version is refused: its replica has none here, and `refusals` holds
+    the one line saying so (said once a rank and version)."""
 
     def __init__(self) -> None:
-        self.info: Dict[int, dict] = {}
+        self.info: Dict[int, MemberReport] = {}
         # When each replica's info last changed: a replica whose reports stopped says nothing
         # true about what it is doing now.
         self.seen: Dict[int, float] = {}
         self._raw: Dict[int, object] = {}  # the raw text of its own key, or the object its node relayed
         self._relayed: Dict[int, bytes] = {}  # node -> its reports key as last read
+        self._refused: Dict[int, int] = {}  # rank -> the other wire version it was refused for
+        self.refusals: List[str] = []
 
     def read(self, store, wanted: List[str], ranks: Sequence[int],
              routes: Optional[Routes]) -> Tuple[List[bytes], List[object]]:
@@ -57,6 +61,19 @@ class ReplicaReports:
                 continue
             self._raw[r] = info
             self.seen[r] = now
-            report = InfoReport.from_object(info) if isinstance(info, dict) else InfoReport.decode(info)
-            if report is not None:
-                self.info[r] = {**report.fields, "beat": report.beat}
+            report = MemberReport.from_object(info) if isinstance(info, dict) else MemberReport.decode(info)
+            if report is None:
+                continue
+            if report.version != WIRE_VERSION:
+                self.info.pop(r, None)
+                if self._refused.get(r) != report.version:
+                    self._refused[r] = report.version
+                    self.refusals.append(version_refused(r, report.version))
+                continue
+            self._refused.pop(r, None)
+            self.info[r] = report
+
+    def take_refusals(self) -> List[str]:
+        """The refusal lines since the last call."""
+        taken, self.refusals = self.refusals, []
+        return taken

@@ -69,13 +69,13 @@ class QuorumView:
             self.console.note(line, style="cyan")
         for w in workers:
             info = q.info.get(w.rank)
-            if w.alive and info and info.get("inc") == w.incarnation and w.first_step_seen:
+            if w.alive and info is not None and info.of(w.incarnation) and w.first_step_seen:
                 # Fresher than the progress key (read a few times a second): the step now.
-                if note_steps(w, int(info.get("step") or 0), now):
+                if note_steps(w, info.step, now):
                     changed = True
         for w in workers:
             if w.state in (WorkerState.RECOVERING, WorkerState.STARTING, WorkerState.RUNNING) and w.alive:
-                in_quorum = q.replica_fields(w.rank)["in_quorum"]
+                in_quorum = q.in_quorum(w.rank)
                 if w.state == WorkerState.RECOVERING and not in_quorum:
                     self._away_from.setdefault(w.rank, q.quorum_id)
                 if in_quorum and w.state != WorkerState.RUNNING:

@@ -36,12 +36,13 @@ import datetime
 import math
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ftrun import protocol as keys
+from ftrun.wire import MemberReport
 from ftrun.worker.ft.checkpoint.schedule import Checkpointer
 from ftrun.worker.ft.member.driver import MemberDriver
 from ftrun.worker.ft.member.moves import RELOCATE_S
@@ -208,7 +209,7 @@ class Manager:
     def looping(self, value: bool) -> None:  # ft.epochs() (ft/api/data.py) drives the loop itself
         self.member.set_looping(value)
 
-    def info(self) -> Dict[str, Any]:
+    def info(self) -> MemberReport:
         return self.member.info()
 
     # ------------------------------------------------------------ layout rounds (ft/api/ddp.py)

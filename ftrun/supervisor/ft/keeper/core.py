@@ -9,7 +9,6 @@ Must never import torch.
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -19,6 +18,7 @@ from typing import (AbstractSet, Deque, Dict, FrozenSet, Mapping, Optional, Sequ
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
 from ftrun.supervisor.ft.keeper import spares
+from ftrun.wire import NO_REPORT, MemberReport, SurvivorReport
 
 # How long a quorum that starts from nothing (the first, or one after every replica was lost)
 # waits for the replicas being started: one that began alone would train on its own gradients
@@ -47,7 +47,7 @@ class KeeperSnapshot:
     pending_since: Optional[float] = None               # the first join of the quorum being formed
     alive: Mapping[int, Optional[int]] = field(default_factory=dict)  # rank -> live incarnation
     healed: AbstractSet[Member] = frozenset()           # incarnations holding the committed state
-    info: Mapping[int, Mapping] = field(default_factory=dict)   # each replica's newest report
+    info: Mapping[int, MemberReport] = field(default_factory=dict)  # each replica's newest report
     info_seen: Mapping[int, float] = field(default_factory=dict)  # when it last changed
     quorums: Mapping[int, AbstractSet[Member]] = field(default_factory=dict)  # quorum -> its members
     starts: Mapping[int, int] = field(default_factory=dict)  # quorum -> its start round (-1: continuing)
@@ -89,8 +89,9 @@ class KeeperSnapshot:
         first = rank - rank % self.k
         return tuple(range(first, first + self.k))
 
-    def report(self, rank: int) -> Mapping:
-        return self.info.get(rank) or {}
+    def report(self, rank: int) -> MemberReport:
+        """The replica's newest report (NO_REPORT: none, or one refused)."""
+        return self.info.get(rank, NO_REPORT)
 
     def fresh(self, rank: int, now: float) -> bool:
         """Whether the replica's report changed within INFO_FRESH_S: a silent one's says nothing now."""
@@ -101,15 +102,15 @@ class KeeperSnapshot:
         live = set()
         for r, inc in self.alive.items():
             info = self.report(r)
-            if inc is not None and info.get("inc") == inc and info.get("epoch"):
-                live.add(int(info["epoch"]))
+            if info.of(inc) and info.quorum_id:
+                live.add(info.quorum_id)
         return live
 
     def all_live_report(self) -> bool:
         """Every live replica's newest report, of its own incarnation, names the quorum it is in."""
         for r, inc in self.alive.items():
             info = self.report(r)
-            if inc is not None and not (info.get("inc") == inc and info.get("epoch")):
+            if inc is not None and not (info.of(inc) and info.quorum_id):
                 return False
         return True
 
@@ -252,23 +253,19 @@ def survivors_source(s: KeeperSnapshot, members: Mapping[int, int]) -> Tuple[Opt
     an undecided round, the newest step is a step whose collectives went through: every gradient
     had every part. The others heal from it. None when no replica is whole (every one was
     healing, or none said)."""
-    said: Dict[int, dict] = {}
+    said: Dict[int, SurvivorReport] = {}
     for r in members:
         if r not in s.survivors:  # a replica started since the move says nothing
             continue
-        try:
-            d = json.loads(s.survivors[r])
-        except (TypeError, ValueError):
-            d = None
-        if isinstance(d, dict) and d.get("inc") == members[r] and d.get("in_sync"):
+        d = SurvivorReport.decode(s.survivors[r])
+        if d is not None and d.inc == members[r] and d.in_sync:
             said[r] = d
     whole = {}
     for rep in sorted({r // s.k for r in said}):
         # (step, sub-steps of the next one: several ft.Optimizers, member/iteration.py)
-        steps = {(int(said[m]["step"]), int(said[m].get("sub_steps", 0))) if m in said else None
-                 for m in s.mates(rep * s.k)}
+        steps = {(said[m].step, said[m].sub_steps) if m in said else None for m in s.mates(rep * s.k)}
         if len(steps) == 1 and None not in steps:
-            whole[rep] = (all(said[m].get("decided") is True for m in s.mates(rep * s.k)), steps.pop())
+            whole[rep] = (all(said[m].decided for m in s.mates(rep * s.k)), steps.pop())
     if not whole:
         return None, "no replica says it holds a whole step"
     best = max(whole, key=lambda rep: (whole[rep], -rep))
@@ -283,12 +280,9 @@ def survivors_latest(s: KeeperSnapshot) -> int:
     since: a quorum id published again would name two quorums."""
     newest = 0
     for raw in s.survivors.values():
-        try:
-            d = json.loads(raw)
-        except (TypeError, ValueError):
-            continue
-        if isinstance(d, dict) and isinstance(d.get("latest"), int):
-            newest = max(newest, d["latest"])
+        d = SurvivorReport.decode(raw)
+        if d is not None:
+            newest = max(newest, d.latest)
     return newest
 
 
@@ -335,8 +329,7 @@ def repace_due(s: KeeperSnapshot, now: float) -> Optional[str]:
         return None
     for r, inc in s.members.items():
         info = s.report(r)
-        if ((r, inc) not in s.healed or info.get("inc") != inc or info.get("epoch") != s.quorum_id
-                or not s.fresh(r, now)):
+        if (r, inc) not in s.healed or not info.of(inc) or info.quorum_id != s.quorum_id or not s.fresh(r, now):
             return None
     if not s.quorum_paced:
         return f"rounds of {s.quorum_steps} step{'s' if s.quorum_steps != 1 else ''} until the pace was known " \
@@ -426,7 +419,7 @@ def left_loop(s: KeeperSnapshot, rep: int) -> bool:
     incarnation in phase "done"): it never reads a stop quorum, so it saves nothing at one."""
     for m in s.mates(rep * s.k):
         info = s.report(m)
-        if info.get("phase") == "done" and info.get("inc") == s.members.get(m):
+        if info.phase == "done" and info.of(s.members.get(m)):
             return True
     return False
 
@@ -477,19 +470,27 @@ def waits(s: KeeperSnapshot, waited_since: Mapping[int, float], now: float) -> D
     replicas that still report count, on both sides: a stopped replica's last report is stale
     (its heartbeat check catches it) and must not make a waiting peer look hung. O(N): the
     newest round any fresh member is voting in is enough."""
-    info = s.info
     fresh = {r for r in s.members if s.fresh(r, now)}
-    voting = [int((info.get(r) or {}).get("round", -1)) for r in fresh if (info.get(r) or {}).get("phase") == "vote"]
+    voting = [_round_or(s.report(r), -1) for r in fresh if s.report(r).phase == "vote"]
     newest_vote = max(voting, default=None)
     out: Dict[int, float] = {}
     if newest_vote is None:  # nobody votes: nobody is waited for
         return out
     for r in s.ranks:
-        mine = info.get(r) or {}
-        if (r in fresh and mine.get("phase") not in ("vote", "done", None)
-                and newest_vote >= int(mine.get("round", 0))):
+        mine = s.report(r)
+        if r in fresh and mine.phase not in ("vote", "done", None) and newest_vote >= _round_or(mine, 0):
             out[r] = waited_since.get(r, now)
     return out
+
+
+def _round_or(info: MemberReport, default: int) -> int:
+    return info.round if info.round is not None else default
+
+
+def in_quorum(s: KeeperSnapshot, rank: int) -> bool:
+    """Whether the replica's live incarnation is a member of the newest quorum holding its state."""
+    inc = s.alive.get(rank)
+    return inc is not None and s.members.get(rank) == inc and (rank, inc) in s.healed
 
 
 def replica_status(s: KeeperSnapshot, rank: int) -> dict:
@@ -497,10 +498,10 @@ def replica_status(s: KeeperSnapshot, rank: int) -> dict:
     info = s.report(rank)
     inc = s.alive.get(rank)
     fields = {
-        "in_quorum": inc is not None and s.members.get(rank) == inc and (rank, inc) in s.healed,
-        "healing": bool(info.get("healing")) and info.get("inc") == inc,
-        "last_heal_s": info.get("last_heal_s"),
-        "ft_phase": info.get("phase") if info.get("inc") == inc else None,
+        "in_quorum": in_quorum(s, rank),
+        "healing": info.healing and info.inc == inc,
+        "last_heal_s": info.last_heal_s,
+        "ft_phase": info.phase if info.inc == inc else None,
     }
     if s.spares:
         fields["spare"] = inc is not None and s.held.get(rank) == inc
@@ -508,8 +509,7 @@ def replica_status(s: KeeperSnapshot, rank: int) -> dict:
 
 
 def global_step(s: KeeperSnapshot) -> int:
-    info = s.info
-    return max((int((info.get(r) or {}).get("step", 0)) for r in s.ranks), default=0)
+    return max((s.report(r).step for r in s.ranks), default=0)
 
 
 def run_status(s: KeeperSnapshot) -> dict:
@@ -523,8 +523,8 @@ def run_status(s: KeeperSnapshot) -> dict:
     fields = {
         "quorum_id": s.quorum_id,
         "quorum_size": len(s.members),
-        "steps_committed": max((int(i.get("step", 0)) for i in reports), default=0),
-        "steps_discarded": max((int(i.get("discarded", 0)) for i in reports), default=0),
+        "steps_committed": max((i.step for i in reports), default=0),
+        "steps_discarded": max((i.discarded for i in reports), default=0),
     }
     if s.spares:
         fields["spares"] = len(spares.spare_replicas(s))

@@ -90,10 +90,10 @@ class KeeperRules:
         someone = e == s.quorum_id and any(s.alive.get(r) == inc for r, inc in s.quorums.get(e, ()))
         for r, inc in s.alive.items():
             info = s.report(r)
-            if inc is not None and info.get("inc") == inc and info.get("epoch") == e:
+            if info.of(inc) and info.quorum_id == e:
                 someone = True
-                if "round" in info:
-                    rounds |= {int(info["round"]), int(info["round"]) + 1}
+                if info.round is not None:
+                    rounds |= {info.round, info.round + 1}
         if someone:
             rounds |= {s.top + 1, s.top + 2}
         return rounds
@@ -112,8 +112,8 @@ class KeeperRules:
         if (m, k) in s.finished:  # it left the loop: a joiner left behind would wait for ever
             return True
         mi = s.report(m)
-        return (s.alive.get(m) == k and mi.get("inc") == k and s.fresh(m, now)
-                and (mi.get("epoch") not in (None, e) or (mi.get("epoch") is None and e < s.quorum_id)))
+        return (s.alive.get(m) == k and mi.inc == k and s.fresh(m, now)
+                and (mi.quorum_id not in (None, e) or (mi.quorum_id is None and e < s.quorum_id)))
 
     def oldest_kept_quorum(self, s: KeeperSnapshot) -> int:
         """Quorums below this one have their keys deleted (-1: none). A live replica that reports
@@ -174,13 +174,13 @@ def unstick(rules: KeeperRules, s: KeeperSnapshot, voting_since: Mapping[int, Tu
     since_now: Dict[int, Tuple[Tuple[object, object], float]] = {}
     due: List[FailVote] = []
     planned = set()
-    reports, alive = s.info, s.alive
+    alive = s.alive
     for v in s.ranks:
-        info = reports.get(v) or {}
+        info = s.report(v)
         inc = alive.get(v)
-        where = (info.get("epoch"), info.get("round"))
-        if (inc is None or info.get("inc") != inc or info.get("phase") != "vote" or not s.fresh(v, now)
-                or where[0] not in s.quorums):
+        where = (info.quorum_id, info.round)
+        if (not info.of(inc) or info.phase != "vote" or not s.fresh(v, now) or info.round is None
+                or info.quorum_id not in s.quorums):
             continue
         since = voting_since.get(v)
         if since is None or since[0] != where:
@@ -189,13 +189,13 @@ def unstick(rules: KeeperRules, s: KeeperSnapshot, voting_since: Mapping[int, Tu
         since_now[v] = since
         if now - since[1] < STUCK_S:
             continue
-        e, rnd = int(where[0]), int(where[1])
+        e, rnd = info.quorum_id, info.round
         for m, k in s.quorums[e]:
             if (m, k, e, rnd) in unstuck or (m, k, e, rnd) in planned or not rules.elsewhere(s, m, k, e, now):
                 continue
             planned.add((m, k, e, rnd))
             mi = s.report(m)
-            at = f"in quorum {mi['epoch']}" if mi.get("epoch") is not None else "still joining"
+            at = f"in quorum {mi.quorum_id}" if mi.quorum_id is not None else "still joining"
             due.append(FailVote(m, k, e, rnd, f"rank {m} is {at} while quorum {e} waits for its "
                                               f"vote in round {rnd}: voted fail in its place"))
     return since_now, tuple(due)
@@ -270,8 +270,8 @@ def collect(rules: KeeperRules, s: KeeperSnapshot, names: Iterable[str]) -> KeyC
         if parsed is None:
             continue
         kind, nums = parsed
-        if kind in ROUND_KEYS and len(nums) >= 2 or kind in ("epoch", "start") and nums:
-            where = (nums[0], nums[1] if kind not in ("epoch", "start") else -1)
+        if kind in ROUND_KEYS and len(nums) >= 2 or kind in ("quorum", "start") and nums:
+            where = (nums[0], nums[1] if kind not in ("quorum", "start") else -1)
             ours.append((key, kind, where))
             if kind == "d":
                 newest[where[0]] = max(newest.get(where[0], -1), where[1])

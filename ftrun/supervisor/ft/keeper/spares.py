@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import AbstractSet, Dict, Mapping, Optional, Protocol, Sequence, Tuple
 
+from ftrun.wire import MemberReport
+
 
 class SpareView(Protocol):
     """The fields of keeper/core.py's KeeperSnapshot these rules read (core.py imports this module)."""
@@ -35,7 +37,7 @@ class SpareView(Protocol):
 
     def mates(self, rank: int) -> Tuple[int, ...]: ...
 
-    def report(self, rank: int) -> Mapping: ...
+    def report(self, rank: int) -> MemberReport: ...
 
 
 def target(s: SpareView) -> int:
@@ -97,9 +99,8 @@ def followed(s: SpareView) -> Dict[int, int]:
     out: Dict[int, int] = {}
     for r in s.ranks:
         info = s.report(r)
-        inc = info.get("inc")
-        if info.get("phase") == "join" and isinstance(inc, int) and s.members.get(r) != inc:
-            out[r] = inc
+        if info.phase == "join" and info.inc is not None and s.members.get(r) != info.inc:
+            out[r] = info.inc
     return out
 
 

@@ -19,11 +19,11 @@ import the supervisor.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Iterator, List, Optional, Tuple
 
 from ftrun import protocol as keys
 from ftrun.protocol import Quorum
+from ftrun.wire import MemberReport, SurvivorReport
 from ftrun.worker.ft.member import membership, vote
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import (Backoff, ClosedOk, CollectiveFailed, Command, Compared, Computing, Decided,
@@ -151,18 +151,17 @@ class MemberDriver:
             self._node_count = (self.quorum.id, self.node.size(self.quorum.members))
         return self._node_count[1]
 
-    def info(self) -> dict:
-        """What the member reports (`ftrun status`, and the keeper, which reads inc, quorum, round)."""
+    def info(self) -> MemberReport:
+        """What the member reports (`ftrun status`, and the keeper, which reads inc, quorum_id, round):
+        its beat is the reporter's (ftrun.worker.progress)."""
         h = self.heals
-        return {
-            "inc": self.inc, "epoch": self.quorum.id if self.quorum else None,
-            "quorum": self.num_replicas if self.quorum else 0, "in_quorum": self.quorum is not None and self.in_sync,
-            "healing": self.phase == "heal", "step": self.step,
-            "round": self.waiting_round if self.waiting_round is not None else self.round,
-            "committed": self.committed, "discarded": self.discarded, "last_heal_s": h.last_heal_s,
-            "phase": self.phase, "phase_since": self.phase_since, "heals": h.count,
-            "last_transfer": h.last_transfer,
-        }
+        return MemberReport(
+            inc=self.inc, quorum_id=self.quorum.id if self.quorum else None,
+            replicas=self.num_replicas if self.quorum else 0, in_quorum=self.quorum is not None and self.in_sync,
+            healing=self.phase == "heal", step=self.step,
+            round=self.waiting_round if self.waiting_round is not None else self.round,
+            committed=self.committed, discarded=self.discarded, last_heal_s=h.last_heal_s,
+            phase=self.phase, phase_since=self.phase_since, heals=h.count, last_transfer=h.last_transfer)
 
     @property
     def redo(self) -> bool:
@@ -748,6 +747,6 @@ class MemberDriver:
         self.iteration.store_moved()  # not forgotten: its state holds those sub-steps
         self._forget_round(keep_iteration=True)
         self.heals.store_moved()
-        self.store.set(keys.survivor_key(self.rank), json.dumps(
-            {"inc": self.inc, "step": self.step, "in_sync": self.in_sync and not self.heals.tainted,
-             "decided": decided, "latest": seen, **({"sub_steps": sub_steps} if sub_steps else {})}))
+        self.store.set(keys.survivor_key(self.rank), SurvivorReport(
+            inc=self.inc, step=self.step, in_sync=self.in_sync and not self.heals.tainted, decided=decided,
+            latest=seen, sub_steps=sub_steps).encode())
