@@ -232,17 +232,15 @@ class SimSupervisor:
             if r in self.gone or (what == "spawn" and r in self.dropped):  # lost or dropped: never back
                 continue
             if what == "spawn":
-                inc = max(inc, self.inc[r] + 1)  # after an incarnation booked in place (MemberDriver.rejoin)
                 self.inc[r] = inc
                 keeper.on_spawn(r, inc)
                 m = SimWorker(self.w, r, inc)
                 self.members[r] = m
                 self.sched.spawn(m.main, "main", m.proc)
             else:  # died, finished (a "noop" wake-up too: an exit of no incarnation, which changes nothing)
-                # The process's incarnation as the supervisor knows it when it sees the exit, as the
-                # product's worker record (one it booked in place since the exit counts).
-                booked = what in ("died", "finished") and self.k == 1
-                keeper.on_exit(r, self.inc[r] if booked else inc, finished=what == "finished")
+                # The process's incarnation as ftrun's worker record has it when it sees the exit (one
+                # it booked in place since counts); a "noop" wake-up names no incarnation.
+                keeper.on_exit(r, self.inc[r] if what != "noop" else inc, finished=what == "finished")
 
     def on_member_exit(self, m: SimWorker, code: int, why: str, by_peers: bool = False) -> None:
         """The member's process ends (its own thread, just before it unwinds)."""
@@ -282,9 +280,11 @@ class SimSupervisor:
         if verdict is not RestartVerdict.RESTART_REPLICA:
             return
         back = now + 0.3 + 0.7 * self.sched.rng.random()
+        # As ftrun's worker table: one incarnation for the whole replica, past each record's.
+        nxt = replica_rules.next_incarnation(self.inc[m] for m in replica_rules.ranks_of(replica, self.k))
         for mate in replica_rules.ranks_of(replica, self.k):
             if mate == rank or (self.k > 1 and mate not in self.done):
-                self.events.append((back, "spawn", mate, inc + 1))
+                self.events.append((back, "spawn", mate, nxt))
 
     def _decide(self, replica: int, by_peers: bool) -> RestartVerdict:
         """The failure policy's verdict on the replica's failure, checked against the invariants
