@@ -140,6 +140,8 @@ def make_schedule(seed: int, k: int = 1, nodes: int = 1, round_steps: int = 1,
         else:  # more failures than spares: none is left for the last
             faults += [Fault(round(at + 0.2 * i, 3), "kill", rng.randrange((replicas - s.spares) * k))
                        for i in range(s.spares + 1)]
+        if rng.random() < 0.3:  # the spare's feed writes a state unlike its feeder's: it must be sent whole
+            faults.append(Fault(0.0, "feed-bad", spare))
     if stops:
         s.stop_at = round(rng.uniform(0.05, 2.5), 3)
         if rng.random() < 0.5:  # a worker dies during the stop (the writer, the lowest holder, most often)

@@ -341,3 +341,16 @@ def test_the_guards_verdict_as_the_member_takes_it():
     assert [type(c) for c in healed.handle(Compared(0, ((0, a), (1, b), (2, a)), 90))] == [SitOut]
     split = MemberCore().handle(Compared(0, ((0, a), (1, b)), 20, ((1, "w"),)))
     assert [type(c) for c in split] == [EndRun] and "no majority" in split[0].why and "rank 1: w" in split[0].why
+
+
+@pytest.mark.parametrize("followed, same, kept", [
+    (True, True, True),     # every healer a fed spare, bit for bit the source's: only the rest moves
+    (True, False, False),   # a feed wrote another state: the whole state moves
+    (False, True, False),   # a healer not fed (a fresh joiner beside the spare): the whole state
+    (False, False, False),
+])
+def test_a_heal_keeps_a_fed_spares_state_only_with_the_sources_fingerprints(followed, same, kept):
+    from ftrun.worker.ft.member.core import FedCompared, MoveState, keeps_fed_state
+
+    assert keeps_fed_state(followed, same) is kept
+    assert MemberCore().handle(FedCompared(followed, same)) == [MoveState(kept)]

@@ -219,6 +219,11 @@ UNDECIDED_REDO = {"seed": 100062, "replicas": 3, "total": 7, "faults": [
 # many trains, with no fault at all.
 SPARE_SHORT = {"seed": 100000, "replicas": 2, "spares": 1, "total": 2, "faults": []}
 LONE_CHECK = {"seed": 100000, "replicas": 2, "check_every": 2, "total": 2, "faults": []}
+# Found from seed 1 with --spares --bug kept-unlike (schedule 32), shrunk: a training replica dies and
+# the spare whose feed wrote a state unlike its feeder's takes its place.
+KEPT_UNLIKE = {"seed": 100032, "replicas": 3, "spares": 1, "total": 6, "faults": [
+    {"at": 0.451, "kind": "kill", "rank": 0, "dur": 0.0, "x": 0.0},
+    {"at": 0.0, "kind": "feed-bad", "rank": 2, "dur": 0.0, "x": 0.0}]}
 
 
 def _simulate(*args: str, timeout: float = 300) -> List[str]:
@@ -741,6 +746,26 @@ def test_spare_short_bug_fails_a_schedule_the_product_passes():
     bad = _replay(SPARE_SHORT, "spare-short")
     assert bad[-1] == "1 schedules, 1 violations"
     assert "quorum 1 trains 2 replicas" in bad[0], bad
+
+
+@pytest.mark.quick
+def test_kept_unlike_bug_fails_a_schedule_the_product_passes():
+    """(y) planted: a promoted fed spare keeps its models and optimizers whenever its feed followed,
+    without the fingerprints' word (member core keeps_fed_state). The product sends that spare the
+    whole state; the bug's spare goes on with a state unlike its source's."""
+    assert _replay(KEPT_UNLIKE)[-1] == "1 schedules, 0 violations"
+    bad = _replay(KEPT_UNLIKE, "kept-unlike")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "keeps a fed state (bad) unlike its heal's source's" in bad[0], bad
+
+
+def test_fed_spares_are_kept_only_with_equal_fingerprints():
+    """Fed spares in the simulator: a held spare follows the committed states; promoted, its heal
+    compares fingerprints and the member core decides. Over the spares budget some promotions keep
+    the fed state and some (a feed that wrote another state) send it whole, and none keeps one unlike
+    its source's (the invariant in sim/worker.py receive_state)."""
+    lines = _simulate("--spares", "--schedules", "150", "--seed", "2", timeout=600)
+    assert lines[-1] == "150 schedules, 0 violations", "\n".join(lines[-20:])
 
 
 def test_guard_budget_finds_no_violation():

@@ -502,6 +502,23 @@ class LoneCheck(Wiring):
     driver = _LoneCheckDriver
 
 
+# ---------------------------------------------------------------- (y) kept-unlike
+class _KeepUnlikeCore(member_core.MemberCore):
+    """Planted: a promoted spare keeps its fed state whenever its feed followed, without asking
+    whether its fingerprints are the source's."""
+
+    def keeps_fed_state(self, followed: bool, same: bool) -> bool:  # type: ignore[override]
+        return followed
+
+
+class _KeepUnlikeDriver(MemberDriver):
+    core_class = _KeepUnlikeCore
+
+
+class KeepUnlike(Wiring):
+    driver = _KeepUnlikeDriver
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering a quorum at different rounds
@@ -528,6 +545,7 @@ BUGS: Dict[str, type] = {
     "undecided-redo": UndecidedRedo,  # (v) ft.redo() False on a step handed before its round's decision
     "spare-short": SpareShort,        # (w) planted: one hot spare fewer held back than --spares says
     "lone-check": LoneCheck,          # (x) planted: the guard's check due on some members only
+    "kept-unlike": KeepUnlike,        # (y) planted: a fed spare's state kept with fingerprints unlike its source's
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-quorum": "collect-joiner"}

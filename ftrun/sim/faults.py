@@ -18,6 +18,7 @@ class Faults:
         self.heal_kill: Dict[int, bool] = {}  # rank -> killed as it next sends or receives state
         self.call_kill: Dict[str, int] = {}  # proc -> store calls it makes before it is killed at the next
         self.call_pause: Dict[int, Tuple[int, float]] = {}  # rank -> (store calls before the pause, its length)
+        self.feed_bad: Dict[int, bool] = {}  # rank -> a hot spare whose feed wrote a state unlike the feeder's
         # on_call is the store's on_call while a kill-call or pause-call is armed (None: no function
         # call per store call in the common turn).
         self.last_fault_end = max([f.at + f.dur for f in world.sch.faults], default=0.0)
@@ -56,6 +57,8 @@ class Faults:
                 if m is not None and f.rank not in self.w.supervisor.done:
                     self.call_kill[m.proc] = int(f.x)
                     self.w.store.on_call = self.on_call
+            elif f.kind == "feed-bad":
+                self.feed_bad[f.rank] = True
             elif f.kind == "heal-kill":
                 self.heal_kill[f.rank] = True
             elif f.kind == "pause-call":

@@ -28,6 +28,10 @@ class Group:
         self.waiters: list = []  # threads parked in one of its collectives
         self.kinds: Dict[int, Tuple[str, int]] = {}  # collective index -> (what it is, the first rank in it)
         self.prints: Dict[int, Dict[int, int]] = {}  # a check's collective index -> each rank's digest
+        # A heal's comparison of fed states: collective index -> each end's word, and the one result
+        # every end reads (computed once, by the first end out of the collective).
+        self.fed: Dict[int, Dict[int, tuple]] = {}
+        self.fed_found: Dict[int, tuple] = {}
 
 
 class Groups:

@@ -21,7 +21,7 @@ from ftrun.sim.store import DistStoreError
 from ftrun.wire import MemberReport
 from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member.driver import MemberDriver
-from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
+from ftrun.worker.ft.member.effects import FedCompared, MemberEffects, Snapshot
 
 POLL_S = 0.02  # the member's store polls (the product's 5 ms, coarser: fewer simulated turns)
 REPORT_S = 0.25  # protocol.HEARTBEAT_S: the status report the keeper reads
@@ -91,6 +91,10 @@ class SimWorker(MemberEffects):
         self._after: Dict[Tuple[int, int], Tuple[int, int, str]] = {}  # round -> (lineage, step, digest) after it
         # (lineage, step, state) whose side effects the script ran: its own, or its heal's source's.
         self.effects: Set[Tuple[int, int, str]] = set()
+        # A hot spare's feed (ftrun/worker/ft/heal/feed.py, simulated): it follows the training
+        # replicas' committed states while the keeper holds this replica back, and its state is
+        # then not the committed one until a heal says so (fed()).
+        self.following = False
         # Where the run's store is, as this node's ftrun told the process when it started it (the
         # environment's FTRUN_STORE, and the generation of a store that moved before it started).
         gen, self._addr = world.supervisor.node_run.get(world.node_of(rank), (0, world.first_addr))
@@ -156,6 +160,10 @@ class SimWorker(MemberEffects):
                 store.set(keys.info_key(self.rank), dataclasses.replace(self.driver.info(), beat=beat).encode())
             except Exception:  # noqa: BLE001 - the store is down: go on beating
                 pass
+            if self.w.sch.spares and not self.following:
+                sup = self.w.supervisor
+                keeper = sup.node_keeper.get(sup.host)
+                self.following = keeper is not None and keeper.held.get(self.rank) == self.inc
             self.sched.sleep(REPORT_S)
 
     # ------------------------------------------------------------ effects: store, clock, threads, exits
@@ -222,7 +230,35 @@ class SimWorker(MemberEffects):
             self.w.supervisor.kill(self.rank)
             self.sched.sleep(0.0)
 
-    def send_state(self, group: Any, snapshot: Snapshot) -> Any:
+    def fed(self) -> bool:
+        return self.following
+
+    def compare_fed(self, group: Any, sending: bool, step: int) -> Optional[FedCompared]:
+        """The heal's ends compare the healers' fed states in one collective: each healer that
+        followed catches up to the source's step (the committed state there), unless its feed
+        wrote something else (a feed-bad fault); the result, computed once, is every end's."""
+        if not self.w.sch.spares:
+            return None
+        i = group.seq.get(self.rank, 0)
+        word = (self.lineage, self.driver.step, self.digest) if sending else (self.following,)
+        group.fed.setdefault(i, {})[self.rank] = (sending, word)
+        if self.w.groups.allreduce(self, group, "fed"):
+            raise TransferBroken("a peer left mid-comparison")
+        found = group.fed_found.get(i)
+        if found is None:
+            words = group.fed[i]
+            src = next(w for s, w in words.values() if s)
+            committed = self.w.invariants.committed.get((src[0], src[1]))
+            healers = [r for r, (s, _) in words.items() if not s]
+            followed = all(words[r][1][0] for r in healers)
+            held = {r: ("bad" if self.w.faults.feed_bad.get(r) else committed) for r in healers}
+            same = followed and all(h == src[2] for h in held.values())
+            found = group.fed_found[i] = (FedCompared(followed, same), src[2], held)
+        if not sending:
+            self.following = False  # its following is over: from here on the member's heals decide
+        return found[0]
+
+    def send_state(self, group: Any, snapshot: Snapshot, kept: bool) -> Any:
         """The state moves in two collectives: a receiver's tensors are written between them."""
         self._heal_kill()
         quorum = self.driver.quorum
@@ -237,7 +273,7 @@ class SimWorker(MemberEffects):
         self.lineage = lineage
         return None
 
-    def receive_state(self, group: Any, on_write: Callable[[], None]) -> Tuple[Snapshot, Any]:
+    def receive_state(self, group: Any, on_write: Callable[[], None], kept: bool) -> Tuple[Snapshot, Any]:
         self._heal_kill()
         if self.w.groups.allreduce(self, group, "heal"):
             raise TransferBroken("a peer left mid-transfer")
@@ -246,6 +282,13 @@ class SimWorker(MemberEffects):
         if self.w.groups.allreduce(self, group, "heal"):
             raise TransferBroken("a peer left mid-transfer")
         snapshot, self.digest, self.lineage, effects = group.payload
+        if kept:  # its fed models and optimizers stay: what it holds is what its feed wrote
+            mine = group.fed_found[max(group.fed_found)][2].get(self.rank)
+            if mine != self.digest:
+                self.w.invariants.violation(f"rank {self.rank} keeps a fed state ({mine}) unlike its heal's source's "
+                                            f"({self.digest}) in {group.key}")
+                self.digest = mine or self.digest
+        self.following = False
         self.effects = set(effects)
         self.stepped = {}
         self._after.clear()

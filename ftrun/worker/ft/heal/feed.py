@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -155,6 +156,14 @@ def apply_settings(state: ReplicaState, settings: List[Dict[str, Any]]) -> None:
                 g[k] = v
 
 
+@dataclass(frozen=True)
+class FedCheck:
+    """What compare_fed found: every healer's feed followed; their states are the source's."""
+
+    followed: bool
+    same: bool
+
+
 def _allreduce(pg: dist.ProcessGroup, t: torch.Tensor, op: Any) -> int:
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
@@ -162,40 +171,23 @@ def _allreduce(pg: dist.ProcessGroup, t: torch.Tensor, op: Any) -> int:
     return int(t.item())
 
 
-def agree_to_keep(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follower: Optional["Follower"],
-                  step: int, together: Optional[Callable[[bool], bool]] = None) -> bool:
-    """At a heal, before the transfer, on the source (`step`: the step its state is at) and on
-    every healer: True when every healer is a spare fed up to that step whose models and
-    optimizers are bit for bit the source's, so only the rest need move. One small collective
-    when no healer was fed. Sharded replicas (`pg`: one shard's group): True only if every shard
-    agrees; on the source `together(keep)` gives the replica's one decision (replica_decides),
-    which it sends to this shard's healers."""
-    if not _spares():  # the same on every worker of a run: no spare, nothing to agree on
-        return False
-    keep = _shard_keeps(pg, state, source, follower, step)
-    if _k() == 1:
-        return keep
-    word = torch.zeros(1, dtype=torch.int64, device=group_device())
-    if source:
-        assert together is not None
-        try:
-            word.fill_(int(together(keep)))
-        except Exception:  # noqa: BLE001 - the store moved or broke: the whole state is always right
-            word.fill_(0)
-    pg.broadcast(word, 0).wait()
-    return bool(word.item())
-
-
-def _shard_keeps(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follower: Optional["Follower"],
-                 step: int) -> bool:
-    """agree_to_keep over one group: the source and its healers of the same shard."""
+def compare_fed(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follower: Optional["Follower"],
+                step: int) -> Optional[FedCheck]:
+    """At a heal, before the transfer, on the source (`step`: the step its state is at) and on each
+    healer of this group (one shard's, with sharded replicas): whether every healer is a spare
+    whose feed followed (caught up to `step`), and whether their models and optimizers there are
+    bit for bit the source's. One small collective when a healer was not fed. None in a run
+    without spares (the same on every worker: nothing to compare). The member core decides what
+    moves from the answer (core.keeps_fed_state)."""
+    if not _spares():
+        return None
     dev = group_device()
     follows = source or (follower is not None and follower.synced)
     if not _allreduce(pg, torch.tensor([int(follows)], dtype=torch.int64, device=dev), dist.ReduceOp.MIN):
         if follower is not None:
             follower.stop()
             follower.synced = False
-        return False
+        return FedCheck(followed=False, same=False)
     word = torch.zeros(4, dtype=torch.int64, device=dev)
     if source:
         word.copy_(torch.cat([fingerprint(state), torch.tensor([step])]))
@@ -214,7 +206,27 @@ def _shard_keeps(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follo
                             f"{'match' if same else 'do not match'} those of step {target} "
                             f"(fingerprint {time.monotonic() - t1:.2f} s)")
         follower.synced = False  # its following is over: from here on the member's heals decide
-    return not _allreduce(pg, torch.tensor([bad], dtype=torch.int64, device=dev), dist.ReduceOp.MAX)
+    differ = _allreduce(pg, torch.tensor([bad], dtype=torch.int64, device=dev), dist.ReduceOp.MAX)
+    return FedCheck(followed=True, same=not differ)
+
+
+def agree_kept(pg: dist.ProcessGroup, keep: bool, source: bool,
+               together: Optional[Callable[[bool], bool]] = None) -> bool:
+    """The heal's one answer on whether the healers keep their state, from this shard's (`keep`,
+    the member core's): a whole replica's is its own. A sharded replica keeps only if every shard
+    does: on the source `together(keep)` gives the replica's one answer (replica_decides), which
+    it sends to this shard's healers."""
+    if _k() == 1:
+        return keep
+    word = torch.zeros(1, dtype=torch.int64, device=group_device())
+    if source:
+        assert together is not None
+        try:
+            word.fill_(int(together(keep)))
+        except Exception:  # noqa: BLE001 - the store moved or broke: the whole state is always right
+            word.fill_(0)
+    pg.broadcast(word, 0).wait()
+    return bool(word.item())
 
 
 def replica_decides(store: Any, heal_prefix: str, rank: int, keep: bool, timeout_s: float) -> bool:

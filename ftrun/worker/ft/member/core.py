@@ -1,10 +1,11 @@
 """A member's decisions, without IO: what a replica does at the top of a round, after its vote,
 when the decision of a round it stepped past comes in, when it joins or enters a quorum, who
-sends and who receives in a heal, and when the run ended without it.
+sends and who receives in a heal, whether a heal moves the whole state or keeps a fed spare's,
+and when the run ended without it.
 
 A state machine: `MemberCore.handle(event) -> commands`, and the pure rules the driver asks
 (sits_out, redo, votes_ok, round_length, save_is_due, settles_first, holds_state, gives_up,
-resumes_checkpoint, loop_ends). One driver (member/driver.py) turns store replies, group results and timers into
+resumes_checkpoint, loop_ends, keeps_fed_state). One driver (member/driver.py) turns store replies, group results and timers into
 events and carries out the commands, over the worker's effects in the product and the
 simulator's under seeded faults, so both run exactly these decisions. The store protocol they
 speak is ft/member/membership.py and ft/member/vote.py.
@@ -86,6 +87,17 @@ class InSync:
 
 
 @dataclass(frozen=True)
+class FedCompared:
+    """At a heal in a run with hot spares, before the transfer: what the heal's ends found of the
+    healers' fed states. `followed`: every healer is a spare whose feed followed the training
+    replicas (caught up to the source's step); `same`: each one's models and optimizers there
+    are bit for bit the source's (fingerprints compared)."""
+
+    followed: bool
+    same: bool
+
+
+@dataclass(frozen=True)
 class Voted:
     """The decision of this member's own vote, read at once (a failed round, or a sharded
     replica's round): `taken` steps it took in the round, `kept` the steps the round keeps."""
@@ -148,8 +160,8 @@ class StepAgain:
     (member/iteration.py): what its later sub-steps' collectives said was that round's."""
 
 
-Event = Union[RoundTop, Joined, Entering, Entered, Computing, Skipped, CollectiveFailed, InSync, Voted, ClosedOk,
-              Decided, FinishedRead, Received, StoreLost, Compared, StepAgain]
+Event = Union[RoundTop, Joined, Entering, Entered, Computing, Skipped, CollectiveFailed, InSync, FedCompared, Voted,
+              ClosedOk, Decided, FinishedRead, Received, StoreLost, Compared, StepAgain]
 
 
 # ------------------------------------------------------------------ commands (what to do)
@@ -214,6 +226,14 @@ class Rejoin:
 
 
 @dataclass(frozen=True)
+class MoveState:
+    """Move the state over the heal's group: only what the healers lack (`kept`: their fed models
+    and optimizers are the source's and stay), or all of it."""
+
+    kept: bool
+
+
+@dataclass(frozen=True)
 class SitOut:
     """Vote this round down at its top without handing the script the step (the guard found
     replicas that differ: none of them trains on until the one that differs has healed)."""
@@ -230,7 +250,7 @@ class EndRun:
 
 
 Command = Union[Join, Switch, AskEntryRound, TakeStep, Backoff, ReadFinished, Finish, Restart, Rejoin, SitOut,
-                EndRun]
+                EndRun, MoveState]
 
 
 # ------------------------------------------------------------------ the machine
@@ -254,6 +274,9 @@ class MemberCore:
     # Ranks the guard last found differing from the majority, until a check finds the group
     # agreeing (kept across a rejoin: a member found different twice running cannot be healed).
     suspects: Tuple[int, ...] = ()
+
+    def keeps_fed_state(self, followed: bool, same: bool) -> bool:
+        return keeps_fed_state(followed, same)
 
     def handle(self, event: Event) -> List[Command]:
         return _HANDLERS[type(event)](self, event)
@@ -311,6 +334,9 @@ class MemberCore:
     def _on_InSync(self, e: InSync) -> List[Command]:
         self.in_sync = True
         return []
+
+    def _on_FedCompared(self, e: FedCompared) -> List[Command]:
+        return [MoveState(self.keeps_fed_state(e.followed, e.same))]
 
     def _on_ClosedOk(self, e: ClosedOk) -> List[Command]:
         return self._end_round(True, self.quorum.id)
@@ -462,6 +488,14 @@ def source_refuses(sending: bool, tainted: bool, fresh: bool = False, holds_stat
 # ------------------------------------------------------------------ the rules the driver asks
 # Pure functions of what every member knows alike; the driver (member/driver.py) asks them at
 # the same points on the worker and in the simulator.
+def keeps_fed_state(followed: bool, same: bool) -> bool:
+    """Whether a heal's healers keep their own models and optimizers (a promoted hot spare: only
+    the rest of the state moves): only when every healer's feed followed up to the source's step
+    and its fingerprints there are the source's. Anything else sends the whole state: a state
+    kept on a fingerprint that differs would be a replica that silently differs."""
+    return followed and same
+
+
 def sits_out(in_sync: bool) -> bool:
     """Whether the round's top hands the script no step: this member does not hold the committed
     state (its heal did not land: the quorum's group or the transfer failed, so it holds its

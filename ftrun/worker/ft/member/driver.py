@@ -53,6 +53,7 @@ class MemberDriver:
     finished_step = staticmethod(membership.finished_step)
     source_refuses = staticmethod(core.source_refuses)
     settles_first = staticmethod(core.settles_first)
+    core_class = MemberCore  # the member's decisions (a historic bug of the simulator's is a subclass)
     sits_out = staticmethod(core.sits_out)
     check_due = staticmethod(core.check_due)
     cast_vote = staticmethod(vote.cast)
@@ -68,7 +69,7 @@ class MemberDriver:
         self.store_gen = store_gen
         self.store = fx.connect()
         self.ballot = self._new_ballot()
-        self.core = MemberCore(can_rejoin=core.rejoins_in_place(k, nodes))
+        self.core = self.core_class(can_rejoin=core.rejoins_in_place(k, nodes))
         self.checkpoints = checkpoints  # a Checkpointer (--checkpoint-dir), or None
         self.state = state  # what a checkpoint saves and resumes (ft/heal/state.py's ReplicaState), or None
         self.layout = LayoutRounds()
@@ -704,7 +705,7 @@ class MemberDriver:
             self.restart(why)
         self.inc = new
         self.fx.incarnation(new)
-        self.core = MemberCore(can_rejoin=True, round=self.round, suspects=self.core.suspects)
+        self.core = self.core_class(can_rejoin=True, round=self.round, suspects=self.core.suspects)
         self._forget_round()
         self.heals.rejoined()
         self._index_of, self._node_count = (-1, 0), (-1, 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, NoReturn, Optional, Tuple
 
 from ftrun.protocol import Quorum
+from ftrun.worker.ft.member.core import FedCompared
 
 # (round, step, newest step yielded, sub-steps of the current loop step committed): what a heal's
 # transfer carries besides the model's state.
@@ -131,14 +132,26 @@ class MemberEffects:
         its last heal: a state that is not the committed one until a heal says so."""
         return False
 
-    def send_state(self, group: Any, snapshot: Snapshot) -> Any:
-        """Send this replica's state (and `snapshot`) over the heal's group; returns its stats."""
+    def compare_fed(self, group: Any, sending: bool, step: int) -> Optional[FedCompared]:
+        """At a heal, before the transfer, on every end of the heal's group (the source at `step`):
+        what the ends found of the healers' fed states (a collective), for the member core to
+        decide what moves; None in a run without hot spares (nothing to compare)."""
+        return None
+
+    def agree_kept(self, group: Any, kept: bool, sending: bool) -> bool:
+        """The heal's one answer from this group's (the core's `kept`): a sharded replica keeps its
+        healers' state only if every shard does. A whole replica's is its own."""
+        return kept
+
+    def send_state(self, group: Any, snapshot: Snapshot, kept: bool) -> Any:
+        """Send this replica's state (and `snapshot`) over the heal's group, all of it or (`kept`)
+        only what the healers' fed state lacks; returns its stats."""
         raise NotImplementedError
 
-    def receive_state(self, group: Any, on_write: Callable[[], None]) -> Tuple[Snapshot, Any]:
-        """Receive a peer's state into this replica's own objects (`on_write` once any landed);
-        returns the snapshot it was captured at, and the stats. Raises HealRefused when it does
-        not fit."""
+    def receive_state(self, group: Any, on_write: Callable[[], None], kept: bool) -> Tuple[Snapshot, Any]:
+        """Receive a peer's state into this replica's own objects (`on_write` once any landed),
+        keeping its fed models and optimizers when `kept`; returns the snapshot it was captured
+        at, and the stats. Raises HealRefused when it does not fit."""
         raise NotImplementedError
 
     def compare_states(self, group: Any) -> Tuple[Tuple[Tuple[int, Tuple[int, ...]], ...], Tuple[Tuple[int, str], ...]]:

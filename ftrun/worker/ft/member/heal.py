@@ -78,10 +78,11 @@ class HealTransfers:
         hpg = None
         try:
             hpg = d.entry.form(keys.pg_prefix(quorum.id, d.group_round, d.shard_id) + "heal/", quorum, ends)
+            kept = self._kept(hpg, sending)
             if sending:
-                stats = fx.send_state(hpg, (d.round, d.step, d.yielded, d.iteration.done))
+                stats = fx.send_state(hpg, (d.round, d.step, d.yielded, d.iteration.done), kept)
             else:
-                snapshot, stats = fx.receive_state(hpg, self.taint)
+                snapshot, stats = fx.receive_state(hpg, self.taint, kept)
                 d.took_state(snapshot)
                 self.tainted = False
         except HealRefused as e:
@@ -119,6 +120,16 @@ class HealTransfers:
         if stats is not None:
             fx.log_detail(f"rank {d.rank}: received {stats.bytes / 1e6:.1f} MB of state from rank {source} in "
                           f"{stats.seconds:.2f} s ({stats.gbps:.2f} GB/s, {stats.in_place} tensors in place)")
+
+    def _kept(self, hpg: Any, sending: bool) -> bool:
+        """Whether this heal keeps the healers' fed models and optimizers: the effects compare the
+        fed states (in a run with hot spares), the member core decides, and a sharded replica's
+        shards agree on one answer."""
+        found = self.d.fx.compare_fed(hpg, sending, self.d.step)
+        if found is None:
+            return False
+        (move,) = self.d.core.handle(found)
+        return self.d.fx.agree_kept(hpg, move.kept, sending)
 
     def _synced(self) -> None:
         d = self.d

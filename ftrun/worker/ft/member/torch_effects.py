@@ -21,10 +21,11 @@ from ftrun import protocol as keys
 from ftrun.protocol import Quorum
 from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device, hang_up, settle
+from ftrun.worker.ft.member.core import FedCompared
 from ftrun.worker.ft.member.effects import HealRefused, MemberEffects, Snapshot
 from ftrun.worker.ft.member.member_io import POLL_S, _env_number, _log, _log_detail, leave, restart_replica
 from ftrun.worker.ft.heal.agreement import compare
-from ftrun.worker.ft.heal.feed import Feeder, Follower, agree_to_keep, replica_decides
+from ftrun.worker.ft.heal.feed import Feeder, Follower, agree_kept, compare_fed, replica_decides
 from ftrun.worker.ft.heal.state import ReplicaState
 from ftrun.worker.ft.heal.transport import StateMismatch, receive_state, send_state
 from ftrun.worker import settings
@@ -224,16 +225,21 @@ class TorchEffects(MemberEffects):
     def fed(self) -> bool:
         return self.follower.touched
 
-    def send_state(self, group: Any, snapshot: Snapshot) -> Any:
-        kept = agree_to_keep(group, self.state, True, None, snapshot[1], self._replica_decides(group))
+    def compare_fed(self, group: Any, sending: bool, step: int) -> Optional[FedCompared]:
+        check = compare_fed(group, self.state, sending, None if sending else self.follower, step)
+        return None if check is None else FedCompared(check.followed, check.same)
+
+    def agree_kept(self, group: Any, kept: bool, sending: bool) -> bool:
+        return agree_kept(group, kept, sending, self._replica_decides(group) if sending else None)
+
+    def send_state(self, group: Any, snapshot: Snapshot, kept: bool) -> Any:
         if kept:
             self._inject_send_delay()  # a kept state may send no chunk: hold the heal open before its header
         return send_state(group, self.state.capture(*snapshot, kept=kept), group_device(), chunk=self._chunk,
                           after_first_chunk=self._inject_send_delay, timeout_s=self._settle_s)
 
-    def receive_state(self, group: Any, on_write: Callable[[], None]) -> Tuple[Snapshot, Any]:
+    def receive_state(self, group: Any, on_write: Callable[[], None], kept: bool) -> Tuple[Snapshot, Any]:
         try:
-            kept = agree_to_keep(group, self.state, False, self.follower, -1)
             local = self.state.kept_targets() if kept else self.state.targets()
             payload, stats, in_place = receive_state(group, local, group_device(), chunk=self._chunk,
                                                      on_write=on_write, timeout_s=self._settle_s)
