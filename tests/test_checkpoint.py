@@ -20,25 +20,13 @@ import pytest
 import torch
 
 from conftest import ROOT, SCRIPTS, free_port, really_alive, run_ftrun
-from helpers import assert_bad, err_text, start_logged
+from helpers import assert_bad, err_text, start_logged, wait_for
 
 TRAIN = SCRIPTS / "train_ft.py"
 WORKER = ROOT / "tests" / "ckpt_worker.py"
 FSDP = SCRIPTS / "train_fsdp_ft.py"
 # 10.5M parameters with Adam: 126 MB of model and optimizer state per replica.
 BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr", 0.001]
-
-
-def _wait_for(pred, proc, what: str, timeout: float = 90.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"ftrun ended (exit {proc.returncode}) before {what}\n{err_text(proc)[-3000:]}")
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"never saw {what}\n{err_text(proc)[-3000:]}")
 
 
 def _kill_everything(proc) -> None:
@@ -98,13 +86,13 @@ def test_everything_killed_resumes_bitwise(ftrun_home, tmp_path):
                                                       "FTRUN_CHECKPOINT_FRESH_STAGER": "1"})
     first = start_logged(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "6:120"})
     partial = d / ".step-6.ck.partial"  # .step-N.<run id>.partial
-    _wait_for(lambda: (partial / ".metadata").exists() and (d / "step-3").is_dir(), first,
-              "the checkpoint of step 6 written but not published")
+    wait_for(lambda: (partial / ".metadata").exists() and (d / "step-3").is_dir(), 90,
+             "the checkpoint of step 6 written but not published", first)
     _kill_everything(first)
     assert _complete(d) == [3] and (partial / ".metadata").exists()
 
     second = start_logged(cmd(d, tmp_path / "out"))
-    _wait_for(lambda: (d / "step-6").is_dir(), second, "the checkpoint of step 6 published")
+    wait_for(lambda: (d / "step-6").is_dir(), 90, "the checkpoint of step 6 published", second)
     _kill_everything(second)
     assert f"resumed from checkpoint {d}/step-3 at step 3" in err_text(second), err_text(second)[-3000:]
     newest = _complete(d)[-1]
@@ -149,7 +137,7 @@ def test_killed_whole_over_several_buckets_then_a_spare_heal_both_bitwise(ftrun_
     d, out = tmp_path / "ck", tmp_path / "out"
     spare = cmd(d, out, "--die-once", f"{tmp_path / 'died'}:40", spares=1)
     first = start_logged(spare)
-    _wait_for(lambda: (d / "step-20").is_dir(), first, "the checkpoint of step 20")
+    wait_for(lambda: (d / "step-20").is_dir(), 90, "the checkpoint of step 20", first)
     _kill_everything(first)
     assert not (tmp_path / "died").exists()
     again = run_ftrun(spare, timeout=180)
@@ -219,7 +207,7 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
 
     ref = start_logged(cmd("ref", tmp_path / "ref-ck", 60, tmp_path / "ref", "--step-sleep", 0.03))
     run = start_logged(cmd("hold", d, 60, tmp_path / "out", "--step-sleep", 0.03))
-    _wait_for(lambda: (d / "step-15").is_dir(), run, "the checkpoint of step 15")
+    wait_for(lambda: (d / "step-15").is_dir(), 90, "the checkpoint of step 15", run)
     state = json.loads((ftrun_home / "hold" / "state.json").read_text())
     for r in state["replicas"]:
         psutil.Process(r["pid"]).kill()
@@ -312,7 +300,7 @@ def test_store_node_lost_under_ft_exits_for_requeue(ftrun_home, tmp_path):
                            "--nproc", 1, "--ft", "--run-id", "lost", "--checkpoint-dir", tmp_path / "ck",
                            "--checkpoint-every", 5, TRAIN, "--steps", 100_000, "--step-sleep", 0.02])
     try:
-        _wait_for(lambda: (tmp_path / "ck" / "step-5").is_dir(), procs[1], "a first checkpoint")
+        wait_for(lambda: (tmp_path / "ck" / "step-5").is_dir(), 90, "a first checkpoint", procs[1])
         family = psutil.Process(procs[1].pid).children(recursive=True)
         _kill_everything(procs[0])
         procs[1].wait(timeout=30)
