@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Optional, Tuple, TypeVar, Union
 
 import pytest
 
-from conftest import ROOT, run_ftrun, start_ftrun
+from conftest import run_ftrun
 
 T = TypeVar("T")
 Procs = Union[None, subprocess.Popen, Iterable[subprocess.Popen]]
@@ -42,12 +42,6 @@ def read_state(home: Path, folder: str) -> Optional[dict]:
         return json.loads((home / folder / "state.json").read_text())
     except (OSError, ValueError):
         return None
-
-
-def start_logged(args, env=None, cwd=ROOT) -> subprocess.Popen:
-    """ftrun with `args`, its stdout discarded and its stderr in a file (`err_text`):
-    conftest's start_ftrun with files=("stderr",)."""
-    return start_ftrun(args, env=env, cwd=cwd, files=("stderr",))
 
 
 def err_text(proc: subprocess.Popen) -> str:

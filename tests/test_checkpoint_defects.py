@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, run_ftrun
+from conftest import SCRIPTS, run_ftrun, start_ftrun
 from ftrun import protocol as keys
 from ftrun.supervisor.ft.keeper.core import Pace
 from ftrun.supervisor.ft.quorum import KeeperSettings, QuorumKeeper
-from helpers import assert_bad, err_text, start_logged, wait_for
+from helpers import assert_bad, err_text, wait_for
 from test_checkpoint import _complete
 from test_checkpoint_faults import _printed_step
 
@@ -94,8 +94,8 @@ def test_sigterm_saves_within_the_default_grace_when_steps_are_slow(ftrun_home, 
     as it knows it, not only at a failure's new quorum: 8 steps a round kept the save past the
     grace, and nothing was written), the last committed step is saved, exit 143."""
     d = tmp_path / "ck"
-    run = start_logged(["--nproc", 2, "--ft", "--run-id", "slow", "--checkpoint-dir", d, "--checkpoint-every", 50,
-                        TRAIN, "--steps", 1000, "--step-sleep", 0.5, "--print-every", 1])
+    run = start_ftrun(["--nproc", 2, "--ft", "--run-id", "slow", "--checkpoint-dir", d, "--checkpoint-every", 50,
+                       TRAIN, "--steps", 1000, "--step-sleep", 0.5, "--print-every", 1], files=("stderr",))
     try:
         # past step 16, where the rounds sized once the pace was known (about step 4) began
         wait_for(lambda: _printed_step(ftrun_home, "slow") >= 20, 120, "step 20", run)

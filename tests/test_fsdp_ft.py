@@ -18,8 +18,8 @@ import psutil
 import pytest
 import torch
 
-from conftest import SCRIPTS, free_port, run_ftrun
-from helpers import finish, read_reports, read_state, replica, start_logged, wait_replica, wait_state
+from conftest import SCRIPTS, free_port, run_ftrun, start_ftrun
+from helpers import finish, read_reports, read_state, replica, wait_replica, wait_state
 
 TRAIN = SCRIPTS / "train_fsdp_ft.py"
 # 8.4M parameters with AdamW: 101 MB of parameters and optimizer state per replica.
@@ -61,8 +61,8 @@ def test_2x2_big_two_kills_only_their_replica_restarts(ftrun_home, tmp_path):
     replica 0 is back (replica 0 is then the source): each time exactly the killed worker's replica
     restarts, the run finishes, and both replicas hold identical shards."""
     out = tmp_path / "p"
-    proc = start_logged(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "big", TRAIN, *BIG, "--steps", 36,
-                   "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "big", TRAIN, *BIG, "--steps", 36,
+                   "--out", out], files=("stderr",))
     try:
         r = wait_replica(ftrun_home, "big", 1, lambda r, st: r["step"] >= 6 and r["state"] == "running", 120, proc)
         os.kill(r["pid"], signal.SIGKILL)
@@ -89,8 +89,9 @@ def test_3x2_source_killed_mid_transfer(ftrun_home, tmp_path):
     by an injected delay), a worker of replica 1 is killed too. Replica 0 heals from replica 2,
     replica 1 restarts and heals, replica 2 never restarts, and all three end identical."""
     out = tmp_path / "p"
-    proc = start_logged(["--nproc", 6, "--ft", "--replica-size", 2, "--run-id", "six", TRAIN, *MID, "--steps", 60,
-                   "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5", "FTRUN_FT_CHUNK_MB": "1"})
+    proc = start_ftrun(["--nproc", 6, "--ft", "--replica-size", 2, "--run-id", "six", TRAIN, *MID, "--steps", 60,
+                   "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5", "FTRUN_FT_CHUNK_MB": "1"}, files=("stderr",
+                                                                                                              ))
     try:
         r = wait_replica(ftrun_home, "six", 0, lambda r, st: r["step"] >= 10 and r["state"] == "running", 120, proc)
         os.kill(r["pid"], signal.SIGKILL)
@@ -133,8 +134,8 @@ def test_sigstopped_worker_restarts_only_its_replica(ftrun_home, tmp_path):
     """No flag (the default rule, its 60 s shortened to 3): a SIGSTOPped worker is found hung, and
     only its replica restarts; its mate and the other replica wait for it, but are not stopped."""
     out = tmp_path / "p"
-    proc = start_logged(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "stop", TRAIN,
-                   *SMALL, "--steps", 150, "--out", out], env={"FTRUN_HANG_AFTER_S": "3", "FTRUN_FT_TIMEOUT": "2"})
+    proc = start_ftrun(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "stop", TRAIN,
+                   *SMALL, "--steps", 150, "--out", out], env={"FTRUN_HANG_AFTER_S": "3", "FTRUN_FT_TIMEOUT": "2"}, files=("stderr",))
     try:
         r = wait_replica(ftrun_home, "stop", 3, lambda r, st: r["step"] >= 10 and r["state"] == "running", 120, proc)
         os.kill(r["pid"], signal.SIGSTOP)
@@ -152,9 +153,9 @@ def test_node_lost_with_a_replica_per_node(ftrun_home, tmp_path):
     SIGKILLed; node 0 carries on without it and finishes."""
     port = free_port()
     out = tmp_path / "p"
-    procs = [start_logged(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+    procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                      "--nproc", 2, "--ft", "--replica-size", 2, "--run-id", "nodes", TRAIN, *SMALL,
-                     "--steps", 200, "--out", out], env={"FTRUN_NODE_TIMEOUT": "2"}) for k in (0, 1)]
+                     "--steps", 200, "--out", out], env={"FTRUN_NODE_TIMEOUT": "2"}, files=("stderr",)) for k in (0, 1)]
     try:
         wait_replica(ftrun_home, "nodes.node1", 3, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120,
                      procs[1])
@@ -213,7 +214,8 @@ def test_fsdp_replicas_of_one_worker_heal(ftrun_home, tmp_path):
     so a killed replica heals (it once waited for ever for a group of every worker). Nothing says
     the script called init_process_group(): it did not."""
     out = tmp_path / "p"
-    proc = start_logged(["--nproc", 2, "--ft", "--run-id", "one", TRAIN, *MID, "--steps", 80, "--out", out])
+    proc = start_ftrun(["--nproc", 2, "--ft", "--run-id", "one", TRAIN, *MID, "--steps", 80, "--out", out],
+                       files=("stderr",))
     try:
         r = wait_replica(ftrun_home, "one", 1, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120, proc)
         os.kill(r["pid"], signal.SIGKILL)

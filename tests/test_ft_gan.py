@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from conftest import ROOT, run_ftrun
-from helpers import load_params, start_logged, wait_for
+from conftest import ROOT, run_ftrun, start_ftrun
+from helpers import load_params, wait_for
 
 GAN = ROOT / "tests" / "ft_gan_worker.py"
 
@@ -71,7 +71,7 @@ def test_a_gan_killed_whole_resumes_both_optimizers_from_its_checkpoint(ftrun_ho
     ck, out = tmp_path / "ck", tmp_path / "g"
     cmd = ["--nproc", 2, "--ft", "--run-id", "gan-ck", "--checkpoint-dir", ck, "--checkpoint-every", 10, GAN,
            "--epochs", 4, "--out", out, "--step-sleep", 0.05]
-    first = start_logged(cmd)
+    first = start_ftrun(cmd, files=("stderr",))
     wait_for(lambda: 10 in _complete(ck), 90, "the checkpoint of step 10", first)
     _kill_everything(first)
     r = run_ftrun(cmd, timeout=180)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FTRUN, ROOT, SCRIPTS
-from helpers import finish, read_reports, read_state, replica, small_tmpfs, start_logged, wait_replica
+from conftest import FTRUN, ROOT, SCRIPTS, start_ftrun
+from helpers import finish, read_reports, read_state, replica, small_tmpfs, wait_replica
 
 TRAIN_FT = SCRIPTS / "train_ft.py"
 TRAIN_DDP = SCRIPTS / "train_ddp.py"
@@ -26,7 +26,7 @@ BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr",
 
 
 def _start(args, home: Path) -> subprocess.Popen:
-    return start_logged(args, {"FTRUN_HOME": str(home)})
+    return start_ftrun(args, {"FTRUN_HOME": str(home)}, files=("stderr",))
 
 
 def _stalls(times, median, a, b):

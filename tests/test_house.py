@@ -362,6 +362,7 @@ SHARED_HELPERS = {
     "start_ftrun": "conftest.start_ftrun (files=... for its output in files)",
     "_reports": "helpers.read_reports",
     "read_reports": "helpers.read_reports",
+    "start_logged": "conftest.start_ftrun(..., files=(\"stderr\",))",
 }
 HELPER_HOMES = {"helpers.py", "conftest.py"}
 

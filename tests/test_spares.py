@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, run_ftrun
-from helpers import assert_bad, assert_identical, finish, read_state, replica, start_logged, wait_state
+from conftest import SCRIPTS, run_ftrun, start_ftrun
+from helpers import assert_bad, assert_identical, finish, read_state, replica, wait_state
 
 TRAIN = SCRIPTS / "train_ft.py"
 TINY = ["--dim", 8, "--hidden", 16, "--data", "step", "--print-every", 5]
@@ -49,8 +49,8 @@ def test_spares_take_failed_replicas_places_and_the_failed_ones_become_spares(ft
     the code after its loop (it saves nothing)."""
     out = tmp_path / "p"
     run_id = "spares"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--run-id", run_id, TRAIN, *TINY,
-                         "--steps", 300, "--step-sleep", 0.03, "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--spares", 1, "--run-id", run_id, TRAIN, *TINY,
+                        "--steps", 300, "--step-sleep", 0.03, "--out", out], files=("stderr",))
     try:
         st = wait_state(ftrun_home, run_id, lambda st: replica(st, 3).get("spare") and replica(st, 0)["step"] >= 5, 90,
                         "replica 3 waiting as the spare with the others training", proc)
@@ -143,9 +143,9 @@ def test_a_sharded_spare_replica_takes_a_failed_replicas_place(ftrun_home, tmp_p
 
     out = tmp_path / "p"
     run_id = "sharded-spare"
-    proc = start_logged(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--run-id", run_id,
-                         SCRIPTS / "train_fsdp_ft.py", "--dim", 32, "--hidden", 64, "--blocks", 1, "--steps", 150,
-                         "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5"})
+    proc = start_ftrun(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--run-id", run_id,
+                        SCRIPTS / "train_fsdp_ft.py", "--dim", 32, "--hidden", 64, "--blocks", 1, "--steps", 150,
+                        "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5"}, files=("stderr",))
     try:
         st = wait_state(ftrun_home, run_id,
                         lambda st: all(replica(st, r).get("spare") for r in (4, 5)) and replica(st, 0)["step"] >= 10,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS
-from helpers import assert_identical, finish, read_state, replica, start_logged, wait_state
+from conftest import SCRIPTS, start_ftrun
+from helpers import assert_identical, finish, read_state, replica, wait_state
 from test_spares import _kill
 
 TRAIN = SCRIPTS / "train_ft.py"
@@ -70,8 +70,8 @@ def test_a_fed_spare_takes_over_without_moving_its_model_and_the_feeds_own_failu
     The three replicas that trained to the end are bitwise identical, scheduler included."""
     out = tmp_path / "p"
     run_id = "hot"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
-                         "--steps", 400, "--step-sleep", 0.02, "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
+                        "--steps", 400, "--step-sleep", 0.02, "--out", out], files=("stderr",))
     try:
         _until_line(proc, r"rank 0: feeds hot spare rank 3 from step \d+")
         st = wait_state(ftrun_home, run_id, lambda st: replica(st, 3).get("spare"), 90, "rank 3 fed as the spare", proc)
@@ -134,8 +134,8 @@ def test_a_stopped_spare_never_holds_training_up_and_a_changed_model_is_sent_who
       promotion, and it receives the whole state (every tensor in place); all end identical."""
     out = tmp_path / "p"
     run_id = "hotnudge"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
-                         "--nudge", "--steps", 300, "--step-sleep", 0.02, "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
+                        "--nudge", "--steps", 300, "--step-sleep", 0.02, "--out", out], files=("stderr",))
     try:
         _until_line(proc, r"rank 0: feeds hot spare rank 3 from step \d+")
         st = wait_state(ftrun_home, run_id, lambda st: replica(st, 3).get("spare"), 90, "rank 3 fed as the spare", proc)
@@ -169,8 +169,8 @@ def test_a_fed_spare_is_never_a_fresh_quorums_source(ftrun_home, tmp_path):
     the run begins again from the first step (no --checkpoint-dir) on every replica alike."""
     out = tmp_path / "p"
     run_id = "hotfresh"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
-                         "--steps", 200, "--step-sleep", 0.02, "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
+                        "--steps", 200, "--step-sleep", 0.02, "--out", out], files=("stderr",))
     try:
         st = wait_state(ftrun_home, run_id, lambda st: replica(st, 3).get("spare"), 90, "replica 3 the spare", proc)
         _kill(st, 0)

@@ -19,7 +19,8 @@ import signal
 import time
 from pathlib import Path
 
-from helpers import finish, replica, start_logged, wait_state
+from conftest import start_ftrun
+from helpers import finish, replica, wait_state
 from test_spares import _kill
 from test_spares_hot import RECEIVED, _console, _until_line
 
@@ -90,8 +91,8 @@ def test_a_fed_sharded_spare_keeps_its_shards_and_one_broken_shard_feed_sends_th
     script.write_text(SCRIPT)
     hold.write_text("")
     run_id = "sharded-feed"
-    proc = start_logged(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--verbose", "--run-id", run_id,
-                         script, out, 300, hold])
+    proc = start_ftrun(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--verbose", "--run-id", run_id,
+                        script, out, 300, hold], files=("stderr",))
     try:
         _until_line(proc, r"rank 0: feeds hot spare rank 4 from step \d+")
         _until_line(proc, r"rank 1: feeds hot spare rank 5 from step \d+")

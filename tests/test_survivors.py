@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from conftest import SCRIPTS
-from helpers import assert_identical, finish, rank_log, read_state, start_logged
+from conftest import SCRIPTS, start_ftrun
+from helpers import assert_identical, finish, rank_log, read_state
 
 TRAIN = SCRIPTS / "train_ft.py"
 
@@ -28,9 +28,9 @@ def test_a_survivor_the_peers_decision_contradicts_takes_the_committed_state_in_
     from the decision of the round they stepped past ("voted down after ...")."""
     out = tmp_path / "p"
     run_id = f"peers{round_steps}"
-    proc = start_logged(["--nproc", 3, "--ft", "--max-restarts", 0, "--run-id", run_id, TRAIN, "--steps", 60,
-                         "--step-sleep", 0.05, "--out", out],
-                        env={"FTRUN_FT_INJECT_FAIL": "1:12", "FTRUN_FT_ROUND_STEPS": round_steps})
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 0, "--run-id", run_id, TRAIN, "--steps", 60,
+                        "--step-sleep", 0.05, "--out", out],
+                       env={"FTRUN_FT_INJECT_FAIL": "1:12", "FTRUN_FT_ROUND_STEPS": round_steps}, files=("stderr",))
     try:
         rc, err = finish(proc, 240)
     finally:
