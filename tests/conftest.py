@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import psutil
 import pytest
@@ -134,11 +135,34 @@ def run_ftrun(args, timeout=120, env=None, cwd=None, check=False) -> subprocess.
     return proc
 
 
-def start_ftrun(args, env=None, cwd=None, **kw) -> subprocess.Popen:
+def start_ftrun(args, env=None, cwd=None, files: Sequence[str] = (), **kw) -> subprocess.Popen:
+    """Start `ftrun ARGS` (environment `env` over this one's) and return its Popen (text).
+
+    Its stdout and stderr are pipes (read them with wait_for_line, or communicate()), unless
+    `files` names streams ("stderr", "stdout") to write to files instead, at proc.err_path and
+    proc.out_path: a test reads those at any time without blocking (helpers.err_text), and
+    shows them when it fails. A stream not named then is discarded, never a pipe nobody reads:
+    a full pipe would stop ftrun mid-run."""
+    import tempfile
+
     full_env = dict(os.environ)
     full_env.update(env or {})
-    return subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=full_env, cwd=cwd or ROOT, **kw)
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    paths = {}
+    if files:
+        assert set(files) <= set(streams), files
+        for name in streams:
+            if name in files:
+                streams[name] = tempfile.NamedTemporaryFile("w+", prefix=f"ftrun-{name[3:]}-", suffix=".log",
+                                                            delete=False)
+                paths[name] = streams[name].name
+            else:
+                streams[name] = subprocess.DEVNULL
+    proc = subprocess.Popen(FTRUN + [str(a) for a in args], text=True, env=full_env, cwd=cwd or ROOT, **streams, **kw)
+    for name, path in paths.items():
+        streams[name].close()  # the child holds its own copy
+        setattr(proc, f"{name[3:]}_path", path)
+    return proc
 
 
 class _Lines:

@@ -1,7 +1,10 @@
 """Helpers that several test files share, written once: the one-line error of bad input, a run's
-state file, and ftrun started with its stderr in a file (so a failing test can show it).
+state file, the one bounded wait (wait_for, and its forms for a run's state and one replica),
+the replicas' reports and the check that they all ended with the same saved state.
 
-Fixtures and the plain runners (run_ftrun, start_ftrun, wait_for_line) are in conftest.py.
+A test file never defines its own copy of these (tests/test_house.py checks the names): a copy
+drifts, and a weaker one lets a test pass with the feature missing. Fixtures and the plain
+runners (run_ftrun, start_ftrun, wait_for_line) are in conftest.py.
 """
 
 from __future__ import annotations
@@ -9,14 +12,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Any, Callable, Iterable, Optional, Tuple, TypeVar, Union
 
 import pytest
 
-from conftest import FTRUN, ROOT, run_ftrun
+from conftest import run_ftrun
+
+T = TypeVar("T")
+Procs = Union[None, subprocess.Popen, Iterable[subprocess.Popen]]
 
 
 def assert_bad(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -38,22 +44,111 @@ def read_state(home: Path, folder: str) -> Optional[dict]:
         return None
 
 
-def start_logged(args, env=None, cwd=ROOT) -> subprocess.Popen:
-    """ftrun with `args`, its stdout discarded and its stderr in a file (`err_text`)."""
-    err = tempfile.NamedTemporaryFile("w+", prefix="ftrun-err-", suffix=".log", delete=False)
-    proc = subprocess.Popen(FTRUN + [str(a) for a in args], stdout=subprocess.DEVNULL, stderr=err, text=True,
-                            env={**os.environ, **(env or {})}, cwd=cwd)
-    proc.err_path = err.name
-    return proc
-
-
 def err_text(proc: subprocess.Popen) -> str:
-    """What a start_logged ftrun wrote to stderr so far."""
+    """What an ftrun started with its stderr in a file wrote there so far."""
     return Path(proc.err_path).read_text()
 
 
+def _procs(proc: Procs) -> list:
+    if proc is None:
+        return []
+    return [proc] if isinstance(proc, subprocess.Popen) else list(proc)
+
+
+def _output(procs: list) -> str:
+    """The end of what each of `procs` wrote to stderr, for a failure's message: from its file,
+    or from its pipe once it has exited (never a read that could block on a live one)."""
+    tails = []
+    for p in procs:
+        if hasattr(p, "err_path"):
+            text = err_text(p)
+        elif p.poll() is not None and p.stderr is not None and not p.stderr.closed:
+            try:
+                text = p.communicate(timeout=5)[1] or ""
+            except (subprocess.TimeoutExpired, ValueError, OSError):
+                text = "(its stderr could not be read)"
+        else:
+            continue
+        tails.append(f"--- stderr of pid {p.pid} (exit {p.returncode}):\n{text[-3000:]}")
+    return "\n".join(tails)
+
+
+def wait_for(pred: Callable[[], T], timeout: float, what: str, proc: Procs = None, poll: float = 0.02,
+             show: Optional[Callable[[], str]] = None) -> T:
+    """Poll pred() every `poll` s until it returns something truthy, and return that: the suite's
+    one bounded wait. Fails, naming `what` (what it waited for), after `timeout` s, or as soon as
+    one of `proc` (a process, or several) has exited with pred still false: that one will never
+    bring it. The failure shows `show()` (what was last seen) and the processes' stderr; a wait
+    that timed out kills them first, so that none outlives a test that has no `finally` for it."""
+    procs = _procs(proc)
+    deadline = time.monotonic() + timeout
+    while True:
+        ended = [p for p in procs if p.poll() is not None]  # before pred: what it wrote is seen
+        got = pred()
+        if got:
+            return got
+        if ended or time.monotonic() >= deadline:
+            if ended:
+                why = f"pid {ended[0].pid} exited {ended[0].returncode} before {what}"
+            else:
+                why = f"not within {timeout:g} s: {what}"
+                for p in procs:
+                    p.kill()
+                    p.wait()
+            seen = show() if show else (f"last: {got!r}" if got not in (None, False) else "")
+            raise AssertionError("\n".join(x for x in (why, seen, _output(procs)) if x))
+        time.sleep(poll)
+
+
+def wait_state(home: Path, folder: str, pred: Callable[[dict], Any], timeout: float, what: str,
+               proc: Procs = None, poll: float = 0.02) -> dict:
+    """wait_for on run folder `folder`'s state file (see read_state): the state in which
+    pred(state) first held. A run that ends first fails at once, with its exit summary."""
+    last = [None]
+
+    def check():
+        st = read_state(home, folder)
+        if not st:
+            return None
+        last[0] = st
+        if st.get("phase") == "ended":
+            raise AssertionError(f"the run ended while waiting for {what}: {st.get('exit_summary')}\n"
+                                 f"{_output(_procs(proc))}")
+        return st if pred(st) else None
+
+    return wait_for(check, timeout, what, proc, poll, show=lambda: f"last state: {last[0]}")
+
+
+def wait_replica(home: Path, folder: str, rank: int, pred: Callable[[dict, dict], Any], timeout: float = 60.0,
+                 proc: Procs = None, what: str = "") -> dict:
+    """wait_state until replica `rank` has a process and pred(replica, state) holds; that
+    replica's entry (its pid, step, state...)."""
+    found = []
+
+    def mine(st):
+        found[:] = [r for r in st["replicas"] if r["rank"] == rank and r.get("pid") and pred(r, st)]
+        return found
+
+    wait_state(home, folder, mine, timeout, what or f"rank {rank} to reach the awaited state", proc)
+    return found[0]
+
+
+def wait_printed(proc: subprocess.Popen, needle: str, timeout: float = 60.0, stream: str = "stderr",
+                 poll: float = 0.05) -> None:
+    """wait_for `needle` in what `proc` (started with `stream` in a file: start_ftrun's `files`)
+    has written to that stream; a proc that exits first fails at once."""
+    path = proc.err_path if stream == "stderr" else proc.out_path
+    wait_for(lambda: needle in Path(path).read_text(), timeout, f"{needle!r} on the {stream} of pid {proc.pid}",
+             proc, poll)
+
+
+def replica(st: dict, rank: int) -> dict:
+    """Replica `rank`'s entry in a state file (its pid, step, state...)."""
+    return next(r for r in st["replicas"] if r["rank"] == rank)
+
+
 def finish(proc: subprocess.Popen, timeout: float = 120.0, expect: Optional[int] = None) -> Tuple[int, str]:
-    """(exit status, stderr) of a start_logged ftrun; a run still going after `timeout` s is killed
+    """(exit status, stderr) of an ftrun started with its stderr in a file; a run still going after `timeout` s is killed
     and fails the test with its stderr, as does an exit status other than `expect` (when given)."""
     try:
         proc.wait(timeout=timeout)
@@ -65,6 +160,14 @@ def finish(proc: subprocess.Popen, timeout: float = 120.0, expect: Optional[int]
     if expect is not None:
         assert proc.returncode == expect, err[-4000:]
     return proc.returncode, err
+
+
+def rank_log(home: Path, folder: str, rank: int) -> str:
+    """What rank `rank` of run folder `folder` wrote to its stderr (all incarnations), from the
+    run's log folder."""
+    st = read_state(home, folder)
+    assert st, f"no state for {folder}"
+    return (Path(st["log_dir"]) / f"rank{rank}" / "stderr.log").read_text()
 
 
 def status_record(run_id: str, home: Optional[Path] = None) -> dict:
@@ -79,6 +182,63 @@ def load_params(out, world: int) -> list:
     import torch  # here, not at the top: the CLI's tests never load torch in the test process
 
     return [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def read_reports(out, ranks: Union[int, Iterable[int]]) -> dict:
+    """{rank: report} of the JSON reports OUT.rankR.json the listed ranks (or ranks 0..N-1) wrote."""
+    ranks = range(ranks) if isinstance(ranks, int) else ranks
+    return {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in ranks}
+
+
+def _difference(a, b, where: str) -> Optional[str]:
+    """Where two saved states (nested dicts, lists, tensors, numbers) first differ; None if nowhere.
+    Tensors must be equal bitwise, in dtype and shape too; keys must be the same on both sides."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return None if same else where
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))} on one side only"
+        return next((d for k in a if (d := _difference(a[k], b[k], f"{where}.{k}"))), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: {len(a)} against {len(b)} items"
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _difference(x, y, f"{where}[{i}]"))), None)
+    return None if a == b else f"{where}: {a!r} against {b!r}"
+
+
+def assert_identical(out, ranks: Union[int, Iterable[int]], optimizer: bool = True,
+                     step: bool = True) -> Tuple[dict, dict]:
+    """The listed ranks (or ranks 0..N-1) ended with the same whole saved state, bitwise: every
+    entry of the model's state dict (parameters and buffers) in OUT.rankR.pt and, with
+    `optimizer`, the whole optimizer state dict in OUT.rankR.opt.pt (every moment and counter,
+    every param group's settings), and, with `step`, the same "step" in OUT.rankR.json (as
+    scripts/train_ft.py writes them). Turn off only what a script does not save. Of one rank, it
+    checks that it saved them. Returns the first rank's (parameters, report)."""
+    import torch
+
+    ranks = list(range(ranks) if isinstance(ranks, int) else ranks)
+    first = ranks[0]
+    params = {r: torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in ranks}
+    assert params[first], f"rank {first} saved no state"
+    opts = {r: torch.load(f"{out}.rank{r}.opt.pt", weights_only=True) for r in ranks} if optimizer else {}
+    if optimizer:
+        assert opts[first]["state"], f"rank {first} saved no optimizer state"
+    for r in ranks[1:]:
+        diff = _difference(params[first], params[r], "parameters")
+        assert diff is None, f"rank {r} differs from rank {first}: {diff}"
+        if optimizer:
+            diff = _difference(opts[first], opts[r], "optimizer")
+            assert diff is None, f"rank {r} differs from rank {first}: {diff}"
+    report = {}
+    if step:
+        reports = read_reports(out, ranks)
+        steps = {r: rep["step"] for r, rep in reports.items()}
+        assert len(set(steps.values())) == 1, steps
+        report = reports[first]
+    return params[first], report
 
 
 @contextmanager

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 
-from conftest import ROOT  # noqa: E402
-from helpers import finish  # noqa: E402
+from conftest import ROOT, start_ftrun  # noqa: E402
+from helpers import finish, read_reports  # noqa: E402
 from helpers import read_state  # noqa: E402
-from test_ft import start_ftrun  # noqa: E402
 from test_ft_data import _kill_at  # noqa: E402
 
 EXAMPLE = ROOT / "tests" / "accelerate_example.py"
@@ -62,7 +61,7 @@ def test_accelerate_loop_heals_mid_epoch(ftrun_home, tmp_path):
 
     out = tmp_path / "o"
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "acc", EXAMPLE, out,
-                        "--mixed-precision", "bf16", "--sleep", 0.1])
+                        "--mixed-precision", "bf16", "--sleep", 0.1], files=("stderr",))
     try:
         _kill_at(ftrun_home, "acc", proc, [(1, 3), (2, 11)])
         rc, err = finish(proc, 300)
@@ -72,7 +71,7 @@ def test_accelerate_loop_heals_mid_epoch(ftrun_home, tmp_path):
     assert err.count("restarting it alone") == 2 and "cannot heal" not in err, err[-3000:]
     # The kills land inside steps (the example sleeps there): at least one step was made again.
     assert read_state(ftrun_home, "acc")["steps_discarded"] >= 1
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    reports = read_reports(out, 3)
     found = strengths(reports[0]["seen"], 2)
     assert found[0] >= {3} and found[1] >= {3}, found
     assert sum(rep["main"] for rep in reports.values()) == 1, reports  # one main process: the first live replica
@@ -102,7 +101,8 @@ def test_fabric_loop_heals_mid_epoch(ftrun_home, tmp_path):
     import torch
 
     out = tmp_path / "f"
-    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "fab", FABRIC, out, "--sleep", 0.1])
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "fab", FABRIC, out, "--sleep", 0.1],
+                       files=("stderr",))
     try:
         _kill_at(ftrun_home, "fab", proc, [(2, 3), (0, 11)])
         rc, err = finish(proc, 300)
@@ -111,7 +111,7 @@ def test_fabric_loop_heals_mid_epoch(ftrun_home, tmp_path):
     assert rc == 0, err[-3000:]
     assert err.count("restarting it alone") == 2 and "cannot heal" not in err, err[-3000:]
     assert read_state(ftrun_home, "fab")["steps_discarded"] >= 1  # the kills land inside steps
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    reports = read_reports(out, 3)
     found = strengths(reports[0]["seen"], 2, gamma=0.7)
     assert found[0] >= {3} and found[1] >= {3}, found
     assert len({rep["test_loss"] for rep in reports.values()}) == 1, reports
@@ -133,7 +133,7 @@ def test_unported_loops_say_why_and_restart_the_group(ftrun_home, tmp_path):
     pytest.importorskip("transformers", reason="transformers is a test-only dependency (scripts/test.sh installs it)")
     pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
     runs = {name: start_ftrun(["--nproc", 2, "--ft", "--run-id", name, script, tmp_path / name, "--plain", "--epochs", 1,
-                               "--size", 16])
+                               "--size", 16], files=("stderr",))
             for name, script in (("acc", EXAMPLE), ("fab", FABRIC))}
     for name, proc in runs.items():
         rc, err = finish(proc, 300)

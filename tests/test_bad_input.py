@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FTRUN, ROOT, SCRIPTS, STEP_LOOP, run_ftrun, start_ftrun, wait_for_line
-from helpers import assert_bad, status_record
+from helpers import assert_bad, status_record, wait_for
 
 TRAIN = SCRIPTS / "train_ddp.py"
 LONG_ID = "r" * 300
@@ -387,18 +387,12 @@ def test_status_with_damaged_state_files(ftrun_home):
 # --------------------------------------------------------------------------- 9 and 2: a live run
 
 
-def _wait(pred, timeout: float, what: str, run_id: str) -> dict:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = status_record(run_id)
-        except AssertionError:
-            last = None
-        if last is not None and pred(last):
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: {json.dumps(last)[:2000]}")
+def _record(run_id: str):
+    """`ftrun status RUN_ID --json`'s record of the run; None while it has none to give (starting)."""
+    try:
+        return status_record(run_id)
+    except AssertionError:
+        return None
 
 
 def test_stalled_rank_and_a_second_run_of_the_same_id(ftrun_home, tmp_path):
@@ -408,8 +402,9 @@ def test_stalled_rank_and_a_second_run_of_the_same_id(ftrun_home, tmp_path):
     sup = start_ftrun(["--nproc", "2", "--run-id", "twin", "--quiet", script, stop], cwd=tmp_path)
     stopped = None
     try:
-        run = _wait(lambda r: all(x["state"] == "running" and x["step"] > 0 for x in r["replicas"]), 120,
-                    "2 running replicas", "twin")
+        run = wait_for(lambda: (r := _record("twin")) and all(x["state"] == "running" and x["step"] > 0
+                                                              for x in r["replicas"]) and r,
+                       120, "2 running replicas", sup, poll=0.2)
         # 2. the same run id while it runs: refused, nothing of the first touched.
         twin = run_ftrun(["--nproc", "1", "--run-id", "twin", script, stop], timeout=60, cwd=tmp_path)
         assert_bad(twin, "--run-id twin", "already running", f"pid {sup.pid}")
@@ -418,14 +413,16 @@ def test_stalled_rank_and_a_second_run_of_the_same_id(ftrun_home, tmp_path):
         # 9. SIGSTOP one worker: it is shown as stalled, the other stays running.
         stopped = run["replicas"][1]["pid"]
         os.kill(stopped, signal.SIGSTOP)
-        run = _wait(lambda r: r["replicas"][1]["state"] == "stalled", 60, "rank 1 stalled", "twin")
+        run = wait_for(lambda: (r := _record("twin")) and r["replicas"][1]["state"] == "stalled" and r,
+                       60, "rank 1 stalled", sup, poll=0.2)
         assert run["replicas"][1]["recorded_state"] == "running" and run["replicas"][0]["state"] == "running"
         assert run["replicas"][1]["heartbeat_age_s"] > 3
         r = run_ftrun(["status", "twin"], timeout=30, env={"COLUMNS": "200"})
         assert "stalled" in r.stdout, r.stdout
         os.kill(stopped, signal.SIGCONT)
         stopped = None
-        _wait(lambda r: all(x["state"] == "running" for x in r["replicas"]), 60, "rank 1 running again", "twin")
+        wait_for(lambda: (r := _record("twin")) and all(x["state"] == "running" for x in r["replicas"]),
+                 60, "rank 1 running again", sup, poll=0.2)
 
         stop.write_text("")
         assert sup.wait(timeout=120) == 0, sup.stderr.read()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, listening, wait_for_line
+from helpers import wait_for
 
 BIN = Path(sys.executable).parent
 LAUNCHERS = {"ftrun": [str(BIN / "ftrun")], "torchrun": [str(BIN / "torchrun")]}
@@ -58,10 +59,7 @@ def _start_nodes(launcher, n, line, tmp_path, out, env_extra=None, wait_port=Tru
                                       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
         if i == 0 and wait_port:
-            deadline = time.monotonic() + 60
-            while not listening(port):
-                assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[1]
-                time.sleep(0.05)
+            wait_for(lambda: listening(port), 60, f"node 0 hosting the endpoint at port {port}", procs[0], poll=0.05)
     return procs
 
 
@@ -86,12 +84,9 @@ def _dumps(out: Path, restart: int):
     return {int(f.name.split(".")[1]): json.loads(f.read_text()) for f in out.glob(f"{restart}.*.json")}
 
 
-def _wait_for_dumps(out: Path, count: int, procs, timeout=90):
-    deadline = time.monotonic() + timeout
-    while len(list(out.glob("0.*.json"))) < count:
-        dead = [p for p in procs if p.poll() is not None]
-        assert not dead and time.monotonic() < deadline, [p.communicate()[1][-1500:] for p in dead] or "slow"
-        time.sleep(0.05)
+def _first_dumps(out: Path, count: int):
+    """A wait_for predicate: `count` workers of the first round have written their dumps."""
+    return lambda: len(list(out.glob("0.*.json"))) >= count
 
 
 @pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.quick)])
@@ -130,7 +125,7 @@ def test_elastic_nodes_reform_after_a_node_is_killed(tmp_path, launcher):
             f"--rdzv-endpoint=localhost:{port} --rdzv-conf=last_call_timeout=1")
     out = tmp_path / "out"
     procs = _start_nodes(launcher, 3, line, tmp_path, out, env_extra={"WAIT_FOR": str(go)})
-    _wait_for_dumps(out, 3, procs)
+    wait_for(_first_dumps(out, 3), 90, "3 workers' first dumps", procs, poll=0.05)
     first = _dumps(out, 0)
     assert sorted(first) == [0, 1, 2] and {d["WORLD_SIZE"] for d in first.values()} == {"3"}
     os.killpg(procs[2].pid, signal.SIGKILL)  # a node that does not host the store, workers and all
@@ -155,7 +150,7 @@ def test_a_late_node_joins_at_the_next_reformation(tmp_path):
             f"--rdzv-endpoint=localhost:{port} --rdzv-conf=last_call_timeout=0.5")
     out = tmp_path / "out"
     procs = _start_nodes("ftrun", 2, line, tmp_path, out, env_extra={"WAIT_FOR": str(go)})
-    _wait_for_dumps(out, 2, procs)
+    wait_for(_first_dumps(out, 2), 90, "2 workers' first dumps", procs, poll=0.05)
     late = _start_nodes("ftrun", 1, line, tmp_path, out, env_extra={"WAIT_FOR": str(go)}, wait_port=False)[0]
     wait_for_line(late, "joins at the next re-formation", stream="stderr")  # registered for the next round
     go.touch()

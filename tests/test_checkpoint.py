@@ -19,26 +19,14 @@ import psutil
 import pytest
 import torch
 
-from conftest import ROOT, SCRIPTS, free_port, really_alive, run_ftrun
-from helpers import assert_bad, err_text, start_logged
+from conftest import ROOT, SCRIPTS, free_port, really_alive, run_ftrun, start_ftrun
+from helpers import assert_bad, err_text, wait_for
 
 TRAIN = SCRIPTS / "train_ft.py"
 WORKER = ROOT / "tests" / "ckpt_worker.py"
 FSDP = SCRIPTS / "train_fsdp_ft.py"
 # 10.5M parameters with Adam: 126 MB of model and optimizer state per replica.
 BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr", 0.001]
-
-
-def _wait_for(pred, proc, what: str, timeout: float = 90.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"ftrun ended (exit {proc.returncode}) before {what}\n{err_text(proc)[-3000:]}")
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"never saw {what}\n{err_text(proc)[-3000:]}")
 
 
 def _kill_everything(proc) -> None:
@@ -94,17 +82,17 @@ def test_everything_killed_resumes_bitwise(ftrun_home, tmp_path):
     # The uninterrupted run goes on beside the others (a run mostly waits while it starts).
     # It stages each save with a fresh stager, as ftrun does on torch 2.11 (whose stager fails
     # every stage after its first).
-    ref = start_logged(cmd(ref_dir, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home"),
-                                                      "FTRUN_CHECKPOINT_FRESH_STAGER": "1"})
-    first = start_logged(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "6:120"})
+    ref = start_ftrun(cmd(ref_dir, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home"),
+                                                     "FTRUN_CHECKPOINT_FRESH_STAGER": "1"}, files=("stderr",))
+    first = start_ftrun(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "6:120"}, files=("stderr",))
     partial = d / ".step-6.ck.partial"  # .step-N.<run id>.partial
-    _wait_for(lambda: (partial / ".metadata").exists() and (d / "step-3").is_dir(), first,
-              "the checkpoint of step 6 written but not published")
+    wait_for(lambda: (partial / ".metadata").exists() and (d / "step-3").is_dir(), 90,
+             "the checkpoint of step 6 written but not published", first)
     _kill_everything(first)
     assert _complete(d) == [3] and (partial / ".metadata").exists()
 
-    second = start_logged(cmd(d, tmp_path / "out"))
-    _wait_for(lambda: (d / "step-6").is_dir(), second, "the checkpoint of step 6 published")
+    second = start_ftrun(cmd(d, tmp_path / "out"), files=("stderr",))
+    wait_for(lambda: (d / "step-6").is_dir(), 90, "the checkpoint of step 6 published", second)
     _kill_everything(second)
     assert f"resumed from checkpoint {d}/step-3 at step 3" in err_text(second), err_text(second)[-3000:]
     newest = _complete(d)[-1]
@@ -145,11 +133,12 @@ def test_killed_whole_over_several_buckets_then_a_spare_heal_both_bitwise(ftrun_
         return ["--nproc", 3 + spares, "--spares", spares, "--ft", "--checkpoint-dir", d, "--checkpoint-every", 10,
                 WORKER, 60, out, "--width", 192, "--depth", 2, "--optim", "adamw", "--bucket-cap-mb", 0.05, *extra]
 
-    ref = start_logged(cmd(tmp_path / "ref-ck", tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")})
+    ref = start_ftrun(cmd(tmp_path / "ref-ck", tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")},
+                      files=("stderr",))
     d, out = tmp_path / "ck", tmp_path / "out"
     spare = cmd(d, out, "--die-once", f"{tmp_path / 'died'}:40", spares=1)
-    first = start_logged(spare)
-    _wait_for(lambda: (d / "step-20").is_dir(), first, "the checkpoint of step 20")
+    first = start_ftrun(spare, files=("stderr",))
+    wait_for(lambda: (d / "step-20").is_dir(), 90, "the checkpoint of step 20", first)
     _kill_everything(first)
     assert not (tmp_path / "died").exists()
     again = run_ftrun(spare, timeout=180)
@@ -217,9 +206,9 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
         return ["--nproc", nproc, "--ft", "--run-id", run_id, "--checkpoint-dir", folder, "--checkpoint-every", 5,
                 "--checkpoint-keep", 3, WORKER, steps, out, *extra]
 
-    ref = start_logged(cmd("ref", tmp_path / "ref-ck", 60, tmp_path / "ref", "--step-sleep", 0.03))
-    run = start_logged(cmd("hold", d, 60, tmp_path / "out", "--step-sleep", 0.03))
-    _wait_for(lambda: (d / "step-15").is_dir(), run, "the checkpoint of step 15")
+    ref = start_ftrun(cmd("ref", tmp_path / "ref-ck", 60, tmp_path / "ref", "--step-sleep", 0.03), files=("stderr",))
+    run = start_ftrun(cmd("hold", d, 60, tmp_path / "out", "--step-sleep", 0.03), files=("stderr",))
+    wait_for(lambda: (d / "step-15").is_dir(), 90, "the checkpoint of step 15", run)
     state = json.loads((ftrun_home / "hold" / "state.json").read_text())
     for r in state["replicas"]:
         psutil.Process(r["pid"]).kill()
@@ -265,7 +254,7 @@ def test_every_holder_killed_then_damaged_and_foreign_checkpoints(ftrun_home, tm
              "optimizer": (["--optim", "sgd"], "it was written with optimizer Adam, this run uses SGD")}
     for name, (extra, needle) in cases.items():  # one after the other: one run at a time on a folder
         t0 = time.monotonic()
-        run = start_logged(["-q", *cmd(name, d, 100, tmp_path / name, *extra, nproc=1)])
+        run = start_ftrun(["-q", *cmd(name, d, 100, tmp_path / name, *extra, nproc=1)], files=("stderr",))
         code, err = run.wait(timeout=120), err_text(run)
         assert code == 2, (name, code, err[-2000:])
         lines = [line for line in err.splitlines() if "does not fit this run" in line]
@@ -308,11 +297,11 @@ def test_store_node_lost_under_ft_exits_for_requeue(ftrun_home, tmp_path):
     port = free_port()
     procs = {}
     for k in (1, 0):
-        procs[k] = start_logged(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+        procs[k] = start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                            "--nproc", 1, "--ft", "--run-id", "lost", "--checkpoint-dir", tmp_path / "ck",
-                           "--checkpoint-every", 5, TRAIN, "--steps", 100_000, "--step-sleep", 0.02])
+                           "--checkpoint-every", 5, TRAIN, "--steps", 100_000, "--step-sleep", 0.02], files=("stderr",))
     try:
-        _wait_for(lambda: (tmp_path / "ck" / "step-5").is_dir(), procs[1], "a first checkpoint")
+        wait_for(lambda: (tmp_path / "ck" / "step-5").is_dir(), 90, "a first checkpoint", procs[1])
         family = psutil.Process(procs[1].pid).children(recursive=True)
         _kill_everything(procs[0])
         procs[1].wait(timeout=30)

@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, run_ftrun
+from conftest import SCRIPTS, run_ftrun, start_ftrun
 from ftrun import protocol as keys
 from ftrun.supervisor.ft.keeper.core import Pace
 from ftrun.supervisor.ft.quorum import KeeperSettings, QuorumKeeper
 from ftrun.wire import MemberReport
-from helpers import assert_bad, err_text, start_logged
-from test_checkpoint import _complete, _wait_for
+from helpers import assert_bad, err_text, wait_for
+from test_checkpoint import _complete
 from test_checkpoint_faults import _printed_step
 
 TRAIN = SCRIPTS / "train_ft.py"
@@ -95,11 +95,11 @@ def test_sigterm_saves_within_the_default_grace_when_steps_are_slow(ftrun_home, 
     as it knows it, not only at a failure's new quorum: 8 steps a round kept the save past the
     grace, and nothing was written), the last committed step is saved, exit 143."""
     d = tmp_path / "ck"
-    run = start_logged(["--nproc", 2, "--ft", "--run-id", "slow", "--checkpoint-dir", d, "--checkpoint-every", 50,
-                        TRAIN, "--steps", 1000, "--step-sleep", 0.5, "--print-every", 1])
+    run = start_ftrun(["--nproc", 2, "--ft", "--run-id", "slow", "--checkpoint-dir", d, "--checkpoint-every", 50,
+                       TRAIN, "--steps", 1000, "--step-sleep", 0.5, "--print-every", 1], files=("stderr",))
     try:
         # past step 16, where the rounds sized once the pace was known (about step 4) began
-        _wait_for(lambda: _printed_step(ftrun_home, "slow") >= 20, run, "step 20", timeout=120)
+        wait_for(lambda: _printed_step(ftrun_home, "slow") >= 20, 120, "step 20", run)
         at_signal = _printed_step(ftrun_home, "slow")
         t0 = time.monotonic()
         run.send_signal(signal.SIGTERM)
@@ -121,7 +121,7 @@ def test_sigterm_saves_within_the_default_grace_when_steps_are_slow(ftrun_home, 
     assert "Traceback" not in err
 
 
-def _reports(q, steps_at, n: int, step_s: float, first: int = 0, quorum: int = 1) -> float:
+def _report_steps(q, steps_at, n: int, step_s: float, first: int = 0, quorum: int = 1) -> float:
     """n steps reported by every member at `step_s` each (as the members' info keys say), the
     keeper polling after each; the time reached."""
     t = 0.0
@@ -152,12 +152,12 @@ def test_keeper_sizes_rounds_to_the_pace_once_it_knows_it(step_s, rounds):
     for r in range(2):
         q._s.set(keys.healed_key(r), "0")  # both hold the state (the source, and its healed peer)
     n = max(8, int(2.0 / step_s))
-    t = _reports(q, 0.0, n, step_s)
+    t = _report_steps(q, 0.0, n, step_s)
     assert q.quorum_id == (2 if rounds else 1), q.history
     if rounds:
         assert _quorum(q, 2)["round_steps"] == rounds and _quorum(q, 2)["members"] == _quorum(q, 1)["members"]
         assert not _quorum(q, 2)["healers"] and not _quorum(q, 2)["fresh"]
-        _reports(q, t, n, step_s / 20, first=n, quorum=2)  # far faster now, within the window: not yet
+        _report_steps(q, t, n, step_s / 20, first=n, quorum=2)  # far faster now, within the window: not yet
         assert q.quorum_id == 2
     assert q.history == ["quorum 1: 2 replicas (first replicas joined)"], q.history
 

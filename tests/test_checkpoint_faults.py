@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, run_ftrun
-from helpers import err_text, fill_disk, small_tmpfs, start_logged, status_record
-from test_checkpoint import _assert_bitwise, _complete, _final_state, _kill_everything, _wait_for
+from conftest import SCRIPTS, run_ftrun, start_ftrun
+from helpers import err_text, fill_disk, small_tmpfs, status_record, wait_for
+from test_checkpoint import _assert_bitwise, _complete, _final_state, _kill_everything
 
 TRAIN = SCRIPTS / "train_ft.py"
 SMALL = ["--dim", 64, "--hidden", 224, "--depth", 2, "--optim", "adam"]  # 0.85 MB of checkpoint
@@ -87,32 +87,32 @@ def test_full_disk_mid_run_recovers_and_no_replica_is_killed(ftrun_home, small_d
     writes. Then the disk fills again and the run is stopped with SIGTERM: the save before
     stopping fails in one line, and ftrun exits with the usual status."""
     d = small_disk / "ck"
-    run = start_logged(["--nproc", 2, "--ft", "--run-id", "fills", "--checkpoint-dir", d, "--checkpoint-every", 10,
-                  TRAIN, *SMALL, "--steps", 100_000, "--step-sleep", 0.02, "--print-every", 100_000])
+    run = start_ftrun(["--nproc", 2, "--ft", "--run-id", "fills", "--checkpoint-dir", d, "--checkpoint-every", 10,
+                  TRAIN, *SMALL, "--steps", 100_000, "--step-sleep", 0.02, "--print-every", 100_000], files=("stderr",))
     try:
-        _wait_for(lambda: (d / "step-20" / "ftrun.json").exists(), run, "the checkpoint of step 20")
+        wait_for(lambda: (d / "step-20" / "ftrun.json").exists(), 90, "the checkpoint of step 20", run)
         filler = fill_disk(small_disk)
-        _wait_for(lambda: err_text(run).count("not written") >= 2, run, "two failed saves")
+        wait_for(lambda: err_text(run).count("not written") >= 2, 90, "two failed saves", run)
         # `ftrun status` follows within a fraction of a second (the supervisor reads the store a few times a second)
-        _wait_for(lambda: _checkpoint_status(ftrun_home, "fills").get("failed_since", 0) >= 2, run,
-                  "two failed saves in ftrun status", timeout=30)
+        wait_for(lambda: _checkpoint_status(ftrun_home, "fills").get("failed_since", 0) >= 2, 30,
+                 "two failed saves in ftrun status", run)
         ck = status_record("fills", ftrun_home)["checkpoint"]
         assert ck["step"] >= 20 and "full or over quota" in ck["last_failure"]["why"], ck
         failed_steps = [int(s) for s in re.findall(r"checkpoint of step (\d+) not written", err_text(run))]
         filler.unlink()
-        _wait_for(lambda: any(s > max(failed_steps) for s in _complete(d)), run, "a checkpoint after the failures")
-        _wait_for(lambda: _checkpoint_status(ftrun_home, "fills").get("failed_since") == 0, run,
-                  "the new checkpoint in ftrun status", timeout=30)
+        wait_for(lambda: any(s > max(failed_steps) for s in _complete(d)), 90, "a checkpoint after the failures", run)
+        wait_for(lambda: _checkpoint_status(ftrun_home, "fills").get("failed_since") == 0, 30,
+                 "the new checkpoint in ftrun status", run)
         ck = status_record("fills", ftrun_home)["checkpoint"]
         assert ck["failed_total"] >= 2, ck
         # The run goes on saving: the next save's partial folder may be there (1 in 8 looks saw one,
         # on 2 loaded cores). None is left by a failed save, and each one there now goes.
         partials = _no_partials(d)
         assert not [p for p in partials for s in failed_steps if p.startswith(f".step-{s}.")], partials
-        _wait_for(lambda: not set(partials) & set(_no_partials(d)), run, f"{partials} published or removed")
+        wait_for(lambda: not set(partials) & set(_no_partials(d)), 90, f"{partials} published or removed", run)
         fill_disk(small_disk)
         seen = err_text(run).count("not written")
-        _wait_for(lambda: err_text(run).count("not written") > seen, run, "a failed save on the full disk again")
+        wait_for(lambda: err_text(run).count("not written") > seen, 90, "a failed save on the full disk again", run)
         run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=60) == 128 + signal.SIGTERM, err_text(run)[-3000:]
     finally:
@@ -150,7 +150,8 @@ def test_damaged_content_falls_back_to_the_newest_good_checkpoint(ftrun_home, tm
                  "--checkpoint-keep", 5, TRAIN, *SMALL, "--steps", steps, "--print-every", 1000]
                 + (["--out", out] if out else []))
 
-    ref = start_logged(cmd(tmp_path / "ref-ck", 60, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")})
+    ref = start_ftrun(cmd(tmp_path / "ref-ck", 60, tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")},
+                      files=("stderr",))
     first = run_ftrun(cmd(d, 50), timeout=120)
     assert first.returncode == 0 and _complete(d) == [10, 20, 30, 40, 50], (_complete(d), first.stderr[-2000:])
     data = "__0_0.distcp"
@@ -214,9 +215,9 @@ def test_two_runs_on_one_folder(ftrun_home, tmp_path):
         return ["--nproc", 1, "--ft", "--run-id", run_id, "--checkpoint-dir", d, "--checkpoint-every", 10,
                 TRAIN, "--steps", steps, "--step-sleep", 0.01, "--print-every", 100_000]
 
-    first = start_logged(cmd("first"))
+    first = start_ftrun(cmd("first"), files=("stderr",))
     try:
-        _wait_for(lambda: (d / "step-10").is_dir(), first, "a first checkpoint")
+        wait_for(lambda: (d / "step-10").is_dir(), 90, "a first checkpoint", first)
         second = run_ftrun(cmd("second"), timeout=60)
         lines = [line for line in second.stderr.splitlines() if line.strip()]
         assert second.returncode == 2 and len(lines) == 1, second.stderr
@@ -272,10 +273,11 @@ def test_sigterm_saves_the_last_step_and_the_next_run_resumes_exactly(ftrun_home
         return ["--nproc", 2, "--ft", "--run-id", run_id, "--checkpoint-dir", folder, "--checkpoint-every", 1000,
                 "--shutdown-timeout", 60, TRAIN, *AT_SIZE, "--steps", 24, "--print-every", 1, "--out", out]
 
-    ref = start_logged(cmd("ref", tmp_path / "ref-ck", tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")})
-    run = start_logged(cmd("pre", d, tmp_path / "out"))
+    ref = start_ftrun(cmd("ref", tmp_path / "ref-ck", tmp_path / "ref"), env={"FTRUN_HOME": str(tmp_path / "ref-home")},
+                      files=("stderr",))
+    run = start_ftrun(cmd("pre", d, tmp_path / "out"), files=("stderr",))
     try:
-        _wait_for(lambda: _printed_step(ftrun_home, "pre") >= 6, run, "step 6", timeout=180)
+        wait_for(lambda: _printed_step(ftrun_home, "pre") >= 6, 180, "step 6", run)
         t0 = time.monotonic()
         run.send_signal(signal.SIGTERM)
         code = run.wait(timeout=90)
@@ -309,16 +311,16 @@ def test_sigint_mid_save_and_sigterm_at_start(ftrun_home, tmp_path):
         return ["--nproc", 2, "--ft", "--run-id", run_id, "--checkpoint-dir", d, "--checkpoint-every", 10,
                 "--shutdown-timeout", 30, TRAIN, "--steps", steps, "--step-sleep", 0.01, "--print-every", 100_000]
 
-    early = start_logged(cmd("early"))
-    _wait_for(lambda: "2 workers of" in err_text(early), early, "the run's first line")  # its workers are starting
+    early = start_ftrun(cmd("early"), files=("stderr",))
+    wait_for(lambda: "2 workers of" in err_text(early), 90, "the run's first line", early)  # its workers are starting
     early.send_signal(signal.SIGTERM)
     assert early.wait(timeout=30) == 128 + signal.SIGTERM
     assert "received SIGTERM: stopping all workers" in err_text(early) and "Traceback" not in err_text(early), err_text(early)
     assert _complete(d) == []
 
-    run = start_logged(cmd("int"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "10:3"})
+    run = start_ftrun(cmd("int"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "10:3"}, files=("stderr",))
     try:
-        _wait_for(lambda: "holding checkpoint" in _log(ftrun_home, "int"), run, "the checkpoint of step 10 held")
+        wait_for(lambda: "holding checkpoint" in _log(ftrun_home, "int"), 90, "the checkpoint of step 10 held", run)
         run.send_signal(signal.SIGINT)
         code = run.wait(timeout=60)
     finally:

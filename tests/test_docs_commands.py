@@ -218,7 +218,8 @@ def _make_script(script: str, module: bool, no_python: bool, tmp: Path) -> None:
 # ---------------------------------------------------------------- the tests
 
 
-def _run(argv: List[str], env: Dict[str, str], cwd: Path, home: Path) -> subprocess.CompletedProcess:
+def _run_docs_line(argv: List[str], env: Dict[str, str], cwd: Path, home: Path) -> subprocess.CompletedProcess:
+    """A command of the docs, with only the environment its line sets (no PET_/SLURM_ of ours)."""
     full = dict(os.environ, FTRUN_HOME=str(home), COLUMNS="200", **env)
     for name in [k for k in full if k.startswith(("PET_", "SLURM_"))]:
         if name not in env:
@@ -232,7 +233,7 @@ def _check(line: Line, tmp: Path) -> Optional[str]:
     work.mkdir()
     if line.argv[:1] and line.argv[0] in OTHER_COMMANDS or line.argv[:1] in (["--version"], ["--help"]):
         sub = line.argv[:1] if line.argv[0] in OTHER_COMMANDS else []
-        proc = _run(sub + ["--help"], {}, work, tmp / "home")
+        proc = _run_docs_line(sub + ["--help"], {}, work, tmp / "home")
         if proc.returncode != 0:
             return f"ftrun {' '.join(sub)} --help exited {proc.returncode}"
         flags = [w.split("=")[0] for w in line.argv[1:] if w.startswith("-")]
@@ -248,7 +249,7 @@ def _check(line: Line, tmp: Path) -> Optional[str]:
         held.bind(("0.0.0.0", port))
         held.listen()
     try:
-        proc = _run(argv, line.env, work, tmp / "home")
+        proc = _run_docs_line(argv, line.env, work, tmp / "home")
     finally:
         if held is not None:
             held.close()

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 
-from conftest import FTRUN, ROOT, run_ftrun
+from conftest import FTRUN, ROOT, run_ftrun, start_ftrun
 
 HELLO = "import os\nprint('hello from rank', os.environ['RANK'], flush=True)\n"
 
@@ -186,11 +186,11 @@ def test_ft_on_a_script_without_ftrun_ft_gets_group_restarts(tmp_path, ftrun_hom
     --ft (each with its default group), said once; an outside SIGKILL is not blamed on memory."""
     import json
 
-    from helpers import read_state, start_logged, finish
+    from helpers import read_state, finish
 
     script = tmp_path / "plain_ddp.py"
     script.write_text(PLAIN_DDP)
-    proc = start_logged(["--nproc", 3, "--ft", "--max-restarts", 3, "--run-id", "plain", script])
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 3, "--run-id", "plain", script], files=("stderr",))
     try:
         deadline = time.monotonic() + 120
         victim = None

@@ -12,15 +12,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
-from conftest import SCRIPTS, free_port, run_ftrun
-from helpers import err_text, finish, read_state, start_logged
+from conftest import SCRIPTS, free_port, run_ftrun, start_ftrun
+from helpers import finish, read_reports, read_state, replica, wait_replica, wait_state
 
 TRAIN = SCRIPTS / "train_fsdp_ft.py"
 # 8.4M parameters with AdamW: 101 MB of parameters and optimizer state per replica.
@@ -28,21 +27,6 @@ BIG = ["--dim", 512, "--hidden", 2048, "--blocks", 4]
 SMALL = ["--dim", 64, "--hidden", 128, "--blocks", 2]
 # 1M parameters with AdamW: 6 MB of state per worker, several 1 MB chunks to send (FTRUN_FT_CHUNK_MB=1).
 MID = ["--dim", 256, "--hidden", 1024, "--blocks", 2]
-
-
-def _wait(home: Path, folder: str, pred, proc, timeout: float = 120.0) -> dict:
-    """Wait until pred({rank: replica dict}, state) holds; fail loudly with ftrun's output if not."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        st = read_state(home, folder)
-        if st and st.get("phase") == "ended":
-            raise AssertionError(f"run ended while waiting: {st.get('exit_summary')}\n{err_text(proc)[-3000:]}")
-        if st:
-            reps = {r["rank"]: r for r in st["replicas"]}
-            if pred(reps, st):
-                return reps
-        time.sleep(0.02)
-    raise AssertionError(f"never reached the awaited state; last: {read_state(home, folder)}\n{err_text(proc)[-3000:]}")
 
 
 def _shards(out: Path, rank: int) -> dict:
@@ -63,7 +47,7 @@ def _assert_shards_identical(out: Path, replicas: int, k: int) -> None:
                 for name, t in st.items():
                     assert torch.equal(t, other["optim"][idx][name]), \
                         f"replica {rep} shard {j}: optimizer state {idx}.{name} differs"
-    steps = {json.loads(Path(f"{out}.rank{r}.json").read_text())["step"] for r in range(replicas * k)}
+    steps = {rep["step"] for rep in read_reports(out, replicas * k).values()}
     assert len(steps) == 1, steps
 
 
@@ -77,15 +61,15 @@ def test_2x2_big_two_kills_only_their_replica_restarts(ftrun_home, tmp_path):
     replica 0 is back (replica 0 is then the source): each time exactly the killed worker's replica
     restarts, the run finishes, and both replicas hold identical shards."""
     out = tmp_path / "p"
-    proc = start_logged(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "big", TRAIN, *BIG, "--steps", 36,
-                   "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "big", TRAIN, *BIG, "--steps", 36,
+                   "--out", out], files=("stderr",))
     try:
-        reps = _wait(ftrun_home, "big", lambda r, st: r[1]["step"] >= 6 and r[1]["state"] == "running", proc)
-        os.kill(reps[1]["pid"], signal.SIGKILL)
-        _wait(ftrun_home, "big", lambda r, st: all(r[i]["restarts"] == 1 and r[i]["state"] == "running"
-                                                 for i in (0, 1)), proc)
-        reps = _wait(ftrun_home, "big", lambda r, st: r[2]["state"] == "running", proc)
-        os.kill(reps[2]["pid"], signal.SIGKILL)
+        r = wait_replica(ftrun_home, "big", 1, lambda r, st: r["step"] >= 6 and r["state"] == "running", 120, proc)
+        os.kill(r["pid"], signal.SIGKILL)
+        wait_state(ftrun_home, "big", lambda st: all(replica(st, i)["restarts"] == 1 and replica(st, i)["state"]
+                                                     == "running" for i in (0, 1)), 120, "replica 0 back", proc)
+        r = wait_replica(ftrun_home, "big", 2, lambda r, st: r["state"] == "running", 120, proc)
+        os.kill(r["pid"], signal.SIGKILL)
         rc, err = finish(proc, 300)
     finally:
         proc.kill()
@@ -105,13 +89,14 @@ def test_3x2_source_killed_mid_transfer(ftrun_home, tmp_path):
     by an injected delay), a worker of replica 1 is killed too. Replica 0 heals from replica 2,
     replica 1 restarts and heals, replica 2 never restarts, and all three end identical."""
     out = tmp_path / "p"
-    proc = start_logged(["--nproc", 6, "--ft", "--replica-size", 2, "--run-id", "six", TRAIN, *MID, "--steps", 60,
-                   "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5", "FTRUN_FT_CHUNK_MB": "1"})
+    proc = start_ftrun(["--nproc", 6, "--ft", "--replica-size", 2, "--run-id", "six", TRAIN, *MID, "--steps", 60,
+                   "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5", "FTRUN_FT_CHUNK_MB": "1"}, files=("stderr",
+                                                                                                              ))
     try:
-        reps = _wait(ftrun_home, "six", lambda r, st: r[0]["step"] >= 10 and r[0]["state"] == "running", proc)
-        os.kill(reps[0]["pid"], signal.SIGKILL)
-        reps = _wait(ftrun_home, "six", lambda r, st: r[3].get("ft_phase") == "send", proc, 60)
-        os.kill(reps[3]["pid"], signal.SIGKILL)
+        r = wait_replica(ftrun_home, "six", 0, lambda r, st: r["step"] >= 10 and r["state"] == "running", 120, proc)
+        os.kill(r["pid"], signal.SIGKILL)
+        r = wait_replica(ftrun_home, "six", 3, lambda r, st: r.get("ft_phase") == "send", 60, proc)
+        os.kill(r["pid"], signal.SIGKILL)
         rc, err = finish(proc, 300)
     finally:
         proc.kill()
@@ -149,11 +134,11 @@ def test_sigstopped_worker_restarts_only_its_replica(ftrun_home, tmp_path):
     """No flag (the default rule, its 60 s shortened to 3): a SIGSTOPped worker is found hung, and
     only its replica restarts; its mate and the other replica wait for it, but are not stopped."""
     out = tmp_path / "p"
-    proc = start_logged(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "stop", TRAIN,
-                   *SMALL, "--steps", 150, "--out", out], env={"FTRUN_HANG_AFTER_S": "3", "FTRUN_FT_TIMEOUT": "2"})
+    proc = start_ftrun(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "stop", TRAIN,
+                   *SMALL, "--steps", 150, "--out", out], env={"FTRUN_HANG_AFTER_S": "3", "FTRUN_FT_TIMEOUT": "2"}, files=("stderr",))
     try:
-        reps = _wait(ftrun_home, "stop", lambda r, st: r[3]["step"] >= 10 and r[3]["state"] == "running", proc)
-        os.kill(reps[3]["pid"], signal.SIGSTOP)
+        r = wait_replica(ftrun_home, "stop", 3, lambda r, st: r["step"] >= 10 and r["state"] == "running", 120, proc)
+        os.kill(r["pid"], signal.SIGSTOP)
         rc, err = finish(proc, 300)
     finally:
         proc.kill()
@@ -168,18 +153,18 @@ def test_node_lost_with_a_replica_per_node(ftrun_home, tmp_path):
     SIGKILLed; node 0 carries on without it and finishes."""
     port = free_port()
     out = tmp_path / "p"
-    procs = [start_logged(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
+    procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                      "--nproc", 2, "--ft", "--replica-size", 2, "--run-id", "nodes", TRAIN, *SMALL,
-                     "--steps", 200, "--out", out], env={"FTRUN_NODE_TIMEOUT": "2"}) for k in (0, 1)]
+                     "--steps", 200, "--out", out], env={"FTRUN_NODE_TIMEOUT": "2"}, files=("stderr",)) for k in (0, 1)]
     try:
-        _wait(ftrun_home, "nodes.node1", lambda r, st: r[3]["step"] >= 20 and r[3]["state"] == "running", procs[1])
-        reps = _wait(ftrun_home, "nodes.node0", lambda r, st: r[0]["step"] >= 20, procs[0])
+        wait_replica(ftrun_home, "nodes.node1", 3, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120,
+                     procs[1])
+        step_at_kill = wait_replica(ftrun_home, "nodes.node0", 0, lambda r, st: r["step"] >= 20, 120, procs[0])["step"]
         tree = [procs[1].pid] + [c.pid for c in psutil.Process(procs[1].pid).children(recursive=True)]
         for pid in tree:
             os.kill(pid, signal.SIGKILL)
-        step_at_kill = reps[0]["step"]
-        _wait(ftrun_home, "nodes.node0", lambda r, st: st["quorum_size"] == 2 and r[0]["step"] > step_at_kill + 5,
-              procs[0], 30)
+        wait_replica(ftrun_home, "nodes.node0", 0, lambda r, st: st["quorum_size"] == 2 and r["step"] > step_at_kill + 5,
+                     30, procs[0])
         rc, err = finish(procs[0], 300)
     finally:
         for p in procs:
@@ -229,10 +214,11 @@ def test_fsdp_replicas_of_one_worker_heal(ftrun_home, tmp_path):
     so a killed replica heals (it once waited for ever for a group of every worker). Nothing says
     the script called init_process_group(): it did not."""
     out = tmp_path / "p"
-    proc = start_logged(["--nproc", 2, "--ft", "--run-id", "one", TRAIN, *MID, "--steps", 80, "--out", out])
+    proc = start_ftrun(["--nproc", 2, "--ft", "--run-id", "one", TRAIN, *MID, "--steps", 80, "--out", out],
+                       files=("stderr",))
     try:
-        reps = _wait(ftrun_home, "one", lambda r, st: r[1]["step"] >= 20 and r[1]["state"] == "running", proc)
-        os.kill(reps[1]["pid"], signal.SIGKILL)
+        r = wait_replica(ftrun_home, "one", 1, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120, proc)
+        os.kill(r["pid"], signal.SIGKILL)
         rc, err = finish(proc, 180)
     finally:
         proc.kill()

@@ -12,38 +12,21 @@ import os
 import re
 import random
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, SCRIPTS, free_port, run_ftrun
-from helpers import finish, read_state, start_logged
-
-
-def start_ftrun(args, env=None):
-    """Start ftrun with its stderr in a file, so a failing test can show it (see finish)."""
-    proc = start_logged(args, env)
-    _RUNNING[:] = [proc]
-    return proc
+from conftest import ROOT, SCRIPTS, free_port, listening, run_ftrun, start_ftrun
+from helpers import (assert_identical, finish, rank_log, read_reports, read_state, wait_for, wait_printed,
+                     wait_replica)
 
 TRAIN = SCRIPTS / "train_ft.py"
 # 10.5M parameters with Adam: 126 MB of model and optimizer state per replica.
 BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr", 0.001]
 # 1.3M parameters with Adam (16 MB of state): heals that take a moment, in tests about membership.
 MID = ["--dim", 256, "--hidden", 512, "--depth", 5, "--optim", "adam", "--lr", 0.001]
-
-
-_RUNNING = []
-
-
-def _rank_log(home: Path, run_folder: str, rank: int) -> str:
-    """What rank `rank` wrote to its stderr (all incarnations), from the run's log folder."""
-    st = read_state(home, run_folder)
-    assert st, f"no state for {run_folder}"
-    return (Path(st["log_dir"]) / f"rank{rank}" / "stderr.log").read_text()
 
 
 def _received_mb(log: str) -> list:
@@ -53,50 +36,12 @@ def _received_mb(log: str) -> list:
     return [float(m) for m in re.findall(r"ftrun\.ft: detail: rank \d+: received ([\d.]+) MB of state from rank \d+", log)]
 
 
-def _wait_replica(home, run_id, rank, pred, timeout=60.0):
-    """Wait until replica `rank` satisfies pred(replica_dict, run_dict); return the replica dict."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        st = read_state(home, run_id)
-        if st:
-            if st.get("phase") == "ended":
-                raise AssertionError(f"run ended while waiting: {st.get('exit_summary')}")
-            for r in st["replicas"]:
-                if r["rank"] == rank and r.get("pid") and pred(r, st):
-                    return r
-        time.sleep(0.02)
-    tails = "".join(Path(p.err_path).read_text()[-3000:] for p in _RUNNING if hasattr(p, "err_path"))
-    raise AssertionError(f"rank {rank} never reached the awaited state; last: {read_state(home, run_id)}\n{tails}")
-
-
-def _assert_identical(out: Path, world):
-    """Replicas 0..world-1 (or the ranks listed) ended with the same parameters, optimizer and step."""
-    ranks = list(range(world)) if isinstance(world, int) else list(world)
-    params = {r: torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in ranks}
-    opts = {r: torch.load(f"{out}.rank{r}.opt.pt", weights_only=True) for r in ranks}
-    first = ranks[0]
-    params[0], opts[0] = params[first], opts[first]
-    for r in ranks[1:]:
-        for k in params[0]:
-            assert torch.equal(params[0][k], params[r][k]), f"rank {r} parameter {k} differs"
-        assert opts[0]["state"].keys() == opts[r]["state"].keys(), f"rank {r} optimizer state differs"
-        for idx, st in opts[0]["state"].items():
-            for name, value in st.items():
-                other = opts[r]["state"][idx][name]
-                same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
-                assert same, f"rank {r} optimizer state {idx}.{name} differs"
-        assert opts[0]["param_groups"][0]["lr"] == opts[r]["param_groups"][0]["lr"]
-    steps = [json.loads(Path(f"{out}.rank{r}.json").read_text())["step"] for r in ranks]
-    assert len(set(steps)) == 1, steps
-    return params[first], json.loads(Path(f"{out}.rank{first}.json").read_text())
-
-
 def _run_killing(home, args, run_id, rank, at_step, sig=signal.SIGKILL):
     """Start ftrun with `args`, send `sig` to replica `rank` once it runs at `at_step` or later,
     and wait for the run to end: (exit status, ftrun's stderr)."""
-    proc = start_ftrun(args)
+    proc = start_ftrun(args, files=("stderr",))
     try:
-        r = _wait_replica(home, run_id, rank, lambda r, st: r["step"] >= at_step and r["state"] == "running")
+        r = wait_replica(home, run_id, rank, lambda r, st: r["step"] >= at_step and r["state"] == "running", proc=proc)
         os.kill(r["pid"], sig)
         rc, err = finish(proc)
     finally:
@@ -112,7 +57,7 @@ def failure_free(tmp_path_factory):
     proc = run_ftrun(["--nproc", 3, "--ft", TRAIN, "--steps", 240, "--data", "step", "--out", d / "p"], env=env,
                      timeout=180)
     assert proc.returncode == 0, proc.stderr
-    return _assert_identical(d / "p", 3)
+    return assert_identical(d / "p", 3)
 
 
 def test_large_model_two_kills_bitwise_identical(ftrun_home, tmp_path):
@@ -121,12 +66,15 @@ def test_large_model_two_kills_bitwise_identical(ftrun_home, tmp_path):
     run finishes, and every replica ends bitwise identical, Adam moments included."""
     out = tmp_path / "p"
     run_id = "big"
-    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *BIG, "--steps", 60, "--out", out])
+    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *BIG, "--steps", 60, "--out", out],
+                       files=("stderr",))
     try:
-        r = _wait_replica(ftrun_home, run_id, 2, lambda r, st: r["step"] >= 8 and r["state"] == "running", 120)
+        r = wait_replica(ftrun_home, run_id, 2, lambda r, st: r["step"] >= 8 and r["state"] == "running", 120,
+                         proc=proc)
         os.kill(r["pid"], signal.SIGKILL)
-        _wait_replica(ftrun_home, run_id, 2, lambda r, st: r["restarts"] == 1 and r["state"] == "running", 120)
-        r = _wait_replica(ftrun_home, run_id, 0, lambda r, st: r["state"] == "running", 120)
+        wait_replica(ftrun_home, run_id, 2, lambda r, st: r["restarts"] == 1 and r["state"] == "running", 120,
+                     proc=proc)
+        r = wait_replica(ftrun_home, run_id, 0, lambda r, st: r["state"] == "running", 120, proc=proc)
         os.kill(r["pid"], signal.SIGKILL)
         rc, err = finish(proc, 240)
     finally:
@@ -134,10 +82,10 @@ def test_large_model_two_kills_bitwise_identical(ftrun_home, tmp_path):
     assert rc == 0, err[-3000:]
     assert err.count("healed from a peer") >= 2, err[-3000:]
     # both heals brought the whole state (126 MB); the console left these per-rank lines to the logs
-    healed = [mb for r in (0, 2) for mb in _received_mb(_rank_log(ftrun_home, run_id, r))]
+    healed = [mb for r in (0, 2) for mb in _received_mb(rank_log(ftrun_home, run_id, r))]
     assert len([mb for mb in healed if mb > 100]) >= 2, healed
     assert "MB of state from rank" not in err, err[-3000:]
-    _, stats = _assert_identical(out, 3)
+    _, stats = assert_identical(out, 3)
     assert stats["step"] == 60
 
 
@@ -148,26 +96,26 @@ def test_chaos_kills_keep_replicas_identical(ftrun_home, tmp_path, failure_free)
     run_id = "chaos"
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 10, "--run-id", run_id, TRAIN,
                         "--steps", 240, "--data", "step", "--step-sleep", 0.02, "--slow-while-away", 0.1,
-                        "--out", out])
+                        "--out", out], files=("stderr",))
     killed = []  # pids, in order
     try:
-        _wait_replica(ftrun_home, run_id, 0, lambda r, st: r["step"] >= 10)
+        wait_replica(ftrun_home, run_id, 0, lambda r, st: r["step"] >= 10, proc=proc)
         for i in range(6):
             victim = rng.randrange(3)
             time.sleep(rng.uniform(0.05, 0.4))
             # Every replica back first (a pid killed already may still show in the state file until
             # ftrun has seen it die): kills of the replicas still healing would leave none holding the
             # trained state, and the run would start again from its first step.
-            r = _wait_replica(ftrun_home, run_id, victim, lambda r, st: all(
-                x["state"] == "running" and x["pid"] not in killed for x in st["replicas"]))
+            r = wait_replica(ftrun_home, run_id, victim, lambda r, st: all(
+                x["state"] == "running" and x["pid"] not in killed for x in st["replicas"]), proc=proc)
             os.kill(r["pid"], signal.SIGKILL)
             killed.append(r["pid"])
             if i == 2:
                 # Kill a replica again while it is rejoining: once it is back, before it has
                 # taken part in a step (during its heal or right after it).
-                r = _wait_replica(ftrun_home, run_id, victim,
-                                  lambda r, st: r["restarts"] >= 1 and r["state"] in ("recovering", "running")
-                                  and r["pid"] not in killed)
+                r = wait_replica(ftrun_home, run_id, victim,
+                                 lambda r, st: r["restarts"] >= 1 and r["state"] in ("recovering", "running")
+                                 and r["pid"] not in killed, proc=proc)
                 os.kill(r["pid"], signal.SIGKILL)
                 killed.append(r["pid"])
         rc, err = finish(proc)
@@ -180,7 +128,7 @@ def test_chaos_kills_keep_replicas_identical(ftrun_home, tmp_path, failure_free)
     assert err.count("restarting it alone") >= 6, err[-3000:]
     assert "healed from a peer" in err, err[-4000:]
     ref_params, ref_stats = failure_free
-    params, stats = _assert_identical(out, 3)
+    params, stats = assert_identical(out, 3)
     assert stats["step"] == 240
     # --data step: the step's global batch is split over the live replicas, so the trajectory
     # barely depends on failures (with ft.DataLoader the batches follow the membership instead).
@@ -209,25 +157,26 @@ def test_sigstop_is_detected_by_step_timeout(ftrun_home, tmp_path):
         # not the other: that survivor's step went through, the round did not, and it restarts to
         # take the committed state (the protocol's mixed outcome), never as hung.
         assert restarts[r] == 0 or "restarting to take the committed state from a peer" in \
-            _rank_log(ftrun_home, run_id, r), (final["replicas"], err[-3000:])
-    _assert_identical(out, 3)
+            rank_log(ftrun_home, run_id, r), (final["replicas"], err[-3000:])
+    assert_identical(out, 3)
 
 
 def test_powersgd_under_kills(ftrun_home, tmp_path):
     out = tmp_path / "p"
     run_id = "psgd"
     proc = start_ftrun(["--nproc", 3, "--ft", "--hook", "powersgd", "--rank", 2, "--start-iter", 10,
-                        "--run-id", run_id, TRAIN, "--steps", 150, "--step-sleep", 0.02, "--out", out])
+                        "--run-id", run_id, TRAIN, "--steps", 150, "--step-sleep", 0.02, "--out", out], files=("stderr",))
     try:
         for victim, at in ((1, 30), (0, 80)):
-            r = _wait_replica(ftrun_home, run_id, victim, lambda r, st: r["step"] >= at and r["state"] == "running")
+            r = wait_replica(ftrun_home, run_id, victim, lambda r, st: r["step"] >= at and r["state"] == "running",
+                             proc=proc)
             os.kill(r["pid"], signal.SIGKILL)
         rc, err = finish(proc)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
     assert err.count("healed from a peer") >= 2
-    _, stats = _assert_identical(out, 3)
+    _, stats = assert_identical(out, 3)
     assert stats["loss"] < 1.0
 
 
@@ -235,11 +184,11 @@ def test_budget_spent_for_one_replica_others_finish(ftrun_home, tmp_path):
     out = tmp_path / "p"
     run_id = "budget"
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 1, "--run-id", run_id, TRAIN,
-                        "--steps", 200, "--step-sleep", 0.02, "--out", out])
+                        "--steps", 200, "--step-sleep", 0.02, "--out", out], files=("stderr",))
     try:
-        r = _wait_replica(ftrun_home, run_id, 1, lambda r, st: r["step"] >= 20 and r["state"] == "running")
+        r = wait_replica(ftrun_home, run_id, 1, lambda r, st: r["step"] >= 20 and r["state"] == "running", proc=proc)
         os.kill(r["pid"], signal.SIGKILL)
-        r = _wait_replica(ftrun_home, run_id, 1, lambda r, st: r["restarts"] == 1 and r["state"] == "running")
+        r = wait_replica(ftrun_home, run_id, 1, lambda r, st: r["restarts"] == 1 and r["state"] == "running", proc=proc)
         os.kill(r["pid"], signal.SIGKILL)
         rc, err = finish(proc)
     finally:
@@ -260,11 +209,12 @@ def test_source_dies_mid_transfer_joiner_heals_from_another(ftrun_home, tmp_path
     out = tmp_path / "p"
     run_id = "source"
     proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *MID, "--steps", 40, "--out", out],
-                       env={"FTRUN_FT_INJECT_SEND_DELAY": "1", "FTRUN_FT_CHUNK_MB": "4"})
+                       env={"FTRUN_FT_INJECT_SEND_DELAY": "1", "FTRUN_FT_CHUNK_MB": "4"}, files=("stderr",))
     try:
-        r = _wait_replica(ftrun_home, run_id, 1, lambda r, st: r["step"] >= 5 and r["state"] == "running", 120)
+        r = wait_replica(ftrun_home, run_id, 1, lambda r, st: r["step"] >= 5 and r["state"] == "running", 120,
+                         proc=proc)
         os.kill(r["pid"], signal.SIGKILL)
-        src = _wait_replica(ftrun_home, run_id, 0, lambda r, st: r.get("ft_phase") == "send", 120)
+        src = wait_replica(ftrun_home, run_id, 0, lambda r, st: r.get("ft_phase") == "send", 120, proc=proc)
         os.kill(src["pid"], signal.SIGKILL)
         rc, err = finish(proc, 240)
     finally:
@@ -272,24 +222,24 @@ def test_source_dies_mid_transfer_joiner_heals_from_another(ftrun_home, tmp_path
     assert rc == 0, err[-3000:]
     assert "state transfer from rank 0 failed" in err, err[-3000:]
     assert err.count("healed from a peer") >= 2
-    _assert_identical(out, 3)
+    assert_identical(out, 3)
 
 
 def test_two_of_three_die_at_once(ftrun_home, tmp_path):
     out = tmp_path / "p"
     run_id = "two"
     proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, "--steps", 150, "--step-sleep", 0.02,
-                        "--out", out])
+                        "--out", out], files=("stderr",))
     try:
-        a = _wait_replica(ftrun_home, run_id, 0, lambda r, st: r["step"] >= 30 and r["state"] == "running")
-        b = _wait_replica(ftrun_home, run_id, 2, lambda r, st: r["state"] == "running")
+        a = wait_replica(ftrun_home, run_id, 0, lambda r, st: r["step"] >= 30 and r["state"] == "running", proc=proc)
+        b = wait_replica(ftrun_home, run_id, 2, lambda r, st: r["state"] == "running", proc=proc)
         os.kill(a["pid"], signal.SIGKILL)
         os.kill(b["pid"], signal.SIGKILL)
         rc, err = finish(proc)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
-    _, stats = _assert_identical(out, 3)
+    _, stats = assert_identical(out, 3)
     assert stats["step"] == 150
     assert "starting again from the first step" not in err  # rank 1 kept the state
 
@@ -305,11 +255,12 @@ def test_two_nodes_heal_across_nodes_and_status_shows_every_replicas_steps(ftrun
     out = tmp_path / "p"
     procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                           "--nproc", 2, "--ft", "--run-id", "xn", TRAIN, "--steps", 300, "--step-sleep", 0.02,
-                          "--out", out]) for k in (0, 1)]
+                          "--out", out], files=("stderr",)) for k in (0, 1)]
     try:
-        _wait_replica(ftrun_home, "xn.node0", 3, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
+        wait_replica(ftrun_home, "xn.node0", 3, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120,
+                     proc=procs[0])
         live = run_ftrun(["status", "--json"], env={"FTRUN_HOME": str(ftrun_home)}, check=True)
-        r = _wait_replica(ftrun_home, "xn.node1", 3, lambda r, st: r["state"] == "running", 30)
+        r = wait_replica(ftrun_home, "xn.node1", 3, lambda r, st: r["state"] == "running", 30, proc=procs[1])
         os.kill(r["pid"], signal.SIGKILL)
         results = [finish(p) for p in procs]
     finally:
@@ -318,7 +269,7 @@ def test_two_nodes_heal_across_nodes_and_status_shows_every_replicas_steps(ftrun
     for rc, err in results:
         assert rc == 0, err[-3000:]
     assert "rank 3 is training again, healed from a peer" in results[1][1]
-    _, stats = _assert_identical(out, 4)
+    _, stats = assert_identical(out, 4)
     assert stats["step"] == 300
     views = {Path(run["state_file"]).parent.name: {r["rank"]: r["step"] for r in run["replicas"]}
              for run in json.loads(live.stdout)}
@@ -326,7 +277,7 @@ def test_two_nodes_heal_across_nodes_and_status_shows_every_replicas_steps(ftrun
     for run_id, steps in views.items():
         assert sorted(steps) == [0, 1, 2, 3] and min(steps.values()) > 0, (run_id, steps)
         assert max(steps.values()) - min(steps.values()) <= 60, (run_id, steps)  # about 1 s of steps
-    ended = {r: json.loads(Path(f"{out}.rank{r}.json").read_text())["step"] for r in range(4)}
+    ended = {r: rep["step"] for r, rep in read_reports(out, 4).items()}
     assert set(ended.values()) == {300}
     for node in (0, 1):
         st = read_state(ftrun_home, f"xn.node{node}")
@@ -345,15 +296,16 @@ def test_node_lost_survivors_keep_committing(ftrun_home, tmp_path):
     out = tmp_path / "p"
     procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                           "--nproc", 2, "--ft", "--run-id", "lost", TRAIN, "--steps", 400, "--step-sleep", 0.02,
-                          "--out", out], env={"FTRUN_NODE_TIMEOUT": "2"}) for k in (0, 1)]
+                          "--out", out], env={"FTRUN_NODE_TIMEOUT": "2"}, files=("stderr",)) for k in (0, 1)]
     try:
-        _wait_replica(ftrun_home, "lost.node1", 3, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
-        r = _wait_replica(ftrun_home, "lost.node0", 0, lambda r, st: r["step"] >= 30, 60)
+        wait_replica(ftrun_home, "lost.node1", 3, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120,
+                     proc=procs[1])
+        r = wait_replica(ftrun_home, "lost.node0", 0, lambda r, st: r["step"] >= 30, 60, proc=procs[0])
         procs[1].kill()
         killed_at, step_at_kill = time.time(), r["step"]
         # Node 0 moves on: a step committed past the kill, within seconds of it.
-        _wait_replica(ftrun_home, "lost.node0", 0, lambda r, st: st["quorum_size"] == 2 and r["step"] > step_at_kill + 5,
-                      30)
+        wait_replica(ftrun_home, "lost.node0", 0, lambda r, st: st["quorum_size"] == 2 and r["step"] > step_at_kill + 5,
+                     30, proc=procs[0])
         resumed_s = time.time() - killed_at
         rc, err = finish(procs[0], 180)
     finally:
@@ -362,7 +314,7 @@ def test_node_lost_survivors_keep_committing(ftrun_home, tmp_path):
     assert rc == 0, err[-3000:]
     assert "node 1" in err and "carrying on without its replicas" in err, err[-3000:]
     assert resumed_s < 15, resumed_s
-    _, stats = _assert_identical(out, 2)
+    _, stats = assert_identical(out, 2)
     assert stats["step"] == 400
 
 
@@ -372,10 +324,11 @@ def test_node0_lost_under_ft_is_one_line_on_the_others(ftrun_home, tmp_path):
     workers keep the user's environment, so theirs are theirs)."""
     port = free_port()
     procs = [start_ftrun(["--nnodes", 2, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
-                          "--nproc", 1, "--ft", "--run-id", "z0", TRAIN, "--steps", 5000, "--step-sleep", 0.02])
+                          "--nproc", 1, "--ft", "--run-id", "z0", TRAIN, "--steps", 5000, "--step-sleep", 0.02], files=("stderr",))
              for k in (0, 1)]
     try:
-        _wait_replica(ftrun_home, "z0.node1", 1, lambda r, st: r["step"] >= 10 and r["state"] == "running", 120)
+        wait_replica(ftrun_home, "z0.node1", 1, lambda r, st: r["step"] >= 10 and r["state"] == "running", 120,
+                     proc=procs[1])
         procs[0].kill()
         rc, err = finish(procs[1], 60)
     finally:
@@ -389,32 +342,15 @@ def test_node0_lost_under_ft_is_one_line_on_the_others(ftrun_home, tmp_path):
 def _c10d_node(port, nnodes, run_id, out, steps, extra=()):
     """One node of a c10d run; the first of a run returns once it hosts the endpoint (node 0)."""
     proc = _c10d_start(port, nnodes, run_id, out, steps, extra)
-    deadline = time.time() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            assert proc.poll() is None and time.time() < deadline, Path(proc.err_path).read_text()[-3000:]
-            time.sleep(0.05)
+    wait_for(lambda: listening(port), 60, f"a node of {run_id} hosting the endpoint at port {port}", proc)
+    return proc
 
 
 def _c10d_start(port, nnodes, run_id, out, steps, extra=()):
     return start_ftrun(["--nnodes", nnodes, "--nproc-per-node", 1, "--rdzv-backend", "c10d", "--rdzv-endpoint",
                         f"localhost:{port}", "--rdzv-conf", "last_call_timeout=0.5", "--ft", "--run-id", run_id,
                         TRAIN, "--steps", steps, "--step-sleep", 0.02, "--out", out, *MID, *extra],
-                       env={"FTRUN_NODE_TIMEOUT": "2"})
-
-
-def _wait_text(proc, text, timeout=60.0):
-    """Wait until ftrun's stderr (a file) says `text`: the event the test waits for."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if text in Path(proc.err_path).read_text():
-            return
-        assert proc.poll() is None, Path(proc.err_path).read_text()[-3000:]
-        time.sleep(0.05)
-    raise AssertionError(f"never said {text!r}:\n{Path(proc.err_path).read_text()[-3000:]}")
+                       env={"FTRUN_NODE_TIMEOUT": "2"}, files=("stderr",))
 
 
 @pytest.mark.extended
@@ -427,11 +363,11 @@ def test_a_lost_nodes_place_goes_to_a_waiting_node(ftrun_home, tmp_path):
     procs = [_c10d_node(port, "1:2", "wq", out, 400)]
     try:
         procs.append(_c10d_node(port, "1:2", "wq", out, 400))
-        _wait_text(procs[0], "2 replicas")  # an epoch with both (formed together, or node 1 joined late)
+        wait_printed(procs[0], "2 replicas")  # an epoch with both (formed together, or node 1 joined late)
         procs.append(_c10d_node(port, "1:2", "wq", out, 400))
-        _wait_text(procs[0], "waits for a place")
+        wait_printed(procs[0], "waits for a place")
         procs[1].kill()
-        _wait_text(procs[0], "node 2 joins the running run", 60)
+        wait_printed(procs[0], "node 2 joins the running run", 60)
         results = [finish(procs[0], 180), finish(procs[2], 180)]
     finally:
         for p in procs:
@@ -439,7 +375,7 @@ def test_a_lost_nodes_place_goes_to_a_waiting_node(ftrun_home, tmp_path):
     for rc, err in results:
         assert rc == 0, err[-3000:]
     assert "carrying on without its replicas" in results[0][1]
-    _, stats = _assert_identical(out, [0, 2])
+    _, stats = assert_identical(out, [0, 2])
     assert stats["step"] == 400
 
 
@@ -506,20 +442,20 @@ def test_members_that_stepped_past_a_failed_round_restart_and_heal(ftrun_home, t
     out = tmp_path / "p"
     run_id = "mixed"
     proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, *MID, "--steps", 50, "--out", out],
-                       env={"FTRUN_FT_INJECT_FAIL": "1:20"})
+                       env={"FTRUN_FT_INJECT_FAIL": "1:20"}, files=("stderr",))
     try:
         rc, err = finish(proc, 240)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
     for r in (0, 2):
-        log = _rank_log(ftrun_home, run_id, r)
+        log = rank_log(ftrun_home, run_id, r)
         assert ("was voted down after this member had stepped past it" in log
                 or re.search(r"keeps its first \d+ steps while this member had taken", log)), log[-2000:]
         assert _received_mb(log), log[-2000:]  # it healed from a peer: the only holder is rank 1
-    log1 = _rank_log(ftrun_home, run_id, 1)
+    log1 = rank_log(ftrun_home, run_id, 1)
     assert "injected by FTRUN_FT_INJECT_FAIL" in log1 and "restarting" not in log1, log1[-2000:]
-    _, stats = _assert_identical(out, 3)
+    _, stats = assert_identical(out, 3)
     assert stats["step"] == 50
 
 
@@ -538,11 +474,11 @@ def test_ddp_options_under_a_kill(ftrun_home, tmp_path, variant):
     rc, err = _run_killing(ftrun_home, ["--nproc", 3, "--ft", "--run-id", run_id, TRAIN, "--ddp", variant,
                                         "--steps", 120, "--step-sleep", 0.01, "--out", out], run_id, 1, 30)
     assert rc == 0, err[-3000:]
-    assert _received_mb(_rank_log(ftrun_home, run_id, 1)), err[-3000:]  # it healed from a peer
+    assert _received_mb(rank_log(ftrun_home, run_id, 1)), err[-3000:]  # it healed from a peer
     for rank in (0, 2):
-        log = _rank_log(ftrun_home, run_id, rank)
+        log = rank_log(ftrun_home, run_id, rank)
         assert "Traceback" not in log, log[max(0, log.find("Traceback") - 1500):][:4000]
-    _, stats = _assert_identical(out, 3)
+    _, stats = assert_identical(out, 3)
     assert stats["step"] == 120
 
 
@@ -582,12 +518,12 @@ def test_a_replica_back_after_the_end_never_runs_the_script_on_an_untrained_mode
     if checkpoint:
         assert all(f"rank {r}: the run finished at step 60 while this replica was restarting; no peer is left to "
                    f"heal it: it resumed from checkpoint step 60" in proc.stderr for r in late)
-        _assert_identical(out, 3)
+        assert_identical(out, 3)
     else:
         for r in late:
             assert not Path(f"{out}.rank{r}.pt").exists()  # it never ran the code after the loop
         assert "exiting now (status 0)" in proc.stderr
-        _assert_identical(out, [1] + [r for r in (0, 2) if r not in late])
+        assert_identical(out, [1] + [r for r in (0, 2) if r not in late])
 
 
 def test_a_script_that_calls_init_process_group_still_heals(ftrun_home, tmp_path):
@@ -603,5 +539,5 @@ def test_a_script_that_calls_init_process_group_still_heals(ftrun_home, tmp_path
     assert "rank 0: the script called init_process_group() over all 3 workers" in err, err[-3000:]
     assert "rank 2: skipped the script's init_process_group(): this replica restarted" in err, err[-3000:]
     assert "rank 2 is training again, healed from a peer" in err
-    _, stats = _assert_identical(out, 3)
+    _, stats = assert_identical(out, 3)
     assert stats["step"] == 120

@@ -5,13 +5,12 @@ closure's loss, and a discarded step says so (opt.stepped, ft.redo())."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from conftest import run_ftrun
-from helpers import restarts_of_kills
+from helpers import read_reports, restarts_of_kills
 
 # Step 0 is a layout round (see ftrun/worker/ft/api/ddp.py); with a sparse embedding its gradients
 # cannot be averaged, so every replica discards it and the loop hands step 0 out again: a
@@ -87,13 +86,14 @@ with open(f"{out}.rank{rank}.json", "w") as f:
 STEPS_PER_EPOCH = 64 // (4 * 2)  # 64 samples, 4 a worker, 2 replicas alive
 
 
-def _run(tmp_path: Path, epochs: int, die_at: int, timeout: int = 120):
+def _train_api_classes(tmp_path: Path, epochs: int, die_at: int, timeout: int = 120):
+    """SCRIPT on 2 replicas (rank 1 dying at step `die_at`): (its run, --out, the ranks' reports)."""
     script = tmp_path / "api_classes.py"
     script.write_text(SCRIPT)
     out = tmp_path / "p"
     proc = run_ftrun(["--nproc", 2, "--ft", script, out, epochs, die_at], timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc, out, {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    return proc, out, read_reports(out, 2)
 
 
 def _assert_same_state(out: Path) -> None:
@@ -119,7 +119,7 @@ def test_ft_classes_are_torchs_and_a_scheduler_on_ft_optimizer_heals_with_a_kill
     with the rest of the state, both replicas end identical (parameters, both optimizers' state
     and learning rates, the scheduler), and the scheduler counted exactly the committed steps.
     The healed replica's first round is a layout round again, discarded by both."""
-    proc, out, reports = _run(tmp_path, 3, 10, timeout=180)
+    proc, out, reports = _train_api_classes(tmp_path, 3, 10, timeout=180)
     restarts_of_kills(proc.stderr, 1)
     assert "healed from a peer" in proc.stderr, proc.stderr[-3000:]
     first = reports[0]["log"]  # replica 0's one incarnation, from step 0

@@ -15,15 +15,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import ROOT, run_ftrun
-from helpers import finish
-from test_ft import _wait_replica, start_ftrun
+from conftest import ROOT, run_ftrun, start_ftrun
+from helpers import finish, read_reports, wait_replica
 
 WORKER = ROOT / "tests" / "ft_data_worker.py"
-
-
-def _reports(out: Path, ranks):
-    return {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in ranks}
 
 
 def _assert_each_sample_once(reports, epochs: int, size: int):
@@ -43,8 +38,8 @@ def _kill_at(home, run_id, proc, plan, after_heals=False):
     leaves the run with no holder of it (it would start again from the first step)."""
     killed = []
     for rank, step in plan:
-        r = _wait_replica(home, run_id, rank, lambda r, st: r["step"] >= step and r["state"] == "running"
-                          and r["pid"] not in killed and (not after_heals or _others_hold_the_state(rank, st)), 180)
+        r = wait_replica(home, run_id, rank, lambda r, st: r["step"] >= step and r["state"] == "running"
+                         and r["pid"] not in killed and (not after_heals or _others_hold_the_state(rank, st)), 180, proc)
         os.kill(r["pid"], signal.SIGKILL)
         killed.append(r["pid"])
     return killed
@@ -58,7 +53,7 @@ def test_failure_free_batches_are_distributed_samplers(ftrun_home, tmp_path):
     out, size, batch = tmp_path / "o", 103, 4
     proc = run_ftrun(["--nproc", 3, "--ft", WORKER, 2, out, "--size", size, "--batch", batch], timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = _reports(out, range(3))
+    reports = read_reports(out, range(3))
     _assert_each_sample_once(reports, 2, size)
     data = list(range(size))
     for r, rep in reports.items():
@@ -78,7 +73,7 @@ def _kill_run(home, tmp_path, run_id, args, plan, extra=(), after_heals=False):
     """Run the counter model (args: EPOCHS, then its options) with 3 replicas, killing by `plan`."""
     out = tmp_path / "o"
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 5, "--run-id", run_id, *extra, WORKER, args[0], out,
-                        *args[1:]])
+                        *args[1:]], files=("stderr",))
     try:
         _kill_at(home, run_id, proc, plan, after_heals)
         rc, err = finish(proc, 300)
@@ -99,7 +94,7 @@ def test_kills_at_several_moments_train_each_sample_once(ftrun_home, tmp_path):
     assert rc == 0, err[-3000:]
     assert err.count("sent from outside ftrun); restarting it alone") == 4, err[-3000:]
     assert "starting again from the first step" not in err, err[-3000:]
-    _assert_each_sample_once(_reports(out, range(3)), 3, size)
+    _assert_each_sample_once(read_reports(out, range(3)), 3, size)
 
 
 def test_dataloader_workers_and_accumulation_under_kills(ftrun_home, tmp_path):
@@ -110,7 +105,7 @@ def test_dataloader_workers_and_accumulation_under_kills(ftrun_home, tmp_path):
                              [2, "--size", size, "--batch", 3, "--workers", 2, "--accumulate", 2,
                               "--step-sleep", 0.03], [(2, 4), (0, 12)])
     assert rc == 0, err[-3000:]
-    _assert_each_sample_once(_reports(out, range(3)), 2, size)
+    _assert_each_sample_once(read_reports(out, range(3)), 2, size)
 
 
 def test_whole_run_killed_and_resumed_from_checkpoint(ftrun_home, tmp_path):
@@ -119,9 +114,9 @@ def test_whole_run_killed_and_resumed_from_checkpoint(ftrun_home, tmp_path):
     size, ck, out = 240, tmp_path / "ck", tmp_path / "o"
     args = ["--nproc", 2, "--ft", "--checkpoint-dir", ck, "--checkpoint-every", 7, "--run-id", "first", WORKER, 3,
             out, "--size", size, "--batch", 4, "--step-sleep", 0.03]
-    proc = start_ftrun(args)
+    proc = start_ftrun(args, files=("stderr",))
     try:
-        _wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 40, 180)
+        wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 40, 180, proc=proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -130,7 +125,7 @@ def test_whole_run_killed_and_resumed_from_checkpoint(ftrun_home, tmp_path):
     again = run_ftrun(args, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from checkpoint" in again.stderr, again.stderr[-3000:]
-    _assert_each_sample_once(_reports(out, range(2)), 3, size)
+    _assert_each_sample_once(read_reports(out, range(2)), 3, size)
 
 
 def test_sharded_replicas_each_worker_its_own_batch(ftrun_home, tmp_path):
@@ -138,14 +133,14 @@ def test_sharded_replicas_each_worker_its_own_batch(ftrun_home, tmp_path):
     inside a replica too); a replica killed mid-run: exactly once."""
     size, out = 160, tmp_path / "o"
     proc = start_ftrun(["--nproc", 4, "--ft", "--replica-size", 2, "--run-id", "shard", WORKER, 2, out,
-                        "--size", size, "--batch", 2, "--step-sleep", 0.03])
+                        "--size", size, "--batch", 2, "--step-sleep", 0.03], files=("stderr",))
     try:
         _kill_at(ftrun_home, "shard", proc, [(3, 6)])
         rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
-    reports = _reports(out, range(4))
+    reports = read_reports(out, range(4))
     _assert_each_sample_once(reports, 2, size)
     first = [set(idx) for _, idx, _ in reports[0]["drawn"][:1]] + [set(idx) for _, idx, _ in reports[1]["drawn"][:1]]
     assert not first[0] & first[1], first  # the replica's two workers trained different samples
@@ -160,14 +155,14 @@ def test_step_loop_with_a_loader_resumes_its_position(ftrun_home, tmp_path):
     # enough that a loaded restart is back before the others finish)
     steps = 240
     proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "steps", WORKER, 0, out, "--size", size, "--batch", 2,
-                        "--accumulate", 2, "--style", "steps", "--steps", steps, "--step-sleep", 0.03])
+                        "--accumulate", 2, "--style", "steps", "--steps", steps, "--step-sleep", 0.03], files=("stderr",))
     try:
         _kill_at(ftrun_home, "steps", proc, [(1, 10)])
         rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
-    reports = _reports(out, range(3))
+    reports = read_reports(out, range(3))
     weights = reports[0]["weights"]
     full = -min(weights)  # every sample of the epochs completed, once each; the one under way, partly
     assert set(weights) <= {-full, -(full - 1)} and full >= 5, sorted(set(weights))
@@ -179,16 +174,17 @@ def test_a_hung_replica_is_replaced_and_each_sample_trained_once(ftrun_home, tmp
     kills it, it heals; the steps its peers discarded meanwhile give their batches again."""
     size, out = 180, tmp_path / "o"
     proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "hang", WORKER, 2, out, "--size", size, "--batch", 3,
-                        "--step-sleep", 0.03], env={"FTRUN_HANG_AFTER_S": "3", "FTRUN_FT_TIMEOUT": "2"})
+                        "--step-sleep", 0.03], env={"FTRUN_HANG_AFTER_S": "3", "FTRUN_FT_TIMEOUT": "2"}, files=("stderr",))
     try:
-        r = _wait_replica(ftrun_home, "hang", 2, lambda r, st: r["step"] >= 8 and r["state"] == "running", 180)
+        r = wait_replica(ftrun_home, "hang", 2, lambda r, st: r["step"] >= 8 and r["state"] == "running", 180,
+                         proc=proc)
         os.kill(r["pid"], signal.SIGSTOP)
         rc, err = finish(proc, 300)
     finally:
         proc.kill()
     assert rc == 0, err[-3000:]
     assert "rank 2 (pid" in err and "is hung" in err, err[-3000:]
-    _assert_each_sample_once(_reports(out, range(3)), 2, size)
+    _assert_each_sample_once(read_reports(out, range(3)), 2, size)
 
 
 def test_store_host_node_lost_each_sample_trained_once(ftrun_home, tmp_path):
@@ -201,9 +197,10 @@ def test_store_host_node_lost_each_sample_trained_once(ftrun_home, tmp_path):
     size, out, port = 240, tmp_path / "o", free_port()
     procs = {k: start_ftrun(["--nnodes", 3, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                              "--nproc", 1, "--ft", "--run-id", "nodes", WORKER, 2, out, "--size", size, "--batch", 4,
-                             "--step-sleep", 0.03], env={"FTRUN_NODE_TIMEOUT": "2"}) for k in (2, 1, 0)}
+                             "--step-sleep", 0.03], env={"FTRUN_NODE_TIMEOUT": "2"}, files=("stderr",)) for k in (2, 1, 0)}
     try:
-        _wait_replica(ftrun_home, "nodes.node1", 1, lambda r, st: r["step"] >= 12 and r["state"] == "running", 180)
+        wait_replica(ftrun_home, "nodes.node1", 1, lambda r, st: r["step"] >= 12 and r["state"] == "running", 180,
+                     procs[1])
         _kill_tree(procs[0])
         results = {k: finish(procs[k], 300) for k in (1, 2)}
     finally:
@@ -212,7 +209,7 @@ def test_store_host_node_lost_each_sample_trained_once(ftrun_home, tmp_path):
     for k, (rc, err) in results.items():
         assert rc == 0, (k, err[-3000:])
         assert "moving the run's store" in err, err[-3000:]
-    _assert_each_sample_once(_reports(out, (1, 2)), 2, size)
+    _assert_each_sample_once(read_reports(out, (1, 2)), 2, size)
 
 
 @pytest.mark.parametrize("bad, says", [

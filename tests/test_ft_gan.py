@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from conftest import ROOT, run_ftrun
-from helpers import load_params, start_logged
+from conftest import ROOT, run_ftrun, start_ftrun
+from helpers import load_params, wait_for
 
 GAN = ROOT / "tests" / "ft_gan_worker.py"
 
@@ -66,13 +66,13 @@ def test_a_gan_killed_whole_resumes_both_optimizers_from_its_checkpoint(ftrun_ho
     no state for its parameters): the run is killed whole after its checkpoint of step 10, and the
     next run resumes every optimizer from it (torch's set_state_dict could not place the param
     groups of optimizers without state, and the resumed run failed) and counts each sample once."""
-    from test_checkpoint import _complete, _kill_everything, _wait_for
+    from test_checkpoint import _complete, _kill_everything
 
     ck, out = tmp_path / "ck", tmp_path / "g"
     cmd = ["--nproc", 2, "--ft", "--run-id", "gan-ck", "--checkpoint-dir", ck, "--checkpoint-every", 10, GAN,
            "--epochs", 4, "--out", out, "--step-sleep", 0.05]
-    first = start_logged(cmd)
-    _wait_for(lambda: 10 in _complete(ck), first, "the checkpoint of step 10")
+    first = start_ftrun(cmd, files=("stderr",))
+    wait_for(lambda: 10 in _complete(ck), 90, "the checkpoint of step 10", first)
     _kill_everything(first)
     r = run_ftrun(cmd, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]

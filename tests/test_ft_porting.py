@@ -4,13 +4,12 @@ forgets ft.steps(), or fails deterministically at start. Real CLI, real signals.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, run_ftrun
-from test_ft import _assert_identical, _run_killing
+from helpers import assert_identical, read_reports
+from test_ft import _run_killing
 
 WORKER = ROOT / "tests" / "ft_grad_worker.py"
 
@@ -25,7 +24,7 @@ def test_gradients_are_averaged_when_backward_returns_under_kills(ftrun_home, tm
                            "grads", 1, 12)
     assert rc == 0, err[-3000:]
     assert "restarting it alone" in err and "healed from a peer" in err, err[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    reports = read_reports(out, 3)
     steps = sorted({int(s) for rep in reports.values() for s in rep["norms"]})
     assert len(steps) >= 50, steps
     for s in steps:
@@ -42,7 +41,7 @@ def test_gradients_are_averaged_when_backward_returns_under_kills(ftrun_home, tm
         assert rep["skipped"] == twice, (r, rep["skipped"], rep["yields"])
     assert {s for rep in reports.values() for s in rep["skipped"]} == {0, 25}, reports
     assert len({rep["scale"] for rep in reports.values()}) == 1, reports
-    _assert_identical(out, 3)
+    assert_identical(out, 3)
     # ft.redo(): a step handed out again (a skipped or discarded step) says so, the first time never,
     # and every replica, the healed one included, says the same of the steps it saw.
     for rep in reports.values():
@@ -85,7 +84,7 @@ def test_init_and_destroy_process_group_work_on_a_restarted_replica(ftrun_home, 
     assert "restarting it alone" in err and "healed from a peer" in err, err[-3000:]
     assert "Process group cannot be None" not in err and "AssertionError" not in err, err[-3000:]
     assert "restart 2 of" not in err, err[-3000:]
-    done = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    done = read_reports(out, 3)
     assert {d["epoch"] for d in done.values()} == {3}, done
 
 

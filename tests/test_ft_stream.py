@@ -4,15 +4,12 @@ tests/ft_stream_worker.py), and what becomes of a given-up replica's shard. Real
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
-from helpers import finish
-from test_ft import start_ftrun
+from conftest import ROOT, start_ftrun
+from helpers import finish, read_reports
 from test_ft_data import _kill_at
 
 WORKER = ROOT / "tests" / "ft_stream_worker.py"
@@ -20,19 +17,17 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # nothing from a hub: the Hugging Face strea
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
 
-def _run(home, tmp_path, run_id, args, plan, restarts):
+def _train_killing(home, tmp_path, run_id, args, plan, restarts):
+    """3 replicas of the stream worker, killed by `plan` (see _kill_at), to the end: (exit status, stderr, --out)."""
     out = tmp_path / "o"
-    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", restarts, "--run-id", run_id, WORKER, 2, out, *args])
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", restarts, "--run-id", run_id, WORKER, 2, out, *args],
+                       files=("stderr",))
     try:
         _kill_at(home, run_id, proc, plan, after_heals=True)
         rc, err = finish(proc, 300)
     finally:
         proc.kill()
     return rc, err, out
-
-
-def _reports(out: Path, ranks):
-    return {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in ranks}
 
 
 @pytest.mark.parametrize("loader", ["iterable", "stateful", "datasets"])
@@ -48,13 +43,13 @@ def test_shards_heal_and_a_given_up_replicas_shard_is_read_on(ftrun_home, tmp_pa
     if loader == "datasets":
         pytest.importorskip("datasets", reason="datasets is a test-only dependency (scripts/test.sh installs it)")
         size = 960  # a restarted replica imports datasets: a longer run, to be killed again after it
-    rc, err, out = _run(ftrun_home, tmp_path, f"stream-{loader}",
-                        ["--loader", loader, "--shards", "list", "--size", size, "--batch", 4, "--step-sleep", 0.05],
-                        [(1, 3), (2, 9), (1, 14)], restarts=1)
+    rc, err, out = _train_killing(ftrun_home, tmp_path, f"stream-{loader}",
+                                  ["--loader", loader, "--shards", "list", "--size", size, "--batch", 4, "--step-sleep", 0.05],
+                                  [(1, 3), (2, 9), (1, 14)], restarts=1)
     assert rc == 137, err[-3000:]  # the given-up replica's status
     assert "carrying on with 2 replicas" in err, err[-3000:]
     assert "reads shard 1 of the stream on, where replica 1 left it (replica 1 is away" in err, err[-3000:]
-    reports = _reports(out, (0, 2))
+    reports = read_reports(out, (0, 2))
     for r, rep in reports.items():
         assert rep["weights"] == [-2.0] * size, (r, [(i, w) for i, w in enumerate(rep["weights"]) if w != -2][:20])
     assert reports[0]["state"] == reports[2]["state"] and reports[0]["step"] == reports[2]["step"]
@@ -67,11 +62,11 @@ def test_a_given_up_replicas_own_shard_is_skipped_and_said(ftrun_home, tmp_path)
     rest of its shard, said in one line; the other shards are trained exactly once a pass, and of
     shard 1 just what committed steps took before the kill, once (a prefix of it, in pass 0)."""
     size = 240
-    rc, err, out = _run(ftrun_home, tmp_path, "stream-own",
-                        ["--shards", "own", "--size", size, "--batch", 4, "--step-sleep", 0.05], [(1, 6)], restarts=0)
+    rc, err, out = _train_killing(ftrun_home, tmp_path, "stream-own",
+                                  ["--shards", "own", "--size", size, "--batch", 4, "--step-sleep", 0.05], [(1, 6)], restarts=0)
     assert rc == 137, err[-3000:]
     assert "pass 0 over the stream ends without the rest of shard 1: its replica was away" in err, err[-3000:]
-    reports = _reports(out, (0, 2))
+    reports = read_reports(out, (0, 2))
     for r, rep in reports.items():
         w = rep["weights"]
         assert all(w[i] == -2.0 for i in range(size) if i % 3 != 1), (r, w)

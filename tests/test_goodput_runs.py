@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FTRUN, ROOT, SCRIPTS
-from helpers import finish, read_state, small_tmpfs, start_logged
+from conftest import FTRUN, ROOT, SCRIPTS, start_ftrun
+from helpers import finish, read_reports, read_state, replica, small_tmpfs, wait_replica
 
 TRAIN_FT = SCRIPTS / "train_ft.py"
 TRAIN_DDP = SCRIPTS / "train_ddp.py"
@@ -26,25 +26,7 @@ BIG = ["--dim", 1024, "--hidden", 2048, "--depth", 3, "--optim", "adam", "--lr",
 
 
 def _start(args, home: Path) -> subprocess.Popen:
-    return start_logged(args, {"FTRUN_HOME": str(home)})
-
-
-def _wait(home: Path, run_id: str, pred, timeout: float = 120.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        st = read_state(home, run_id)
-        if st and st.get("phase") == "ended":
-            raise AssertionError(f"run ended while waiting: {st.get('exit_summary')}")
-        if st:
-            got = pred(st)
-            if got:
-                return got
-        time.sleep(0.02)
-    raise AssertionError(f"never reached the awaited state; last: {read_state(home, run_id)}")
-
-
-def _replica(st, rank):
-    return next(r for r in st["replicas"] if r["rank"] == rank)
+    return start_ftrun(args, {"FTRUN_HOME": str(home)}, files=("stderr",))
 
 
 def _stalls(times, median, a, b):
@@ -67,13 +49,12 @@ def test_ft_two_kills_cost_what_the_replicas_measured(tmp_path):
     t_start = time.time()
     proc = _start(["--nproc", 3, "--ft", "--run-id", run_id, TRAIN_FT, *BIG, "--steps", 90, "--out", out], home)
     try:
-        pid = _wait(home, run_id, lambda st: _replica(st, 2)["step"] >= 15 and _replica(st, 2)["state"] == "running"
-                    and _replica(st, 2)["pid"])
+        pid = wait_replica(home, run_id, 2, lambda r, st: r["step"] >= 15 and r["state"] == "running", 120, proc)["pid"]
         kills = [time.time()]
         os.kill(pid, signal.SIGKILL)
-        back = _wait(home, run_id, lambda st: _replica(st, 2)["restarts"] == 1
-                     and _replica(st, 2)["state"] == "running" and _replica(st, 2)["step"])
-        pid = _wait(home, run_id, lambda st: (st["steps_committed"] or 0) >= back + 8 and _replica(st, 0)["pid"])
+        back = wait_replica(home, run_id, 2, lambda r, st: r["restarts"] == 1 and r["state"] == "running" and r["step"],
+                            120, proc)["step"]
+        pid = wait_replica(home, run_id, 0, lambda r, st: (st["steps_committed"] or 0) >= back + 8, 120, proc)["pid"]
         kill_step_2 = read_state(home, run_id)["steps_committed"]
         kills.append(time.time())
         os.kill(pid, signal.SIGKILL)
@@ -82,7 +63,7 @@ def test_ft_two_kills_cost_what_the_replicas_measured(tmp_path):
         proc.kill()
     wall = time.time() - t_start
     st = read_state(home, run_id)
-    commits = {r: json.loads(Path(f"{out}.rank{r}.json").read_text())["commits"] for r in range(3)}
+    commits = {r: rep["commits"] for r, rep in read_reports(out, 3).items()}
     times = {r: [t for _, t in commits[r]] for r in range(3)}
     median = statistics.median(b - a for a, b in zip(times[1], times[1][1:]))
     # The victims' time away: kill -> first committed step of the new incarnation.
@@ -149,8 +130,8 @@ def test_group_restart_counts_the_steps_lost_since_the_scripts_checkpoint(tmp_pa
                    "--hang-rank", 1, "--hang-step", 36], home)
     try:
         # Both ranks' reports at the 37 steps they took: the count below is then exact.
-        pid = _wait(home, run_id, lambda st: all(_replica(st, r)["step"] >= 37 for r in (0, 1))
-                    and _replica(st, 1)["pid"])
+        pid = wait_replica(home, run_id, 1, lambda r, st: all(replica(st, x)["step"] >= 37 for x in (0, 1)), 120,
+                           proc)["pid"]
         os.kill(pid, signal.SIGKILL)
         finish(proc, 240, expect=0)
     finally:
@@ -180,7 +161,7 @@ def test_group_restart_on_two_nodes_counts_the_lost_steps_on_both(tmp_path):
                      "--run-id", run_id, TRAIN_DDP, "--steps", 70, "--step-sleep", 0.1, "--print-every", 1,
                      "--ckpt", ckpt, "--ckpt-every", 10], home) for k in (0, 1)]
     try:
-        pid = _wait(home, f"{run_id}.node1", lambda st: _replica(st, 1)["step"] >= 35 and _replica(st, 1)["pid"])
+        pid = wait_replica(home, f"{run_id}.node1", 1, lambda r, st: r["step"] >= 35, 120, procs[1])["pid"]
         os.kill(pid, signal.SIGKILL)
         for p in procs:
             finish(p, 240, expect=0)

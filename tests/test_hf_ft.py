@@ -13,9 +13,8 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is a test-only dependency (scripts/test.sh installs it)")
 pytest.importorskip("accelerate", reason="accelerate is a test-only dependency (scripts/test.sh installs it)")
 
-from conftest import ROOT  # noqa: E402
-from helpers import finish, own_steps  # noqa: E402
-from test_ft import start_ftrun  # noqa: E402
+from conftest import ROOT, start_ftrun  # noqa: E402
+from helpers import finish, own_steps, read_reports  # noqa: E402
 from test_ft_data import _kill_at  # noqa: E402
 
 WORKER = ROOT / "tests" / "hf_counter.py"
@@ -50,7 +49,7 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     out, size, epochs, steps = tmp_path / "o", 180, 2, 15
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "hf", WORKER, epochs, out,
                         "--size", size, "--batch", 2, "--sleep", 0.08, "--sleep-late", 0.4,
-                        "--workers", 2, "--accumulate", 2, "--bf16", "--ddp-backend", "gloo"])
+                        "--workers", 2, "--accumulate", 2, "--bf16", "--ddp-backend", "gloo"], files=("stderr",))
     try:
         _kill_at(ftrun_home, "hf", proc, [(1, steps + 1), (2, steps + 4)])
         rc, err = finish(proc, 300)
@@ -59,7 +58,7 @@ def test_unmodified_trainer_script_heals_mid_epoch(ftrun_home, tmp_path):
     assert rc == 0, err[-3000:]
     assert err.count("restarting it alone") == 2, err[-3000:]
     assert "cannot heal" not in err, err[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    reports = read_reports(out, 3)
     assert all(rep["step"] == epochs * steps for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
     assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
     assert reports[0]["state"] == reports[1]["state"] == reports[2]["state"], [rep["state"] for rep in reports.values()]
@@ -97,7 +96,7 @@ def test_trainer_on_a_stream_heals_and_reads_each_share_once(ftrun_home, tmp_pat
     torchrun shares in order; and the replicas' whole state ends identical."""
     out, size, batch, passes, max_steps = tmp_path / "o", 120, 2, 3, 36
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 2, "--run-id", "hfs", WORKER, passes, out,
-                        "--size", size, "--batch", batch, "--sleep", 0.05, "--iterable", "--max-steps", max_steps])
+                        "--size", size, "--batch", batch, "--sleep", 0.05, "--iterable", "--max-steps", max_steps], files=("stderr",))
     try:
         _kill_at(ftrun_home, "hfs", proc, [(1, 4)])
         _while_away(out, 1, proc)
@@ -106,7 +105,7 @@ def test_trainer_on_a_stream_heals_and_reads_each_share_once(ftrun_home, tmp_pat
         proc.kill()
     assert rc == 0, err[-3000:]
     assert err.count("restarting it alone") == 1 and "cannot heal" not in err, err[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    reports = read_reports(out, 3)
     assert all(rep["step"] == max_steps for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
     assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
     assert reports[0]["state"] == reports[1]["state"] == reports[2]["state"], [rep["state"] for rep in reports.values()]
@@ -143,14 +142,14 @@ def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
     import signal
 
     from conftest import run_ftrun
-    from test_ft import _wait_replica
+    from helpers import wait_replica
 
     out, ck, size, epochs = tmp_path / "o", tmp_path / "ck", 80, 2
     args = ["--nproc", 2, "--ft", "--checkpoint-dir", ck, "--checkpoint-every", 7, "--run-id", "first", WORKER,
             epochs, out, "--size", size, "--batch", 2, "--sleep", 0.05, "--sleep-late", 0.25]
-    proc = start_ftrun(args)
+    proc = start_ftrun(args, files=("stderr",))
     try:
-        _wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 24, 180)
+        wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 24, 180, proc=proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -159,7 +158,7 @@ def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
     again = run_ftrun(args, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from checkpoint" in again.stderr, again.stderr[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    reports = read_reports(out, 2)
     assert reports[0]["weights"] == reports[1]["weights"] and reports[0]["step"] == epochs * 20
     strengths = _strengths(reports[0], epochs)
     assert all(s == {2} for s in strengths.values()), strengths
@@ -190,7 +189,7 @@ def _evals(report):
 
 def _clm_reports(out):
     """The replicas' reports, which end identical; exactly one Trainer took itself for process 0."""
-    reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)]
+    reports = list(read_reports(out, 3).values())
     same = [(rep["params"], rep["step"], rep["best"], rep["eval"]["eval_loss"]) for rep in reports]
     assert len(set(same)) == 1, same
     assert sum(rep["process_zero"] for rep in reports) == 1, [rep["process_zero"] for rep in reports]
@@ -231,9 +230,9 @@ def test_run_clm_shaped_script_under_a_kill_and_resumed_from_its_own_checkpoint(
 
     common = ["--nproc", 3, "--ft", "--max-restarts", 2]
     ref, out, whole = tmp_path / "ref", tmp_path / "k", tmp_path / "w"
-    clean = start_ftrun([*common, "--run-id", "clean", *_clm(ref)])
-    proc = start_ftrun([*common, "--run-id", "clm", *_clm(out, "--sleep", 0.15)])
-    first = start_ftrun([*common, "--run-id", "first", *_clm(whole, "--sleep", 0.5)])
+    clean = start_ftrun([*common, "--run-id", "clean", *_clm(ref)], files=("stderr",))
+    proc = start_ftrun([*common, "--run-id", "clm", *_clm(out, "--sleep", 0.15)], files=("stderr",))
+    first = start_ftrun([*common, "--run-id", "first", *_clm(whole, "--sleep", 0.5)], files=("stderr",))
     def kill_whole_run() -> None:  # once its checkpoint-8 is written (checkpoint-16 would rotate it out)
         saved, deadline = Path(f"{whole}.out") / "checkpoint-8" / "trainer_state.json", time.monotonic() + 180
         while not saved.exists() and first.poll() is None and time.monotonic() < deadline:
@@ -288,12 +287,13 @@ def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_p
     runs = {"fp16": (["--fp16"], "TrainingArguments(fp16=True) steps through a GradScaler"),
             "version": (["--pretend-transformers", "4.57.0"],
                         "this transformers is 4.57.0; ftrun heals Trainer replicas with transformers 5.x only")}
-    procs = {name: start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / name, "--size", 24, *extra])
+    procs = {name: start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / name, "--size", 24, *extra],
+                               files=("stderr",))
              for name, (extra, _) in runs.items()}
     procs["nccl"] = start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / "nccl", "--size", 24,
-                                 "--ddp-backend", "nccl"])
+                                 "--ddp-backend", "nccl"], files=("stderr",))
     procs["iterable"] = start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / "iterable", "--size", 24,
-                                     "--iterable", "--split-batches"])
+                                     "--iterable", "--split-batches"], files=("stderr",))
     try:
         done = {name: finish(proc, 300) for name, proc in procs.items()}
     finally:
@@ -316,7 +316,7 @@ def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_p
         assert err.count(line) == 1, err[-3000:]
         assert "trains without ftrun.ft" not in err and "train_ft.py" not in err, err[-3000:]  # a Trainer's advice only
         assert "quorum 1" not in err, err[-3000:]  # no replica joined one: plain DDP
-        reports = {r: json.loads(Path(f"{tmp_path / name}.rank{r}.json").read_text()) for r in range(2)}
+        reports = read_reports(tmp_path / name, 2)
         assert reports[0]["weights"] == reports[1]["weights"]
         assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
 
@@ -350,7 +350,7 @@ def test_a_script_that_says_so_with_ftrun_hf(ftrun_home, tmp_path):
                      timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "quorum 1: 2 replicas" in proc.stderr and "ftrun: --ft:" not in proc.stderr, proc.stderr[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    reports = read_reports(out, 2)
     assert reports[0]["weights"] == reports[1]["weights"]
     assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
     order = torch.randperm(24, generator=torch.Generator().manual_seed(7)).tolist()

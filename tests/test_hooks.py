@@ -17,20 +17,21 @@ import pytest
 import torch
 
 from conftest import ROOT, SCRIPTS, run_ftrun
+from helpers import load_params, read_reports
 from ftrun.hookspec import parse_hook
 
 CHECK = SCRIPTS / "train_hooks_check.py"
 STEPS = 17  # localsgd --period 4 --start-iter 4 averages at step 16, the last one
 
 
-def _run(tmp_path, hook_args, script_args=()):
+def _train_with_hooks(tmp_path, hook_args, script_args=()):
+    """scripts/train_hooks_check.py on 2 ranks with ftrun's `hook_args`: (its run, the ranks'
+    reports, the ranks' parameters)."""
     out = tmp_path / "r"
     proc = run_ftrun(["--nproc", 2, "--log-dir", tmp_path / "logs"] + list(hook_args)
                      + [CHECK, "--steps", STEPS, "--out", out] + list(script_args), timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    reports = [json.loads((tmp_path / f"r.rank{r}.json").read_text()) for r in (0, 1)]
-    params = [torch.load(tmp_path / f"r.rank{r}.pt", weights_only=True) for r in (0, 1)]
-    return proc, reports, params
+    return proc, list(read_reports(out, 2).values()), load_params(out, 2)
 
 
 def _spec(args):
@@ -65,7 +66,7 @@ def test_hook_trains_two_workers(ftrun_home, tmp_path, hook_args, script_args):
     from ftrun.worker.hooks import comm_hook_name
 
     spec = _spec(hook_args)
-    proc, reports, params = _run(tmp_path, hook_args, script_args)
+    proc, reports, params = _train_with_hooks(tmp_path, hook_args, script_args)
     r0 = reports[0]
     # DDP's own logging data names ftrun's hook
     log = proc.stdout + proc.stderr  # shown with any failure below
@@ -117,7 +118,7 @@ def test_hook_trains_two_workers(ftrun_home, tmp_path, hook_args, script_args):
 
 
 def test_script_that_registers_its_own_hook_keeps_it(ftrun_home, tmp_path):
-    proc, reports, params = _run(tmp_path, ["--hook", "powersgd", "--start-iter", "2"], ["--own-hook"])
+    proc, reports, params = _train_with_hooks(tmp_path, ["--hook", "powersgd", "--start-iter", "2"], ["--own-hook"])
     assert all(r["comm_hook"] == "fp16_compress_hook" for r in reports)
     for r in (0, 1):
         warn = [l for l in proc.stderr.splitlines() if l.startswith(f"[rank {r}]") and "warning" in l]

@@ -9,6 +9,9 @@
   size are each decided in one module, and every other part reads what it decided.
 - The supervisor reads a member's reports (ftrun.wire's MemberReport, SurvivorReport) by their
   typed fields, never by a string key: the codec is the one place their format is written down.
+- The tests' shared helpers (SHARED_HELPERS below: the bounded wait, starting ftrun, the
+  replicas' reports and the check that they ended identical) are defined in tests/helpers.py
+  or tests/conftest.py only, never again in a test file.
 
 The size of a module (about 500 lines at most) is kept by review.
 """
@@ -393,6 +396,40 @@ def report_key_reads(trees: Dict[str, ast.AST], names: Set[str]) -> List[str]:
     return found
 
 
+# The tests' shared helpers, each defined once in tests/helpers.py or tests/conftest.py: a test
+# file's own copy drifts from it, and a weaker copy (a wait with no bound, a comparison of the
+# parameters alone) lets a test pass with its feature missing. Name: what to use instead.
+TESTS = Path(__file__).resolve().parent
+SHARED_HELPERS = {
+    "_wait": "helpers.wait_for, wait_state or wait_replica",
+    "_wait_for": "helpers.wait_for",
+    "_wait_replica": "helpers.wait_replica",
+    "wait_for": "helpers.wait_for",
+    "wait_state": "helpers.wait_state",
+    "wait_replica": "helpers.wait_replica",
+    "_assert_identical": "helpers.assert_identical",
+    "assert_identical": "helpers.assert_identical",
+    "start_ftrun": "conftest.start_ftrun (files=... for its output in files)",
+    "_reports": "helpers.read_reports",
+    "read_reports": "helpers.read_reports",
+    "start_logged": "conftest.start_ftrun(..., files=(\"stderr\",))",
+}
+HELPER_HOMES = {"helpers.py", "conftest.py"}
+
+
+def helper_copies(trees: Dict[str, ast.AST]) -> List[str]:
+    """Each definition of a SHARED_HELPERS name in a file of `trees` ({absolute path: tree}) other than
+    the helpers' homes, at any depth (a copy nested in a test is a copy too)."""
+    found = []
+    for path, tree in trees.items():
+        if Path(path).name in HELPER_HOMES and Path(path).parent == TESTS:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in SHARED_HELPERS:
+                found.append(f"{path}:{node.lineno}: {node.name} defined again: use {SHARED_HELPERS[node.name]}")
+    return found
+
+
 @pytest.mark.quick
 def test_the_supervisor_reads_member_reports_by_their_fields():
     names = report_fields(TREES["ftrun.wire"])
@@ -421,3 +458,26 @@ def test_the_report_rule_finds_key_reads_and_nothing_else():
         "ftrun.sim.world": "x = info.get('epoch')",
     }
     assert report_key_reads({m: ast.parse(src) for m, src in passed.items()}, names) == []
+
+
+@pytest.mark.quick
+def test_test_files_never_define_the_shared_helpers_again():
+    trees = {str(p): ast.parse(p.read_text(), str(p)) for p in sorted(TESTS.rglob("*.py"))}
+    found = helper_copies(trees)
+    assert not found, "a shared test helper defined again (see SHARED_HELPERS in tests/test_house.py):\n" + "\n".join(found)
+
+
+def test_the_helper_rule_finds_copies():
+    samples = {
+        str(TESTS / "test_a.py"): "def _wait(pred, timeout):\n    pass\n",
+        str(TESTS / "test_b.py"): "def test_x():\n    def _assert_identical(out, world):\n        pass\n",
+        str(TESTS / "test_c.py"): "def start_ftrun(args, env=None):\n    pass\n",
+        str(TESTS / "test_d.py"): "async def _reports(out):\n    pass\n",
+        str(TESTS / "sub" / "helpers.py"): "def _wait():\n    pass\n",  # only tests/helpers.py is a home
+    }
+    found = helper_copies({p: ast.parse(src) for p, src in samples.items()})
+    assert [f.split(":")[0] for f in found] == list(samples), found
+    homes = {str(TESTS / "helpers.py"): "def wait_for(pred, timeout, what):\n    pass\n",
+             str(TESTS / "conftest.py"): "def start_ftrun(args):\n    pass\n",
+             str(TESTS / "test_e.py"): "def _wait_printed(proc):\n    pass\ndef _run(x):\n    pass\n"}
+    assert helper_copies({p: ast.parse(src) for p, src in homes.items()}) == []

@@ -12,9 +12,8 @@ import pytest
 
 pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
 
-from conftest import ROOT  # noqa: E402
-from helpers import finish, own_steps  # noqa: E402
-from test_ft import start_ftrun  # noqa: E402
+from conftest import ROOT, start_ftrun  # noqa: E402
+from helpers import finish, own_steps, read_reports  # noqa: E402
 from test_ft_data import _kill_at  # noqa: E402
 
 WORKER = ROOT / "tests" / "lightning_counter.py"
@@ -41,7 +40,7 @@ def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
     only the last, and never twice), and the replicas end identical."""
     out, size, epochs = tmp_path / "o", 120, 4
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "light", WORKER, epochs, out,
-                        "--size", size, "--batch", 2, "--sleep", 0.06, "--workers", 2, "--accumulate", 2])
+                        "--size", size, "--batch", 2, "--sleep", 0.06, "--workers", 2, "--accumulate", 2], files=("stderr",))
     try:
         # Early and late in epoch 1, with 20 steps left for the second to come back.
         _kill_at(ftrun_home, "light", proc, [(1, 11), (2, 19)])
@@ -55,7 +54,7 @@ def test_unmodified_lightning_script_heals_mid_run(ftrun_home, tmp_path):
     killed = [line for line in restarts if "killed by SIGKILL" in line]
     assert len(killed) == 2 and all(line in killed or "committed state again" in line for line in restarts), err[-3000:]
     assert "cannot heal" not in err, err[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    reports = read_reports(out, 3)
     assert all(rep["step"] == epochs * 10 for rep in reports.values()), {r: rep["step"] for r, rep in reports.items()}
     assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
     strengths = _weights_once_an_epoch(reports[0], epochs, size, accumulate=2)
@@ -79,7 +78,7 @@ def test_lightning_on_a_stream_heals_and_reads_each_share_once(ftrun_home, tmp_p
     shards' batches in order, and the replicas' whole state ends identical."""
     out, size, batch, epochs = tmp_path / "o", 120, 2, 2
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 2, "--run-id", "lstream", WORKER, epochs, out,
-                        "--size", size, "--batch", batch, "--sleep", 0.08, "--iterable", "--accumulate", 2])
+                        "--size", size, "--batch", batch, "--sleep", 0.08, "--iterable", "--accumulate", 2], files=("stderr",))
     try:
         _kill_at(ftrun_home, "lstream", proc, [(1, 3)])
         rc, err = finish(proc, 300)
@@ -88,7 +87,7 @@ def test_lightning_on_a_stream_heals_and_reads_each_share_once(ftrun_home, tmp_p
     assert rc == 0, err[-3000:]
     assert err.count("restarting it alone") == 1 and "cannot heal" not in err, err[-3000:]
     assert "ends without the rest" not in err, err[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    reports = read_reports(out, 3)
     assert reports[0]["weights"] == reports[1]["weights"] == reports[2]["weights"]
     assert reports[0]["state"] == reports[1]["state"] == reports[2]["state"], [rep["state"] for rep in reports.values()]
     strengths = _weights_once_an_epoch(reports[0], epochs, size, accumulate=2)
@@ -124,7 +123,7 @@ def test_lightning_state_scheduler_callbacks_and_checkpoints_heal(ftrun_home, tm
 
     out, epochs, steps = tmp_path / "o", 4, 20
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 4, "--run-id", "feat", FEATURES, epochs, out,
-                        "--size", 240, "--batch", 4, "--sleep", 0.1])
+                        "--size", 240, "--batch", 4, "--sleep", 0.1], files=("stderr",))
     try:
         _kill_at(ftrun_home, "feat", proc, [(1, 12), (0, 30)])
         rc, err = finish(proc, 300)
@@ -132,7 +131,7 @@ def test_lightning_state_scheduler_callbacks_and_checkpoints_heal(ftrun_home, tm
         proc.kill()
     assert rc == 0, err[-3000:]
     assert err.count("restarting it alone") == 2, err[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    reports = read_reports(out, 3)
     first = reports[0]
     for r, rep in reports.items():
         assert rep["params"] == first["params"], r
@@ -190,14 +189,14 @@ def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
     import signal
 
     from conftest import run_ftrun
-    from test_ft import _wait_replica
+    from helpers import wait_replica
 
     out, ck, size, epochs = tmp_path / "o", tmp_path / "ck", 80, 3
     args = ["--nproc", 2, "--ft", "--checkpoint-dir", ck, "--checkpoint-every", 7, "--run-id", "first", WORKER,
             epochs, out, "--size", size, "--batch", 2, "--sleep", 0.05]
-    proc = start_ftrun(args)
+    proc = start_ftrun(args, files=("stderr",))
     try:
-        _wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 30, 180)
+        wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 30, 180, proc=proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
@@ -206,7 +205,7 @@ def test_whole_run_killed_and_resumed_mid_epoch(ftrun_home, tmp_path):
     again = run_ftrun(args, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from checkpoint" in again.stderr, again.stderr[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    reports = read_reports(out, 2)
     assert reports[0]["weights"] == reports[1]["weights"] and reports[0]["step"] == epochs * 20
     strengths = _weights_once_an_epoch(reports[0], epochs, size)
     assert all(s == {2} for s in strengths.values()), strengths
@@ -233,7 +232,8 @@ def test_manual_optimization_heals_a_gans_two_optimizers_and_one_clipped(ftrun_h
     runs = {"gan": (3, 6, 3, ["--die-at", "1:2:d,2:7:between,0:12:g"]),
             "one": (2, 4, 1, ["--optimizers", "one", "--die-at", "1:5:d"]),
             "nostep": (2, 1, 0, ["--no-step-at", 1])}
-    procs = {name: start_ftrun(["--nproc", n, "--ft", GAN, epochs, tmp_path / name, "--sleep", 0.05, *extra])
+    procs = {name: start_ftrun(["--nproc", n, "--ft", GAN, epochs, tmp_path / name, "--sleep", 0.05, *extra],
+                               files=("stderr",))
              for name, (n, epochs, _, extra) in runs.items()}
     try:
         done = {name: finish(proc, 300) for name, proc in procs.items()}
@@ -276,7 +276,8 @@ def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_p
     (all workers in one group), and the run trains as without --ft (group restarts)."""
     runs = {"object": (["--strategy", "DDPStrategy"], "this Lightning Trainer's strategy is DDPStrategy, which ftrun "
                                                       "cannot heal: a failure restarts all workers")}
-    procs = {name: start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / name, "--size", 24, *extra])
+    procs = {name: start_ftrun(["--nproc", 2, "--ft", WORKER, 1, tmp_path / name, "--size", 24, *extra],
+                               files=("stderr",))
              for name, (extra, _) in runs.items()}
     try:
         done = {name: finish(proc, 300) for name, proc in procs.items()}
@@ -290,7 +291,7 @@ def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_p
         assert "trains without ftrun.ft" not in err and "train_ft.py" not in err, err[-3000:]
         assert "Initializing distributed: GLOBAL_RANK" in err, err[-3000:]  # Lightning's own DDP
         assert "init_process_group" not in err, err[-3000:]  # not taken for an ftrun.ft script
-        reports = {r: json.loads(Path(f"{tmp_path / name}.rank{r}.json").read_text()) for r in range(2)}
+        reports = read_reports(tmp_path / name, 2)
         assert reports[0]["weights"] == reports[1]["weights"]
         assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}
 
@@ -305,6 +306,6 @@ def test_the_older_package_and_a_strategy_object_the_script_builds(ftrun_home, t
                       "--strategy", "FTStrategy"], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "quorum 1: 2 replicas" in proc.stderr and "ftrun: --ft:" not in proc.stderr, proc.stderr[-3000:]
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    reports = read_reports(out, 2)
     assert reports[0]["weights"] == reports[1]["weights"]
     assert {round(w, 5) for w in reports[0]["weights"][0]} == {-0.5}

@@ -12,16 +12,16 @@ import pytest
 
 pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
 
-from conftest import ROOT  # noqa: E402
-from helpers import finish  # noqa: E402
-from test_ft import start_ftrun  # noqa: E402
+from conftest import ROOT, start_ftrun  # noqa: E402
+from helpers import finish, read_reports  # noqa: E402
 from test_ft_data import _kill_at  # noqa: E402
 
 EXAMPLE = ROOT / "tests" / "lightning_transformer_example.py"
 
 
-def _reports(out):
-    reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)]
+def _identical_report(out):
+    """The replicas' report, after checking that they all ended with it."""
+    reports = list(read_reports(out, 3).values())
     # The replicas end identical (a restarted one's list of validation losses starts at its restart).
     assert all(rep["params"] == reports[0]["params"] and rep["test_loss"] == reports[0]["test_loss"]
                and rep["step"] == reports[0]["step"] for rep in reports), reports
@@ -36,8 +36,8 @@ def test_lightnings_transformer_example_heals_and_ends_as_a_failure_free_run(ftr
     match the failure-free run's (within what dropout drawn by other workers changes)."""
     ref, out = tmp_path / "ref", tmp_path / "o"
     common = ["--nproc", 3, "--ft", "--max-restarts", 3]
-    clean = start_ftrun([*common, "--run-id", "clean", EXAMPLE, ref, "--epochs", 2])
-    proc = start_ftrun([*common, "--run-id", "tx", EXAMPLE, out, "--epochs", 2, "--sleep", 0.05])
+    clean = start_ftrun([*common, "--run-id", "clean", EXAMPLE, ref, "--epochs", 2], files=("stderr",))
+    proc = start_ftrun([*common, "--run-id", "tx", EXAMPLE, out, "--epochs", 2, "--sleep", 0.05], files=("stderr",))
     try:
         _kill_at(ftrun_home, "tx", proc, [(1, 10)])
         rc, err = finish(proc, 400)
@@ -50,7 +50,7 @@ def test_lightnings_transformer_example_heals_and_ends_as_a_failure_free_run(ftr
     assert err.count("restarting it alone") == 1 and "cannot heal" not in err, err[-3000:]
     starts = [json.loads(line) for line in Path(f"{out}.rank1.starts").read_text().splitlines()]
     assert len(starts) == 2 and starts[1]["step"] >= 10, starts  # went on mid-run
-    killed, clean_run = _reports(out), _reports(ref)
+    killed, clean_run = _identical_report(out), _identical_report(ref)
     assert killed["step"] == clean_run["step"] == 2 * 20, (killed["step"], clean_run["step"])
     assert clean_run["val"][-1] < 0.3 * clean_run["val"][0], clean_run["val"]  # it learns
     # The same global batch each step whoever is away: the same curve, to float summation order.

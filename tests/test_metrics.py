@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 
@@ -20,7 +19,7 @@ import psutil
 import pytest
 
 from conftest import FTRUN, ROOT, SCRIPTS, free_port, run_ftrun
-from helpers import read_state
+from helpers import read_state, wait_for, wait_state
 
 METRICS = ("ftrun_replicas", "ftrun_steps_committed_total", "ftrun_steps_discarded_total", "ftrun_failures_total",
            "ftrun_restarts_total", "ftrun_heal_seconds_bucket", "ftrun_heal_seconds_count", "ftrun_goodput_ratio",
@@ -42,17 +41,6 @@ def _samples(text: str, name: str) -> dict:
     return out
 
 
-def _wait(pred, what: str, timeout: float = 90.0):
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout:g} s (last: {last})")
-
-
 def test_prometheus_scrapes_a_live_run(tmp_path):
     prom = shutil.which("prometheus")
     if prom is None:
@@ -66,8 +54,7 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     server = None
     try:
-        st = _wait(lambda: (s := read_state(home, run_id)) and (s.get("steps_committed") or 0) >= 5 and s,
-                   "the run's first steps")
+        st = wait_state(home, run_id, lambda s: (s.get("steps_committed") or 0) >= 5, 90, "the run's first steps", proc)
         assert st["metrics_url"] == f"http://127.0.0.1:{port}/metrics"
         text = _get(st["metrics_url"])
         for name in METRICS:
@@ -77,12 +64,12 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
         # Each replica's lane turns to training on its own progress report, which may come a
         # beat after the quorum's count of committed steps: read again until it has.
         training = '{node="0",run_id="metrics-run",state="training"}'
-        _wait(lambda: _samples(_get(st["metrics_url"]), "ftrun_replicas").get(training) == 2,
-              "both replicas counted as training", timeout=10)
+        wait_for(lambda: _samples(_get(st["metrics_url"]), "ftrun_replicas").get(training) == 2, 10,
+                 "both replicas counted as training", proc, poll=0.1)
         # Productive time is a lane's time between two of its own steps: on a loaded machine the
         # lanes' second progress reports may come after the quorum's fifth commit.
-        ratio = _wait(lambda: (g := _samples(_get(st["metrics_url"]), "ftrun_goodput_ratio")[labels]) > 0 and g,
-                      "a goodput ratio above 0", timeout=10)
+        ratio = wait_for(lambda: (g := _samples(_get(st["metrics_url"]), "ftrun_goodput_ratio")[labels]) > 0 and g,
+                         10, "a goodput ratio above 0", proc, poll=0.1)
         assert 0 < ratio <= 1
         # bound to loopback: the one listening socket on that port is 127.0.0.1's
         sup = psutil.Process(proc.pid)
@@ -107,7 +94,7 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
             result = body.get("data", {}).get("result", [])
             return result if result and float(result[0]["value"][1]) >= 5 else None
 
-        (sample,) = _wait(answered, "Prometheus's answer", timeout=60)
+        (sample,) = wait_for(answered, 60, "Prometheus's answer", [proc, server], poll=0.1)
         assert sample["metric"]["run_id"] == run_id and sample["metric"]["node"] == "0"
         assert sample["metric"]["job"] == "ftrun"
 
@@ -120,8 +107,8 @@ def test_prometheus_scrapes_a_live_run(tmp_path):
         # A kill: counted by cause, restarted, and its time until back in the heal histogram.
         victim = next(r for r in read_state(home, run_id)["replicas"] if r["rank"] == 1)
         os.kill(victim["pid"], signal.SIGKILL)
-        _wait(lambda: (s := read_state(home, run_id)) and s["failures"] and s["failures"][0]["back_s"] is not None,
-              "the replica back")
+        wait_state(home, run_id, lambda s: s["failures"] and s["failures"][0]["back_s"] is not None, 90,
+                   "the replica back", proc)
         text = _get(st["metrics_url"])
         assert _samples(text, "ftrun_failures_total")['{cause="signal",node="0",run_id="metrics-run"}'] == 1
         assert _samples(text, "ftrun_restarts_total")[labels] == 1

@@ -20,10 +20,9 @@ import uuid
 
 import psutil
 import pytest
-import torch
 
 from conftest import FTRUN, ROOT, SCRIPTS, free_port, really_alive, run_ftrun, start_ftrun
-from helpers import load_params, read_state
+from helpers import assert_identical, replica, wait_state
 from test_env_contract import CONTRACT
 
 from ftrun.machine import store_bind_addr
@@ -68,23 +67,10 @@ def _finish(procs, timeout=120):
     return out
 
 
-def _wait_running(home, run_id, k, ranks, min_step=1, timeout=60):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        st = read_state(home, f"{run_id}.node{k}")
-        if st:
-            reps = {r["rank"]: r for r in st["replicas"]}
-            if all(r in reps and reps[r]["state"] == "running" and reps[r]["step"] >= min_step for r in ranks):
-                return st
-        time.sleep(0.1)
-    raise AssertionError(f"node {k} never ran ranks {ranks}: {read_state(home, f'{run_id}.node{k}')}")
-
-
-def _assert_identical(out, world):
-    ps = load_params(out, world)
-    for r in range(1, world):
-        for key in ps[0]:
-            assert torch.equal(ps[0][key], ps[r][key]), (r, key)
+def _running(ranks, min_step: int = 1):
+    """A wait_state predicate: every rank of `ranks` running, at step `min_step` or later."""
+    return lambda st: all(any(r["rank"] == x and r["state"] == "running" and r["step"] >= min_step
+                              for r in st["replicas"]) for x in ranks)
 
 
 # ----------------------------------------------------------------------------- training together
@@ -105,7 +91,7 @@ def test_two_nodes_train_together_with_torchruns_env(ftrun_home, tmp_path):
     for k, (rc, _o, e) in res.items():
         assert rc == 0, (k, e)
     assert "all nodes joined run mn" in res[1][2]
-    _assert_identical(tmp_path / "p", 4)
+    assert_identical(tmp_path / "p", 4, optimizer=False, step=False)  # train_ddp.py saves the parameters only
 
     # torchrun, one per node, same layout: dump only.
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
@@ -156,18 +142,13 @@ def test_worker_kill_on_node1_restarts_every_node_under_slurm(ftrun_home, tmp_pa
     args = ["--nproc", 2, "--max-restarts", 1, TRAIN, "--steps", 80, "--step-sleep", 0.03, "--out", tmp_path / "p"]
     procs = {k: start_ftrun(args, env=_slurm_env(job, k)) for k in (1, 0)}
     try:
-        st = _wait_running(ftrun_home, run_id, 1, [2, 3], min_step=2)
-        os.kill({r["rank"]: r for r in st["replicas"]}[3]["pid"], signal.SIGKILL)
+        st = wait_state(ftrun_home, f"{run_id}.node1", _running([2, 3], min_step=2), 60, "node 1 running ranks 2, 3")
+        os.kill(replica(st, 3)["pid"], signal.SIGKILL)
         # `ftrun status` on node 0 shows every node's replicas, here those of the restarted attempt.
-        deadline = time.time() + 30
-        while True:
-            st0 = read_state(ftrun_home, f"{run_id}.node{0}")
-            # Node 1's table reaches node 0 through the store a moment later: wait for all four.
-            if st0 and st0["group_restarts"] == 1 and sum(r["state"] == "running" and r["restarts"] == 1
-                                                          for r in st0["replicas"]) == 4:
-                break
-            assert time.time() < deadline, f"node 0 never showed the 4 restarted ranks running: {st0}"
-            time.sleep(0.1)
+        # Node 1's table reaches node 0 through the store a moment later: wait for all four.
+        wait_state(ftrun_home, f"{run_id}.node0", lambda st: st["group_restarts"] == 1 and sum(
+            r["state"] == "running" and r["restarts"] == 1 for r in st["replicas"]) == 4,
+            30, "node 0 showing the 4 restarted ranks running")
         view = run_ftrun(["status", "--json", run_id])
         assert view.returncode == 0, view.stderr
         runs = [r for r in json.loads(view.stdout) if r["node_rank"] == 0]
@@ -182,7 +163,7 @@ def test_worker_kill_on_node1_restarts_every_node_under_slurm(ftrun_home, tmp_pa
         assert rc == 0, (k, e)
         assert "rank 3 on node 1 killed by SIGKILL" in e, (k, e)
         assert "restarting all 4 workers on 2 nodes (restart 1 of 1)" in e, (k, e)
-    _assert_identical(tmp_path / "p", 4)
+    assert_identical(tmp_path / "p", 4, optimizer=False, step=False)  # train_ddp.py saves the parameters only
     assert json.loads((tmp_path / "p.rank3.json").read_text())["steps"] == 80
 
 
@@ -195,8 +176,8 @@ def _long_run(port, tmp_path, extra=()):
 def test_killed_node1_is_noticed_by_node0(ftrun_home, tmp_path):
     procs = _long_run(free_port(), tmp_path)
     try:
-        _wait_running(ftrun_home, "loss", 0, [0], min_step=2)
-        _wait_running(ftrun_home, "loss", 1, [1], min_step=2)
+        wait_state(ftrun_home, "loss.node0", _running([0], min_step=2), 60, "node 0 running rank 0")
+        wait_state(ftrun_home, "loss.node1", _running([1], min_step=2), 60, "node 1 running rank 1")
         t0 = time.monotonic()
         procs[1].kill()
         rc, _o, err = _finish({0: procs[0]}, timeout=30)[0]
@@ -214,8 +195,8 @@ def test_killed_node1_is_noticed_by_node0(ftrun_home, tmp_path):
 def test_killed_node0_stops_node1_cleanly(ftrun_home, tmp_path):
     procs = _long_run(free_port(), tmp_path)
     try:
-        _wait_running(ftrun_home, "loss", 0, [0], min_step=2)
-        _wait_running(ftrun_home, "loss", 1, [1], min_step=2)
+        wait_state(ftrun_home, "loss.node0", _running([0], min_step=2), 60, "node 0 running rank 0")
+        wait_state(ftrun_home, "loss.node1", _running([1], min_step=2), 60, "node 1 running rank 1")
         family = psutil.Process(procs[1].pid).children(recursive=True)
         assert len(family) >= 2  # zygote + worker
         t0 = time.monotonic()
@@ -353,6 +334,6 @@ def test_two_nodes_in_two_network_namespaces(ftrun_home, tmp_path):
         for k, (rc, _o, e) in res.items():
             assert rc == 0, (k, e)
         assert f"at {addr}:{port}" in res[1][2]
-        _assert_identical(tmp_path / "p", 4)
+        assert_identical(tmp_path / "p", 4, optimizer=False, step=False)  # train_ddp.py saves the parameters only
     finally:
         _netns_teardown(ns0, ns1)

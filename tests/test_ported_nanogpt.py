@@ -12,15 +12,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, run_ftrun
-from helpers import finish
-from test_ft import _assert_identical, _wait_replica
+from conftest import ROOT, run_ftrun, start_ftrun
+from helpers import assert_identical, finish, read_reports, wait_printed, wait_replica
 
 PORTED = ROOT / "tests" / "ported"
 BEFORE = PORTED / "nanogpt_like.py"
@@ -40,31 +38,6 @@ def tokens(tmp_path_factory):
     random_walk_tokens(100_000, 64, seed=1).tofile(d / "train.bin")
     random_walk_tokens(10_000, 64, seed=2).tofile(d / "val.bin")
     return d
-
-
-def _start(args):
-    """test_ft.start_ftrun, with the console's standard output kept in a file (the evaluation
-    lines) next to its standard error (read by finish)."""
-    import tempfile
-
-    import test_ft
-
-    out = tempfile.NamedTemporaryFile("w+", prefix="ftrun-out-", suffix=".log", delete=False)
-    err = tempfile.NamedTemporaryFile("w+", prefix="ftrun-err-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "ftrun", *map(str, args)], stdout=out, stderr=err, text=True,
-                            cwd=ROOT)
-    proc.out_path, proc.err_path = out.name, err.name
-    test_ft._RUNNING[:] = [proc]
-    return proc
-
-
-def _wait_printed(proc, needle: str, timeout: float = 180.0) -> None:
-    """Until the console's standard output holds `needle` (polled every 5 ms: a kill that must
-    land inside the step being printed)."""
-    deadline = time.monotonic() + timeout
-    while needle not in Path(proc.out_path).read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, Path(proc.err_path).read_text()[-3000:]
-        time.sleep(0.005)
 
 
 def _evals(text: str):
@@ -122,15 +95,16 @@ def test_port_under_two_kills(ftrun_home, tmp_path, tokens):
     exactly once (no second line from the redone step 20), best_val_loss is the run's on every
     replica, the healed ones included, and the loss goes down."""
     out = tmp_path / "p"
-    proc = _start(["--nproc", 3, "--ft", "--run-id", "ng", AFTER, "--data_dir", tokens, "--out_dir", tmp_path / "o",
-                   "--out", out, *FT_ARGS])
+    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "ng", AFTER, "--data_dir", tokens, "--out_dir", tmp_path / "o",
+                         "--out", out, *FT_ARGS], files=("stdout", "stderr"))
     try:
-        victim = _wait_replica(ftrun_home, "ng", 2, lambda r, st: r["state"] == "running", 120)
+        victim = wait_replica(ftrun_home, "ng", 2, lambda r, st: r["state"] == "running", 120, proc=proc)
         # Replica 0 prints this when it has taken step 19: every replica is then at most inside step 20
         # (its all-reduce needs replica 0), which evaluates first.
-        _wait_printed(proc, "[rank 0] iter 19:")
+        wait_printed(proc, "[rank 0] iter 19:", 180, "stdout", poll=0.005)  # a kill that must land inside the step
         os.kill(victim["pid"], signal.SIGKILL)
-        r0 = _wait_replica(ftrun_home, "ng", 0, lambda r, st: r["step"] >= 45 and r["state"] == "running", 180)
+        r0 = wait_replica(ftrun_home, "ng", 0, lambda r, st: r["step"] >= 45 and r["state"] == "running", 180,
+                          proc=proc)
         os.kill(r0["pid"], signal.SIGKILL)
         rc, err = finish(proc, 300)
     finally:
@@ -141,8 +115,8 @@ def test_port_under_two_kills(ftrun_home, tmp_path, tokens):
     printed = _evals(console)
     assert [s for s, _ in printed] == [0, 20, 40, 60, 80, 100], console[-3000:]
     assert printed[-1][1] < printed[0][1] - 1.5, printed  # from ln(64) = 4.16 towards ln(4) = 1.39
-    _assert_identical(out, 3)
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(3)}
+    assert_identical(out, 3)
+    reports = read_reports(out, 3)
     _best_is_the_runs(reports, dict(printed))
     # Replica 1, never killed, evaluated every evaluation step, printed or not.
     assert [e[0] for e in reports[1]["evals"]] == [0, 20, 40, 60, 80, 100], reports[1]["evals"]
@@ -155,16 +129,16 @@ def test_port_resumes_from_checkpoint_after_a_whole_run_kill(ftrun_home, tmp_pat
     ck, out = tmp_path / "ck", tmp_path / "p"
     args = ["--nproc", 2, "--ft", "--checkpoint-dir", ck, "--checkpoint-every", 20, "--run-id", "first", AFTER,
             "--data_dir", tokens, "--out_dir", tmp_path / "o", "--out", out, *FT_ARGS]
-    proc = _start(args)
+    proc = start_ftrun(args, files=("stdout", "stderr"))
     try:
-        _wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 50, 180)
+        wait_replica(ftrun_home, "first", 0, lambda r, st: r["step"] >= 50, 180, proc=proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
         proc.kill()
     first = _evals(Path(proc.out_path).read_text())
     args[args.index("first")] = "second"
-    proc = _start(args)
+    proc = start_ftrun(args, files=("stdout", "stderr"))
     try:
         rc, err = finish(proc, 300)
     finally:
@@ -180,8 +154,8 @@ def test_port_resumes_from_checkpoint_after_a_whole_run_kill(ftrun_home, tmp_pat
     assert [s for s, _ in first][:3] == [0, 20, 40] and [s for s, _ in second] == [40, 60, 80, 100], (first, second)
     assert dict(first)[40] == dict(second)[40], (first, second)
     assert second[-1][1] < first[0][1] - 1.5, (first, second)
-    _assert_identical(out, 2)
-    reports = {r: json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)}
+    assert_identical(out, 2)
+    reports = read_reports(out, 2)
     # best_val_loss came back with the checkpoint: the least of the first run's figures before step
     # 40, then of the second run's.
     _best_is_the_runs(reports, dict(second), before=min(v for s, v in first if s < 40))

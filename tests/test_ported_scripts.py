@@ -13,9 +13,8 @@ import subprocess
 import sys
 import time
 
-from conftest import FTRUN, ROOT, run_ftrun
-from helpers import finish, restarts_of_kills
-from test_ft import _wait_replica, start_ftrun
+from conftest import FTRUN, ROOT, run_ftrun, start_ftrun
+from helpers import finish, restarts_of_kills, wait_replica
 
 ORIGINAL = ROOT / "tests" / "ported" / "ddp_tutorial.py"
 PORTED = ROOT / "tests" / "ported" / "ddp_tutorial_ft.py"
@@ -55,11 +54,12 @@ def test_tutorial_port_survives_kills(ftrun_home, tmp_path):
     ends with every replica's weights equal."""
     # 12 epochs of about 43 steps of a few milliseconds: the second kill leaves the restarted
     # replica time to heal before the end (with 4, the run ended 0.5 s after it, never back).
-    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "tut", PORTED, 12, 1, "--batch_size", 16])
+    proc = start_ftrun(["--nproc", 3, "--ft", "--run-id", "tut", PORTED, 12, 1, "--batch_size", 16], files=("stderr",))
     try:
         for rank, step in ((1, 20), (2, 70)):
             for _ in range(20):  # the state file may still name a process that has just exited: read again
-                r = _wait_replica(ftrun_home, "tut", rank, lambda r, st: r["step"] >= step and r["state"] == "running")
+                r = wait_replica(ftrun_home, "tut", rank, lambda r, st: r["step"] >= step and r["state"] == "running",
+                                 proc=proc)
                 try:
                     os.kill(r["pid"], 9)
                     break

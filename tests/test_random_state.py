@@ -55,7 +55,8 @@ def _env(**extra):
     return env
 
 
-def _run(launcher, nproc, script, out, env, extra=()):
+def _launch(launcher, nproc, script, out, env, extra=()):
+    """`launcher` (ftrun or torchrun) running `script OUT` on `nproc` processes, to the end."""
     out.mkdir()
     proc = subprocess.run(launcher + ["--nproc-per-node", str(nproc), *extra, str(script), str(out)],
                           capture_output=True, text=True, env=env, timeout=180, cwd=ROOT)
@@ -67,9 +68,9 @@ def test_each_rank_draws_its_own_numbers_as_under_torchrun(ftrun_home, tmp_path)
     script = tmp_path / "draw.py"
     script.write_text(DRAW)
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
-    t = _run([torchrun], 3, script, tmp_path / "t", _env())
+    t = _launch([torchrun], 3, script, tmp_path / "t", _env())
     assert t.returncode == 0, t.stderr
-    f = _run(FTRUN, 3, script, tmp_path / "f", _env())
+    f = _launch(FTRUN, 3, script, tmp_path / "f", _env())
     assert f.returncode == 0, f.stderr
     theirs, ours = _draws(tmp_path / "t"), _draws(tmp_path / "f")
     assert len(theirs) == len(ours) == 3
@@ -82,7 +83,7 @@ def test_each_rank_draws_its_own_numbers_as_under_torchrun(ftrun_home, tmp_path)
 def test_a_restarted_group_draws_new_numbers(ftrun_home, tmp_path):
     script = tmp_path / "draw.py"
     script.write_text(DRAW)
-    f = _run(FTRUN, 2, script, tmp_path / "f", _env(FAIL_FIRST="1"), ["--max-restarts", "1"])
+    f = _launch(FTRUN, 2, script, tmp_path / "f", _env(FAIL_FIRST="1"), ["--max-restarts", "1"])
     assert f.returncode == 0, f.stderr
     ours = _draws(tmp_path / "f")
     assert sorted(ours) == ["0.0", "0.1", "1.0", "1.1"]
@@ -94,8 +95,8 @@ def test_a_scripts_own_seed_still_decides(ftrun_home, tmp_path):
     script = tmp_path / "draw.py"
     script.write_text(DRAW)
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
-    t = _run([torchrun], 2, script, tmp_path / "t", _env(SEED="1234"))
-    f = _run(FTRUN, 2, script, tmp_path / "f", _env(SEED="1234"))
+    t = _launch([torchrun], 2, script, tmp_path / "t", _env(SEED="1234"))
+    f = _launch(FTRUN, 2, script, tmp_path / "f", _env(SEED="1234"))
     assert t.returncode == 0 and f.returncode == 0, (t.stderr, f.stderr)
     theirs, ours = _draws(tmp_path / "t"), _draws(tmp_path / "f")
     for field in FIELDS:

@@ -14,60 +14,20 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, run_ftrun
+from conftest import SCRIPTS, run_ftrun, start_ftrun
 from ftrun.wire import MemberReport
-from helpers import assert_bad, finish, read_state, start_logged
+from helpers import assert_bad, assert_identical, finish, read_state, replica, wait_state
 
 TRAIN = SCRIPTS / "train_ft.py"
 TINY = ["--dim", 8, "--hidden", 16, "--data", "step", "--print-every", 5]
 
 
-def _wait(home: Path, run_id: str, proc, what: str, pred, timeout: float = 90.0) -> dict:
-    """Wait until pred(state file) holds; the state when it did."""
-    deadline = time.time() + timeout
-    st = None
-    while time.time() < deadline:
-        st = read_state(home, run_id)
-        if st:
-            if st.get("phase") == "ended":
-                raise AssertionError(f"the run ended while waiting for {what}: {st.get('exit_summary')}\n"
-                                     f"{Path(proc.err_path).read_text()[-3000:]}")
-            if pred(st):
-                return st
-        time.sleep(0.05)
-    raise AssertionError(f"never {what}; last state: {st}\n{Path(proc.err_path).read_text()[-3000:]}")
-
-
-def _replica(st: dict, rank: int) -> dict:
-    return next(r for r in st["replicas"] if r["rank"] == rank)
-
-
 def _kill(st: dict, rank: int) -> None:
-    os.kill(_replica(st, rank)["pid"], signal.SIGKILL)
-
-
-def _identical(out: Path, ranks) -> int:
-    """The ranks that wrote OUT.rankR.* ended with the same parameters, optimizer state and step; the step."""
-    import torch
-
-    params = {r: torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in ranks}
-    opts = {r: torch.load(f"{out}.rank{r}.opt.pt", weights_only=True) for r in ranks}
-    first = ranks[0]
-    for r in ranks[1:]:
-        for k in params[first]:
-            assert torch.equal(params[first][k], params[r][k]), f"rank {r} parameter {k} differs"
-        for idx, st in opts[first]["state"].items():
-            for name, value in st.items():
-                other = opts[r]["state"][idx][name]
-                assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, (r, idx, name)
-    steps = {Path(f"{out}.rank{r}.json").read_text().split('"step": ')[1].split(",")[0] for r in ranks}
-    assert len(steps) == 1, steps
-    return int(steps.pop())
+    os.kill(replica(st, rank)["pid"], signal.SIGKILL)
 
 
 def _replicas_seen(log_dir: Path, rank: int) -> set:
@@ -90,28 +50,27 @@ def test_spares_take_failed_replicas_places_and_the_failed_ones_become_spares(ft
     the code after its loop (it saves nothing)."""
     out = tmp_path / "p"
     run_id = "spares"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--run-id", run_id, TRAIN, *TINY,
-                         "--steps", 300, "--step-sleep", 0.03, "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--spares", 1, "--run-id", run_id, TRAIN, *TINY,
+                        "--steps", 300, "--step-sleep", 0.03, "--out", out], files=("stderr",))
     try:
-        st = _wait(ftrun_home, run_id, proc, "replica 3 waiting as the spare with the others training",
-                   lambda st: _replica(st, 3).get("spare") and _replica(st, 0)["step"] >= 5)
+        st = wait_state(ftrun_home, run_id, lambda st: replica(st, 3).get("spare") and replica(st, 0)["step"] >= 5, 90,
+                        "replica 3 waiting as the spare with the others training", proc)
         assert st["spares"] == 1 and st["quorum_size"] == 3, st
-        assert [_replica(st, r).get("spare") for r in range(4)] == [False, False, False, True], st["replicas"]
+        assert [replica(st, r).get("spare") for r in range(4)] == [False, False, False, True], st["replicas"]
         table = run_ftrun(["status", run_id], timeout=30, env={"COLUMNS": "200"})
         assert re.search(r"quorum \d+: 3 replicas and 1 spare;", table.stdout), table.stdout
         assert re.search(r"(?m)^\W*3\b.*\bspare\b", table.stdout), table.stdout  # rank 3's row says spare
         _kill(st, 3)
-        st = _wait(ftrun_home, run_id, proc, "rank 3 restarted as the spare again",
-                   lambda st: _replica(st, 3)["restarts"] == 1 and _replica(st, 3).get("spare"))
+        st = wait_state(ftrun_home, run_id, lambda st: replica(st, 3)["restarts"] == 1 and replica(st, 3).get("spare"),
+                        90, "rank 3 restarted as the spare again", proc)
         _kill(st, 1)
-        st = _wait(ftrun_home, run_id, proc, "rank 1 restarted as the spare and rank 3 training",
-                   lambda st: _replica(st, 1)["restarts"] == 1 and _replica(st, 1).get("spare")
-                   and _replica(st, 3).get("in_quorum"))
+        st = wait_state(ftrun_home, run_id, lambda st: replica(st, 1)["restarts"] == 1 and replica(st, 1).get("spare")
+                        and replica(st, 3).get("in_quorum"), 90, "rank 1 restarted as the spare and rank 3 training", proc)
         _kill(st, 0)
         _kill(st, 2)
-        _wait(ftrun_home, run_id, proc, "ranks 0 and 2 back, one training, one the spare",
-              lambda st: all(_replica(st, r)["restarts"] == 1 for r in (0, 2)) and st.get("spares") == 1
-              and st["quorum_size"] == 3)
+        wait_state(ftrun_home, run_id, lambda st: all(replica(st, r)["restarts"] == 1 for r in (0, 2))
+                   and st.get("spares") == 1 and st["quorum_size"] == 3,
+                   90, "ranks 0 and 2 back, one training, one the spare", proc)
         rc, err = finish(proc, 180)
     finally:
         proc.kill()
@@ -126,7 +85,7 @@ def test_spares_take_failed_replicas_places_and_the_failed_ones_become_spares(ft
     assert len(trained) == 3 and 1 in trained and 3 in trained, trained
     spare = ({0, 2} - set(trained)).pop()
     assert f"rank {spare}: the run finished at step 300 while this replica was" in err, err[-3000:]
-    assert _identical(out, trained) == 300
+    assert assert_identical(out, trained)[1]["step"] == 300
     log_dir = Path(read_state(ftrun_home, run_id)["log_dir"])
     assert set().union(*(_replicas_seen(log_dir, r) for r in range(4))) <= {2, 3}
 
@@ -145,7 +104,7 @@ def test_a_spare_never_needed_exits_0_without_the_code_after_its_loop(ftrun_home
     assert ("rank 2: the run finished at step 20 while this replica was waiting to join as a hot spare; no peer is "
             "left to heal it") in proc.stderr, proc.stderr[-3000:]
     assert not Path(f"{out}.rank2.pt").exists()
-    assert _identical(out, [0, 1]) == 20
+    assert assert_identical(out, [0, 1])[1]["step"] == 20
     st = read_state(ftrun_home, "idle-spare")
     timeline = json.loads((ftrun_home / "idle-spare" / "timeline.json").read_text())
     wall = st["ended"] - st["started"]
@@ -185,19 +144,21 @@ def test_a_sharded_spare_replica_takes_a_failed_replicas_place(ftrun_home, tmp_p
 
     out = tmp_path / "p"
     run_id = "sharded-spare"
-    proc = start_logged(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--run-id", run_id,
-                         SCRIPTS / "train_fsdp_ft.py", "--dim", 32, "--hidden", 64, "--blocks", 1, "--steps", 150,
-                         "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5"})
+    proc = start_ftrun(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--run-id", run_id,
+                        SCRIPTS / "train_fsdp_ft.py", "--dim", 32, "--hidden", 64, "--blocks", 1, "--steps", 150,
+                        "--out", out], env={"FTRUN_FT_INJECT_SEND_DELAY": "1.5"}, files=("stderr",))
     try:
-        st = _wait(ftrun_home, run_id, proc, "replica 2 waiting as the spare",
-                   lambda st: all(_replica(st, r).get("spare") for r in (4, 5)) and _replica(st, 0)["step"] >= 10)
-        assert not any(_replica(st, r).get("spare") for r in range(4)), st["replicas"]
+        st = wait_state(ftrun_home, run_id,
+                        lambda st: all(replica(st, r).get("spare") for r in (4, 5)) and replica(st, 0)["step"] >= 10,
+                        90, "replica 2 waiting as the spare", proc)
+        assert not any(replica(st, r).get("spare") for r in range(4)), st["replicas"]
         _kill(st, 1)
-        st = _wait(ftrun_home, run_id, proc, "the spare healing as it takes replica 0's place",
-                   lambda st: _replica(st, 4).get("ft_phase") == "heal")
+        st = wait_state(ftrun_home, run_id, lambda st: replica(st, 4).get("ft_phase") == "heal", 90,
+                        "the spare healing as it takes replica 0's place", proc)
         _kill(st, 4)
-        _wait(ftrun_home, run_id, proc, "a restarted replica training again",
-              lambda st: any(_replica(st, r)["restarts"] == 1 and _replica(st, r).get("in_quorum") for r in (0, 4)))
+        wait_state(ftrun_home, run_id,
+                   lambda st: any(replica(st, r)["restarts"] == 1 and replica(st, r).get("in_quorum") for r in (0, 4)),
+                   90, "a restarted replica training again", proc)
         rc, err = finish(proc, 180)
     finally:
         proc.kill()

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS
-from helpers import finish, read_state, start_logged
-from test_spares import _identical, _kill, _replica, _wait
+from conftest import SCRIPTS, start_ftrun
+from helpers import assert_identical, finish, read_state, replica, wait_state
+from test_spares import _kill
 
 TRAIN = SCRIPTS / "train_ft.py"
 # 37k parameters with AdamW: 0.45 MB of state, so a transfer of the whole is plainly not 0.0 MB.
@@ -70,11 +70,11 @@ def test_a_fed_spare_takes_over_without_moving_its_model_and_the_feeds_own_failu
     The three replicas that trained to the end are bitwise identical, scheduler included."""
     out = tmp_path / "p"
     run_id = "hot"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
-                         "--steps", 400, "--step-sleep", 0.02, "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
+                        "--steps", 400, "--step-sleep", 0.02, "--out", out], files=("stderr",))
     try:
         _until_line(proc, r"rank 0: feeds hot spare rank 3 from step \d+")
-        st = _wait(ftrun_home, run_id, proc, "rank 3 fed as the spare", lambda st: _replica(st, 3).get("spare"))
+        st = wait_state(ftrun_home, run_id, lambda st: replica(st, 3).get("spare"), 90, "rank 3 fed as the spare", proc)
         spare, victim = 3, 1
         for _ in range(3):
             seen = len(_console(proc))
@@ -88,20 +88,23 @@ def test_a_fed_spare_takes_over_without_moving_its_model_and_the_feeds_own_failu
             # carries the whole state to every healer, the spare included. Another takeover, then.
             assert CAUGHT.search(err), err[-4000:]
             spare, victim = victim, min({1, 2, 3} - {victim})
-            st = _wait(ftrun_home, run_id, proc, f"rank {spare} the spare", lambda st: _replica(st, spare).get("spare"))
+            st = wait_state(ftrun_home, run_id, lambda st: replica(st, spare).get("spare"), 90,
+                            f"rank {spare} the spare", proc)
         else:
             raise AssertionError(f"no takeover of three kept the fed spare's model:\n{_console(proc)[-4000:]}")
         quorums_before = len(re.findall(r"ftrun: quorum \d+:", _console(proc)))
-        st = _wait(ftrun_home, run_id, proc, f"rank {victim} the spare", lambda st: _replica(st, victim).get("spare"))
-        restarts = _replica(st, victim)["restarts"]
+        st = wait_state(ftrun_home, run_id, lambda st: replica(st, victim).get("spare"), 90,
+                        f"rank {victim} the spare", proc)
+        restarts = replica(st, victim)["restarts"]
         seen = len(_console(proc))
         _kill(st, victim)
         _until_line(proc, rf"rank 0: feeds hot spare rank {victim} from step \d+", start=seen)
         err = _console(proc)
         assert f"rank 0: stopped feeding hot spare rank {victim}: the other end went away" in err, err[-4000:]
         assert len(re.findall(r"ftrun: quorum \d+:", err)) == quorums_before, err[-4000:]
-        st = _wait(ftrun_home, run_id, proc, f"rank {victim} back as the spare",
-                   lambda st: _replica(st, victim)["restarts"] == restarts + 1 and _replica(st, victim).get("spare"))
+        st = wait_state(ftrun_home, run_id,
+                        lambda st: replica(st, victim)["restarts"] == restarts + 1 and replica(st, victim).get("spare"),
+                        90, f"rank {victim} back as the spare", proc)
         _kill(st, 0)
         rc, err = finish(proc, 180)
     finally:
@@ -110,7 +113,7 @@ def test_a_fed_spare_takes_over_without_moving_its_model_and_the_feeds_own_failu
     assert "Traceback" not in err, err[-4000:]
     assert re.search(rf"rank 0 left; spare replica {victim} takes its place", err), err[-4000:]
     trained = [1, 2, 3]
-    assert _identical(out, trained) == 400
+    assert assert_identical(out, trained)[1]["step"] == 400
     # Rank 0, back as the spare, waits out the run: fed at the end, it says so as it leaves.
     feeding = re.findall(r"rank \d+: (feeds|stopped feeding) hot spare rank 0\b", err)
     if feeding and feeding[-1] == "feeds":
@@ -131,18 +134,19 @@ def test_a_stopped_spare_never_holds_training_up_and_a_changed_model_is_sent_who
       promotion, and it receives the whole state (every tensor in place); all end identical."""
     out = tmp_path / "p"
     run_id = "hotnudge"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
-                         "--nudge", "--steps", 300, "--step-sleep", 0.02, "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
+                        "--nudge", "--steps", 300, "--step-sleep", 0.02, "--out", out], files=("stderr",))
     try:
         _until_line(proc, r"rank 0: feeds hot spare rank 3 from step \d+")
-        st = _wait(ftrun_home, run_id, proc, "rank 3 fed as the spare", lambda st: _replica(st, 3).get("spare"))
-        spare = _replica(st, 3)["pid"]
+        st = wait_state(ftrun_home, run_id, lambda st: replica(st, 3).get("spare"), 90, "rank 3 fed as the spare", proc)
+        spare = replica(st, 3)["pid"]
         os.kill(spare, signal.SIGSTOP)
         stopped_at = time.time()
         try:
             _until_line(proc, r"rank 0: stopped feeding hot spare rank 3: it had not taken step \d+ after 1 s")
-            step = _replica(read_state(ftrun_home, run_id), 0)["step"]
-            _wait(ftrun_home, run_id, proc, "rank 0 training on", lambda st: _replica(st, 0)["step"] >= step + 10)
+            step = replica(read_state(ftrun_home, run_id), 0)["step"]
+            wait_state(ftrun_home, run_id, lambda st: replica(st, 0)["step"] >= step + 10, 90,
+                       "rank 0 training on", proc)
         finally:
             os.kill(spare, signal.SIGCONT)
         assert time.time() - stopped_at < 8, "the feeder stalled on the stopped spare"
@@ -155,7 +159,7 @@ def test_a_stopped_spare_never_holds_training_up_and_a_changed_model_is_sent_who
     assert rc == 0, err[-4000:]
     heals = _heals_of(err, 3)
     assert len(heals) == 1 and heals[0][0] >= 0.4 and heals[0][1] > 0, (heals, err[-4000:])  # 0.45 MB: all of it
-    assert _identical(out, [0, 2, 3]) == 300
+    assert assert_identical(out, [0, 2, 3])[1]["step"] == 300
 
 
 @pytest.mark.extended
@@ -165,10 +169,10 @@ def test_a_fed_spare_is_never_a_fresh_quorums_source(ftrun_home, tmp_path):
     the run begins again from the first step (no --checkpoint-dir) on every replica alike."""
     out = tmp_path / "p"
     run_id = "hotfresh"
-    proc = start_logged(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
-                         "--steps", 200, "--step-sleep", 0.02, "--out", out])
+    proc = start_ftrun(["--nproc", 4, "--ft", "--spares", 1, "--verbose", "--run-id", run_id, TRAIN, *MODEL,
+                        "--steps", 200, "--step-sleep", 0.02, "--out", out], files=("stderr",))
     try:
-        st = _wait(ftrun_home, run_id, proc, "replica 3 the spare", lambda st: _replica(st, 3).get("spare"))
+        st = wait_state(ftrun_home, run_id, lambda st: replica(st, 3).get("spare"), 90, "replica 3 the spare", proc)
         _kill(st, 0)
         _until_line(proc, r"rank 1: feeds hot spare rank 0 from step \d+")  # rank 0 back, the fed spare
         st = read_state(ftrun_home, run_id)
@@ -182,4 +186,4 @@ def test_a_fed_spare_is_never_a_fresh_quorums_source(ftrun_home, tmp_path):
         in err, err[-4000:]
     ranks = [r for r in range(4) if Path(f"{out}.rank{r}.pt").exists()]
     assert len(ranks) == 3, ranks
-    assert _identical(out, ranks) == 200
+    assert assert_identical(out, ranks)[1]["step"] == 200

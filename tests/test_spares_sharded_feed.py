@@ -19,8 +19,9 @@ import signal
 import time
 from pathlib import Path
 
-from helpers import finish, start_logged
-from test_spares import _kill, _replica, _wait
+from conftest import start_ftrun
+from helpers import finish, replica, wait_state
+from test_spares import _kill
 from test_spares_hot import RECEIVED, _console, _until_line
 
 # FSDP2 over the replica's 2 workers, Adam, a step LR scheduler (registered), and a BatchNorm whose
@@ -90,13 +91,13 @@ def test_a_fed_sharded_spare_keeps_its_shards_and_one_broken_shard_feed_sends_th
     script.write_text(SCRIPT)
     hold.write_text("")
     run_id = "sharded-feed"
-    proc = start_logged(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--verbose", "--run-id", run_id,
-                         script, out, 300, hold])
+    proc = start_ftrun(["--nproc", 6, "--ft", "--replica-size", 2, "--spares", 1, "--verbose", "--run-id", run_id,
+                        script, out, 300, hold], files=("stderr",))
     try:
         _until_line(proc, r"rank 0: feeds hot spare rank 4 from step \d+")
         _until_line(proc, r"rank 1: feeds hot spare rank 5 from step \d+")
-        st = _wait(ftrun_home, run_id, proc, "replica 2 the spare", lambda st: _replica(st, 5).get("spare"))
-        stopped = _replica(st, 5)["pid"]
+        st = wait_state(ftrun_home, run_id, lambda st: replica(st, 5).get("spare"), 90, "replica 2 the spare", proc)
+        stopped = replica(st, 5)["pid"]
         os.kill(stopped, signal.SIGSTOP)
         try:
             _until_line(proc, r"rank 1: stopped feeding hot spare rank 5: ")
@@ -109,8 +110,8 @@ def test_a_fed_sharded_spare_keeps_its_shards_and_one_broken_shard_feed_sends_th
         err = _console(proc)
         whole = [_heals(err, r) for r in (4, 5)]
         assert all(len(h) == 1 and h[0][0] >= 0.1 and h[0][1] > 0 for h in whole), (whole, err[-5000:])
-        st = _wait(ftrun_home, run_id, proc, "replica 1 the spare",
-                   lambda st: all(_replica(st, r).get("spare") for r in (2, 3)))
+        st = wait_state(ftrun_home, run_id, lambda st: all(replica(st, r).get("spare") for r in (2, 3)), 90,
+                        "replica 1 the spare", proc)
         _kill(st, 5)
         _until_line(proc, r"\[rank 2\] ftrun\.ft: detail: rank 2: received ")
         _until_line(proc, r"\[rank 3\] ftrun\.ft: detail: rank 3: received ")

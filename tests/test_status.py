@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import STEP_LOOP, run_ftrun, start_ftrun, wait_for_line
+from helpers import wait_for
 
 from ftrun.errors import ConfigError
 from ftrun.status.state import ReplicaStatus, RunStatus, read_states, run_dir, runs_root, write_state
@@ -262,20 +263,15 @@ def test_status_path_never_imports_torch(home, sup):
 
 
 
-def _wait_for(pred, timeout: float, what: str, poll: float = 0.05):
+def _live_run():
+    """The runs folder's run, as `ftrun status` collects it; None while there is none."""
     from ftrun.status.view import collect
 
-    deadline = time.time() + timeout
-    runs = []
-    while time.time() < deadline:
-        try:
-            runs = collect()
-        except ConfigError:
-            runs = []
-        if runs and pred(runs[0]):
-            return runs[0]
-        time.sleep(poll)
-    raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(runs)[:2000]}")
+    try:
+        runs = collect()
+    except ConfigError:
+        return None
+    return runs[0] if runs else None
 
 
 def test_live_run_and_sigkill_of_a_worker(home, tmp_path):
@@ -287,8 +283,8 @@ def test_live_run_and_sigkill_of_a_worker(home, tmp_path):
                             "ftrun-live4", "--quiet", str(script), str(stop)],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
-        _wait_for(lambda r: all(x["state"] == "running" and x["step"] > 0 for x in r["replicas"]), 90,
-                  "4 running replicas with steps")
+        wait_for(lambda: (r := _live_run()) and all(x["state"] == "running" and x["step"] > 0 for x in r["replicas"]),
+                 90, "4 running replicas with steps", sup)
         [run] = status_json(home=home)  # through the real CLI
         assert run["run_id"] == "ftrun-live4" and run["phase"] == "running" and run["pid"] == sup.pid
         assert len(run["replicas"]) == 4 and all(r["pid"] and r["restarts"] == 0 for r in run["replicas"])
@@ -300,10 +296,12 @@ def test_live_run_and_sigkill_of_a_worker(home, tmp_path):
         t0 = time.time()
         os.kill(victim, signal.SIGKILL)
         # Not running any more (restarting/starting), then running again as a new process, restarts up.
-        _wait_for(lambda r: r["replicas"][2]["state"] != "running" or r["replicas"][2]["pid"] != victim, 5,
-                  "rank 2 to leave 'running'", poll=0.005)
-        back = _wait_for(lambda r: r["replicas"][2]["state"] == "running" and r["replicas"][2]["pid"] != victim
-                         and r["replicas"][2]["restarts"] >= 1, 30, "rank 2 running again")
+        wait_for(lambda: (r := _live_run()) and (r["replicas"][2]["state"] != "running"
+                                                 or r["replicas"][2]["pid"] != victim),
+                 5, "rank 2 to leave 'running'", sup, poll=0.005)
+        back = wait_for(lambda: (r := _live_run()) and r["replicas"][2]["state"] == "running"
+                        and r["replicas"][2]["pid"] != victim and r["replicas"][2]["restarts"] >= 1 and r,
+                        30, "rank 2 running again", sup)
         elapsed = time.time() - t0
         assert elapsed < 10, elapsed  # ~0.5 s when the machine is quiet
         assert "SIGKILL" in (back["replicas"][2]["last_failure"] or "")
@@ -374,7 +372,8 @@ def test_ft_figures_follow_the_scripts_own_count(home, tmp_path):
                             "--quiet", str(script), str(steps), str(counts)],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
     try:
-        _wait_for(lambda r: min(x["step"] for x in r["replicas"]) >= 600, 90, "every replica past step 600")
+        wait_for(lambda: (r := _live_run()) and min(x["step"] for x in r["replicas"]) >= 600, 90,
+                 "every replica past step 600", sup)
         [live] = status_json("ftrun-figures", home=home)  # through the real CLI, while the run trains
         assert sup.wait(timeout=120) == 0, sup.stdout.read()
     finally:

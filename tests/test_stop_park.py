@@ -11,7 +11,8 @@ import signal
 import time
 from pathlib import Path
 
-from helpers import err_text, start_logged
+from conftest import start_ftrun
+from helpers import err_text
 
 SCRIPT = """\
 import signal, sys, time
@@ -51,8 +52,8 @@ def _log(home: Path, run_id: str, rank: int, name: str) -> str:
 def test_a_parked_member_dies_of_the_stop_quietly_with_loader_workers(ftrun_home, tmp_path):
     script = tmp_path / "loader_flag.py"
     script.write_text(SCRIPT)
-    run = start_logged(["--nproc", 2, "--ft", "--run-id", "park", "--checkpoint-dir", tmp_path / "ck",
-                        "--shutdown-timeout", 30, script, 100000])
+    run = start_ftrun(["--nproc", 2, "--ft", "--run-id", "park", "--checkpoint-dir", tmp_path / "ck",
+                       "--shutdown-timeout", 30, script, 100000], files=("stderr",))
     try:
         deadline = time.monotonic() + 180
         while not all("step 5\n" in _log(ftrun_home, "park", r, "stdout.log") for r in range(2)):

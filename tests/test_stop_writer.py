@@ -10,7 +10,8 @@ import signal
 import time
 from pathlib import Path
 
-from helpers import err_text, start_logged
+from conftest import start_ftrun
+from helpers import err_text
 
 AFTER_LOOP_S = 60.0  # the script's code after the loop: far longer than a stop may take
 
@@ -44,8 +45,8 @@ def test_a_stop_after_the_loop_waits_for_no_writer(ftrun_home, tmp_path):
     script = tmp_path / "after_loop.py"
     script.write_text(SCRIPT)
     grace = 30
-    run = start_logged(["--nproc", 2, "--ft", "--run-id", "after", "--checkpoint-dir", tmp_path / "ck",
-                        "--shutdown-timeout", grace, script, 6, AFTER_LOOP_S])
+    run = start_ftrun(["--nproc", 2, "--ft", "--run-id", "after", "--checkpoint-dir", tmp_path / "ck",
+                       "--shutdown-timeout", grace, script, 6, AFTER_LOOP_S], files=("stderr",))
     try:
         deadline = time.monotonic() + 180
         while not all("loop done" in _stdout(ftrun_home, "after", r) for r in range(2)):

@@ -17,16 +17,16 @@ import time
 import psutil
 import pytest
 
-from conftest import free_port, listening
-from helpers import finish
-from test_ft import MID, TRAIN, _assert_identical, _rank_log, _received_mb, _wait_replica, start_ftrun
+from conftest import free_port, listening, start_ftrun
+from helpers import assert_identical, finish, rank_log, wait_printed, wait_replica
+from test_ft import MID, TRAIN, _received_mb
 
 
 def _three_nodes(port, run_id, out, steps, env=None, model=MID):
     env = {"FTRUN_NODE_TIMEOUT": "2", **(env or {})}
     return {k: start_ftrun(["--nnodes", 3, "--node-rank", k, "--master-addr", "127.0.0.1", "--master-port", port,
                             "--nproc", 1, "--ft", "--run-id", run_id, TRAIN, "--steps", steps,
-                            "--step-sleep", 0.02, *model, "--out", out], env=env) for k in (2, 1, 0)}
+                            "--step-sleep", 0.02, *model, "--out", out], env=env, files=("stderr",)) for k in (2, 1, 0)}
 
 
 def _survivors_finish(procs):
@@ -90,8 +90,8 @@ def test_node_cut_off_never_forms_a_second_run(ftrun_home, tmp_path):
                                  {"GLOO_SOCKET_IFNAME": dev, "FTRUN_NODE_TIMEOUT": "2"})
         try:
             for k in (0, 2):
-                _wait_replica(ftrun_home, f"cut.node{k}", k, lambda r, st: r["step"] >= 30 and r["state"] == "running",
-                              120)
+                wait_replica(ftrun_home, f"cut.node{k}", k, lambda r, st: r["step"] >= 30 and r["state"] == "running",
+                             120, proc=procs[k])
             subprocess.run(["ip", "-n", ns1, "link", "set", d1, "down"], check=True)
             cut_at = time.monotonic()
             rc2, err2 = finish(procs[2], 60)
@@ -107,7 +107,7 @@ def test_node_cut_off_never_forms_a_second_run(ftrun_home, tmp_path):
     for k, (rc, err) in results.items():
         assert rc == 0, (k, err[-3000:])
         assert "carrying on without its replicas" in err or k == 1, err[-3000:]
-    _, stats = _assert_identical(out, [0, 1])
+    _, stats = assert_identical(out, [0, 1])
     assert stats["step"] == 350
     print(f"the cut-off node stopped {stopped_s:.1f} s after its link went down")
 
@@ -122,13 +122,15 @@ def test_store_host_lost_while_a_replica_heals(ftrun_home, tmp_path):
     procs = _three_nodes(free_port(), "mvh", out, 250,
                          env={"FTRUN_FT_INJECT_SEND_DELAY": "2", "FTRUN_FT_CHUNK_MB": "4"})
     try:
-        r = _wait_replica(ftrun_home, "mvh.node2", 2, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
+        r = wait_replica(ftrun_home, "mvh.node2", 2, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120,
+                         proc=procs[2])
         os.kill(r["pid"], signal.SIGKILL)
-        _wait_replica(ftrun_home, "mvh.node2", 2, lambda r, st: r.get("ft_phase") == "heal" and r["restarts"] >= 1, 60)
-        step_at_kill = _wait_replica(ftrun_home, "mvh.node1", 1, lambda r, st: True, 10)["step"]
+        wait_replica(ftrun_home, "mvh.node2", 2, lambda r, st: r.get("ft_phase") == "heal" and r["restarts"] >= 1, 60,
+                     proc=procs[2])
+        step_at_kill = wait_replica(ftrun_home, "mvh.node1", 1, lambda r, st: True, 10, proc=procs[1])["step"]
         _kill_tree(procs[0])
         killed_at = time.time()
-        _wait_replica(ftrun_home, "mvh.node1", 1, lambda r, st: r["step"] > step_at_kill + 10, 30)
+        wait_replica(ftrun_home, "mvh.node1", 1, lambda r, st: r["step"] > step_at_kill + 10, 30, proc=procs[1])
         resumed_s = time.time() - killed_at
     except BaseException:
         for p in procs.values():
@@ -136,11 +138,11 @@ def test_store_host_lost_while_a_replica_heals(ftrun_home, tmp_path):
         raise
     _survivors_finish(procs)
     assert resumed_s < 20, resumed_s
-    log1 = _rank_log(ftrun_home, "mvh.node1", 1)
+    log1 = rank_log(ftrun_home, "mvh.node1", 1)
     assert "the run's store moved to" in log1, log1[-2000:]
-    log2 = _rank_log(ftrun_home, "mvh.node2", 2)
+    log2 = rank_log(ftrun_home, "mvh.node2", 2)
     assert "received" in log2.split("the run's store moved to")[-1], log2[-2000:]  # healed on the new store
-    _, stats = _assert_identical(out, [1, 2])
+    _, stats = assert_identical(out, [1, 2])
     assert stats["step"] == 250
 
 
@@ -160,9 +162,11 @@ def test_a_restarted_replica_waiting_on_another_store_at_the_runs_address_follow
     procs = _three_nodes(free_port(), "imp", out, 250, env={"FTRUN_FT_INJECT_STORE": f"2:1=127.0.0.1:{other.port}"},
                          model=[])
     try:
-        r = _wait_replica(ftrun_home, "imp.node2", 2, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120)
+        r = wait_replica(ftrun_home, "imp.node2", 2, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120,
+                         proc=procs[2])
         os.kill(r["pid"], signal.SIGKILL)
-        _wait_replica(ftrun_home, "imp.node2", 2, lambda r, st: r.get("ft_phase") == "join" and r["restarts"] >= 1, 60)
+        wait_replica(ftrun_home, "imp.node2", 2, lambda r, st: r.get("ft_phase") == "join" and r["restarts"] >= 1, 60,
+                     proc=procs[2])
         assert other.get(keys.join_key(2)) == b"1"  # it asked to join on the other store
         _kill_tree(procs[0])
     except BaseException:
@@ -170,10 +174,10 @@ def test_a_restarted_replica_waiting_on_another_store_at_the_runs_address_follow
             p.kill()
         raise
     _survivors_finish(procs)
-    log2 = _rank_log(ftrun_home, "imp.node2", 2)
+    log2 = rank_log(ftrun_home, "imp.node2", 2)
     assert "announced that the run's store moved while this member waited to join" in log2, log2[-2000:]
     assert _received_mb(log2.split("the run's store moved to")[-1]), log2[-2000:]  # healed on the moved store
-    _, stats = _assert_identical(out, [1, 2])
+    _, stats = assert_identical(out, [1, 2])
     assert stats["step"] == 250
 
 
@@ -289,28 +293,28 @@ def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
     with the run's original line, on the endpoint's machine, as a restarted pod would be: it finds the
     word the moved store left there, joins the run where it is now (no second run forms at the old
     endpoint), and all four finish bitwise identical."""
-    from test_ft import _c10d_node, _c10d_start, _wait_text
+    from test_ft import _c10d_node, _c10d_start
 
     port, out = free_port(), tmp_path / "p"
     procs = [_c10d_node(port, "3:4", "cj", out, 500)]
     try:
         procs += [_c10d_start(port, "3:4", "cj", out, 500) for _ in range(2)]
-        _wait_text(procs[0], "quorum 1: 3 replicas", 120)
-        _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
+        wait_printed(procs[0], "quorum 1: 3 replicas", 120)
+        wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: r["step"] >= 30 and r["state"] == "running", 120)
         procs.append(_c10d_start(port, "3:4", "cj", out, 500))
         for p in procs[1:4]:  # the newcomer has joined, and every survivor counts it, before the host goes...
-            _wait_text(p, "joined the running run", 60)
+            wait_printed(p, "joined the running run", 60)
         # ...and node 1 has seen it beat (its table comes with its beats): a node that loses the store
         # before it has finished joining stops, and the others no longer count it (nodes.layout_size;
         # test_late_node_that_loses_the_store_mid_join_is_not_counted)
-        _wait_replica(ftrun_home, "cj.node1", 3, lambda r, st: True, 30)
-        r = _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: True, 10)
+        wait_replica(ftrun_home, "cj.node1", 3, lambda r, st: True, 30)
+        r = wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: True, 10)
         _kill_tree(procs[0])
         killed_at, step_at_kill = time.time(), r["step"]
-        _wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: r["step"] > step_at_kill + 10, 30)
+        wait_replica(ftrun_home, "cj.node1", 1, lambda r, st: r["step"] > step_at_kill + 10, 30)
         resumed_s = time.time() - killed_at
         procs.append(_c10d_start(port, "3:4", "cj", out, 500))  # binds the endpoint's port afresh
-        _wait_text(procs[4], "joining the run there", 30)
+        wait_printed(procs[4], "joining the run there", 30)
         results = {k: finish(procs[k], 180) for k in (1, 2, 3, 4)}
     finally:
         for p in procs:
@@ -321,10 +325,10 @@ def test_c10d_ft_store_host_lost_while_a_node_joins(ftrun_home, tmp_path):
             assert "moving the run's store" in err and "node 1 hosts the run's store now" in err, err[-3000:]
     assert "joined the running run cj" in results[4][1] and "round 0: 1 node" not in results[4][1], results[4][1]
     # node 4's replica received the trained state (1.3M parameters with Adam: 16 MB) from a peer
-    heals = _received_mb(_rank_log(ftrun_home, "cj.node4", 4))
+    heals = _received_mb(rank_log(ftrun_home, "cj.node4", 4))
     assert heals and heals[-1] > 10, heals
     assert resumed_s < 20, resumed_s
-    _, stats = _assert_identical(out, [1, 2, 3, 4])
+    _, stats = assert_identical(out, [1, 2, 3, 4])
     assert stats["step"] == 500
     print(f"c10d: committing again {resumed_s:.1f} s after the store host was killed as node 3 joined")
 
@@ -336,20 +340,20 @@ def test_late_node_that_loses_the_store_mid_join_is_not_counted(ftrun_home, tmp_
     cannot take part in the move and stops; nodes 1 and 2 do not count it in the majority (2 of the
     3 nodes that ever beat, not 2 of 4), so they move the store and finish identical, where before
     both stopped with exit 200."""
-    from test_ft import _c10d_node, _c10d_start, _wait_text
+    from test_ft import _c10d_node, _c10d_start
 
     port, out, gate = free_port(), tmp_path / "p", tmp_path / "go-on-joining"
     procs = [_c10d_node(port, "3:4", "mj", out, 400)]
     try:
         procs += [_c10d_start(port, "3:4", "mj", out, 400) for _ in range(2)]
-        _wait_replica(ftrun_home, "mj.node1", 1, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120)
+        wait_replica(ftrun_home, "mj.node1", 1, lambda r, st: r["step"] >= 20 and r["state"] == "running", 120)
         procs.append(start_ftrun(["--nnodes", "3:4", "--nproc-per-node", 1, "--rdzv-backend", "c10d",
                                   "--rdzv-endpoint", f"localhost:{port}", "--rdzv-conf", "last_call_timeout=0.5",
                                   "--ft", "--run-id", "mj", TRAIN, "--steps", 400, "--step-sleep", 0.02,
                                   "--out", out, *MID],
-                                 env={"FTRUN_NODE_TIMEOUT": "2", "FTRUN_INJECT_JOIN_HOLD": str(gate)}))
+                                 env={"FTRUN_NODE_TIMEOUT": "2", "FTRUN_INJECT_JOIN_HOLD": str(gate)}, files=("stderr",)))
         for p in procs[1:3]:  # both survivors know of the newcomer: it is in the run's node list
-            _wait_text(p, "joined the running run", 60)
+            wait_printed(p, "joined the running run", 60)
         _kill_tree(procs[0])
         gate.write_text("")  # the newcomer goes on joining, on a store that is gone
         results = {k: finish(procs[k], 180) for k in (1, 2, 3)}
@@ -365,7 +369,7 @@ def test_late_node_that_loses_the_store_mid_join_is_not_counted(ftrun_home, tmp_
     # one line either way: lost while its join is checked, or while the run's rounds are read
     assert ("lost node 0's store" in err and "while joining" in err) or "lost the run's store at" in err, \
         err[-3000:]
-    _, stats = _assert_identical(out, [1, 2])
+    _, stats = assert_identical(out, [1, 2])
     assert stats["step"] == 400
 
 

@@ -5,34 +5,14 @@ next incarnation, without leaving its process.
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import SCRIPTS
-from helpers import finish, read_state, start_logged
+from conftest import SCRIPTS, start_ftrun
+from helpers import assert_identical, finish, rank_log, read_state
 
 TRAIN = SCRIPTS / "train_ft.py"
-
-
-def _rank_log(home: Path, run_id: str, rank: int) -> str:
-    st = read_state(home, run_id)
-    assert st, f"no state for {run_id}"
-    return (Path(st["log_dir"]) / f"rank{rank}" / "stderr.log").read_text()
-
-
-def _assert_identical(out: Path, ranks) -> int:
-    """The listed ranks ended with the same parameters and step; that step."""
-    params = [torch.load(f"{out}.rank{r}.pt", weights_only=True) for r in ranks]
-    for r, p in zip(ranks[1:], params[1:]):
-        for k in params[0]:
-            assert torch.equal(params[0][k], p[k]), f"rank {r} parameter {k} differs"
-    steps = {json.loads(Path(f"{out}.rank{r}.json").read_text())["step"] for r in ranks}
-    assert len(steps) == 1, steps
-    return steps.pop()
 
 
 @pytest.mark.parametrize("round_steps", ["8", "1"])
@@ -48,9 +28,9 @@ def test_a_survivor_the_peers_decision_contradicts_takes_the_committed_state_in_
     from the decision of the round they stepped past ("voted down after ...")."""
     out = tmp_path / "p"
     run_id = f"peers{round_steps}"
-    proc = start_logged(["--nproc", 3, "--ft", "--max-restarts", 0, "--run-id", run_id, TRAIN, "--steps", 60,
-                         "--step-sleep", 0.05, "--out", out],
-                        env={"FTRUN_FT_INJECT_FAIL": "1:12", "FTRUN_FT_ROUND_STEPS": round_steps})
+    proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 0, "--run-id", run_id, TRAIN, "--steps", 60,
+                        "--step-sleep", 0.05, "--out", out],
+                       env={"FTRUN_FT_INJECT_FAIL": "1:12", "FTRUN_FT_ROUND_STEPS": round_steps}, files=("stderr",))
     try:
         rc, err = finish(proc, 240)
     finally:
@@ -59,11 +39,11 @@ def test_a_survivor_the_peers_decision_contradicts_takes_the_committed_state_in_
     assert "exited with code 75" not in err and "restarted to take the committed state" not in err, err[-3000:]
     rejoined = 0
     for r in (0, 2):
-        log = _rank_log(ftrun_home, run_id, r)
+        log = rank_log(ftrun_home, run_id, r)
         assert len(re.findall(rf"===== ftrun: rank {r}, incarnation", log)) == 1, log[-2000:]  # one process
         assert "restarting to take the committed state" not in log, log[-2000:]
         rejoined += "taking the committed state from a peer in place" in log
     assert rejoined >= 1, err[-3000:]
-    assert _assert_identical(out, [0, 1, 2]) == 60, err[-3000:]
+    assert assert_identical(out, [0, 1, 2])[1]["step"] == 60, err[-3000:]
     st = read_state(ftrun_home, run_id)
     assert all(rep.get("restarts", 0) == 0 for rep in st["replicas"]), st["replicas"]
