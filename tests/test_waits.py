@@ -14,6 +14,7 @@ import pytest
 
 from conftest import FTRUN, ROOT, SCRIPTS, free_port
 from ftrun.supervisor.accounting.waits import replica_waits
+from ftrun.wire import MemberReport
 
 
 def _two_nodes(tmp_path, node0_on_tty: bool) -> str:
@@ -73,11 +74,11 @@ def test_waiting_for_nodes_shows_progress_on_a_terminal_only(tmp_path):
 
 @pytest.mark.quick
 def test_replica_phases_that_are_long_waits():
-    info = {0: {"phase": "compute", "phase_since": 5.0, "inc": 0},
-            1: {"phase": "heal", "phase_since": 7.0, "inc": 1},
-            2: {"phase": "resume", "phase_since": 8.0, "inc": 0},
-            3: {"phase": "heal", "phase_since": 9.0, "inc": 0},   # an old incarnation's report
-            4: {"phase": "heal-wait", "phase_since": 9.5, "inc": 2}}
+    info = {0: MemberReport(phase="compute", phase_since=5.0, inc=0),
+            1: MemberReport(phase="heal", phase_since=7.0, inc=1),
+            2: MemberReport(phase="resume", phase_since=8.0, inc=0),
+            3: MemberReport(phase="heal", phase_since=9.0, inc=0),   # an old incarnation's report
+            4: MemberReport(phase="heal-wait", phase_since=9.5, inc=2)}
     alive = {0: 0, 1: 1, 2: 0, 3: 1, 4: 2}
     got = replica_waits(info, alive, 1, {0, 1, 2, 3})
     assert got == {"replica 1": ("rank 1 healing from a peer", 7.0, None, None),
