@@ -14,8 +14,8 @@ import pytest
 from ftrun.protocol import Quorum
 from ftrun.worker.ft.member.core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Computing, Decided,
                                          Entered, Entering, Finish, FinishedRead, InSync, Join, Joined, MemberCore,
-                                         ReadFinished, Rejoin, Restart, RoundTop, Skipped, StoreLost, Switch, TakeStep,
-                                         Voted, source_refuses, transfer_ends)
+                                         ReadFinished, Received, Rejoin, Restart, RoundTop, Skipped, StoreLost, Switch,
+                                         TakeStep, Voted, source_refuses, transfer_ends)
 
 pytestmark = pytest.mark.quick
 ROOT = Path(__file__).resolve().parents[1]
@@ -297,9 +297,43 @@ def test_a_member_out_of_sync_gets_no_step_and_a_step_past_a_round_voted_down_is
     from ftrun.worker.ft.member import core
 
     assert core.sits_out(in_sync=False) and not core.sits_out(in_sync=True)
+    assert core.sits_out(in_sync=True, healing=True)  # named a healer, its heal not landed
     assert core.redo(handed_before=True, retaking=False)   # the round that took it was discarded
     assert core.redo(handed_before=False, retaking=True)   # the round under it was voted down
     assert not core.redo(handed_before=False, retaking=False)
+
+
+def test_a_healer_whose_heal_failed_trains_nothing_until_a_heal_lands():
+    """Found by the simulator (--moves): after the store moved, a survivor that had stepped past a
+    round whose decision went with the lost store is named a healer of the moved store's quorum
+    and its transfer fails. It is in sync by its own books, but the keeper's rules said its state
+    is not the run's: it sits out every round (no step for the script, no ok vote) until a heal
+    lands, and a quorum that does not name it a healer (its source) takes it back as it is."""
+    from ftrun.worker.ft.member import core as rules
+
+    core = MemberCore()
+    core.handle(InSync())  # what it held when the store moved
+    healed = _quorum(7, [(2, 0), (3, 1), (4, 0)], healers=(2, 4), sources=(3,))
+    assert core.handle(Entering(healed, (2, 0))) == [AskEntryRound()]
+    core.handle(Entered(healed, 15))
+    assert core.in_sync and core.healing  # its transfer failed: nothing landed
+    assert rules.sits_out(core.in_sync, core.healing)
+    core.handle(Computing())
+    assert not rules.votes_ok(core.round_ok, core.in_sync, True)
+    core.handle(Voted(False, 0, False, 7, 0))
+    assert core.handle(Entering(healed, (2, 0))) == []  # the rebuild heals again
+    core.handle(Received(15))
+    assert not core.healing and not rules.sits_out(core.in_sync, core.healing)
+    core.handle(Computing())
+    assert rules.votes_ok(core.round_ok, core.in_sync, True)
+
+    named_source = MemberCore()
+    named_source.handle(InSync())
+    named_source.handle(Entering(healed, (2, 0)))
+    named_source.handle(Entered(healed, 15))
+    nxt = _quorum(8, [(2, 0), (4, 0)], healers=(4,), sources=(2,))
+    named_source.handle(Entering(nxt, (2, 0)))
+    assert not named_source.healing
 
 
 def test_the_guards_rules():

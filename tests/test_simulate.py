@@ -177,6 +177,17 @@ MOVED_UNDECIDED_STEP = {"seed": 200944, "replicas": 6, "nodes": 3, "total": 13, 
     {"at": 1.536, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0},
     {"at": 1.237, "kind": "kill", "rank": 5, "dur": 0.0, "x": 0.0}]}
 
+# The store's host is lost while round 14 of quorum 4 is decided: rank 2 had stepped to 14 (the
+# decision went with the store), ranks 3 and 4 were at 13. The moved store's quorum heals from
+# rank 3, and rank 5, a healer, dies in the transfer. Before the fix rank 2, in sync by its own
+# books, was handed step 14 on its undecided state and evaluated it; the next quorum healed it
+# to 13 (found by a search with --moves from seed 4, schedule 174).
+MOVED_FAILED_HEALER = {"seed": 400174, "replicas": 6, "nodes": 3, "total": 15, "faults": [
+    {"at": 0.776, "kind": "kill-call", "rank": 5, "dur": 0.0, "x": 10.0},
+    {"at": 0.072, "kind": "kill-call", "rank": 3, "dur": 0.0, "x": 8.0},
+    {"at": 1.795, "kind": "host-lost", "rank": -1, "dur": 0.0, "x": 0.0},
+    {"at": 2.848, "kind": "heal-kill", "rank": 5, "dur": 0.0, "x": 0.0}]}
+
 # Node 1's keeper had last read quorum 2 of the lost store, which published quorums 3 and 4 just
 # before it went; ranks of nodes 1 and 2 had seen quorum 4. Before the fix the moved store's keeper
 # counted from its own read and published another quorum 4 (found by a search from seed 3).
@@ -495,6 +506,16 @@ def test_a_moved_store_does_not_heal_from_a_step_voted_down():
     collective completed as a peer's failed) held the newest step; it now says its last round is
     undecided, and the keeper heals from a replica whose state is decided."""
     assert _replay(MOVED_UNDECIDED_STEP)[-1] == "1 schedules, 0 violations"
+
+
+def test_a_healer_whose_heal_failed_is_handed_no_step_on_its_own_state():
+    """(y) found by the simulator: a survivor of a store's move that had stepped past a round
+    whose decision went with the lost store was named a healer and its transfer failed; it now
+    sits out every round until a heal lands, instead of running the script on its own state."""
+    assert _replay(MOVED_FAILED_HEALER)[-1] == "1 schedules, 0 violations"
+    bad = _replay(MOVED_FAILED_HEALER, "failed-healer")
+    assert bad[-1] == "1 schedules, 1 violations"
+    assert "ran step 14's side effects" in bad[0], bad
 
 
 def test_a_moved_store_counts_above_every_quorum_a_survivor_saw():

@@ -442,7 +442,7 @@ class FinishedWriter(Wiring):
 
 
 # ---------------------------------------------------------------- (u) unsynced-step: a step out of sync
-def _never_sits_out(in_sync: bool) -> bool:  # noqa: ARG001
+def _never_sits_out(in_sync: bool, healing: bool = False) -> bool:  # noqa: ARG001
     """Before the fix: the round's top handed the script a step whatever the member held. A
     restarted replica whose group or heal failed (a newer quorum was out) ran the script's code,
     an evaluation and a log line, on its initial state; the round was voted down, the script's
@@ -519,6 +519,23 @@ class KeepUnlike(Wiring):
     driver = _KeepUnlikeDriver
 
 
+# ---------------------------------------------------------------- (z) failed-healer: a healer's own state stepped
+def _sits_out_unless_in_sync(in_sync: bool, healing: bool = False) -> bool:  # noqa: ARG001
+    """Before the fix: only a member out of sync sat a round out. After a store move, a survivor
+    that had stepped past a round whose decision went with the lost store was named a healer, its
+    transfer failed, and, in sync by its own books, it was handed the next step on that
+    undecided state: the script evaluated a state a later quorum healed away."""
+    return not in_sync
+
+
+class _FailedHealerDriver(MemberDriver):
+    sits_out = staticmethod(_sits_out_unless_in_sync)
+
+
+class FailedHealer(Wiring):
+    driver = _FailedHealerDriver
+
+
 BUGS: Dict[str, type] = {
     "none": Wiring,
     "start-round": StartRound,        # (a) members entering a quorum at different rounds
@@ -546,6 +563,7 @@ BUGS: Dict[str, type] = {
     "spare-short": SpareShort,        # (w) planted: one hot spare fewer held back than --spares says
     "lone-check": LoneCheck,          # (x) planted: the guard's check due on some members only
     "kept-unlike": KeepUnlike,        # (y) planted: a fed spare's state kept with fingerprints unlike its source's
+    "failed-healer": FailedHealer,    # (z) a healer whose heal failed handed steps on its own state
 }
 # What a bug's schedule must pass for the failure to be that bug's (simulate.py --only-bug).
 BASELINE: Dict[str, str] = {"deleted-quorum": "collect-joiner"}

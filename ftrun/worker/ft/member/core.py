@@ -266,6 +266,12 @@ class MemberCore:
     rebuild: bool = False
     round_ok: bool = True
     in_sync: bool = False
+    # Named a healer of the quorum it entered, and that heal has not landed: whatever this member
+    # holds, the keeper's rules said it is not the committed state (after a store move, a state
+    # past a round whose decision went with the lost store), so it trains nothing and is handed
+    # no step until a heal lands (sits_out); it may still be named a source later, as the
+    # keeper's rules allow, since what it holds is what it said it holds.
+    healing: bool = False
     finished: bool = False
     failed_in_row: int = 0
     # The driver can rejoin in place (a whole replica of one worker whose supervisor keeps the
@@ -307,6 +313,7 @@ class MemberCore:
     def _on_Entering(self, e: Entering) -> List[Command]:
         if e.me not in e.quorum.members:
             return [Restart(f"left out of quorum {e.quorum.id}")]
+        self.healing = e.me[0] in e.quorum.healers
         changed = self.quorum is None or e.quorum.id != self.quorum.id
         # Every continuing member begins the quorum at one round; a joiner at the one it was given.
         return [AskEntryRound()] if changed and not e.joining else []
@@ -319,7 +326,7 @@ class MemberCore:
         return []
 
     def _on_Computing(self, e: Computing) -> List[Command]:
-        self.round_ok = self.round_ok and self.in_sync
+        self.round_ok = self.round_ok and self.in_sync and not self.healing
         return []
 
     def _on_Skipped(self, e: Skipped) -> List[Command]:
@@ -376,6 +383,7 @@ class MemberCore:
 
     def _on_Received(self, e: Received) -> List[Command]:
         self.round = e.round
+        self.healing = False
         return []
 
     def _on_StoreLost(self, e: StoreLost) -> List[Command]:
@@ -496,14 +504,17 @@ def keeps_fed_state(followed: bool, same: bool) -> bool:
     return followed and same
 
 
-def sits_out(in_sync: bool) -> bool:
+def sits_out(in_sync: bool, healing: bool = False) -> bool:
     """Whether the round's top hands the script no step: this member does not hold the committed
     state (its heal did not land: the quorum's group or the transfer failed, so it holds its
-    initial state, or a state it stepped past a round voted down on). It votes the round down at
-    once, without the script's code, and heals again at the next round's top. Handed the step,
-    the script would run its code (an evaluation, a log line) on a state that is not the run's,
-    and the round would be voted down anyway (votes_ok)."""
-    return not in_sync
+    initial state, or a state it stepped past a round voted down on), or its quorum names it a
+    healer and that heal has not landed (`healing`: in sync by its own books, but the keeper's
+    rules found its state is not the run's; after a store move, one stepped past a round whose
+    decision went with the lost store, which a later quorum may discard). It votes the round
+    down at once, without the script's code, and heals again at the next round's top. Handed the
+    step, the script would run its code (an evaluation, a log line) on a state that is not the
+    run's, and the round would be voted down anyway (votes_ok)."""
+    return not in_sync or healing
 
 
 def redo(handed_before: bool, retaking: bool) -> bool:

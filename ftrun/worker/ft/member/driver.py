@@ -264,7 +264,7 @@ class MemberDriver:
                     if self.rejoin_why is None:  # else the decision it read first: it rejoins at the top
                         self._sit_out()
                     continue
-                if self.finished or not self.sits_out(self.in_sync):
+                if self.finished or not self.sits_out(self.in_sync, self.core.healing):
                     break
                 self._sit_out()
             except self.fx.store_errors as e:  # the run's store went away: rejoin on the next one
