@@ -339,15 +339,7 @@ class SimSupervisor:
         self.w.invariants.store_lost(h, self.node_keeper[h].quorum_id)
         self.sched.kill("supervisor" if h == 0 else f"node{h}")
         self.w.store.lose()
-        for r in self.w.node_ranks(h):
-            m = self.members.get(r)
-            if m is not None and r not in self.done and self.sched.alive(m.proc):
-                self.sched.kill(m.proc)
-                self.w.groups.died()
-                self.log.append(f"{now:.3f}s rank {r}.{m.inc} lost with the store's host, node {h} (step {m.step})")
-            if r not in self.done:
-                self.gone.add(r)
-        self.events = [e for e in self.events if e[2] < 0 or self.w.node_of(e[2]) != h]
+        self._node_gone(h, "the store's host")
         left = failover.candidates(range(self.nodes), {h, *self.lost_at}, range(self.nodes))
         if len(left) < failover.majority(self.nodes):
             self.log.append(f"{now:.3f}s the store's host is lost and only nodes {left} are left: requeued")
@@ -377,12 +369,17 @@ class SimSupervisor:
         self.lost_at[n] = now
         self.sched.kill(f"node{n}")
         self.w.node_store[n].down_until = float("inf")  # its store went with it
+        self._node_gone(n, "its node")
+
+    def _node_gone(self, n: int, what: str) -> None:
+        """Node n's workers are gone with it, for good; nothing of theirs is started again."""
+        now = self.sched.now
         for r in self.w.node_ranks(n):
             m = self.members.get(r)
             if m is not None and r not in self.done and self.sched.alive(m.proc):
                 self.sched.kill(m.proc)
                 self.w.groups.died()
-                self.log.append(f"{now:.3f}s rank {r}.{m.inc} lost with node {n} (step {m.step}, {m.phase})")
+                self.log.append(f"{now:.3f}s rank {r}.{m.inc} lost with {what}, node {n} (step {m.step}, {m.phase})")
             if r not in self.done:
                 self.gone.add(r)
         self.events = [e for e in self.events if e[2] < 0 or self.w.node_of(e[2]) != n]
