@@ -353,9 +353,7 @@ class SimSupervisor:
             return
         self.host, self.elected = hosts.pop(), left
         self.routes = _SimRoutes(self.w, {e: (f"node{e}", self.w.node_ranks(e)) for e in left})
-        on_call, self.w.store = self.w.store.on_call, self.w.node_store[self.host]
-        self.w.store.on_call = on_call
-        self.w.invariants.store_switched()
+        self.w.move_store(self.host)
         at = now + MOVE_S[0] + (MOVE_S[1] - MOVE_S[0]) * self.sched.rng.random()
         for n in left:
             self.move_at[n] = at + MOVE_SPREAD_S * self.sched.rng.random()

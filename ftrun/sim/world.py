@@ -66,6 +66,13 @@ class World:
     def node_ranks(self, node: int) -> List[int]:
         return list(range(node * self.per_node, (node + 1) * self.per_node))
 
+    def move_store(self, node: int) -> None:
+        """The run's store is node `node`'s standby store from now on (the old one's host is lost);
+        a fault armed on the old one's calls stays armed."""
+        on_call, self.store = self.store.on_call, self.node_store[node]
+        self.store.on_call = on_call
+        self.invariants.store_switched()
+
     def run(self) -> Optional[str]:
         sup, inv, sched = self.supervisor, self.invariants, self.sched
         sched.spawn(sup.supervise, "keeper", "supervisor")

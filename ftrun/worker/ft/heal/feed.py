@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -39,6 +38,7 @@ from ftrun import protocol as keys
 from ftrun.worker.ft.heal.state import ReplicaState
 from ftrun.worker.ft.heal.transport import _local, receive_state, send_state
 from ftrun.worker.ft.member import membership
+from ftrun.worker.ft.member.core import FedCompared
 from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device
 from ftrun.worker.ft.member.member_io import PEER_LOST, _plain
 from ftrun.worker import settings
@@ -156,14 +156,6 @@ def apply_settings(state: ReplicaState, settings: List[Dict[str, Any]]) -> None:
                 g[k] = v
 
 
-@dataclass(frozen=True)
-class FedCheck:
-    """What compare_fed found: every healer's feed followed; their states are the source's."""
-
-    followed: bool
-    same: bool
-
-
 def _allreduce(pg: dist.ProcessGroup, t: torch.Tensor, op: Any) -> int:
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
@@ -172,7 +164,7 @@ def _allreduce(pg: dist.ProcessGroup, t: torch.Tensor, op: Any) -> int:
 
 
 def compare_fed(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follower: Optional["Follower"],
-                step: int) -> Optional[FedCheck]:
+                step: int) -> Optional[FedCompared]:
     """At a heal, before the transfer, on the source (`step`: the step its state is at) and on each
     healer of this group (one shard's, with sharded replicas): whether every healer is a spare
     whose feed followed (caught up to `step`), and whether their models and optimizers there are
@@ -187,7 +179,7 @@ def compare_fed(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follow
         if follower is not None:
             follower.stop()
             follower.synced = False
-        return FedCheck(followed=False, same=False)
+        return FedCompared(followed=False, same=False)
     word = torch.zeros(4, dtype=torch.int64, device=dev)
     if source:
         word.copy_(torch.cat([fingerprint(state), torch.tensor([step])]))
@@ -207,7 +199,7 @@ def compare_fed(pg: dist.ProcessGroup, state: ReplicaState, source: bool, follow
                             f"(fingerprint {time.monotonic() - t1:.2f} s)")
         follower.synced = False  # its following is over: from here on the member's heals decide
     differ = _allreduce(pg, torch.tensor([bad], dtype=torch.int64, device=dev), dist.ReduceOp.MAX)
-    return FedCheck(followed=True, same=not differ)
+    return FedCompared(followed=True, same=not differ)
 
 
 def agree_kept(pg: dist.ProcessGroup, keep: bool, source: bool,

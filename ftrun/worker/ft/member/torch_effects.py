@@ -226,8 +226,7 @@ class TorchEffects(MemberEffects):
         return self.follower.touched
 
     def compare_fed(self, group: Any, sending: bool, step: int) -> Optional[FedCompared]:
-        check = compare_fed(group, self.state, sending, None if sending else self.follower, step)
-        return None if check is None else FedCompared(check.followed, check.same)
+        return compare_fed(group, self.state, sending, None if sending else self.follower, step)
 
     def agree_kept(self, group: Any, kept: bool, sending: bool) -> bool:
         return agree_kept(group, kept, sending, self._replica_decides(group) if sending else None)
