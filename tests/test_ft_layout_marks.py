@@ -105,3 +105,69 @@ def test_gradients_dropped_between_forward_and_backward_are_averaged_on_a_new_gr
     reports = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(2)]
     assert reports[0]["step"] == reports[1]["step"] == total, reports
     assert reports[0]["w"] == reports[1]["w"] == [-0.5] * (2 * total), (reports[0]["w"], reports[1]["w"])
+
+
+class _Members:
+    """What a wrapped model reads of its member in a layout round: the round planned, the
+    sub-step's serial, a group (never used: the reduction is recorded instead)."""
+
+    def __init__(self) -> None:
+        self.layout_planned = self.layout_serial = 0
+        self.pg, self.round_ok = object(), True
+
+    def on_group_change(self, fn) -> None:
+        pass
+
+    def plan(self) -> None:
+        self.layout_planned += 1
+        self.layout_serial += 1
+
+
+def _wrapped(members: _Members):
+    from ftrun.worker.ft.api.ddp import _Replicated
+
+    class Recorded(_Replicated):
+        def reduce_layout(self, pg) -> None:
+            self.reduced += 1
+
+    class Ddp:  # the options of torch's DDP the layout forward reads
+        gradient_as_bucket_view = False
+
+    model = torch.nn.Linear(4, 1)
+    path = Recorded(members, None, model, Ddp())
+    path.reg, path.reduced = object(), 0
+    return model, path
+
+
+def test_a_layout_round_averages_only_the_models_forwarded_in_it_whatever_each_member_did_before():
+    """The vote's average (a GAN's discriminator's sub-step, its generator's counter not yet
+    forwarded) is decided on what this layout round did, never on a process's history: a fresh
+    healer (no marks at all) and a survivor (marks of an earlier round, whose gradients a
+    discarded step dropped since) decide the same, so they send the same collectives. Decided by
+    the marks, the healer averaged the counter and its peers did not: gloo aborted it on the
+    mismatched sizes (544 vs 344 bytes)."""
+    healer_members, survivor_members = _Members(), _Members()
+    _, healer = _wrapped(healer_members)
+    survivor_model, survivor = _wrapped(survivor_members)
+    survivor_members.plan()  # an earlier layout round: forward, backward, then the step discarded
+    survivor.layout_forward()
+    survivor_model(torch.ones(1, 4)).sum().backward()
+    for p in survivor_model.parameters():
+        p.grad = None  # the discarded step's gradients dropped
+    for members in (healer_members, survivor_members):
+        members.plan()  # the layout round both are in now, the model not forwarded yet
+    healer.layout_average()
+    survivor.layout_average()
+    assert (healer.reduced, survivor.reduced) == (0, 0)
+
+    # Forwarded and backwarded in this round: each averages once; forwarded only: neither does.
+    for members, path in ((healer_members, healer), (survivor_members, survivor)):
+        path.layout_forward()
+        path.module(torch.ones(1, 4)).sum().backward()
+        path.layout_average()
+        path.layout_average()
+        assert path.reduced == 1
+        members.plan()
+        path.layout_forward()
+        path.layout_average()
+        assert path.reduced == 1

@@ -215,6 +215,7 @@ class Manager:
     # ------------------------------------------------------------ layout rounds (ft/api/ddp.py)
     layout_round = property(lambda self: self.member.layout.round)
     layout_serial = property(lambda self: self.member.layout.serial)
+    layout_planned = property(lambda self: self.member.layout.planned)
     layout_averages = property(lambda self: self.member.layout.averages)
 
     @property

@@ -91,6 +91,13 @@ class _Replicated:
         self.reg: Any = None
         self.pending = False  # a reducing forward ran in a layout round: its backward averages
         self.averaged = -1    # the layout round (mgr.layout_serial) whose average this model ran
+        # The layout round (mgr.layout_planned) whose reducing forward this model ran: it averages
+        # in that round only. What a process did in earlier rounds differs between members (a
+        # fresh healer has no history; a survivor's last backward may have been cut short), and a
+        # decision read from it sent a model's average on some members only: a GAN's healer
+        # averaged its generator's counter at the discriminator's vote while its peers went on to
+        # the generator's average, and gloo aborted the healer on the mismatched sizes.
+        self.forwarded_in = -1
         self.in_bucket: Set[int] = set()  # ids of the parameters whose gradient the backward adds into its bucket
         self.marks = GradMarks(module)  # each gradient as the layout forward left it (untouched)
         mgr.on_group_change(self.rebind)
@@ -106,6 +113,7 @@ class _Replicated:
         DDP divides in place: which ones is known only before the backward."""
         self.pending = True
         self.averaged = -1
+        self.forwarded_in = self.mgr.layout_planned
         self.in_bucket = ({id(p) for p in self.module.parameters() if p.grad is not None}
                           if self.ddp.gradient_as_bucket_view else set())
         self.marks.take()
@@ -121,7 +129,8 @@ class _Replicated:
         """A backward returned: in a layout round, average this model's gradients now, also in
         one that is discarded (the script's clipping or inf check must agree on every replica)."""
         mgr = self.mgr
-        if self.pending and mgr.layout_round and mgr.layout_can_average() and not self.untouched():
+        if (self.pending and self.forwarded_in == mgr.layout_planned and mgr.layout_round and mgr.layout_can_average()
+                and not self.untouched()):
             self.pending = False
             mgr.layout_average([self.layout_average])
 
@@ -140,7 +149,8 @@ class _Replicated:
     def layout_average(self) -> None:
         """The layout round's one reduction (see _attach), counted in the hook's figures; once
         a round (after the backward, or in the vote when no backward reduced)."""
-        if self.averaged == self.mgr.layout_serial or self.untouched():
+        if (self.averaged == self.mgr.layout_serial or self.forwarded_in != self.mgr.layout_planned
+                or self.untouched()):
             return
         self.averaged = self.mgr.layout_serial  # a failure is not retried: the round is voted down
         if self.reg is None or self.mgr.pg is None:

@@ -27,7 +27,8 @@ class LayoutRounds:
         self.each_group = False  # DDP's reducer sends (ft/api/ddp.py): a layout round on every new group
         self.round = False  # this round is a layout round
         self.averages: List[Optional[Callable[[], None]]] = []  # one per wrapped model
-        self.serial = 0  # counts layout rounds planned: a model's average runs once in each
+        self.serial = 0  # counts layout rounds planned and their sub-steps voted: a model's average runs once in each
+        self.planned = 0  # counts layout rounds planned: a model averages only in one whose forward it ran
 
     def use_ddp(self, uses: bool = True) -> None:
         """A model was wrapped in ft.DistributedDataParallel (ft/api/ddp.py)."""
@@ -43,6 +44,7 @@ class LayoutRounds:
         same round, so they all agree."""
         self.round = self.uses_ddp and (self.each_group or bool(quorum.healers or quorum.fresh))
         self.serial += 1
+        self.planned += 1
 
     def forget(self) -> None:
         """The member left its quorum (a rejoin, a store move): no layout round is pending."""
