@@ -41,6 +41,7 @@ def test_a_checkpoint_folder_on_a_kernel_file_system_is_one_line(ftrun_home, tmp
     assert "never" not in proc.stdout and not (ftrun_home / "k").exists()
 
 
+@pytest.mark.extended
 def test_a_second_damaged_checkpoint_of_a_step_keeps_the_first(ftrun_home, tmp_path):
     """step-20 damaged, resumed (moved aside to step-20.damaged), written again and damaged
     again: the second resume moves it to step-20.damaged.2 and keeps the first (it was

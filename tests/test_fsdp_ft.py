@@ -130,6 +130,7 @@ def test_failure_free_equals_plain_hsdp(ftrun_home, tmp_path):
             torch.testing.assert_close(t, sb["model"][name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.extended
 def test_sigstopped_worker_restarts_only_its_replica(ftrun_home, tmp_path):
     """No flag (the default rule, its 60 s shortened to 3): a SIGSTOPped worker is found hung, and
     only its replica restarts; its mate and the other replica wait for it, but are not stopped."""
@@ -148,6 +149,7 @@ def test_sigstopped_worker_restarts_only_its_replica(ftrun_home, tmp_path):
     _assert_shards_identical(out, 2, 2)
 
 
+@pytest.mark.extended
 def test_node_lost_with_a_replica_per_node(ftrun_home, tmp_path):
     """Two nodes over loopback, one replica of 2 workers per node: node 1's whole ftrun tree is
     SIGKILLed; node 0 carries on without it and finishes."""

@@ -161,6 +161,7 @@ def test_sigstop_is_detected_by_step_timeout(ftrun_home, tmp_path):
     assert_identical(out, 3)
 
 
+@pytest.mark.extended
 def test_powersgd_under_kills(ftrun_home, tmp_path):
     out = tmp_path / "p"
     run_id = "psgd"

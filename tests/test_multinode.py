@@ -135,6 +135,7 @@ def _free_slurm_job() -> str:
     pytest.skip("no free port for a fake Slurm job")
 
 
+@pytest.mark.extended
 def test_worker_kill_on_node1_restarts_every_node_under_slurm(ftrun_home, tmp_path):
     """Layout from SLURM_* only (as under `srun ftrun`); SIGKILL of rank 3 restarts all four ranks."""
     job = _free_slurm_job()

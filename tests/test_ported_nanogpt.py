@@ -122,6 +122,7 @@ def test_port_under_two_kills(ftrun_home, tmp_path, tokens):
     assert [e[0] for e in reports[1]["evals"]] == [0, 20, 40, 60, 80, 100], reports[1]["evals"]
 
 
+@pytest.mark.extended
 def test_port_resumes_from_checkpoint_after_a_whole_run_kill(ftrun_home, tmp_path, tokens):
     """--checkpoint-dir in place of the script's init_from='resume': the whole run (ftrun and every
     worker) is SIGKILLed after step 50, then started again with the same line: it resumes from

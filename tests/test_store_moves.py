@@ -112,6 +112,7 @@ def test_node_cut_off_never_forms_a_second_run(ftrun_home, tmp_path):
     print(f"the cut-off node stopped {stopped_s:.1f} s after its link went down")
 
 
+@pytest.mark.extended
 def test_store_host_lost_while_a_replica_heals(ftrun_home, tmp_path):
     """--ft on three static nodes. Node 2's replica is killed and heals from rank 0 on node 0, slowly
     (the source pauses after its first 4 MiB chunk); node 0 (the store and the keeper) is SIGKILLed
@@ -146,6 +147,7 @@ def test_store_host_lost_while_a_replica_heals(ftrun_home, tmp_path):
     assert stats["step"] == 250
 
 
+@pytest.mark.extended
 def test_a_restarted_replica_waiting_on_another_store_at_the_runs_address_follows_the_move(ftrun_home, tmp_path):
     """--ft on three static nodes. Rank 2 is killed, and its next incarnation finds another store
     at the run's address (FTRUN_FT_INJECT_STORE; in a loaded run a worker that connected as node 0
