@@ -9,6 +9,7 @@ runners (run_ftrun, start_ftrun, wait_for_line) are in conftest.py.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +24,15 @@ from conftest import run_ftrun
 
 T = TypeVar("T")
 Procs = Union[None, subprocess.Popen, Iterable[subprocess.Popen]]
+
+
+def needs(*modules: str) -> pytest.MarkDecorator:
+    """Skip unless the test-only dependencies `modules` are installed (scripts/test.sh installs
+    them), found without importing them: every pytest-xdist worker collects every test file, and
+    importing Lightning and transformers there cost each about 15 CPU-s before a test ran."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)}: a test-only dependency (scripts/test.sh "
+                                                    f"installs it, torch unchanged)")
 
 
 def assert_bad(proc: subprocess.CompletedProcess, *needles: str) -> None:

@@ -10,13 +10,9 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-
-
-from conftest import ROOT, start_ftrun  # noqa: E402
-from helpers import finish, read_reports  # noqa: E402
-from helpers import read_state  # noqa: E402
-from test_ft_data import _kill_at  # noqa: E402
+from conftest import ROOT, start_ftrun
+from helpers import finish, needs, read_reports, read_state
+from test_ft_data import _kill_at
 
 EXAMPLE = ROOT / "tests" / "accelerate_example.py"
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -47,6 +43,7 @@ def strengths(seen, accumulate, gamma=1.0):
     return found
 
 
+@needs("accelerate", "transformers")
 def test_accelerate_loop_heals_mid_epoch(ftrun_home, tmp_path):
     """Three replicas, 2 epochs of 8 steps of 2 accumulated batches (accelerator.accumulate), bf16
     autocast, an LR schedule with warmup, save_state() at each epoch's end and a custom state
@@ -55,8 +52,6 @@ def test_accelerate_loop_heals_mid_epoch(ftrun_home, tmp_path):
     once an epoch in committed steps (a redone step trained both its batches again, never one
     twice), and every replica's whole state (BERT and the counter, SGD's momentum, the schedule,
     Accelerate's step and save iteration, the custom state) ends bitwise the same."""
-    pytest.importorskip("accelerate", reason="accelerate is a test-only dependency (scripts/test.sh installs it)")
-    pytest.importorskip("transformers", reason="transformers is a test-only dependency (scripts/test.sh installs it)")
     import torch
 
     out = tmp_path / "o"
@@ -89,6 +84,7 @@ def test_accelerate_loop_heals_mid_epoch(ftrun_home, tmp_path):
 FABRIC = ROOT / "tests" / "fabric_example.py"
 
 
+@needs("lightning")
 def test_fabric_loop_heals_mid_epoch(ftrun_home, tmp_path):
     """Three replicas of Lightning's Fabric image-classifier example, 2 epochs of 8 steps of 2
     accumulated batches (fabric.no_backward_sync), bf16-mixed, StepLR stepped after every optimizer
@@ -97,7 +93,6 @@ def test_fabric_loop_heals_mid_epoch(ftrun_home, tmp_path):
     the run finishes, each restarted replica went on where the run was, every sample was trained
     once an epoch in committed steps, and the replicas' whole state (the network and the counter,
     SGD's momentum, the schedule) ends bitwise the same; the evaluation's loss is the same on each."""
-    pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
     import torch
 
     out = tmp_path / "f"
@@ -124,14 +119,12 @@ def test_fabric_loop_heals_mid_epoch(ftrun_home, tmp_path):
     assert Path(f"{out}.ckpt").is_file()
 
 
+@needs("accelerate", "transformers", "lightning")
 def test_unported_loops_say_why_and_restart_the_group(ftrun_home, tmp_path):
     """The scripts as the frameworks' examples have them (accelerate.Accelerator, Lightning's Fabric,
     `range` epochs), under --ft: each says in one line why its loop cannot heal and what the port
     is, gets no ftrun.ft advice (it would not fit), and trains to its end: a failure there restarts
     the group, as for any script that does not use ftrun.ft."""
-    pytest.importorskip("accelerate", reason="accelerate is a test-only dependency (scripts/test.sh installs it)")
-    pytest.importorskip("transformers", reason="transformers is a test-only dependency (scripts/test.sh installs it)")
-    pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
     runs = {name: start_ftrun(["--nproc", 2, "--ft", "--run-id", name, script, tmp_path / name, "--plain", "--epochs", 1,
                                "--size", 16], files=("stderr",))
             for name, script in (("acc", EXAMPLE), ("fab", FABRIC))}

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from conftest import ROOT, start_ftrun
-from helpers import finish, read_reports
+from helpers import finish, needs, read_reports
 from test_ft_data import _kill_at
 
 WORKER = ROOT / "tests" / "ft_stream_worker.py"
@@ -30,7 +30,7 @@ def _train_killing(home, tmp_path, run_id, args, plan, restarts):
     return rc, err, out
 
 
-@pytest.mark.parametrize("loader", ["iterable", "stateful", "datasets"])
+@pytest.mark.parametrize("loader", ["iterable", "stateful", pytest.param("datasets", marks=needs("datasets"))])
 def test_shards_heal_and_a_given_up_replicas_shard_is_read_on(ftrun_home, tmp_path, loader):
     """The shards given as a list (IterableDatasets, or loaders with state_dict() as torchdata's
     StatefulDataLoader), or a Hugging Face streaming dataset that ftrun splits (datasets is a
@@ -41,7 +41,6 @@ def test_shards_heal_and_a_given_up_replicas_shard_is_read_on(ftrun_home, tmp_pa
     weight ends at exactly -2 (each sample once a pass), the two replicas' states identical."""
     size = 360  # 30 steps a pass: the last kill leaves shard 1 samples to read on however late it lands
     if loader == "datasets":
-        pytest.importorskip("datasets", reason="datasets is a test-only dependency (scripts/test.sh installs it)")
         size = 960  # a restarted replica imports datasets: a longer run, to be killed again after it
     rc, err, out = _train_killing(ftrun_home, tmp_path, f"stream-{loader}",
                                   ["--loader", loader, "--shards", "list", "--size", size, "--batch", 4, "--step-sleep", 0.05],

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers", reason="transformers is a test-only dependency (scripts/test.sh installs it)")
-pytest.importorskip("accelerate", reason="accelerate is a test-only dependency (scripts/test.sh installs it)")
+from conftest import ROOT, start_ftrun
+from helpers import finish, needs, own_steps, read_reports
+from test_ft_data import _kill_at
 
-from conftest import ROOT, start_ftrun  # noqa: E402
-from helpers import finish, own_steps, read_reports  # noqa: E402
-from test_ft_data import _kill_at  # noqa: E402
+pytestmark = needs("transformers", "accelerate")
 
 WORKER = ROOT / "tests" / "hf_counter.py"
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing comes from a hub: models from configs, data synthetic

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from conftest import ROOT, SCRIPTS, run_ftrun
-from helpers import load_params, read_reports
+from helpers import load_params, needs, read_reports
 from ftrun.hookspec import parse_hook
 
 CHECK = SCRIPTS / "train_hooks_check.py"
@@ -146,13 +144,7 @@ def test_no_hook_means_no_patch(monkeypatch):
 LIGHTNING_SCRIPT = SCRIPTS / "train_lightning_check.py"
 
 
-def _lightning_available() -> bool:
-    code = "import lightning.pytorch"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=ROOT).returncode == 0
-
-
-@pytest.mark.skipif(not _lightning_available(), reason="lightning is not installed (test-only dependency: "
-                    "pip install lightning \"torch==<installed version>\")")
+@needs("lightning")
 def test_lightning_ddp_strategy_gets_the_hook(ftrun_home, tmp_path):
     out = tmp_path / "l"
     proc = run_ftrun(["--nproc", 2, "--hook", "fp16", LIGHTNING_SCRIPT, "--out", out], timeout=180,

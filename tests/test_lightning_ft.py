@@ -8,13 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
+from conftest import ROOT, start_ftrun
+from helpers import finish, needs, own_steps, read_reports
+from test_ft_data import _kill_at
 
-pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
-
-from conftest import ROOT, start_ftrun  # noqa: E402
-from helpers import finish, own_steps, read_reports  # noqa: E402
-from test_ft_data import _kill_at  # noqa: E402
+pytestmark = needs("lightning")
 
 WORKER = ROOT / "tests" / "lightning_counter.py"
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
+from conftest import ROOT, start_ftrun
+from helpers import finish, needs, read_reports
+from test_ft_data import _kill_at
 
-from conftest import ROOT, start_ftrun  # noqa: E402
-from helpers import finish, read_reports  # noqa: E402
-from test_ft_data import _kill_at  # noqa: E402
+pytestmark = needs("lightning")
 
 EXAMPLE = ROOT / "tests" / "lightning_transformer_example.py"
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from conftest import FTRUN, ROOT
+from helpers import needs
 
 # A worker that reports what torch read as it loaded (its thread count from OMP_NUM_THREADS) and
 # provokes one of c10d's C++ warnings (a client retrying a closed port), as a script's own store would.
@@ -69,14 +70,12 @@ def test_workers_load_torch_under_their_own_environment(tmp_path):
     assert "[W" in worker_err and "TCP client failed to connect" in worker_err, worker_err[-2000:]
 
 
+@needs("lightning")
 def test_an_ft_script_that_imports_lightning_finds_it_imported_at_its_start(tmp_path):
     """--ft and a script whose file imports Lightning: the zygote imported it before its first
     fork, so a restarted replica does not pay that import again (1.3-1.6 s back after a kill,
     against 2.0-2.7 s, measured on the counter model of tests/lightning_counter.py). Without --ft,
     or for a script that does not import it, nothing more is imported."""
-    import pytest
-
-    pytest.importorskip("lightning", reason="Lightning is a test-only dependency (scripts/test.sh installs it)")
     script = tmp_path / "uses_lightning.py"
     script.write_text("import sys\nprint('preloaded', 'lightning' in sys.modules, flush=True)\n"
                       "if False:\n    import lightning.pytorch\n")
@@ -95,12 +94,10 @@ def test_an_ft_script_that_imports_lightning_finds_it_imported_at_its_start(tmp_
     assert preloaded("--ft", plain) == "[rank 0] preloaded False"
 
 
+@needs("transformers")
 def test_an_ft_script_that_imports_transformers_finds_the_trainer_imported(tmp_path):
     """The same for the Trainer: `import transformers` alone loads little, so the zygote imports
     transformers.trainer, which a Trainer script's `from transformers import Trainer` loads."""
-    import pytest
-
-    pytest.importorskip("transformers", reason="transformers is a test-only dependency (scripts/test.sh installs it)")
     script = tmp_path / "uses_trainer.py"
     script.write_text("import sys\nprint('preloaded', 'transformers.trainer' in sys.modules, flush=True)\n"
                       "if False:\n    from transformers import Trainer\n")
