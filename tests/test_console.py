@@ -44,7 +44,6 @@ def test_a_failure_free_ft_run_prints_only_what_matters(ftrun_home, tmp_path, mo
             assert re.search(rf"ftrun\.ft: detail: rank {r}: received [\d.]+ MB of state from rank 0", log), log
 
 
-@pytest.mark.quick
 def test_verbose_brings_the_per_rank_lines_back(ftrun_home, tmp_path):
     proc = run_ftrun(["--nproc", 2, "--ft", TRAIN, "--steps", 120, "--print-every", 100],
                      env={"FTRUN_VERBOSE": "1"})

@@ -30,7 +30,6 @@ def _markdown_files():
     return [ROOT / "README.md"] + sorted(DOCS.rglob("*.md"))
 
 
-@pytest.mark.quick
 def test_site_builds_with_warnings_as_errors(tmp_path):
     """scripts/docs.sh builds the whole site (mkdocs --strict: a broken link, a missing page or a
     broken anchor fails), with every generated reference page and every benchmark plot."""
