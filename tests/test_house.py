@@ -396,6 +396,73 @@ def report_key_reads(trees: Dict[str, ast.AST], names: Set[str]) -> List[str]:
     return found
 
 
+# The member's state is the driver's (ftrun/worker/ft/member/driver.py): its parts (entry, heal,
+# stop, moves, as `self.d`) and the script's side (the Manager and ftrun.ft's classes, as `member`)
+# read it and call the driver's methods; a write from elsewhere is a second owner of a field.
+MEMBER_OWNER = "ftrun.worker.ft.member.driver"
+WORKER = "ftrun.worker"
+DRIVER_ATTRS = {"d", "member"}  # self.d, mgr.member
+DRIVER_NAMES = {"driver"}
+
+
+def _names_driver(node: ast.AST, names: Set[str]) -> bool:
+    """`node` (what an assignment writes into) is the driver or a part it holds: a chain through
+    `.d` or `.member` (`self.d`, `self.d.iteration`, `mgr.member.layout`), or a local name bound
+    to one (`d = self.d`)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute) and node.attr in DRIVER_ATTRS:
+            return True
+        node = node.value
+    return isinstance(node, ast.Name) and node.id in names
+
+
+def member_state_writes(trees: Dict[str, ast.AST]) -> List[str]:
+    """Each assignment into the member driver's state in a worker-side module other than the driver's."""
+    found = []
+    for module, tree in trees.items():
+        if module == MEMBER_OWNER or not (module == WORKER or module.startswith(WORKER + ".")):
+            continue
+        for scope in [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            body = [n for stmt in scope.body for n in ast.walk(stmt)]
+            names = set(DRIVER_NAMES) | {t.id for n in body if isinstance(n, ast.Assign) and _names_driver(n.value, set())
+                                         for t in n.targets if isinstance(t, ast.Name)}
+            for node in body:
+                targets = (node.targets if isinstance(node, ast.Assign) else
+                           [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+                for target in targets:
+                    for t in (target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]):
+                        if isinstance(t, (ast.Attribute, ast.Subscript)) and _names_driver(t.value, names):
+                            found.append(f"{module}:{node.lineno}: {ast.unparse(node)[:100]}")
+    return sorted(set(found), key=found.index)
+
+
+@pytest.mark.quick
+def test_only_the_driver_writes_the_members_state():
+    found = member_state_writes(TREES)
+    assert not found, ("the member driver's state written outside member/driver.py: call a method of the "
+                       "driver (or return what it should do) instead:\n" + "\n".join(found))
+
+
+def test_the_member_state_rule_finds_writes_and_nothing_else():
+    flagged = {
+        "ftrun.worker.ft.member.heal": "self.d.in_sync = True",
+        "ftrun.worker.ft.member.stop": "d = self.d\nd.step += 1",
+        "ftrun.worker.ft.member.entry": "self.d.iteration.done, x = 2, 3",
+        "ftrun.worker.ft.api.data": "self.mgr.member.layout.round = False",
+        "ftrun.worker.ft.manager": "self.member.looping = True",
+    }
+    found = member_state_writes({m: ast.parse(src) for m, src in flagged.items()})
+    assert [f.split(":")[0] for f in found] == list(flagged), found
+    passed = {
+        "ftrun.worker.ft.member.driver": "self.step += 1; self.iteration.done = 0",  # the owner
+        "ftrun.worker.ft.member.heal": "self.d = driver; self.count = 0; n = self.d.step",
+        "ftrun.worker.ft.heal.feed": "def f(v):\n    d = {}\n    d['k'] = v",  # a dict of its own
+        "ftrun.worker.ft.manager": "self.member = MemberDriver(); self.member.set_looping(True)",
+        "ftrun.sim.worker": "self.driver.step = 3",  # the simulator, not a part of the worker
+    }
+    assert member_state_writes({m: ast.parse(src) for m, src in passed.items()}) == []
+
+
 # The tests' shared helpers, each defined once in tests/helpers.py or tests/conftest.py: a test
 # file's own copy drifts from it, and a weaker copy (a wait with no bound, a comparison of the
 # parameters alone) lets a test pass with its feature missing. Name: what to use instead.
