@@ -15,8 +15,8 @@ import re
 from typing import TYPE_CHECKING, Mapping, Optional, Tuple
 
 from ftrun.errors import CLI, ConfigError, blame, from_source
+from ftrun.pacing import check_s_from_env, check_steps_from_env, round_steps_from_env
 from ftrun.preflight import preflight
-from ftrun.protocol import check_s_from_env, check_steps_from_env, round_steps_from_env
 
 if TYPE_CHECKING:
     from ftrun.run_config import RunConfig

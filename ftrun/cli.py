@@ -17,8 +17,8 @@ import typer
 
 from ftrun import __version__
 from ftrun.errors import ConfigError
+from ftrun.exits import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_USAGE
 from ftrun.options import HOOK_OPTIONS, NEGATED, OPTIONS, OptionError
-from ftrun.protocol import EXIT_FAILED, EXIT_OK, EXIT_SIGINT, EXIT_USAGE
 
 COMMANDS = ("run", "status", "recipes", "validate", "report")
 RECIPE_HELP = "YAML recipe (file or bundled name); flags on the command line win."

@@ -9,7 +9,7 @@ and never let it carry a traceback to the user.
 
 from typing import Optional
 
-from ftrun.protocol import EXIT_USAGE
+from ftrun.exits import EXIT_USAGE
 
 
 class ConfigError(Exception):

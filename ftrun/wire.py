@@ -1,10 +1,11 @@
 """Typed codecs for the payloads ftrun's processes exchange through the store.
 
-ftrun.protocol names every key; this module says what the values of the
-reports look like, once, as small dataclasses with encode() and decode(), so
-the writer (a worker) and the readers (supervisors) can never disagree on a
-field's position. Kept apart from protocol.py so each stays one idea (keys
-and statuses there, payload formats here).
+ftrun.keys names every key; this module says what the values of the reports
+and of a quorum look like, once, as small dataclasses with encode() and
+decode() (a Quorum: to_json() and from_json()), so the writer and the readers
+can never disagree on a field's position. Kept apart from keys.py so each
+stays one idea (key names there, payload formats here); a round's votes and
+decision are ftrun.votes'.
 Must never import torch nor anything else of ftrun's: both the worker and
 the torch-free supervisor path import it.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 Raw = Union[bytes, str, None]
 
@@ -46,7 +47,7 @@ def _text(raw: Raw) -> str:
 
 @dataclass(frozen=True)
 class ProgressReport:
-    """A worker's progress report (protocol.progress_key), rewritten every HEARTBEAT_S by
+    """A worker's progress report (keys.progress_key), rewritten every HEARTBEAT_S by
     ftrun.worker.progress and read by the supervisor (health, hangs, goodput).
 
     On the wire: space-separated fields, in this order. Readers must accept a report
@@ -110,7 +111,7 @@ def _obj(raw: Raw) -> Any:
 
 @dataclass(frozen=True)
 class MemberReport:
-    """Under --ft, a member's report (protocol.info_key), rewritten every HEARTBEAT_S by
+    """Under --ft, a member's report (keys.info_key), rewritten every HEARTBEAT_S by
     ftrun.worker.progress from the member's own state (member/driver.py info) and read by the
     keeper (ftrun.supervisor.ft.quorum_status) for its decisions and `ftrun status`.
 
@@ -182,7 +183,7 @@ def version_refused(rank: int, version: int) -> str:
 
 @dataclass(frozen=True)
 class SurvivorReport:
-    """What a member holds as it rejoins after the run's store moved (protocol.survivor_key),
+    """What a member holds as it rejoins after the run's store moved (keys.survivor_key),
     written once by member/driver.py moved_store and read by the keeper on the new store
     (keeper/core.py survivors_source, survivors_latest). A JSON object of these fields."""
 
@@ -214,7 +215,7 @@ _SURVIVOR_FIELDS = tuple(f.name for f in fields(SurvivorReport))
 
 @dataclass(frozen=True)
 class WorkerError:
-    """A worker's uncaught exception, in TORCHELASTIC_ERROR_FILE (protocol: LOG_DIR/rank<N>/error.json).
+    """A worker's uncaught exception, in TORCHELASTIC_ERROR_FILE (LOG_DIR/rank<N>/error.json).
 
     The format is torch elastic's (what its @record writes): {"message": {"message":
     "<Type>: <text>", "extraInfo": {"py_callstack": "<traceback>", "timestamp": "<s>"}}}, so a
@@ -264,7 +265,7 @@ class WorkerError:
         return f"{self.message} | {self.where}"
 
 
-# The `where` of the error a --ft worker records as it restarts (protocol.EXIT_REPLICA_RESTART)
+# The `where` of the error a --ft worker records as it restarts (exits.EXIT_REPLICA_RESTART)
 # because the others' decision of a round contradicts what it did: another replica's failure
 # caused it, and no budget pays for it (ftrun.supervisor.policy.peer_restarts).
 PEERS_DECIDED = "ftrun.ft: a round its peers decided otherwise"
@@ -272,7 +273,7 @@ PEERS_DECIDED = "ftrun.ft: a round its peers decided otherwise"
 
 @dataclass(frozen=True)
 class FirstFailure:
-    """The first failure of a group attempt, as the nodes agree on it (protocol.NodeKeys.fail,
+    """The first failure of a group attempt, as the nodes agree on it (keys.NodeKeys.fail,
     compare-and-set: the first writer wins): every node decides from the same one."""
 
     node: int
@@ -298,3 +299,73 @@ class FirstFailure:
 
 
 UNKNOWN_FAILURE = FirstFailure(node=-1, rank=-1)
+
+
+# A line ftrun.ft writes into a worker's stderr for the rank's log file only: the console
+# filter (ftrun/supervisor/workers/logs.py) keeps it off the console unless --verbose.
+DETAIL_PREFIX = "ftrun.ft: detail: "
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """Who takes part from a round on: (rank, incarnation) pairs, which of them must heal, and
+    from whom. Written by the keeper's core (supervisor/ft/keeper/core.py) alone; a member reads
+    it and never recomputes what it says."""
+
+    id: int
+    members: Tuple[Tuple[int, int], ...]
+    healers: Tuple[int, ...] = ()
+    # No member holds committed state (the first quorum, or every holder died):
+    # the lowest rank's state is sent to the others.
+    fresh: bool = False
+    # Every member is new (no member of the previous quorum is alive): they start at
+    # this round. Otherwise (-1) the continuing members switch by their votes; the
+    # first to enter writes its round into start_key, where every other member and
+    # every joiner begins.
+    start_round: int = -1
+    # Steps per round (one vote each round), the same for every member: a member that ended its
+    # round after a different count would wait for a decision while its peers wait for its
+    # collective. Sharded replicas and layout rounds take one step a round whatever this says.
+    round_steps: int = 1
+    # A stop signal with --checkpoint-dir: at the switch to this quorum every member stops (no
+    # group, no step), the workers of replica `writer` save the step they hold (-1: no replica
+    # holds the trained state, nothing is saved), and all wait to be stopped.
+    stop: bool = False
+    writer: int = -1
+    # Steps between the guard's periodic checks (a round begins at each multiple), the same for
+    # every member; 0: none (after a heal the members check once all the same).
+    check_steps: int = 0
+    # The heal's source, one rank per shard (worker i of one replica for shard i, so that every
+    # shard comes from the same step): the keeper's choice, the lowest replica holding the state.
+    # A heal's transfer and a spare's feed both start there. Empty: nobody heals (a stop quorum).
+    sources: Tuple[int, ...] = ()
+
+    @property
+    def ranks(self) -> List[int]:
+        return sorted(r for r, _ in self.members)
+
+    def source(self, shard: int = 0) -> Optional[int]:
+        """The rank that sends shard `shard` (rank % --replica-size) of the committed state, or None."""
+        return self.sources[shard] if shard < len(self.sources) else None
+
+    def incarnation(self, rank: int) -> int:
+        return dict(self.members)[rank]
+
+    def to_json(self) -> str:
+        d = {"id": self.id, "members": [list(m) for m in self.members], "healers": list(self.healers),
+             "fresh": self.fresh, "start_round": self.start_round, "round_steps": self.round_steps}
+        if self.stop:
+            d.update(stop=True, writer=self.writer)
+        if self.check_steps:
+            d["check_steps"] = self.check_steps
+        if self.sources:
+            d["sources"] = list(self.sources)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text) -> "Quorum":
+        d = json.loads(text)
+        return cls(d["id"], tuple(sorted((int(r), int(k)) for r, k in d["members"])), tuple(d.get("healers", ())),
+                   bool(d.get("fresh", False)), int(d.get("start_round", -1)), int(d.get("round_steps", 1)),
+                   bool(d.get("stop", False)), int(d.get("writer", -1)), int(d.get("check_steps", 0)),
+                   tuple(int(r) for r in d.get("sources", ())))

@@ -178,7 +178,7 @@ def metrics_main(runs: int) -> None:
 
 
 def guard_main(runs: int) -> None:
-    from ftrun import protocol as keys
+    from ftrun import pacing
 
     got: dict = {v: [] for v in GUARD_VARIANTS}
     checks: list = []
@@ -203,9 +203,9 @@ def guard_main(runs: int) -> None:
     steps = int(GUARD_MODEL[GUARD_MODEL.index("--steps") + 1])
     per_check_loop = (statistics.median(got["every 20 steps"]) - off) * steps / max(1, len(checks) / (3 * runs))
     print(f"\none check: {per_check:.0f} ms in the check itself (median of {len(checks)}, every rank's), "
-          f"{per_check_loop:.0f} ms of the loop's time; at the default period ({keys.CHECK_S:g} s) that is "
-          f"{100 * per_check_loop / (keys.CHECK_S * 1000):.3f}% of the run. {runs} runs each, 3 workers, gloo on CPU; "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"{per_check_loop:.0f} ms of the loop's time; at the default period ({pacing.CHECK_S:g} s) that is "
+          f"{100 * per_check_loop / (pacing.CHECK_S * 1000):.3f}% of the run. {runs} runs each, 3 workers, "
+          f"gloo on CPU; load average {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:

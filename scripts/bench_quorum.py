@@ -49,10 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch.distributed as dist  # noqa: E402
 
-from ftrun import protocol as keys  # noqa: E402
+from ftrun import keys, votes  # noqa: E402
 from ftrun.worker.ft.member import vote  # noqa: E402
-from ftrun.protocol import Quorum  # noqa: E402
-from ftrun.wire import MemberReport  # noqa: E402
+from ftrun.wire import MemberReport, Quorum  # noqa: E402
 import scratch  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=120)
@@ -137,7 +136,7 @@ def replicas(port: int, ranks: list, size: int, rounds: int, out: "mp.Queue", go
 
         def vote_once(rnd: int) -> bool:
             if weight:  # a node's forwarder: its node's whole count in one add
-                return vote.forward(s, _Here(), rank, 1, rnd, size, weight * keys.OK_VOTE, 1)[0].startswith("commit")
+                return vote.forward(s, _Here(), rank, 1, rnd, size, weight * votes.OK_VOTE, 1)[0].startswith("commit")
             return vote.cast(s, 1, rnd, size, True, 1)[0]
 
         def report(rnd: int) -> None:

@@ -3,7 +3,7 @@
 Each function returns one page's Markdown, read from the one place the code
 declares it: the options schema (ftrun.options), the hook catalogue
 (ftrun.hookspec), the registry of environment variables (ftrun.envvars), the
-exit statuses (ftrun.protocol), the state file's fields (ftrun.status), the
+exit statuses (ftrun.exits), the state file's fields (ftrun.status), the
 command line's own --help and the docstrings of ftrun/ft.py (read with ast:
 ftrun.ft imports torch). The pages are committed under docs/reference/, so that
 they read in a clone; `python scripts/docs_reference.py --write` rewrites them
@@ -234,14 +234,14 @@ def environment_page() -> str:
 
 
 def exit_codes_page() -> str:
-    from ftrun.protocol import EXIT_STATUSES
+    from ftrun.exits import EXIT_STATUSES
 
     own = [[f"**{e.code}**", _code(e.name) if e.name != "-" else "", e.meaning] for e in EXIT_STATUSES
            if e.who == "ftrun"]
     worker = [[f"**{e.code}**", _code(e.name), e.meaning] for e in EXIT_STATUSES if e.who == "worker"]
     return "\n".join([
         "# Exit statuses\n", GENERATED,
-        "From the named constants in `ftrun/protocol.py`.\n",
+        "From the named constants in `ftrun/exits.py`.\n",
         "## What `ftrun` exits with\n",
         _table(["status", "constant", "meaning"], own),
         "\nA scheduler that retries on a status: retry on 200 (and, if you like, on 128 + N for a signal a "

@@ -33,7 +33,7 @@ from pathlib import Path
 import scratch
 
 ROOT = Path(__file__).resolve().parent.parent
-DUMP_STACKS = signal.SIGRTMIN + 7  # ftrun.protocol.DUMP_STACKS_SIGNAL
+DUMP_STACKS = signal.SIGRTMIN + 7  # ftrun.exits.DUMP_STACKS_SIGNAL
 
 
 class Stalled(Exception):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import SCRIPTS, run_ftrun, start_ftrun
-from ftrun import protocol as keys
+from ftrun import keys
 from ftrun.supervisor.ft.keeper.core import Pace
 from ftrun.supervisor.ft.quorum import KeeperSettings, QuorumKeeper
 from ftrun.wire import MemberReport

@@ -110,8 +110,8 @@ def test_every_option_run_help_lists_is_in_the_options_reference():
 
 def test_the_reference_pages_render_every_registry():
     from ftrun.envvars import VARIABLES
+    from ftrun.exits import EXIT_STATUSES
     from ftrun.options import OPTIONS_LIST
-    from ftrun.protocol import EXIT_STATUSES
     from ftrun.status.state import REPLICA_FIELDS, RUN_FIELDS
 
     env = docs_reference.environment_page()
@@ -174,13 +174,13 @@ def test_every_state_file_field_is_documented():
 
 @pytest.mark.quick
 def test_exit_statuses_are_named_and_used_by_name():
-    """Every documented status is a constant of ftrun.protocol, and no exit in ftrun/ gives a bare number."""
-    from ftrun import protocol
+    """Every documented status is a constant of ftrun.exits, and no exit in ftrun/ gives a bare number."""
+    from ftrun import exits
 
-    for e in protocol.EXIT_STATUSES:
+    for e in exits.EXIT_STATUSES:
         if e.name != "-":
-            assert getattr(protocol, e.name) == int(e.code.split()[0]), e
-    assert (protocol.EXIT_SIGINT, protocol.EXIT_SIGTERM, protocol.EXIT_REQUEUE) == (130, 143, 200)
+            assert getattr(exits, e.name) == int(e.code.split()[0]), e
+    assert (exits.EXIT_SIGINT, exits.EXIT_SIGTERM, exits.EXIT_REQUEUE) == (130, 143, 200)
     bare = []
     for path in (ROOT / "ftrun").rglob("*.py"):
         for n, line in enumerate(path.read_text().splitlines(), 1):

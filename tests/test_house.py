@@ -43,9 +43,9 @@ PENDING_CIRCLES: Set[str] = set()
 # (torch is imported only inside the functions that need it, off the command line's path).
 LAYERS: List[Tuple[str, Tuple[str, ...], Set[str]]] = [
     # layer       modules                                                          may import
-    # both sides' vocabulary: the store's keys and exit codes, files' formats, errors
-    ("shared",     ("ftrun", "ftrun.protocol", "ftrun.wire", "ftrun.poll", "ftrun.errors",
-                    "ftrun.hookspec", "ftrun.envvars", "ftrun.prctl"),               {"shared"}),
+    # both sides' vocabulary: the store's keys, votes, pacing and exit codes, files' formats, errors
+    ("shared",     ("ftrun", "ftrun.keys", "ftrun.votes", "ftrun.pacing", "ftrun.exits", "ftrun.wire",
+                    "ftrun.poll", "ftrun.errors", "ftrun.hookspec", "ftrun.envvars", "ftrun.prctl"), {"shared"}),
     # in the training processes: the ft API, the bootstrap, the member
     ("worker",     ("ftrun.worker.*", "ftrun.ft", "ftrun.lightning", "ftrun.hf", "ftrun.accelerate",
                     "ftrun.fabric"),                                                 {"shared", "worker"}),

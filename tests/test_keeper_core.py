@@ -12,17 +12,16 @@ import dataclasses
 
 import pytest
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import keys, votes
 from ftrun.supervisor.ft.keeper import core, dead
 from ftrun.supervisor.ft.keeper.core import KeeperSnapshot
 from ftrun.supervisor.ft.keeper.dead import KeeperRules
-from ftrun.wire import MemberReport, SurvivorReport
+from ftrun.wire import MemberReport, Quorum, SurvivorReport
 
 pytestmark = pytest.mark.quick
 
 RULES = KeeperRules()
-A, F, O = keys.ABSTAIN_VOTE, keys.FAIL_VOTE, keys.OK_VOTE
+A, F, O = votes.ABSTAIN_VOTE, votes.FAIL_VOTE, votes.OK_VOTE
 
 
 def snap(**kw) -> KeeperSnapshot:
@@ -570,7 +569,7 @@ FORWARDS = [
 def test_node_forward(total, size, forwarded, since, now, mine, action, sent):
     d = dead.node_forward(total, size, forwarded, since, now, mine)
     assert (d.action, d.total) == (action, sent)
-    assert dead.node_counted(total, size) == (keys.tally(total).votes >= size)
+    assert dead.node_counted(total, size) == (votes.tally(total).votes >= size)
 
 
 # ------------------------------------------------------------------ collection
@@ -694,7 +693,7 @@ def test_the_core_has_no_io():
     # functools: a memo of a pure function (dead.py's parse of key names), no IO.
     # ftrun.wire: the members' report codecs (pure, torch-free, no IO).
     allowed = {"__future__", "collections", "dataclasses", "functools", "types", "typing", "ftrun",
-               "ftrun.protocol", "ftrun.wire",
+               "ftrun.keys", "ftrun.votes", "ftrun.pacing", "ftrun.wire",
                "ftrun.supervisor.ft.keeper", "ftrun.supervisor.ft.keeper.core", "ftrun.supervisor.ft.keeper.dead"}
     folder = Path(core.__file__).parent
     for path in sorted(folder.glob("*.py")):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.protocol import Quorum
+from ftrun.wire import Quorum
 from ftrun.worker.ft.member.core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Computing, Decided,
                                          Entered, Entering, Finish, FinishedRead, InSync, Join, Joined, MemberCore,
                                          ReadFinished, Received, Rejoin, Restart, RoundTop, Skipped, StoreLost, Switch,

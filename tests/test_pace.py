@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from ftrun import protocol as keys
+from ftrun import pacing
 
 SLOW = r'''
 import json, os, signal, sys, time
@@ -64,5 +64,5 @@ def test_a_replica_killed_in_the_first_round_of_slow_steps_trains_again_within_a
     meanwhile = [step for step, t in survivor["handed"] if asked < t < back]
     assert len(meanwhile) <= 3, (
         f"the restarted replica asked to join and waited {back - asked:.2f} s ({len(meanwhile)} of the survivor's "
-        f"steps of {step_s} s: {meanwhile}; a round is up to {keys.ROUND_STEPS}) to be handed a step\n"
+        f"steps of {step_s} s: {meanwhile}; a round is up to {pacing.ROUND_STEPS}) to be handed a step\n"
         f"{proc.stderr[-3000:]}")

@@ -1,11 +1,11 @@
-"""The protocol's numbered keys parse back to what built them (ftrun.protocol.parse_key): the
+"""The protocol's numbered keys parse back to what built them (ftrun.keys.parse_key): the
 keeper's collection and the node relays find their keys by this one parser."""
 
 from __future__ import annotations
 
 import pytest
 
-from ftrun import protocol as keys
+from ftrun import keys, votes
 
 
 @pytest.mark.quick
@@ -36,12 +36,12 @@ def test_exactly_one_add_closes_a_count_even_one_that_goes_past_its_size():
     """A count of 4 votes gets the keeper's fail vote for a stopped member, then a node's forward
     of 2, then that member's own vote forwarded with another's: it goes 1, 3, 5 and never sits
     at 4. The add that crossed 4 closes it; no other add does."""
-    adds = [keys.FAIL_VOTE, 2 * keys.OK_VOTE, keys.OK_VOTE + keys.FAIL_VOTE, keys.OK_VOTE]
+    adds = [votes.FAIL_VOTE, 2 * votes.OK_VOTE, votes.OK_VOTE + votes.FAIL_VOTE, votes.OK_VOTE]
     total, closers = 0, []
     for added in adds:
         total += added
-        closers.append(keys.closes(total, added, 4))
+        closers.append(votes.closes(total, added, 4))
     assert closers == [False, False, True, False]
-    assert keys.tally(total).votes == 6 and not keys.tally(total).commit
+    assert votes.tally(total).votes == 6 and not votes.tally(total).commit
     # A count that lands on its size closes there, as before.
-    assert keys.closes(4 * keys.OK_VOTE, keys.OK_VOTE, 4) and not keys.closes(3 * keys.OK_VOTE, keys.OK_VOTE, 4)
+    assert votes.closes(4 * votes.OK_VOTE, votes.OK_VOTE, 4) and not votes.closes(3 * votes.OK_VOTE, votes.OK_VOTE, 4)

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from ftrun import protocol as keys
+from ftrun import keys, pacing, votes
 from ftrun.supervisor.ft.keeper import core, dead
 from ftrun.supervisor.ft.quorum import QuorumKeeper
 from ftrun.supervisor.relay import NodeRelay, Routes
@@ -157,7 +157,7 @@ def _quorum(q: QuorumKeeper, quorum: int) -> dict:
     return json.loads(q._s.get(keys.quorum_key(quorum)))
 
 
-@pytest.mark.parametrize("step_s,expected", [(0.3, 1), (0.05, 4), (0.007, keys.ROUND_STEPS), (None, 1)])
+@pytest.mark.parametrize("step_s,expected", [(0.3, 1), (0.05, 4), (0.007, pacing.ROUND_STEPS), (None, 1)])
 def test_rounds_follow_the_runs_pace(keeper, step_s, expected):
     """Quorums published once the keeper has seen the global step rise have rounds of about
     ROUND_TARGET_S: a slow model's restarted replica must not wait 8 of its steps to join. Before,
@@ -197,7 +197,7 @@ def test_pace_forgets_a_run_that_started_again_from_step_0():
 
 
 def test_a_chosen_round_length_is_kept(monkeypatch):
-    monkeypatch.setenv(keys.ROUND_STEPS_ENV, "5")
+    monkeypatch.setenv(pacing.ROUND_STEPS_ENV, "5")
     q = QuorumKeeper(_RunStore(), [0, 1])
     q.on_store_ready()
     for r in range(2):
@@ -218,7 +218,7 @@ def test_joiner_scanning_quorums_never_waits_on_a_deleted_one():
     its peers then start (a deadlock seen in 1 chaos run in 28)."""
     import time
 
-    from ftrun.protocol import Quorum
+    from ftrun.wire import Quorum
     from ftrun.worker.ft.member.membership import started_quorum_with_me
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30))
@@ -278,8 +278,8 @@ def test_a_dead_members_abstention_leaves_the_decision_to_the_survivors(keeper, 
         _join(keeper, r, 0)
     keeper.poll(0.0)
     keeper._s.set(keys.TOP, "4")              # rounds up to 4 decided: 5 and 6 are in flight
-    keeper._s.add(keys.count_key(1, 5), keys.OK_VOTE)
-    keeper._s.add(keys.count_key(1, 5), keys.OK_VOTE if second == "ok" else keys.FAIL_VOTE)
+    keeper._s.add(keys.count_key(1, 5), votes.OK_VOTE)
+    keeper._s.add(keys.count_key(1, 5), votes.OK_VOTE if second == "ok" else votes.FAIL_VOTE)
     _in_round(keeper, [1, 2])
     keeper.on_exit(0, 0)                      # rank 0 never voted in round 5
     assert keeper._s.get(keys.decision_key(1, 5)).decode() == ("commit 2" if second == "ok" else "fail 2")
@@ -314,7 +314,7 @@ def test_a_round_whose_closer_died_is_decided_by_its_votes(keeper):
     keeper.poll(0.0)
     keeper._s.set(keys.TOP, "4")
     for _ in range(3):
-        keeper._s.add(keys.count_key(1, 5), keys.OK_VOTE)
+        keeper._s.add(keys.count_key(1, 5), votes.OK_VOTE)
     _in_round(keeper, [0, 1])
     keeper.on_exit(2, 0)  # the closer: its abstention over-counts; the keeper sees the round closed, undecided
     assert keeper._s.get(keys.decision_key(1, 5)).decode() == "commit 2"
@@ -342,7 +342,7 @@ def test_a_failed_round_keeps_the_steps_every_member_took(keeper):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 10
-    while keys.tally(keeper._s.add(keys.count_key(1, 5), 0)).votes < 2 and time.monotonic() < deadline:
+    while votes.tally(keeper._s.add(keys.count_key(1, 5), 0)).votes < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     keeper.on_exit(0, 0)  # its abstention closes the round: the keeper decides it
     for t in threads:
@@ -353,16 +353,16 @@ def test_a_failed_round_keeps_the_steps_every_member_took(keeper):
     keeper._s.set(keys.kept_key(1, 9), "7")
     vote.lower_kept(keeper._s, 1, 9, 9)
     vote.lower_kept(keeper._s, 1, 9, 4)
-    keeper._s.add(keys.count_key(1, 9), 2 * keys.OK_VOTE)
+    keeper._s.add(keys.count_key(1, 9), 2 * votes.OK_VOTE)
     assert vote.cast(keeper._s, 1, 9, 3, False, 3, taken=5) == (False, 3, True, 4)
-    assert keys.parse_decision("fail 3") == (False, 3, 0) and keys.parse_decision("commit 3") == (True, 3, None)
+    assert votes.parse_decision("fail 3") == (False, 3, 0) and votes.parse_decision("commit 3") == (True, 3, None)
 
 
 def test_tally_reads_each_kind_of_vote():
-    total = 3 * keys.OK_VOTE + 2 * keys.ABSTAIN_VOTE + keys.FAIL_VOTE
-    assert keys.tally(total) == (6, 1, 3) and not keys.tally(total).commit
-    assert keys.tally(2 * keys.ABSTAIN_VOTE + keys.OK_VOTE).commit
-    assert not keys.tally(3 * keys.ABSTAIN_VOTE).commit  # nobody voted ok: nothing to commit
+    total = 3 * votes.OK_VOTE + 2 * votes.ABSTAIN_VOTE + votes.FAIL_VOTE
+    assert votes.tally(total) == (6, 1, 3) and not votes.tally(total).commit
+    assert votes.tally(2 * votes.ABSTAIN_VOTE + votes.OK_VOTE).commit
+    assert not votes.tally(3 * votes.ABSTAIN_VOTE).commit  # nobody voted ok: nothing to commit
 
 
 # ------------------------------------------------------------------ votes through node relays
@@ -436,7 +436,7 @@ def test_votes_through_node_relays_reach_the_run_store_once_per_node(relayed):
     # Two members forwarded their node's count (one add, one decision read or write each); the
     # others only talked to their node's store.
     assert sorted(run.calls for run, _ in members) == [0, 0, 2, 3]
-    assert keys.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 4)
+    assert votes.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 4)
 
 
 def test_a_dead_members_vote_goes_through_its_node_and_the_relay_delivers_the_decision(relayed):
@@ -455,7 +455,7 @@ def test_a_dead_members_vote_goes_through_its_node_and_the_relay_delivers_the_de
         relay.poll(time.monotonic())
         time.sleep(0.05)
     assert [out["d"][0] for _, out in [waiting] + others] == [True] * 3
-    assert keys.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 3)
+    assert votes.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 3)
 
 
 def test_a_node_count_whose_forwarder_died_is_forwarded_by_the_keeper(relayed):
@@ -466,9 +466,9 @@ def test_a_node_count_whose_forwarder_died_is_forwarded_by_the_keeper(relayed):
     waiting = _cast_in_thread(run0, node0)
     local = nodes[1].client()
     deadline = time.monotonic() + 10
-    while keys.tally(local.add(keys.node_count_key(1, 1, 5), 0)).votes < 1 and time.monotonic() < deadline:
+    while votes.tally(local.add(keys.node_count_key(1, 1, 5), 0)).votes < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    local.add(keys.node_count_key(1, 1, 5), keys.OK_VOTE)  # rank 1's vote: the node's last; then it dies
+    local.add(keys.node_count_key(1, 1, 5), votes.OK_VOTE)  # rank 1's vote: the node's last; then it dies
     for r in (2, 3):
         run, node = _member(q, nodes, r)
         threading.Thread(target=vote.cast, args=(run, 1, 5, 4, True, 1, node, 2), daemon=True).start()
@@ -480,7 +480,7 @@ def test_a_node_count_whose_forwarder_died_is_forwarded_by_the_keeper(relayed):
         relay.poll(time.monotonic())
         time.sleep(0.05)
     assert waiting[1]["d"][0] is True
-    assert keys.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 4)  # the keeper's own vote left out
+    assert votes.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 4)  # the keeper's own vote left out
 
 
 def test_a_lost_nodes_members_are_voted_for_in_the_run_store(relayed):
@@ -498,7 +498,7 @@ def test_a_lost_nodes_members_are_voted_for_in_the_run_store(relayed):
     for t, _ in threads:
         t.join(10)
     assert [out["d"][0] for _, out in threads] == [True] * 2
-    assert keys.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 2)
+    assert votes.tally(q._s.add(keys.count_key(1, 5), 0)) == (4, 0, 2)
 
 
 def test_members_waiting_on_their_node_follow_a_moved_store(relayed):

@@ -683,7 +683,7 @@ def _watch_after(seconds: float, quorums: List[int], latest: int) -> int:
     simulated store holding `quorums` and LATEST = `latest`, the thread started with nothing seen."""
     import random
 
-    from ftrun import protocol as keys
+    from ftrun import keys
     from ftrun.sim.sched import Sched
     from ftrun.sim.store import SimStore
     from ftrun.worker.ft.member.watch import QuorumWatch

@@ -158,7 +158,7 @@ def test_a_restarted_replica_waiting_on_another_store_at_the_runs_address_follow
     loaded run until that node exited, and then it exited 0 with nothing trained)."""
     from torch.distributed import TCPStore
 
-    from ftrun import protocol as keys
+    from ftrun import keys
 
     out, other = tmp_path / "p", TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     procs = _three_nodes(free_port(), "imp", out, 250, env={"FTRUN_FT_INJECT_STORE": f"2:1=127.0.0.1:{other.port}"},

@@ -14,12 +14,12 @@ import dataclasses
 import functools
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import keys, votes
 from ftrun.supervisor.ft.keeper.core import KeeperSnapshot
 from ftrun.supervisor.ft.keeper.dead import QUORUM_COLLECTED, KeeperRules
 from ftrun.supervisor.policy.failure_policy import FailurePolicy, ReplicaFailed, RestartAction, RestartVerdict
 from ftrun.supervisor.ft.quorum import QuorumKeeper
+from ftrun.wire import Quorum
 from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member import core as member_core
 from ftrun.worker.ft.member.driver import MemberDriver
@@ -262,7 +262,7 @@ def _closes_at_size(total: int, added: int, size: int) -> bool:  # noqa: ARG001
     keeper had voted fail for a member it found in no quorum (SIGSTOPped), the member resumed and
     voted too; a node's forward then took the run's count from below its size to past it, and
     the round waited for ever."""
-    return keys.tally(total).votes == size
+    return votes.tally(total).votes == size
 
 
 class _OvercountDriver(MemberDriver):

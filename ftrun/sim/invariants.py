@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import keys, votes
 from ftrun.sim.checkpoint import Marker
 from ftrun.supervisor.ft.quorum import QuorumKeeper
+from ftrun.wire import Quorum
 
 if TYPE_CHECKING:
     from ftrun.sim.worker import SimWorker
@@ -125,7 +125,7 @@ class Invariants:
             raw = self.decided.get(keys.decision_key(e, rnd))
             if raw is None and self.w.supervisor.host_lost_at is not None and e <= self.moved_after:
                 continue  # its decision went with the lost store: the moved store's first source adopted it
-            commit, _, kept = keys.parse_decision(raw.decode()) if raw is not None else (False, 0, 0)
+            commit, _, kept = votes.parse_decision(raw.decode()) if raw is not None else (False, 0, 0)
             if not commit and taken > (kept or 0):
                 self.violation(f"rank {m.rank} resumes checkpoint step {step}, written after round {rnd} of quorum "
                                f"{e}, which was {'voted down' if raw is not None else 'never decided'}")
@@ -161,7 +161,7 @@ class Invariants:
             decided = self.decided.get(keys.decision_key(e, rnd))
             if decided is None or (e, rnd) == open_round:
                 continue
-            commit, _, kept = keys.parse_decision(decided.decode())
+            commit, _, kept = votes.parse_decision(decided.decode())
             if not commit and taken > (kept or 0):  # a round voted down keeps only its first `kept` steps
                 self.violation(f"rank {m.rank} (incarnation {m.inc}) goes on from round {rnd} of quorum {e}, "
                                f"which was voted down (it keeps {kept or 0} of its steps, this member took {taken})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-from ftrun import protocol as keys
+from ftrun import pacing
 from ftrun.supervisor.ft.quorum import KeeperSettings
 
 UNLIMITED = 10 ** 9  # a schedule with no restart budget of its own (--max-restarts not given)
@@ -65,6 +65,6 @@ class Schedule:
     sub_steps: int = 0
 
     def keeper_settings(self) -> KeeperSettings:
-        return KeeperSettings(self.round_steps, True, None, keys.CHECK_S if self.check_every else 0.0,
+        return KeeperSettings(self.round_steps, True, None, pacing.CHECK_S if self.check_every else 0.0,
                               self.check_every or None)
 

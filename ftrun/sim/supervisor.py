@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import keys
 from ftrun.sim.worker import SimWorker
 from ftrun.supervisor.accounting.checkpoints import stop_outcome
 from ftrun.supervisor.ft.quorum import QuorumKeeper
@@ -23,6 +22,7 @@ from ftrun.supervisor.nodes import failover
 from ftrun.supervisor.policy.failure_policy import ReplicaFailed, RestartVerdict
 from ftrun.supervisor.relay import NODE_OP_TIMEOUT_S, NodeRelay, Routes
 from ftrun.supervisor.workers import replica as replica_rules
+from ftrun.wire import Quorum
 
 TICK_S = 0.05  # the supervisor's loop under --ft (supervisor/loop/run.py)
 STOP_BOUND_S = 30.0  # after a stop quorum, its members stop (and its writer says how its save went) within this
@@ -134,7 +134,7 @@ class SimSupervisor:
 
     def _stop(self, k: QuorumKeeper, now: float) -> None:
         """A stop signal: the keeper publishes a stop quorum (QuorumKeeper.stop), at whose switch its
-        members stop and its writer replica says how its save went (protocol.STOP_SAVE); then the
+        members stop and its writer replica says how its save went (keys.STOP_SAVE); then the
         supervisor stops every worker. Before any quorum, or with nobody holding the trained state,
         there is nothing to save: it stops at once. Else it waits for the word while a member lives,
         as ftrun's supervisor does (policy/stopping.py check_saving), whichever writer a later stop

@@ -13,18 +13,17 @@ import dataclasses
 import hashlib
 from typing import Any, Callable, Dict, Optional, Set, Tuple
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import exits, keys, pacing
 from ftrun.sim.checkpoint import Marker, SimCheckpointer
 from ftrun.sim.sched import SimKilled
 from ftrun.sim.store import DistStoreError
-from ftrun.wire import MemberReport
+from ftrun.wire import MemberReport, Quorum
 from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member.driver import MemberDriver
 from ftrun.worker.ft.member.effects import FedCompared, MemberEffects, Snapshot
 
 POLL_S = 0.02  # the member's store polls (the product's 5 ms, coarser: fewer simulated turns)
-REPORT_S = 0.25  # protocol.HEARTBEAT_S: the status report the keeper reads
+REPORT_S = 0.25  # keys.HEARTBEAT_S: the status report the keeper reads
 VOTE_TIMEOUT_S = 600.0  # FTRUN_FT_VOTE_TIMEOUT's default: the member's store client timeout
 
 
@@ -101,7 +100,7 @@ class SimWorker(MemberEffects):
         every = world.sch.checkpoint_every
         ck = SimCheckpointer(self, world.checkpoints, every) if every else None
         self.driver: MemberDriver = world.bugs.driver(self, rank, inc, world.k, world.nodes, checkpoints=ck,
-                                                      check_s=keys.CHECK_S if world.sch.check_every else 0.0,
+                                                      check_s=pacing.CHECK_S if world.sch.check_every else 0.0,
                                                       store_gen=gen)
 
     # ------------------------------------------------------------ what the world reads
@@ -210,7 +209,7 @@ class SimWorker(MemberEffects):
         raise SimExit(code, line)
 
     def restart(self, line: str, peers_decided: str = "") -> Any:
-        raise SimExit(keys.EXIT_REPLICA_RESTART, line, by_peers=bool(peers_decided))
+        raise SimExit(exits.EXIT_REPLICA_RESTART, line, by_peers=bool(peers_decided))
 
     def log(self, msg: str) -> None:
         self.w.log.append(f"{self.sched.now:.3f}s {msg} (step {self.driver.step})")

@@ -1,5 +1,5 @@
-"""Node relays of --ft, as the supervisors see them: votes (protocol.node_count_key) and
-status reports (protocol.node_info_key).
+"""Node relays of --ft, as the supervisors see them: votes (keys.node_count_key) and
+status reports (keys.node_info_key).
 
 On several nodes (static or elastic c10d) a node's workers vote in their node's own store, and
 the node's last voter forwards the node's count to the run's store; they
@@ -28,7 +28,7 @@ import datetime
 import json
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from ftrun import protocol as keys
+from ftrun import keys, votes
 from ftrun.supervisor.store import BoundedStore, wait_reachable
 
 UPKEEP_EVERY_S = 0.25
@@ -167,7 +167,7 @@ class NodeRelay:
 
     def _deliver(self, local: Any, e: int, rnd: int) -> None:
         if self.lost_up_to is not None and e <= self.lost_up_to:
-            local.compare_set(keys.node_decision_key(self.node, e, rnd), "", keys.NODE_LOST_DECISION)
+            local.compare_set(keys.node_decision_key(self.node, e, rnd), "", votes.NODE_LOST_DECISION)
             return
         try:
             run = self._run()

@@ -22,8 +22,8 @@ import time
 import traceback
 from typing import List, Optional
 
+from ftrun.exits import EXIT_FAILED, EXIT_SIGINT, EXIT_USAGE
 from ftrun.prctl import set_parent_death_signal
-from ftrun.protocol import EXIT_FAILED, EXIT_SIGINT, EXIT_USAGE
 from ftrun.worker import settings
 from ftrun.worker.proc import DUMP_STACKS_SIGNAL, set_title, worker_title
 

@@ -12,7 +12,7 @@ import os
 from typing import List
 
 # DUMP_STACKS_SIGNAL: the bootstrap installs faulthandler on it.
-from ftrun.protocol import DUMP_STACKS_SIGNAL, EXIT_FAILED  # noqa: F401
+from ftrun.exits import DUMP_STACKS_SIGNAL, EXIT_FAILED  # noqa: F401
 # The prctl calls live in ftrun.prctl (the supervisor makes them too); the zygote imports them from here.
 from ftrun.prctl import become_subreaper, set_parent_death_signal  # noqa: F401
 

@@ -13,7 +13,7 @@ supervisor can show live health, spot a hung rank, and record where each
 worker stopped. On a node that relays (FTRUN_NODE_STORE, several
 nodes under --ft) that store is the node's own, which never moves: the
 node's ftrun reads the reports there and relays the --ft counters to the
-run's store in one key per node (protocol.node_info_key). A store error does
+run's store in one key per node (keys.node_info_key). A store error does
 not end the reports: the thread reconnects with a bounded back-off and keeps
 beating.
 Must never block or slow the training loop: the hooks only bump counters.
@@ -32,7 +32,7 @@ import time
 import warnings
 from typing import Any, Callable, Optional
 
-from ftrun.protocol import HEARTBEAT_S, info_key, progress_key
+from ftrun.keys import HEARTBEAT_S, info_key, progress_key
 from ftrun.wire import MemberReport, ProgressReport
 from ftrun.worker import patches, settings
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Tuple
 
-from ftrun.protocol import relayed_node
+from ftrun.keys import relayed_node
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Settings:
     spares: int                         # FTRUN_SPARES: replicas held back as hot spares (--spares), 0 when unset
     step_timeout: bool                  # FTRUN_STEP_TIMEOUT is set: count progress that is not a step
     stacks_file: str                    # FTRUN_STACKS_FILE
-    relayed: Optional[Tuple[int, int, int, str]]  # FTRUN_NODE_RANKS and FTRUN_NODE_STORE (protocol.relayed_node)
+    relayed: Optional[Tuple[int, int, int, str]]  # FTRUN_NODE_RANKS and FTRUN_NODE_STORE (keys.relayed_node)
     checkpoint: Optional[CheckpointSettings]
     ft_timeout_s: float                 # FTRUN_FT_TIMEOUT, within 0.5..3600 s (else 10)
     hook_log_every: int                 # FTRUN_HOOK_LOG_EVERY (0: only at exit)

@@ -31,7 +31,7 @@ import sys
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-from ftrun.protocol import EXIT_FAILED, EXIT_OK
+from ftrun.exits import EXIT_FAILED, EXIT_OK
 from ftrun.worker.proc import become_subreaper, set_parent_death_signal, set_title
 
 MAX_MSG = 1 << 20

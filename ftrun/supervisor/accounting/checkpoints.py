@@ -2,9 +2,9 @@
 of its checkpoints, and the save that a stop signal asks for before the workers stop.
 
 The workers write and read the checkpoints (ftrun.worker.ft.checkpoint.schedule) and leave a few words in
-the store: the newest good one (protocol.CHECKPOINT, with the count of failed saves when it was
-published), the last failed save (protocol.CHECKPOINT_FAILURE) and, after a stop signal, how the
-save before stopping went (protocol.STOP_SAVE). This module turns them into the status record,
+the store: the newest good one (keys.CHECKPOINT, with the count of failed saves when it was
+published), the last failed save (keys.CHECKPOINT_FAILURE) and, after a stop signal, how the
+save before stopping went (keys.STOP_SAVE). This module turns them into the status record,
 lines and decisions.
 Must never import torch, never touch the checkpoint folder (its lock is
 ftrun.supervisor.loop.folder_lock), and never do more than one read of the store per call.
@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from ftrun.protocol import CHECKPOINT, CHECKPOINT_FAILURE, STOP_SAVE
+from ftrun.keys import CHECKPOINT, CHECKPOINT_FAILURE, STOP_SAVE
 
 
 def _json_dict(raw: Any) -> Dict[str, Any]:
@@ -93,7 +93,7 @@ class SaveBeforeStop:
 
 def stop_outcome(word: Optional[Dict[str, Any]], now: float, started: float, deadline: float,
                  workers_alive: bool) -> Optional[Tuple[str, str]]:
-    """The stop-save's outcome from the writer's word (protocol.STOP_SAVE, None while unsaid): None
+    """The stop-save's outcome from the writer's word (keys.STOP_SAVE, None while unsaid): None
     while the save may still come (no word, before the deadline, a worker left to write it);
     else the (line, style) to stop the workers with. The supervisor and the simulator both
     wait on it."""

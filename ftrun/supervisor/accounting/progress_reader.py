@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ftrun.protocol import progress_key
+from ftrun.keys import progress_key
 from ftrun.supervisor.store import STORE_TIMEOUT_S, RunStore
 from ftrun.supervisor.workers.worker import Worker
 from ftrun.wire import NO_PROGRESS, ProgressReport, Raw

@@ -14,7 +14,7 @@ join with the same incarnation, it leaves as a whole when any of them dies
 (the supervisor kills the others), and it heals as a whole (all K ranks are
 healers, or none).
 
-It publishes a quorum (protocol.Quorum: members, and which of them must heal)
+It publishes a quorum (wire.Quorum: members, and which of them must heal)
 whenever membership changes: when every first replica has asked to join, when a
 restarted replica asks to join, and when a member dies. For a member that
 died it abstains in the rounds its peers may be waiting on, so those rounds
@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from ftrun import protocol as keys
-from ftrun.protocol import EVENTS, Quorum
+from ftrun import keys, pacing, votes
+from ftrun.keys import EVENTS
 from ftrun.supervisor.ft.keeper import core, dead
 from ftrun.supervisor.ft.keeper import spares as spare_rules
 from ftrun.supervisor.ft.keeper.core import FRESH_START, KeeperDecision, KeeperSnapshot, Pace
@@ -47,26 +47,26 @@ from ftrun.supervisor.ft.keeper.dead import KeeperRules
 from ftrun.supervisor.ft.quorum_status import ReplicaReports
 from ftrun.supervisor.ft.quorum_votes import VoteCaster
 from ftrun.supervisor.relay import Routes
-from ftrun.wire import MemberReport
+from ftrun.wire import MemberReport, Quorum
 
 
 @dataclass(frozen=True)
 class KeeperSettings:
     """What the keeper takes from the environment, read once (the simulator passes its own)."""
 
-    round_steps: int = keys.ROUND_STEPS
+    round_steps: int = pacing.ROUND_STEPS
     round_steps_chosen: bool = False  # the user set the round length: it is kept, not paced
     note: Optional[str] = None  # a line saying why the environment's value was not taken
-    check_s: float = keys.CHECK_S  # seconds between the guard's checks (0: off)
+    check_s: float = pacing.CHECK_S  # seconds between the guard's checks (0: off)
     check_steps: Optional[int] = None  # steps between them, if the user chose (FTRUN_FT_CHECK_STEPS)
 
     @staticmethod
     def from_env(env: Mapping[str, str]) -> "KeeperSettings":
-        steps, why = keys.round_steps_from_env(env)
+        steps, why = pacing.round_steps_from_env(env)
         # Bad values are refused before the run starts (checks.py).
-        check_s, _ = keys.check_s_from_env(env)
-        check_steps, _ = keys.check_steps_from_env(env)
-        return KeeperSettings(steps, why is None and keys.ROUND_STEPS_ENV in env, why, check_s, check_steps)
+        check_s, _ = pacing.check_s_from_env(env)
+        check_steps, _ = pacing.check_steps_from_env(env)
+        return KeeperSettings(steps, why is None and pacing.ROUND_STEPS_ENV in env, why, check_s, check_steps)
 
 
 class QuorumKeeper:
@@ -409,7 +409,7 @@ class QuorumKeeper:
                 self._publish(why)
 
     def stop(self) -> Optional[int]:
-        """A stop signal: publish a stop quorum (protocol.Quorum.stop), at whose switch every member
+        """A stop signal: publish a stop quorum (wire.Quorum.stop), at whose switch every member
         stops and the writer replica saves the step it holds. The writer (a replica holding the
         trained state, on this node where one is) or None: no quorum yet, or nobody holds it."""
         if not self.leader or not self.ready or self.quorum_id == 0 or not self.members:
@@ -485,7 +485,7 @@ class QuorumKeeper:
         """Vote fail in the place of members that will never vote where others wait (dead.unstick)."""
         self.voting_since, due = dead.unstick(self.rules, s, self.voting_since, self.unstuck, now)
         for vote in due:
-            if not self.votes.cast(s, vote.quorum, vote.rnd, keys.FAIL_VOTE, vote.rank, self.routes):
+            if not self.votes.cast(s, vote.quorum, vote.rnd, votes.FAIL_VOTE, vote.rank, self.routes):
                 continue  # its node's store did not answer: again at the next poll
             self.unstuck.add((vote.rank, vote.inc, vote.quorum, vote.rnd))
             self.history.append(vote.reason)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ftrun import protocol as keys
+from ftrun import keys
 from ftrun.supervisor.relay import Routes
 from ftrun.wire import WIRE_VERSION, MemberReport, version_refused
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-from ftrun import protocol as keys
+from ftrun import keys, votes
 from ftrun.supervisor.ft.keeper import dead
 from ftrun.supervisor.ft.keeper.core import KeeperSnapshot
 from ftrun.supervisor.ft.keeper.dead import KeeperRules
@@ -116,7 +116,7 @@ class VoteCaster:
         local.set(keys.node_forwarded_key(node, e, rnd), "1")
 
     def _decide(self, s: KeeperSnapshot, e: int, rnd: int, commit: bool) -> None:
-        kept = 0 if commit else keys.read_kept(self._s, e, rnd)
-        self._s.compare_set(keys.decision_key(e, rnd), "", keys.decision_text(commit, s.quorum_id, kept))
+        kept = 0 if commit else votes.read_kept(self._s, e, rnd)
+        self._s.compare_set(keys.decision_key(e, rnd), "", votes.decision_text(commit, s.quorum_id, kept))
         if rnd > s.top:
             self._s.set(keys.TOP, str(rnd))

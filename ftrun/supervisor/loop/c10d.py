@@ -14,7 +14,7 @@ import signal
 from typing import Optional
 
 from ftrun.config import RunConfig
-from ftrun.protocol import EXIT_SIGNAL_BASE
+from ftrun.exits import EXIT_SIGNAL_BASE
 from ftrun.supervisor.loop.run import Supervisor
 from ftrun.supervisor.nodes import coordinator as nodes
 from ftrun.supervisor.nodes import rendezvous

@@ -26,7 +26,7 @@ import time
 from typing import Optional, Union
 
 from ftrun.config import RunConfig, hang_after_s, store_listen_addr
-from ftrun.protocol import EXIT_FAILED
+from ftrun.exits import EXIT_FAILED
 from ftrun.supervisor.accounting import checkpoints
 from ftrun.supervisor.accounting.accounts import Accounting
 from ftrun.supervisor.accounting.waits import Waits, replica_waits

@@ -12,7 +12,7 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 from ftrun.config import RunConfig
-from ftrun.protocol import NODE_RANKS_ENV, NODE_STORE_ENV
+from ftrun.keys import NODE_RANKS_ENV, NODE_STORE_ENV
 from ftrun.supervisor.ft.keeper.core import FRESH_START
 from ftrun.supervisor.loop import folder_lock
 from ftrun.supervisor.nodes.node_decisions import node_ranks, routes

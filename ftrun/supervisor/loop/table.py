@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
-from ftrun.protocol import DUMP_STACKS_SIGNAL
+from ftrun.exits import DUMP_STACKS_SIGNAL
 from ftrun.supervisor.policy.hangs import HANG_DUMP_GRACE_S
 from ftrun.supervisor.workers import replica as replica_rules
 from ftrun.supervisor.workers.logs import ConsoleOut, RankLog

@@ -2,7 +2,7 @@
 
 One ftrun per node; node 0's supervisor hosts the run's TCPStore and every
 supervisor (node 0 included) talks to it as a client. Everything the nodes
-agree on is a key under ``ftrun/nodes/`` (protocol.NodeKeys). The parts:
+agree on is a key under ``ftrun/nodes/`` (keys.NodeKeys). The parts:
 
 - join (node_join): every rank claimed before any worker starts; late nodes;
 - liveness (node_watch): beats, final words, tables and first failures, read
@@ -37,7 +37,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from ftrun.protocol import EXIT_SIGNAL_BASE, rdzv_admit, rdzv_arrivals
+from ftrun.exits import EXIT_SIGNAL_BASE
+from ftrun.keys import rdzv_admit, rdzv_arrivals
 from ftrun.status.state import ReplicaStatus
 from ftrun.supervisor.nodes import failover, node_join, node_moves, node_restart
 from ftrun.supervisor.nodes import node_common as nc

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Dict, Iterable, List, Optional
 
-from ftrun.protocol import failover_formed, failover_node
+from ftrun.keys import failover_formed, failover_node
 
 GRACE_S = 1.0  # a host with a majority still waits this long for the other candidates
 POLL_S = 0.02

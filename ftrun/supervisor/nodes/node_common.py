@@ -15,7 +15,8 @@ import socket
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ftrun.protocol import EXIT_FAILED, EXIT_REQUEUE, EXIT_USAGE, NodeKeys
+from ftrun.exits import EXIT_FAILED, EXIT_REQUEUE, EXIT_USAGE
+from ftrun.keys import NodeKeys
 from ftrun.wire import FirstFailure
 
 BEAT_S = 0.25
@@ -33,7 +34,7 @@ POLL_S = 0.05
 JOIN_FAILED = EXIT_USAGE
 NODE_LOST = EXIT_FAILED
 # --ft, node 0 (the run's store and quorum keeper) lost: the other nodes end with this status,
-# for schedulers to requeue the job, which resumes from --checkpoint-dir (ftrun.protocol).
+# for schedulers to requeue the job, which resumes from --checkpoint-dir (ftrun.exits).
 REQUEUE = EXIT_REQUEUE
 
 KEYS = NodeKeys()
@@ -43,7 +44,7 @@ INJECT_JOIN_HOLD_ENV = "FTRUN_INJECT_JOIN_HOLD"
 
 
 def use_round(n: int) -> None:
-    """Put every node key of this process under rendezvous round n (ftrun.protocol.NodeKeys)."""
+    """Put every node key of this process under rendezvous round n (ftrun.keys.NodeKeys)."""
     global KEYS
     KEYS = NodeKeys(n)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from ftrun.config import RunConfig
-from ftrun.protocol import RUN_STORE
+from ftrun.keys import RUN_STORE
 from ftrun.supervisor.nodes.failover import NoMajority
 from ftrun.supervisor.nodes.node_common import NODE_LOST, REQUEUE, NodeEvent
 from ftrun.supervisor.nodes.redirect import Redirect

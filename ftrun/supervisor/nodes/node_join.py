@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from ftrun.protocol import RDZV_HOST
+from ftrun.keys import RDZV_HOST
 from ftrun.supervisor.nodes import node_common as nc
 from ftrun.supervisor.nodes.node_common import INJECT_JOIN_HOLD_ENV, JOIN_FAILED, POLL_S
 from ftrun.wire import one_line

@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Set, Tuple
 
-from ftrun.protocol import RDZV, RDZV_HOST, rdzv_arrivals
+from ftrun.keys import RDZV, RDZV_HOST, rdzv_arrivals
 from ftrun.supervisor.nodes import failover
 from ftrun.supervisor.nodes import node_common as nc
 from ftrun.supervisor.nodes.node_common import NODE_TIMEOUT_S

@@ -18,7 +18,7 @@ import socket
 import time
 from typing import Any, Optional, Union
 
-from ftrun.protocol import progress_key
+from ftrun.keys import progress_key
 from ftrun.supervisor.nodes import node_common as nc
 from ftrun.supervisor.nodes.node_common import NODE_LOST, NODE_TIMEOUT_S, POLL_S, NodeEvent
 from ftrun.wire import one_line

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import threading
 
-from ftrun.protocol import RDZV_MOVED, RDZV_RUN
+from ftrun.keys import RDZV_MOVED, RDZV_RUN
 from ftrun.supervisor.store import wait_reachable
 
 EVERY_S = 0.5

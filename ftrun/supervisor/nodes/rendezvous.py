@@ -64,8 +64,8 @@ import time
 from typing import Any, Optional, Tuple
 
 from ftrun.config import RunConfig
+from ftrun.keys import RDZV_RUN
 from ftrun.machine import store_bind_addr, store_listen_addr, this_node_name
-from ftrun.protocol import RDZV_RUN
 from ftrun.supervisor.nodes import failover, coordinator as nodes
 from ftrun.supervisor.nodes import redirect
 from ftrun.supervisor.nodes.rendezvous_rounds import POLL_S, fail, key

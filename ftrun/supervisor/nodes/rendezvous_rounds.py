@@ -22,8 +22,8 @@ import time
 from typing import Any, Optional, Tuple
 
 from ftrun.config import RunConfig
+from ftrun.keys import RDZV, RDZV_MOVED, NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.poll import wait_until
-from ftrun.protocol import RDZV, RDZV_MOVED, NodeKeys, rdzv_admit, rdzv_arrivals
 from ftrun.supervisor.accounting.waits import Waits
 from ftrun.supervisor.nodes import coordinator as nodes
 from ftrun.supervisor.nodes import redirect

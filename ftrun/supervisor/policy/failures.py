@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Union
 
-from ftrun import protocol as keys
+from ftrun import keys
 from ftrun.config import RunConfig
-from ftrun.protocol import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ftrun.exits import EXIT_CANNOT_GO_ON, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ftrun.supervisor.accounting.report import early_signature, error_reason, exit_reason, failure_report, worker_error
 from ftrun.supervisor.policy.failure_policy import WHILE_SAVING, FailurePolicy, GroupFailed, ReplicaFailed, RestartVerdict
 from ftrun.supervisor.policy.peer_restarts import forced_by_peers, peer_reason
@@ -57,7 +57,7 @@ class RunOutcome:
 
 
 def training_over(store: Any) -> bool:
-    """--ft: a member has left the training loop at the run's last step (protocol.FINISHED, set
+    """--ft: a member has left the training loop at the run's last step (keys.FINISHED, set
     before any member leaves it): a restarted replica would train nothing."""
     if store is None or store.store is None or not store.ready.is_set():
         return False

@@ -1,6 +1,6 @@
 """A --ft replica that restarts because of another replica's failure: it stepped past a round that
 the others then voted down (a peer died mid-collective: one survivor's all-reduce went through,
-another's did not), so it exits (protocol.EXIT_REPLICA_RESTART) to take the committed state
+another's did not), so it exits (exits.EXIT_REPLICA_RESTART) to take the committed state
 from a peer. Its process was sound: the restart is charged to no budget, and the console and
 the run's summary name the failure that caused it, not "exited with code 75".
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from ftrun.protocol import EXIT_REPLICA_RESTART
+from ftrun.exits import EXIT_REPLICA_RESTART
 from ftrun.supervisor.workers.worker import Worker
 from ftrun.wire import PEERS_DECIDED, WorkerError
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from ftrun.config import RunConfig
-from ftrun.protocol import EXIT_FAILED, EXIT_SIGNAL_BASE
+from ftrun.exits import EXIT_FAILED, EXIT_SIGNAL_BASE
 from ftrun.supervisor.accounting import checkpoints
 from ftrun.supervisor.workers.spawn import SpawnerDied
 from ftrun.supervisor.workers.logs import ConsoleOut

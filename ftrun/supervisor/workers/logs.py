@@ -35,7 +35,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 from rich.console import Console
 from rich.text import Text
 
-from ftrun.protocol import DETAIL_PREFIX
+from ftrun.wire import DETAIL_PREFIX
 
 COLOURS = ("cyan", "green", "magenta", "yellow", "blue", "bright_red", "bright_cyan", "bright_green")
 TAIL_LINES = 30

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from ftrun.protocol import EXIT_FAILED, EXIT_SIGNAL_BASE
+from ftrun.exits import EXIT_FAILED, EXIT_SIGNAL_BASE
 
 
 class WorkerState(str, enum.Enum):

@@ -156,7 +156,7 @@ def _refuse_backend(args: Any) -> None:
         why = "with use_cpu=True Accelerate trains over gloo (or mpi) only"
     else:
         return
-    from ftrun.protocol import EXIT_CANNOT_GO_ON
+    from ftrun.exits import EXIT_CANNOT_GO_ON
     from ftrun.worker.ft.member.member_io import leave
 
     leave(EXIT_CANNOT_GO_ON, f"rank {settings.current().rank_text}: TrainingArguments(ddp_backend=\"{backend}\"): "

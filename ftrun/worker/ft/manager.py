@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ftrun import protocol as keys
+from ftrun import exits, keys, pacing
 from ftrun.wire import MemberReport
 from ftrun.worker.ft.checkpoint.schedule import Checkpointer
 from ftrun.worker.ft.member.driver import MemberDriver
@@ -63,7 +63,7 @@ class Manager:
         store_addr = os.environ.get("FTRUN_STORE")
         if store_addr and os.environ.get("FTRUN_FT") != "1":
             # Under ftrun without --ft: the same in every worker, on every restart. One line, the run stops.
-            leave(keys.EXIT_CANNOT_GO_ON,
+            leave(exits.EXIT_CANNOT_GO_ON,
                   f"rank {os.environ.get('RANK', '?')}: this script uses ftrun.ft, which needs replica fault "
                   f"tolerance: add --ft to the ftrun command line (or drop ftrun.ft for group restarts)")
         if not store_addr:
@@ -106,7 +106,7 @@ class Manager:
         while True:
             try:
                 return MemberDriver(self.fx, rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), k,
-                                    nodes, checkpoints, self.state, store_gen, keys.check_s_from_env(os.environ)[0])
+                                    nodes, checkpoints, self.state, store_gen, pacing.check_s_from_env(os.environ)[0])
             except TorchEffects.store_errors:
                 if self.fx.node() is None or not self.fx.store_gone():
                     raise

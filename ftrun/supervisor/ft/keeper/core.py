@@ -15,10 +15,9 @@ from types import MappingProxyType
 from typing import (AbstractSet, Deque, Dict, FrozenSet, Mapping, Optional, Sequence, Set,
                     Tuple)
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import keys, pacing
 from ftrun.supervisor.ft.keeper import spares
-from ftrun.wire import NO_REPORT, MemberReport, SurvivorReport
+from ftrun.wire import NO_REPORT, MemberReport, Quorum, SurvivorReport
 
 # How long a quorum that starts from nothing (the first, or one after every replica was lost)
 # waits for the replicas being started: one that began alone would train on its own gradients
@@ -58,10 +57,10 @@ class KeeperSnapshot:
     writer: int = -1                                    # the newest stop quorum's writer replica (-1: none)
     moved: bool = False                                 # on a store that moved, where nobody holds the state yet
     fresh_start: str = FRESH_START                      # what a fresh quorum after the first means for the run
-    round_steps: int = keys.ROUND_STEPS                 # the most steps per round
+    round_steps: int = pacing.ROUND_STEPS               # the most steps per round
     round_steps_chosen: bool = False                    # the user chose them: kept, not paced
     step_s: Optional[float] = None                      # the run's pace (Pace.step_s)
-    quorum_steps: int = keys.ROUND_STEPS                 # the newest quorum's round length
+    quorum_steps: int = pacing.ROUND_STEPS              # the newest quorum's round length
     quorum_paced: bool = True                           # ... sized at a known pace (or the user's): not provisional
     repace_after: float = float("-inf")                 # no re-paced quorum before this
     # Read for a quorum being published: each member's entered incarnation (keys.entered_key) and,
@@ -70,7 +69,7 @@ class KeeperSnapshot:
     survivors: Mapping[int, object] = field(default_factory=dict)
     spares: int = 0                                     # --spares: replicas held back while the others train
     held: Mapping[int, int] = field(default_factory=dict)  # the spares' ranks now (asked to join, held back)
-    check_s: float = keys.CHECK_S                       # seconds between the guard's checks (0: off)
+    check_s: float = pacing.CHECK_S                     # seconds between the guard's checks (0: off)
     check_steps: Optional[int] = None                   # steps between them, the user's choice (None: paced)
 
     @classmethod
@@ -129,7 +128,7 @@ class KeeperDecision:
     # next quorum heals from the survivors' words again.
     moving: bool = False
     # A stop quorum that names no writer after one that did: the keeper says so in the writer's place
-    # (protocol.STOP_SAVE; "nothing": no save was due), or the supervisor, told a replica saves,
+    # (keys.STOP_SAVE; "nothing": no save was due), or the supervisor, told a replica saves,
     # waits out its grace for a word.
     stop_word: Optional[Mapping] = None
     paced: bool = True               # its rounds were sized at a known pace (or are the user's): repace_due
@@ -297,7 +296,7 @@ def paced_steps(s: KeeperSnapshot) -> int:
         return s.round_steps
     if s.step_s is None:
         return 1
-    return keys.round_steps_for(s.step_s, s.round_steps)
+    return pacing.round_steps_for(s.step_s, s.round_steps)
 
 
 def check_steps(s: KeeperSnapshot) -> int:
@@ -305,7 +304,7 @@ def check_steps(s: KeeperSnapshot) -> int:
     s.check_s seconds at the run's pace (a fixed count until it is known); none when the guard is off."""
     if s.check_s <= 0:
         return 0
-    return s.check_steps or keys.check_steps_for(s.step_s, s.check_s)
+    return s.check_steps or pacing.check_steps_for(s.step_s, s.check_s)
 
 
 def repace_due(s: KeeperSnapshot, now: float) -> Optional[str]:
@@ -325,7 +324,8 @@ def repace_due(s: KeeperSnapshot, now: float) -> Optional[str]:
             or (s.quorum_paced and now < s.repace_after)):
         return None
     want, round_s = paced_steps(s), s.quorum_steps * s.step_s
-    if want == s.quorum_steps or (s.quorum_paced and keys.ROUND_TARGET_S / 4 <= round_s <= 2 * keys.ROUND_TARGET_S):
+    target = pacing.ROUND_TARGET_S
+    if want == s.quorum_steps or (s.quorum_paced and target / 4 <= round_s <= 2 * target):
         return None
     for r, inc in s.members.items():
         info = s.report(r)

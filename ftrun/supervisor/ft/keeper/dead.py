@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from ftrun import protocol as keys
+from ftrun import keys, votes
 from ftrun.supervisor.ft.keeper.core import KeeperSnapshot, Member
 
 STUCK_S = 2.0  # a member waiting this long for a vote of a member that is in another quorum
@@ -71,7 +71,7 @@ class KeeperRules:
     """The keeper's rules that a historic bug changes (ftrun/sim/bugs.py subclasses it): pure."""
 
     # Whether an add completed a round's count: the protocol's test, the members' too.
-    closes = staticmethod(keys.closes)
+    closes = staticmethod(votes.closes)
 
     def rounds_of(self, s: KeeperSnapshot, e: int) -> Set[int]:
         """Rounds of quorum `e` its live members may be waiting on: its start, the round each live
@@ -132,7 +132,7 @@ def dead_votes(rules: KeeperRules, s: KeeperSnapshot, member: Member) -> List[De
     the critical path. A dead member's own vote may count besides the keeper's; a failed one
     then discards a round nobody has stepped past, where an abstention could commit a round
     whose other shard failed, and the replica holding that shard would restart whole."""
-    vote = keys.ABSTAIN_VOTE if s.k == 1 else keys.FAIL_VOTE
+    vote = votes.ABSTAIN_VOTE if s.k == 1 else votes.FAIL_VOTE
     oldest = min(s.live_quorums(), default=0) if s.all_live_report() else 0
     due = []
     for e, members in s.quorums.items():
@@ -206,7 +206,7 @@ def closed_round(rules: KeeperRules, after: int, added: int, size: int) -> Optio
     closed the round (rules.closes), and then its decision (True: commit, no failed vote and one
     ok at least). None: not closed, somebody else decides it."""
     if rules.closes(after, added, size):
-        return keys.tally(after).commit
+        return votes.tally(after).commit
     return None
 
 
@@ -214,13 +214,13 @@ def orphan_commit(total: int, size: int) -> Optional[bool]:
     """A round every member voted in, whose decision may be missing (its closer died between its
     vote and its decision): decided by its votes, as the closer would have (members that voted ok
     have stepped already). None: votes are missing, the round is not orphaned."""
-    t = keys.tally(total)
+    t = votes.tally(total)
     return t.commit if t.votes >= size else None
 
 
 def node_counted(total: int, size: int) -> bool:
     """Whether a node's count of a round holds every vote of the node's members."""
-    return keys.tally(total).votes >= size
+    return votes.tally(total).votes >= size
 
 
 def node_forward(total: int, size: int, forwarded: bool, since: Optional[float], now: float,
@@ -231,7 +231,7 @@ def node_forward(total: int, size: int, forwarded: bool, since: Optional[float],
     keeper forwards the node's count less its own votes (`mine`) past the node's size: those were
     for members that had voted themselves. Had the dead forwarder reached the run's store after
     all, the round is over-counted and decided by orphan_commit, as after any double vote."""
-    excess = keys.tally(total).votes - size
+    excess = votes.tally(total).votes - size
     if excess < 0 or forwarded:
         return NodeForward("clear", reason="forwarded" if forwarded else "votes missing")
     waited = 0.0 if since is None else now - since  # first seen now
@@ -252,7 +252,7 @@ def node_votes_kept_from(top: int) -> int:
 
 
 # The store's key names repeat from one collection to the next (and in the simulator from one run to
-# the next): each is parsed once. protocol.parse_key is pure and returns immutable tuples.
+# the next): each is parsed once. keys.parse_key is pure and returns immutable tuples.
 _parse_key = functools.lru_cache(maxsize=16384)(keys.parse_key)
 
 

@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import ConcatDataset, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from ftrun import protocol as keys
+from ftrun import keys
 from ftrun.worker import patches, settings
 
 SPLIT_FIX = ("the likely cause is an unseeded split: random_split(..., generator=torch.Generator().manual_seed(0)), "

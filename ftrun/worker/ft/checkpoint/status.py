@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
-from ftrun import protocol as keys
+from ftrun import keys
 from ftrun.worker.settings import run_store
 
 

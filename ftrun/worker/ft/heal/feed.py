@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ftrun import protocol as keys
+from ftrun import keys
 from ftrun.worker.ft.heal.state import ReplicaState
 from ftrun.worker.ft.heal.transport import _local, receive_state, send_state
 from ftrun.worker.ft.member import membership

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from ftrun.protocol import Quorum
+from ftrun.wire import Quorum
 
 Member = Tuple[int, int]  # (global rank, incarnation)
 

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator, List, Optional, Tuple
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
-from ftrun.wire import MemberReport, SurvivorReport
+from ftrun import exits, keys, pacing
+from ftrun.wire import MemberReport, Quorum, SurvivorReport
 from ftrun.worker.ft.member import membership, vote
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import (Backoff, ClosedOk, CollectiveFailed, Command, Compared, Computing, Decided,
@@ -60,7 +59,7 @@ class MemberDriver:
 
     def __init__(self, fx: MemberEffects, rank: int, inc: int, k: int, nodes: int,
                  checkpoints: Any = None, state: Any = None, store_gen: int = 0,
-                 check_s: float = keys.CHECK_S) -> None:
+                 check_s: float = pacing.CHECK_S) -> None:
         self.fx = fx
         self.check_s = check_s  # seconds between the guard's checks (0: the guard is off)
         self.rank, self.inc, self.k = rank, inc, k
@@ -338,7 +337,7 @@ class MemberDriver:
         sat = False
         for c in commands:
             if isinstance(c, EndRun):
-                self.fx.exit(keys.EXIT_CANNOT_GO_ON, f"rank {self.rank}: {c.why}")
+                self.fx.exit(exits.EXIT_CANNOT_GO_ON, f"rank {self.rank}: {c.why}")
             elif isinstance(c, SitOut):
                 self._sit_out()
                 sat = True
@@ -384,7 +383,7 @@ class MemberDriver:
         A member whose collectives all succeeded steps without waiting; after the round's last
         step its ok vote goes to the store from a thread and the decision is read during the next
         round. A member whose collective failed votes at once, saying how many of the round's
-        steps it took; the round keeps the fewest any member took (protocol.kept_key)."""
+        steps it took; the round keeps the fewest any member took (keys.kept_key)."""
         if self.iteration.several:
             return self._vote_sub()
         if self.looping and not self.step_open and self.quorum is not None:
@@ -678,7 +677,7 @@ class MemberDriver:
 
     def misused(self, why: str) -> None:
         """The script uses ftrun.ft in a way that can never train: one line, the run stops."""
-        self.fx.exit(keys.EXIT_CANNOT_GO_ON, f"rank {self.rank}: {why}")
+        self.fx.exit(exits.EXIT_CANNOT_GO_ON, f"rank {self.rank}: {why}")
 
     def restart(self, why: str) -> None:
         """This member's state is not the committed one and no peer can take it back: exit, so

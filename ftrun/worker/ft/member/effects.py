@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NoReturn, Optional, Tuple
 
-from ftrun.protocol import Quorum
+from ftrun.wire import Quorum
 from ftrun.worker.ft.member.core import FedCompared
 
 # (round, step, newest step yielded, sub-steps of the current loop step committed): what a heal's
@@ -92,7 +92,7 @@ class MemberEffects:
 
     # ------------------------------------------------------------ exits and words
     def exit(self, code: int, line: str = "") -> NoReturn:
-        """Leave the process at once with `code` (protocol's EXIT_*), after `line`."""
+        """Leave the process at once with `code` (ftrun.exits' EXIT_*), after `line`."""
         raise NotImplementedError
 
     def restart(self, line: str, peers_decided: str = "") -> NoReturn:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, List
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import keys
+from ftrun.wire import Quorum
 from ftrun.worker.ft.member import membership
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import AskEntryRound, Entered, Entering, Finish, Joined, Restart

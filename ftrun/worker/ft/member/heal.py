@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import exits, keys
+from ftrun.wire import Quorum
 from ftrun.worker.ft.member import membership
 from ftrun.worker.ft.member import core
 from ftrun.worker.ft.member.core import InSync
@@ -88,7 +88,7 @@ class HealTransfers:
         except HealRefused as e:
             # Not a failure of the transfer: this replica's model, optimizer or registered state
             # differ from its peers'. Retrying would fail the same way.
-            fx.exit(keys.EXIT_FAILED, f"rank {d.rank}: cannot take the state of rank {source}: {e}. This replica's "
+            fx.exit(exits.EXIT_FAILED, f"rank {d.rank}: cannot take the state of rank {source}: {e}. This replica's "
                                       f"model, optimizer or ft.register_state() objects differ from its peers'; "
                                       f"exiting")
         except Exception as e:  # an end of the transfer died: this round fails, the next quorum heals again

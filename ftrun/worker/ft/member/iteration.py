@@ -5,7 +5,7 @@ backward and step) takes several optimizer steps in one step of its loop (one `f
 or one batch of an ft.DataLoader). Each optimizer step is a sub-step; a step is committed when
 all of its sub-steps are. A round is up to Quorum.round_steps loop steps, voted once, at the top
 of the step after its last (the script's sub-steps are known only once it comes back to the
-top); a failed round keeps its first P sub-steps (protocol.kept_key), which may end inside a loop
+top); a failed round keeps its first P sub-steps (keys.kept_key), which may end inside a loop
 step. That step is then handed out again (ft.redo() True) and its first sub-steps, committed
 already, return False without stepping: every sub-step changes the state once.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
-from ftrun.protocol import Quorum
+from ftrun.wire import Quorum
 
 
 class LayoutLost(Exception):

@@ -1,5 +1,5 @@
 """What every part of a --ft member shares: its lines to the log, how it leaves the process (one
-named helper per exit code, protocol's EXIT_*), how it reads a tuning knob, and its poll period.
+named helper per exit code, ftrun.exits' EXIT_*), how it reads a tuning knob, and its poll period.
 Must never import torch or the supervisor.
 """
 
@@ -10,8 +10,8 @@ import re
 import sys
 from typing import NoReturn
 
-from ftrun import protocol as keys
-from ftrun.protocol import DETAIL_PREFIX
+from ftrun import exits
+from ftrun.wire import DETAIL_PREFIX
 
 POLL_S = 0.005
 SLOW_S = 2.0  # a protocol wait longer than this is worth a line in the log
@@ -61,11 +61,11 @@ def _env_number(name: str, default: float, lo: float, hi: float) -> float:
 
 
 def leave(code: int, line: str = "") -> NoReturn:
-    """Exit the process at once with `code` (protocol's EXIT_*), after `line` in ftrun's words:
+    """Exit the process at once with `code` (ftrun.exits' EXIT_*), after `line` in ftrun's words:
     the supervisor reads the code; no atexit handler, no thread left to join. The run cannot go
     on (EXIT_CANNOT_GO_ON): the line is the run's reason to stop, recorded in the worker's error
     file (wire.WorkerError) for the supervisor, which says it; the log file keeps it too."""
-    if line and code == keys.EXIT_CANNOT_GO_ON and _record(line):
+    if line and code == exits.EXIT_CANNOT_GO_ON and _record(line):
         _log_detail(line)
     elif line:
         _log(line)
@@ -95,7 +95,7 @@ def _record(line: str, where: str = "") -> bool:
 
 
 def restart_replica(line: str, peers_decided: str = "") -> NoReturn:
-    """Exit so that ftrun restarts this replica (protocol.EXIT_REPLICA_RESTART), which then joins
+    """Exit so that ftrun restarts this replica (exits.EXIT_REPLICA_RESTART), which then joins
     and heals from a peer like any newcomer. `peers_decided`: why, when the others' decision of
     a round contradicts what this member did; recorded for the supervisor, for which another
     replica's failure caused this restart, not this one's (wire.PEERS_DECIDED)."""
@@ -103,4 +103,4 @@ def restart_replica(line: str, peers_decided: str = "") -> NoReturn:
         from ftrun.wire import PEERS_DECIDED
 
         _record(peers_decided, PEERS_DECIDED)
-    leave(keys.EXIT_REPLICA_RESTART, line)
+    leave(exits.EXIT_REPLICA_RESTART, line)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import keys
+from ftrun.wire import Quorum
 
 Member = Tuple[int, int]  # (global rank, incarnation)
 
@@ -80,7 +80,7 @@ def wait_to_enter(store: Any, me: Member, sleep: Callable[[float], None], poll_s
 
 
 def finished_step(store: Any) -> Optional[int]:
-    """The run's final step once a member has left the loop (protocol.FINISHED), else None."""
+    """The run's final step once a member has left the loop (keys.FINISHED), else None."""
     return int(store.get(keys.FINISHED)) if store.check([keys.FINISHED]) else None
 
 

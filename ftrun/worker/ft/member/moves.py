@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftrun import protocol as keys
+from ftrun import keys
 
 RELOCATE_S = 120.0  # the nodes agree on a new store in seconds; a node that cannot stops its workers
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import exits, keys
+from ftrun.wire import Quorum
 from ftrun.worker.ft.member.core import Entered, InSync
 
 PARK_POLL_S = 0.2  # a stopped member looks this often for a newer stop quorum naming it the writer
@@ -30,7 +30,7 @@ class StopPaths:
         try:
             found = d.checkpoints.resume(d.state, d.total)
         except d.checkpoints.mismatch as e:  # every worker says it: the supervisor quotes whichever exits first
-            d.fx.exit(keys.EXIT_CANNOT_GO_ON, f"rank {d.rank}: {e}")
+            d.fx.exit(exits.EXIT_CANNOT_GO_ON, f"rank {d.rank}: {e}")
         except Exception as e:  # noqa: BLE001 - a failed read left part of a checkpoint in the tensors
             d.fx.restart(f"rank {d.rank}: {str(e).splitlines()[0][:300]}; exiting so that ftrun restarts it clean")
         if found is not None:
@@ -82,14 +82,14 @@ class StopPaths:
                 return
         # A fed spare holds a copy no vote confirmed (ft/heal/feed.py): not the committed state either.
         model = "a fed copy of the model that no vote confirmed" if fed else "an untrained model"
-        d.fx.exit(keys.EXIT_OK, f"{lead}; no peer is left to heal it and no checkpoint holds the final step: "
+        d.fx.exit(exits.EXIT_OK, f"{lead}; no peer is left to heal it and no checkpoint holds the final step: "
                                 f"exiting now (status 0) instead of running the script's code after the loop on "
                                 f"{model}")
 
     def stop_here(self, quorum: Quorum) -> None:
         """A stop signal reached the run (ftrun published a stop quorum): every member stops at
         this round boundary, each holding the state of the last step it committed. The writer
-        replica saves that step and says how it went (protocol.STOP_SAVE); every member then waits
+        replica saves that step and says how it went (keys.STOP_SAVE); every member then waits
         to be stopped, and saves after all should a newer stop quorum name its replica the writer.
         The script's code after the loop never runs on a stopped run. Never returns."""
         d = self.d

@@ -17,8 +17,8 @@ from typing import Any, Callable, List, NoReturn, Optional, Tuple
 
 import torch.distributed as dist
 
-from ftrun import protocol as keys
-from ftrun.protocol import Quorum
+from ftrun import keys
+from ftrun.wire import Quorum
 from ftrun.worker.ft.member import vote
 from ftrun.worker.ft.member.group import abort_group, build_group_watched, group_device, hang_up, settle
 from ftrun.worker.ft.member.core import FedCompared

@@ -9,7 +9,7 @@ round, and scripts/bench_quorum.py with thousands of clients); a `Ballot`
 does it on a thread of its own with its own connection, so that a replica
 whose collectives succeeded steps at once and reads the decision a step
 later. On several nodes a member votes through its node (`Node`, see
-protocol.node_count_key): its add and its read of the decision are local
+keys.node_count_key): its add and its read of the decision are local
 round trips, and the node's last voter forwards the node's count to the
 run's store, so the run's store does O(1) work per node and round. Must never
 import torch beyond its store type, and never decide anything but the round
@@ -21,10 +21,10 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional, Tuple
 
-from ftrun import protocol as keys
+from ftrun import keys, votes
 
 # (commit, the newest quorum its author had seen, whether this vote closed it, the steps of the
-# round that stand: None for all of them; see protocol.kept_key)
+# round that stand: None for all of them; see keys.kept_key)
 Decision = Tuple[bool, int, bool, Optional[int]]
 
 
@@ -63,11 +63,11 @@ def _close_or_read(store: Any, total: int, added: int, quorum: int, rnd: int, si
                    latest_seen: int, closes: Optional[Callable[[int, int, int], bool]] = None) -> Tuple[str, bool]:
     """After an add of `added` that left the round's counter at `total`: decide the round if
     that add closed it, else wait for its decision. (decision text, whether this add closed it)."""
-    t = keys.tally(total)
-    if (closes or keys.closes)(total, added, size):
+    t = votes.tally(total)
+    if (closes or votes.closes)(total, added, size):
         # compare_set, not set: if this process had died right after its add, the supervisor
         # would have closed the round; whichever decision is written first is the one.
-        mine = keys.decision_text(t.commit, latest_seen, 0 if t.commit else keys.read_kept(store, quorum, rnd))
+        mine = votes.decision_text(t.commit, latest_seen, 0 if t.commit else votes.read_kept(store, quorum, rnd))
         decision = _text(store.compare_set(keys.decision_key(quorum, rnd), "", mine))
         store.set(keys.TOP, str(rnd))
         return decision, True
@@ -89,24 +89,24 @@ def cast(store: Any, quorum: int, rnd: int, size: int, ok: bool, latest_seen: in
     """Vote on round `rnd` of `quorum` (of `size` members) and wait for its decision; through
     `node` (of whose members `node_size` are in the quorum) when the member has one. A failed
     member says how many of the round's steps it had `taken` (in the run's store, before its vote).
-    `closes`: whether an add completed a count (protocol.closes; the simulator's historic bugs
+    `closes`: whether an add completed a count (votes.closes; the simulator's historic bugs
     pass another)."""
     if not ok:
         lower_kept(store, quorum, rnd, taken)
-    vote = keys.OK_VOTE if ok else keys.FAIL_VOTE
+    vote = votes.OK_VOTE if ok else votes.FAIL_VOTE
     if node is None:
         decision, closed = _close_or_read(store, store.add(keys.count_key(quorum, rnd), vote), vote, quorum, rnd,
                                           size, latest_seen, closes)
     else:
         local = node.store
         total = local.add(keys.node_count_key(node.id, quorum, rnd), vote)
-        if (closes or keys.closes)(total, vote, node_size):  # the node's last vote: this member forwards its count
+        if (closes or votes.closes)(total, vote, node_size):  # the node's last vote: this member forwards its count
             decision, closed = forward(store, local, node.id, quorum, rnd, size, total, latest_seen, closes)
         else:
             decision, closed = _text(local.get(keys.node_decision_key(node.id, quorum, rnd))), False
-            if decision == keys.NODE_LOST_DECISION:
+            if decision == votes.NODE_LOST_DECISION:
                 raise StoreMovedMidVote(f"the run's store moved while round {rnd} of quorum {quorum} was being decided")
-    commit, target, kept = keys.parse_decision(decision)
+    commit, target, kept = votes.parse_decision(decision)
     return commit, target, closed, kept
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ftrun import protocol as keys
+from ftrun import keys
 
 # A read of the next quorum waits this long, then the newest quorum is read again: the quorum it
 # waits for may have come and been collected while this process was stopped, and a read of it
