@@ -228,6 +228,9 @@ class Sched:
             ready = pool  # the common turn: _ready's answer, without the call
         n = len(ready)
         if not n:
+            if heap and not self._waiting and not self.paused:  # the common jump: to the heap's first
+                self.now = max(now, heap[0][0])
+                return True
             # Only deadlines still ahead: a paused process's thread may be past its own.
             deadlines = [t.until for t in self._waiting if t.until is not None and t.until > now]
             if heap:

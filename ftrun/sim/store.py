@@ -150,9 +150,11 @@ class SimClient:
     def get(self, key: str) -> bytes:
         self._enter()
         data = self.s.data
-        if key not in data:
+        try:
+            return data[key]
+        except KeyError:
             self._wait_keys((key,))
-        return data[key]
+            return data[key]
 
     def add(self, key: str, amount: int) -> int:
         self._enter()
@@ -195,11 +197,11 @@ class SimClient:
     def multi_get(self, keys: Sequence[str]) -> List[bytes]:
         self._enter()
         data = self.s.data
-        for k in keys:
-            if k not in data:
-                self._wait_keys(keys)
-                break
-        return [data[k] for k in keys]
+        try:
+            return [data[k] for k in keys]
+        except KeyError:  # one is missing: wait for them all
+            self._wait_keys(keys)
+            return [data[k] for k in keys]
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         self._enter()
