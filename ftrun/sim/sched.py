@@ -146,7 +146,11 @@ class Sched:
         if seconds > 0.0:
             self.block(None, self.now + seconds)
             return
-        t = self.current  # a yield: runnable at once
+        self.pass_turn()
+
+    def pass_turn(self) -> None:
+        """A yield point: runnable again at once (sleep(0), and the one before each store call)."""
+        t = self.current
         assert t is not None, "a yield point outside a simulated thread"
         t.pred = t.until = None
         t.token += 1
@@ -224,6 +228,9 @@ class Sched:
             ready = pool  # the common turn: _ready's answer, without the call
         n = len(ready)
         if not n:
+            if heap and not self._waiting and not self.paused:  # the common jump: to the heap's first
+                self.now = max(now, heap[0][0])
+                return True
             # Only deadlines still ahead: a paused process's thread may be past its own.
             deadlines = [t.until for t in self._waiting if t.until is not None and t.until > now]
             if heap:
@@ -236,8 +243,11 @@ class Sched:
             self.now = max(now, min(deadlines))
             return True
         rng = self.rng
-        t = ready[int(rng.random() * n)] if n > 1 else ready[0]
-        if t.pooled:
+        i = int(rng.random() * n) if n > 1 else 0
+        t = ready[i]
+        if ready is pool:  # the common turn: it is the pool's i-th
+            del pool[i]
+        elif t.pooled:
             pool.remove(t)
         else:
             self._waiting.remove(t)

@@ -89,10 +89,15 @@ class SimClient:
             # A yield point before every call, so that any thread may run between two calls. A
             # thread just resumed has done nothing visible since its last yield point: its call
             # takes effect in the turn that resumed it, which orders it among the others alike.
-            sched.sleep(0.0)
+            sched.pass_turn()
         me.fresh = False
-        if sched.now >= s.down_until:
-            return
+        if sched.now < s.down_until:
+            self._down()
+
+    def _down(self) -> None:
+        """The store is down (or gone): wait for it to come back, up to the client's timeout."""
+        s = self.s
+        sched = s.sched
         deadline = sched.now + self.timeout_s
         while sched.now < s.down_until:  # a wait on time alone: a deadline, which the scheduler jumps to
             if s.gone:  # (it may go while the call waits for it to come back)
@@ -103,7 +108,8 @@ class SimClient:
             sched.sleep(s.down_until - sched.now)
 
     def _wait_keys(self, keys: Sequence[str]) -> None:
-        """Wait for every key to be there, up to the client's timeout: parked, woken by a write."""
+        """Wait for every key to be there, up to the client's timeout: parked, woken by a write.
+        The callers test first that one is missing (the common call finds them all there)."""
         s = self.s
         data = s.data
         missing = [k for k in keys if k not in data]
@@ -128,62 +134,83 @@ class SimClient:
                         w.remove(me)
             missing = [k for k in keys if k not in data]
 
-    def _note(self) -> None:
-        s = self.s
-        if len(s.data) > s.max_keys:
-            s.max_keys = len(s.data)
-
     # ------------------------------------------------------------ TCPStore's calls
+    # Each writes its key's bytes, keeps the store's largest size and wakes the key's waiters
+    # inline: these run once or more every simulated turn.
     def set(self, key: str, value: Value) -> None:
         self._enter()
-        self.s.data[key] = _b(value)
-        self._note()
-        self.s.written(key)
+        s = self.s
+        data = s.data
+        data[key] = value if isinstance(value, bytes) else str(value).encode()
+        if len(data) > s.max_keys:
+            s.max_keys = len(data)
+        if s.waiters:
+            s.written(key)
 
     def get(self, key: str) -> bytes:
         self._enter()
-        self._wait_keys([key])
-        return self.s.data[key]
+        data = self.s.data
+        try:
+            return data[key]
+        except KeyError:
+            self._wait_keys((key,))
+            return data[key]
 
     def add(self, key: str, amount: int) -> int:
         self._enter()
-        value = int(self.s.data.get(key, b"0")) + int(amount)
-        self.s.data[key] = str(value).encode()
-        self._note()
-        self.s.written(key)
+        s = self.s
+        data = s.data
+        value = int(data.get(key, b"0")) + int(amount)
+        data[key] = str(value).encode()
+        if len(data) > s.max_keys:
+            s.max_keys = len(data)
+        if s.waiters:
+            s.written(key)
         return value
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
         self._enter()
-        data = self.s.data
+        s = self.s
+        data = s.data
         if key not in data:
             if _b(expected) == b"":
                 data[key] = _b(desired)
-                self._note()
-                self.s.written(key)
-                self.s.writes.append((self.s.sched.now, "cas", key, data[key]))
+                if len(data) > s.max_keys:
+                    s.max_keys = len(data)
+                s.written(key)
+                s.writes.append((s.sched.now, "cas", key, data[key]))
                 return data[key]
             return _b(expected)
         if data[key] == _b(expected):
             data[key] = _b(desired)
-            self.s.writes.append((self.s.sched.now, "cas", key, data[key]))
+            s.writes.append((s.sched.now, "cas", key, data[key]))
         return data[key]
 
     def check(self, keys: Sequence[str]) -> bool:
         self._enter()
-        return all(k in self.s.data for k in keys)
+        data = self.s.data
+        for k in keys:
+            if k not in data:
+                return False
+        return True
 
     def multi_get(self, keys: Sequence[str]) -> List[bytes]:
         self._enter()
-        self._wait_keys(keys)
-        return [self.s.data[k] for k in keys]
+        data = self.s.data
+        try:
+            return [data[k] for k in keys]
+        except KeyError:  # one is missing: wait for them all
+            self._wait_keys(keys)
+            return [data[k] for k in keys]
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         self._enter()
+        s = self.s
         for k, v in zip(keys, values):
-            self.s.data[k] = _b(v)
-            self.s.written(k)
-        self._note()
+            s.data[k] = _b(v)
+            s.written(k)
+        if len(s.data) > s.max_keys:
+            s.max_keys = len(s.data)
 
     def delete_key(self, key: str) -> bool:
         self._enter()
@@ -199,7 +226,11 @@ class SimClient:
 
     def wait(self, keys: Sequence[str], timeout: Optional[object] = None) -> None:
         self._enter()
-        self._wait_keys(keys)
+        data = self.s.data
+        for k in keys:
+            if k not in data:
+                self._wait_keys(keys)
+                return
 
     def queue_push(self, key: str, value: Value) -> None:
         self._enter()
