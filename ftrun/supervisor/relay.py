@@ -195,6 +195,6 @@ class NodeRelay:
                 continue
             old_quorum = e < top_quorum and now - self._decided_at[(e, rnd)] > OLD_QUORUM_KEPT_S
             if old_quorum or (e == top_quorum and rnd < newest[e] - ROUND_KEYS_KEPT):
-                for kind in kinds:
+                for kind in sorted(kinds):  # in one order in every process (the simulator replays it)
                     local.delete_key(f"{keys.PREFIX}{kind}/{self.node}/{e}/{rnd}")
                 self._decided_at.pop((e, rnd), None)
