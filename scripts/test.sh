@@ -52,8 +52,8 @@ if [ "${FTRUN_SKIP_DATASETS:-0}" != "1" ] && ! .venv/bin/python -c "import datas
     echo "test: datasets not installable here ($(tail -n 1 /tmp/ftrun-pip-datasets.log)); its test will be skipped"
   fi
 fi
-# The slowest tests are listed at the end: the suite must stay within 20 minutes on 2 cores (18.7 measured
-# on a fresh clone, setup included).
+# The slowest tests are listed at the end: the suite must stay within 20 minutes on 2 cores (docs/development.md
+# has the figures of the last fresh-clone run).
 # (No path here: pytest takes pyproject's testpaths, or only the paths among the arguments.)
 # Two passes: every test but those marked `alone` on three workers, then those one after another (an
 # `alone` test among the others waited for both other workers to finish their tests, and they stood
