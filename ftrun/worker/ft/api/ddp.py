@@ -92,11 +92,10 @@ class _Replicated:
         self.pending = False  # a reducing forward ran in a layout round: its backward averages
         self.averaged = -1    # the layout round (mgr.layout_serial) whose average this model ran
         # The layout round (mgr.layout_planned) whose reducing forward this model ran: it averages
-        # in that round only. What a process did in earlier rounds differs between members (a
-        # fresh healer has no history; a survivor's last backward may have been cut short), and a
-        # decision read from it sent a model's average on some members only: a GAN's healer
-        # averaged its generator's counter at the discriminator's vote while its peers went on to
-        # the generator's average, and gloo aborted the healer on the mismatched sizes.
+        # in that round only, decided on what the round did, which every member did alike. What a
+        # process did before differs between members (a fresh healer has no history; a survivor's
+        # discarded step dropped its gradients), and a decision read from it sends a collective
+        # on some members only (docs/concepts/ft-protocol.md, layout rounds).
         self.forwarded_in = -1
         self.in_bucket: Set[int] = set()  # ids of the parameters whose gradient the backward adds into its bucket
         self.marks = GradMarks(module)  # each gradient as the layout forward left it (untouched)
