@@ -316,6 +316,11 @@ def feed_ask_key(rank: int) -> str:
     return f"{PREFIX}feed/{rank}"
 
 
+def feed_answer_key(spare: int, incarnation: int, serial: int) -> str:
+    # the feeder's rank, once it answered that ask: the spare forms their group only then
+    return f"{PREFIX}feedanswer/{spare}/{incarnation}/{serial}"
+
+
 def feed_sent_key(spare: int, incarnation: int, serial: int) -> str:
     return f"{PREFIX}feedsent/{spare}/{incarnation}/{serial}"  # the newest step its feeder has sent it
 

@@ -277,6 +277,9 @@ def test_torchs_store_timeout_warnings_stay_in_the_log():
     for line in ("[W1127 23:53:02.756119425 socket.cpp:494] [c10d] waitForInput: socket SocketImpl(fd=15, "
                  "addr=[::ffff:127.0.0.1]:60500, remote=[::ffff:127.0.0.1]:40087) timed out after 10000ms",
                  "[W1127 23:53:03.758340643 socket.cpp:469] [c10d] waitForInput: poll for socket SocketImpl(fd=15) "
-                 "returned 0, likely a timeout"):
+                 "returned 0, likely a timeout",
+                 # with a default group (FSDP's replicas), torch names the rank first
+                 "[rank1]:[W1203 13:35:48.075777082 socket.cpp:469] [c10d] waitForInput: poll for socket "
+                 "SocketImpl(fd=11, addr=[::ffff:127.0.0.1]:45450, remote=[::ffff:127.0.0.1]:45121) returned 0, likely a timeout"):
         assert chatter(line, speaker=True), line
     assert not chatter("DistStoreError: wait timeout after 10000ms, keys: /x/0/1", speaker=True)

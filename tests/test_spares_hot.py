@@ -162,6 +162,51 @@ def test_a_stopped_spare_never_holds_training_up_and_a_changed_model_is_sent_who
     assert assert_identical(out, [0, 2, 3])[1]["step"] == 300
 
 
+# Both training replicas spend their first step's forward asleep for longer than ftrun's timeout
+# (FTRUN_FT_TIMEOUT 3 s): a data loader warming up, a first compile. The feeder answers the waiting
+# spare only between its steps.
+FIRST_STEP_SLOW = """\
+import os, sys, time
+import torch
+import torch.nn as nn
+import ftrun.ft as ft
+
+torch.manual_seed(0)
+model = ft.DistributedDataParallel(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)))
+opt = ft.Optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+for step in ft.steps(60):
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    if step == 0:
+        time.sleep(float(sys.argv[1]))
+    loss.backward()
+    opt.step()
+    time.sleep(0.05)
+print(f"done at step {ft.global_step()}", flush=True)
+"""
+
+
+def test_a_spare_waits_for_a_feeder_slower_than_the_timeout_and_a_feeder_never_feeds_a_spare_gone(ftrun_home, tmp_path):
+    """The spare asks to be fed while its feeder is 14 s into its first step: it waits for the answer
+    (up to feed.ASK_S), rather than giving up at ftrun's 3 s timeout and asking again. Before, the
+    feeder woke to an ask its spare had given up, formed the group with the spare's stale address,
+    and sent its state into it for the whole timeout: its training thread held, and the other
+    replica's next collective failed (a round voted down, every few rounds: the sharded spare run
+    of CI stalled so). Here the spare is fed from the feeder's first answer, and no round fails."""
+    script = tmp_path / "slow_first.py"
+    script.write_text(FIRST_STEP_SLOW)
+    proc = start_ftrun(["--nproc", 3, "--ft", "--spares", 1, "--verbose", script, 14], files=("stderr",),
+                       env={"FTRUN_FT_TIMEOUT": "3"})
+    try:
+        rc, err = finish(proc, 180)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-4000:]
+    assert re.search(r"rank 0: feeds hot spare rank 2 from step \d+", err), err[-4000:]
+    assert "rank 2: a hot spare fed by rank 0" in err, err[-4000:]
+    for bad in ("could not start feeding", "its feed as a hot spare broke", "voted down", "failed:"):
+        assert bad not in err, (bad, err[-4000:])
+
+
 @pytest.mark.extended
 def test_a_fed_spare_is_never_a_fresh_quorums_source(ftrun_home, tmp_path):
     """Every training replica lost at once while the fed spare is the lowest rank: the spare's state

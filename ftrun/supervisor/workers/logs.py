@@ -62,8 +62,10 @@ INTERRUPTED_LINE = re.compile(r"ftrun: rank \d+: stopped by SIGINT \(KeyboardInt
 # torch's C++ warning of a store read that timed out ("[W1127 23:53:02.756 socket.cpp:494] [c10d]
 # waitForInput: socket ... timed out after 10000ms"): under --ft a group formation given up when a
 # member died ends that way a few seconds later, on its own thread. ftrun says what happened in
-# its own words (the failure line); the exception that follows such a timeout still shows.
-STORE_TIMEOUT_LINE = re.compile(r"\[W\d{4} [^\]]*socket\.cpp:\d+\] \[c10d\] waitForInput: ")
+# its own words (the failure line); the exception that follows such a timeout still shows. The
+# quorum watcher's read (worker/ft/member/watch.py) times out so every 10 s of a steady run. Once the
+# process has a default group, torch puts its rank before the line ("[rank0]:[W1203 ...").
+STORE_TIMEOUT_LINE = re.compile(r"(?:\[rank\d+\]:)?\[W\d{4} [^\]]*socket\.cpp:\d+\] \[c10d\] waitForInput: ")
 # A worker whose collective failed because a peer went away writes its traceback between these two
 # lines (ftrun.worker.bootstrap, PEER_LOST_BEGIN and PEER_LOST_END): kept in the rank's log, off the
 # console (the peer's failure is ftrun's line), and out of the failure report's tail but for the

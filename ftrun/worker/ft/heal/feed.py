@@ -51,6 +51,9 @@ LOOK_S = 0.5  # how often a feeder looks for spares asking to be fed
 FEED_WAIT_S = 1.0  # how long a feeder waits for a step's feed to leave before it drops the feed
 IN_FLIGHT = 2  # steps a feed may have still leaving
 ASK_S = 30.0  # how long a spare waits for its feeder to answer before it asks again
+# How long a feeder that answered waits for its spare to form their group, on its training thread
+# (at most half of ftrun's timeout: the other replicas' next collective waits for this one).
+FORM_S = 3.0
 CATCH_UP_S = 5.0  # at a promotion, how long a spare takes in the steps already sent to it
 POLL_S = 0.005
 DROPPED = "dropped"  # the feeder's word, in the spare's sent key, that it no longer feeds it
@@ -410,21 +413,28 @@ class Feeder:
             if self.served.get(r) == ask:
                 continue
             self.served[r] = ask
-            feeder, inc, serial = (int(x) for x in ask.split())
-            if feeder == self.rank:
-                self._open(r, inc, serial, snapshot)
+            if int(ask.split()[0]) == self.rank:
+                self._open(r, ask, snapshot)
 
-    def _open(self, spare: int, inc: int, serial: int, snapshot: Tuple[int, int, int]) -> None:
+    def _open(self, spare: int, ask: str, snapshot: Tuple[int, int, int]) -> None:
+        """Answer a spare's `ask` ("<feeder> <incarnation> <serial>"): the spare forms the group only
+        once answered, so a feeder slow to answer (a long step, a heal) never meets a spare that
+        gave up waiting, nor sends its state to an address no one listens on any more."""
+        _, inc, serial = (int(x) for x in ask.split())
         t0 = time.monotonic()
         store = self.store
+        ask_key, bound = keys.feed_ask_key(spare), min(FORM_S, self.timeout_s / 2)
 
         def gone() -> Optional[str]:
             if store.get(keys.inc_key(spare)).decode() != str(inc):
                 return f"rank {spare} left"
-            return "no answer" if time.monotonic() - t0 > ASK_S else None
+            if not store.check([ask_key]) or store.get(ask_key).decode() != ask:
+                return "it no longer asks"
+            return "no answer" if time.monotonic() - t0 > bound else None
 
         pg = None
         try:
+            store.set(keys.feed_answer_key(spare, inc, serial), str(self.rank))
             pg = build_group_watched(run_store(), keys.feed_prefix(spare, inc, serial), 0, 2, gone, POLL_S)
             stats = send_state(pg, self.state.capture(*snapshot), group_device(), chunk=self.chunk,
                                timeout_s=self.timeout_s)
@@ -456,6 +466,8 @@ class Follower:
         self.touched = False  # the feed has written into this replica's state since its last heal
         self.step = -1
         self.serial = 0
+        # An ask not answered yet: (feeder, incarnation, quorum id, quorum, when asked).
+        self.asked: Optional[Tuple[int, int, int, Any, float]] = None
         self.fails = 0
         self.retry_at = 0.0
         self.store: Any = None
@@ -469,8 +481,10 @@ class Follower:
         if enabled(self.state) and not self.refused:
             try:
                 if self.pg is None:
-                    if time.monotonic() >= self.retry_at:
-                        self._start()
+                    if self.asked is None and time.monotonic() >= self.retry_at:
+                        self._ask()
+                    if self.asked is not None:
+                        self._start(deadline)
                 else:
                     self._follow(deadline)
             except Exception as e:  # the feeder went away, or its state does not fit: ask again later
@@ -494,6 +508,12 @@ class Follower:
         self.touched = False
 
     def stop(self) -> None:
+        if self.asked is not None:
+            self.asked = None
+            try:  # withdrawn: a feeder that reads it later does not answer it
+                self.store.delete_key(keys.feed_ask_key(self.rank))
+            except Exception:  # noqa: BLE001 - the store moved: the ask went with it
+                pass
         if self.pg is not None:
             abort_group(self.pg)
             # Let it go on a thread of its own: gloo frees a group with a receive still posted (its
@@ -503,7 +523,8 @@ class Follower:
         self.pg, self._posted = None, []
 
     # ------------------------------------------------------------------ inside
-    def _start(self) -> None:
+    def _ask(self) -> None:
+        """Ask the newest quorum's feeder of this worker's shard to feed this spare."""
         if self.store is None:
             self.store = self.connect()
         store, inc = self.store, self.incarnation()
@@ -516,7 +537,15 @@ class Follower:
             return
         self.serial += 1
         store.set(keys.feed_ask_key(self.rank), f"{feeder} {inc} {self.serial}")
-        t0 = time.monotonic()
+        self.asked = (feeder, inc, latest, quorum, time.monotonic())
+
+    def _start(self, deadline: float) -> None:
+        """Until `deadline`: once the feeder answered the ask, form the feed's group and take the
+        whole state. The wait for the answer is this spare's (up to ASK_S, over as many calls as
+        it takes), never the formation's: a feeder answers between its steps, and a step, or a heal
+        it serves, may last longer than ftrun's timeout."""
+        assert self.asked is not None
+        store, (feeder, inc, latest, quorum, t0) = self.store, self.asked
 
         def gone() -> Optional[str]:
             if int(store.get(keys.LATEST)) != latest:
@@ -524,6 +553,15 @@ class Follower:
             return membership.gone(store, quorum, [feeder]) or (
                 f"rank {feeder} did not answer within {ASK_S:g} s" if time.monotonic() - t0 > ASK_S else None)
 
+        answer = keys.feed_answer_key(self.rank, inc, self.serial)
+        while not store.check([answer]):
+            why = gone()
+            if why:
+                raise FeedBroken(why)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(min(FOLLOW_POLL_S, max(0.0, deadline - time.monotonic())))
+        self.asked = None  # answered: the feeder forms the group now
         self.synced = False
         self.touched = True  # from the first byte received, the state is the feed's, not the committed one
         self.sent_key = keys.feed_sent_key(self.rank, inc, self.serial)
