@@ -463,6 +463,42 @@ def test_the_member_state_rule_finds_writes_and_nothing_else():
     assert member_state_writes({m: ast.parse(src) for m, src in passed.items()}) == []
 
 
+# The member core's commands that act (member/core.py) are carried out in one place,
+# MemberDriver.execute: a part that branched on one would be a second interpreter, with its own
+# idea of what a Restart means (whether it is charged to --max-restarts, what it says). The two
+# questions (AskEntryRound, MoveState) are answered by the part that asked.
+ACTIONS = {"Join", "Switch", "TakeStep", "Backoff", "ReadFinished", "Finish", "Restart", "Rejoin", "SitOut",
+           "EndRun"}
+EXECUTOR = "ftrun.worker.ft.member.driver"
+
+
+def command_branches(trees: Dict[str, ast.AST]) -> List[str]:
+    """Each isinstance() test against a member command that acts, outside the driver."""
+    found = []
+    for module, tree in trees.items():
+        if module == EXECUTOR or not module.startswith("ftrun."):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                    and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                if any(isinstance(k, ast.Name) and k.id in ACTIONS for k in kinds):
+                    found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_members_commands_are_carried_out_by_the_driver_alone():
+    found = command_branches(TREES)
+    assert not found, ("a member command branched on outside MemberDriver.execute: hand the commands to "
+                       "driver.execute instead:\n" + "\n".join(found))
+    planted = {"ftrun.worker.ft.member.entry": "for c in cs:\n    if isinstance(c, Restart): pass",
+               "ftrun.worker.ft.member.heal": "any(isinstance(c, (Backoff, Finish)) for c in cs)"}
+    assert [f.split(":")[0] for f in command_branches({m: ast.parse(t) for m, t in planted.items()})] == list(planted)
+    passed = {"ftrun.worker.ft.member.entry": "any(isinstance(c, AskEntryRound) for c in cs)",
+              EXECUTOR: "isinstance(c, Restart)", "ftrun.sim.world": "isinstance(e, Died)"}
+    assert command_branches({m: ast.parse(t) for m, t in passed.items()}) == []
+
+
 # The tests' shared helpers, each defined once in tests/helpers.py or tests/conftest.py: a test
 # file's own copy drifts from it, and a weaker copy (a wait with no bound, a comparison of the
 # parameters alone) lets a test pass with its feature missing. Name: what to use instead.

@@ -38,7 +38,7 @@ def _in_quorum(eid: int = 3, rnd: int = 10) -> MemberCore:
 def test_a_member_with_no_quorum_joins_and_enters_where_it_was_given():
     core = MemberCore()
     assert core.handle(RoundTop()) == [Join()]
-    assert core.handle(Joined(quorum=4, round=17)) == [Switch(4)]
+    assert core.handle(Joined(quorum=4, round=17)) == [Switch(4, joining=True)]
     assert core.round == 17
 
 

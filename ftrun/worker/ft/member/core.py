@@ -172,14 +172,17 @@ class Join:
 
 @dataclass(frozen=True)
 class Switch:
-    """Read quorum `quorum` and enter it (a new quorum, or the same one to rebuild its group)."""
+    """Read quorum `quorum` and enter it (a new quorum, or the same one to rebuild its group);
+    `joining`: as the quorum a join just got in to (it begins at the round it was given)."""
 
     quorum: int
+    joining: bool = False
 
 
 @dataclass(frozen=True)
 class AskEntryRound:
-    """Agree with the quorum's other members on the round to begin it at (membership.entry_round)."""
+    """Agree with the quorum's other members on the round to begin it at (membership.entry_round).
+    A question, as MoveState is: the part that asked answers it with its next event (Entered)."""
 
 
 @dataclass(frozen=True)
@@ -210,9 +213,15 @@ class Finish:
 
 @dataclass(frozen=True)
 class Restart:
-    """This member's state is not the committed one: exit 75, restart and heal like a newcomer."""
+    """This member's state is not the committed one: exit 75, restart and heal like a newcomer.
+    `charged`: the supervisor counts it against --max-restarts; not when the member's peers decided
+    it (a round they decided otherwise: nothing is wrong with this process), yes when the member
+    finds itself left out of a quorum. `clean`: it must begin again clean, never as a heal's
+    source (its state is not the committed one, or its replica's other shards are not)."""
 
     why: str
+    charged: bool = False
+    clean: bool = False
 
 
 @dataclass(frozen=True)
@@ -308,11 +317,11 @@ class MemberCore:
             self.finished = True
             return [Finish(e.finished, alone=not self.in_sync)]
         self.round = e.round
-        return [Switch(e.quorum)]
+        return [Switch(e.quorum, joining=True)]
 
     def _on_Entering(self, e: Entering) -> List[Command]:
         if e.me not in e.quorum.members:
-            return [Restart(f"left out of quorum {e.quorum.id}")]
+            return [Restart(f"left out of quorum {e.quorum.id}", charged=True)]
         self.healing = e.me[0] in e.quorum.healers
         changed = self.quorum is None or e.quorum.id != self.quorum.id
         # Every continuing member begins the quorum at one round; a joiner at the one it was given.
@@ -486,10 +495,10 @@ def source_refuses(sending: bool, tainted: bool, fresh: bool = False, holds_stat
     mates do."""
     if sending and tainted:
         return Restart("named the source of a fresh quorum while holding a state that is not the committed one "
-                       "(half-received, or stepped past a round voted down)")
+                       "(half-received, or stepped past a round voted down)", charged=True, clean=True)
     if sending and fresh and holds_state and k > 1:
         return Restart("named the source of a fresh quorum while the other workers of its replica do not hold "
-                       "their shards of the trained state; the replica starts again whole")
+                       "their shards of the trained state; the replica starts again whole", charged=True, clean=True)
     return None
 
 

@@ -12,7 +12,8 @@ quorum a decision names at one boundary; a thread learns of new quorums as they 
 new or restarted replica asks to join, is put into a quorum as a healer, and receives the state
 from a peer. Components that own their fields: joining and switching with the quorum's group
 (member/entry.py), the quorum watcher (watch.py), the heal (heal.py), the layout rounds
-(layout.py), the ways out of the loop (stop.py) and the store's moves (moves.py).
+(layout.py), the ways out of the loop (stop.py) and the store's moves (moves.py). They report
+events to the core and hand what it answers to `execute`, the one place a command is carried out.
 Must never raise a collective failure into the user's loop, never import torch, and never
 import the supervisor.
 """
@@ -25,9 +26,10 @@ from ftrun import exits, keys, pacing
 from ftrun.wire import MemberReport, Quorum, SurvivorReport
 from ftrun.worker.ft.member import membership, vote
 from ftrun.worker.ft.member import core
-from ftrun.worker.ft.member.core import (Backoff, ClosedOk, CollectiveFailed, Command, Compared, Computing, Decided,
-                                         EndRun, Finish, FinishedRead, Join, MemberCore, ReadFinished, Rejoin,
-                                         Restart, RoundTop, SitOut, Skipped, TakeStep, Voted)
+from ftrun.worker.ft.member.core import (AskEntryRound, Backoff, ClosedOk, CollectiveFailed, Command, Compared,
+                                         Computing, Decided, EndRun, Finish, FinishedRead, Join, MemberCore,
+                                         MoveState, ReadFinished, Rejoin, Restart, RoundTop, SitOut, Skipped,
+                                         Switch, TakeStep, Voted)
 from ftrun.worker.ft.member.effects import MemberEffects, Snapshot
 from ftrun.worker.ft.member.entry import QuorumEntry
 from ftrun.worker.ft.member.heal import HealTransfers
@@ -296,11 +298,7 @@ class MemberDriver:
             last = self.loop_ending or (self.total is not None and self.step >= self.total)
             self.checkpoints.save(self.state, self.step, "final" if last else "periodic")
         entering = self.core.handle(RoundTop())
-        for c in entering:
-            if isinstance(c, Join):
-                self.entry.join()
-            else:
-                self.entry.switch(c.quorum)
+        self.execute(entering)
         every = self.checkpoints.settings.every if self.checkpoints is not None else None
         q = self.quorum
         self.round_len = (core.round_length(q.round_steps, self.k, self.layout.round, self.step, self.total, every,
@@ -334,18 +332,7 @@ class MemberDriver:
         self.fx.log_detail(f"rank {self.rank}: the guard compared {len(prints)} states at step {self.step} in "
                            f"{self.fx.now() - t0:.3f} s: " + ("the same" if not commands else
                                                              "; ".join(c.why for c in commands)))
-        sat = False
-        for c in commands:
-            if isinstance(c, EndRun):
-                self.fx.exit(exits.EXIT_CANNOT_GO_ON, f"rank {self.rank}: {c.why}")
-            elif isinstance(c, SitOut):
-                self._sit_out()
-                sat = True
-            elif isinstance(c, Rejoin):
-                self._rejoin_due(c.why)
-            elif isinstance(c, Restart):
-                self.restart(c.why)
-        return sat
+        return self.execute(commands)
 
     # ------------------------------------------------------------ rounds
     def fail_round(self, why: str = "") -> None:
@@ -587,7 +574,7 @@ class MemberDriver:
         self._slow(t0, f"the decision of round {rnd}")
         commands = self.core.handle(Voted(ok, self.taken, commit, target, kept))
         self._end_round(commit, commands, rnd)
-        if any(isinstance(c, TakeStep) for c in commands):
+        if any(isinstance(c, TakeStep) for c in commands):  # a sharded replica's one-step round, taken
             self.fx.decided(e.id, rnd, True)
         if not commit and ok:
             self.entry.drop_group()
@@ -607,14 +594,11 @@ class MemberDriver:
         self.set_phase("commit")
 
     def _end_round(self, commit: bool, commands: List[Command], rnd: int = -1) -> None:
-        """Carry out the end of round `rnd` the core decided, with this member's own bookkeeping."""
-        for c in commands:
-            if isinstance(c, Restart):
-                self.restart(c.why)
-            elif isinstance(c, Rejoin):
-                self._rejoin_due(c.why)
-            elif isinstance(c, TakeStep):
-                self._took_step(rnd)
+        """Carry out the end of round `rnd` the core decided, with this member's own bookkeeping:
+        the round's own commands (a step taken, a restart or rejoin) before it, and what follows
+        the round (a wait, a look for the run's end, the end) after it, which reads the step."""
+        after = (Backoff, ReadFinished, Finish)
+        self.execute([c for c in commands if not isinstance(c, after)], rnd)
         self.taken = 0
         self.iteration.steps = 0
         if commit:
@@ -626,20 +610,42 @@ class MemberDriver:
         else:
             self.discarded += 1
             self.fx.note_step(self.step)
-        self._carry_out(commands)
+        self.execute([c for c in commands if isinstance(c, after)])
         self.set_phase("commit" if commit else "discard")
 
-    def _carry_out(self, commands: List[Command]) -> None:
-        """The core's commands after a round's end or a join: wait, look for the run's end, finish."""
+    def execute(self, commands: List[Command], rnd: int = -1) -> bool:
+        """Carry out the core's commands, in their order: the one place a command is interpreted
+        (entry, heal, the checks and the vote report events and hand over what the core answered).
+        `rnd`: the round a TakeStep steps on. True if one was SitOut. The two questions
+        (AskEntryRound, MoveState) are answered by the part that asked, with its next event."""
+        sat = False
         for c in commands:
-            if isinstance(c, Backoff):
+            if isinstance(c, Join):
+                self.entry.join()
+            elif isinstance(c, Switch):
+                self.entry.switch(c.quorum, joining=c.joining)
+            elif isinstance(c, TakeStep):
+                self._took_step(rnd)
+            elif isinstance(c, Restart):
+                self.restart(c.why, c.charged, c.clean)
+            elif isinstance(c, Rejoin):
+                self._rejoin_due(c.why)
+            elif isinstance(c, SitOut):
+                self._sit_out()
+                sat = True
+            elif isinstance(c, EndRun):
+                self.fx.exit(exits.EXIT_CANNOT_GO_ON, f"rank {self.rank}: {c.why}")
+            elif isinstance(c, Backoff):
                 self.fx.sleep(c.seconds)
             elif isinstance(c, ReadFinished):
-                self._carry_out(self.core.handle(FinishedRead(self.finished_step(self.store))))
+                self.execute(self.core.handle(FinishedRead(self.finished_step(self.store))))
             elif isinstance(c, Finish):
                 self.step = c.step
                 if c.alone:
                     self.stops.finish_without_peers()
+            elif not isinstance(c, (AskEntryRound, MoveState)):
+                raise TypeError(f"no way to carry out {c!r}")
+        return sat
 
     def _settle(self, block: bool = True) -> None:
         """Take in the decision of the round this member voted ok on and stepped past."""
@@ -664,11 +670,7 @@ class MemberDriver:
                 self.set_phase(back)
         self._slow(t0, f"the decision of round {rnd}")
         self.fx.decided(quorum_id, rnd, commit)
-        for c in self.core.handle(Decided(rnd, commit, target)):
-            if isinstance(c, Restart):
-                self.restart(c.why)
-            elif isinstance(c, Rejoin):
-                self._rejoin_due(c.why)
+        self.execute(self.core.handle(Decided(rnd, commit, target)))
 
     def _rejoin_due(self, why: str) -> None:
         """Its state is not the committed one from now on; it rejoins at the next round's top."""
@@ -679,11 +681,16 @@ class MemberDriver:
         """The script uses ftrun.ft in a way that can never train: one line, the run stops."""
         self.fx.exit(exits.EXIT_CANNOT_GO_ON, f"rank {self.rank}: {why}")
 
-    def restart(self, why: str) -> None:
+    def restart(self, why: str, charged: bool = False, clean: bool = False) -> None:
         """This member's state is not the committed one and no peer can take it back: exit, so
-        that ftrun restarts the replica and it heals like any newcomer. The supervisor is told the
-        decision came from the others (no restart budget is charged for it)."""
-        self.fx.restart(f"rank {self.rank}: {why}; restarting to take the committed state from a peer", why)
+        that ftrun restarts the replica and it heals like any newcomer (core.Restart). Unless
+        `charged`, the supervisor is told the decision came from the others, and charges no
+        restart for it."""
+        if not charged:
+            self.fx.restart(f"rank {self.rank}: {why}; restarting to take the committed state from a peer", why)
+        else:
+            then = "restarts it clean" if clean else "restarts and heals it"
+            self.fx.restart(f"rank {self.rank}: {why}; exiting so that ftrun {then}")
 
     # ------------------------------------------------------------ quorums
     # ------------------------------------------------------------ a new incarnation, in place

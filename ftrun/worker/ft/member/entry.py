@@ -11,7 +11,7 @@ from ftrun import keys
 from ftrun.wire import Quorum
 from ftrun.worker.ft.member import membership
 from ftrun.worker.ft.member import core
-from ftrun.worker.ft.member.core import AskEntryRound, Entered, Entering, Finish, Joined, Restart
+from ftrun.worker.ft.member.core import AskEntryRound, Entered, Entering, Joined
 from ftrun.worker.ft.member.vote import StoreMovedMidVote
 
 
@@ -34,11 +34,9 @@ class QuorumEntry:
         if entry.finished is None:
             d.watch.seen(entry.latest)  # the newest quorum: a round we close names it, so members move on
             d.watch.start()
-        for c in d.core.handle(Joined(entry.quorum, entry.round, entry.finished)):
-            if isinstance(c, Finish):
-                d._carry_out([c])
-                return
-            self.switch(c.quorum, joining=True)
+        d.execute(d.core.handle(Joined(entry.quorum, entry.round, entry.finished)))
+        if d.core.finished:
+            return
         d.store.set(keys.entered_key(d.rank), str(d.inc))
         if d.quorum is not None and d.in_sync:
             d.fx.log_detail(f"rank {d.rank} (incarnation {d.inc}) joined quorum {entry.quorum} at step "
@@ -50,9 +48,7 @@ class QuorumEntry:
         d = self.d
         quorum = membership.read_quorum(d.store, quorum_id)
         commands = d.core.handle(Entering(quorum, (d.rank, d.inc), joining))
-        for c in commands:
-            if isinstance(c, Restart):
-                d.fx.restart(f"rank {d.rank}: {c.why}; exiting so that ftrun restarts and heals it")
+        d.execute(commands)
         if quorum.stop:
             d.stops.stop_here(quorum)
         asked = any(isinstance(c, AskEntryRound) for c in commands)

@@ -69,7 +69,7 @@ class HealTransfers:
         # A spare's fed state is not the committed one: named a fresh quorum's source, it restarts clean.
         refused = d.source_refuses(sending, self.tainted or fx.fed(), quorum.fresh, self.holds_state(), d.k)
         if refused is not None:
-            fx.restart(f"rank {d.rank}: {refused.why}; exiting so that ftrun restarts it clean")
+            d.execute([refused])
         if core.resumes_checkpoint(sending, bool(quorum.fresh), d.in_sync, d.checkpoints is not None, self.resumed):
             d.stops.resume()
             self.resumed = True
