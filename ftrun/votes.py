@@ -24,6 +24,49 @@ ABSTAIN_VOTE = 1 << 21
 FAIL_VOTE = 1 << 42
 
 
+class Voting(NamedTuple):
+    """How the rounds of replicas of `k` workers are voted: the one place where whole replicas (one
+    worker each) and sharded ones (K workers, FSDP2 over ft.device_mesh()) differ in the protocol.
+    The members, the keeper and the simulator read these, never `k == 1` for a rule of the vote."""
+
+    k: int
+
+    @property
+    def steps_first(self) -> bool:
+        """A member whose collectives went through steps at once and reads the round's decision
+        during the next round (whole replicas). A sharded replica's workers wait for the decision
+        and step on it (member/core.py TakeStep): its shards may disagree, and the replica holds
+        the state only if every shard does."""
+        return self.k == 1
+
+    @property
+    def one_step_rounds(self) -> bool:
+        """Every step is a round of its own, whatever pace the keeper sets (sharded replicas, which
+        wait for each decision: a longer round would only rebuild their groups)."""
+        return self.k > 1
+
+    @property
+    def dead_vote(self) -> int:
+        """The keeper's vote for a member it saw die: an abstention where the live members stepped
+        first (had the dead one sent its part, their collectives went through, and their votes say
+        so), a failed vote where they wait for the decision (an abstention could commit a round
+        whose other shard failed, and that shard's replica would restart whole)."""
+        return ABSTAIN_VOTE if self.steps_first else FAIL_VOTE
+
+    @property
+    def sub_steps(self) -> bool:
+        """Whether a loop step may be voted as several sub-steps (several ft.Optimizers): whole
+        replicas only, so far."""
+        return self.k == 1
+
+    @property
+    def gives_up_lost_rounds(self) -> bool:
+        """Whether a member votes a round down at its top (or stops its backward) once its quorum
+        lost a member and a newer one is out, instead of computing a step that cannot commit
+        (whole replicas: a sharded replica's were not measured)."""
+        return self.k == 1
+
+
 def read_kept(store, quorum: int, rnd: int) -> int:
     """The steps of a failed round that stand: none unless a failed member said otherwise."""
     key = kept_key(quorum, rnd)

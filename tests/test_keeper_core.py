@@ -727,3 +727,19 @@ def test_a_moved_stores_first_quorum_counts_above_every_quorum_a_survivor_saw():
     d = core.next_quorum(_moved(survivors={0: saw, 1: said(5)}), "first replicas joined", {})
     assert d.quorum.id == 13
     assert core.next_quorum(_moved(survivors={1: said(5)}), "first replicas joined", {}).quorum.id == 8
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("k, steps_first, one_step, dead, sub_steps, gives_up", [
+    (1, True, False, A, True, True),
+    (2, False, True, F, False, False),
+    (4, False, True, F, False, False),
+])
+def test_the_voting_of_whole_and_sharded_replicas_differs_in_one_place(k, steps_first, one_step, dead, sub_steps,
+                                                                        gives_up):
+    """votes.Voting: whole replicas step before the decision (a dead member abstains), sharded ones
+    wait for it and vote every step (a dead member fails the round); the member's driver, its core
+    and the keeper read these rules there."""
+    v = votes.Voting(k)
+    assert (v.steps_first, v.one_step_rounds, v.dead_vote, v.sub_steps, v.gives_up_lost_rounds) == \
+        (steps_first, one_step, dead, sub_steps, gives_up)

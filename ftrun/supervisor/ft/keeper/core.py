@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import (AbstractSet, Deque, Dict, FrozenSet, Mapping, Optional, Sequence, Set,
                     Tuple)
 
-from ftrun import keys, pacing
+from ftrun import keys, pacing, votes
 from ftrun.supervisor.ft.keeper import spares
 from ftrun.wire import NO_REPORT, MemberReport, Quorum, SurvivorReport
 
@@ -320,7 +320,7 @@ def repace_due(s: KeeperSnapshot, now: float) -> Optional[str]:
     groups); never for sharded replicas, which vote every step whatever the quorum says
     (member/core.py round_length): a re-sized quorum would only rebuild their groups. The
     reason, or None."""
-    if (s.step_s is None or s.round_steps_chosen or s.k > 1 or not s.members
+    if (s.step_s is None or s.round_steps_chosen or votes.Voting(s.k).one_step_rounds or not s.members
             or (s.quorum_paced and now < s.repace_after)):
         return None
     want, round_s = paced_steps(s), s.quorum_steps * s.step_s

@@ -125,14 +125,11 @@ class KeeperRules:
 
 def dead_votes(rules: KeeperRules, s: KeeperSnapshot, member: Member) -> List[DeadVotes]:
     """The votes due for dead `member` in every quorum that lists it and that live members may
-    still be in or enter. An abstention, not a failed vote: the live members' own votes say
-    whether the round's collectives went through (if the dead one had sent its part, they did),
-    and those that voted ok have stepped. Sharded replicas (k > 1) wait for the decision before
-    stepping: for them the dead member's vote is a failed one, as it was before the vote left
-    the critical path. A dead member's own vote may count besides the keeper's; a failed one
-    then discards a round nobody has stepped past, where an abstention could commit a round
-    whose other shard failed, and the replica holding that shard would restart whole."""
-    vote = votes.ABSTAIN_VOTE if s.k == 1 else votes.FAIL_VOTE
+    still be in or enter: votes.Voting.dead_vote, an abstention where the live members stepped
+    first, a failed vote where they wait for the decision (sharded replicas). A dead member's own
+    vote may count besides the keeper's; a failed one then discards a round nobody has stepped
+    past."""
+    vote = votes.Voting(s.k).dead_vote
     oldest = min(s.live_quorums(), default=0) if s.all_live_report() else 0
     due = []
     for e, members in s.quorums.items():
@@ -140,7 +137,7 @@ def dead_votes(rules: KeeperRules, s: KeeperSnapshot, member: Member) -> List[De
             continue
         rounds = tuple(sorted(rules.rounds_to_fill(s, e)))
         due.append(DeadVotes(e, vote, rounds, f"rank {member[0]}.{member[1]} of quorum {e} is dead: "
-                                              f"{'abstain' if s.k == 1 else 'fail'} in rounds {list(rounds)}"))
+                                              f"{'abstain' if vote == votes.ABSTAIN_VOTE else 'fail'} in rounds {list(rounds)}"))
     return due
 
 

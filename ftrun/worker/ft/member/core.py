@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
+from ftrun.votes import Voting
 from ftrun.wire import Quorum
 
 Member = Tuple[int, int]  # (global rank, incarnation)
@@ -552,8 +553,8 @@ def round_length(round_steps: int, k: int, layout_round: bool, step: int, total:
     """Steps in the round starting at `step`: the quorum's round_steps, ending early where a
     checkpoint (every `every` steps; None: none) or the end of the loop needs the step decided,
     and where the guard checks (every `check_steps`: a round begins there). One step for sharded
-    replicas and layout rounds. The same on every member."""
-    if k > 1 or layout_round:
+    replicas (Voting.one_step_rounds) and layout rounds. The same on every member."""
+    if Voting(k).one_step_rounds or layout_round:
         return 1
     n = max(1, round_steps)
     if total is not None:

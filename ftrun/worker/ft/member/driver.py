@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, List, Optional, Tuple
 
-from ftrun import exits, keys, pacing
+from ftrun import exits, keys, pacing, votes
 from ftrun.wire import MemberReport, Quorum, SurvivorReport
 from ftrun.worker.ft.member import membership, vote
 from ftrun.worker.ft.member import core
@@ -65,6 +65,7 @@ class MemberDriver:
         self.fx = fx
         self.check_s = check_s  # seconds between the guard's checks (0: the guard is off)
         self.rank, self.inc, self.k = rank, inc, k
+        self.voting = votes.Voting(k)
         self.replica, self.shard = divmod(rank, k)
         self.node = fx.node()
         self.store_gen = store_gen
@@ -247,7 +248,7 @@ class MemberDriver:
     def close_round(self) -> None:
         """Vote the steps this member took in the current round, as its last step would."""
         self._step_done()
-        if self.taken and self.quorum is not None and self.k == 1:
+        if self.taken and self.quorum is not None and self.voting.steps_first:
             self.ballot.submit(self.quorum.id, self.round, len(self.quorum.members), self.latest_seen,
                                self.node_size())
             self._end_round(True, self.core.handle(ClosedOk()))
@@ -445,7 +446,7 @@ class MemberDriver:
         if self.looping:
             self.misused("a second ftrun.ft.Optimizer was made inside the training loop: make every ft.Optimizer "
                          "before the loop (ft.steps(), ft.epochs()), as every replica must agree how a step is voted")
-        if self.k > 1:
+        if not self.voting.sub_steps:
             self.misused(f"several ftrun.ft.Optimizers (optimizers stepped one after another in a step) are not "
                          f"supported with --replica-size {self.k} yet: give every optimizer to one ft.Optimizer, or "
                          f"use --replica-size 1")
@@ -487,7 +488,7 @@ class MemberDriver:
             if self.rejoin_why is None:
                 self.iteration.voted_down()
             return False
-        if ok and self.k == 1:
+        if ok and self.voting.steps_first:
             self._took_step(self.round)
             if self.taken >= self.round_len:
                 self.ballot.submit(self.quorum.id, self.round, len(self.quorum.members), self.latest_seen,
@@ -516,7 +517,7 @@ class MemberDriver:
         handing the script a step whose gradients go nowhere (a whole step per early restart).
         Whole replicas only, as `_peer_lost`."""
         q = self.quorum
-        return (self.k == 1 and q is not None and self.pg is None and not self.round_ok
+        return (self.voting.gives_up_lost_rounds and q is not None and self.pg is None and not self.round_ok
                 and self.latest_seen > q.id and self.rejoin_why is None)
 
     def abandoned(self) -> Optional[str]:
@@ -541,7 +542,7 @@ class MemberDriver:
         A member found gone stays gone; one found there is looked at again after GONE_LOOK_S (the
         keeper publishes the quorum that drops a dead member before it marks the member dead)."""
         q = self.quorum
-        if self.k != 1 or q is None or self.pg is None or self.latest_seen <= q.id:
+        if not self.voting.gives_up_lost_rounds or q is None or self.pg is None or self.latest_seen <= q.id:
             return None
         seen, now = (q.id, self.latest_seen), self.fx.now()
         last, at, why = self._gone
