@@ -84,12 +84,13 @@ def _output(procs: list) -> str:
 
 
 def wait_for(pred: Callable[[], T], timeout: float, what: str, proc: Procs = None, poll: float = 0.02,
-             show: Optional[Callable[[], str]] = None) -> T:
+             show: Optional[Callable[[], str]] = None, before_kill: Optional[Callable[[], str]] = None) -> T:
     """Poll pred() every `poll` s until it returns something truthy, and return that: the suite's
     one bounded wait. Fails, naming `what` (what it waited for), after `timeout` s, or as soon as
     one of `proc` (a process, or several) has exited with pred still false: that one will never
-    bring it. The failure shows `show()` (what was last seen) and the processes' stderr; a wait
-    that timed out kills them first, so that none outlives a test that has no `finally` for it."""
+    bring it. The failure shows `show()` (what was last seen), what `before_kill()` found while
+    the processes still lived (a timed-out wait) and the processes' stderr; a wait that timed out
+    kills them first, so that none outlives a test that has no `finally` for it."""
     procs = _procs(proc)
     deadline = time.monotonic() + timeout
     while True:
@@ -102,6 +103,8 @@ def wait_for(pred: Callable[[], T], timeout: float, what: str, proc: Procs = Non
                 why = f"pid {ended[0].pid} exited {ended[0].returncode} before {what}"
             else:
                 why = f"not within {timeout:g} s: {what}"
+                if before_kill is not None:
+                    why += "\n" + before_kill()
                 for p in procs:
                     p.kill()
                     p.wait()
@@ -126,7 +129,39 @@ def wait_state(home: Path, folder: str, pred: Callable[[dict], Any], timeout: fl
                                  f"{_output(_procs(proc))}")
         return st if pred(st) else None
 
-    return wait_for(check, timeout, what, proc, poll, show=lambda: f"last state: {last[0]}")
+    return wait_for(check, timeout, what, proc, poll, show=lambda: f"last state: {last[0]}",
+                    before_kill=lambda: worker_stacks(last[0]))
+
+
+def worker_stacks(state: Optional[dict], wait_s: float = 3.0) -> str:
+    """The Python stacks of a run's live workers (from its state), each asked for with ftrun's
+    stack-dump signal and read back from its rank's stacks.log: what a stalled run was doing, in
+    the failure's message, where a CI log is all there is to read."""
+    from ftrun.exits import DUMP_STACKS_SIGNAL
+
+    if not state or not state.get("log_dir"):
+        return ""
+    asked = {}
+    for r in state.get("replicas", []):
+        path = Path(state["log_dir"]) / f"rank{r['rank']}" / "stacks.log"
+        before = path.stat().st_size if path.exists() else 0
+        try:
+            os.kill(r["pid"], DUMP_STACKS_SIGNAL)
+        except (OSError, TypeError, KeyError):
+            continue
+        asked[r["rank"]] = (path, before)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and not all(p.exists() and p.stat().st_size > b for p, b in asked.values()):
+        time.sleep(0.05)
+    time.sleep(0.2)  # the last lines of a dump under way
+    parts = []
+    for rank, (path, before) in sorted(asked.items()):
+        try:
+            text = path.read_bytes()[before:].decode(errors="replace")
+        except OSError:
+            text = ""
+        parts.append(f"--- stacks of rank {rank}:\n{text[-2500:] if text else '(none written)'}")
+    return "\n".join(parts)
 
 
 def wait_replica(home: Path, folder: str, rank: int, pred: Callable[[dict, dict], Any], timeout: float = 60.0,
