@@ -207,6 +207,47 @@ def test_a_spare_waits_for_a_feeder_slower_than_the_timeout_and_a_feeder_never_f
         assert bad not in err, (bad, err[-4000:])
 
 
+@pytest.mark.quick
+def test_a_read_that_must_not_wait_never_waits_nor_creates_the_key():
+    """membership.read_now on a real TCPStore whose reads wait 20 s: a missing key (a spare's ask it
+    withdrew between the feeder's check and its read) is None at once, and stays missing."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ftrun.worker.ft.member.membership import read_now
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=20), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=20))
+    t0 = time.monotonic()
+    assert read_now(client, "ftrun/ft/feed/ask/3") is None
+    assert time.monotonic() - t0 < 5 and not client.check(["ftrun/ft/feed/ask/3"])
+    client.set("ftrun/ft/feed/ask/3", "1 0 2")
+    client.set("empty", "")
+    assert read_now(client, "ftrun/ft/feed/ask/3") == "1 0 2" and read_now(client, "empty") == ""
+
+
+def test_workers_that_wait_for_a_late_peer_before_the_first_quorum_start_at_once(ftrun_home, tmp_path):
+    """Rank 0 comes to ftrun.ft 6 s after the others (a slow import, a big dataset), so the first
+    quorum waits for it, with no quorum out yet. The others' waits to join pass their first second
+    there, and spend the rest following a feeder (ft/heal/feed.py): with none out, they used to read
+    quorum 0, which never exists, and wait on the store for its whole 600 s timeout; the run
+    stalled before its first step (the sharded spare run of stop 62's CI stalled so). Here the
+    run trains as soon as rank 0 is in, and the spare is fed."""
+    script = tmp_path / "late_rank0.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '0':\n    time.sleep(6)\n" + FIRST_STEP_SLOW.replace("import os, sys, time\n", ""))
+    t0 = time.monotonic()
+    proc = start_ftrun(["--nproc", 3, "--ft", "--spares", 1, "--verbose", script, 0], files=("stderr",))
+    try:
+        rc, err = finish(proc, 90)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-4000:]
+    assert time.monotonic() - t0 < 75, err[-4000:]
+    assert "rank 2: a hot spare fed by rank" in err, err[-4000:]
+
+
 @pytest.mark.extended
 def test_a_fed_spare_is_never_a_fresh_quorums_source(ftrun_home, tmp_path):
     """Every training replica lost at once while the fed spare is the lowest rank: the spare's state

@@ -409,8 +409,8 @@ class Feeder:
         for r in range(self.world):
             if r in quorum.ranks or r in self.feeds or not self.store.check([keys.feed_ask_key(r)]):
                 continue
-            ask = self.store.get(keys.feed_ask_key(r)).decode()
-            if self.served.get(r) == ask:
+            ask = membership.read_now(self.store, keys.feed_ask_key(r))  # withdrawn since the check: None
+            if ask is None or self.served.get(r) == ask:
                 continue
             self.served[r] = ask
             if int(ask.split()[0]) == self.rank:
@@ -428,7 +428,7 @@ class Feeder:
         def gone() -> Optional[str]:
             if store.get(keys.inc_key(spare)).decode() != str(inc):
                 return f"rank {spare} left"
-            if not store.check([ask_key]) or store.get(ask_key).decode() != ask:
+            if membership.read_now(store, ask_key) != ask:
                 return "it no longer asks"
             return "no answer" if time.monotonic() - t0 > bound else None
 
@@ -531,6 +531,11 @@ class Follower:
         if not store.check([keys.LATEST]):
             return
         latest = int(store.get(keys.LATEST))
+        # LATEST is 0 from the keeper's start until its first quorum: a read of a key that is not
+        # there waits for the store's whole timeout (600 s), deaf to the quorum this wait to join
+        # is for (a first quorum waiting for a late worker stalled every other worker so).
+        if latest < 1 or not store.check([keys.quorum_key(latest)]):
+            return
         quorum = membership.read_quorum(store, latest)
         feeder = quorum.source(self.rank % _k())
         if feeder is None or self.rank in quorum.ranks:
@@ -577,7 +582,7 @@ class Follower:
     def _follow(self, deadline: float, until: Optional[int] = None, poll_s: float = FOLLOW_POLL_S) -> None:
         """Take the steps sent until `deadline` (or step `until`), looking for them every `poll_s`."""
         while True:
-            word = self.store.get(self.sent_key).decode() if self.store.check([self.sent_key]) else "-1"
+            word = membership.read_now(self.store, self.sent_key) or "-1"
             if word == DROPPED:
                 raise FeedBroken("its feeder stopped feeding it")
             sent = int(word)

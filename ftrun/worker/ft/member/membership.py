@@ -22,6 +22,19 @@ def _text(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
+# A value no key of ftrun's ever holds: compare_set with it as both the expected and the new value
+# reads a key without creating it (read_now).
+_ABSENT = "\x00absent"
+
+
+def read_now(store: Any, key: str) -> Optional[str]:
+    """`key`'s value, or None when it is not there, in one store call that never waits: a get of a
+    missing key waits for the store's whole timeout, and a key a check found may be deleted before
+    the get that follows (a spare withdraws its ask so)."""
+    raw = _text(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if raw == _ABSENT else raw
+
+
 def read_quorum(store: Any, quorum_id: int) -> Quorum:
     return Quorum.from_json(store.get(keys.quorum_key(quorum_id)))
 

@@ -35,6 +35,7 @@ STORE_PROBES = 5  # connections 0.1 s apart that must all get in for the run's s
 NICER = 5
 CONNECT_S = 10.0  # a store client's connect (store_client)
 JOIN_FAST_S, SPARE_POLL_S = 1.0, 0.05  # a join's fast polls, then a waiting spare's (join_sleep)
+FEED_STORE_S = 30.0  # the longest one store operation of the hot spares' feed may wait
 
 
 def _yield_to_training() -> None:
@@ -90,8 +91,13 @@ class TorchEffects(MemberEffects):
         self._inc = settings.current().restart_count
         # Hot spares that hold the live state (ft/heal/feed.py): this worker feeds the spares while
         # it trains, and follows a feeder while it waits as a spare.
-        self.feeder = Feeder(state, rank, self.connect, _log_detail, self._chunk, self._settle_s)
-        self.follower = Follower(state, rank, lambda: self._inc, self.connect, _log_detail, self._chunk,
+        # Their own store connections, whose one operation never waits past FEED_STORE_S: a read
+        # that waits (a key not there) holds a training step, or a spare's look at the quorums.
+        def feed_store() -> dist.TCPStore:
+            return self.connect(FEED_STORE_S)
+
+        self.feeder = Feeder(state, rank, feed_store, _log_detail, self._chunk, self._settle_s)
+        self.follower = Follower(state, rank, lambda: self._inc, feed_store, _log_detail, self._chunk,
                                  self._settle_s)
 
     # ------------------------------------------------------------ the store
