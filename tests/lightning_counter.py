@@ -51,10 +51,11 @@ class Stream(IterableDataset):
 
 
 class Counter(pl.LightningModule):
-    def __init__(self, size: int, epochs: int, sleep: float) -> None:
+    def __init__(self, size: int, epochs: int, sleep: float, away: float = 10.0) -> None:
         super().__init__()
         self.w = torch.nn.Parameter(torch.zeros(epochs, size))
-        self.sleep = sleep
+        self.sleep, self.away = sleep, away
+        self.draws_away = 0
 
     def on_train_start(self) -> None:
         with open(f"{OUT}.rank{self.global_rank}.starts", "a") as f:
@@ -66,9 +67,12 @@ class Counter(pl.LightningModule):
         if self.sleep:
             # Slower while a replica is away (the replicas of the step, counted by Lightning's own
             # reduce), so that a restarted one is back before the run's end however loaded the
-            # machine is.
+            # machine is: 10 times for its first 3 draws away (steps that commit without it), then
+            # --away-sleep times.
             live = self.trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum")
-            time.sleep(self.sleep if live == self.trainer.world_size else 10 * self.sleep)
+            self.draws_away = 0 if live == self.trainer.world_size else self.draws_away + 1
+            factor = 1 if not self.draws_away else 10 if self.draws_away <= 3 else self.away
+            time.sleep(factor * self.sleep)
         return self.w[self.current_epoch, idx].sum()
 
     def manual_step(self, idx: torch.Tensor, batch_idx: int) -> None:
@@ -87,6 +91,7 @@ p.add_argument("out")
 p.add_argument("--size", type=int, default=120)
 p.add_argument("--batch", type=int, default=4)
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--away-sleep", type=float, default=10.0, help="times --sleep, a step's while a replica is away")
 p.add_argument("--workers", type=int, default=0, help="the DataLoader's (persistent) workers")
 p.add_argument("--package", default="lightning", help="pytorch_lightning: import Lightning by its older name")
 p.add_argument("--manual", action="store_true", help="manual optimization (automatic_optimization = False)")
@@ -100,7 +105,7 @@ OUT = args.out
 TRAINED = []  # the samples of each of this process's training steps, in order (a redone one's again)
 
 torch.manual_seed(0)
-model = Counter(args.size, args.epochs, args.sleep)
+model = Counter(args.size, args.epochs, args.sleep, args.away_sleep)
 if args.manual:
     model.automatic_optimization = False
     model.training_step = model.manual_step

@@ -71,12 +71,16 @@ def test_lightning_on_a_stream_heals_and_reads_each_share_once(ftrun_home, tmp_p
     rank (rank r of 3 reads r, r + 3, ..., as a torchrun script splits a stream), 3 replicas, 2
     epochs (passes), accumulate_grad_batches=2; replica 1 SIGKILLed mid-epoch: it restarts, heals,
     and its fit() goes on reading its own shard exactly at its last committed step; the pass ends
-    once every shard is read (the others train empty batches meanwhile). Every sample is trained
+    once every shard is read (the others train empty batches meanwhile; while it is away their
+    draws take 10 times longer, and 60 times from the fourth, so that it is back before their
+    shards end: on a loaded machine its restart took 12 s, and the pass then ended without its
+    shard's rest, as ftrun says). Every sample is trained
     once an epoch among committed steps (-1/(2n)), the replicas never killed trained exactly their
     shards' batches in order, and the replicas' whole state ends identical."""
     out, size, batch, epochs = tmp_path / "o", 120, 2, 2
     proc = start_ftrun(["--nproc", 3, "--ft", "--max-restarts", 2, "--run-id", "lstream", WORKER, epochs, out,
-                        "--size", size, "--batch", batch, "--sleep", 0.08, "--iterable", "--accumulate", 2], files=("stderr",))
+                        "--size", size, "--batch", batch, "--sleep", 0.08, "--away-sleep", 60, "--iterable",
+                        "--accumulate", 2], files=("stderr",))
     try:
         _kill_at(ftrun_home, "lstream", proc, [(1, 3)])
         rc, err = finish(proc, 300)
