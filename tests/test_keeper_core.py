@@ -666,6 +666,14 @@ def test_status_figures():
     assert core.replica_status(s, 2)["in_quorum"] is False and core.replica_status(s, 2)["ft_phase"] is None
 
 
+def test_a_spare_that_exited_is_neither_held_back_nor_promoted():
+    """With --spares: a held replica is a spare, a member is not, and one whose incarnation exited
+    is neither (None): read as not held, the books booked a promoted spare's heal for an idle
+    spare's exit 0 at the run's end (stop 62's fresh-clone run)."""
+    s = snap(quorum_id=2, members={0: 0, 1: 0}, spares=1, held={2: 0, 3: 1}, alive={0: 0, 1: 0, 2: 0, 3: None})
+    assert [core.replica_status(s, r)["spare"] for r in range(4)] == [False, False, True, None]
+
+
 PACE = [
     # notes (time, global step) -> seconds per step
     row("not enough steps", [(0.0, 1), (1.0, 2)], None),

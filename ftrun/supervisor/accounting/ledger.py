@@ -107,7 +107,8 @@ class Ledger:
         self.books.given_up(self.lane(w), now)
 
     def spare(self, w: Worker, waiting: Optional[bool], now: float) -> None:
-        """--spares: whether the keeper holds `w`'s replica back as a hot spare now (None: no spares)."""
+        """--spares: whether the keeper holds `w`'s replica back as a hot spare now (None: no spares,
+        or no live incarnation: its exit is booked by done or failed)."""
         if waiting is not None and self._leads(w):
             self.books.spare(self.lane(w), now, waiting)
 

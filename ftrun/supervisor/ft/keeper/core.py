@@ -504,7 +504,9 @@ def replica_status(s: KeeperSnapshot, rank: int) -> dict:
         "ft_phase": info.phase if info.inc == inc else None,
     }
     if s.spares:
-        fields["spare"] = inc is not None and s.held.get(rank) == inc
+        # None while no incarnation lives: a spare that exited is neither held back nor promoted,
+        # and the books, which read False as a promotion (a heal), book its exit as such.
+        fields["spare"] = None if inc is None else s.held.get(rank) == inc
     return fields
 
 
