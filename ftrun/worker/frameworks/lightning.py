@@ -540,11 +540,14 @@ def _build(pl: ModuleType) -> type:
                         return {**out, "loss": out["loss"] * 0}
                 return out
 
-            top = self._schedules()
+            top = None
 
             def attempt() -> Any:
-                if self._manual_steps is not None:  # the batch again: its schedules as at its top
-                    self._schedules(top)
+                nonlocal top
+                # The schedules at the step's top: past the round's top, where a heal lands (a
+                # healer takes them from its source), and put back before the next round's top
+                # when the attempt is lost (until_complete), so that a heal served there sends them.
+                top = self._schedules()
                 self._manual_steps = []
                 out = super(FTStrategy, self).training_step(self._step_batch(args[0], args[1]), *args[1:], **kwargs)
                 if not self._manual_steps:
@@ -559,7 +562,7 @@ def _build(pl: ModuleType) -> type:
 
             self._manual_steps = None
 
-            return self._loop.until_complete(attempt, self._manual_discarded)
+            return self._loop.until_complete(attempt, self._manual_discarded, lambda: self._schedules(top))
 
         def _schedules(self, back: Any = None) -> Any:
             """The LR schedulers' states and the optimizers' hyperparameters (what a scheduler sets

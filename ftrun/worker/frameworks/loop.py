@@ -116,17 +116,21 @@ class FrameworkLoop:
                 return out
             self.mgr.begin_step()
 
-    def until_complete(self, attempt: Callable[[], T], discarded: Callable[[], bool]) -> T:
+    def until_complete(self, attempt: Callable[[], T], discarded: Callable[[], bool],
+                       again: Callable[[], None] = lambda: None) -> T:
         """Run `attempt` (one of the loop's steps in which the script steps its optimizers itself,
         each step of each a sub-step) until none of its optimizer steps is discarded: an attempt
         that lost one is made again from the next round's top, on the same step, and its
         committed sub-steps return False without stepping (ft.Optimizer), so each optimizer
-        steps once per step among committed ones."""
+        steps once per step among committed ones. `again()` puts back what the lost attempt
+        changed outside the tensors, before that round's top: a heal there sends this replica's
+        state, which must be the step's top, not the lost attempt's."""
         while True:
             out = attempt()
             if not discarded():
                 self.in_step, self.stepped = False, True
                 return out
+            again()
             self.mgr.begin_step()
 
     def finish(self) -> None:
