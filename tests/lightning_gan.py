@@ -71,7 +71,8 @@ class GAN(pl.LightningModule):
         there (a kill while one is away could leave no peer to heal from)."""
         steps = self.trainer.global_step // (2 if self.two else 1)  # committed batches (one step per optimizer)
         at, w = self.die.get(self.global_rank, (None, None))
-        return self.first_process and w == when and steps >= at and self.live == self.trainer.world_size
+        full = self.trainer.world_size - SPARES
+        return self.first_process and w == when and steps >= at and self.live == full
 
     def training_step(self, batch, batch_idx):
         real, idx = batch
@@ -80,7 +81,7 @@ class GAN(pl.LightningModule):
         n = len(real)
         self.live = live = self.trainer.strategy.reduce(torch.tensor(1.0), reduce_op="sum")  # the step's replicas
         if self.sleep:  # slower while a replica is away, so that it is back before the run's end
-            time.sleep(self.sleep if live == self.trainer.world_size else 10 * self.sleep)
+            time.sleep(self.sleep if live == self.trainer.world_size - SPARES else 10 * self.sleep)
         ones, zeros = torch.ones(n, 1), torch.zeros(n, 1)
         if self.two:
             opt_d, opt_g = self.optimizers()
@@ -138,9 +139,11 @@ p.add_argument("--batch", type=int, default=8)
 p.add_argument("--optimizers", choices=["one", "two"], default="two")
 p.add_argument("--die-at", default="")
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--spares", type=int, default=0, help="ftrun's --spares: a step's full count of replicas is the rest")
 p.add_argument("--no-step-at", type=int, default=-1, help="a batch whose training_step steps no optimizer")
 args = p.parse_args()
 die = {int(r): (int(s), w) for r, s, w in (x.split(":") for x in args.die_at.split(",") if x)}
+SPARES = args.spares
 
 torch.manual_seed(0)
 model = GAN(args.samples, args.optimizers, die, args.sleep, args.no_step_at)

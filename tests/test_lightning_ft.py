@@ -272,6 +272,37 @@ def test_manual_optimization_heals_a_gans_two_optimizers_and_one_clipped(ftrun_h
                            for k, a in st.items()), name
 
 
+def test_a_spare_promoted_into_a_lost_gan_step_takes_its_schedules_as_at_the_batchs_top(ftrun_home, tmp_path):
+    """The GAN on 4 workers with --spares 1: rank 1 is killed inside the discriminator's backward,
+    and the spare takes its place in the quorum published at once, so it heals at the top of the
+    batch trained again, from a survivor whose lost attempt had stepped both LR schedulers. Its
+    source used to send them so, one step ahead: the promoted spare stepped both optimizers at
+    the next learning rate, and the guard found it apart at the next step (2 of 2 runs). Now
+    no state differs, and the replicas that trained to the end hold the same state and rates."""
+    import torch
+
+    out, epochs = tmp_path / "spare", 2
+    proc = start_ftrun(["--nproc", 4, "--ft", "--spares", 1, GAN, epochs, out, "--sleep", 0.05, "--spares", 1,
+                        "--die-at", "1:2:d"], files=("stderr",))
+    try:
+        rc, err = finish(proc, 300)
+    finally:
+        proc.kill()
+    assert rc == 0, err[-3000:]
+    assert "spare replica 3 takes its place" in err, err[-3000:]
+    assert "differs from its peers" not in err and "differ from their peers" not in err, err[-3000:]
+    trained = [r for r in range(4) if Path(f"{out}.rank{r}.pt").exists()]
+    assert len(trained) == 3 and 3 in trained, trained
+    states = [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in trained]
+    batches = epochs * 96 // (8 * 4)  # Lightning's batches: its sampler splits the set over the 4 workers
+    for s in states:
+        assert s["step"] == 2 * batches and s["lr"] == [[0.05 * 0.99 ** batches, 1.0]] * 2, (s["step"], s["lr"])
+        for counter in ("count_d", "count_g"):  # every sample once an epoch, by each optimizer
+            assert torch.unique(s[counter]).tolist() == [-float(epochs)], (counter, torch.unique(s[counter]))
+        for part in ("G", "D"):
+            assert all(torch.equal(v, states[0][part][k]) for k, v in s[part].items()), part
+
+
 def test_what_ftrun_cannot_heal_is_one_line_and_group_restarts(ftrun_home, tmp_path):
     """A DDPStrategy object the script builds is not ftrun's: one line at the start (and no advice
     to wrap the loop with ftrun.ft, which does not fit a Lightning script), Lightning's own DDP
