@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun import keys
+from ftrun.wire import Quorum
 from ftrun.worker.ft.heal.state import ReplicaState
 from ftrun.worker.ft.heal.transport import _local, receive_state, send_state
 from ftrun.worker.ft.member import membership
@@ -528,15 +529,14 @@ class Follower:
         if self.store is None:
             self.store = self.connect()
         store, inc = self.store, self.incarnation()
-        if not store.check([keys.LATEST]):
-            return
-        latest = int(store.get(keys.LATEST))
-        # LATEST is 0 from the keeper's start until its first quorum: a read of a key that is not
+        # LATEST is 0 from the keeper's start until its first quorum: a get of a key that is not
         # there waits for the store's whole timeout (600 s), deaf to the quorum this wait to join
         # is for (a first quorum waiting for a late worker stalled every other worker so).
-        if latest < 1 or not store.check([keys.quorum_key(latest)]):
+        latest = int(membership.read_now(store, keys.LATEST) or 0)
+        raw = membership.read_now(store, keys.quorum_key(latest)) if latest > 0 else None
+        if raw is None:
             return
-        quorum = membership.read_quorum(store, latest)
+        quorum = Quorum.from_json(raw)
         feeder = quorum.source(self.rank % _k())
         if feeder is None or self.rank in quorum.ranks:
             return
