@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import ROOT, SCRIPTS, free_port, really_alive, run_ftrun, start_ftrun
-from helpers import assert_bad, err_text, wait_for
+from helpers import assert_bad, err_text, read_state, wait_for, worker_stacks
 
 TRAIN = SCRIPTS / "train_ft.py"
 WORKER = ROOT / "tests" / "ckpt_worker.py"
@@ -86,20 +86,28 @@ def test_everything_killed_resumes_bitwise(ftrun_home, tmp_path):
                                                      "FTRUN_CHECKPOINT_FRESH_STAGER": "1"}, files=("stderr",))
     first = start_ftrun(cmd(d, tmp_path / "out"), env={"FTRUN_CHECKPOINT_INJECT_DELAY": "6:120"}, files=("stderr",))
     partial = d / ".step-6.ck.partial"  # .step-N.<run id>.partial
-    wait_for(lambda: (partial / ".metadata").exists() and (d / "step-3").is_dir(), 90,
-             "the checkpoint of step 6 written but not published", first)
+
+    def seen() -> str:
+        return f"in {d}: {sorted(p.name for p in d.iterdir()) if d.is_dir() else 'nothing'}"
+
+    # Two runs of 3 x 126 MB beside the suite's other workers: on a loaded CI machine the first
+    # took over 90 s to reach step 6. A stalled run still fails here, with its workers' stacks.
+    stacks = lambda: worker_stacks(read_state(ftrun_home, "ck"))  # noqa: E731
+    wait_for(lambda: (partial / ".metadata").exists() and (d / "step-3").is_dir(), 240,
+             "the checkpoint of step 6 written but not published", first, show=seen, before_kill=stacks)
     _kill_everything(first)
     assert _complete(d) == [3] and (partial / ".metadata").exists()
 
     second = start_ftrun(cmd(d, tmp_path / "out"), files=("stderr",))
-    wait_for(lambda: (d / "step-6").is_dir(), 90, "the checkpoint of step 6 published", second)
+    wait_for(lambda: (d / "step-6").is_dir(), 240, "the checkpoint of step 6 published", second, show=seen,
+             before_kill=stacks)
     _kill_everything(second)
     assert f"resumed from checkpoint {d}/step-3 at step 3" in err_text(second), err_text(second)[-3000:]
     newest = _complete(d)[-1]
     assert newest == 6, _complete(d)
 
-    third = run_ftrun(cmd(d, tmp_path / "out"), timeout=180)
-    assert ref.wait(timeout=180) == 0, err_text(ref)[-3000:]
+    third = run_ftrun(cmd(d, tmp_path / "out"), timeout=300)
+    assert ref.wait(timeout=300) == 0, err_text(ref)[-3000:]
     assert _complete(ref_dir) == [6, 9], _complete(ref_dir)
     assert not [w for w in ("not written", "failed while writing", "not published") if w in err_text(ref)], \
         err_text(ref)[-3000:]
