@@ -20,6 +20,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import greenlet
 
 
+_JUMP = object()  # _pick's word for a turn without a thread: the clock jumped to the next deadline
+_HALT = object()  # what a thread's switch back to the hub says: the run is over (Sched.run)
+
+
 class SimKilled(BaseException):
     """Raised in a simulated thread whose process was killed (not an Exception: code that
     catches Exception must not survive its own death)."""
@@ -83,6 +87,7 @@ class Sched:
         self._waiting: List[SimThread] = []  # waiting on a condition (and maybe a deadline)
         self._heap: List[Tuple[float, int, int, SimThread]] = []  # (until, seq, token, thread): time alone
         self._seq = 0
+        self._direct = False  # inside run(): a thread's yield point begins the next turn itself
 
     # ------------------------------------------------------------ for simulated code
     def spawn(self, fn: Callable[[], Any], name: str, proc: str) -> SimThread:
@@ -116,7 +121,7 @@ class Sched:
         else:
             self._seq += 1
             heapq.heappush(self._heap, (until, self._seq, t.token, t))
-        self.hub.switch()
+        self._give_back(t)
         t.pred = t.until = None
         if t.killed:
             raise SimKilled()
@@ -132,7 +137,7 @@ class Sched:
         if until is not None:
             self._seq += 1
             heapq.heappush(self._heap, (until, self._seq, t.token, t))
-        self.hub.switch()
+        self._give_back(t)
         t.until = None
         if t.killed:
             raise SimKilled()
@@ -156,7 +161,7 @@ class Sched:
         t.token += 1
         t.pooled = True
         self._pool.append(t)
-        self.hub.switch()
+        self._give_back(t)
         if t.killed:
             raise SimKilled()
 
@@ -205,8 +210,11 @@ class Sched:
                 pool.append(t)
         if self.paused and now >= self._pauses_end:
             self.paused.clear()  # every pause is over: none filters a turn any more
-        if not self._waiting and not self.paused:
-            return pool
+        if not self._waiting:
+            if not self.paused:
+                return pool
+            paused = self.paused  # a pause alone (the common slow turn): one pass over the pool
+            return [t for t in pool if paused.get(t.proc, -1.0) <= now]
         ready = list(pool)
         for t in self._waiting:
             until = t.until
@@ -217,8 +225,10 @@ class Sched:
             ready = [t for t in ready if paused.get(t.proc, -1.0) <= now]
         return ready
 
-    def turn(self) -> bool:
-        """Run one thread until its next yield point. False when nothing can run any more."""
+    def _pick(self) -> Any:
+        """Begin the next turn: its thread, taken from where it waited, with the clock moved by the
+        turn's latency; _JUMP when no thread could run and the clock jumped to the next deadline
+        instead (a turn without a thread); None when nothing can run any more. Raises Deadlock."""
         now = self.now
         pool = self._pool
         heap = self._heap
@@ -230,7 +240,7 @@ class Sched:
         if not n:
             if heap and not self._waiting and not self.paused:  # the common jump: to the heap's first
                 self.now = max(now, heap[0][0])
-                return True
+                return _JUMP
             # Only deadlines still ahead: a paused process's thread may be past its own.
             deadlines = [t.until for t in self._waiting if t.until is not None and t.until > now]
             if heap:
@@ -239,9 +249,9 @@ class Sched:
             if not deadlines:
                 if self.threads:
                     raise Deadlock(", ".join(sorted(f"{t.proc}/{t.name}" for t in self.threads)))
-                return False
+                return None
             self.now = max(now, min(deadlines))
-            return True
+            return _JUMP
         rng = self.rng
         i = int(rng.random() * n) if n > 1 else 0
         t = ready[i]
@@ -259,7 +269,10 @@ class Sched:
             self.now = now + rng.random() * self.latency_s
         self.current = t
         t.fresh = True
-        t.glet.switch()
+        return t
+
+    def _turn_over(self, t: SimThread) -> None:
+        """End `t`'s turn (it reached a yield point, or ended)."""
         self.current = None
         self.turns += 1
         if t.done:
@@ -267,7 +280,70 @@ class Sched:
             if t.error is not None:
                 self.errors.append(t.error)
                 t.error = None
+
+    def turn(self) -> bool:
+        """Run one thread until its next yield point. False when nothing can run any more."""
+        t = self._pick()
+        if t is None:
+            return False
+        if t is not _JUMP:
+            t.glet.switch()
+            self._turn_over(t)
         return True
+
+    def run(self, go_on: Callable[[], bool], between: Callable[[], None]) -> None:
+        """Turns while `go_on()` (asked before the first turn and after each) and something can
+        run; `between()` looks at each turn once it is over. Raises Deadlock. The same turns, in the
+        same order, as `turn()` in a loop, without the round trip through the hub: a thread at its
+        yield point ends its turn and begins the next itself, and switches straight to that turn's
+        thread (one greenlet switch where the hub's took two; none when it picks itself). Only a
+        thread's end, and the end of the run, come back to the hub."""
+        self._go_on, self._between = go_on, between
+        self._deadlock: Optional[Deadlock] = None
+        self._direct = True
+        try:
+            t = self._next() if go_on() else None
+            while t is not None:
+                if t.glet.switch() is _HALT:
+                    break  # a thread's turn was the last: go_on() said so, or nothing can run
+                self._turn_over(self.current)  # a thread ended: its greenlet returned to the hub
+                t = self._next_after()
+        finally:
+            self._direct = False
+        if self._deadlock is not None:
+            raise self._deadlock
+
+    def _next_after(self) -> Optional[SimThread]:
+        """After a turn: `between()`, then the next turn's thread (None: the run stops here)."""
+        self._between()
+        return self._next() if self._go_on() else None
+
+    def _next(self) -> Optional[SimThread]:
+        """The next turn's thread; a time jump on the way is a turn of its own, looked at as any."""
+        while True:
+            try:
+                t = self._pick()
+            except Deadlock as e:
+                self._deadlock = e
+                return None
+            if t is not _JUMP:
+                return t
+            self._between()
+            if not self._go_on():
+                return None
+
+    def _give_back(self, t: SimThread) -> None:
+        """The end of the running thread `t`'s turn, at its yield point: back to the hub, or, inside
+        run(), on to the next turn (`t` returns from here once its own turn comes again)."""
+        if not self._direct:
+            self.hub.switch()
+            return
+        self._turn_over(t)
+        nxt = self._next_after()
+        if nxt is None:
+            self.hub.switch(_HALT)
+        elif nxt is not t:
+            nxt.glet.switch()
 
     def shutdown(self) -> None:
         """Unwind every thread left (their processes are all killed)."""

@@ -77,25 +77,27 @@ class World:
         sup, inv, sched = self.supervisor, self.invariants, self.sched
         sched.spawn(sup.supervise, "keeper", "supervisor")
         sched.spawn(self.faults.run, "faults", "sim")
+        check, over = inv.check, sup.over
+        done, gone, dropped, n = sup.done, sup.gone, sup.dropped, len(self.ranks)
+        store = self.store
+        writes, bound, deadline = store.writes, inv._keys_bound, inv._progress_deadline
+        every_turn = bool(self.node_store)  # other nodes' stores: their sizes are checked each turn
+
+        def go_on() -> bool:
+            return (((len(done) + len(gone) + len(dropped) < n and not sup.given_up and not sup.stopped
+                      and not sup.requeued) or not over())
+                    and inv.first_violation is None)
+
+        def between() -> None:
+            # check()'s own test of the common turn, inline: nothing new to check
+            if (every_turn or len(writes) != inv._writes_seen or store.max_keys > bound or sched.now > deadline
+                    or sched.turns > TURNS_BOUND or sched.errors):
+                check()
+
         try:
-            turn, check, over = sched.turn, inv.check, sup.over
-            done, gone, dropped, n = sup.done, sup.gone, sup.dropped, len(self.ranks)
-            store = self.store
-            writes, bound, deadline = store.writes, inv._keys_bound, inv._progress_deadline
-            every_turn = bool(self.node_store)  # other nodes' stores: their sizes are checked each turn
-            while ((len(done) + len(gone) + len(dropped) < n and not sup.given_up and not sup.stopped
-                    and not sup.requeued) or not over()) \
-                    and inv.first_violation is None:
-                try:
-                    if not turn():
-                        break
-                except Deadlock as e:
-                    inv.violation(f"deadlock: every thread waits for ever ({e}; {inv.where()})")
-                    break
-                # check()'s own test of the common turn, inline: nothing new to check
-                if (every_turn or len(writes) != inv._writes_seen or store.max_keys > bound or sched.now > deadline
-                        or sched.turns > TURNS_BOUND or sched.errors):
-                    check()
+            sched.run(go_on, between)
+        except Deadlock as e:
+            inv.violation(f"deadlock: every thread waits for ever ({e}; {inv.where()})")
         finally:
             sched.shutdown()
         return inv.first_violation
