@@ -226,7 +226,11 @@ class SimSupervisor:
 
     def _take_events(self, node: int, keeper: QuorumKeeper) -> None:
         now = self.sched.now
-        due = sorted(e for e in self.events if e[0] <= now and (e[2] < 0 or self.w.node_of(e[2]) == node))
+        per_node = self.w.per_node
+        due = [e for e in self.events if e[0] <= now and (e[2] < 0 or e[2] // per_node == node)]
+        if not due:
+            return  # the common tick: nothing due
+        due.sort()
         self.events = [e for e in self.events if e not in due]
         for _, what, r, inc in due:
             if r in self.gone or (what == "spawn" and r in self.dropped):  # lost or dropped: never back
