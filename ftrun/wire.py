@@ -364,8 +364,25 @@ class Quorum:
 
     @classmethod
     def from_json(cls, text) -> "Quorum":
+        """The quorum `text` says. A member reads one quorum's text again at every poll while it
+        joins or watches (the simulator's runs parse little else): the same text gives the same
+        (immutable) Quorum, parsed once."""
+        q = _PARSED_QUORUMS.get(text)
+        if q is None or type(q) is not cls:
+            q = cls._parse(text)
+            if len(_PARSED_QUORUMS) >= _PARSED_QUORUMS_MAX:
+                _PARSED_QUORUMS.clear()  # a run keeps few quorums: the newest are parsed again
+            _PARSED_QUORUMS[text] = q
+        return q
+
+    @classmethod
+    def _parse(cls, text) -> "Quorum":
         d = json.loads(text)
         return cls(d["id"], tuple(sorted((int(r), int(k)) for r, k in d["members"])), tuple(d.get("healers", ())),
                    bool(d.get("fresh", False)), int(d.get("start_round", -1)), int(d.get("round_steps", 1)),
                    bool(d.get("stop", False)), int(d.get("writer", -1)), int(d.get("check_steps", 0)),
                    tuple(int(r) for r in d.get("sources", ())))
+
+
+_PARSED_QUORUMS: Dict[Raw, Quorum] = {}  # a quorum's text -> the Quorum it says (Quorum.from_json)
+_PARSED_QUORUMS_MAX = 256
