@@ -5,7 +5,7 @@ an in-memory store, simulated process groups and a virtual clock, with the proto
 invariants checked after every scheduled turn.
 
     scripts/simulate.py --schedules 800 --seed 1        # the CI budget (about 8 s)
-    scripts/simulate.py --soak --seed 7                 # longer: 20,000 schedules (about 3 minutes)
+    scripts/simulate.py --soak --seed 7                 # longer: 20,000 schedules (about 6 minutes of CPU)
     scripts/simulate.py --replay '{"seed": ..., "faults": [...]}'   # one schedule, as printed
     scripts/simulate.py --replica-size 2 --schedules 500  # sharded replicas: K workers each
     scripts/simulate.py --nodes 2 --schedules 500         # two machines: node relays, a lost node
