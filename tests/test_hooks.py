@@ -57,9 +57,17 @@ CASES = [
 ]
 
 
-# The last case (PowerSGD before and after start_iter, with everything) is in the quick tier.
+# The last case (PowerSGD before and after start_iter, with everything) is in the quick tier. The
+# compression hooks on their own are the extended tier's: the PowerSGD cases wrap both of them.
+EXTENDED_HOOKS = ("fp16", "bf16", "noop")
+
+
+def _hook_tier(case):
+    if case is CASES[-1]:
+        return pytest.mark.quick
+    return pytest.mark.extended if case[0][1] in EXTENDED_HOOKS else ()
 @pytest.mark.parametrize("hook_args,script_args", [
-    pytest.param(*c, id=" ".join(c[0][1:]), marks=pytest.mark.quick if c is CASES[-1] else ()) for c in CASES])
+    pytest.param(*c, id=" ".join(c[0][1:]), marks=_hook_tier(c)) for c in CASES])
 def test_hook_trains_two_workers(ftrun_home, tmp_path, hook_args, script_args):
     from ftrun.worker.hooks import comm_hook_name
 
@@ -194,7 +202,9 @@ def _reference_diloco(steps: int, period: int, outer_lr: float, outer_momentum: 
     return {k: v.detach() for k, v in models[0].state_dict().items()}
 
 
-@pytest.mark.parametrize("outer", [("0.7", "0.9"), ("1", "0")], ids=["nesterov", "plain-averaging"])
+# Periodic averaging (outer lr 1, no momentum) is DiLoCo's simplest case: the extended tier's.
+@pytest.mark.parametrize("outer", [pytest.param(("0.7", "0.9"), id="nesterov"),
+                                   pytest.param(("1", "0"), id="plain-averaging", marks=pytest.mark.extended)])
 def test_diloco_sends_only_at_syncs_and_trains_what_diloco_trains(ftrun_home, tmp_path, outer):
     """--hook diloco --period 4 on an unmodified DDP script, 2 workers, 16 steps: no byte crosses
     between syncs (4 syncs of the whole model, nothing else), the replicas end bitwise identical, the

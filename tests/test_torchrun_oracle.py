@@ -157,10 +157,19 @@ def _finish(launcher: str, started, out: Path):
 
 
 QUICK = ("dash-dash-after-module",)  # the quick tier's line: --standalone, -m, and a --
+# Lines whose options another line of the CI suite's table spells too (c10d endpoints, static
+# addresses, -- forms, --tee/--redirects, torchrun's other options): the extended tier's. Each line
+# costs both launchers' start (about 6 CPU-s), and CI's 20 minutes hold the distinct shapes.
+EXTENDED = ("torchtitan-example", "isc-demos-c10d-one-node", "pytorch-ddp-tutorial", "master-port-only",
+            "dash-dash-after-script", "short-tee-redirects", "monitor-and-start-method", "run-path",
+            "signals-shutdown-virtual")
 
 
-@pytest.mark.parametrize("name,shape,source", [
-    pytest.param(*s, id=s[0], marks=pytest.mark.quick if s[0] in QUICK else ()) for s in SHAPES])
+def _tier(name: str):
+    return pytest.mark.quick if name in QUICK else pytest.mark.extended if name in EXTENDED else ()
+
+
+@pytest.mark.parametrize("name,shape,source", [pytest.param(*s, id=s[0], marks=_tier(s[0])) for s in SHAPES])
 def test_same_as_torchrun(project, tmp_path, name, shape, source):
     # Both at once: the table is long, and neither launcher may depend on the other being idle.
     t = _start("torchrun", shape, project, tmp_path / "t", tmp_path / "home")
