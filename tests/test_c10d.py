@@ -37,6 +37,13 @@ path = os.path.join(out, f"{{n}}.{{os.environ['RANK']}}.json")
 with open(path + ".part", "w") as f:  # renamed whole: the test reads a file as soon as it exists
     json.dump({{k: os.environ.get(k) for k in keys}} | {{"argv": sys.argv}}, f)
 os.replace(path + ".part", path)
+if n == "0" and os.environ.get("HOLD_RANK") == os.environ["RANK"]:  # slow to stop: SIGTERM does nothing
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    deadline = time.time() + 120
+    while not os.path.exists(os.environ["HOLD_FOR"]) and time.time() < deadline:
+        time.sleep(0.05)
+    sys.exit(1)
 if n == "0" and os.environ.get("WAIT_FOR"):
     deadline = time.time() + 120
     while not os.path.exists(os.environ["WAIT_FOR"]) and time.time() < deadline:
@@ -140,6 +147,35 @@ def test_elastic_nodes_reform_after_a_node_is_killed(tmp_path, launcher):
         assert (d["WORLD_SIZE"], d["GROUP_WORLD_SIZE"], d["GROUP_RANK"], d["TORCHELASTIC_RESTART_COUNT"]) == \
             ("2", "2", str(r), "1"), d
         assert d["TORCHELASTIC_MAX_RESTARTS"] == "2" and d["TORCHELASTIC_RUN_ID"] == "el"
+
+
+def test_a_signal_while_a_round_ends_to_reform_stops_the_run(tmp_path):
+    """Without --ft a failure ends the round and the nodes re-form. A SIGTERM that reaches node 0 while
+    it waits for node 1 to end that round (node 1's worker is slow to stop) ends the run: no round 1
+    starts (it was lost when it came between the round's agent and the next round's)."""
+    port = free_port()
+    go, hold = tmp_path / "go", tmp_path / "hold"
+    line = (f"--nnodes=2 --nproc-per-node=1 --max-restarts=1 --shutdown-timeout=60 --rdzv-backend=c10d "
+            f"--rdzv-endpoint=localhost:{port}")
+    out = tmp_path / "out"
+    procs = _start_nodes("ftrun", 2, line, tmp_path, out,
+                         env_extra={"WAIT_FOR": str(go), "HOLD_RANK": "1", "HOLD_FOR": str(hold)})
+    try:
+        wait_for(_first_dumps(out, 2), 90, "2 workers' first dumps", procs, poll=0.05)
+        go.touch()  # rank 0 fails; rank 1 ignores the SIGTERM of its group's stop until `hold` exists
+        wait_for_line(procs[0], "to end (this node hosts the run's store)", stream="stderr")
+        os.kill(procs[0].pid, signal.SIGTERM)  # node 0's ftrun alone, not its workers
+        try:
+            procs[0].wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        assert procs[0].returncode == 128 + signal.SIGTERM, "node 0 went on to the next round after a SIGTERM"
+    finally:
+        hold.touch()
+    (code0, err0), (code1, err1) = _wait_all(procs, timeout=60)
+    assert code0 == 143 and "received SIGTERM: stopping" in err0 and "Traceback" not in err0, err0
+    assert code1 != 0 and "Traceback" not in err1, err1
+    assert _dumps(out, 1) == {}  # no worker of a round 1 started anywhere
 
 
 @pytest.mark.extended

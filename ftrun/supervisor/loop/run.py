@@ -32,6 +32,7 @@ from ftrun.supervisor.accounting.accounts import Accounting
 from ftrun.supervisor.accounting.waits import Waits, replica_waits
 from ftrun.supervisor.ft.quorum_view import QuorumView
 from ftrun.supervisor.loop import start
+from ftrun.supervisor.loop.signals import RunSignals
 from ftrun.supervisor.loop.table import WorkerTable
 from ftrun.supervisor.nodes.coordinator import NodeCoordinator
 from ftrun.supervisor.nodes.node_common import NodeEvent
@@ -61,8 +62,11 @@ class Supervisor:
 
     def __init__(self, cfg: RunConfig, store: Optional[RunStore] = None,
                  zygote: Optional[ZygoteSpawner] = None, standby: Optional[RunStore] = None,
-                 repeats: Optional[Repeats] = None) -> None:
+                 repeats: Optional[Repeats] = None, signals: Optional[RunSignals] = None) -> None:
         self.cfg = cfg
+        # c10d: the run's signals are caught once for all its rounds (ftrun.supervisor.loop.signals);
+        # a lone Supervisor catches its own.
+        self._given_signals = signals
         # c10d: the rendezvous already hosts or joined the run's store, and started a zygote
         # while it waited for the other nodes, so torch's import is not paid after the join.
         self._given_store = store
@@ -103,8 +107,17 @@ class Supervisor:
 
     # ---------------------------------------------------------------- start
     def run(self) -> int:
-        for sig in forwarded_signals(self.cfg):
-            signal.signal(sig, self.stopper.on_signal)
+        cfg = self.cfg
+        signals = self._given_signals or RunSignals(forwarded_signals(cfg))
+        if self._given_signals is None:
+            signals.install()
+        signals.deliver_to(self.stopper.on_signal)
+        try:
+            return self._run()
+        finally:
+            signals.deliver_to(None)  # between rounds the rendezvous's waits read it (loop/c10d.py)
+
+    def _run(self) -> int:
         cfg = self.cfg
         self.store = self._given_store or open_run_store(cfg, store_listen_addr(cfg))
         if cfg.nnodes > 1 or cfg.admits_late:  # alone, an elastic --ft run still takes late nodes in

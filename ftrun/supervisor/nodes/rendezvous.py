@@ -68,7 +68,7 @@ from ftrun.keys import RDZV_RUN
 from ftrun.machine import store_bind_addr, store_listen_addr, this_node_name
 from ftrun.supervisor.nodes import failover, coordinator as nodes
 from ftrun.supervisor.nodes import redirect
-from ftrun.supervisor.nodes.rendezvous_rounds import POLL_S, fail, key
+from ftrun.supervisor.nodes.rendezvous_rounds import POLL_S, Signalled, fail, key, stop_if
 from ftrun.supervisor.store import RunStore, bind_listener
 from ftrun.supervisor.workers.env import base_env, zygote_env
 from ftrun.supervisor.workers.logs import ConsoleOut
@@ -87,7 +87,8 @@ def prewarm(cfg: RunConfig) -> Optional[ZygoteSpawner]:
     return ZygoteSpawner(queue.SimpleQueue(), zygote_env(cfg, env), os.getcwd())
 
 
-def open_store(cfg: RunConfig, console: ConsoleOut, join_only: bool = False) -> Tuple[Optional[RunStore], bool]:
+def open_store(cfg: RunConfig, console: ConsoleOut, signalled: Signalled,
+               join_only: bool = False) -> Tuple[Optional[RunStore], bool]:
     """Host the store at the endpoint's port if this node should, else connect to it."""
     where = f"{cfg.master_addr}:{cfg.master_port}"
     wants = cfg.rdzv_host if cfg.rdzv_host is not None else store_bind_addr(cfg.master_addr) != "0.0.0.0"
@@ -113,7 +114,7 @@ def open_store(cfg: RunConfig, console: ConsoleOut, join_only: bool = False) -> 
     store = RunStore(cfg.master_addr, cfg.master_port, None,
                      connect_timeout=min(cfg.join_timeout, 10.0) if join_only else cfg.join_timeout)
     while not store.ready.wait(POLL_S):
-        pass
+        stop_if(signalled)
     if store.store is None:
         fail(console, f"could not reach the run's store at {where}: {one_line(store.error)}; start ftrun "
                        f"with the same line on the node at {cfg.master_addr}")
@@ -139,7 +140,8 @@ def standby_store(cfg: RunConfig) -> RunStore:
     return RunStore(ip, listener.getsockname()[1], listener)
 
 
-def move_store(cfg: RunConfig, coord: Any, store: RunStore, standby: Optional[RunStore], console: ConsoleOut) -> Any:
+def move_store(cfg: RunConfig, coord: Any, store: RunStore, standby: Optional[RunStore], console: ConsoleOut,
+               signalled: Signalled) -> Any:
     """The run's store went away with its node at the end of `coord`'s round: agree with the nodes that
     remain on its next host (ftrun.supervisor.nodes.failover, the rule of the --ft move) and follow it.
     (cfg with the new endpoint, whether this node hosts it now, the nodes that chose it), or
@@ -153,8 +155,10 @@ def move_store(cfg: RunConfig, coord: Any, store: RunStore, standby: Optional[Ru
     candidates = failover.candidates(coord.live, lost, coord.standby)
     try:
         elected = failover.elect(coord.me, coord.cfg.round + 1, candidates, coord.standby, standby.store,
-                                 coord.layout_size, nodes.NODE_TIMEOUT_S, lambda _store: None, lambda: False)
+                                 coord.layout_size, nodes.NODE_TIMEOUT_S, lambda _store: None,
+                                 lambda: signalled() is not None)
     except failover.NoMajority as e:
+        stop_if(signalled)  # the election was cut short by a signal, not by a lack of nodes
         fail(console, f"the run's store could not move: {e}; stopping so that no second run can form")
         return nodes.NODE_LOST
     addr, _, port = elected.addr.rpartition(":")

@@ -8,7 +8,8 @@ round, or asks node 0 to take it in (``N/admit/K``). Each function returns the
 round it formed or joined, (n, node rank, size, MASTER_ADDR, live nodes or None),
 or ftrun's exit status; the loop over rounds is ftrun.supervisor.nodes.rendezvous's.
 Must never start a worker, move the store, or decide anything a node could not
-decide alike from the store's keys; every wait goes through ftrun.poll.wait_until.
+decide alike from the store's keys; every wait goes through ftrun.poll.wait_until and
+ends at its next poll once the run's stopping signal has come (stop_if).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import os
 import socket
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ftrun.config import RunConfig
 from ftrun.keys import RDZV, RDZV_MOVED, NodeKeys, rdzv_admit, rdzv_arrivals
@@ -53,11 +54,21 @@ class Moved(Exception):
 
 
 class Stop(Exception):
-    """A signal arrived while no Supervisor was running."""
+    """A stopping signal arrived while no round's Supervisor was running (raised by stop_if)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+Signalled = Callable[[], Optional[int]]  # the run's stopping signal, once one came (loop/signals.py)
+
+
+def stop_if(signalled: Signalled) -> None:
+    """Raise Stop once a stopping signal has come: every wait here polls it."""
+    signum = signalled()
+    if signum is not None:
+        raise Stop(signum)
 
 
 class Seen(enum.Enum):
@@ -93,7 +104,7 @@ def _run_ended(s: Any, console: ConsoleOut, when: str) -> int:
     return int(code)
 
 
-def host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, need: int = 0,
+def host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, signalled: Signalled, need: int = 0,
                expect: Optional[int] = None) -> Any:
     """Close round n: (n, 0, size, master_addr, None) once it has formed, else an exit status.
 
@@ -110,6 +121,7 @@ def host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, nee
 
     def arrived(enough: int) -> Optional[int]:
         """The nodes in, once `enough` are (shown on the terminal as they come)."""
+        stop_if(signalled)
         check_moved(s)  # the run's store moved: the caller joins it there
         count = _count(store, n)
         waits.sync({"round": (f"waiting for nodes to form round {n} of run {cfg.run_id}", since, count,
@@ -147,7 +159,8 @@ def host_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, nee
     return n, 0, size, s.get(key("master_addr")).decode(), None
 
 
-def join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, standby: Optional[RunStore]) -> Any:
+def join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, signalled: Signalled,
+               standby: Optional[RunStore]) -> Any:
     """Join round n (or the next one still open): (n, rank, size, master_addr, live), else an exit
     status. `live` is None for a node that formed the round, else the nodes it joined (--ft, late,
     publishing its `standby` store as it asks in)."""
@@ -157,11 +170,11 @@ def join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, sta
         while True:
             # A node that starts late enters the round being formed; with --ft on an elastic run it
             # joins a running round at once, else it waits for the next re-formation.
-            current, running = _current_round(s, console)
+            current, running = _current_round(s, console, signalled)
             if current is None:
                 return running  # the run ended: its exit status
             if running and cfg.admits_late and n <= current:
-                formed = _join_running(cfg, s, current, None, t0, console, standby)
+                formed = _join_running(cfg, s, current, None, t0, console, signalled, standby)
                 if formed is not None:
                     return formed
                 continue  # the round ended while this node waited: the next one
@@ -169,7 +182,7 @@ def join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, sta
                 console.note(f"run {cfg.run_id} is already in round {current}; this node joins at the next "
                              f"re-formation", style="yellow")
             n = max(n, current + 1 if running else current)
-            formed = _join_forming(cfg, s, n, t0, console, standby)
+            formed = _join_forming(cfg, s, n, t0, console, signalled, standby)
             if formed is not None:
                 return formed
             n += 1
@@ -179,9 +192,10 @@ def join_round(cfg: RunConfig, store: RunStore, n: int, console: ConsoleOut, sta
         raise RendezvousStoreLost(one_line(e)) from None
 
 
-def _current_round(s: Any, console: ConsoleOut) -> Tuple[Optional[int], Any]:
+def _current_round(s: Any, console: ConsoleOut, signalled: Signalled) -> Tuple[Optional[int], Any]:
     """(round being formed or run, whether it is running), or (None, exit status) once the run ended."""
     def seen() -> Optional[Tuple[Optional[int], Any]]:
+        stop_if(signalled)
         if s.check([key("done")]):
             return None, _run_ended(s, console, "before this node could join it")
         check_moved(s)
@@ -193,7 +207,7 @@ def _current_round(s: Any, console: ConsoleOut) -> Tuple[Optional[int], Any]:
     return wait_until(seen, math.inf, POLL_S)
 
 
-def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut,
+def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut, signalled: Signalled,
                   standby: Optional[RunStore] = None) -> Any:
     """Arrive at round n while it forms: the round, an exit status, or None when it formed
     without this node (the caller tries the next)."""
@@ -201,6 +215,7 @@ def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut
     console.note(f"round {n}: arrived as node {index}; waiting for the round to form", style="dim")
 
     def formed() -> Optional[Seen]:
+        stop_if(signalled)
         if s.check([key(f"{n}/size")]):
             return Seen.FORMED
         check_moved(s)
@@ -221,20 +236,21 @@ def _join_forming(cfg: RunConfig, s: Any, n: int, t0: float, console: ConsoleOut
                       f"(--nnodes {cfg.max_nodes}); is this node's line meant for another run?")
         return JOIN_FAILED
     if cfg.admits_late:
-        return _join_running(cfg, s, n, index, t0, console, standby)
+        return _join_running(cfg, s, n, index, t0, console, signalled, standby)
     console.note(f"round {n} formed without this node ({size} nodes, the most it takes now); waiting for the "
                  f"next re-formation", style="yellow")
     return None
 
 
 def _join_running(cfg: RunConfig, s: Any, n: int, index: Optional[int], t0: float, console: ConsoleOut,
-                  standby: Optional[RunStore] = None) -> Any:
+                  signalled: Signalled, standby: Optional[RunStore] = None) -> Any:
     """--ft on an elastic run: ask node 0 to take this node into running round n, and wait
     until it does (a place is free: fewer than MAX nodes run). The round, an exit status,
     or None when round n ended first (the caller joins the next)."""
     keys = NodeKeys(n)
 
     def layout() -> Optional[Seen]:  # node 0 writes it as its round starts
+        stop_if(signalled)
         if s.check([keys.layout]):
             return Seen.LAYOUT
         if int(s.get(key("round")).decode()) != n or s.check([key("done")]):
@@ -263,6 +279,7 @@ def _join_running(cfg: RunConfig, s: Any, n: int, index: Optional[int], t0: floa
     told = []
 
     def admitted() -> Optional[Seen]:
+        stop_if(signalled)
         if s.check([rdzv_admit(n, index)]):
             return Seen.ADMITTED
         if s.check([key("done")]):
