@@ -47,6 +47,14 @@ def _family(tmp_path, n):
     return procs, kids
 
 
+def _kill(procs) -> None:
+    for p in procs:
+        for c in psutil.Process(p.pid).children(recursive=True) if psutil.pid_exists(p.pid) else ():
+            c.kill()
+        p.kill()
+        p.wait()
+
+
 def test_a_tick_reads_the_process_table_once_and_finds_every_workers_children(tmp_path, monkeypatch):
     procs, kids = _family(tmp_path, 3)
     try:
@@ -63,11 +71,7 @@ def test_a_tick_reads_the_process_table_once_and_finds_every_workers_children(tm
             sampler.sample(workers, now)
         assert walks == [] and len(passes) == 3, (walks, passes)
     finally:
-        for p in procs:
-            for c in psutil.Process(p.pid).children(recursive=True) if psutil.pid_exists(p.pid) else ():
-                c.kill()
-            p.kill()
-            p.wait()
+        _kill(procs)
 
 
 def test_a_worker_whose_child_works_is_not_quiet_and_one_whose_children_idle_is(tmp_path):
@@ -97,8 +101,4 @@ def test_a_worker_whose_child_works_is_not_quiet_and_one_whose_children_idle_is(
         tick()
         assert workers[0].idle_since == quiet_since and workers[1].idle_since is None
     finally:
-        for p in procs:
-            for c in psutil.Process(p.pid).children(recursive=True) if psutil.pid_exists(p.pid) else ():
-                c.kill()
-            p.kill()
-            p.wait()
+        _kill(procs)
