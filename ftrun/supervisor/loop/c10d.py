@@ -49,7 +49,7 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
         n, need, expect = 0, 0, None
         last, moving = None, False  # a follower's coordinator of the round that ended: where the store may move
         while True:
-            stop_if(signalled)
+            stop_if(signalled)  # one that came while the last round ended, too: no round follows
             if last is not None and (moving or not last.store_reachable(probes=1)):
                 # The store went away with its node, at the end of the round or while the nodes
                 # re-formed: agree on its next host with the nodes that remain, then form there.
@@ -106,7 +106,6 @@ def run_c10d(cfg: RunConfig, console: Optional[ConsoleOut] = None) -> int:
                 host = True  # the store moved here during the round: nodes still waiting read `done` here
             if not sup.reform:  # the round's agent decided: the run is over
                 return code
-            stop_if(signalled)  # a signal while the round ended: no round follows
             # No second run may form beside this one: the next round needs at least half of this
             # round's nodes when the store could have moved to the others (they need more than half).
             need = -(-size // 2) if size >= 3 and rendezvous.moves_enabled(cfg) else 0
