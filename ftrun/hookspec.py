@@ -17,7 +17,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from ftrun.errors import ConfigError
 
 HOOK_NAMES = ("allreduce", "fp16", "bf16", "powersgd", "batched-powersgd", "localsgd", "diloco", "noop")
-WRAP_NAMES = ("fp16", "bf16")
+WRAP_NAMES = ("fp16", "bf16", "int8")
+HALF_WRAPS = ("fp16", "bf16")
 
 # Hooks whose payload a --wrap may cast to half precision. fp16/bf16 already
 # send half precision and noop sends nothing, so wrapping them means nothing.
@@ -52,6 +53,10 @@ PARAMS: Dict[str, Param] = {
                       "pseudo-gradients, the replicas' average change since the last sync)"),
     "outer_momentum": Param("--outer-momentum", float, 0.9, 0, "diloco: the outer optimizer's Nesterov momentum "
                             "(0: plain SGD; below 1)"),
+    "fragments": Param("--fragments", int, 1, 1, "diloco: streaming, the model cut into this many fragments, each "
+                       "synced every --period steps at its own offset (1: the whole model at once)"),
+    "sync_delay": Param("--sync-delay", int, 0, 0, "diloco: steps a fragment's average takes to arrive and be applied, "
+                        "its exchange overlapped with them (below --period / --fragments)"),
 }
 
 # Which parameters each hook takes. Every PowerSGDState knob is reachable for
@@ -65,7 +70,7 @@ HOOK_PARAMS: Dict[str, Tuple[str, ...]] = {
                  "orthogonalization_epsilon", "seed", "batch_same_shape"),
     "batched-powersgd": ("rank", "start_iter", "error_feedback", "warm_start", "orthogonalization_epsilon", "seed"),
     "localsgd": ("start_iter", "period"),
-    "diloco": ("period", "outer_lr", "outer_momentum"),
+    "diloco": ("period", "outer_lr", "outer_momentum", "fragments", "sync_delay"),
 }
 REQUIRED: Dict[str, Tuple[str, ...]] = {"localsgd": ("period",), "diloco": ("period",)}
 # localsgd: global allreduce only for warm-up; 0 means local SGD from the first step.
@@ -160,6 +165,9 @@ def parse_hook(raw: Mapping[str, Any], where: str = "command line") -> HookSpec:
             why = "it sends nothing" if name == "noop" else f"it already sends {name}; drop --wrap"
             raise _err(where, "wrap", f"--wrap {wrap} cannot wrap hook {name!r} ({why}); "
                               f"--wrap works with {', '.join(WRAPPABLE)}")
+        if wrap == "int8" and name != "diloco":
+            raise _err(where, "wrap", f"--wrap int8 quantizes DiLoCo's pseudo-gradients only; with --hook {name} "
+                              f"use --wrap {' or '.join(HALF_WRAPS)}")
     takes = HOOK_PARAMS[name]
     params: Dict[str, Any] = {}
     for key, value in raw.items():
@@ -178,9 +186,21 @@ def parse_hook(raw: Mapping[str, Any], where: str = "command line") -> HookSpec:
             raise _err(where, "name", f"hook {name!r} needs {flag(key)} N ({PARAMS[key].help}), "
                               f"e.g. --hook {name} {flag(key)} 4")
     spec = HookSpec(name=name, params=params, wrap=wrap)
-    if name == "diloco" and spec.effective_params()["outer_momentum"] >= 1:
-        raise _err(where, "outer_momentum", f"--outer-momentum {spec.effective_params()['outer_momentum']:g} is out of "
-                                            f"range; use a value from 0 to below 1 (DiLoCo's is 0.9)")
+    if name == "diloco":
+        eff = spec.effective_params()
+        if eff["outer_momentum"] >= 1:
+            raise _err(where, "outer_momentum", f"--outer-momentum {eff['outer_momentum']:g} is out of range; use a "
+                                                f"value from 0 to below 1 (DiLoCo's is 0.9)")
+        if eff["fragments"] > eff["period"]:
+            raise _err(where, "fragments", f"--fragments {eff['fragments']} exceeds --period {eff['period']}: each "
+                                           f"fragment syncs at its own step of the period; use --fragments "
+                                           f"{eff['period']} or fewer")
+        gap = eff["period"] // eff["fragments"]
+        if eff["sync_delay"] >= gap:
+            raise _err(where, "sync_delay", f"--sync-delay {eff['sync_delay']} is out of range: a fragment's average "
+                                            f"must land before the next fragment's sync starts, {gap} step"
+                                            f"{'s' if gap != 1 else ''} later (--period {eff['period']} / "
+                                            f"--fragments {eff['fragments']}); use --sync-delay {gap - 1} or less")
     if name in ("powersgd", "batched-powersgd"):
         eff = spec.effective_params()
         # torch's PowerSGDState refuses this too, but only inside every worker after

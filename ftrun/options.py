@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from ftrun.option_readers import (choice, count, endpoint, flag, metrics_addr, nnodes, nproc, number,
                                   plain_text, port, ranks, rdzv_backend, rdzv_conf, seconds, signals, std,
                                   step_timeout, text_list, whole)
-from ftrun.hookspec import PARAMS, WRAP_NAMES
+from ftrun.hookspec import HOOK_NAMES, PARAMS, WRAP_NAMES
 
 
 class OptionError(ValueError):
@@ -215,7 +215,7 @@ OPTIONS_LIST: Tuple[Option, ...] = (
     _opt("join_timeout", ("--join-timeout",), seconds, 120.0,
          "Seconds to wait for every node (also --rdzv-conf join_timeout=S). [default: 120]", metavar="S"),
     _opt("hook", ("--hook",), plain_text, None,
-         "DDP comm hook: allreduce, fp16, bf16, powersgd, batched-powersgd, localsgd, noop.", metavar="NAME"),
+         f"DDP comm hook: {', '.join(HOOK_NAMES)}.", metavar="NAME"),
     _opt("env", (), lambda v: v, None, "Extra environment variables for the workers (recipe only)."),
     _opt("script", (), plain_text, None, "Training script (the command line's SCRIPT wins)."),
     _opt("args", (), lambda v: v, None, "Script arguments (the command line's wins)."),
@@ -230,7 +230,7 @@ HOOK_FLAGS: Tuple[Option, ...] = tuple(
          ("Turn off: " + p.help if p.flag.startswith("--no-") else p.help[:1].upper() + p.help[1:]) + ".", group="hook",
          is_flag=p.kind is bool, metavar="" if p.kind is bool else "N" if p.kind is int else "X")
     for key, p in PARAMS.items()
-) + (_opt("wrap", ("--wrap",), plain_text, None, f"Compress what the hook sends: {' or '.join(WRAP_NAMES)}.",
+) + (_opt("wrap", ("--wrap",), plain_text, None, f"Compress what the hook sends: {' or '.join(WRAP_NAMES)} (int8: --hook diloco only).",
           group="hook", metavar="|".join(WRAP_NAMES)),)
 
 OPTIONS: Dict[str, Option] = {o.key: o for o in OPTIONS_LIST}

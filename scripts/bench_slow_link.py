@@ -48,6 +48,10 @@ CONFIGS: List[Tuple[str, str, List[str]]] = [
     ("diloco100", "`--hook diloco --period 100`", ["--hook", "diloco", "--period", "100"]),
     ("diloco20-bf16", "`--hook diloco --period 20 --wrap bf16`",
      ["--hook", "diloco", "--period", "20", "--wrap", "bf16"]),
+    ("diloco20-int8", "`--hook diloco --period 20 --wrap int8`",
+     ["--hook", "diloco", "--period", "20", "--wrap", "int8"]),
+    ("streaming20-f4", "`--hook diloco --period 20 --fragments 4 --sync-delay 4`",
+     ["--hook", "diloco", "--period", "20", "--fragments", "4", "--sync-delay", "4"]),
 ]
 KEYS = [k for k, _, _ in CONFIGS]
 

@@ -172,13 +172,14 @@ def cli_page() -> str:
 
 
 def hooks_page() -> str:
-    from ftrun.hookspec import DEFAULT_OVERRIDES, HOOK_NAMES, HOOK_PARAMS, PARAMS, REQUIRED, WRAP_NAMES, WRAPPABLE
+    from ftrun.hookspec import (DEFAULT_OVERRIDES, HALF_WRAPS, HOOK_NAMES, HOOK_PARAMS, PARAMS, REQUIRED, WRAP_NAMES,
+                                 WRAPPABLE)
 
     rows = []
     for name in HOOK_NAMES:
         params = ", ".join(f"`{PARAMS[p].flag}`" + (" (required)" if p in REQUIRED.get(name, ()) else "")
                            for p in HOOK_PARAMS[name]) or "none"
-        rows.append([f"`{name}`", params, "yes" if name in WRAPPABLE else "no"])
+        rows.append([f"`{name}`", params, ", ".join(WRAP_NAMES if name == "diloco" else HALF_WRAPS) if name in WRAPPABLE else "no"])
     prow = []
     for key, p in PARAMS.items():
         hooks = [n for n in HOOK_NAMES if key in HOOK_PARAMS[n]]
@@ -201,8 +202,10 @@ def hooks_page() -> str:
         "that cannot be wrapped.\n",
         "## Parameters\n",
         _table(["flag", "recipe key (under `hook:`)", "takes", "default", "hooks", "meaning"], prow),
-        f"\n`--wrap {'|'.join(WRAP_NAMES)}` (recipe: `hook.wrap`) sends whatever the hook sends in half "
-        f"precision; it applies to {', '.join(f'`{n}`' for n in WRAPPABLE)}.\n",
+        f"\n`--wrap {'|'.join(HALF_WRAPS)}` (recipe: `hook.wrap`) sends whatever the hook sends in half "
+        f"precision; it applies to {', '.join(f'`{n}`' for n in WRAPPABLE)}. `--wrap int8` applies to `diloco` "
+        f"alone: its syncs send the pseudo-gradients as int8, one scale per chunk, with error feedback "
+        f"(the [hooks guide](../guides/hooks.md)).\n",
     ])
 
 

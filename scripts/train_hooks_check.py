@@ -29,6 +29,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--out", default=None)
     p.add_argument("--hook-state", action="store_true",
                    help="with --out, under ftrun: also save ftrun's hook state to OUT.rankN.hook.pt and load it back")
+    p.add_argument("--save-at", type=int, default=None,
+                   help="under ftrun: after this many steps save model, optimizer and hook state to "
+                        "CKPT.rankN.pt (rank 0's hook state saved by rank 0 alone, as scripts often do) and stop")
+    p.add_argument("--resume", default=None, help="under ftrun: continue from what --save-at wrote there")
+    p.add_argument("--ckpt", default=None, help="the checkpoint path of --save-at and --resume")
     return p.parse_args()
 
 
@@ -70,7 +75,31 @@ def main() -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
     true_w = torch.randn(args.dim, 1, generator=torch.Generator().manual_seed(1))
     losses = []
-    for step in range(args.steps):
+    first = 0
+    if args.resume:
+        from ftrun.worker import hooks
+
+        ck = torch.load(f"{args.resume}.rank{rank}.pt", weights_only=True)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        with torch.no_grad():  # ftrun registers its hook at the first forward: its state loads from then on
+            ddp(torch.zeros(1, args.dim))
+        hooks.load_hook_state_dict(ddp, ck["hook"])
+        first = int(ck["step"])
+    for step in range(first, args.steps):
+        if args.save_at is not None and step == args.save_at:
+            from ftrun.worker import hooks
+
+            # A script that saves on rank 0 only must not hang: the hook state issues no collective.
+            state = hooks.hook_state_dict(ddp) if rank == 0 else None
+            dist.barrier()
+            mine = hooks.hook_state_dict(ddp)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": mine, "step": step},
+                       f"{args.ckpt}.rank{rank}.pt")
+            assert state is None or _same(state, mine)
+            dist.barrier()
+            dist.destroy_process_group()
+            return
         g = torch.Generator().manual_seed(step * world + rank)
         x = torch.randn(args.batch, args.dim, generator=g)
         y = torch.tanh(x @ true_w)

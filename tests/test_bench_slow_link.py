@@ -25,7 +25,8 @@ import bench_slow_link as bench  # noqa: E402
 def test_arguments_defaults_and_refusals():
     args = bench.parse([])
     assert (args.runs, args.steps, args.warmup, args.rate, args.delay) == (2, 100, 10, "100mbit", "20ms")
-    assert args.keys == ["ddp", "localsgd20", "diloco20", "diloco100", "diloco20-bf16"]
+    assert args.keys == ["ddp", "localsgd20", "diloco20", "diloco100", "diloco20-bf16", "diloco20-int8",
+                         "streaming20-f4"]
     assert bench.parse(["--only", "diloco100, ddp"]).keys == ["diloco100", "ddp"]
     for bad in (["--only", "diloco50"], ["--only", ","], ["--runs", "0"], ["--warmup", "100"]):
         with pytest.raises(SystemExit) as e:

@@ -165,11 +165,17 @@ def test_lightning_ddp_strategy_gets_the_hook(ftrun_home, tmp_path):
     assert reports[0]["ftrun"]["bytes_per_step"] == reports[0]["ftrun"]["dense_bytes_per_step"] / 2
 
 
-def _reference_diloco(steps: int, period: int, outer_lr: float, outer_momentum: float, world: int = 2) -> dict:
+def _reference_diloco(steps: int, period: int, outer_lr: float, outer_momentum: float, world: int = 2,
+                      fragments: int = 1, delay: int = 0) -> list:
     """DiLoCo written out in one process, as the papers give it, on train_hooks_check.py's model and
     data: each replica steps its own SGD; every `period` steps the average of (global - local) is the
-    outer optimizer's gradient (SGD, Nesterov momentum) and every replica takes the new global model."""
+    outer optimizer's gradient (SGD, Nesterov momentum) and every replica takes the new global model.
+    Streaming (`fragments`, `delay`): fragment f's average is taken at the steps where
+    steps % period == f * period // fragments and applied `delay` steps later, when every replica
+    takes the fragment's new global tensors. Each replica's state_dict at the end."""
     import importlib.util
+
+    from ftrun.worker.diloco import split_fragments
 
     spec = importlib.util.spec_from_file_location("train_hooks_check", CHECK)
     mod = importlib.util.module_from_spec(spec)
@@ -182,7 +188,22 @@ def _reference_diloco(steps: int, period: int, outer_lr: float, outer_momentum: 
     inner = [torch.optim.SGD(m.parameters(), lr=0.02, momentum=0.9) for m in models]
     anchor = [p.detach().clone() for p in base.parameters()]
     outer = torch.optim.SGD(anchor, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+    frags = split_fragments([a.numel() for a in anchor], fragments)
+    assert sorted(i for f in frags for i in f) == list(range(len(anchor)))
+    offsets = [f * period // fragments for f in range(fragments)]
     true_w = torch.randn(32, 1, generator=torch.Generator().manual_seed(1))
+    pending = []  # (due, fragment, averages)
+
+    def apply(f, means):
+        with torch.no_grad():
+            for i in frags[f]:
+                anchor[i].grad = means[i]
+            outer.step()
+            for i in frags[f]:
+                anchor[i].grad = None
+                for m in models:
+                    list(m.parameters())[i].copy_(anchor[i])
+
     for step in range(steps):
         for rank, (m, opt) in enumerate(zip(models, inner)):
             g = torch.Generator().manual_seed(step * world + rank)
@@ -191,15 +212,19 @@ def _reference_diloco(steps: int, period: int, outer_lr: float, outer_momentum: 
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        if (step + 1) % period == 0:
-            with torch.no_grad():
-                for i, a in enumerate(anchor):
-                    a.grad = sum(a - list(m.parameters())[i] for m in models) / world
-                outer.step()
-                for m in models:
-                    for p, a in zip(m.parameters(), anchor):
-                        p.copy_(a)
-    return {k: v.detach() for k, v in models[0].state_dict().items()}
+        count = step + 1
+        for due, f, means in [p for p in pending if p[0] <= count]:
+            pending.remove((due, f, means))
+            apply(f, means)
+        for f, off in enumerate(offsets):
+            if count % period == off:
+                with torch.no_grad():
+                    means = {i: sum(anchor[i] - list(m.parameters())[i] for m in models) / world for i in frags[f]}
+                if delay:
+                    pending.append((count + delay, f, means))
+                else:
+                    apply(f, means)
+    return [{k: v.detach() for k, v in m.state_dict().items()} for m in models]
 
 
 # Periodic averaging (outer lr 1, no momentum) is DiLoCo's simplest case: the extended tier's.
@@ -219,7 +244,7 @@ def test_diloco_sends_only_at_syncs_and_trains_what_diloco_trains(ftrun_home, tm
     reports = [json.loads((tmp_path / f"r.rank{r}.json").read_text()) for r in (0, 1)]
     params = [torch.load(tmp_path / f"r.rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
-    ref = _reference_diloco(16, 4, float(lr), float(mom))
+    ref = _reference_diloco(16, 4, float(lr), float(mom))[0]
     for k in ref:
         assert torch.allclose(params[0][k], ref[k], rtol=1e-5, atol=1e-6), (k, (params[0][k] - ref[k]).abs().max())
     st = reports[0]["ftrun"]
@@ -231,6 +256,74 @@ def test_diloco_sends_only_at_syncs_and_trains_what_diloco_trains(ftrun_home, tm
     assert "DiLoCo: 4 syncs of" in proc.stderr and "the next at step 20" in proc.stderr
     losses = reports[0]["losses"]
     assert sum(losses[-3:]) < 0.7 * sum(losses[:3]), losses
+
+
+def test_streaming_diloco_syncs_one_fragment_at_a_time_and_trains_what_streaming_diloco_trains(ftrun_home, tmp_path):
+    """--fragments 2 --sync-delay 1 --period 4, 17 steps: the two fragments (this model's first layer,
+    and the other two) each sync every 4 steps at their own offsets (2, 6, 10, 14 and 4, 8, 12,
+    16), each average applied a step after it was started; nothing else crosses; each replica's
+    parameters are those of streaming DiLoCo written out in one process, and the fragment applied
+    last (at step 17) is bitwise the same on both replicas."""
+    proc, reports, params = _train_with_hooks(tmp_path, ["--hook", "diloco", "--period", 4, "--fragments", 2,
+                                                         "--sync-delay", 1])
+    refs = _reference_diloco(STEPS, 4, 0.7, 0.9, fragments=2, delay=1)
+    for rank in (0, 1):
+        for k in refs[rank]:
+            assert torch.allclose(params[rank][k], refs[rank][k], rtol=1e-5, atol=1e-6), (rank, k)
+    assert all(torch.equal(params[0][k], params[1][k]) for k in ("a.weight", "a.bias"))
+    assert not torch.equal(params[0]["b.weight"], params[1]["b.weight"])  # its last average landed at 15
+    st = reports[0]["ftrun"]
+    d = st["models"][0]["diloco"]
+    assert d == {"steps": 17, "syncs": 8, "period": 4, "next_sync": 18, "fragments": 2, "sync_delay": 1,
+                 "in_flight": 0, "sync_bytes": 4 * st["dense_bytes_per_step"]}
+    assert st["bytes_sent"] == d["sync_bytes"]  # each fragment four times, and not a byte in a backward pass
+
+
+def test_int8_streaming_diloco_sends_a_quarter_and_resumes_bitwise_with_a_sync_in_flight(ftrun_home, tmp_path):
+    """--wrap int8 with --fragments 2 --sync-delay 1: a sync sends the fragment's pseudo-gradient as
+    int8 with a scale per replica's chunk (a quarter of fp32's bytes, and the scales), the replicas
+    end close to fp32 streaming DiLoCo and bitwise the same on the fragment applied last. Saved
+    after step 10, while fragment 1's sync is in flight (its chunks exchanged, the gather of the
+    averages not started), by a script whose rank 0 reads the hook state alone first, and resumed in
+    new processes: each replica ends bitwise where the uninterrupted run does (the global model, the
+    outer momentum, each replica's int8 error feedback and the sync in flight are in the state)."""
+    hook = ["--hook", "diloco", "--period", 4, "--fragments", 2, "--sync-delay", 1, "--wrap", "int8"]
+    (tmp_path / "full").mkdir()
+    proc, reports, full = _train_with_hooks(tmp_path / "full", hook)
+    st = reports[0]["ftrun"]
+    numel = st["dense_bytes_per_step"] // 4
+    # 8 syncs, 4 of each fragment (2112 and 4225 tensors' elements), padded to 2 chunks, 2 fp32 scales each
+    assert st["models"][0]["diloco"]["sync_bytes"] == 4 * (2112 + 4226) + 8 * 2 * 4
+    assert st["models"][0]["diloco"]["sync_bytes"] < 0.26 * 4 * st["dense_bytes_per_step"]
+    assert numel == 6337
+    assert all(torch.equal(full[0][k], full[1][k]) for k in ("a.weight", "a.bias"))
+    ref = _reference_diloco(STEPS, 4, 0.7, 0.9, fragments=2, delay=1)
+    for rank in (0, 1):
+        for k in ref[rank]:
+            assert torch.allclose(full[rank][k], ref[rank][k], rtol=0, atol=2e-3), (rank, k)
+    ck = tmp_path / "ck"
+    args = ["--nproc", 2, "--log-dir", tmp_path / "logs2"] + hook + [CHECK, "--steps", STEPS, "--ckpt", ck]
+    saved = run_ftrun(args + ["--save-at", 10], timeout=120)
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    state = torch.load(f"{ck}.rank0.pt", weights_only=True)["hook"]
+    assert [(p["fragment"], p["due"], [x["stage"] for x in p["exchanges"]]) for p in state["pending"]] == \
+        [(1, 11, ["gather"])]
+    assert set(state["error"]) == {"0.0", "1.0"}
+    resumed = run_ftrun(args + ["--resume", ck, "--out", tmp_path / "res"], timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    again = load_params(tmp_path / "res", 2)
+    for rank in (0, 1):
+        assert all(torch.equal(full[rank][k], again[rank][k]) for k in full[rank]), rank
+
+
+def test_more_fragments_than_the_model_has_tensors_is_one_line_on_each_rank(ftrun_home, tmp_path):
+    """The launcher cannot know the model: its first forward says so, in one line per rank, no traceback."""
+    proc = run_ftrun(["--nproc", 2, "--log-dir", tmp_path / "logs", "--hook", "diloco", "--period", 8,
+                      "--fragments", 7, CHECK, "--steps", 2], timeout=120)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] ftrun: error: --fragments 7: this model has 6 trained tensors" in proc.stderr, proc.stderr
+    assert "use --fragments 6 or fewer" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("hook", ["diloco", "localsgd"])

@@ -41,7 +41,13 @@ def test_every_hook_round_trips_through_json():
     ({"name": "batched-powersgd", "start_iter": 0, "error_feedback": False}, ["--start-iter 0", "warm start"]),
     ({"name": "noop", "wrap": "fp16"}, ["--wrap fp16", "noop"]),
     ({"name": "fp16", "wrap": "bf16"}, ["--wrap bf16", "'fp16'"]),
-    ({"name": "powersgd", "wrap": "int8"}, ["--wrap 'int8'", "fp16, bf16"]),
+    ({"name": "powersgd", "wrap": "int8"}, ["--wrap int8", "DiLoCo", "--wrap fp16 or bf16"]),
+    ({"name": "allreduce", "wrap": "fp8"}, ["--wrap 'fp8'", "fp16, bf16, int8"]),
+    ({"name": "diloco", "period": 4, "fragments": 5}, ["--fragments 5", "--period 4", "--fragments 4 or fewer"]),
+    ({"name": "diloco", "period": 4, "fragments": 0}, ["--fragments 0", ">= 1"]),
+    ({"name": "diloco", "period": 8, "fragments": 4, "sync_delay": 2}, ["--sync-delay 2", "--sync-delay 1 or less"]),
+    ({"name": "diloco", "period": 4, "sync_delay": -1}, ["--sync-delay -1", ">= 0"]),
+    ({"name": "localsgd", "period": 4, "fragments": 2}, ["--fragments", "'localsgd'"]),
     ({"name": "localsgd"}, ["--period", "localsgd"]),
     ({"name": "localsgd", "period": 0}, ["--period 0", ">= 1"]),
     ({"name": "diloco"}, ["--period", "diloco"]),
@@ -75,6 +81,8 @@ def test_start_iter_1_is_fine_without_error_feedback_and_warm_start():
     (["--hook", "noop", "--wrap", "bf16"], "--wrap bf16 cannot wrap hook 'noop'"),
     (["--hook", "allreduce", "--wrap", "fp8"], "--wrap 'fp8'"),
     (["--hook", "localsgd"], "needs --period"),
+    (["--hook", "diloco", "--period", "4", "--sync-delay", "4"], "--sync-delay 4 is out of range"),
+    (["--hook", "powersgd", "--wrap", "int8"], "--wrap int8 quantizes DiLoCo's pseudo-gradients only"),
 ])
 def test_cli_exits_2_before_starting_anything(ftrun_home, args, needle):
     proc = run_ftrun(["--nproc", "2"] + args + [TRAIN], timeout=30)

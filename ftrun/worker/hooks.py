@@ -211,7 +211,8 @@ class Registration:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if spec.name == "diloco":
             p = spec.effective_params()
-            self.extras["diloco"] = Outer(self.params, p["period"], p["outer_lr"], p["outer_momentum"], pg, spec.wrap)
+            self.extras["diloco"] = Outer(self.params, p["period"], p["outer_lr"], p["outer_momentum"], pg, spec.wrap,
+                                          p["fragments"], p["sync_delay"])
         self.hook = self._compose()
 
     def _compose(self) -> HookFn:
