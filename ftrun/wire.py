@@ -61,10 +61,11 @@ class ProgressReport:
     activity: int = 0          # forward passes and torch.save/load calls (--step-timeout)
     first_step_time: float = 0.0
     saved_steps: int = -1      # the step count at the script's last save; -1: none yet
+    next_sync: int = -1        # --hook diloco or localsgd: the step of its next sync; -1: none
 
     def encode(self) -> str:
         return (f"{self.incarnation} {self.steps} {self.last_step_time:.3f} {self.time:.3f} {self.pid} "
-                f"{self.activity} {self.first_step_time:.3f} {self.saved_steps}")
+                f"{self.activity} {self.first_step_time:.3f} {self.saved_steps} {self.next_sync}")
 
     @classmethod
     def decode(cls, raw: Raw) -> Optional["ProgressReport"]:
@@ -77,7 +78,8 @@ class ProgressReport:
                        time=float(parts[3]), pid=int(parts[4]),
                        activity=int(parts[5]) if len(parts) > 5 else 0,
                        first_step_time=float(parts[6]) if len(parts) > 6 else 0.0,
-                       saved_steps=int(parts[7]) if len(parts) > 7 else -1)
+                       saved_steps=int(parts[7]) if len(parts) > 7 else -1,
+                       next_sync=int(parts[8]) if len(parts) > 8 else -1)
         except ValueError:
             return None
 

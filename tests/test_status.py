@@ -453,3 +453,52 @@ def test_status_shows_the_current_step(ftrun_home, tmp_path):
                 lags.append((done[i] - shown) / rate)
     assert len(lags) >= 20, lags
     assert statistics.median(lags) < 0.3, sorted(lags)
+
+
+SLOW_DDP = """\
+import sys, time
+from pathlib import Path
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+stop = Path(sys.argv[1])
+while not stop.exists():
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    time.sleep(0.02)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("hook,every", [(["--hook", "diloco", "--period", "10"], 10),
+                                        (["--hook", "localsgd", "--period", "10", "--start-iter", "30"], 10)])
+def test_status_shows_each_replicas_next_sync(ftrun_home, tmp_path, hook, every):
+    """--hook diloco and localsgd sync every --period steps: `ftrun status --json` shows each
+    replica's next sync, a step past its own and at most a period ahead (localsgd: not before its
+    --start-iter), and the table's hook line the nearest of them."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_DDP)
+    stop = tmp_path / "stop"
+    proc = start_ftrun(["--nproc", 2, "--run-id", "syncs", *hook, script, stop])
+    try:
+        def shown():
+            out = run_ftrun(["status", "--json", "syncs"], timeout=30)
+            runs = json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else []
+            reps = runs[0]["replicas"] if runs else []
+            return reps if len(reps) == 2 and all(r["step"] > 12 and r.get("next_sync") for r in reps) else None
+
+        reps = wait_for(shown, 90, "two replicas past step 12 with a next sync", proc)
+        for r in reps:
+            assert r["step"] < r["next_sync"] <= r["step"] + every + 2, r  # its report may be a beat old
+            assert r["next_sync"] % every == (1 if "localsgd" in hook else 0), r
+            if "localsgd" in hook:
+                assert r["next_sync"] >= 31, r
+        table = run_ftrun(["status", "syncs"], timeout=30).stdout
+        assert "(next sync at step " in table, table
+    finally:
+        stop.write_text("")
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0

@@ -108,6 +108,9 @@ def render_run(run: Dict[str, Any], width: Optional[int] = None) -> "RenderableT
     head.append(f"  {'ran' if ended else 'up'} {_age(run['uptime_s'])}")
     info = Text("  ")
     info.append(f"hook {run.get('hook') or 'none (allreduce)'}")
+    syncs = [r.get("next_sync") for r in run.get("replicas") or [] if isinstance(r.get("next_sync"), int)]
+    if syncs:
+        info.append(f" (next sync at step {min(syncs)})")
     info.append(f"  policy {run.get('policy')}, max restarts {run.get('max_restarts')}"
                 f"{', group restarts ' + str(run.get('group_restarts')) if run.get('group_restarts') else ''}")
     info.append(f"  supervisor pid {run.get('pid')}", style="dim")

@@ -47,6 +47,7 @@ class ReplicaStatus:
     healing: Optional[bool] = None
     last_heal_s: Optional[float] = None
     ft_phase: Optional[str] = None      # join, group, heal, send, compute, vote, commit, discard, done
+    next_sync: Optional[int] = None     # --hook diloco or localsgd: the step of its next sync
 
 
 @dataclass
@@ -182,6 +183,8 @@ REPLICA_FIELDS: Dict[str, str] = {
     "healing": "--ft: whether it is receiving the state from a peer.",
     "last_heal_s": "--ft: seconds its last heal took (receiving the state from a peer).",
     "ft_phase": "--ft: where it is in the round: join, group, heal, send, compute, vote, commit, discard, done.",
+    "next_sync": "--hook diloco or localsgd: the step at which its next sync happens (diloco: its next fragment's), "
+                 "as its own optimizer steps count, or null.",
 }
 
 

@@ -301,6 +301,7 @@ class Registration:
         outer = self.extras.get("diloco")
         if outer is not None:
             outer.after_optimizer_step(optimizer)
+            self._report_next_sync(outer.next_sync())
             return
         averager = self.extras.get("averager")
         if averager is None:
@@ -313,6 +314,16 @@ class Registration:
         if s >= averager.warmup_steps and (s - averager.warmup_steps) % averager.period == 0:
             self.stats.averaging_bytes += sum(p.numel() * p.element_size() for p in params if p.grad is not None)
         averager.average_parameters(params)
+        # The averager's step counts from 0 at the first optimizer step: the next average's step, counted from 1.
+        s, start, period = averager.step, averager.warmup_steps, averager.period
+        self._report_next_sync(1 + (start if s <= start else start + -(-(s - start) // period) * period))
+
+    @staticmethod
+    def _report_next_sync(step: int) -> None:
+        """Where `ftrun status` reads it: the worker's progress report (ftrun.worker.progress)."""
+        rep = progress.reporter()
+        if rep is not None:
+            rep.next_sync = step
 
     def figures(self) -> Dict[str, Any]:
         st = self.stats

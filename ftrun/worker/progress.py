@@ -62,6 +62,7 @@ class ProgressReporter:
         # Without --ft: the step count when the script's latest save returned (-1: none yet);
         # a group restart loses the steps after it (ftrun.supervisor.accounting.goodput).
         self.saved_steps = -1
+        self.next_sync = -1  # set by ftrun.worker.hooks after each step of a hook that syncs every few steps
         self._dcp_wrapped = False
         # ftrun.ft: a callable returning the member's report (the keeper's, and `ftrun status`'s)
         self.info_provider: Optional[Callable[[], MemberReport]] = None
@@ -194,7 +195,7 @@ class ProgressReporter:
             self.activity += 1  # a save or load that takes long is progress while it runs
         self._wrap_dcp()
         report = ProgressReport(self.incarnation, steps, self.last_step_time, time.time(), os.getpid(),
-                                self.activity, self.first_step_time, self.saved_steps)
+                                self.activity, self.first_step_time, self.saved_steps, self.next_sync)
         store.set(progress_key(self.rank), report.encode())
         if self.info_provider is not None:
             # The beat changes every report, so the keeper can tell a live report from a stale one.

@@ -98,6 +98,7 @@ class Accounting:
             return started
         for w, report in self.progress.read_new(workers):
             w.last_heartbeat = now
+            w.next_sync = report.next_sync
             w.note_activity(report.activity, now)
             self.ledger.progress(w, report, now)
             if w.state == WorkerState.STARTING and not ft:

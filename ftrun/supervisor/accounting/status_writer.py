@@ -51,6 +51,7 @@ class StatusWriter:
             step=w.steps, steps_per_s=round(w.steps_per_s, 3), last_heartbeat=w.last_heartbeat,
             last_step_time=w.last_step_time, cpu_percent=w.cpu_percent, rss_bytes=w.rss_bytes,
             last_failure=w.last_failure.reason if w.last_failure else None, node_rank=self.node_rank,
+            next_sync=w.next_sync if w.next_sync >= 0 else None,
             **(quorum.replica_fields(w.rank) if quorum is not None else {}),
         )
 

@@ -78,6 +78,7 @@ class Worker:
     _activity_seen: Optional[int] = None
     last_heartbeat: Optional[float] = None
     steps_per_s: float = 0.0
+    next_sync: int = -1           # --hook diloco or localsgd: the step of its next sync (-1: none)
     # when hung: SIGKILL deadline after the stack dump was requested
     kill_at: Optional[float] = None
     hang_reason: Optional[str] = None
@@ -103,6 +104,7 @@ class Worker:
         self._activity_seen = None
         self.last_heartbeat = None
         self.steps_per_s = 0.0
+        self.next_sync = -1
         self.kill_at = None
         self.hang_reason = None
         self.stop_requested = False
