@@ -21,11 +21,33 @@ from ftrun.errors import CLI, ConfigError
 from ftrun.hookspec import parse_hook
 from ftrun.layout import resolve_layout, resolve_nproc, slurm_layout
 from ftrun.machine import store_listen_addr
-from ftrun.options import OPTIONS, OptionError, pet_values
+from ftrun.options import HOOK_OPTIONS, NEGATED, OPTIONS, OptionError, pet_values
 from ftrun.run_config import DEFAULT_MAX_RESTARTS, DEFAULT_MAX_RESTARTS_FT, RunConfig
 
 # RunConfig (ftrun.run_config), hang_after_s and store_listen_addr stay importable from here.
 __all__ = ["OPTIONS", "RunConfig", "build_config", "validate", "closest", "hang_after_s", "store_listen_addr"]
+
+
+def _hook_pets(pets: Mapping[str, Tuple[Any, str]]) -> Tuple[Dict[str, Any], Dict[str, str]]:
+    """The hook the PET_ variables give, as a recipe's `hook:` mapping (typed as the command line
+    types it), and the variable each key came from."""
+    raw: Dict[str, Any] = {}
+    names: Dict[str, str] = {}
+    for key, (value, name) in pets.items():
+        if key == "hook":
+            raw["name"], names["name"] = str(value).strip(), name
+        elif key in HOOK_OPTIONS:
+            opt = HOOK_OPTIONS[key]
+            if key in NEGATED:
+                raw[key] = False
+            else:
+                try:
+                    raw[key] = opt.parse(value)
+                except OptionError as e:
+                    raise ConfigError(f"environment: {name}={value!r} {e.problem}; fix it or unset {name}",
+                                      key=f"hook.{key}", problem=e.problem) from None
+            names[key] = name
+    return raw, names
 
 
 def closest(word: str, choices) -> str:
@@ -132,16 +154,25 @@ def build_config(cli: Mapping[str, Any], recipe: Optional[Mapping[str, Any]] = N
     kw["nnodes"] = kw["max_nodes"]
     resolve_layout(kw, pick, sources, check_paths)
 
-    # Hook: CLI parameters override the recipe's, key by key.
+    # Hook: CLI parameters override the recipe's, key by key, and the recipe's the PET_ variables'.
+    hook_pet, pet_names = _hook_pets(pets)
     hook_raw: Dict[str, Any] = dict(recipe.get("hook") or {})
     hook_cli = dict(cli.get("hook") or {})
+    if hook_raw.get("name") and hook_pet.get("name") and hook_raw["name"] != hook_pet["name"]:
+        hook_pet = {}  # a recipe's other hook replaces the environment's whole hook
+    hook_raw = {**hook_pet, **hook_raw}
     if hook_cli.get("name") and hook_raw.get("name") and hook_cli["name"] != hook_raw["name"]:
         hook_raw = {}  # a different hook on the command line replaces the recipe's whole hook
     hook_raw.update(hook_cli)
     if hook_raw:
-        where = CLI if hook_cli else where_recipe
+        def origin(k: str) -> str:
+            if k in hook_cli:
+                return CLI
+            return where_recipe if k in (recipe.get("hook") or {}) else pet_names.get(k, where_recipe)
+
+        where = CLI if hook_cli else origin("name")
         sources["hook"] = where
-        sources.update({f"hook.{k}": CLI if k in hook_cli else where_recipe for k in hook_raw if k != "name"})
+        sources.update({f"hook.{k}": origin(k) for k in hook_raw if k != "name"})
         if "name" not in hook_raw:
             flags = ", ".join("--" + k.replace("_", "-") for k in hook_raw)
             raise ConfigError(f"{where}: {flags} given without a hook; add --hook NAME (e.g. --hook powersgd)",

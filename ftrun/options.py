@@ -215,7 +215,7 @@ OPTIONS_LIST: Tuple[Option, ...] = (
     _opt("join_timeout", ("--join-timeout",), seconds, 120.0,
          "Seconds to wait for every node (also --rdzv-conf join_timeout=S). [default: 120]", metavar="S"),
     _opt("hook", ("--hook",), plain_text, None,
-         f"DDP comm hook: {', '.join(HOOK_NAMES)}.", metavar="NAME"),
+         f"DDP comm hook: {', '.join(HOOK_NAMES)}.", pet=True, metavar="NAME"),
     _opt("env", (), lambda v: v, None, "Extra environment variables for the workers (recipe only)."),
     _opt("script", (), plain_text, None, "Training script (the command line's SCRIPT wins)."),
     _opt("args", (), lambda v: v, None, "Script arguments (the command line's wins)."),
@@ -228,10 +228,10 @@ _READERS: Dict[type, Callable[[Any], Any]] = {int: whole, float: number, bool: f
 HOOK_FLAGS: Tuple[Option, ...] = tuple(
     _opt(key, (p.flag,), _READERS[p.kind], None,
          ("Turn off: " + p.help if p.flag.startswith("--no-") else p.help[:1].upper() + p.help[1:]) + ".", group="hook",
-         is_flag=p.kind is bool, metavar="" if p.kind is bool else "N" if p.kind is int else "X")
+         is_flag=p.kind is bool, metavar="" if p.kind is bool else "N" if p.kind is int else "X", pet=True)
     for key, p in PARAMS.items()
 ) + (_opt("wrap", ("--wrap",), plain_text, None, f"Compress what the hook sends: {' or '.join(WRAP_NAMES)} (int8: --hook diloco only).",
-          group="hook", metavar="|".join(WRAP_NAMES)),)
+          group="hook", metavar="|".join(WRAP_NAMES), pet=True),)
 
 OPTIONS: Dict[str, Option] = {o.key: o for o in OPTIONS_LIST}
 HOOK_OPTIONS: Dict[str, Option] = {o.key: o for o in HOOK_FLAGS}
@@ -244,7 +244,7 @@ def pet_values(environ: Mapping[str, str]) -> Dict[str, Tuple[Any, str]]:
 
     An empty value counts as unset (torchrun's env action ignores it too)."""
     out: Dict[str, Tuple[Any, str]] = {}
-    for opt in OPTIONS_LIST:
+    for opt in OPTIONS_LIST + HOOK_FLAGS:
         if opt.pet is None:
             continue
         raw = environ.get(opt.pet)

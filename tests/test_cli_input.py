@@ -142,6 +142,41 @@ def test_precedence_command_line_recipe_pet_slurm_default(tmp_path):
     assert (cfg.nnodes, cfg.max_restarts, cfg.nproc, cfg.rdzv) == (1, 0, 1, "local")
 
 
+def test_a_hook_from_pet_variables_under_the_recipes_and_the_command_lines():
+    """PET_HOOK and each hook parameter's PET_ name (a flag's 1) give a hook, under a recipe's
+    `hook:` key by key and the command line's; another hook in a recipe or on the command line
+    replaces the environment's whole; a bad value is one line naming the variable."""
+    from ftrun.config import build_config
+    from ftrun.errors import ConfigError
+
+    pet = {"PET_HOOK": "diloco", "PET_PERIOD": "20", "PET_FRAGMENTS": "4", "PET_SYNC_DELAY": "2",
+           "PET_WRAP": "int8"}
+    cfg = build_config({"script": "x.py"}, {}, None, check_paths=False, environ=pet)
+    assert (cfg.hook.name, dict(cfg.hook.params), cfg.hook.wrap) == (
+        "diloco", {"period": 20, "fragments": 4, "sync_delay": 2}, "int8")
+    assert cfg.sources["hook"] == "PET_HOOK" and cfg.sources["hook.period"] == "PET_PERIOD"
+    cfg = build_config({"script": "x.py", "hook": {"sync_delay": 1}}, {"hook": {"name": "diloco", "period": 8}},
+                       "r.yaml", check_paths=False, environ=pet)
+    assert dict(cfg.hook.params) == {"period": 8, "fragments": 4, "sync_delay": 1}
+    assert (cfg.sources["hook.period"], cfg.sources["hook.fragments"], cfg.sources["hook.sync_delay"]) == (
+        "r.yaml", "PET_FRAGMENTS", "command line")
+    cfg = build_config({"script": "x.py"}, {"hook": {"name": "powersgd", "rank": 2}}, "r.yaml", check_paths=False,
+                       environ=pet)
+    assert (cfg.hook.name, dict(cfg.hook.params), cfg.hook.wrap) == ("powersgd", {"rank": 2}, None)
+    cfg = build_config({"script": "x.py", "hook": {"name": "fp16"}}, {}, None, check_paths=False, environ=pet)
+    assert (cfg.hook.name, dict(cfg.hook.params)) == ("fp16", {})
+    cfg = build_config({"script": "x.py"}, {}, None, check_paths=False,
+                       environ={"PET_HOOK": "powersgd", "PET_START_ITER": "0", "PET_NO_ERROR_FEEDBACK": "1",
+                                "PET_NO_WARM_START": "1", "PET_BATCH_SAME_SHAPE": "0"})
+    assert dict(cfg.hook.params) == {"start_iter": 0, "error_feedback": False, "warm_start": False}
+    with pytest.raises(ConfigError) as e:
+        build_config({"script": "x.py"}, {}, None, check_paths=False, environ={"PET_HOOK": "diloco", "PET_PERIOD": "x"})
+    assert str(e.value) == "environment: PET_PERIOD='x' must be a whole number, not 'x'; fix it or unset PET_PERIOD"
+    with pytest.raises(ConfigError) as e:
+        build_config({"script": "x.py"}, {}, None, check_paths=False, environ={"PET_PERIOD": "4"})
+    assert "given without a hook" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_docs_torchrun_table_has_every_torchrun_option():
     """The site's torchrun table (generated at build time) is the schema's: one row per torchrun option."""
     from ftrun.options import OPTIONS_LIST
