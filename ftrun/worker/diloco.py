@@ -134,8 +134,8 @@ class _Exchange:
             self.stage = "done"
 
     def _gather(self, async_op: bool) -> None:
-        self.all_q = torch.empty(self.world * self.chunk, dtype=torch.int8)
-        self.all_scale = torch.empty(self.world, dtype=torch.float32)
+        self.all_q = torch.empty(self.world * self.chunk, dtype=torch.int8, device=self.mine_q.device)
+        self.all_scale = torch.empty(self.world, dtype=torch.float32, device=self.mine_q.device)
         self.work = [_all_gather_single(self.all_scale, self.mine_scale, self.group, async_op),
                      _all_gather_single(self.all_q, self.mine_q, self.group, async_op)]
         self.stage = "gathering"  # counted with the exchange: the bytes of one all-reduce of the int8 payload
@@ -167,15 +167,16 @@ class _Exchange:
         return {**base, "stage": "done", "mean": self.mean.clone()}
 
     @classmethod
-    def restore(cls, s: Dict[str, Any], group: Optional[dist.ProcessGroup]) -> "_Exchange":
+    def restore(cls, s: Dict[str, Any], group: Optional[dist.ProcessGroup], device: torch.device) -> "_Exchange":
         x = cls.__new__(cls)
         x.idx, x.world, x.group, x.numel = [int(i) for i in s["idx"]], int(s["world"]), group, int(s["numel"])
         x.dtype = getattr(torch, str(s["dtype"]).replace("torch.", ""))
         x.work, x.sent_error, x.bytes, x.mean = [], None, 0, None
         if s["stage"] == "gather":
-            x.stage, x.chunk, x.mine_q, x.mine_scale = "gather", int(s["chunk"]), s["q"].clone(), s["scale"].clone()
+            x.stage, x.chunk = "gather", int(s["chunk"])
+            x.mine_q, x.mine_scale = s["q"].to(device).clone(), s["scale"].to(device).clone()
         else:
-            x.stage, x.mean = "done", s["mean"].clone()
+            x.stage, x.mean = "done", s["mean"].to(device).clone()
         return x
 
 
@@ -323,9 +324,12 @@ class Outer:
                 self.outer.state[a]["momentum_buffer"] = m.to(a.device).clone()
             else:
                 self.outer.state.pop(a, None)
+        device = self.anchor[0].device if self.anchor else torch.device("cpu")
         self.error = {}
         for key, e in (state.get("error") or {}).items():
             f, n = key.split(".")
-            self.error[(int(f), int(n))] = e.clone()
-        self.pending = [_Sync(int(p["fragment"]), int(p["due"]), [_Exchange.restore(x, self.group) for x in p["exchanges"]])
+            self.error[(int(f), int(n))] = e.to(device).clone()
+        self.pending = [_Sync(int(p["fragment"]), int(p["due"]),
+                              [_Exchange.restore(x, self.group, self.anchor[int(x["idx"][0])].device)
+                               for x in p["exchanges"]])
                         for p in state.get("pending") or []]
