@@ -23,7 +23,8 @@ import os, subprocess, sys, time
 idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 busy = subprocess.Popen([sys.executable, "-c", '''
 import os, sys, time
-while not os.path.exists(sys.argv[1]):
+start = time.time()
+while not os.path.exists(sys.argv[1]) and time.time() < start + 60:
     time.sleep(0.01)
 end = time.time() + 60
 while time.time() < end:
@@ -47,10 +48,15 @@ def _family(tmp_path, n):
     return procs, kids
 
 
-def _kill(procs) -> None:
-    for p in procs:
-        for c in psutil.Process(p.pid).children(recursive=True) if psutil.pid_exists(p.pid) else ():
-            c.kill()
+def _kill(procs, kids) -> None:
+    """Each family, its children by the pids they printed: a test may have patched
+    psutil.Process.children, and a child left behind would spin on."""
+    for p, family in zip(procs, kids):
+        for pid in family:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
         p.kill()
         p.wait()
 
@@ -71,7 +77,7 @@ def test_a_tick_reads_the_process_table_once_and_finds_every_workers_children(tm
             sampler.sample(workers, now)
         assert walks == [] and len(passes) == 3, (walks, passes)
     finally:
-        _kill(procs)
+        _kill(procs, kids)
 
 
 def test_a_worker_whose_child_works_is_not_quiet_and_one_whose_children_idle_is(tmp_path):
@@ -101,4 +107,4 @@ def test_a_worker_whose_child_works_is_not_quiet_and_one_whose_children_idle_is(
         tick()
         assert workers[0].idle_since == quiet_since and workers[1].idle_since is None
     finally:
-        _kill(procs)
+        _kill(procs, kids)
