@@ -1,8 +1,8 @@
 """Benchmark over a slow link: plain DDP against --hook localsgd and --hook diloco, two nodes in two
 network namespaces joined by a shaped veth pair. Needs root and iproute2 (`ip`, `tc`).
 
-    sudo .venv/bin/python scripts/bench_slow_link.py                    # the table, about 10 minutes
-    sudo .venv/bin/python scripts/bench_slow_link.py --md docs/benchmarks/slow-link.md
+    sudo .venv/bin/python scripts/bench_slow_link.py                    # the table, about 15 minutes
+    sudo .venv/bin/python scripts/bench_slow_link.py --md docs/benchmarks/slow-link.md --torchft-python V/bin/python
 
 It makes two namespaces, one veth pair between them (10.233.57.1 and .2), and limits both ends
 with `tc` (netem: --rate and --delay; where the kernel has no sch_netem, tbf at --rate only, with
@@ -12,6 +12,12 @@ scripts/train_slow_link.py for the same steps; per configuration the table gives
 --runs of the bytes a node sent on the link per step (its veth's tx_bytes counter, read by the
 script inside its namespace), steps/s after warm-up, the ratio to DDP's steps/s, and the
 held-out loss at the end (the same samples seen in every configuration).
+
+Beside ftrun's rows, torchft 0.2's DiLoCo on the same model, data and link
+(scripts/train_slow_link_torchft.py: one replica group per namespace, torchft's lighthouse on
+node 0), with `--torchft-python` naming a scratch venv's python that has torchft installed
+(`python3 -m venv V && V/bin/pip install torch==2.13.0 torchft==0.2.0`); without it that row says
+it was not run.
 
 It must leave nothing behind: every namespace, veth and process it makes is recorded as it is
 made and removed on success, on failure, on Ctrl-C and on SIGTERM (a try/finally with signals
@@ -37,8 +43,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train_slow_link.py"
+TRAIN_TORCHFT = ROOT / "scripts" / "train_slow_link_torchft.py"
 ADDRS = ("10.233.57.1", "10.233.57.2")
 BEGIN, END = "<!-- bench_slow_link:begin -->", "<!-- bench_slow_link:end -->"
+
+TORCHFT = "torchft"  # a configuration's first flag: torchft's own loop, run by --torchft-python
+LIGHTHOUSE_PORT = 29590
 
 # (key for --only, label in the table, ftrun flags)
 CONFIGS: List[Tuple[str, str, List[str]]] = [
@@ -52,8 +62,11 @@ CONFIGS: List[Tuple[str, str, List[str]]] = [
      ["--hook", "diloco", "--period", "20", "--wrap", "int8"]),
     ("streaming20-f4", "`--hook diloco --period 20 --fragments 4 --sync-delay 4`",
      ["--hook", "diloco", "--period", "20", "--fragments", "4", "--sync-delay", "4"]),
+    # Not ftrun: torchft 0.2's DiLoCo on the same model and link (scripts/train_slow_link_torchft.py).
+    ("torchft-diloco20", "torchft 0.2 `DiLoCo`, sync every 20 (no ftrun)", [TORCHFT, "--sync-every", "20"]),
 ]
 KEYS = [k for k, _, _ in CONFIGS]
+CONFIG_FLAGS = {k: flags for k, _, flags in CONFIGS}
 
 
 # --------------------------------------------------------------------------- leaving nothing behind
@@ -217,15 +230,48 @@ def node_cmd(link: Link, rank: int, port: int, flags: Sequence[str], train_args:
             str(TRAIN), *train_args, "--iface", link.devices[rank], "--out", str(out)]
 
 
+def lighthouse_cmd(link: Link, torchft_python: str) -> List[str]:
+    """torchft's lighthouse (its quorum server), on node 0: the replica groups ask it for each quorum."""
+    return ["ip", "netns", "exec", link.namespaces[0], str(Path(torchft_python).parent / "torchft_lighthouse"),
+            "--min_replicas", "2", "--join_timeout_ms", "60000", "--bind", f"{ADDRS[0]}:{LIGHTHOUSE_PORT}"]
+
+
+def torchft_cmd(link: Link, rank: int, port: int, flags: Sequence[str], train_args: Sequence[str], out: Path,
+                torchft_python: str) -> List[str]:
+    """One torchft replica group of one process in its node's namespace (flags: after TORCHFT)."""
+    return ["ip", "netns", "exec", link.namespaces[rank], torchft_python, str(TRAIN_TORCHFT), "--group", str(rank),
+            "--addr", ADDRS[rank], "--store-port", str(port), "--lighthouse", f"http://{ADDRS[0]}:{LIGHTHOUSE_PORT}",
+            *flags[1:], *train_args, "--iface", link.devices[rank], "--out", str(out)]
+
+
 def run_once(link: Link, flags: Sequence[str], args: argparse.Namespace, port: int, work: Path,
              cleanup: Cleanup) -> Dict:
     """One run of one configuration: both nodes to the end; the figures, or an error."""
     out = work / f"r{port}"
     train_args = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), FTRUN_HOME=str(work / "home"))
+    if flags[:1] == [TORCHFT]:
+        if not args.torchft_python:
+            return {"error": "not run: give --torchft-python (a venv's python with torchft 0.2)"}
+        lh = subprocess.Popen(lighthouse_cmd(link, args.torchft_python), cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+        stop_lighthouse = _stop_group(lh)
+        cleanup.add(f"torchft lighthouse (pid {lh.pid})", stop_lighthouse)
+        try:
+            return _run_nodes(link, flags, args, port, out, train_args, env, cleanup)
+        finally:
+            stop_lighthouse()  # the next run's lighthouse binds its port again
+    return _run_nodes(link, flags, args, port, out, train_args, env, cleanup)
+
+
+def _run_nodes(link: Link, flags: Sequence[str], args: argparse.Namespace, port: int, out: Path,
+               train_args: List[str], env: Dict[str, str], cleanup: Cleanup) -> Dict:
     procs = {}
+    peer = flags[:1] == [TORCHFT]
     for rank in (1, 0):  # node 1 first: it waits for node 0's store
-        p = subprocess.Popen(node_cmd(link, rank, port, flags, train_args, out), cwd=ROOT, text=True,
+        cmd = (torchft_cmd(link, rank, port, flags, train_args, out, args.torchft_python) if peer
+               else node_cmd(link, rank, port, flags, train_args, out))
+        p = subprocess.Popen(cmd, cwd=ROOT, text=True,
                              env=dict(env, GLOO_SOCKET_IFNAME=link.devices[rank]),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         procs[rank] = p
@@ -284,7 +330,8 @@ def table(rows: Dict[str, Dict], meta: Dict) -> str:
             continue
         r = rows[key]
         if "error" in r:
-            lines.append(f"| {label} | failed: {r['error']} | | | |")
+            said = r["error"] if r["error"].startswith("not run") else f"failed: {r['error']}"
+            lines.append(f"| {label} | {said} | | | |")
             continue
         ratio = f"{r['steps_per_s'] / ddp:.2f}x" if ddp else "-"
         note = f" ({r['failed']} of {r['runs'] + r['failed']} runs failed)" if r.get("failed") else ""
@@ -318,6 +365,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--only", default=None, help=f"comma-separated configurations: {','.join(KEYS)}")
     p.add_argument("--md", default=None, help="also write the table between this page's markers")
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    p.add_argument("--torchft-python", default=None,
+                   help="the python of a scratch venv with torchft 0.2 (its torchft_lighthouse beside it): "
+                        "runs the torchft-diloco20 row; without it that row says it was not run")
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be at least 1")

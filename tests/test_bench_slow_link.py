@@ -26,7 +26,7 @@ def test_arguments_defaults_and_refusals():
     args = bench.parse([])
     assert (args.runs, args.steps, args.warmup, args.rate, args.delay) == (2, 100, 10, "100mbit", "20ms")
     assert args.keys == ["ddp", "localsgd20", "diloco20", "diloco100", "diloco20-bf16", "diloco20-int8",
-                         "streaming20-f4"]
+                         "streaming20-f4", "torchft-diloco20"]
     assert bench.parse(["--only", "diloco100, ddp"]).keys == ["diloco100", "ddp"]
     for bad in (["--only", "diloco50"], ["--only", ","], ["--runs", "0"], ["--warmup", "100"]):
         with pytest.raises(SystemExit) as e:
@@ -123,6 +123,31 @@ def test_each_node_runs_one_ftrun_in_its_namespace_on_its_veth(tmp_path):
     assert "--hook diloco --period 20 " + str(bench.TRAIN) in flat and flat.endswith(f"--iface vB --out {tmp_path / 'r'}")
     assert bench.shape_args("vA", "100mbit", "20ms", True)[-5:] == ["netem", "delay", "20ms", "rate", "100mbit"]
     assert bench.shape_args("vA", "100mbit", "20ms", False)[5:8] == ["tbf", "rate", "100mbit"]
+
+
+@pytest.mark.quick
+def test_torchft_runs_its_lighthouse_and_one_group_per_namespace_and_is_not_run_without_its_venv(tmp_path):
+    """The torchft row: its lighthouse on node 0's address, each replica group (one process of
+    scripts/train_slow_link_torchft.py, the torchft venv's python) in its node's namespace on its
+    veth, asking that lighthouse; without --torchft-python the row says it was not run."""
+    link = bench.Link(("nsA", "nsB"), ("vA", "vB"), "tbf", False)
+    py = str(tmp_path / "venv" / "bin" / "python")
+    lh = bench.lighthouse_cmd(link, py)
+    assert lh[:5] == ["ip", "netns", "exec", "nsA", str(tmp_path / "venv" / "bin" / "torchft_lighthouse")]
+    assert " ".join(lh).endswith(f"--min_replicas 2 --join_timeout_ms 60000 --bind 10.233.57.1:{bench.LIGHTHOUSE_PORT}")
+    flags = bench.CONFIG_FLAGS["torchft-diloco20"]
+    cmd = bench.torchft_cmd(link, 1, 29601, flags, ["--steps", "100"], tmp_path / "r", py)
+    assert cmd[:6] == ["ip", "netns", "exec", "nsB", py, str(bench.TRAIN_TORCHFT)]
+    flat = " ".join(cmd)
+    assert (f"--group 1 --addr 10.233.57.2 --store-port 29601 --lighthouse http://10.233.57.1:{bench.LIGHTHOUSE_PORT} "
+            f"--sync-every 20 --steps 100 --iface vB --out {tmp_path / 'r'}") in flat
+    args = bench.parse(["--only", "torchft-diloco20"])
+    assert args.torchft_python is None
+    r = bench.run_once(link, flags, args, 29601, tmp_path, bench.Cleanup())
+    assert r == {"error": "not run: give --torchft-python (a venv's python with torchft 0.2)"}
+    text = bench.table({"torchft-diloco20": bench.summarize([r])}, {"shaping": "tbf", "steps": 100, "warmup": 10,
+                                                                    "batch": 64, "runs": 1, "load": "0 0 0"})
+    assert "| torchft 0.2 `DiLoCo`, sync every 20 (no ftrun) | not run: give --torchft-python" in text
 
 
 def _row(mb, sps, loss):
