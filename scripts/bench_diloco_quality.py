@@ -33,7 +33,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from bench_pages import write_between  # scripts/, beside this one
+from bench_undo import Cleanup, guarded
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train_tiny_gpt.py"
@@ -61,35 +64,6 @@ def period_of(flags: Sequence[str]) -> int:
 
 
 # --------------------------------------------------------------------------- leaving nothing behind
-
-
-def _as_exit(signum: int, frame) -> None:  # noqa: ARG001
-    raise SystemExit(128 + signum)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def guarded(body: Callable[[List[Callable[[], None]]], int]) -> int:
-    """Run body(undo), where body appends to `undo` what to undo as it makes it, with Ctrl-C, SIGTERM
-    and SIGHUP turned into exits; then undo it all, newest first and each once, with those signals
-    held off so that a second Ctrl-C cannot cut the undoing short."""
-    undo: List[Callable[[], None]] = []
-    before = {s: signal.signal(s, _as_exit) for s in STOP_SIGNALS}
-    try:
-        return body(undo)
-    finally:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            while undo:
-                try:
-                    undo.pop()()
-                except Exception as e:  # noqa: BLE001 - the rest must still be undone
-                    print(f"bench_diloco_quality: could not clean up: {e}", file=sys.stderr)
-        finally:
-            for s, h in before.items():
-                signal.signal(s, h)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -137,7 +111,7 @@ def collect(ranks: List[Dict]) -> Dict:
 
 
 def run_once(args: argparse.Namespace, flags: Sequence[str], seed: int, out: Path,
-             undo: List[Callable[[], None]]) -> Dict:
+             cleanup: Cleanup) -> Dict:
     """One run of one configuration to its end (ranks' reports at OUT.rankR.json): the figures, or an error."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), FTRUN_HOME=str(out.parent / "home"))
     proc = subprocess.Popen(run_cmd(args, flags, seed, out), cwd=ROOT, text=True, env=env,
@@ -146,13 +120,13 @@ def run_once(args: argparse.Namespace, flags: Sequence[str], seed: int, out: Pat
     def stop() -> None:
         stop_group(proc)
 
-    undo.append(stop)  # a signal from here on: the undo list stops it
+    cleanup.add(f"run {out.name} (pid {proc.pid})", stop)  # a signal from here on: the cleanup stops it
     try:
         _, err = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
         err = None
     stop()  # whatever the run left in its session, now, while its group is known to be its own
-    undo.remove(stop)
+    cleanup.forget(stop)
     if err is None:
         return {"error": f"no end within {args.timeout:.0f} s"}
     if proc.returncode != 0:
@@ -235,14 +209,8 @@ def table(rows: Dict[str, Dict], meta: Dict) -> str:
 
 
 def write_md(path: Path, text: str) -> None:
-    """The table goes between the page's markers, the rest of the page kept (a page without them
-    gets the block appended; a missing page is made)."""
-    block = f"{BEGIN}\n{text}\n{END}"
-    old = path.read_text() if path.exists() else ""
-    if BEGIN in old and END in old:
-        path.write_text(old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):])
-    else:
-        path.write_text((old.rstrip() + "\n\n" if old else "") + block + "\n")
+    """The table between the page's markers (bench_pages.write_between)."""
+    write_between(path, text, BEGIN, END)
 
 
 # --------------------------------------------------------------------------- the command
@@ -285,9 +253,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def bench(args: argparse.Namespace, undo: List[Callable[[], None]]) -> int:
+def bench(args: argparse.Namespace, cleanup: Cleanup) -> int:
     work = Path(tempfile.mkdtemp(prefix="ftrun-bench-diloco-quality-"))
-    undo.append(lambda: shutil.rmtree(work, ignore_errors=True))
+    cleanup.add(f"folder {work}", lambda: shutil.rmtree(work, ignore_errors=True))
     load = "{:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores"
     rows = {}
@@ -297,7 +265,7 @@ def bench(args: argparse.Namespace, undo: List[Callable[[], None]]) -> int:
         runs = []
         for seed in range(args.runs):
             t0 = time.monotonic()
-            r = run_once(args, flags, seed, work / f"{key}-seed{seed}", undo)
+            r = run_once(args, flags, seed, work / f"{key}-seed{seed}", cleanup)
             runs.append(r)
             print(f"  {key} run {seed + 1} (seed {seed}): " + (r["error"] if "error" in r else
                   f"held-out {r['heldout_loss']:.4f}, {r['steps_per_s']:.2f} steps/s") +
@@ -313,7 +281,7 @@ def bench(args: argparse.Namespace, undo: List[Callable[[], None]]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    return guarded(lambda undo: bench(parse(argv), undo))
+    return guarded(lambda cleanup: bench(parse(argv), cleanup))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 import scratch
 
+from bench_pages import write_between  # scripts/, beside this one
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # (label, ftrun hook flags)
@@ -241,15 +243,9 @@ BEGIN, END = "<!-- bench_hooks:begin -->", "<!-- bench_hooks:end -->"
 
 
 def write_md(path: Path, text: str) -> None:
-    """The tables go between the page's markers, and the rest of the page is kept (a page without
-    them is written whole)."""
-    block = f"{BEGIN}\n{text}\n{END}"
-    old = path.read_text() if path.exists() else ""
-    if BEGIN in old and END in old:
-        path.write_text(old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):])
-    else:
-        path.write_text("# Comm hook benchmark\n\nReproduce: `.venv/bin/python scripts/bench_hooks.py "
-                        f"--md {path}`\n\n{block}\n")
+    """The tables between the page's markers (bench_pages.write_between); a new page says how to reproduce them."""
+    write_between(path, text, BEGIN, END, "# Comm hook benchmark\n\nReproduce: `.venv/bin/python "
+                  f"scripts/bench_hooks.py --md {path}`\n\n")
 
 
 if __name__ == "__main__":

@@ -37,9 +37,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from bench_pages import write_between  # scripts/, beside this one
+from bench_undo import Cleanup, guarded
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train_slow_link.py"
@@ -70,56 +73,6 @@ CONFIG_FLAGS = {k: flags for k, _, flags in CONFIGS}
 
 
 # --------------------------------------------------------------------------- leaving nothing behind
-
-
-class Cleanup:
-    """What to undo, recorded as each thing is made; `run` undoes it newest first (processes before
-    the namespaces they live in), each once, and goes on past an undo that fails."""
-
-    def __init__(self) -> None:
-        self._undo: List[Tuple[str, Callable[[], None]]] = []
-
-    def add(self, what: str, undo: Callable[[], None]) -> None:
-        self._undo.append((what, undo))
-
-    def pending(self) -> List[str]:
-        return [what for what, _ in self._undo]
-
-    def run(self) -> List[str]:
-        """Undo everything; return what could not be undone, with the reason."""
-        failed = []
-        while self._undo:
-            what, undo = self._undo.pop()
-            try:
-                undo()
-            except Exception as e:  # noqa: BLE001 - the rest must still be undone
-                failed.append(f"{what}: {e}")
-        return failed
-
-
-def _as_exit(signum: int, frame) -> None:  # noqa: ARG001
-    raise SystemExit(128 + signum)
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def guarded(body: Callable[[Cleanup], int]) -> int:
-    """Run body(cleanup) with Ctrl-C, SIGTERM and SIGHUP turned into exits, then undo whatever it
-    recorded, with those signals held off so that a second Ctrl-C cannot cut the undoing short."""
-    cleanup = Cleanup()
-    before = {s: signal.signal(s, _as_exit) for s in STOP_SIGNALS}
-    try:
-        return body(cleanup)
-    finally:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            for line in cleanup.run():
-                print(f"bench_slow_link: could not undo {line}", file=sys.stderr)
-        finally:
-            for s, h in before.items():
-                signal.signal(s, h)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def preflight(euid: int, which: Callable[[str], Optional[str]] = shutil.which) -> Optional[str]:
@@ -341,14 +294,8 @@ def table(rows: Dict[str, Dict], meta: Dict) -> str:
 
 
 def write_md(path: Path, text: str) -> None:
-    """The table goes between the page's markers, the rest of the page kept (a page without them
-    gets the block appended)."""
-    block = f"{BEGIN}\n{text}\n{END}"
-    old = path.read_text() if path.exists() else ""
-    if BEGIN in old and END in old:
-        path.write_text(old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):])
-    else:
-        path.write_text((old.rstrip() + "\n\n" if old else "") + block + "\n")
+    """The table between the page's markers (bench_pages.write_between)."""
+    write_between(path, text, BEGIN, END)
 
 
 # --------------------------------------------------------------------------- the command
