@@ -236,16 +236,12 @@ def main() -> None:
     text = table(results, pairs, args)
     print(text)
     if args.md:
-        write_md(Path(args.md), text)
+        write_between(Path(args.md), text, BEGIN, END, "# Comm hook benchmark\n\nReproduce: `.venv/bin/python "
+                      f"scripts/bench_hooks.py --md {args.md}`\n\n")
 
 
 BEGIN, END = "<!-- bench_hooks:begin -->", "<!-- bench_hooks:end -->"
 
-
-def write_md(path: Path, text: str) -> None:
-    """The tables between the page's markers (bench_pages.write_between); a new page says how to reproduce them."""
-    write_between(path, text, BEGIN, END, "# Comm hook benchmark\n\nReproduce: `.venv/bin/python "
-                  f"scripts/bench_hooks.py --md {path}`\n\n")
 
 
 if __name__ == "__main__":

@@ -293,11 +293,6 @@ def table(rows: Dict[str, Dict], meta: Dict) -> str:
     return "\n".join(lines)
 
 
-def write_md(path: Path, text: str) -> None:
-    """The table between the page's markers (bench_pages.write_between)."""
-    write_between(path, text, BEGIN, END)
-
-
 # --------------------------------------------------------------------------- the command
 
 
@@ -352,7 +347,7 @@ def bench(args: argparse.Namespace, cleanup: Cleanup) -> int:
                         "runs": args.runs, "load": load})
     print(text)
     if args.md:
-        write_md(Path(args.md), text)
+        write_between(Path(args.md), text, BEGIN, END)
     return 0 if all("error" not in r for r in rows.values()) else 1
 
 

@@ -171,15 +171,6 @@ def test_medians_and_the_table(tmp_path):
     assert lines[4] == "| plain DDP (no hook) | 9.35 | 0.90 | 1.00x | 3.4700 |"
     assert lines[5] == "| `--hook localsgd --period 20` | failed: node 0 exit 1: boom | | | |"
     assert lines[6] == "| `--hook diloco --period 100` | 0.10 | 6.30 | 7.00x | 3.6000 |"
-    page = tmp_path / "page.md"
-    page.write_text(f"# Title\n\nbefore\n\n{bench.BEGIN}\nold table\n{bench.END}\n\nafter\n")
-    bench.write_md(page, text)
-    got = page.read_text()
-    assert got.startswith("# Title\n\nbefore\n\n" + bench.BEGIN + "\n" + text + "\n" + bench.END)
-    assert got.endswith("\n\nafter\n") and "old table" not in got
-    fresh = tmp_path / "fresh.md"
-    bench.write_md(fresh, text)
-    assert fresh.read_text() == f"{bench.BEGIN}\n{text}\n{bench.END}\n"
 
 
 def test_the_training_script_on_one_node_over_loopback(ftrun_home, tmp_path):

@@ -160,16 +160,6 @@ def test_one_runs_figures_the_medians_and_the_table(tmp_path):
     assert all(line.count("|") == lines[2].count("|") for line in lines[2:])
     assert "median of 2 runs (seeds 0-1" in bench.table(rows, dict(meta, runs=2))
 
-    text = "\n".join(lines)
-    page = tmp_path / "page.md"
-    page.write_text(f"# Title\n\nbefore\n\n{bench.BEGIN}\nold table\n{bench.END}\n\nafter\n")
-    bench.write_md(page, text)
-    got = page.read_text()
-    assert got.startswith("# Title\n\nbefore\n\n" + bench.BEGIN + "\n" + text + "\n" + bench.END)
-    assert got.endswith("\n\nafter\n") and "old table" not in got
-    fresh = tmp_path / "fresh.md"
-    bench.write_md(fresh, text)
-    assert fresh.read_text() == f"{bench.BEGIN}\n{text}\n{bench.END}\n"
 
 
 def test_sigterm_stops_the_run_and_removes_the_folder(tmp_path):
