@@ -316,6 +316,22 @@ def test_int8_streaming_diloco_sends_a_quarter_and_resumes_bitwise_with_a_sync_i
         assert all(torch.equal(full[rank][k], again[rank][k]) for k in full[rank]), rank
 
 
+@pytest.mark.quick
+def test_a_diloco_state_saved_with_other_fragments_or_wrap_is_refused_in_one_line():
+    """Its fed-back errors and syncs in flight belong to tensors cut otherwise: loading it would
+    break mid-training (a shape mismatch at the next sync), or worse, fit and be wrong."""
+    from ftrun.worker.diloco import Outer
+
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(4)]
+    saved = Outer(params, 8, 0.7, 0.9, None, "int8", fragments=2).state_dict()
+    Outer(params, 8, 0.7, 0.9, None, "int8", fragments=2).load_state_dict(saved)  # the same options: taken
+    for wrap, fragments in (("int8", 4), (None, 2)):
+        with pytest.raises(ValueError) as e:
+            Outer(params, 8, 0.7, 0.9, None, wrap, fragments=fragments).load_state_dict(saved)
+        msg = str(e.value)
+        assert "\n" not in msg and "saved with --fragments 2 --wrap int8" in msg and "resume with the options" in msg
+
+
 def test_more_fragments_than_the_model_has_tensors_is_one_line_on_each_rank(ftrun_home, tmp_path):
     """The launcher cannot know the model: its first forward says so, in one line per rank, no traceback."""
     proc = run_ftrun(["--nproc", 2, "--log-dir", tmp_path / "logs", "--hook", "diloco", "--period", 8,

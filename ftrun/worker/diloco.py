@@ -306,6 +306,7 @@ class Outer:
                 x.settle()
             pending.append({"fragment": sync.fragment, "due": sync.due, "exchanges": [x.state() for x in sync.exchanges]})
         out: Dict[str, Any] = {"kind": "diloco", "steps": self.steps, "syncs": self.syncs,
+                               "fragments": [list(f) for f in self.fragments], "wrap": self.wrap or "",
                                "anchor": [a.detach().clone() for a in self.anchor],
                                "momentum": [m.detach().clone() if m is not None else torch.empty(0) for m in moms]}
         if self.error:
@@ -316,6 +317,14 @@ class Outer:
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Refused in one line (ValueError) when it was saved with other fragments or another
+        --wrap: its fed-back errors and syncs in flight are of tensors this run cuts otherwise."""
+        saved = [[int(i) for i in f] for f in state.get("fragments") or [list(range(len(self.anchor)))]]
+        if saved != self.fragments or str(state.get("wrap") or "") != (self.wrap or ""):
+            raise ValueError(f"ftrun: this DiLoCo state was saved with --fragments {len(saved)}"
+                             f"{' --wrap ' + state['wrap'] if state.get('wrap') else ''} (or another model); this "
+                             f"run has --fragments {len(self.fragments)}{' --wrap ' + self.wrap if self.wrap else ''}: "
+                             f"resume with the options it was saved with")
         self.steps, self.syncs = int(state["steps"]), int(state["syncs"])
         for a, saved in zip(self.anchor, state["anchor"]):
             a.copy_(saved)
